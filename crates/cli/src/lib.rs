@@ -1,0 +1,1 @@
+//! The pdmesh command: up, model fetch, and each service.

@@ -1,0 +1,276 @@
+//! GGML tensor types and reference (scalar) dequantization for each supported block
+//! format. The fast paths live in pdmesh-kernels; these are the ground truth they are
+//! tested against.
+
+use half::{bf16, f16};
+
+/// GGML tensor element types pdmesh understands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q8_0,
+    Q4K,
+    Q6K,
+    Bf16,
+}
+
+impl GgmlType {
+    /// From the GGUF type id; `None` for types pdmesh does not read.
+    pub fn from_id(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => Self::F32,
+            1 => Self::F16,
+            2 => Self::Q4_0,
+            3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            8 => Self::Q8_0,
+            12 => Self::Q4K,
+            14 => Self::Q6K,
+            30 => Self::Bf16,
+            _ => return None,
+        })
+    }
+
+    pub fn id(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q4_0 => 2,
+            Self::Q4_1 => 3,
+            Self::Q5_0 => 6,
+            Self::Q8_0 => 8,
+            Self::Q4K => 12,
+            Self::Q6K => 14,
+            Self::Bf16 => 30,
+        }
+    }
+
+    /// Elements per block.
+    pub fn block_elems(self) -> usize {
+        match self {
+            Self::F32 | Self::F16 | Self::Bf16 => 1,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q8_0 => 32,
+            Self::Q4K | Self::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::Bf16 => 2,
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q8_0 => 34,
+            Self::Q4K => 144,
+            Self::Q6K => 210,
+        }
+    }
+
+    /// Bytes of a row of `n` elements (n must be a multiple of the block size).
+    pub fn row_bytes(self, n: usize) -> usize {
+        n / self.block_elems() * self.block_bytes()
+    }
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Dequantize `n` elements of type `t` from `src` into `dst` (scalar reference).
+pub fn dequantize(t: GgmlType, src: &[u8], dst: &mut [f32]) {
+    let n = dst.len();
+    assert_eq!(n % t.block_elems(), 0, "{n} elements is not a whole number of {t:?} blocks");
+    assert!(src.len() >= t.row_bytes(n), "source too short for {n} {t:?} elements");
+    let bb = t.block_bytes();
+    match t {
+        GgmlType::F32 => {
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = f32::from_le_bytes(src[4 * i..4 * i + 4].try_into().unwrap());
+            }
+        }
+        GgmlType::F16 => {
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = f16_at(src, 2 * i);
+            }
+        }
+        GgmlType::Bf16 => {
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = bf16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f32();
+            }
+        }
+        GgmlType::Q4_0 => {
+            for (blk, out) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(32)) {
+                let d = f16_at(blk, 0);
+                for j in 0..16 {
+                    let q = blk[2 + j];
+                    out[j] = ((q & 0xF) as i32 - 8) as f32 * d;
+                    out[j + 16] = ((q >> 4) as i32 - 8) as f32 * d;
+                }
+            }
+        }
+        GgmlType::Q4_1 => {
+            for (blk, out) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(32)) {
+                let d = f16_at(blk, 0);
+                let m = f16_at(blk, 2);
+                for j in 0..16 {
+                    let q = blk[4 + j];
+                    out[j] = (q & 0xF) as f32 * d + m;
+                    out[j + 16] = (q >> 4) as f32 * d + m;
+                }
+            }
+        }
+        GgmlType::Q5_0 => {
+            for (blk, out) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(32)) {
+                let d = f16_at(blk, 0);
+                let qh = u32::from_le_bytes(blk[2..6].try_into().unwrap());
+                for j in 0..16 {
+                    let q = blk[6 + j];
+                    let h0 = ((qh >> j) & 1) << 4;
+                    let h1 = ((qh >> (j + 16)) & 1) << 4;
+                    out[j] = (((q & 0xF) as u32 | h0) as i32 - 16) as f32 * d;
+                    out[j + 16] = (((q >> 4) as u32 | h1) as i32 - 16) as f32 * d;
+                }
+            }
+        }
+        GgmlType::Q8_0 => {
+            for (blk, out) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(32)) {
+                let d = f16_at(blk, 0);
+                for j in 0..32 {
+                    out[j] = blk[2 + j] as i8 as f32 * d;
+                }
+            }
+        }
+        GgmlType::Q4K => {
+            for (blk, out) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(256)) {
+                let d = f16_at(blk, 0);
+                let dmin = f16_at(blk, 2);
+                let scales = &blk[4..16];
+                let qs = &blk[16..144];
+                for j in 0..4 {
+                    // 64 values per iteration, two sub-blocks of 32.
+                    let (sc1, m1) = scale_min_k4(2 * j, scales);
+                    let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+                    let (d1, mm1) = (d * sc1 as f32, dmin * m1 as f32);
+                    let (d2, mm2) = (d * sc2 as f32, dmin * m2 as f32);
+                    let q = &qs[32 * j..32 * j + 32];
+                    for l in 0..32 {
+                        out[64 * j + l] = d1 * (q[l] & 0xF) as f32 - mm1;
+                        out[64 * j + 32 + l] = d2 * (q[l] >> 4) as f32 - mm2;
+                    }
+                }
+            }
+        }
+        GgmlType::Q6K => {
+            for (blk, out) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(256)) {
+                let ql = &blk[0..128];
+                let qh = &blk[128..192];
+                let sc = &blk[192..208];
+                let d = f16_at(blk, 208);
+                for half_ in 0..2 {
+                    let ql = &ql[64 * half_..];
+                    let qh = &qh[32 * half_..];
+                    let sc = &sc[8 * half_..];
+                    let out = &mut out[128 * half_..];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                        let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                        out[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+                        out[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+                        out[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+                        out[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` of a Q4_K block.
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(x: f32) -> [u8; 2] {
+        f16::from_f32(x).to_le_bytes()
+    }
+
+    #[test]
+    fn q4_0_q4_1_q8_0_blocks() {
+        let mut b = h(0.5).to_vec();
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        let mut out = [0f32; 32];
+        dequantize(GgmlType::Q4_0, &b, &mut out);
+        assert_eq!(out[0], -4.0);
+        assert_eq!(out[15], 3.5);
+        assert_eq!(out[16], 3.5);
+        assert_eq!(out[31], -4.0);
+
+        let mut b = h(2.0).to_vec();
+        b.extend(h(-1.0));
+        b.extend((0..16u8).map(|j| j | (1 << 4)));
+        dequantize(GgmlType::Q4_1, &b, &mut out);
+        assert_eq!(out[3], 5.0);
+        assert_eq!(out[20], 1.0);
+
+        let mut b = h(0.25).to_vec();
+        b.extend((0..32).map(|j| (j as i8 - 16) as u8));
+        dequantize(GgmlType::Q8_0, &b, &mut out);
+        assert_eq!(out[0], -4.0);
+        assert_eq!(out[31], 3.75);
+    }
+
+    #[test]
+    fn q5_0_uses_the_high_bits() {
+        let mut b = h(1.0).to_vec();
+        b.extend(0xFFFF_0001u32.to_le_bytes()); // high bit for element 0 and 16..31
+        b.extend([0u8; 16]);
+        let mut out = [0f32; 32];
+        dequantize(GgmlType::Q5_0, &b, &mut out);
+        assert_eq!(out[0], 0.0); // 16 - 16
+        assert_eq!(out[1], -16.0);
+        assert_eq!(out[16], 0.0);
+    }
+
+    #[test]
+    fn q4k_and_q6k_constant_blocks() {
+        // Q4_K: d=1, dmin=0, every sub-block scale 1 (6-bit), every nibble 3 -> 3.0
+        let mut b = h(1.0).to_vec();
+        b.extend(h(0.0));
+        let mut sc = [0u8; 12];
+        for j in 0..4 {
+            sc[j] = 1;
+        }
+        for j in 8..12 {
+            sc[j] = 1; // sub-blocks 4..7 low nibble scale 1, min 0
+        }
+        b.extend(sc);
+        b.extend([0x33u8; 128]);
+        let mut out = [0f32; 256];
+        dequantize(GgmlType::Q4K, &b, &mut out);
+        assert!(out.iter().all(|&x| x == 3.0), "{:?}", &out[..8]);
+        // Q6_K: all q = 33 (-> +1), scales 2, d = 0.5 -> 1.0
+        let mut b = vec![0x11u8; 128]; // low nibbles 1
+        b.extend([0xAAu8; 64]); // high 2-bit fields = 2 -> +32
+        b.extend([2u8; 16]);
+        b.extend(h(0.5));
+        dequantize(GgmlType::Q6K, &b, &mut out);
+        assert!(out.iter().all(|&x| x == 1.0), "{:?}", &out[..8]);
+    }
+}

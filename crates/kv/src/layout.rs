@@ -1,0 +1,397 @@
+//! `KvLayout`: per-layer KV components, their dtypes and scale placement, and every
+//! derived size (bytes per token, per page, per pool) plus a stable fingerprint.
+
+use std::fmt;
+
+/// Element type of a KV component or of its scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    Bf16,
+    Fp8E4m3,
+    U8,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub const fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::Bf16 => 2,
+            DType::Fp8E4m3 | DType::U8 => 1,
+        }
+    }
+
+    /// Stable lowercase name, used in descriptions and the fingerprint.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+            DType::Fp8E4m3 => "fp8_e4m3",
+            DType::U8 => "u8",
+        }
+    }
+}
+
+/// Where a component's scales live inside a page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ScalePlacement {
+    /// Each token's scales follow that token's values.
+    BesideToken,
+    /// All values of the page first, then all the page's scales (SGLang's fp8 index-K).
+    PageTail,
+}
+
+/// Quantization scales of a component: one scale of `dtype` per `block` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ScaleSpec {
+    pub dtype: DType,
+    pub block: usize,
+    pub placement: ScalePlacement,
+}
+
+/// One KV component of a layer (e.g. `k`, `v`, `mla_latent`, `index_k`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Component {
+    pub name: String,
+    pub dtype: DType,
+    pub elems_per_token: usize,
+    pub scale: Option<ScaleSpec>,
+}
+
+impl Component {
+    /// A component without scales.
+    pub fn plain(name: &str, dtype: DType, elems_per_token: usize) -> Self {
+        Self { name: name.to_owned(), dtype, elems_per_token, scale: None }
+    }
+
+    /// A quantized component with one scale per `block` values.
+    pub fn scaled(
+        name: &str,
+        dtype: DType,
+        elems_per_token: usize,
+        scale_dtype: DType,
+        block: usize,
+        placement: ScalePlacement,
+    ) -> Self {
+        Self {
+            name: name.to_owned(),
+            dtype,
+            elems_per_token,
+            scale: Some(ScaleSpec { dtype: scale_dtype, block, placement }),
+        }
+    }
+
+    /// Bytes of values (without scales) for one token.
+    pub fn value_bytes_per_token(&self) -> usize {
+        self.elems_per_token * self.dtype.size_bytes()
+    }
+
+    /// Bytes of scales for one token.
+    pub fn scale_bytes_per_token(&self) -> usize {
+        match self.scale {
+            None => 0,
+            Some(s) => self.elems_per_token.div_ceil(s.block) * s.dtype.size_bytes(),
+        }
+    }
+
+    /// Values plus scales for one token.
+    pub fn bytes_per_token(&self) -> usize {
+        self.value_bytes_per_token() + self.scale_bytes_per_token()
+    }
+
+    fn describe(&self) -> String {
+        let mut s = format!("{}:{}x{}", self.name, self.dtype.name(), self.elems_per_token);
+        if let Some(sc) = self.scale {
+            let at = match sc.placement {
+                ScalePlacement::BesideToken => "token",
+                ScalePlacement::PageTail => "tail",
+            };
+            s.push_str(&format!("+{}/{}@{}", sc.dtype.name(), sc.block, at));
+        }
+        s
+    }
+}
+
+/// Invalid layout description.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LayoutError {
+    #[error("a KV layout needs at least one layer, one component and a page size > 0")]
+    Empty,
+    #[error("component {0:?} has no elements or a zero scale block")]
+    BadComponent(String),
+    #[error("component name {0:?} appears twice")]
+    DuplicateName(String),
+}
+
+/// The complete KV layout of a model: `layers` layers, each holding the same
+/// `components`, stored in pages of `page_size` tokens.
+///
+/// A page holds `page_size` tokens of every component of every layer: layer-major, then
+/// component, then (values, scales) as the component's placement says.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct KvLayout {
+    name: String,
+    layers: usize,
+    page_size: usize,
+    components: Vec<Component>,
+}
+
+impl KvLayout {
+    pub fn new(
+        name: &str,
+        layers: usize,
+        page_size: usize,
+        components: Vec<Component>,
+    ) -> Result<Self, LayoutError> {
+        if layers == 0 || page_size == 0 || components.is_empty() {
+            return Err(LayoutError::Empty);
+        }
+        for (i, c) in components.iter().enumerate() {
+            if c.elems_per_token == 0 || c.scale.is_some_and(|s| s.block == 0) {
+                return Err(LayoutError::BadComponent(c.name.clone()));
+            }
+            if components[..i].iter().any(|o| o.name == c.name) {
+                return Err(LayoutError::DuplicateName(c.name.clone()));
+            }
+        }
+        Ok(Self { name: name.to_owned(), layers, page_size, components })
+    }
+
+    /// Llama-family K and V caches: `kv_heads × head_dim` values each, per layer.
+    pub fn llama(layers: usize, kv_heads: usize, head_dim: usize, dtype: DType, page_size: usize) -> Self {
+        Self::new(
+            "llama-kv",
+            layers,
+            page_size,
+            vec![
+                Component::plain("k", dtype, kv_heads * head_dim),
+                Component::plain("v", dtype, kv_heads * head_dim),
+            ],
+        )
+        .expect("llama layout is well formed")
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+    pub fn components(&self) -> &[Component] {
+        &self.components
+    }
+
+    /// Index of the component called `name`.
+    pub fn component_index(&self, name: &str) -> Option<usize> {
+        self.components.iter().position(|c| c.name == name)
+    }
+
+    /// Bytes one token occupies in one layer (all components, scales included).
+    pub fn bytes_per_token_per_layer(&self) -> usize {
+        self.components.iter().map(Component::bytes_per_token).sum()
+    }
+
+    /// Bytes one token occupies across all layers.
+    pub fn bytes_per_token(&self) -> usize {
+        self.bytes_per_token_per_layer() * self.layers
+    }
+
+    /// Bytes of one component of one layer within a page.
+    pub fn component_bytes_per_page(&self, comp: usize) -> usize {
+        self.components[comp].bytes_per_token() * self.page_size
+    }
+
+    /// Bytes of one layer within a page.
+    pub fn layer_bytes_per_page(&self) -> usize {
+        self.bytes_per_token_per_layer() * self.page_size
+    }
+
+    /// Bytes of one whole page (every layer, every component).
+    pub fn bytes_per_page(&self) -> usize {
+        self.layer_bytes_per_page() * self.layers
+    }
+
+    /// Bytes of a pool of `pages` pages.
+    pub fn bytes_per_pool(&self, pages: usize) -> usize {
+        self.bytes_per_page() * pages
+    }
+
+    /// Offset within a page of the region holding `comp` of `layer`.
+    pub fn region_offset(&self, layer: usize, comp: usize) -> usize {
+        let before: usize = (0..comp).map(|c| self.component_bytes_per_page(c)).sum();
+        layer * self.layer_bytes_per_page() + before
+    }
+
+    /// Offset within a page of the values of token `slot` (0-based within the page).
+    pub fn value_offset(&self, layer: usize, comp: usize, slot: usize) -> usize {
+        let c = &self.components[comp];
+        let stride = match c.scale.map(|s| s.placement) {
+            Some(ScalePlacement::BesideToken) => c.bytes_per_token(),
+            _ => c.value_bytes_per_token(),
+        };
+        self.region_offset(layer, comp) + slot * stride
+    }
+
+    /// Offset within a page of the scales of token `slot`, if the component has scales.
+    pub fn scale_offset(&self, layer: usize, comp: usize, slot: usize) -> Option<usize> {
+        let c = &self.components[comp];
+        let s = c.scale?;
+        let base = self.region_offset(layer, comp);
+        Some(match s.placement {
+            ScalePlacement::BesideToken => base + slot * c.bytes_per_token() + c.value_bytes_per_token(),
+            ScalePlacement::PageTail => {
+                base + self.page_size * c.value_bytes_per_token() + slot * c.scale_bytes_per_token()
+            }
+        })
+    }
+
+    /// Human-readable description, used in error messages naming both sides.
+    pub fn describe(&self) -> String {
+        let comps: Vec<String> = self.components.iter().map(Component::describe).collect();
+        format!(
+            "{} [{}] x{} layers, page {} tokens, {} B/token/layer",
+            self.name,
+            comps.join(", "),
+            self.layers,
+            self.page_size,
+            self.bytes_per_token_per_layer()
+        )
+    }
+
+    /// Stable 64-bit fingerprint of everything that decides where a byte goes.
+    /// The name is excluded: two layouts that place bytes identically are compatible.
+    pub fn fingerprint(&self) -> u64 {
+        let comps: Vec<String> = self.components.iter().map(Component::describe).collect();
+        let canon = format!("v1|{}|{}|{}", self.layers, self.page_size, comps.join(","));
+        xxhash_rust::xxh3::xxh3_64(canon.as_bytes())
+    }
+
+    /// Fingerprint as the fixed-width hex string carried on the wire and in logs.
+    pub fn fingerprint_hex(&self) -> String {
+        format!("{:016x}", self.fingerprint())
+    }
+}
+
+impl fmt::Debug for KvLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KvLayout({} #{})", self.describe(), self.fingerprint_hex())
+    }
+}
+
+impl fmt::Display for KvLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (#{})", self.describe(), self.fingerprint_hex())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dsa_index_k_fp8(page: usize) -> KvLayout {
+        KvLayout::new(
+            "dsa-index-k-fp8",
+            1,
+            page,
+            vec![Component::scaled("index_k", DType::Fp8E4m3, 128, DType::F32, 128, ScalePlacement::PageTail)],
+        )
+        .unwrap()
+    }
+
+    fn dsa_index_k_bf16(page: usize) -> KvLayout {
+        KvLayout::new("dsa-index-k-bf16", 1, page, vec![Component::plain("index_k", DType::Bf16, 128)]).unwrap()
+    }
+
+    #[test]
+    fn architecture_table_sizes_are_exact() {
+        // DSA index-K, fp8 + one f32 scale at the page tail.
+        let fp8 = dsa_index_k_fp8(64);
+        assert_eq!(fp8.bytes_per_token_per_layer(), 132);
+        assert_eq!(fp8.layer_bytes_per_page(), 8448);
+        // scales of the page sit after all 64 x 128 B of values
+        assert_eq!(fp8.scale_offset(0, 0, 0), Some(64 * 128));
+        assert_eq!(fp8.scale_offset(0, 0, 63), Some(64 * 128 + 63 * 4));
+        assert_eq!(fp8.value_offset(0, 0, 1), 128);
+        // DSA index-K, bf16, no scale.
+        let bf16 = dsa_index_k_bf16(64);
+        assert_eq!(bf16.bytes_per_token_per_layer(), 256);
+        assert_eq!(bf16.layer_bytes_per_page(), 16384);
+        assert_eq!(bf16.scale_offset(0, 0, 0), None);
+        // MLA latent bf16: 512 + 64 rope.
+        let mla_bf16 = KvLayout::new(
+            "mla-bf16",
+            61,
+            64,
+            vec![Component::plain("latent", DType::Bf16, 512), Component::plain("rope", DType::Bf16, 64)],
+        )
+        .unwrap();
+        assert_eq!(mla_bf16.bytes_per_token_per_layer(), 1152);
+        // MLA fp8 record: 512 fp8 + 4 f32 scales beside the token + 64 bf16 rope.
+        let mla_fp8 = KvLayout::new(
+            "mla-fp8",
+            61,
+            64,
+            vec![
+                Component::scaled("latent", DType::Fp8E4m3, 512, DType::F32, 128, ScalePlacement::BesideToken),
+                Component::plain("rope", DType::Bf16, 64),
+            ],
+        )
+        .unwrap();
+        assert_eq!(mla_fp8.bytes_per_token_per_layer(), 656);
+        assert_eq!(mla_fp8.scale_offset(0, 0, 1), Some(528 + 512));
+        // SmolLM2 K + V f16, 3 KV heads x 64.
+        let smol = KvLayout::llama(30, 3, 64, DType::F16, 16);
+        assert_eq!(smol.components()[0].bytes_per_token(), 384);
+        assert_eq!(smol.components()[1].bytes_per_token(), 384);
+        assert_eq!(smol.bytes_per_token_per_layer(), 2 * 384);
+        assert_eq!(smol.bytes_per_token(), 30 * 768);
+        assert_eq!(smol.bytes_per_page(), 30 * 768 * 16);
+        assert_eq!(smol.bytes_per_pool(10), 10 * 30 * 768 * 16);
+        // DeepSeek-V3.2 per-token totals from the reference.
+        assert_eq!(61 * (mla_fp8.bytes_per_token_per_layer() + fp8.bytes_per_token_per_layer()), 48_068);
+    }
+
+    #[test]
+    fn fingerprint_is_stable_and_separates_layouts() {
+        let a = dsa_index_k_fp8(64);
+        assert_eq!(a.fingerprint(), dsa_index_k_fp8(64).fingerprint());
+        assert_ne!(a.fingerprint(), dsa_index_k_bf16(64).fingerprint());
+        assert_ne!(a.fingerprint(), dsa_index_k_fp8(32).fingerprint());
+        let tail = a.clone();
+        let beside = KvLayout::new(
+            "x",
+            1,
+            64,
+            vec![Component::scaled("index_k", DType::Fp8E4m3, 128, DType::F32, 128, ScalePlacement::BesideToken)],
+        )
+        .unwrap();
+        assert_eq!(tail.bytes_per_page(), beside.bytes_per_page());
+        assert_ne!(tail.fingerprint(), beside.fingerprint(), "placement changes where bytes go");
+        // Pinned value: changing the canonical form is a wire-protocol change.
+        assert_eq!(KvLayout::llama(30, 3, 64, DType::F16, 16).fingerprint_hex().len(), 16);
+        assert_eq!(
+            KvLayout::llama(30, 3, 64, DType::F16, 16).fingerprint(),
+            KvLayout::llama(30, 3, 64, DType::F16, 16).fingerprint()
+        );
+    }
+
+    #[test]
+    fn malformed_layouts_are_refused() {
+        assert_eq!(KvLayout::new("x", 0, 16, vec![Component::plain("k", DType::F16, 1)]), Err(LayoutError::Empty));
+        assert_eq!(KvLayout::new("x", 1, 16, vec![]), Err(LayoutError::Empty));
+        assert_eq!(
+            KvLayout::new("x", 1, 16, vec![Component::plain("k", DType::F16, 0)]),
+            Err(LayoutError::BadComponent("k".into()))
+        );
+        assert_eq!(
+            KvLayout::new("x", 1, 16, vec![Component::plain("k", DType::F16, 4), Component::plain("k", DType::F16, 4)]),
+            Err(LayoutError::DuplicateName("k".into()))
+        );
+    }
+}

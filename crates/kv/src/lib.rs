@@ -1,0 +1,13 @@
+//! pdmesh-kv: the single description of how KV bytes are laid out ([`KvLayout`]) and the
+//! paged pool ([`PagePool`]) whose every size is derived from it.
+//!
+//! Architecture Invariant: no code outside this crate computes a page size, a token
+//! stride or a scale offset by hand. The seed's corruption came from a host buffer sized
+//! with one layout and filled with another; here every pool, transfer and wire message
+//! asks its layout, and pools with different fingerprints refuse to exchange pages.
+
+mod layout;
+mod pool;
+
+pub use layout::{Component, DType, KvLayout, LayoutError, ScalePlacement, ScaleSpec};
+pub use pool::{KvError, PageId, PagePool};

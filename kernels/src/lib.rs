@@ -1,0 +1,1 @@
+//! CPU compute kernels: quantized dot products, f16 attention, SIMD behind safe APIs.

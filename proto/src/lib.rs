@@ -1,0 +1,1 @@
+//! Every pdmesh .proto compiled once, without a system protoc.

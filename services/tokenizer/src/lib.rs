@@ -1,0 +1,1 @@
+//! Tokenizer service: tokenize, chat template, streaming detokenize over gRPC.
