@@ -1,1 +1,58 @@
-//! The inference engine: model forward pass over the paged KV pool, sampling, continuous batching.
+//! pdmesh-engine: the inference engine. A model forward pass that reads and writes KV
+//! only through a [`pdmesh_kv::PagePool`], sampling, and a continuous-batching scheduler
+//! with chunked prefill and admission by free pages.
+//!
+//! [`Engine`] is a plain struct driven by `submit` / `abort` / `step`; the worker service
+//! wraps it in an actix actor, tests drive it directly.
+
+mod api;
+mod engine;
+
+pub use api::{FinishReason, GenRequest, ModelInfo, SamplingParams, StepEvent};
+pub use engine::{Engine, EngineConfig};
+
+/// Everything that can go wrong between a request and the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("invalid {field}: {msg}")]
+    InvalidParam { field: &'static str, msg: String },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt} tokens; this model's context length is {context}")]
+    PromptTooLong { prompt: usize, context: usize },
+    #[error("prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context length {context}")]
+    MaxTokensTooLarge { prompt: usize, max_tokens: usize, context: usize },
+    #[error("token id {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { token: u32, vocab: usize },
+    #[error("request id {0:?} is already running")]
+    DuplicateId(String),
+    #[error("the request needs {need} KV pages but the pool only has {total}")]
+    TooLargeForPool { need: usize, total: usize },
+    #[error("model: {0}")]
+    Model(#[from] pdmesh_gguf::GgufError),
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    #[error("the engine is offline")]
+    Offline,
+}
+
+impl EngineError {
+    /// Closed set of labels for metrics.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            Self::InvalidParam { .. } => "invalid_param",
+            Self::EmptyPrompt => "empty_prompt",
+            Self::PromptTooLong { .. } | Self::MaxTokensTooLarge { .. } => "context_length",
+            Self::TokenOutOfRange { .. } => "token_out_of_range",
+            Self::DuplicateId(_) => "duplicate_id",
+            Self::TooLargeForPool { .. } => "too_large_for_pool",
+            Self::Model(_) | Self::Unsupported(_) => "model",
+            Self::Offline => "offline",
+        }
+    }
+
+    /// Whether the caller sent something wrong (as opposed to a server-side failure).
+    pub fn is_client_error(&self) -> bool {
+        !matches!(self, Self::Model(_) | Self::Unsupported(_) | Self::Offline)
+    }
+}

@@ -2,6 +2,7 @@
 //! and the quantized block formats. Tensors stay in the memory map, quantized; callers
 //! borrow their bytes.
 
+pub mod models;
 mod quant;
 mod reader;
 mod writer;
