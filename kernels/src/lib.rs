@@ -1,1 +1,19 @@
-//! CPU compute kernels: quantized dot products, f16 attention, SIMD behind safe APIs.
+//! pdmesh-kernels: the CPU compute kernels. Every floating-point reduction here has a
+//! fixed order that depends only on the row and the token, never on how many tokens are in
+//! the batch or which thread runs it: that is what makes outputs bit-identical across
+//! batch sizes and prefill chunkings.
+//!
+//! Architecture Invariant: only this crate contains `unsafe` SIMD code; it is reached
+//! through safe functions that pick the implementation once per process.
+
+mod dot;
+mod matmul;
+mod quant;
+
+pub use matmul::{matmul, QMatrix};
+pub use quant::{quantize_q8_0, quantize_q8_1, QActs};
+
+/// Whether the AVX2+FMA paths are used on this machine (decided once per process).
+pub fn simd_level() -> &'static str {
+    if dot::has_avx2() { "avx2+fma" } else { "scalar" }
+}

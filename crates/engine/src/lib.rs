@@ -7,6 +7,9 @@
 
 mod api;
 mod engine;
+mod model;
+mod sampler;
+mod vocab;
 
 pub use api::{FinishReason, GenRequest, ModelInfo, SamplingParams, StepEvent};
 pub use engine::{Engine, EngineConfig};
@@ -56,3 +59,5 @@ impl EngineError {
         !matches!(self, Self::Model(_) | Self::Unsupported(_) | Self::Offline)
     }
 }
+
+pub use model::LlamaConfig;

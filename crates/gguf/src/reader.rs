@@ -298,6 +298,18 @@ impl GgufFile {
         Ok(&self.map[start..start + t.bytes()])
     }
 
+    /// Byte range of a tensor within [`GgufFile::bytes`].
+    pub fn tensor_range(&self, name: &str) -> Result<std::ops::Range<usize>, GgufError> {
+        let t = self.tensor(name)?;
+        let start = self.data_start + t.offset as usize;
+        Ok(start..start + t.bytes())
+    }
+
+    /// The whole mapped file.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
     /// A tensor dequantized to f32 (for small tensors: norms, biases, tests).
     pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>, GgufError> {
         let t = self.tensor(name)?;

@@ -1,0 +1,336 @@
+//! The llama-family forward pass (SmolLM2): RMSNorm, RoPE, grouped-query attention over
+//! the paged KV pool, SwiGLU, tied output. It works on a flat batch of tokens from any
+//! mix of sequences and positions; every token goes through the same per-token code, so
+//! a token's logits do not depend on its batch or on how its prompt was chunked.
+
+use std::sync::Arc;
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use pdmesh_gguf::GgufFile;
+use pdmesh_kernels::{matmul, QMatrix};
+use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
+use rayon::prelude::*;
+
+use crate::EngineError;
+
+/// Hyper-parameters read from GGUF metadata.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub layers: usize,
+    pub dim: usize,
+    pub ffn: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rope_base: f32,
+    pub rms_eps: f32,
+    pub context_length: usize,
+    pub vocab: usize,
+}
+
+impl LlamaConfig {
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, EngineError> {
+        let arch = g.get_str("general.architecture")?;
+        if arch != "llama" {
+            return Err(EngineError::Unsupported(format!("architecture {arch:?} (this engine runs llama)")));
+        }
+        let k = |s: &str| format!("llama.{s}");
+        let dim = g.get_u64(&k("embedding_length"))? as usize;
+        let heads = g.get_u64(&k("attention.head_count"))? as usize;
+        let kv_heads = g.get(&k("attention.head_count_kv")).and_then(|v| v.as_u64()).unwrap_or(heads as u64) as usize;
+        let head_dim = dim / heads;
+        let vocab = g.get_str_array("tokenizer.ggml.tokens").map(|t| t.len())
+            .or_else(|_| g.get_u64(&k("vocab_size")).map(|v| v as usize))?;
+        let cfg = Self {
+            layers: g.get_u64(&k("block_count"))? as usize,
+            dim,
+            ffn: g.get_u64(&k("feed_forward_length"))? as usize,
+            heads,
+            kv_heads,
+            head_dim,
+            rope_base: g.get(&k("rope.freq_base")).and_then(|v| v.as_f64()).unwrap_or(10000.0) as f32,
+            rms_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32,
+            context_length: g.get_u64(&k("context_length"))? as usize,
+            vocab,
+        };
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || dim % heads != 0 || head_dim % 2 != 0 {
+            return Err(EngineError::Unsupported(format!("head layout {heads}/{kv_heads} for dim {dim}")));
+        }
+        Ok(cfg)
+    }
+
+    /// The KV layout this model needs: f16 K and V per layer.
+    pub fn kv_layout(&self, page_size: usize) -> KvLayout {
+        KvLayout::llama(self.layers, self.kv_heads, self.head_dim, DType::F16, page_size)
+    }
+}
+
+/// Where a weight matrix lives in the GGUF map; resolved to a borrowed [`QMatrix`] per use.
+#[derive(Clone, Debug)]
+struct WRef {
+    ty: pdmesh_gguf::GgmlType,
+    range: std::ops::Range<usize>,
+    rows: usize,
+    cols: usize,
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    wq: WRef,
+    wk: WRef,
+    wv: WRef,
+    wo: WRef,
+    w_gate: WRef,
+    w_up: WRef,
+    w_down: WRef,
+}
+
+/// One token of a forward batch.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchToken {
+    /// Index into the `seq_pages` slice passed to [`LlamaModel::forward`].
+    pub seq: usize,
+    pub pos: usize,
+    pub token: u32,
+    pub want_logits: bool,
+}
+
+/// The model: weights borrowed from the GGUF memory map, still quantized.
+pub struct LlamaModel {
+    pub cfg: LlamaConfig,
+    layers: Vec<Layer>,
+    embed: WRef,
+    output: WRef,
+    out_norm: Vec<f32>,
+    gguf: Arc<GgufFile>,
+}
+
+fn qmatrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<WRef, EngineError> {
+    let t = g.tensor(name)?;
+    if t.row_len() != cols || t.rows() != rows {
+        return Err(EngineError::Unsupported(format!(
+            "tensor {name} is {:?}, expected {cols}x{rows}",
+            t.dims
+        )));
+    }
+    Ok(WRef { ty: t.ty, range: g.tensor_range(name)?, rows, cols })
+}
+
+impl LlamaModel {
+    pub fn load(gguf: Arc<GgufFile>) -> Result<Self, EngineError> {
+        let cfg = LlamaConfig::from_gguf(&gguf)?;
+        let g: &GgufFile = &gguf;
+        let (d, kvd) = (cfg.dim, cfg.kv_heads * cfg.head_dim);
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: g.tensor_f32(&n("attn_norm"))?,
+                ffn_norm: g.tensor_f32(&n("ffn_norm"))?,
+                wq: qmatrix(g, &n("attn_q"), d, d)?,
+                wk: qmatrix(g, &n("attn_k"), kvd, d)?,
+                wv: qmatrix(g, &n("attn_v"), kvd, d)?,
+                wo: qmatrix(g, &n("attn_output"), d, d)?,
+                w_gate: qmatrix(g, &n("ffn_gate"), cfg.ffn, d)?,
+                w_up: qmatrix(g, &n("ffn_up"), cfg.ffn, d)?,
+                w_down: qmatrix(g, &n("ffn_down"), d, cfg.ffn)?,
+            });
+        }
+        let embed = qmatrix(g, "token_embd.weight", cfg.vocab, d)?;
+        let output = if g.tensors.contains_key("output.weight") { qmatrix(g, "output.weight", cfg.vocab, d)? } else { embed.clone() };
+        let out_norm = g.tensor_f32("output_norm.weight")?;
+        Ok(Self { cfg, layers, embed, output, out_norm, gguf })
+    }
+
+    fn m(&self, w: &WRef) -> QMatrix<'_> {
+        QMatrix::new(w.ty, &self.gguf.bytes()[w.range.clone()], w.rows, w.cols)
+    }
+
+    /// Run `tokens` through the model. Writes each token's K and V into `pool` at its
+    /// position in its sequence's pages, attends over positions `0..=pos`, and returns the
+    /// logits of the tokens with `want_logits`, in batch order.
+    pub fn forward(
+        &self,
+        tp: &rayon::ThreadPool,
+        pool: &mut PagePool,
+        seq_pages: &[&[PageId]],
+        tokens: &[BatchToken],
+    ) -> Vec<Vec<f32>> {
+        let c = &self.cfg;
+        let t = tokens.len();
+        let (d, hd, kvd) = (c.dim, c.head_dim, c.kv_heads * c.head_dim);
+        let ps = pool.layout().page_size();
+        let mut x = vec![0f32; t * d];
+        for (i, tok) in tokens.iter().enumerate() {
+            self.m(&self.embed).dequantize_row(tok.token as usize, &mut x[i * d..(i + 1) * d]);
+        }
+        let rope: Vec<(Vec<f32>, Vec<f32>)> = tokens.iter().map(|tk| rope_table(tk.pos, hd, c.rope_base)).collect();
+        let (mut h, mut q, mut k, mut v) = (vec![0f32; t * d], vec![0f32; t * d], vec![0f32; t * kvd], vec![0f32; t * kvd]);
+        let mut att = vec![0f32; t * d];
+        let mut o = vec![0f32; t * d];
+        let (mut g, mut u) = (vec![0f32; t * c.ffn], vec![0f32; t * c.ffn]);
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
+            matmul(tp, &self.m(&layer.wq), &h, t, &mut q);
+            matmul(tp, &self.m(&layer.wk), &h, t, &mut k);
+            matmul(tp, &self.m(&layer.wv), &h, t, &mut v);
+            for (i, (cos, sin)) in rope.iter().enumerate() {
+                for head in q[i * d..(i + 1) * d].chunks_exact_mut(hd) {
+                    apply_rope(head, cos, sin);
+                }
+                for head in k[i * kvd..(i + 1) * kvd].chunks_exact_mut(hd) {
+                    apply_rope(head, cos, sin);
+                }
+            }
+            for (i, tk) in tokens.iter().enumerate() {
+                let page = seq_pages[tk.seq][tk.pos / ps];
+                let slot = tk.pos % ps;
+                pool.values_mut::<f16>(page, li, 0)[slot * kvd..(slot + 1) * kvd]
+                    .convert_from_f32_slice(&k[i * kvd..(i + 1) * kvd]);
+                pool.values_mut::<f16>(page, li, 1)[slot * kvd..(slot + 1) * kvd]
+                    .convert_from_f32_slice(&v[i * kvd..(i + 1) * kvd]);
+            }
+            self.attention(tp, pool, seq_pages, tokens, li, &q, &mut att);
+            matmul(tp, &self.m(&layer.wo), &att, t, &mut o);
+            add_in_place(&mut x, &o);
+            rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
+            matmul(tp, &self.m(&layer.w_gate), &h, t, &mut g);
+            matmul(tp, &self.m(&layer.w_up), &h, t, &mut u);
+            for (gi, ui) in g.iter_mut().zip(&u) {
+                *gi = *gi / (1.0 + (-*gi).exp()) * ui;
+            }
+            matmul(tp, &self.m(&layer.w_down), &g, t, &mut o);
+            add_in_place(&mut x, &o);
+        }
+        let sel: Vec<usize> = (0..t).filter(|&i| tokens[i].want_logits).collect();
+        if sel.is_empty() {
+            return Vec::new();
+        }
+        let mut xs = Vec::with_capacity(sel.len() * d);
+        for &i in &sel {
+            xs.extend_from_slice(&x[i * d..(i + 1) * d]);
+        }
+        let mut hs = vec![0f32; xs.len()];
+        rms_norm(&xs, &self.out_norm, c.rms_eps, &mut hs);
+        let mut logits = vec![0f32; sel.len() * c.vocab];
+        matmul(tp, &self.m(&self.output), &hs, sel.len(), &mut logits);
+        logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect()
+    }
+
+    /// Causal attention for every (token, KV head) pair in parallel.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        tp: &rayon::ThreadPool,
+        pool: &PagePool,
+        seq_pages: &[&[PageId]],
+        tokens: &[BatchToken],
+        layer: usize,
+        q: &[f32],
+        out: &mut [f32],
+    ) {
+        let c = &self.cfg;
+        let (hd, kvd) = (c.head_dim, c.kv_heads * c.head_dim);
+        let rep = c.heads / c.kv_heads;
+        let ps = pool.layout().page_size();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let groups = c.kv_heads;
+        tp.install(|| {
+            out.par_chunks_mut(rep * hd).enumerate().for_each(|(idx, o)| {
+                let (i, gidx) = (idx / groups, idx % groups);
+                let tk = tokens[i];
+                let n = tk.pos + 1;
+                let pages = seq_pages[tk.seq];
+                // Gather this group's K and V for positions 0..=pos as f32.
+                let mut ks = vec![0f32; n * hd];
+                let mut vs = vec![0f32; n * hd];
+                for j in 0..n {
+                    let (page, slot) = (pages[j / ps], j % ps);
+                    let off = slot * kvd + gidx * hd;
+                    pool.values::<f16>(page, layer, 0)[off..off + hd].convert_to_f32_slice(&mut ks[j * hd..(j + 1) * hd]);
+                    pool.values::<f16>(page, layer, 1)[off..off + hd].convert_to_f32_slice(&mut vs[j * hd..(j + 1) * hd]);
+                }
+                let mut scores = vec![0f32; n];
+                for r in 0..rep {
+                    let h = gidx * rep + r;
+                    let qh: Vec<f32> = q[i * c.dim + h * hd..i * c.dim + (h + 1) * hd]
+                        .iter()
+                        .map(|&x| f16::from_f32(x).to_f32())
+                        .collect();
+                    let mut max = f32::NEG_INFINITY;
+                    for j in 0..n {
+                        let s = dot(&qh, &ks[j * hd..(j + 1) * hd]) * scale;
+                        scores[j] = s;
+                        max = max.max(s);
+                    }
+                    let mut sum = 0f64;
+                    for s in scores.iter_mut() {
+                        *s = (*s - max).exp();
+                        sum += *s as f64;
+                    }
+                    let inv = (1.0 / sum) as f32;
+                    let oh = &mut o[r * hd..(r + 1) * hd];
+                    oh.fill(0.0);
+                    for j in 0..n {
+                        let p = scores[j] * inv;
+                        for (od, vd) in oh.iter_mut().zip(&vs[j * hd..(j + 1) * hd]) {
+                            *od += p * vd;
+                        }
+                    }
+                }
+            });
+        });
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for l in 0..8 {
+            lanes[l] += ca[l] * cb[l];
+        }
+    }
+    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// RMSNorm per row of `w.len()` values, sum of squares accumulated in f64 (as ggml does).
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    for (xr, orow) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let sum: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
+        let mean = (sum / n as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for ((o, &v), &wi) in orow.iter_mut().zip(xr).zip(w) {
+            *o = v * scale * wi;
+        }
+    }
+}
+
+/// cos/sin of each rotated pair at `pos` (llama.cpp's "normal" mode: adjacent pairs).
+fn rope_table(pos: usize, hd: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
+    let theta_scale = base.powf(-2.0 / hd as f32);
+    let mut theta = pos as f32;
+    let (mut cos, mut sin) = (Vec::with_capacity(hd / 2), Vec::with_capacity(hd / 2));
+    for _ in 0..hd / 2 {
+        cos.push(theta.cos());
+        sin.push(theta.sin());
+        theta *= theta_scale;
+    }
+    (cos, sin)
+}
+
+fn apply_rope(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
+        let (x0, x1) = (x[2 * i], x[2 * i + 1]);
+        x[2 * i] = x0 * c - x1 * s;
+        x[2 * i + 1] = x0 * s + x1 * c;
+    }
+}

@@ -1,0 +1,286 @@
+//! Block dot products of one quantized weight row with N tokens' quantized activations.
+//! Each token's accumulation runs the same instruction sequence whatever N is, so a
+//! token's result never depends on what it was batched with.
+
+use std::sync::OnceLock;
+
+use half::f16;
+
+use crate::QActs;
+
+pub(crate) fn has_avx2() -> bool {
+    static AVX2: OnceLock<bool> = OnceLock::new();
+    *AVX2.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+#[inline]
+fn f16le(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Q4_1 weights (20-byte blocks: d, m, 16 nibble bytes) · Q8_1 activations.
+pub(crate) fn q4_1_q8_1<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports avx2, fma and f16c (checked above); slices are
+        // bounds-checked by the callers' shapes, asserted inside.
+        return unsafe { avx2::q4_1_q8_1(row, acts) };
+    }
+    let mut out = [0f32; N];
+    for (t, a) in acts.iter().enumerate() {
+        let mut sum = 0f32;
+        for (b, blk) in row.chunks_exact(20).enumerate() {
+            let (d, m) = (f16le(blk, 0), f16le(blk, 2));
+            let q = &a.qs[32 * b..32 * b + 32];
+            let mut isum = 0i32;
+            for j in 0..16 {
+                isum += (blk[4 + j] & 0xF) as i32 * q[j] as i32 + (blk[4 + j] >> 4) as i32 * q[j + 16] as i32;
+            }
+            sum += d * a.d[b] * isum as f32 + m * a.s[b];
+        }
+        out[t] = sum;
+    }
+    out
+}
+
+/// Q8_0 weights (34-byte blocks: d, 32 i8) · Q8_0 activations.
+pub(crate) fn q8_0_q8_0<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: as above.
+        return unsafe { avx2::q8_0_q8_0(row, acts) };
+    }
+    let mut out = [0f32; N];
+    for (t, a) in acts.iter().enumerate() {
+        let mut sum = 0f32;
+        for (b, blk) in row.chunks_exact(34).enumerate() {
+            let d = f16le(blk, 0);
+            let q = &a.qs[32 * b..32 * b + 32];
+            let isum: i32 = (0..32).map(|j| blk[2 + j] as i8 as i32 * q[j] as i32).sum();
+            sum += d * a.d[b] * isum as f32;
+        }
+        out[t] = sum;
+    }
+    out
+}
+
+/// Q4_0 weights (18-byte blocks: d, 16 nibble bytes, offset 8) · Q8_0 activations.
+pub(crate) fn q4_0_q8_0<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (t, a) in acts.iter().enumerate() {
+        let mut sum = 0f32;
+        for (b, blk) in row.chunks_exact(18).enumerate() {
+            let d = f16le(blk, 0);
+            let q = &a.qs[32 * b..32 * b + 32];
+            let mut isum = 0i32;
+            for j in 0..16 {
+                isum += ((blk[2 + j] & 0xF) as i32 - 8) * q[j] as i32 + ((blk[2 + j] >> 4) as i32 - 8) * q[j + 16] as i32;
+            }
+            sum += d * a.d[b] * isum as f32;
+        }
+        out[t] = sum;
+    }
+    out
+}
+
+/// Plain f32 dot product in a fixed (sequential) order.
+pub(crate) fn f32_dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let n8 = a.len() / 8 * 8;
+    for i in (0..n8).step_by(8) {
+        for l in 0..8 {
+            lanes[l] += a[i + l] * b[i + l];
+        }
+    }
+    let mut s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for i in n8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use crate::QActs;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum(x: __m256) -> f32 {
+        let hi = _mm256_extractf128_ps(x, 1);
+        let mut r = _mm_add_ps(hi, _mm256_castps256_ps128(x));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        _mm_cvtss_f32(r)
+    }
+
+    /// Two consecutive f16 values at `p` as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f16x2(p: *const u8) -> (f32, f32) {
+        // SAFETY: the caller guarantees 4 readable bytes at p.
+        let raw = unsafe { (p as *const u32).read_unaligned() };
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(raw as i32));
+        let mut o = [0f32; 4];
+        // SAFETY: o has room for 4 floats.
+        unsafe { _mm_storeu_ps(o.as_mut_ptr(), v) };
+        (o[0], o[1])
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q4_1_q8_1<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
+        let nb = row.len() / 20;
+        for a in &acts {
+            assert!(a.qs.len() >= nb * 32 && a.d.len() >= nb && a.s.len() >= nb);
+        }
+        let lowmask = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut summs = [0f32; N];
+        for b in 0..nb {
+            // SAFETY: b < nb, so bytes 20b..20b+20 are in `row`; activations checked above.
+            unsafe {
+                let blk = row.as_ptr().add(20 * b);
+                let (dw, mw) = f16x2(blk);
+                let tmp = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                let bytes = _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1);
+                let qx = _mm256_and_si256(lowmask, bytes);
+                for t in 0..N {
+                    let a = acts[t];
+                    let qy = _mm256_loadu_si256(a.qs.as_ptr().add(32 * b) as *const __m256i);
+                    let xy = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), ones));
+                    let d = _mm256_set1_ps(dw * *a.d.get_unchecked(b));
+                    acc[t] = _mm256_fmadd_ps(d, xy, acc[t]);
+                    summs[t] += mw * *a.s.get_unchecked(b);
+                }
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = hsum(acc[t]) + summs[t];
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q8_0_q8_0<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
+        let nb = row.len() / 34;
+        for a in &acts {
+            assert!(a.qs.len() >= nb * 32 && a.d.len() >= nb);
+        }
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..nb {
+            // SAFETY: block b lies within `row`; activations checked above.
+            unsafe {
+                let blk = row.as_ptr().add(34 * b);
+                let dw = half::f16::from_le_bytes([*blk, *blk.add(1)]).to_f32();
+                let qx = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                let ax = _mm256_sign_epi8(qx, qx);
+                for t in 0..N {
+                    let a = acts[t];
+                    let qy = _mm256_loadu_si256(a.qs.as_ptr().add(32 * b) as *const __m256i);
+                    let sy = _mm256_sign_epi8(qy, qx);
+                    let xy = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones));
+                    let d = _mm256_set1_ps(dw * *a.d.get_unchecked(b));
+                    acc[t] = _mm256_fmadd_ps(d, xy, acc[t]);
+                }
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = hsum(acc[t]);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{quantize_q8_0, quantize_q8_1};
+    use pdmesh_gguf::{dequantize, GgmlType};
+
+    fn row_q4_1(n: usize, seed: u32) -> Vec<u8> {
+        let mut r = Vec::new();
+        let mut s = seed;
+        for b in 0..n / 32 {
+            r.extend(f16::from_f32(0.01 + b as f32 * 0.003).to_le_bytes());
+            r.extend(f16::from_f32(-0.05).to_le_bytes());
+            for _ in 0..16 {
+                s = s.wrapping_mul(1103515245).wrapping_add(12345);
+                r.push((s >> 16) as u8);
+            }
+        }
+        r
+    }
+
+    fn acts(n: usize, seed: f32) -> Vec<f32> {
+        (0..n).map(|i| ((i as f32 * 0.7 + seed).sin()) * 2.0).collect()
+    }
+
+    #[test]
+    fn q4_1_matches_dequantized_reference_and_is_batch_invariant() {
+        let n = 576;
+        let row = row_q4_1(n, 7);
+        let mut w = vec![0f32; n];
+        dequantize(GgmlType::Q4_1, &row, &mut w);
+        let xs: Vec<Vec<f32>> = (0..4).map(|t| acts(n, t as f32)).collect();
+        let qs: Vec<QActs> = xs
+            .iter()
+            .map(|x| {
+                let mut q = QActs::default();
+                quantize_q8_1(x, &mut q);
+                q
+            })
+            .collect();
+        let four = q4_1_q8_1(&row, [&qs[0], &qs[1], &qs[2], &qs[3]]);
+        for t in 0..4 {
+            let one = q4_1_q8_1(&row, [&qs[t]]);
+            assert_eq!(one[0].to_bits(), four[t].to_bits(), "token {t} differs between N=1 and N=4");
+            let exact = f32_dot(&w, &xs[t]);
+            assert!((one[0] - exact).abs() < 0.02 * exact.abs().max(1.0), "{} vs {exact}", one[0]);
+        }
+    }
+
+    #[test]
+    fn q8_0_and_q4_0_match_dequantized_reference() {
+        let n = 64;
+        let mut row = Vec::new();
+        for b in 0..2 {
+            row.extend(f16::from_f32(0.02 * (b + 1) as f32).to_le_bytes());
+            row.extend((0..32).map(|j| ((j * 11 + b * 3) as i32 % 255 - 127) as i8 as u8));
+        }
+        let mut w = vec![0f32; n];
+        dequantize(GgmlType::Q8_0, &row, &mut w);
+        let x = acts(n, 0.3);
+        let mut q = QActs::default();
+        quantize_q8_0(&x, &mut q);
+        let got = q8_0_q8_0(&row, [&q, &q]);
+        assert_eq!(got[0].to_bits(), got[1].to_bits());
+        let exact = f32_dot(&w, &x);
+        assert!((got[0] - exact).abs() < 0.02 * exact.abs().max(1.0), "{} vs {exact}", got[0]);
+
+        let mut row = Vec::new();
+        for b in 0..2u8 {
+            row.extend(f16::from_f32(0.1).to_le_bytes());
+            row.extend((0..16u8).map(|j| j.wrapping_mul(7).wrapping_add(b)));
+        }
+        dequantize(GgmlType::Q4_0, &row, &mut w);
+        let got = q4_0_q8_0(&row, [&q]);
+        let exact = f32_dot(&w, &x);
+        assert!((got[0] - exact).abs() < 0.02 * exact.abs().max(1.0), "{} vs {exact}", got[0]);
+    }
+}

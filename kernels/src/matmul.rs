@@ -1,0 +1,180 @@
+//! Quantized matrix × batch-of-tokens products, parallel over weight rows. A row is always
+//! computed by one thread, in one fixed order, for every token: results are identical
+//! whatever the batch size or thread count.
+
+use pdmesh_gguf::{dequantize, GgmlType};
+use rayon::prelude::*;
+
+use crate::dot;
+use crate::quant::{quantize_q8_0, quantize_q8_1, QActs};
+
+/// A weight matrix borrowed in its GGUF block format: `rows` rows of `cols` values.
+#[derive(Clone, Copy, Debug)]
+pub struct QMatrix<'a> {
+    pub ty: GgmlType,
+    pub data: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> QMatrix<'a> {
+    pub fn new(ty: GgmlType, data: &'a [u8], rows: usize, cols: usize) -> Self {
+        assert_eq!(data.len(), ty.row_bytes(cols) * rows, "matrix data size for {rows}x{cols} {ty:?}");
+        Self { ty, data, rows, cols }
+    }
+
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let rb = self.ty.row_bytes(self.cols);
+        &self.data[r * rb..(r + 1) * rb]
+    }
+
+    /// Dequantize one row (e.g. an embedding lookup).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        dequantize(self.ty, self.row(r), out);
+    }
+}
+
+enum Acts {
+    Q8_1(Vec<QActs>),
+    Q8_0(Vec<QActs>),
+    F32,
+}
+
+/// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `t` tokens; `x` is `t × cols`, `out` is `t × rows`.
+pub fn matmul(pool: &rayon::ThreadPool, w: &QMatrix<'_>, x: &[f32], t: usize, out: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    assert_eq!(x.len(), t * cols, "input is not {t} x {cols}");
+    assert_eq!(out.len(), t * rows, "output is not {t} x {rows}");
+    if t == 0 {
+        return;
+    }
+    let quant = |f: fn(&[f32], &mut QActs)| {
+        x.chunks_exact(cols)
+            .map(|xt| {
+                let mut q = QActs::default();
+                f(xt, &mut q);
+                q
+            })
+            .collect::<Vec<_>>()
+    };
+    let acts = match w.ty {
+        GgmlType::Q4_1 => Acts::Q8_1(quant(quantize_q8_1)),
+        GgmlType::Q8_0 | GgmlType::Q4_0 => Acts::Q8_0(quant(quantize_q8_0)),
+        _ => Acts::F32,
+    };
+    // Row-major by weight row: each task owns whole rows.
+    let mut tmp = vec![0f32; rows * t];
+    let threads = pool.current_num_threads().max(1);
+    let rows_per_task = rows.div_ceil(threads * 4).max(8);
+    pool.install(|| {
+        tmp.par_chunks_mut(rows_per_task * t).enumerate().for_each(|(ci, chunk)| {
+            let mut scratch = Vec::new();
+            for (ri, o) in chunk.chunks_exact_mut(t).enumerate() {
+                let r = ci * rows_per_task + ri;
+                row_times_tokens(w, r, x, &acts, o, &mut scratch);
+            }
+        });
+    });
+    for r in 0..rows {
+        for tt in 0..t {
+            out[tt * rows + r] = tmp[r * t + tt];
+        }
+    }
+}
+
+fn row_times_tokens(w: &QMatrix<'_>, r: usize, x: &[f32], acts: &Acts, o: &mut [f32], scratch: &mut Vec<f32>) {
+    let row = w.row(r);
+    match acts {
+        Acts::Q8_1(a) => batched(a, o, |g: [&QActs; 4]| dot::q4_1_q8_1(row, g), |g| dot::q4_1_q8_1(row, g)),
+        Acts::Q8_0(a) if w.ty == GgmlType::Q8_0 => {
+            batched(a, o, |g: [&QActs; 4]| dot::q8_0_q8_0(row, g), |g| dot::q8_0_q8_0(row, g))
+        }
+        Acts::Q8_0(a) => batched(a, o, |g: [&QActs; 4]| dot::q4_0_q8_0(row, g), |g| dot::q4_0_q8_0(row, g)),
+        Acts::F32 => {
+            scratch.resize(w.cols, 0.0);
+            dequantize(w.ty, row, scratch);
+            for (tt, ot) in o.iter_mut().enumerate() {
+                *ot = dot::f32_dot(scratch, &x[tt * w.cols..(tt + 1) * w.cols]);
+            }
+        }
+    }
+}
+
+/// Tokens in groups of four sharing one pass over the row, the rest one at a time.
+fn batched(
+    a: &[QActs],
+    o: &mut [f32],
+    four: impl Fn([&QActs; 4]) -> [f32; 4],
+    one: impl Fn([&QActs; 1]) -> [f32; 1],
+) {
+    let n4 = a.len() / 4 * 4;
+    for g in (0..n4).step_by(4) {
+        let r = four([&a[g], &a[g + 1], &a[g + 2], &a[g + 3]]);
+        o[g..g + 4].copy_from_slice(&r);
+    }
+    for tt in n4..a.len() {
+        o[tt] = one([&a[tt]])[0];
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::f16;
+
+    fn q4_1_matrix(rows: usize, cols: usize) -> Vec<u8> {
+        let mut d = Vec::new();
+        let mut s = 1u32;
+        for r in 0..rows {
+            for b in 0..cols / 32 {
+                d.extend(f16::from_f32(0.01 + (r + b) as f32 * 1e-3).to_le_bytes());
+                d.extend(f16::from_f32(-0.07).to_le_bytes());
+                for _ in 0..16 {
+                    s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+                    d.push((s >> 24) as u8);
+                }
+            }
+        }
+        d
+    }
+
+    #[test]
+    fn results_do_not_depend_on_batch_or_threads() {
+        let (rows, cols) = (100, 128);
+        let data = q4_1_matrix(rows, cols);
+        let w = QMatrix::new(GgmlType::Q4_1, &data, rows, cols);
+        let t = 7;
+        let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.13).cos()).collect();
+        let p1 = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let p2 = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let mut all = vec![0f32; t * rows];
+        matmul(&p2, &w, &x, t, &mut all);
+        for tt in 0..t {
+            let mut one = vec![0f32; rows];
+            matmul(&p1, &w, &x[tt * cols..(tt + 1) * cols], 1, &mut one);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&one), bits(&all[tt * rows..(tt + 1) * rows]), "token {tt}");
+        }
+        // and close to the f32 reference
+        let mut wr = vec![0f32; cols];
+        w.dequantize_row(3, &mut wr);
+        let exact: f32 = wr.iter().zip(&x[..cols]).map(|(a, b)| a * b).sum();
+        assert!((all[3] - exact).abs() < 0.03 * exact.abs().max(1.0), "{} vs {exact}", all[3]);
+    }
+
+    #[test]
+    fn fallback_types_use_the_reference_dequantizer() {
+        let (rows, cols) = (3, 32);
+        let vals: Vec<f32> = (0..rows * cols).map(|i| i as f32 * 0.25 - 5.0).collect();
+        let data: Vec<u8> = vals.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect();
+        let w = QMatrix::new(GgmlType::F16, &data, rows, cols);
+        let x = vec![1.0f32; cols];
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let mut out = vec![0f32; rows];
+        matmul(&pool, &w, &x, 1, &mut out);
+        for r in 0..rows {
+            let exact: f32 = vals[r * cols..(r + 1) * cols].iter().sum();
+            assert!((out[r] - exact).abs() < 1e-3, "{} vs {exact}", out[r]);
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! Activation quantization into 32-value blocks (llama.cpp's Q8_0 / Q8_1 schemes), the
+//! form the integer dot products consume.
+
+use half::f16;
+
+/// Quantized activations of one token: per 32-value block a scale `d` (and for Q8_1 the
+/// scaled sum `s`), plus the i8 values. Scales are rounded through f16 as llama.cpp does.
+#[derive(Clone, Debug, Default)]
+pub struct QActs {
+    pub d: Vec<f32>,
+    pub s: Vec<f32>,
+    pub qs: Vec<i8>,
+}
+
+impl QActs {
+    pub fn blocks(&self) -> usize {
+        self.d.len()
+    }
+}
+
+fn quantize_block(x: &[f32], qs: &mut [i8]) -> (f32, i32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0i32;
+    for (q, &v) in qs.iter_mut().zip(x) {
+        let r = (v * id).round() as i32;
+        *q = r as i8;
+        sum += r;
+    }
+    (d, sum)
+}
+
+/// Quantize `x` (a multiple of 32 values) to Q8_0 into `out`.
+pub fn quantize_q8_0(x: &[f32], out: &mut QActs) {
+    let nb = x.len() / 32;
+    out.d.resize(nb, 0.0);
+    out.s.clear();
+    out.qs.resize(x.len(), 0);
+    for b in 0..nb {
+        let (d, _) = quantize_block(&x[32 * b..32 * b + 32], &mut out.qs[32 * b..32 * b + 32]);
+        out.d[b] = f16::from_f32(d).to_f32();
+    }
+}
+
+/// Quantize `x` (a multiple of 32 values) to Q8_1 (scale and scaled sum) into `out`.
+pub fn quantize_q8_1(x: &[f32], out: &mut QActs) {
+    let nb = x.len() / 32;
+    out.d.resize(nb, 0.0);
+    out.s.resize(nb, 0.0);
+    out.qs.resize(x.len(), 0);
+    for b in 0..nb {
+        let (d, sum) = quantize_block(&x[32 * b..32 * b + 32], &mut out.qs[32 * b..32 * b + 32]);
+        out.d[b] = f16::from_f32(d).to_f32();
+        out.s[b] = f16::from_f32(d * sum as f32).to_f32();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_blocks_round_trip_within_half_a_step() {
+        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37).collect();
+        let mut q = QActs::default();
+        quantize_q8_1(&x, &mut q);
+        assert_eq!(q.blocks(), 2);
+        for b in 0..2 {
+            let mut sum = 0i32;
+            for j in 0..32 {
+                let back = q.qs[32 * b + j] as f32 * q.d[b];
+                assert!((back - x[32 * b + j]).abs() <= q.d[b] * 0.51 + 1e-3, "{back} vs {}", x[32 * b + j]);
+                sum += q.qs[32 * b + j] as i32;
+            }
+            assert!((q.s[b] - q.d[b] * sum as f32).abs() <= q.s[b].abs() * 1e-3 + 1e-3);
+        }
+        let zeros = vec![0f32; 32];
+        quantize_q8_0(&zeros, &mut q);
+        assert_eq!(q.d, vec![0.0]);
+        assert!(q.qs.iter().all(|&v| v == 0));
+    }
+}
