@@ -20,11 +20,12 @@ impl QActs {
 
 fn quantize_block(x: &[f32], qs: &mut [i8]) -> (f32, i32) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    // As llama.cpp's x86 path: id = 127 / amax, round half to even.
     let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     let mut sum = 0i32;
     for (q, &v) in qs.iter_mut().zip(x) {
-        let r = (v * id).round() as i32;
+        let r = (v * id).round_ties_even() as i32;
         *q = r as i8;
         sum += r;
     }

@@ -86,6 +86,7 @@ pub struct Engine {
     running: Vec<Seq>,
     ids: HashSet<Arc<str>>,
     captured: std::collections::HashMap<Arc<str>, Vec<Vec<f32>>>,
+    preemptions: u64,
 }
 
 impl std::fmt::Debug for Engine {
@@ -153,6 +154,7 @@ impl Engine {
             running: Vec::new(),
             ids: HashSet::new(),
             captured: Default::default(),
+            preemptions: 0,
         })
     }
 
@@ -170,6 +172,11 @@ impl Engine {
 
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Sequences preempted (and recomputed later) because the pool was full.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
     }
 
     /// Requests waiting for admission and running.
@@ -291,6 +298,7 @@ impl Engine {
         let pages = std::mem::take(&mut s.pages);
         self.release(pages);
         s.computed = 0;
+        self.preemptions += 1;
         tracing::debug!(id = %s.id, "preempted: KV pool full");
         self.waiting.push_front(s);
     }

@@ -274,7 +274,9 @@ impl LlamaModel {
                     let oh = &mut o[r * hd..(r + 1) * hd];
                     oh.fill(0.0);
                     for j in 0..n {
-                        let p = scores[j] * inv;
+                        // Probabilities are rounded to f16 before the V product, as
+                        // llama.cpp does with an f16 V cache.
+                        let p = f16::from_f32(scores[j] * inv).to_f32();
                         for (od, vd) in oh.iter_mut().zip(&vs[j * hd..(j + 1) * hd]) {
                             *od += p * vd;
                         }

@@ -1,0 +1,189 @@
+//! The corruption oracle: a prompt's greedy tokens and every logits row are bit-identical
+//! whether it runs alone or batched with 31 others, whatever the prefill chunking, and
+//! after being preempted and recomputed. Also: every page returns to the pool.
+
+mod common;
+
+use common::{bits, greedy, run_all, Outcome};
+use pdmesh_engine::{GenRequest, SamplingParams, StepEvent};
+
+fn prompts() -> Vec<Vec<u32>> {
+    let fx = common::fixtures();
+    let base: Vec<Vec<u32>> = fx["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect())
+        .collect();
+    // 32 prompts of varied lengths: fixture prompts, their prefixes and concatenations.
+    let mut out = Vec::new();
+    for i in 0..32 {
+        let a = &base[i % base.len()];
+        let b = &base[(i * 7 + 3) % base.len()];
+        let mut p = a[..a.len().min(3 + i * 2)].to_vec();
+        if i % 3 == 0 {
+            p.extend_from_slice(b);
+        }
+        out.push(p);
+    }
+    out
+}
+
+fn assert_same(alone: &Outcome, other: &Outcome, what: &str) {
+    assert_eq!(alone.tokens, other.tokens, "{what}: tokens differ");
+    assert_eq!(alone.logits.len(), other.logits.len(), "{what}: logits rows");
+    for (i, (a, b)) in alone.logits.iter().zip(&other.logits).enumerate() {
+        assert!(bits(a) == bits(b), "{what}: logits row {i} differs");
+    }
+}
+
+#[test]
+fn slow_batch_of_32_is_bit_identical_to_alone() {
+    let ps = prompts();
+    let mut e = common::engine(|c| {
+        c.max_batch = 32;
+        c.kv_pages = 512;
+    });
+    let baseline = e.free_pages();
+    let alone: Vec<Outcome> = ps
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % 8 == 0)
+        .map(|(i, p)| run_all(&mut e, vec![greedy(&format!("a{i}"), p, 12)]).remove(&format!("a{i}")).unwrap())
+        .collect();
+    let batch = run_all(&mut e, ps.iter().enumerate().map(|(i, p)| greedy(&format!("b{i}"), p, 12)).collect());
+    for (k, a) in alone.iter().enumerate() {
+        assert_same(a, &batch[&format!("b{}", k * 8)], &format!("prompt {} alone vs in a batch of 32", k * 8));
+        assert_eq!(a.tokens.len(), 12);
+    }
+    assert_eq!(e.free_pages(), baseline, "every page returned");
+}
+
+#[test]
+fn chunked_prefill_is_bit_identical() {
+    let ps = prompts();
+    let p = &ps[3]; // the longest kind: prefix + a full chat prompt
+    assert!(p.len() > 30);
+    let one = {
+        let mut e = common::engine(|c| c.prefill_chunk = 4096);
+        run_all(&mut e, vec![greedy("x", p, 8)]).remove("x").unwrap()
+    };
+    for chunk in [1, 5, 16] {
+        let mut e = common::engine(|c| c.prefill_chunk = chunk);
+        let got = run_all(&mut e, vec![greedy("x", p, 8)]).remove("x").unwrap();
+        assert_same(&one, &got, &format!("prefill in chunks of {chunk}"));
+    }
+}
+
+#[test]
+fn preemption_under_page_pressure_changes_nothing() {
+    let ps = prompts();
+    let reqs = |tag: &str| (0..6).map(|i| greedy(&format!("{tag}{i}"), &ps[i * 5], 24)).collect::<Vec<_>>();
+    let roomy = {
+        let mut e = common::engine(|c| c.kv_pages = 256);
+        run_all(&mut e, reqs("r"))
+    };
+    // 4-token pages and barely enough of them: sequences get preempted and recomputed.
+    let mut e = common::engine(|c| {
+        c.page_size = 4;
+        c.kv_pages = 40;
+    });
+    let tight = run_all(&mut e, reqs("t"));
+    assert!(e.preemptions() > 0, "the tight pool must have forced preemptions");
+    for i in 0..6 {
+        assert_same(&roomy[&format!("r{i}")], &tight[&format!("t{i}")], &format!("request {i} under page pressure"));
+    }
+    assert_eq!(e.free_pages(), 40);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_in_any_batch() {
+    let ps = prompts();
+    let params = SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 40, seed: Some(7), max_tokens: Some(10), ..Default::default() };
+    let req = |id: &str, p: &[u32]| GenRequest { id: id.into(), prompt: p.to_vec(), params: params.clone() };
+    let mut e = common::engine(|_| {});
+    let alone = run_all(&mut e, vec![req("s", &ps[1])]).remove("s").unwrap();
+    let mixed = run_all(&mut e, vec![req("m0", &ps[2]), req("s2", &ps[1]), req("m1", &ps[4])]);
+    assert_eq!(alone.tokens, mixed["s2"].tokens);
+    let other_seed = {
+        let mut p = params.clone();
+        p.seed = Some(8);
+        run_all(&mut e, vec![GenRequest { id: "o".into(), prompt: ps[1].clone(), params: p }]).remove("o").unwrap()
+    };
+    assert_ne!(alone.tokens, other_seed.tokens, "a different seed samples differently");
+}
+
+#[test]
+fn stops_and_limits() {
+    let ps = prompts();
+    let mut e = common::engine(|_| {});
+    let free = e.free_pages();
+    // Greedy output of prompt 0, then stop on a string taken from inside it.
+    let full = run_all(&mut e, vec![greedy("g", &ps[0], 16)]).remove("g").unwrap();
+    assert!(matches!(full.finished, Some(StepEvent::Finished { reason: pdmesh_engine::FinishReason::Length, completion_tokens: 16, .. })));
+    let stop_tok = full.tokens[5];
+    let mut p = SamplingParams::greedy(16);
+    p.ignore_eos = true;
+    p.stop_token_ids = vec![stop_tok];
+    let out = run_all(&mut e, vec![GenRequest { id: "t".into(), prompt: ps[0].clone(), params: p }]).remove("t").unwrap();
+    let first = full.tokens.iter().position(|&t| t == stop_tok).unwrap();
+    assert_eq!(out.tokens, full.tokens[..first], "stop token is not emitted");
+    match out.finished {
+        Some(StepEvent::Finished { reason, matched_token, completion_tokens, .. }) => {
+            assert_eq!(reason, pdmesh_engine::FinishReason::Stop);
+            assert_eq!(matched_token, Some(stop_tok));
+            assert_eq!(completion_tokens as usize, first + 1);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(e.free_pages(), free);
+}
+
+#[test]
+fn bad_requests_are_refused_and_leave_the_pool_untouched() {
+    let mut e = common::engine(|c| c.max_context = Some(64));
+    let free = e.free_pages();
+    let ok = |p: SamplingParams| GenRequest { id: "r".into(), prompt: vec![1, 2, 3], params: p };
+    let cases: Vec<(GenRequest, &str)> = vec![
+        (GenRequest { id: "r".into(), prompt: vec![], params: SamplingParams::greedy(4) }, "empty"),
+        (GenRequest { id: "r".into(), prompt: vec![5; 64], params: SamplingParams::greedy(4) }, "context length is 64"),
+        (GenRequest { id: "r".into(), prompt: vec![5; 10], params: SamplingParams::greedy(60) }, "exceeds the context length"),
+        (GenRequest { id: "r".into(), prompt: vec![49152], params: SamplingParams::greedy(4) }, "outside the vocabulary"),
+        (ok(SamplingParams { temperature: -1.0, ..Default::default() }), "temperature"),
+        (ok(SamplingParams { top_p: 0.0, ..Default::default() }), "top_p"),
+        (ok(SamplingParams { top_p: 1.5, ..Default::default() }), "top_p"),
+        (ok(SamplingParams { min_p: 2.0, ..Default::default() }), "min_p"),
+        (ok(SamplingParams { max_tokens: Some(0), ..Default::default() }), "max_tokens"),
+        (ok(SamplingParams { stop: vec![String::new()], ..Default::default() }), "stop"),
+    ];
+    for (req, want) in cases {
+        let err = e.submit(req).unwrap_err();
+        assert!(err.is_client_error());
+        assert!(err.to_string().contains(want), "{err} should mention {want}");
+    }
+    e.submit(greedy("dup", &[1, 2], 4)).unwrap();
+    assert!(e.submit(greedy("dup", &[1, 2], 4)).unwrap_err().to_string().contains("already running"));
+    assert!(e.abort("dup"));
+    assert!(!e.abort("dup"));
+    assert!(!e.has_work());
+    assert_eq!(e.free_pages(), free);
+}
+
+#[test]
+fn abort_mid_generation_frees_pages() {
+    let ps = prompts();
+    let mut e = common::engine(|_| {});
+    let free = e.free_pages();
+    e.submit(greedy("a", &ps[3], 100)).unwrap();
+    e.submit(greedy("b", &ps[4], 100)).unwrap();
+    for _ in 0..3 {
+        e.step();
+    }
+    assert!(e.free_pages() < free);
+    assert!(e.abort("a"));
+    let evs = e.step();
+    assert!(evs.iter().all(|ev| !matches!(ev, StepEvent::Token { id, .. } if &**id == "a")), "no events after abort");
+    assert!(e.abort("b"));
+    assert_eq!(e.free_pages(), free);
+    assert!(!e.has_work());
+}
