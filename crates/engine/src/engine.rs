@@ -308,14 +308,31 @@ impl Engine {
         self.admit();
         // (running index, tokens to compute this step)
         let mut plan: Vec<(usize, usize)> = Vec::new();
+        let mut events = Vec::new();
         let mut i = 0;
         while i < self.running.len() {
             let pending = self.running[i].tokens.len() - self.running[i].computed;
             if pending == 1 {
                 let upto = self.running[i].tokens.len();
                 if !self.ensure_pages(i, upto) {
-                    // Only this sequence is left and it cannot grow: it holds the pool.
-                    self.preempt(i);
+                    // Every other sequence was preempted and this one still cannot grow:
+                    // the pool is smaller than its context. End it rather than livelock.
+                    let mut s = self.running.remove(i);
+                    tracing::warn!(id = %s.id, pages = s.pages.len(), "KV pool exhausted by one sequence");
+                    self.ids.remove(&s.id);
+                    events.push(StepEvent::Finished {
+                        id: s.id.clone(),
+                        reason: FinishReason::Length,
+                        matched_stop: None,
+                        matched_token: None,
+                        prompt_tokens: s.prompt_len as u32,
+                        completion_tokens: s.generated() as u32,
+                        cached_tokens: 0,
+                    });
+                    if self.cfg.capture_logits {
+                        self.captured.insert(s.id.clone(), std::mem::take(&mut s.logits));
+                    }
+                    self.release(std::mem::take(&mut s.pages));
                     continue;
                 }
                 plan.push((i, 1));
@@ -340,7 +357,7 @@ impl Engine {
         // Preemption may have shifted indices: drop entries that no longer exist.
         plan.retain(|&(i, _)| i < self.running.len());
         if plan.is_empty() {
-            return Vec::new();
+            return events;
         }
         let mut batch = Vec::new();
         for (slot, &(i, take)) in plan.iter().enumerate() {
@@ -357,7 +374,6 @@ impl Engine {
         let seq_pages: Vec<&[PageId]> = plan.iter().map(|&(i, _)| self.running[i].pages.as_slice()).collect();
         let logits = self.model.forward(&self.tp, &mut self.pool, &seq_pages, &batch);
         let mut logits = logits.into_iter();
-        let mut events = Vec::new();
         let mut done = Vec::new();
         for &(i, take) in &plan {
             let s = &mut self.running[i];

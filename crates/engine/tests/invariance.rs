@@ -187,3 +187,24 @@ fn abort_mid_generation_frees_pages() {
     assert_eq!(e.free_pages(), free);
     assert!(!e.has_work());
 }
+
+#[test]
+fn a_sequence_larger_than_the_pool_ends_with_length_instead_of_livelock() {
+    // 8 pages of 4 tokens = 32 tokens of KV; no max_tokens, so it wants the whole context.
+    let mut e = common::engine(|c| {
+        c.page_size = 4;
+        c.kv_pages = 8;
+    });
+    let mut p = SamplingParams::greedy(1);
+    p.max_tokens = None;
+    p.ignore_eos = true;
+    let out = run_all(&mut e, vec![GenRequest { id: "big".into(), prompt: vec![1, 2, 3, 4, 5], params: p }]);
+    match &out["big"].finished {
+        Some(StepEvent::Finished { reason, completion_tokens, .. }) => {
+            assert_eq!(*reason, pdmesh_engine::FinishReason::Length);
+            assert_eq!(*completion_tokens, 32 - 5 + 1, "filled every slot, then one last token");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(e.free_pages(), 8);
+}
