@@ -1,0 +1,525 @@
+//! `TextTokenizer`: a `tokenizers::Tokenizer` assembled from a GGUF file's
+//! `tokenizer.ggml.*` metadata the way llama.cpp reads it, so pdmesh never needs a
+//! separate tokenizer.json and produces the same token ids as llama.cpp.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use pdmesh_gguf::{GgufFile, MetaValue};
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
+
+use crate::{ChatTemplate, IncrementalDetokenizer, TextError};
+
+/// The regexes llama.cpp applies, in order, for `tokenizer.ggml.pre == "smollm"`: every
+/// digit on its own, then the GPT-2 split. (llama.cpp spells the second without the final
+/// `|\s+`; its GPT-2 splitter keeps unmatched whitespace as its own piece, which is
+/// what the alternative does here.)
+pub const PRE_TOKENIZER_SMOLLM: [&str; 2] = [
+    r"\p{N}",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+];
+
+/// Plain GPT-2 (`tokenizer.ggml.pre == "gpt-2"`): the same split without the digit rule.
+const PRE_TOKENIZER_GPT2: [&str; 1] =
+    [r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"];
+
+/// `tokenizer.ggml.pre` values this crate reproduces.
+pub(crate) const SUPPORTED_PRE: &[&str] = &["smollm", "gpt-2"];
+
+/// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
+const TYPE_CONTROL: u64 = 3;
+const TYPE_USER_DEFINED: u64 = 4;
+
+/// Control-token texts that end a turn; llama.cpp treats them as end-of-generation too.
+const END_OF_TURN_TEXTS: &[&str] = &[
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|end_of_text|>",
+    "<EOT>",
+];
+
+/// A GGUF model's tokenizer. Cheap to clone; `Send + Sync`.
+#[derive(Clone)]
+pub struct TextTokenizer {
+    inner: Arc<Tokenizer>,
+    /// Raw bytes of each id, for byte-level stop matching.
+    token_bytes: Arc<Vec<Vec<u8>>>,
+    bos: Option<u32>,
+    eos: Vec<u32>,
+    chat_template: Option<Arc<ChatTemplate>>,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("chat_template", &self.chat_template.is_some())
+            .finish()
+    }
+}
+
+impl TextTokenizer {
+    /// Opens the GGUF file at `path` and builds its tokenizer.
+    pub fn from_path(path: impl AsRef<Path>) -> Result<Self, TextError> {
+        Self::from_gguf(&GgufFile::open(path)?)
+    }
+
+    /// Builds the tokenizer described by `gguf`'s `tokenizer.*` metadata.
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self, TextError> {
+        let model = gguf.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(TextError::UnsupportedModel(model.to_string()));
+        }
+        let pre = match gguf.get("tokenizer.ggml.pre") {
+            Some(v) => v
+                .as_str()
+                .ok_or_else(|| TextError::Metadata("tokenizer.ggml.pre is not a string".into()))?,
+            None => return Err(TextError::UnsupportedPreTokenizer("(missing)".into())),
+        };
+        let regexes: &[&str] = match pre {
+            "smollm" => &PRE_TOKENIZER_SMOLLM,
+            "gpt-2" => &PRE_TOKENIZER_GPT2,
+            other => return Err(TextError::UnsupportedPreTokenizer(other.to_string())),
+        };
+
+        let tokens = gguf.get_str_array("tokenizer.ggml.tokens")?;
+        let n = tokens.len();
+        if n == 0 || n > u32::MAX as usize {
+            return Err(TextError::Metadata(format!(
+                "tokenizer.ggml.tokens has {n} entries"
+            )));
+        }
+        let types = token_types(gguf, n)?;
+        let merges = gguf
+            .get_str_array("tokenizer.ggml.merges")?
+            .into_iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| {
+                        TextError::Metadata(format!(
+                            "merge {m:?} is not two space-separated tokens"
+                        ))
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+
+        let mut vocab = Vocab::with_capacity(n);
+        for (id, t) in tokens.iter().enumerate() {
+            if vocab.insert((*t).to_string(), id as u32).is_some() {
+                return Err(TextError::Metadata(format!(
+                    "token {t:?} appears twice in tokenizer.ggml.tokens"
+                )));
+            }
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(TextError::tokenizer)?;
+
+        let mut pre_tokenizers = Vec::with_capacity(regexes.len() + 1);
+        for r in regexes {
+            let split = Split::new(
+                SplitPattern::Regex((*r).to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(TextError::tokenizer)?;
+            pre_tokenizers.push(PreTokenizerWrapper::Split(split));
+        }
+        // Regex splitting is done above; ByteLevel only maps bytes to its printable alphabet.
+        // No prefix space: llama.cpp never adds one for BPE vocabularies.
+        pre_tokenizers.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
+            false, true, false,
+        )));
+
+        let mut tok = Tokenizer::new(bpe);
+        tok.with_pre_tokenizer(Some(Sequence::new(pre_tokenizers)));
+        tok.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(
+            false, true, false,
+        ))));
+
+        // Control tokens are special (split out of the text, skippable on decode);
+        // user-defined ones are split out of the text too but always decoded.
+        let added: Vec<AddedToken> = (0..n)
+            .filter(|&i| types[i] == TYPE_CONTROL || types[i] == TYPE_USER_DEFINED)
+            .map(|i| AddedToken::from(tokens[i], types[i] == TYPE_CONTROL).normalized(false))
+            .collect();
+        tok.add_tokens(added).map_err(TextError::tokenizer)?;
+
+        let token_id = |key: &str| -> Result<Option<u32>, TextError> {
+            match gguf.get(key) {
+                None => Ok(None),
+                Some(v) => match v.as_u64() {
+                    Some(id) if (id as usize) < n => Ok(Some(id as u32)),
+                    _ => Err(TextError::Metadata(format!(
+                        "{key} = {v:?} is not a token id below {n}"
+                    ))),
+                },
+            }
+        };
+        let bos = token_id("tokenizer.ggml.bos_token_id")?;
+        let eos_id = token_id("tokenizer.ggml.eos_token_id")?;
+        let flag = |key: &str| gguf.get(key).and_then(MetaValue::as_bool).unwrap_or(false);
+        let add_bos = flag("tokenizer.ggml.add_bos_token");
+        let add_eos = flag("tokenizer.ggml.add_eos_token");
+        if add_bos || add_eos {
+            let mut single: Vec<String> = Vec::new();
+            let mut specials: Vec<(String, u32)> = Vec::new();
+            let mut add = |key: &str, id: Option<u32>| -> Result<String, TextError> {
+                let id = id.ok_or_else(|| {
+                    TextError::Metadata(format!(
+                        "add_{key}_token is set but {key}_token_id is missing"
+                    ))
+                })?;
+                specials.push((tokens[id as usize].to_string(), id));
+                Ok(tokens[id as usize].to_string())
+            };
+            if add_bos {
+                single.push(add("bos", bos)?);
+            }
+            single.push("$A".into());
+            if add_eos {
+                single.push(add("eos", eos_id)?);
+            }
+            let post = TemplateProcessing::builder()
+                .try_single(single)
+                .map_err(|e| TextError::Tokenizer(e.to_string()))?
+                .special_tokens(specials)
+                .build()
+                .map_err(|e| TextError::Tokenizer(e.to_string()))?;
+            tok.with_post_processor(Some(post));
+        }
+
+        let mut eos = Vec::new();
+        for key in [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ] {
+            if let Some(id) = token_id(key)? {
+                push_unique(&mut eos, id);
+            }
+        }
+        for (i, t) in tokens.iter().enumerate() {
+            if types[i] == TYPE_CONTROL && END_OF_TURN_TEXTS.contains(t) {
+                push_unique(&mut eos, i as u32);
+            }
+        }
+
+        let token_bytes = tokens
+            .iter()
+            .zip(&types)
+            .map(|(t, &ty)| match ty {
+                TYPE_CONTROL | TYPE_USER_DEFINED => t.as_bytes().to_vec(),
+                _ => byte_level_decode(t),
+            })
+            .collect();
+
+        let chat_template = match gguf.get("tokenizer.chat_template") {
+            None => None,
+            Some(v) => {
+                let src = v.as_str().ok_or_else(|| {
+                    TextError::Metadata("tokenizer.chat_template is not a string".into())
+                })?;
+                let text = |id: Option<u32>| id.map(|i| tokens[i as usize]).unwrap_or("");
+                Some(Arc::new(ChatTemplate::new(src, text(bos), text(eos_id))?))
+            }
+        };
+
+        Ok(Self {
+            inner: Arc::new(tok),
+            token_bytes: Arc::new(token_bytes),
+            bos,
+            eos,
+            chat_template,
+        })
+    }
+
+    /// Token ids for `text`. Special-token strings in `text` (such as `<|im_start|>`) become
+    /// their single special token, as llama.cpp does with `parse_special`. With
+    /// `add_special_tokens`, BOS/EOS are added where the GGUF asks for them
+    /// (`tokenizer.ggml.add_bos_token` / `add_eos_token`).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
+        let enc = self
+            .inner
+            .encode_fast(text, add_special_tokens)
+            .map_err(TextError::tokenizer)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of `ids`; with `skip_special`, control tokens (`<|im_end|>`, …) are left
+    /// out. Byte sequences that are not valid UTF-8 become U+FFFD. Ids outside the
+    /// vocabulary are an error.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TextError> {
+        self.check_ids(ids)?;
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(TextError::tokenizer)
+    }
+
+    /// A streaming detokenizer over this tokenizer.
+    pub fn detokenizer(&self, skip_special: bool) -> IncrementalDetokenizer {
+        IncrementalDetokenizer::new(self.clone(), skip_special)
+    }
+
+    /// Number of token ids (the GGUF vocabulary, special tokens included).
+    pub fn vocab_size(&self) -> usize {
+        self.token_bytes.len()
+    }
+
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// Ids that end generation: the GGUF's EOS first, then its EOT/EOM ids and control
+    /// tokens that are well-known end-of-turn markers (`<|im_end|>`, `<|endoftext|>`, …).
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        self.eos.clone()
+    }
+
+    /// For every id, the bytes it stands for in generated text: byte-level tokens decoded
+    /// to raw bytes (possibly part of a UTF-8 character), special tokens as their text.
+    pub fn token_bytes_table(&self) -> Vec<Vec<u8>> {
+        self.token_bytes.as_ref().clone()
+    }
+
+    /// The model's chat template (`tokenizer.chat_template`), if the GGUF has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_deref()
+    }
+
+    pub fn inner(&self) -> &Tokenizer {
+        &self.inner
+    }
+
+    pub(crate) fn check_ids(&self, ids: &[u32]) -> Result<(), TextError> {
+        let vocab_size = self.vocab_size();
+        match ids.iter().find(|&&id| id as usize >= vocab_size) {
+            Some(&id) => Err(TextError::UnknownTokenId { id, vocab_size }),
+            None => Ok(()),
+        }
+    }
+}
+
+fn push_unique(v: &mut Vec<u32>, id: u32) {
+    if !v.contains(&id) {
+        v.push(id);
+    }
+}
+
+/// `tokenizer.ggml.token_type`, or all-normal when absent.
+fn token_types(gguf: &GgufFile, n: usize) -> Result<Vec<u64>, TextError> {
+    let Some(v) = gguf.get("tokenizer.ggml.token_type") else {
+        return Ok(vec![1; n]);
+    };
+    let arr = v
+        .as_array()
+        .ok_or_else(|| TextError::Metadata("tokenizer.ggml.token_type is not an array".into()))?;
+    if arr.len() != n {
+        return Err(TextError::Metadata(format!(
+            "tokenizer.ggml.token_type has {} entries for {n} tokens",
+            arr.len()
+        )));
+    }
+    arr.iter()
+        .map(|t| {
+            t.as_u64().ok_or_else(|| {
+                TextError::Metadata(format!("token type {t:?} is not a small integer"))
+            })
+        })
+        .collect()
+}
+
+/// GPT-2's byte-to-printable-char table, inverted: the raw bytes a byte-level token
+/// stands for. A char outside the table makes the whole token its UTF-8 text, as the
+/// `tokenizers` ByteLevel decoder does.
+fn byte_level_decode(token: &str) -> Vec<u8> {
+    token
+        .chars()
+        .map(char_to_byte)
+        .collect::<Option<Vec<u8>>>()
+        .unwrap_or_else(|| token.as_bytes().to_vec())
+}
+
+fn is_printable_byte(b: u32) -> bool {
+    (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+}
+
+fn char_to_byte(c: char) -> Option<u8> {
+    let c = c as u32;
+    if is_printable_byte(c) {
+        return Some(c as u8);
+    }
+    // The other bytes map, in order, to U+0100, U+0101, …
+    let k = c.checked_sub(0x100)?;
+    (0u32..256)
+        .filter(|&b| !is_printable_byte(b))
+        .nth(k as usize)
+        .map(|b| b as u8)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use pdmesh_gguf::GgufWriter;
+
+    fn byte_to_char(b: u8) -> char {
+        (0x21..0x200u32)
+            .filter_map(char::from_u32)
+            .find(|&c| char_to_byte(c) == Some(b))
+            .unwrap()
+    }
+
+    /// A real GGUF with a tiny byte-level vocabulary: ids 0..256 are the 256 bytes, then
+    /// `<|im_start|>` (256), `<|im_end|>` (257) as control tokens, `<tool>` (258)
+    /// user-defined, and the merges `h i` → `hi` (259), `Ġ hi` → `Ġhi` (260).
+    pub(crate) fn tiny_gguf(
+        edit: impl FnOnce(&mut GgufWriter),
+    ) -> (tempfile::TempDir, std::path::PathBuf) {
+        let mut tokens: Vec<MetaValue> = (0..=255u8)
+            .map(|b| MetaValue::String(byte_to_char(b).to_string()))
+            .collect();
+        let mut types: Vec<MetaValue> = vec![MetaValue::I32(1); 256];
+        for (t, ty) in [
+            ("<|im_start|>", 3),
+            ("<|im_end|>", 3),
+            ("<tool>", 4),
+            ("hi", 1),
+            ("Ġhi", 1),
+        ] {
+            tokens.push(MetaValue::String(t.into()));
+            types.push(MetaValue::I32(ty));
+        }
+        let merges = ["h i", "Ġ hi"]
+            .map(|m| MetaValue::String(m.into()))
+            .to_vec();
+        let mut w = GgufWriter::new();
+        w.meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
+            .meta("tokenizer.ggml.pre", MetaValue::String("smollm".into()))
+            .meta("tokenizer.ggml.tokens", MetaValue::Array(tokens))
+            .meta("tokenizer.ggml.token_type", MetaValue::Array(types))
+            .meta("tokenizer.ggml.merges", MetaValue::Array(merges))
+            .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(256))
+            .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(257));
+        edit(&mut w);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        w.write_to(&path).unwrap();
+        (dir, path)
+    }
+
+    pub(crate) fn tiny() -> TextTokenizer {
+        let (_dir, path) = tiny_gguf(|_| {});
+        TextTokenizer::from_path(&path).unwrap()
+    }
+
+    #[test]
+    fn tiny_vocab_encodes_bytes_merges_and_specials() {
+        let tok = tiny();
+        assert_eq!(tok.vocab_size(), 261);
+        assert_eq!(tok.encode("hi", false).unwrap(), [259]);
+        assert_eq!(tok.encode(" hi", false).unwrap(), [260]);
+        assert_eq!(tok.encode("é", false).unwrap(), [0xc3, 0xa9]);
+        assert_eq!(
+            tok.encode("<|im_start|>hi<tool><|im_end|>", false).unwrap(),
+            [256, 259, 258, 257]
+        );
+        // Digits are split one by one before BPE.
+        assert_eq!(tok.encode("12", false).unwrap(), [b'1' as u32, b'2' as u32]);
+        // No BOS without add_bos_token, even when special tokens are requested.
+        assert_eq!(tok.encode("hi", true).unwrap(), [259]);
+        assert_eq!(
+            tok.decode(&[256, 259, 258, 257], false).unwrap(),
+            "<|im_start|>hi<tool><|im_end|>"
+        );
+        assert_eq!(tok.decode(&[256, 259, 258, 257], true).unwrap(), "hi<tool>");
+        assert_eq!(tok.bos_token_id(), Some(256));
+        assert_eq!(tok.eos_token_ids(), [257]);
+        let table = tok.token_bytes_table();
+        assert_eq!(table[0xc3], [0xc3]);
+        assert_eq!(table[256], b"<|im_start|>");
+        assert_eq!(table[260], b" hi");
+    }
+
+    #[test]
+    fn add_bos_and_eos_flags_are_honoured() {
+        let (_dir, path) = tiny_gguf(|w| {
+            w.meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(true))
+                .meta("tokenizer.ggml.add_eos_token", MetaValue::Bool(true));
+        });
+        let tok = TextTokenizer::from_path(&path).unwrap();
+        assert_eq!(tok.encode("hi", true).unwrap(), [256, 259, 257]);
+        assert_eq!(tok.encode("hi", false).unwrap(), [259]);
+    }
+
+    #[test]
+    fn out_of_range_ids_are_rejected() {
+        let err = tiny().decode(&[1, 261], false).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TextError::UnknownTokenId {
+                    id: 261,
+                    vocab_size: 261
+                }
+            ),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn unsupported_tokenizers_give_clear_errors() {
+        let (_dir, path) = tiny_gguf(|w| {
+            w.meta("tokenizer.ggml.model", MetaValue::String("llama".into()));
+        });
+        let err = TextTokenizer::from_path(&path).unwrap_err();
+        // The GGUF reader keeps the last value of a repeated key.
+        assert_eq!(
+            err.to_string(),
+            "tokenizer model \"llama\" is not supported (pdmesh-text supports \"gpt2\" byte-level BPE)"
+        );
+
+        let (_dir, path) = tiny_gguf(|w| {
+            w.meta("tokenizer.ggml.pre", MetaValue::String("qwen2".into()));
+        });
+        let err = TextTokenizer::from_path(&path).unwrap_err();
+        assert!(
+            matches!(err, TextError::UnsupportedPreTokenizer(ref p) if p == "qwen2"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("smollm"), "{err}");
+    }
+
+    #[test]
+    fn byte_level_table_inverts_gpt2_alphabet() {
+        assert_eq!(byte_level_decode("Ġthe"), b" the");
+        assert_eq!(byte_level_decode("Ċ"), b"\n");
+        assert_eq!(byte_level_decode("ĉ"), b"\t");
+        assert_eq!(byte_level_decode("Ā"), [0u8]);
+        assert_eq!(byte_level_decode("ł"), [0xa0u8]);
+        assert_eq!(byte_level_decode("Ń"), [0xadu8]);
+        // 'é' is U+00E9, itself a printable byte: a lone 0xE9 byte, not UTF-8 "é".
+        assert_eq!(byte_level_decode("é"), [0xe9u8]);
+        // Every one of the 256 bytes has exactly one char.
+        let mut seen: Vec<u8> = (0x21..0x200)
+            .filter_map(|c| char_to_byte(char::from_u32(c).unwrap()))
+            .collect();
+        seen.sort();
+        assert_eq!(seen, (0..=255u8).collect::<Vec<_>>());
+        // Out of the alphabet: taken as its own UTF-8 text.
+        assert_eq!(byte_level_decode("a\u{3000}"), "a\u{3000}".as_bytes());
+    }
+}
