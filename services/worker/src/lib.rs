@@ -1,1 +1,179 @@
 //! Worker service: the engine in an actix actor behind pdmesh.worker.v1.
+//!
+//! [`run`] loads the model, moves the engine onto its own OS thread (an actix
+//! `SyncArbiter` of one, see `actor`) and serves gRPC on tokio; the two sides talk only
+//! through actor messages. Token ids in, token ids out: the worker never tokenizes.
+
+mod actor;
+mod engine_core;
+mod error;
+mod grpc;
+
+use std::path::PathBuf;
+
+use pdmesh_engine::EngineConfig;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+
+pub use error::Error;
+
+/// Configuration of the worker service.
+#[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
+pub struct Config {
+    /// GGUF model file to serve.
+    #[arg(long = "model", env = "PDMESH_MODEL", default_value_os_t = pdmesh_gguf::models::default_model_path())]
+    pub model: PathBuf,
+    /// Sequences decoded together at most.
+    #[arg(long, env = "PDMESH_MAX_BATCH", default_value_t = 32)]
+    pub max_batch: usize,
+    /// KV pages in the engine's pool.
+    #[arg(long, env = "PDMESH_KV_PAGES", default_value_t = 2048)]
+    pub kv_pages: usize,
+    /// Tokens per KV page.
+    #[arg(long, env = "PDMESH_PAGE_SIZE", default_value_t = 16)]
+    pub page_size: usize,
+    /// Prompt tokens processed per engine step, summed over prefilling sequences.
+    #[arg(long, env = "PDMESH_PREFILL_CHUNK", default_value_t = 512)]
+    pub prefill_chunk: usize,
+    /// Compute threads; 0 uses every core.
+    #[arg(long, env = "PDMESH_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Cap on the model's context length, in tokens.
+    #[arg(long, env = "PDMESH_MAX_CONTEXT")]
+    pub max_context: Option<usize>,
+}
+
+impl Config {
+    /// The defaults the command line has, serving the model at `model`.
+    pub fn new(model: impl Into<PathBuf>) -> Self {
+        Self {
+            model: model.into(),
+            max_batch: 32,
+            kv_pages: 2048,
+            page_size: 16,
+            prefill_chunk: 512,
+            threads: 0,
+            max_context: None,
+        }
+    }
+
+    /// Checks the values and converts them to the engine's configuration.
+    pub fn engine_config(&self) -> Result<EngineConfig, Error> {
+        for (name, value) in [
+            ("max-batch", self.max_batch),
+            ("kv-pages", self.kv_pages),
+            ("page-size", self.page_size),
+            ("prefill-chunk", self.prefill_chunk),
+        ] {
+            if value == 0 {
+                return Err(Error::Config(format!("--{name} must be at least 1")));
+            }
+        }
+        if self.max_context == Some(0) {
+            return Err(Error::Config("--max-context must be at least 1".into()));
+        }
+        Ok(EngineConfig {
+            model_path: self.model.clone(),
+            max_batch: self.max_batch,
+            page_size: self.page_size,
+            kv_pages: self.kv_pages,
+            prefill_chunk: self.prefill_chunk,
+            threads: self.threads,
+            max_context: self.max_context,
+            capture_logits: false,
+        })
+    }
+}
+
+/// Loads the model named by `cfg`, then serves `pdmesh.worker.v1.Worker` on `listener`
+/// until `shutdown` is cancelled. At shutdown running requests finish with `abort`, and
+/// the function returns once the engine has been released.
+pub async fn run(
+    cfg: Config,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let engine_cfg = cfg.engine_config()?;
+    let engine = tokio::task::spawn_blocking(move || pdmesh_engine::Engine::load(engine_cfg))
+        .await
+        .map_err(|e| {
+            Error::Thread(std::io::Error::other(format!("model loader panicked: {e}")))
+        })??;
+    let info = engine.info();
+    let addr = listener.local_addr().ok();
+    tracing::info!(
+        ?addr,
+        model = %info.model_id,
+        kv_pages = info.total_pages,
+        page_size = info.page_size,
+        max_batch = info.max_batch,
+        "worker listening"
+    );
+
+    let (handle, engine_thread) = actor::start(engine).map_err(Error::Thread)?;
+    // Graceful shutdown waits for open streams: end them by aborting what is running.
+    let aborter = {
+        let handle = handle.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            shutdown.cancelled().await;
+            if let Ok(n) = handle.abort_all().await {
+                tracing::info!(aborted = n, "worker shutting down");
+            }
+        })
+    };
+    let served = tonic::transport::Server::builder()
+        .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::new(
+            grpc::WorkerService::new(handle),
+        ))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled_owned())
+        .await;
+    aborter.abort();
+    let _ = aborter.await;
+    engine_thread.stop().await;
+    tracing::info!(?addr, "worker stopped");
+    served.map_err(Error::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        cfg: Config,
+    }
+
+    #[test]
+    fn command_line_defaults_are_config_new() {
+        let cli = Cli::try_parse_from(["worker", "--model", "m.gguf"]).unwrap();
+        assert_eq!(cli.cfg, Config::new("m.gguf"));
+        let cli = Cli::try_parse_from([
+            "worker",
+            "--model",
+            "m.gguf",
+            "--kv-pages",
+            "64",
+            "--max-context",
+            "256",
+        ])
+        .unwrap();
+        assert_eq!((cli.cfg.kv_pages, cli.cfg.max_context), (64, Some(256)));
+    }
+
+    #[test]
+    fn zero_sizes_are_refused_naming_the_flag() {
+        let cfg = Config {
+            kv_pages: 0,
+            ..Config::new("m.gguf")
+        };
+        let err = cfg.engine_config().unwrap_err();
+        assert!(err.to_string().contains("--kv-pages"), "{err}");
+        let ok = Config::new("m.gguf").engine_config().unwrap();
+        assert_eq!((ok.kv_pages, ok.page_size, ok.max_batch), (2048, 16, 32));
+    }
+}

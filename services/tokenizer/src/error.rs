@@ -1,0 +1,65 @@
+//! The tokenizer service's error type and its single mapping to gRPC status codes.
+
+use std::path::PathBuf;
+
+use pdmesh_text::TextError;
+
+/// Everything the tokenizer service can fail with, from start-up to a single request.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("loading the tokenizer from {path}: {source}")]
+    Load { path: PathBuf, source: TextError },
+    #[error("starting the tokenizer service: {0}")]
+    Startup(String),
+    #[error("serving gRPC: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    /// A `bytes` field that must hold UTF-8 does not; `field` is its path in the request.
+    #[error("{field} is not valid UTF-8")]
+    InvalidUtf8 { field: String },
+    #[error("{field}: token id {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange {
+        field: String,
+        token: u32,
+        vocab: usize,
+    },
+    #[error("tools_json is not valid JSON: {0}")]
+    ToolsJson(serde_json::Error),
+    #[error("this model has no chat template")]
+    NoChatTemplate,
+    /// The template refused the conversation (e.g. a role order it does not support).
+    #[error("chat template: {0}")]
+    Template(TextError),
+    #[error("tokenizer: {0}")]
+    Text(TextError),
+}
+
+impl Error {
+    /// Closed set of labels for metrics.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            Self::Load { .. } | Self::Startup(_) | Self::Transport(_) => "startup",
+            Self::InvalidUtf8 { .. } => "invalid_utf8",
+            Self::TokenOutOfRange { .. } => "token_out_of_range",
+            Self::ToolsJson(_) => "tools_json",
+            Self::NoChatTemplate => "no_chat_template",
+            Self::Template(_) => "template",
+            Self::Text(_) => "tokenizer",
+        }
+    }
+}
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        let msg = e.to_string();
+        match e {
+            Error::InvalidUtf8 { .. }
+            | Error::TokenOutOfRange { .. }
+            | Error::ToolsJson(_)
+            | Error::Template(_) => tonic::Status::invalid_argument(msg),
+            Error::NoChatTemplate => tonic::Status::failed_precondition(msg),
+            Error::Load { .. } | Error::Startup(_) | Error::Transport(_) | Error::Text(_) => {
+                tonic::Status::internal(msg)
+            }
+        }
+    }
+}

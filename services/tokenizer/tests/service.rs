@@ -1,0 +1,261 @@
+//! Integration tests: the real tokenizer service, started on 127.0.0.1:0 with the real
+//! model, spoken to through the generated tonic client.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use pdmesh_proto::tokenizer::v1 as pb;
+use pdmesh_proto::tokenizer::v1::tokenizer_client::TokenizerClient;
+use pdmesh_tokenizer::{Config, Error, run};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::Code;
+use tonic::transport::Channel;
+
+/// How long a test waits for something that should happen promptly before calling it hung.
+const HANG: Duration = Duration::from_secs(60);
+
+/// Token ids of the default model (gpt2 BPE, SmolLM2), as llama.cpp tokenizes them.
+const HELLO_WORLD: &[u32] = &[19556, 28, 905, 17]; // "Hello, world!"
+const CRAB: &[u32] = &[10813, 116, 218]; // "🦀": 2 + 1 + 1 bytes of one code point
+
+struct Server {
+    addr: SocketAddr,
+    shutdown: CancellationToken,
+    task: JoinHandle<Result<(), Error>>,
+    client: TokenizerClient<Channel>,
+}
+
+async fn start() -> Server {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = CancellationToken::new();
+    let cfg = Config::new(pdmesh_gguf::models::require_default_model());
+    let task = tokio::spawn(run(cfg, listener, shutdown.clone()));
+    // The listener is already bound, so the connection waits in its backlog while the
+    // service loads the tokenizer.
+    let client = TokenizerClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    Server {
+        addr,
+        shutdown,
+        task,
+        client,
+    }
+}
+
+async fn tokenize(
+    client: &mut TokenizerClient<Channel>,
+    text: &[u8],
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, tonic::Status> {
+    let req = pb::TokenizeRequest {
+        text: text.to_vec(),
+        add_special_tokens,
+    };
+    client.tokenize(req).await.map(|r| r.into_inner().ids)
+}
+
+fn msg(role: &str, content: &[u8]) -> pb::ChatMessage {
+    pb::ChatMessage {
+        role: role.as_bytes().to_vec(),
+        content: content.to_vec(),
+    }
+}
+
+/// Streams `batches` through one Detokenize call and returns every answer in order.
+async fn detokenize(
+    client: &mut TokenizerClient<Channel>,
+    batches: Vec<Vec<u32>>,
+) -> Result<Vec<String>, tonic::Status> {
+    let requests: Vec<_> = batches
+        .into_iter()
+        .map(|ids| pb::DetokenizeRequest {
+            ids,
+            skip_special_tokens: false,
+        })
+        .collect();
+    let mut stream = client
+        .detokenize(tokio_stream::iter(requests))
+        .await?
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(resp) = stream.message().await? {
+        out.push(resp.text);
+    }
+    Ok(out)
+}
+
+#[tokio::test]
+async fn tokenize_matches_the_reference_tokenizer() {
+    let mut s = start().await;
+    assert_eq!(
+        tokenize(&mut s.client, b"Hello, world!", false)
+            .await
+            .unwrap(),
+        HELLO_WORLD
+    );
+    assert_eq!(
+        tokenize(&mut s.client, "🦀".as_bytes(), false)
+            .await
+            .unwrap(),
+        CRAB
+    );
+}
+
+#[tokio::test]
+async fn chat_template_ends_with_the_assistant_prompt_and_tokenizes_it() {
+    let mut s = start().await;
+    let req = pb::ChatTemplateRequest {
+        messages: vec![msg("system", b"You are terse."), msg("user", b"Say hi.")],
+        add_generation_prompt: true,
+        tools_json: Vec::new(),
+    };
+    let resp = s
+        .client
+        .apply_chat_template(req)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        resp.prompt.ends_with("<|im_start|>assistant\n"),
+        "{:?}",
+        resp.prompt
+    );
+    assert!(
+        resp.prompt.contains("You are terse.") && resp.prompt.contains("Say hi."),
+        "{:?}",
+        resp.prompt
+    );
+    // Special tokens in the rendered prompt are tokens, not text: <|im_start|> is id 1.
+    assert_eq!(resp.ids.first(), Some(&1), "{:?}", resp.ids);
+    assert_eq!(
+        resp.ids,
+        tokenize(&mut s.client, resp.prompt.as_bytes(), false)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        &resp.ids[resp.ids.len() - 4..],
+        &[1, 520, 9531, 198],
+        "ends with <|im_start|>assistant\\n"
+    );
+}
+
+#[tokio::test]
+async fn invalid_input_is_invalid_argument_naming_the_field() {
+    let mut s = start().await;
+    let err = tokenize(&mut s.client, &[b'o', b'k', 0xff], false)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("text is not valid UTF-8"),
+        "{}",
+        err.message()
+    );
+
+    let req = pb::ChatTemplateRequest {
+        messages: vec![msg("system", b"fine"), msg("user", &[0xe2, 0x82])],
+        add_generation_prompt: true,
+        tools_json: Vec::new(),
+    };
+    let err = s.client.apply_chat_template(req).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message()
+            .contains("messages[1].content is not valid UTF-8"),
+        "{}",
+        err.message()
+    );
+
+    let req = pb::ChatTemplateRequest {
+        messages: vec![msg("user", b"hi")],
+        add_generation_prompt: true,
+        tools_json: b"[{\"type\": ".to_vec(),
+    };
+    let err = s.client.apply_chat_template(req).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("tools_json"), "{}", err.message());
+
+    let err = detokenize(&mut s.client, vec![vec![19556, 49_152]])
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("ids[1]"), "{}", err.message());
+}
+
+#[tokio::test]
+async fn streaming_detokenize_never_splits_a_code_point() {
+    let mut s = start().await;
+    let answers = detokenize(&mut s.client, CRAB.iter().map(|&id| vec![id]).collect())
+        .await
+        .unwrap();
+    assert_eq!(
+        answers,
+        ["", "", "🦀"],
+        "one answer per message, text only once complete"
+    );
+
+    // Mixed text: every answer is whole, and together they are the exact string.
+    let ids = tokenize(&mut s.client, "I like 🦀 crabs".as_bytes(), false)
+        .await
+        .unwrap();
+    let answers = detokenize(&mut s.client, ids.iter().map(|&id| vec![id]).collect())
+        .await
+        .unwrap();
+    assert_eq!(answers.concat(), "I like 🦀 crabs");
+}
+
+#[tokio::test]
+async fn info_and_health_describe_the_model() {
+    let mut s = start().await;
+    assert!(
+        s.client
+            .health(pb::HealthRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .ok
+    );
+    let info = s
+        .client
+        .info(pb::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.vocab_size, 49_152);
+    assert!(info.has_chat_template);
+    assert!(
+        info.eos_token_ids.contains(&2),
+        "<|im_end|> is an end token: {:?}",
+        info.eos_token_ids
+    );
+}
+
+#[tokio::test]
+async fn cancelling_the_shutdown_token_stops_the_server() {
+    let mut s = start().await;
+    assert!(
+        s.client
+            .health(pb::HealthRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .ok
+    );
+    s.shutdown.cancel();
+    let result = tokio::time::timeout(HANG, s.task)
+        .await
+        .expect("server did not stop")
+        .unwrap();
+    assert!(result.is_ok(), "{result:?}");
+    assert!(
+        TokenizerClient::connect(format!("http://{}", s.addr))
+            .await
+            .is_err(),
+        "still accepting connections"
+    );
+}

@@ -1,0 +1,448 @@
+//! The engine's bookkeeping outside actix: which request's events go to which client
+//! channel, what an abort or a departed client does, and how a panicking step takes the
+//! engine offline instead of the process. Plain code, so unit tests drive it with a fake
+//! engine and no actor system.
+
+use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use pdmesh_engine::{Engine, EngineError, FinishReason, GenRequest, ModelInfo, StepEvent};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What the engine does for [`EngineCore`]; implemented by [`pdmesh_engine::Engine`].
+pub(crate) trait Backend {
+    fn info(&self) -> ModelInfo;
+    fn free_pages(&self) -> usize;
+    fn submit(&mut self, req: GenRequest) -> Result<(), EngineError>;
+    fn abort(&mut self, id: &str) -> bool;
+    fn step(&mut self) -> Vec<StepEvent>;
+    fn has_work(&self) -> bool;
+}
+
+impl Backend for Engine {
+    fn info(&self) -> ModelInfo {
+        Engine::info(self)
+    }
+    fn free_pages(&self) -> usize {
+        Engine::free_pages(self)
+    }
+    fn submit(&mut self, req: GenRequest) -> Result<(), EngineError> {
+        Engine::submit(self, req)
+    }
+    fn abort(&mut self, id: &str) -> bool {
+        Engine::abort(self, id)
+    }
+    fn step(&mut self) -> Vec<StepEvent> {
+        Engine::step(self)
+    }
+    fn has_work(&self) -> bool {
+        Engine::has_work(self)
+    }
+}
+
+/// The end of one generation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Finish {
+    pub reason: FinishReason,
+    pub matched_stop: Option<String>,
+    pub matched_token: Option<u32>,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// What a client receives for its request: tokens, then exactly one `Finished`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Token { token: u32, logprob: f32 },
+    Finished(Finish),
+}
+
+/// A running request: where its events go and what it has produced so far.
+struct Entry {
+    /// Distinguishes this submission from a later one that reuses the request id.
+    ticket: u64,
+    tx: UnboundedSender<Event>,
+    prompt_tokens: u32,
+    completion_tokens: u32,
+}
+
+/// The engine plus the routing table from request id to client channel.
+pub(crate) struct EngineCore<B> {
+    /// `None` once a step panicked: the engine's state can no longer be trusted.
+    engine: Option<B>,
+    requests: HashMap<String, Entry>,
+}
+
+impl<B: Backend> EngineCore<B> {
+    pub(crate) fn new(engine: B) -> Self {
+        Self {
+            engine: Some(engine),
+            requests: HashMap::new(),
+        }
+    }
+
+    /// A core without an engine: every request is answered `Offline`.
+    pub(crate) fn offline() -> Self {
+        Self {
+            engine: None,
+            requests: HashMap::new(),
+        }
+    }
+
+    fn engine(&mut self) -> Result<&mut B, EngineError> {
+        self.engine.as_mut().ok_or(EngineError::Offline)
+    }
+
+    /// Hands `req` to the engine; on success its events will be sent on `tx`.
+    pub(crate) fn submit(
+        &mut self,
+        req: GenRequest,
+        ticket: u64,
+        tx: UnboundedSender<Event>,
+    ) -> Result<(), EngineError> {
+        let id = req.id.clone();
+        let prompt_tokens = u32::try_from(req.prompt.len()).unwrap_or(u32::MAX);
+        self.engine()?.submit(req)?;
+        self.requests.insert(
+            id,
+            Entry {
+                ticket,
+                tx,
+                prompt_tokens,
+                completion_tokens: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// Aborts request `id` (only the submission `ticket`, when given): its pages are freed
+    /// and its client gets `Finished(Abort)`. Returns whether such a request was running.
+    pub(crate) fn abort(&mut self, id: &str, ticket: Option<u64>) -> bool {
+        let Some(entry) = self.requests.get(id) else {
+            return false;
+        };
+        if ticket.is_some_and(|t| t != entry.ticket) {
+            return false;
+        }
+        let entry = self.requests.remove(id).expect("entry checked above");
+        if let Some(engine) = self.engine.as_mut() {
+            engine.abort(id);
+        }
+        let _ = entry.tx.send(Event::Finished(Finish {
+            reason: FinishReason::Abort,
+            matched_stop: None,
+            matched_token: None,
+            prompt_tokens: entry.prompt_tokens,
+            completion_tokens: entry.completion_tokens,
+            cached_tokens: 0,
+        }));
+        true
+    }
+
+    /// Aborts every running request (shutdown).
+    pub(crate) fn abort_all(&mut self) -> usize {
+        let ids: Vec<String> = self.requests.keys().cloned().collect();
+        ids.iter().filter(|id| self.abort(id, None)).count()
+    }
+
+    /// Whether another step would do anything.
+    pub(crate) fn has_work(&self) -> bool {
+        self.engine.as_ref().is_some_and(|e| e.has_work())
+    }
+
+    /// Drops requests whose client left, then runs one engine step and routes its events.
+    pub(crate) fn step(&mut self) {
+        self.drop_departed();
+        let Some(engine) = self.engine.as_mut() else {
+            return;
+        };
+        if !engine.has_work() {
+            return;
+        }
+        let events = match catch_unwind(AssertUnwindSafe(|| engine.step())) {
+            Ok(events) => events,
+            Err(_) => {
+                tracing::error!(
+                    running = self.requests.len(),
+                    "engine step panicked; the engine is offline"
+                );
+                // Dropping the senders ends every stream without a Finished: clients see
+                // the engine as unavailable.
+                self.engine = None;
+                self.requests.clear();
+                return;
+            }
+        };
+        for event in events {
+            self.route(event);
+        }
+    }
+
+    fn route(&mut self, event: StepEvent) {
+        match event {
+            StepEvent::Token { id, token, logprob } => {
+                let Some(entry) = self.requests.get_mut(&*id) else {
+                    return;
+                };
+                entry.completion_tokens += 1;
+                if entry.tx.send(Event::Token { token, logprob }).is_err() {
+                    self.client_left(&id);
+                }
+            }
+            StepEvent::Finished {
+                id,
+                reason,
+                matched_stop,
+                matched_token,
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+            } => {
+                if let Some(entry) = self.requests.remove(&*id) {
+                    let _ = entry.tx.send(Event::Finished(Finish {
+                        reason,
+                        matched_stop,
+                        matched_token,
+                        prompt_tokens,
+                        completion_tokens,
+                        cached_tokens,
+                    }));
+                }
+            }
+        }
+    }
+
+    /// Aborts every request whose receiver is gone.
+    fn drop_departed(&mut self) {
+        let gone: Vec<String> = self
+            .requests
+            .iter()
+            .filter(|(_, e)| e.tx.is_closed())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in gone {
+            self.client_left(&id);
+        }
+    }
+
+    fn client_left(&mut self, id: &str) {
+        tracing::debug!(request_id = id, "client left; aborting");
+        self.requests.remove(id);
+        if let Some(engine) = self.engine.as_mut() {
+            engine.abort(id);
+        }
+    }
+
+    /// The model's facts and the pool's free pages right now.
+    pub(crate) fn info(&self) -> Result<(ModelInfo, usize), EngineError> {
+        let engine = self.engine.as_ref().ok_or(EngineError::Offline)?;
+        Ok((engine.info(), engine.free_pages()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+    use super::*;
+
+    /// A fake engine: each running request produces token 7 per step until `max` tokens,
+    /// and holds one "page" while running.
+    #[derive(Default)]
+    struct Fake {
+        running: Vec<(String, u32, u32)>, // id, produced, max
+        aborted: Vec<String>,
+        panic_on_step: bool,
+    }
+
+    const PAGES: usize = 10;
+
+    impl Backend for Fake {
+        fn info(&self) -> ModelInfo {
+            ModelInfo {
+                model_id: "fake".into(),
+                context_length: 64,
+                vocab_size: 100,
+                eos_token_ids: vec![2],
+                kv_layout: String::new(),
+                kv_layout_fingerprint: "0".repeat(16),
+                page_size: 16,
+                total_pages: PAGES as u32,
+                max_batch: 4,
+            }
+        }
+        fn free_pages(&self) -> usize {
+            PAGES - self.running.len()
+        }
+        fn submit(&mut self, req: GenRequest) -> Result<(), EngineError> {
+            if req.prompt.is_empty() {
+                return Err(EngineError::EmptyPrompt);
+            }
+            self.running
+                .push((req.id, 0, req.params.max_tokens.unwrap_or(3)));
+            Ok(())
+        }
+        fn abort(&mut self, id: &str) -> bool {
+            let before = self.running.len();
+            self.running.retain(|r| r.0 != id);
+            self.aborted.push(id.to_owned());
+            before != self.running.len()
+        }
+        fn step(&mut self) -> Vec<StepEvent> {
+            assert!(!self.panic_on_step, "kernel exploded");
+            let mut out = Vec::new();
+            for r in &mut self.running {
+                r.1 += 1;
+                let id: Arc<str> = r.0.as_str().into();
+                out.push(StepEvent::Token {
+                    id: id.clone(),
+                    token: 7,
+                    logprob: -0.5,
+                });
+                if r.1 == r.2 {
+                    out.push(StepEvent::Finished {
+                        id,
+                        reason: FinishReason::Length,
+                        matched_stop: None,
+                        matched_token: None,
+                        prompt_tokens: 1,
+                        completion_tokens: r.1,
+                        cached_tokens: 0,
+                    });
+                }
+            }
+            self.running.retain(|r| r.1 < r.2);
+            out
+        }
+        fn has_work(&self) -> bool {
+            !self.running.is_empty()
+        }
+    }
+
+    fn req(id: &str, max_tokens: u32) -> GenRequest {
+        GenRequest {
+            id: id.into(),
+            prompt: vec![5],
+            params: pdmesh_engine::SamplingParams::greedy(max_tokens),
+        }
+    }
+
+    fn drain(rx: &mut UnboundedReceiver<Event>) -> Vec<Event> {
+        std::iter::from_fn(|| rx.try_recv().ok()).collect()
+    }
+
+    fn run_to_end(core: &mut EngineCore<Fake>) {
+        while core.has_work() {
+            core.step();
+        }
+    }
+
+    #[test]
+    fn tokens_then_one_finished_go_to_the_submitting_channel() {
+        let mut core = EngineCore::new(Fake::default());
+        let (tx, mut rx) = unbounded_channel();
+        core.submit(req("a", 2), 1, tx).unwrap();
+        run_to_end(&mut core);
+        let events = drain(&mut rx);
+        assert_eq!(events.len(), 3, "{events:?}");
+        assert_eq!(
+            events[0],
+            Event::Token {
+                token: 7,
+                logprob: -0.5
+            }
+        );
+        assert!(
+            matches!(&events[2], Event::Finished(f) if f.reason == FinishReason::Length && f.completion_tokens == 2)
+        );
+        assert!(
+            rx.try_recv().is_err() && rx.is_closed(),
+            "the sender is dropped after Finished"
+        );
+    }
+
+    #[test]
+    fn rejected_submit_returns_the_engine_error_and_registers_nothing() {
+        let mut core = EngineCore::new(Fake::default());
+        let (tx, rx) = unbounded_channel();
+        let mut bad = req("a", 2);
+        bad.prompt.clear();
+        assert!(matches!(
+            core.submit(bad, 1, tx),
+            Err(EngineError::EmptyPrompt)
+        ));
+        assert!(rx.is_closed());
+        assert_eq!(core.info().unwrap().1, PAGES);
+    }
+
+    #[test]
+    fn abort_frees_the_request_and_tells_its_client() {
+        let mut core = EngineCore::new(Fake::default());
+        let (tx, mut rx) = unbounded_channel();
+        core.submit(req("a", 100), 1, tx).unwrap();
+        core.step();
+        assert_eq!(core.info().unwrap().1, PAGES - 1);
+        assert!(
+            !core.abort("a", Some(2)),
+            "a stale ticket does not abort a newer submission"
+        );
+        assert!(core.abort("a", Some(1)));
+        assert!(!core.abort("a", None), "already gone");
+        assert_eq!(core.info().unwrap().1, PAGES);
+        let events = drain(&mut rx);
+        assert!(
+            matches!(events.last(), Some(Event::Finished(f)) if f.reason == FinishReason::Abort && f.completion_tokens == 1 && f.prompt_tokens == 1)
+        );
+    }
+
+    #[test]
+    fn a_departed_client_is_aborted_at_the_next_step() {
+        let mut core = EngineCore::new(Fake::default());
+        let (tx, rx) = unbounded_channel();
+        core.submit(req("a", 100), 1, tx).unwrap();
+        core.step();
+        drop(rx);
+        core.step();
+        assert_eq!(core.engine.as_ref().unwrap().aborted, ["a"]);
+        assert_eq!(core.info().unwrap().1, PAGES);
+        assert!(!core.has_work());
+    }
+
+    #[test]
+    fn a_panicking_step_takes_the_engine_offline_and_ends_every_stream() {
+        let mut core = EngineCore::new(Fake::default());
+        let (tx, mut rx) = unbounded_channel();
+        core.submit(req("a", 100), 1, tx).unwrap();
+        core.engine.as_mut().unwrap().panic_on_step = true;
+        core.step();
+        assert!(
+            drain(&mut rx).is_empty() && rx.is_closed(),
+            "stream ends without Finished"
+        );
+        assert!(matches!(core.info(), Err(EngineError::Offline)));
+        let (tx, _rx) = unbounded_channel();
+        assert!(matches!(
+            core.submit(req("b", 1), 2, tx),
+            Err(EngineError::Offline)
+        ));
+    }
+
+    #[test]
+    fn abort_all_finishes_everyone() {
+        let mut core = EngineCore::new(Fake::default());
+        let (tx1, mut rx1) = unbounded_channel();
+        let (tx2, mut rx2) = unbounded_channel();
+        core.submit(req("a", 100), 1, tx1).unwrap();
+        core.submit(req("b", 100), 2, tx2).unwrap();
+        assert_eq!(core.abort_all(), 2);
+        for rx in [&mut rx1, &mut rx2] {
+            assert!(
+                matches!(drain(rx).last(), Some(Event::Finished(f)) if f.reason == FinishReason::Abort)
+            );
+        }
+        assert!(!core.has_work());
+    }
+}

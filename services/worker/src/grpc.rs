@@ -1,0 +1,237 @@
+//! gRPC ingress for `pdmesh.worker.v1.Worker`: the only module that touches prost types.
+//! It converts requests to engine types (proto3 `optional` defaults, UTF-8 checks) and
+//! engine events back to messages; all scheduling happens in the engine actor.
+
+use std::pin::Pin;
+
+use futures::{Stream, StreamExt};
+use pdmesh_engine::{FinishReason, GenRequest, ModelInfo, SamplingParams};
+use pdmesh_proto::worker::v1 as pb;
+use tonic::{Request, Response, Status};
+
+use crate::Error;
+use crate::actor::EngineHandle;
+use crate::engine_core::{Event, Finish};
+
+/// The tonic service: a handle to the engine actor.
+pub(crate) struct WorkerService {
+    engine: EngineHandle,
+}
+
+impl WorkerService {
+    pub(crate) fn new(engine: EngineHandle) -> Self {
+        Self { engine }
+    }
+}
+
+/// Proto sampling parameters → engine parameters. Absent optionals take the documented
+/// defaults; range checks are the engine's (`SamplingParams::validate`).
+pub(crate) fn sampling_params(p: Option<pb::SamplingParams>) -> Result<SamplingParams, Error> {
+    let p = p.unwrap_or_default();
+    let stop = p
+        .stop
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            String::from_utf8(s).map_err(|_| Error::InvalidUtf8 {
+                field: format!("stop[{i}]"),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(SamplingParams {
+        temperature: p.temperature.unwrap_or(1.0),
+        top_p: p.top_p.unwrap_or(1.0),
+        top_k: p.top_k.filter(|&k| k > 0).map_or(0, |k| k.unsigned_abs()),
+        min_p: p.min_p.unwrap_or(0.0),
+        frequency_penalty: p.frequency_penalty,
+        presence_penalty: p.presence_penalty,
+        repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
+        seed: p.seed,
+        max_tokens: (p.max_tokens > 0).then_some(p.max_tokens),
+        stop,
+        stop_token_ids: p.stop_token_ids,
+        ignore_eos: p.ignore_eos,
+    })
+}
+
+fn finish_reason(r: FinishReason) -> pb::FinishReason {
+    match r {
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Abort => pb::FinishReason::Abort,
+    }
+}
+
+fn response(event: Event) -> pb::GenerateResponse {
+    let kind = match event {
+        Event::Token { token, logprob } => pb::generate_response::Kind::Chunk(pb::TokenChunk {
+            token_ids: vec![token],
+            logprob,
+        }),
+        Event::Finished(Finish {
+            reason,
+            matched_stop,
+            matched_token,
+            prompt_tokens,
+            completion_tokens,
+            cached_tokens,
+        }) => pb::generate_response::Kind::Finished(pb::Finished {
+            reason: finish_reason(reason).into(),
+            matched_stop: matched_stop.map(String::into_bytes).unwrap_or_default(),
+            matched_token,
+            prompt_tokens,
+            completion_tokens,
+            cached_tokens,
+        }),
+    };
+    pb::GenerateResponse { kind: Some(kind) }
+}
+
+fn model_info(info: ModelInfo, free_pages: usize) -> pb::ModelInfoResponse {
+    pb::ModelInfoResponse {
+        model_id: info.model_id,
+        context_length: info.context_length,
+        vocab_size: info.vocab_size,
+        eos_token_ids: info.eos_token_ids,
+        kv_layout: info.kv_layout,
+        kv_layout_fingerprint: info.kv_layout_fingerprint,
+        page_size: info.page_size,
+        total_pages: info.total_pages,
+        free_pages: u32::try_from(free_pages).unwrap_or(u32::MAX),
+        max_batch: info.max_batch,
+    }
+}
+
+type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for WorkerService {
+    type GenerateStream = GenerateStream;
+
+    /// Streams one `TokenChunk` per token, then `Finished`. Dropping the response stream
+    /// (the client went away) aborts the request in the engine.
+    #[tracing::instrument(skip_all, fields(request_id = %request.get_ref().request_id, prompt_tokens = request.get_ref().input_ids.len()))]
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let req = request.into_inner();
+        let params = sampling_params(req.sampling)?;
+        let id = if req.request_id.is_empty() {
+            uuid::Uuid::new_v4().to_string()
+        } else {
+            req.request_id
+        };
+        let generation = self
+            .engine
+            .generate(GenRequest {
+                id,
+                prompt: req.input_ids,
+                params,
+            })
+            .await
+            .map_err(|e| Status::from(Error::from(e)))?;
+        let stream =
+            generation.map(|item| item.map(response).map_err(|e| Status::from(Error::from(e))));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    #[tracing::instrument(skip_all, fields(request_id = %request.get_ref().request_id))]
+    async fn abort(
+        &self,
+        request: Request<pb::AbortRequest>,
+    ) -> Result<Response<pb::AbortResponse>, Status> {
+        let found = self
+            .engine
+            .abort(request.into_inner().request_id)
+            .await
+            .map_err(Error::from)?;
+        Ok(Response::new(pb::AbortResponse { found }))
+    }
+
+    async fn health(
+        &self,
+        _request: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthResponse>, Status> {
+        Ok(Response::new(pb::HealthResponse {
+            ok: self.engine.connected() && self.engine.info().await.is_ok(),
+        }))
+    }
+
+    async fn model_info(
+        &self,
+        _request: Request<pb::ModelInfoRequest>,
+    ) -> Result<Response<pb::ModelInfoResponse>, Status> {
+        let (info, free) = self.engine.info().await.map_err(Error::from)?;
+        Ok(Response::new(model_info(info, free)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absent_optionals_take_the_documented_defaults() {
+        let p = sampling_params(Some(pb::SamplingParams::default())).unwrap();
+        assert_eq!(p, SamplingParams::default());
+        assert_eq!(sampling_params(None).unwrap(), SamplingParams::default());
+    }
+
+    #[test]
+    fn present_fields_are_kept_and_zero_means_unset() {
+        let p = sampling_params(Some(pb::SamplingParams {
+            temperature: Some(0.0),
+            top_p: Some(0.5),
+            top_k: Some(-3),
+            max_tokens: 0,
+            seed: Some(9),
+            stop: vec![b"\n\n".to_vec()],
+            ..Default::default()
+        }))
+        .unwrap();
+        assert_eq!(p.temperature, 0.0, "explicit 0 is greedy, not the default");
+        assert_eq!(p.top_p, 0.5);
+        assert_eq!(p.top_k, 0, "negative top_k disables it");
+        assert_eq!(p.max_tokens, None);
+        assert_eq!(p.seed, Some(9));
+        assert_eq!(p.stop, ["\n\n"]);
+        let p = sampling_params(Some(pb::SamplingParams {
+            top_k: Some(40),
+            max_tokens: 8,
+            ..Default::default()
+        }))
+        .unwrap();
+        assert_eq!((p.top_k, p.max_tokens), (40, Some(8)));
+    }
+
+    #[test]
+    fn invalid_utf8_stop_is_invalid_argument_naming_its_index() {
+        let err = sampling_params(Some(pb::SamplingParams {
+            stop: vec![b"ok".to_vec(), vec![0xc3]],
+            ..Default::default()
+        }))
+        .unwrap_err();
+        assert_eq!(err.to_string(), "stop[1] is not valid UTF-8");
+        assert_eq!(Status::from(err).code(), tonic::Code::InvalidArgument);
+    }
+
+    #[test]
+    fn engine_errors_map_to_client_and_server_codes() {
+        use pdmesh_engine::EngineError;
+        let code = |e: EngineError| Status::from(Error::from(e)).code();
+        assert_eq!(code(EngineError::EmptyPrompt), tonic::Code::InvalidArgument);
+        assert_eq!(
+            code(EngineError::PromptTooLong {
+                prompt: 9,
+                context: 8
+            }),
+            tonic::Code::InvalidArgument
+        );
+        assert_eq!(code(EngineError::Offline), tonic::Code::Unavailable);
+        assert_eq!(
+            code(EngineError::Unsupported("x".into())),
+            tonic::Code::Internal
+        );
+    }
+}

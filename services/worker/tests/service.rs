@@ -1,0 +1,436 @@
+//! Integration tests: the real worker (real model, real engine on its actor thread),
+//! started on 127.0.0.1:0 with a small KV pool and spoken to through the generated
+//! tonic client.
+
+use std::time::Duration;
+
+use pdmesh_proto::worker::v1 as pb;
+use pdmesh_proto::worker::v1::generate_response::Kind;
+use pdmesh_proto::worker::v1::worker_client::WorkerClient;
+use pdmesh_worker::{Config, Error, run};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+use tonic::{Code, Streaming};
+
+/// How long a test waits for something that should happen promptly before calling it hung.
+const HANG: Duration = Duration::from_secs(120);
+const KV_PAGES: u32 = 256;
+const MAX_CONTEXT: usize = 512;
+
+/// "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
+/// in the default model's vocabulary (as llama.cpp tokenizes it).
+const PROMPT: &[u32] = &[
+    1, 4093, 198, 19161, 253, 986, 1977, 563, 253, 17422, 30, 2, 198, 1, 520, 9531, 198,
+];
+
+struct Server {
+    shutdown: CancellationToken,
+    task: JoinHandle<Result<(), Error>>,
+    client: WorkerClient<Channel>,
+}
+
+async fn start() -> Server {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = CancellationToken::new();
+    let cfg = Config {
+        kv_pages: KV_PAGES as usize,
+        max_context: Some(MAX_CONTEXT),
+        max_batch: 8,
+        threads: 2,
+        ..Config::new(pdmesh_gguf::models::require_default_model())
+    };
+    let task = tokio::spawn(run(cfg, listener, shutdown.clone()));
+    // The listener is already bound: the connection waits in its backlog while the model
+    // loads.
+    let client = WorkerClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    Server {
+        shutdown,
+        task,
+        client,
+    }
+}
+
+fn greedy(max_tokens: u32) -> pb::SamplingParams {
+    pb::SamplingParams {
+        temperature: Some(0.0),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+fn request(id: &str, input_ids: &[u32], sampling: pb::SamplingParams) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        request_id: id.into(),
+        input_ids: input_ids.to_vec(),
+        sampling: Some(sampling),
+    }
+}
+
+/// Reads a Generate stream to its end: the tokens (one per chunk, checked) and Finished.
+async fn collect(mut stream: Streaming<pb::GenerateResponse>) -> (Vec<u32>, pb::Finished) {
+    let mut tokens = Vec::new();
+    let mut finished = None;
+    while let Some(msg) = tokio::time::timeout(HANG, stream.message())
+        .await
+        .expect("stream hung")
+        .unwrap()
+    {
+        assert!(finished.is_none(), "message after Finished: {msg:?}");
+        match msg.kind.expect("response without kind") {
+            Kind::Chunk(c) => {
+                assert_eq!(c.token_ids.len(), 1, "one token per chunk: {c:?}");
+                assert!(c.logprob <= 0.0 && c.logprob.is_finite(), "{c:?}");
+                tokens.extend(c.token_ids);
+            }
+            Kind::Finished(f) => finished = Some(f),
+        }
+    }
+    (tokens, finished.expect("stream ended without Finished"))
+}
+
+/// Reads one message and expects a token.
+async fn next_token(stream: &mut Streaming<pb::GenerateResponse>) -> u32 {
+    let msg = tokio::time::timeout(HANG, stream.message())
+        .await
+        .expect("stream hung")
+        .unwrap()
+        .expect("stream ended");
+    match msg.kind {
+        Some(Kind::Chunk(c)) => c.token_ids[0],
+        other => panic!("expected a token, got {other:?}"),
+    }
+}
+
+async fn free_pages(client: &mut WorkerClient<Channel>) -> u32 {
+    client
+        .model_info(pb::ModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .free_pages
+}
+
+/// Polls ModelInfo until `free_pages == want`, failing after [`HANG`].
+async fn wait_free_pages(client: &mut WorkerClient<Channel>, want: u32) {
+    let deadline = tokio::time::Instant::now() + HANG;
+    loop {
+        let free = free_pages(client).await;
+        if free == want {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "free_pages stuck at {free}, want {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_info_describes_the_configured_pool() {
+    let mut s = start().await;
+    assert!(
+        s.client
+            .health(pb::HealthRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .ok
+    );
+    let info = s
+        .client
+        .model_info(pb::ModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.vocab_size, 49_152);
+    assert_eq!(info.context_length, MAX_CONTEXT as u32);
+    assert_eq!(
+        (
+            info.page_size,
+            info.total_pages,
+            info.free_pages,
+            info.max_batch
+        ),
+        (16, KV_PAGES, KV_PAGES, 8)
+    );
+    assert!(info.eos_token_ids.contains(&2), "{:?}", info.eos_token_ids);
+    assert_eq!(info.kv_layout_fingerprint.len(), 16);
+    assert!(
+        info.kv_layout_fingerprint
+            .chars()
+            .all(|c| c.is_ascii_hexdigit()),
+        "{}",
+        info.kv_layout_fingerprint
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_generate_streams_each_token_then_finished_length() {
+    let mut s = start().await;
+    let stream = s
+        .client
+        .generate(request("g8", PROMPT, greedy(8)))
+        .await
+        .unwrap()
+        .into_inner();
+    let (tokens, finished) = collect(stream).await;
+    assert_eq!(tokens.len(), 8, "{tokens:?}");
+    assert!(tokens.iter().all(|&t| t < 49_152));
+    assert_eq!(finished.reason(), pb::FinishReason::Length);
+    assert_eq!(
+        (finished.prompt_tokens, finished.completion_tokens),
+        (PROMPT.len() as u32, 8)
+    );
+    assert!(
+        finished.matched_stop.is_empty() && finished.matched_token.is_none(),
+        "{finished:?}"
+    );
+    assert_eq!(
+        free_pages(&mut s.client).await,
+        KV_PAGES,
+        "pages returned after the request finished"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_identical_greedy_requests_get_identical_tokens() {
+    let s = start().await;
+    let (mut c1, mut c2) = (s.client.clone(), s.client.clone());
+    let (a, b) = tokio::join!(
+        async move {
+            collect(
+                c1.generate(request("twin-a", PROMPT, greedy(16)))
+                    .await
+                    .unwrap()
+                    .into_inner(),
+            )
+            .await
+        },
+        async move {
+            collect(
+                c2.generate(request("twin-b", PROMPT, greedy(16)))
+                    .await
+                    .unwrap()
+                    .into_inner(),
+            )
+            .await
+        },
+    );
+    assert_eq!(a.0.len(), 16);
+    assert_eq!(
+        a.0, b.0,
+        "batched greedy decoding must not depend on the batch"
+    );
+    assert_eq!(a.1.reason(), pb::FinishReason::Length);
+    assert_eq!(b.1.reason(), pb::FinishReason::Length);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_mid_stream_finishes_with_abort_and_frees_pages() {
+    let mut s = start().await;
+    let baseline = free_pages(&mut s.client).await;
+    let mut stream = s
+        .client
+        .generate(request("long", PROMPT, greedy(0)))
+        .await
+        .unwrap()
+        .into_inner();
+    next_token(&mut stream).await;
+    assert!(
+        free_pages(&mut s.client).await < baseline,
+        "a running request holds pages"
+    );
+
+    let found = s
+        .client
+        .abort(pb::AbortRequest {
+            request_id: "long".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .found;
+    assert!(found);
+    let (tokens, finished) = collect(stream).await;
+    assert_eq!(finished.reason(), pb::FinishReason::Abort);
+    assert_eq!(finished.prompt_tokens, PROMPT.len() as u32);
+    assert_eq!(
+        finished.completion_tokens as usize,
+        tokens.len() + 1,
+        "counts the token read before the abort"
+    );
+    // The abort is answered after the engine released the pages.
+    assert_eq!(free_pages(&mut s.client).await, baseline);
+    let again = s
+        .client
+        .abort(pb::AbortRequest {
+            request_id: "long".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!again.found, "an aborted request is gone");
+}
+
+/// A client that drops its Generate stream mid-generation must not keep the request
+/// running. A second request decoding in the same batch is the clock: the dropped one
+/// would need hundreds more steps to end by itself, so it must be gone within far fewer
+/// of the witness's tokens (no wall-clock timing involved).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_client_stream_aborts_the_request() {
+    let mut s = start().await;
+    let baseline = free_pages(&mut s.client).await;
+    let mut leaver = s
+        .client
+        .generate(request("leaver", PROMPT, greedy(0)))
+        .await
+        .unwrap()
+        .into_inner();
+    next_token(&mut leaver).await;
+    let mut witness = s
+        .client
+        .generate(request("witness", PROMPT, greedy(0)))
+        .await
+        .unwrap()
+        .into_inner();
+    next_token(&mut witness).await;
+    drop(leaver);
+
+    let mut witnessed = 0;
+    loop {
+        // Reusing the id is refused while the dropped request still runs.
+        match s
+            .client
+            .generate(request("leaver", PROMPT, greedy(1)))
+            .await
+        {
+            Ok(stream) => {
+                let (tokens, _) = collect(stream.into_inner()).await;
+                assert_eq!(tokens.len(), 1);
+                break;
+            }
+            Err(e) => assert!(e.message().contains("already running"), "{e:?}"),
+        }
+        next_token(&mut witness).await;
+        witnessed += 1;
+        assert!(
+            witnessed < 200,
+            "the dropped request was still running {witnessed} steps later"
+        );
+    }
+    drop(witness);
+    wait_free_pages(&mut s.client, baseline).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_invalid_argument_and_hold_nothing() {
+    let mut s = start().await;
+    let baseline = free_pages(&mut s.client).await;
+    let long_prompt: Vec<u32> = PROMPT
+        .iter()
+        .copied()
+        .cycle()
+        .take(MAX_CONTEXT + 40)
+        .collect();
+    let mut out_of_vocab = PROMPT.to_vec();
+    out_of_vocab[3] = 49_152;
+    let cases: Vec<(&str, pb::GenerateRequest)> = vec![
+        (
+            "temperature",
+            request(
+                "t",
+                PROMPT,
+                pb::SamplingParams {
+                    temperature: Some(-1.0),
+                    ..greedy(4)
+                },
+            ),
+        ),
+        (
+            "top_p",
+            request(
+                "p",
+                PROMPT,
+                pb::SamplingParams {
+                    top_p: Some(0.0),
+                    ..greedy(4)
+                },
+            ),
+        ),
+        ("empty", request("e", &[], greedy(4))),
+        ("context length", request("l", &long_prompt, greedy(4))),
+        (
+            "exceeds the context length",
+            request("m", PROMPT, greedy(MAX_CONTEXT as u32)),
+        ),
+        ("vocabulary", request("v", &out_of_vocab, greedy(4))),
+        (
+            "stop[1] is not valid UTF-8",
+            request(
+                "s",
+                PROMPT,
+                pb::SamplingParams {
+                    stop: vec![b"ok".to_vec(), vec![0xff, 0xfe]],
+                    ..greedy(4)
+                },
+            ),
+        ),
+    ];
+    for (needle, req) in cases {
+        let id = req.request_id.clone();
+        let err = s.client.generate(req).await.map(|_| ()).unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{needle}: {err:?}");
+        assert!(
+            err.message().contains(needle),
+            "{needle:?} not in {:?}",
+            err.message()
+        );
+        let found = s
+            .client
+            .abort(pb::AbortRequest { request_id: id })
+            .await
+            .unwrap()
+            .into_inner()
+            .found;
+        assert!(!found, "{needle}: a rejected request must not be running");
+    }
+    assert_eq!(free_pages(&mut s.client).await, baseline);
+    // The worker still serves after rejecting all of that.
+    let (tokens, _) = collect(
+        s.client
+            .generate(request("ok", PROMPT, greedy(2)))
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await;
+    assert_eq!(tokens.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_aborts_running_requests_and_stops_the_server() {
+    let mut s = start().await;
+    let mut stream = s
+        .client
+        .generate(request("bye", PROMPT, greedy(0)))
+        .await
+        .unwrap()
+        .into_inner();
+    next_token(&mut stream).await;
+    s.shutdown.cancel();
+    let (_, finished) = collect(stream).await;
+    assert_eq!(finished.reason(), pb::FinishReason::Abort);
+    drop(s.client);
+    let result = tokio::time::timeout(HANG, s.task)
+        .await
+        .expect("worker did not stop")
+        .unwrap();
+    assert!(result.is_ok(), "{result:?}");
+}
