@@ -261,7 +261,7 @@ mod tests {
         let mut row = Vec::new();
         for b in 0..2 {
             row.extend(f16::from_f32(0.02 * (b + 1) as f32).to_le_bytes());
-            row.extend((0..32).map(|j| ((j * 11 + b * 3) as i32 % 255 - 127) as i8 as u8));
+            row.extend((0..32).map(|j| ((j * 11 + b * 3) % 255 - 127) as i8 as u8));
         }
         let mut w = vec![0f32; n];
         dequantize(GgmlType::Q8_0, &row, &mut w);

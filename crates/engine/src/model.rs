@@ -54,7 +54,7 @@ impl LlamaConfig {
             context_length: g.get_u64(&k("context_length"))? as usize,
             vocab,
         };
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || dim % heads != 0 || head_dim % 2 != 0 {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) || !dim.is_multiple_of(heads) || !head_dim.is_multiple_of(2) {
             return Err(EngineError::Unsupported(format!("head layout {heads}/{kv_heads} for dim {dim}")));
         }
         Ok(cfg)

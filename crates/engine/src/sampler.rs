@@ -34,10 +34,10 @@ impl Sampler {
         if p.repetition_penalty != 1.0 {
             let mut seen = std::collections::HashSet::new();
             for &t in context {
-                if seen.insert(t) {
-                    if let Some(l) = logits.get_mut(t as usize) {
-                        *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
-                    }
+                if seen.insert(t)
+                    && let Some(l) = logits.get_mut(t as usize)
+                {
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
                 }
             }
         }

@@ -254,12 +254,8 @@ mod tests {
         let mut b = h(1.0).to_vec();
         b.extend(h(0.0));
         let mut sc = [0u8; 12];
-        for j in 0..4 {
-            sc[j] = 1;
-        }
-        for j in 8..12 {
-            sc[j] = 1; // sub-blocks 4..7 low nibble scale 1, min 0
-        }
+        sc[..4].fill(1);
+        sc[8..12].fill(1); // sub-blocks 4..7: low nibble scale 1, min 0
         b.extend(sc);
         b.extend([0x33u8; 128]);
         let mut out = [0f32; 256];
