@@ -8,12 +8,33 @@ use half::f16;
 
 use crate::QActs;
 
+/// AVX-512 VNNI (with VL) for the integer dot products. Integer sums are exact on both
+/// paths, so this changes speed, never results.
+pub(crate) fn has_vnni() -> bool {
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    *VNNI.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            has_avx2()
+                && std::env::var("PDMESH_KERNELS").as_deref() != Ok("avx2")
+                && std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512vl")
+                && std::is_x86_feature_detected!("avx512vnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 pub(crate) fn has_avx2() -> bool {
     static AVX2: OnceLock<bool> = OnceLock::new();
     *AVX2.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            std::is_x86_feature_detected!("avx2")
+            std::env::var("PDMESH_KERNELS").as_deref() != Ok("scalar")
+                && std::is_x86_feature_detected!("avx2")
                 && std::is_x86_feature_detected!("fma")
                 && std::is_x86_feature_detected!("f16c")
         }
@@ -32,9 +53,15 @@ fn f16le(b: &[u8], i: usize) -> f32 {
 /// Q4_1 weights (20-byte blocks: d, m, 16 nibble bytes) · Q8_1 activations.
 pub(crate) fn q4_1_q8_1<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
     #[cfg(target_arch = "x86_64")]
+    if has_vnni() {
+        // SAFETY: the CPU supports every feature the function enables (checked above);
+        // slice lengths are asserted inside.
+        return unsafe { avx2::q4_1_q8_1_vnni(row, acts) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        // SAFETY: the CPU supports avx2, fma and f16c (checked above); slices are
-        // bounds-checked by the callers' shapes, asserted inside.
+        // SAFETY: the CPU supports avx2, fma and f16c (checked above); slice lengths are
+        // asserted inside.
         return unsafe { avx2::q4_1_q8_1(row, acts) };
     }
     let mut out = [0f32; N];
@@ -56,6 +83,11 @@ pub(crate) fn q4_1_q8_1<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; 
 
 /// Q8_0 weights (34-byte blocks: d, 32 i8) · Q8_0 activations.
 pub(crate) fn q8_0_q8_0<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    if has_vnni() {
+        // SAFETY: as above.
+        return unsafe { avx2::q8_0_q8_0_vnni(row, acts) };
+    }
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: as above.
@@ -139,72 +171,100 @@ mod avx2 {
         (o[0], o[1])
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn q4_1_q8_1<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
-        let nb = row.len() / 20;
-        for a in &acts {
-            assert!(a.qs.len() >= nb * 32 && a.d.len() >= nb && a.s.len() >= nb);
-        }
-        let lowmask = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut summs = [0f32; N];
-        for b in 0..nb {
-            // SAFETY: b < nb, so bytes 20b..20b+20 are in `row`; activations checked above.
-            unsafe {
-                let blk = row.as_ptr().add(20 * b);
-                let (dw, mw) = f16x2(blk);
-                let tmp = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                let bytes = _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1);
-                let qx = _mm256_and_si256(lowmask, bytes);
-                for t in 0..N {
-                    let a = acts[t];
-                    let qy = _mm256_loadu_si256(a.qs.as_ptr().add(32 * b) as *const __m256i);
-                    let xy = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), ones));
-                    let d = _mm256_set1_ps(dw * *a.d.get_unchecked(b));
-                    acc[t] = _mm256_fmadd_ps(d, xy, acc[t]);
-                    summs[t] += mw * *a.s.get_unchecked(b);
+    /// Q4_1 · Q8_1 for N tokens: each weight block is unpacked once and dotted with every
+    /// token's block; per token the float work is one scale, one FMA and the min term.
+    macro_rules! q4_1_kernel {
+        ($name:ident, $features:literal, $dot:ident) => {
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
+                let nb = row.len() / 20;
+                for a in &acts {
+                    assert!(a.qs.len() >= nb * 32 && a.d.len() >= nb && a.s.len() >= nb);
                 }
+                let lowmask = _mm256_set1_epi8(0x0F);
+                let mut acc = [_mm256_setzero_ps(); N];
+                let mut summs = [0f32; N];
+                for b in 0..nb {
+                    // SAFETY: block b lies within `row`; activations checked above.
+                    unsafe {
+                        let blk = row.as_ptr().add(20 * b);
+                        let (dw, mw) = f16x2(blk);
+                        let tmp = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                        let bytes = _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1);
+                        let qx = _mm256_and_si256(lowmask, bytes);
+                        for t in 0..N {
+                            let a = acts[t];
+                            let qy = _mm256_loadu_si256(a.qs.as_ptr().add(32 * b) as *const __m256i);
+                            let xy = _mm256_cvtepi32_ps($dot(qx, qy));
+                            let d = _mm256_set1_ps(dw * *a.d.get_unchecked(b));
+                            acc[t] = _mm256_fmadd_ps(d, xy, acc[t]);
+                            summs[t] += mw * *a.s.get_unchecked(b);
+                        }
+                    }
+                }
+                let mut out = [0f32; N];
+                for t in 0..N {
+                    out[t] = hsum(acc[t]) + summs[t];
+                }
+                out
             }
-        }
-        let mut out = [0f32; N];
-        for t in 0..N {
-            out[t] = hsum(acc[t]) + summs[t];
-        }
-        out
+        };
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn q8_0_q8_0<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
-        let nb = row.len() / 34;
-        for a in &acts {
-            assert!(a.qs.len() >= nb * 32 && a.d.len() >= nb);
-        }
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); N];
-        for b in 0..nb {
-            // SAFETY: block b lies within `row`; activations checked above.
-            unsafe {
-                let blk = row.as_ptr().add(34 * b);
-                let dw = half::f16::from_le_bytes([*blk, *blk.add(1)]).to_f32();
-                let qx = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                let ax = _mm256_sign_epi8(qx, qx);
-                for t in 0..N {
-                    let a = acts[t];
-                    let qy = _mm256_loadu_si256(a.qs.as_ptr().add(32 * b) as *const __m256i);
-                    let sy = _mm256_sign_epi8(qy, qx);
-                    let xy = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones));
-                    let d = _mm256_set1_ps(dw * *a.d.get_unchecked(b));
-                    acc[t] = _mm256_fmadd_ps(d, xy, acc[t]);
+    /// Q8_0 · Q8_0 for N tokens, in the same shape as the Q4_1 kernel.
+    macro_rules! q8_0_kernel {
+        ($name:ident, $features:literal, $dot:ident) => {
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
+                let nb = row.len() / 34;
+                for a in &acts {
+                    assert!(a.qs.len() >= nb * 32 && a.d.len() >= nb);
                 }
+                let mut acc = [_mm256_setzero_ps(); N];
+                for b in 0..nb {
+                    // SAFETY: block b lies within `row`; activations checked above.
+                    unsafe {
+                        let blk = row.as_ptr().add(34 * b);
+                        let dw = half::f16::from_le_bytes([*blk, *blk.add(1)]).to_f32();
+                        let qx = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                        let ax = _mm256_sign_epi8(qx, qx);
+                        for t in 0..N {
+                            let a = acts[t];
+                            let qy = _mm256_loadu_si256(a.qs.as_ptr().add(32 * b) as *const __m256i);
+                            let sy = _mm256_sign_epi8(qy, qx);
+                            let xy = _mm256_cvtepi32_ps($dot(ax, sy));
+                            let d = _mm256_set1_ps(dw * *a.d.get_unchecked(b));
+                            acc[t] = _mm256_fmadd_ps(d, xy, acc[t]);
+                        }
+                    }
+                }
+                let mut out = [0f32; N];
+                for t in 0..N {
+                    out[t] = hsum(acc[t]);
+                }
+                out
             }
-        }
-        let mut out = [0f32; N];
-        for t in 0..N {
-            out[t] = hsum(acc[t]);
-        }
-        out
+        };
     }
+
+    /// u8 × i8 products of 32 lanes summed in groups of four into eight i32 (exact).
+    #[inline(always)]
+    unsafe fn dot_avx2(x: __m256i, y: __m256i) -> __m256i {
+        // SAFETY: only called from functions that enable avx2.
+        unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1)) }
+    }
+
+    /// The same sums with one VNNI instruction.
+    #[inline(always)]
+    unsafe fn dot_vnni(x: __m256i, y: __m256i) -> __m256i {
+        // SAFETY: only called from functions that enable avx512vnni and avx512vl.
+        unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), x, y) }
+    }
+
+    q4_1_kernel!(q4_1_q8_1, "avx2,fma,f16c", dot_avx2);
+    q4_1_kernel!(q4_1_q8_1_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_vnni);
+    q8_0_kernel!(q8_0_q8_0, "avx2,fma,f16c", dot_avx2);
+    q8_0_kernel!(q8_0_q8_0_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_vnni);
 }
 
 #[cfg(test)]
@@ -253,6 +313,44 @@ mod tests {
             let exact = f32_dot(&w, &xs[t]);
             assert!((one[0] - exact).abs() < 0.02 * exact.abs().max(1.0), "{} vs {exact}", one[0]);
         }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn vnni_and_avx2_paths_agree_bit_for_bit() {
+        if !has_vnni() {
+            eprintln!("no AVX-512 VNNI here: nothing to compare");
+            return;
+        }
+        let n = 2560; // more than one 64-block segment
+        let row = row_q4_1(n, 3);
+        let xs: Vec<QActs> = (0..4)
+            .map(|t| {
+                let mut q = QActs::default();
+                quantize_q8_1(&acts(n, t as f32), &mut q);
+                q
+            })
+            .collect();
+        let g = [&xs[0], &xs[1], &xs[2], &xs[3]];
+        // SAFETY: has_vnni() implies every feature both functions enable.
+        let (a, b) = unsafe { (avx2::q4_1_q8_1(&row, g), avx2::q4_1_q8_1_vnni(&row, g)) };
+        assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits));
+        let mut row8 = Vec::new();
+        for b in 0..n / 32 {
+            row8.extend(f16::from_f32(0.01 * (b % 7 + 1) as f32).to_le_bytes());
+            row8.extend((0..32).map(|j| ((j * 13 + b * 5) % 255) as u8 ^ 0x80));
+        }
+        let xs8: Vec<QActs> = (0..4)
+            .map(|t| {
+                let mut q = QActs::default();
+                quantize_q8_0(&acts(n, t as f32 + 0.5), &mut q);
+                q
+            })
+            .collect();
+        let g = [&xs8[0], &xs8[1], &xs8[2], &xs8[3]];
+        // SAFETY: as above.
+        let (a, b) = unsafe { (avx2::q8_0_q8_0(&row8, g), avx2::q8_0_q8_0_vnni(&row8, g)) };
+        assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits));
     }
 
     #[test]

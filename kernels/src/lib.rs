@@ -10,10 +10,17 @@ mod dot;
 mod matmul;
 mod quant;
 
-pub use matmul::{matmul, QMatrix};
+pub use matmul::{matmul, matmul_many, QMatrix};
 pub use quant::{quantize_q8_0, quantize_q8_1, QActs};
 
-/// Whether the AVX2+FMA paths are used on this machine (decided once per process).
+/// Which kernel family runs on this machine, decided once per process from the CPU's
+/// features; `PDMESH_KERNELS=avx2` or `=scalar` forces a lesser one (for comparisons).
 pub fn simd_level() -> &'static str {
-    if dot::has_avx2() { "avx2+fma" } else { "scalar" }
+    if dot::has_vnni() {
+        "avx512vnni"
+    } else if dot::has_avx2() {
+        "avx2+fma"
+    } else {
+        "scalar"
+    }
 }

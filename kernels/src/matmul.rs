@@ -40,46 +40,81 @@ enum Acts {
     F32,
 }
 
+fn quantize_all(x: &[f32], cols: usize, f: fn(&[f32], &mut QActs)) -> Vec<QActs> {
+    x.chunks_exact(cols)
+        .map(|xt| {
+            let mut q = QActs::default();
+            f(xt, &mut q);
+            q
+        })
+        .collect()
+}
+
+thread_local! {
+    /// Row-major staging buffer reused across calls on the same thread.
+    static STAGING: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `t` tokens; `x` is `t × cols`, `out` is `t × rows`.
 pub fn matmul(pool: &rayon::ThreadPool, w: &QMatrix<'_>, x: &[f32], t: usize, out: &mut [f32]) {
-    let (rows, cols) = (w.rows, w.cols);
+    matmul_many(pool, &[w], x, t, &mut [out]);
+}
+
+/// Several matrices applied to the same input in one parallel region (Q, K and V; gate and
+/// up). `outs[i]` is `t × ws[i].rows`. Each row is still computed by one thread in the
+/// same order as [`matmul`] computes it, so results are identical.
+pub fn matmul_many(pool: &rayon::ThreadPool, ws: &[&QMatrix<'_>], x: &[f32], t: usize, outs: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len());
+    let cols = ws[0].cols;
     assert_eq!(x.len(), t * cols, "input is not {t} x {cols}");
-    assert_eq!(out.len(), t * rows, "output is not {t} x {rows}");
+    for (w, o) in ws.iter().zip(outs.iter()) {
+        assert_eq!(w.cols, cols, "matrices of one call share their input width");
+        assert_eq!(o.len(), t * w.rows, "output is not {t} x {}", w.rows);
+    }
     if t == 0 {
         return;
     }
-    let quant = |f: fn(&[f32], &mut QActs)| {
-        x.chunks_exact(cols)
-            .map(|xt| {
-                let mut q = QActs::default();
-                f(xt, &mut q);
-                q
-            })
-            .collect::<Vec<_>>()
+    let need = |f: fn(GgmlType) -> bool| ws.iter().any(|w| f(w.ty));
+    let q8_1 = need(|ty| ty == GgmlType::Q4_1).then(|| Acts::Q8_1(quantize_all(x, cols, quantize_q8_1)));
+    let q8_0 = need(|ty| matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0))
+        .then(|| Acts::Q8_0(quantize_all(x, cols, quantize_q8_0)));
+    let f32_acts = Acts::F32;
+    let acts_for = |ty: GgmlType| match ty {
+        GgmlType::Q4_1 => q8_1.as_ref().expect("quantized above"),
+        GgmlType::Q8_0 | GgmlType::Q4_0 => q8_0.as_ref().expect("quantized above"),
+        _ => &f32_acts,
     };
-    let acts = match w.ty {
-        GgmlType::Q4_1 => Acts::Q8_1(quant(quantize_q8_1)),
-        GgmlType::Q8_0 | GgmlType::Q4_0 => Acts::Q8_0(quant(quantize_q8_0)),
-        _ => Acts::F32,
-    };
-    // Row-major by weight row: each task owns whole rows.
-    let mut tmp = vec![0f32; rows * t];
+    // Global row index -> (matrix, row): matrices laid end to end.
+    let starts: Vec<usize> = ws.iter().scan(0, |acc, w| {
+        let s = *acc;
+        *acc += w.rows;
+        Some(s)
+    }).collect();
+    let total_rows: usize = ws.iter().map(|w| w.rows).sum();
     let threads = pool.current_num_threads().max(1);
-    let rows_per_task = rows.div_ceil(threads * 4).max(8);
-    pool.install(|| {
-        tmp.par_chunks_mut(rows_per_task * t).enumerate().for_each(|(ci, chunk)| {
-            let mut scratch = Vec::new();
-            for (ri, o) in chunk.chunks_exact_mut(t).enumerate() {
-                let r = ci * rows_per_task + ri;
-                row_times_tokens(w, r, x, &acts, o, &mut scratch);
-            }
+    let rows_per_task = total_rows.div_ceil(threads * 4).max(8);
+    STAGING.with_borrow_mut(|tmp| {
+        tmp.resize(total_rows * t, 0.0);
+        pool.install(|| {
+            tmp.par_chunks_mut(rows_per_task * t).enumerate().for_each(|(ci, chunk)| {
+                let mut scratch = Vec::new();
+                for (ri, o) in chunk.chunks_exact_mut(t).enumerate() {
+                    let g = ci * rows_per_task + ri;
+                    let m = starts.partition_point(|&s| s <= g) - 1;
+                    row_times_tokens(ws[m], g - starts[m], x, acts_for(ws[m].ty), o, &mut scratch);
+                }
+            });
         });
-    });
-    for r in 0..rows {
-        for tt in 0..t {
-            out[tt * rows + r] = tmp[r * t + tt];
+        for (m, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+            let base = starts[m];
+            for r in 0..w.rows {
+                let src = &tmp[(base + r) * t..(base + r + 1) * t];
+                for (tt, v) in src.iter().enumerate() {
+                    out[tt * w.rows + r] = *v;
+                }
+            }
         }
-    }
+    });
 }
 
 fn row_times_tokens(w: &QMatrix<'_>, r: usize, x: &[f32], acts: &Acts, o: &mut [f32], scratch: &mut Vec<f32>) {
@@ -160,6 +195,23 @@ mod tests {
         w.dequantize_row(3, &mut wr);
         let exact: f32 = wr.iter().zip(&x[..cols]).map(|(a, b)| a * b).sum();
         assert!((all[3] - exact).abs() < 0.03 * exact.abs().max(1.0), "{} vs {exact}", all[3]);
+    }
+
+    #[test]
+    fn fused_matrices_equal_separate_calls() {
+        let cols = 64;
+        let (a, b) = (q4_1_matrix(20, cols), q4_1_matrix(9, cols));
+        let (wa, wb) = (QMatrix::new(GgmlType::Q4_1, &a, 20, cols), QMatrix::new(GgmlType::Q4_1, &b, 9, cols));
+        let t = 5;
+        let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.31).sin()).collect();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let (mut oa, mut ob) = (vec![0f32; t * 20], vec![0f32; t * 9]);
+        matmul_many(&pool, &[&wa, &wb], &x, t, &mut [&mut oa, &mut ob]);
+        let (mut sa, mut sb) = (vec![0f32; t * 20], vec![0f32; t * 9]);
+        matmul(&pool, &wa, &x, t, &mut sa);
+        matmul(&pool, &wb, &x, t, &mut sb);
+        assert_eq!(oa, sa);
+        assert_eq!(ob, sb);
     }
 
     #[test]

@@ -24,8 +24,11 @@ fn quantize_block(x: &[f32], qs: &mut [i8]) -> (f32, i32) {
     let d = amax / 127.0;
     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     let mut sum = 0i32;
+    // 1.5 * 2^23: adding and subtracting it rounds half to even in the default FP mode,
+    // exactly, for |v| < 2^22, without a libm call (|v * id| <= 127 here).
+    const MAGIC: f32 = 12_582_912.0;
     for (q, &v) in qs.iter_mut().zip(x) {
-        let r = (v * id).round_ties_even() as i32;
+        let r = ((v * id + MAGIC) - MAGIC) as i32;
         *q = r as i8;
         sum += r;
     }
@@ -60,6 +63,19 @@ pub fn quantize_q8_1(x: &[f32], out: &mut QActs) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rounding_is_half_to_even() {
+        let mut x = vec![0f32; 32];
+        x[0] = 127.0; // amax 127 -> id 1: values map to themselves
+        x[1] = 2.5;
+        x[2] = 3.5;
+        x[3] = -2.5;
+        x[4] = 0.4999;
+        let mut q = QActs::default();
+        quantize_q8_0(&x, &mut q);
+        assert_eq!(&q.qs[..5], &[127, 2, 4, -2, 0]);
+    }
 
     #[test]
     fn q8_blocks_round_trip_within_half_a_step() {

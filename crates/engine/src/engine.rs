@@ -372,7 +372,10 @@ impl Engine {
             }
         }
         let seq_pages: Vec<&[PageId]> = plan.iter().map(|&(i, _)| self.running[i].pages.as_slice()).collect();
-        let logits = self.model.forward(&self.tp, &mut self.pool, &seq_pages, &batch);
+        // Run the whole pass on the compute pool, so its parallel loops do not hand work
+        // across threads and back for every matrix.
+        let (model, pool, tp) = (&self.model, &mut self.pool, &self.tp);
+        let logits = tp.install(|| model.forward(tp, pool, &seq_pages, &batch));
         let mut logits = logits.into_iter();
         let mut done = Vec::new();
         for &(i, take) in &plan {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pdmesh_gguf::GgufFile;
-use pdmesh_kernels::{matmul, QMatrix};
+use pdmesh_kernels::{matmul, matmul_many, QMatrix};
 use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
 use rayon::prelude::*;
 
@@ -173,9 +173,8 @@ impl LlamaModel {
         let (mut g, mut u) = (vec![0f32; t * c.ffn], vec![0f32; t * c.ffn]);
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
-            matmul(tp, &self.m(&layer.wq), &h, t, &mut q);
-            matmul(tp, &self.m(&layer.wk), &h, t, &mut k);
-            matmul(tp, &self.m(&layer.wv), &h, t, &mut v);
+            let (wq, wk, wv) = (self.m(&layer.wq), self.m(&layer.wk), self.m(&layer.wv));
+            matmul_many(tp, &[&wq, &wk, &wv], &h, t, &mut [&mut q, &mut k, &mut v]);
             for (i, (cos, sin)) in rope.iter().enumerate() {
                 for head in q[i * d..(i + 1) * d].chunks_exact_mut(hd) {
                     apply_rope(head, cos, sin);
@@ -196,8 +195,8 @@ impl LlamaModel {
             matmul(tp, &self.m(&layer.wo), &att, t, &mut o);
             add_in_place(&mut x, &o);
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
-            matmul(tp, &self.m(&layer.w_gate), &h, t, &mut g);
-            matmul(tp, &self.m(&layer.w_up), &h, t, &mut u);
+            let (wg, wu) = (self.m(&layer.w_gate), self.m(&layer.w_up));
+            matmul_many(tp, &[&wg, &wu], &h, t, &mut [&mut g, &mut u]);
             for (gi, ui) in g.iter_mut().zip(&u) {
                 *gi = *gi / (1.0 + (-*gi).exp()) * ui;
             }
