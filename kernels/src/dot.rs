@@ -126,6 +126,63 @@ pub(crate) fn q4_0_q8_0<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; 
     out
 }
 
+/// Weight formats with an integer dot product against quantized activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum IntKind {
+    /// Q4_1 weights, Q8_1 activations.
+    Q4_1,
+    /// Q8_0 weights, Q8_0 activations.
+    Q8_0,
+    /// Q4_0 weights, Q8_0 activations.
+    Q4_0,
+}
+
+/// A row times N tokens.
+type RowFn<const N: usize> = fn(&[u8], [&QActs; N]) -> [f32; N];
+
+/// Rows of `data` (`rb` bytes each) times every token's activations; `out` is
+/// rows × tokens, row-major. Each (row, token) result equals the per-row functions'.
+pub(crate) fn rows(kind: IntKind, data: &[u8], rb: usize, acts: &[QActs], out: &mut [f32]) {
+    assert_eq!(out.len(), data.len() / rb * acts.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_vnni() && kind != IntKind::Q4_0 {
+        // SAFETY: the CPU has every feature these functions enable; lengths asserted inside.
+        unsafe {
+            match kind {
+                IntKind::Q4_1 => avx2::q4_1_rows_vnni(data, rb, acts, out),
+                _ => avx2::q8_0_rows_vnni(data, rb, acts, out),
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && kind != IntKind::Q4_0 {
+        // SAFETY: as above.
+        unsafe {
+            match kind {
+                IntKind::Q4_1 => avx2::q4_1_rows(data, rb, acts, out),
+                _ => avx2::q8_0_rows(data, rb, acts, out),
+            }
+        }
+        return;
+    }
+    let t = acts.len();
+    let n4 = t / 4 * 4;
+    for (row, o) in data.chunks_exact(rb).zip(out.chunks_exact_mut(t)) {
+        let (four, one): (RowFn<4>, RowFn<1>) = match kind {
+            IntKind::Q4_1 => (q4_1_q8_1::<4>, q4_1_q8_1::<1>),
+            IntKind::Q8_0 => (q8_0_q8_0::<4>, q8_0_q8_0::<1>),
+            IntKind::Q4_0 => (q4_0_q8_0::<4>, q4_0_q8_0::<1>),
+        };
+        for g in (0..n4).step_by(4) {
+            o[g..g + 4].copy_from_slice(&four(row, [&acts[g], &acts[g + 1], &acts[g + 2], &acts[g + 3]]));
+        }
+        for tt in n4..t {
+            o[tt] = one(row, [&acts[tt]])[0];
+        }
+    }
+}
+
 /// Plain f32 dot product in a fixed (sequential) order.
 pub(crate) fn f32_dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
@@ -175,6 +232,7 @@ mod avx2 {
     /// token's block; per token the float work is one scale, one FMA and the min term.
     macro_rules! q4_1_kernel {
         ($name:ident, $features:literal, $dot:ident) => {
+            #[inline]
             #[target_feature(enable = $features)]
             pub(super) unsafe fn $name<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
                 let nb = row.len() / 20;
@@ -214,6 +272,7 @@ mod avx2 {
     /// Q8_0 · Q8_0 for N tokens, in the same shape as the Q4_1 kernel.
     macro_rules! q8_0_kernel {
         ($name:ident, $features:literal, $dot:ident) => {
+            #[inline]
             #[target_feature(enable = $features)]
             pub(super) unsafe fn $name<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; N] {
                 let nb = row.len() / 34;
@@ -261,10 +320,38 @@ mod avx2 {
         unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), x, y) }
     }
 
+    /// Every row of `data` (`rb` bytes each) times every token: tokens in groups of four
+    /// share one pass over a row, the rest go one at a time. Dispatch happens once per
+    /// call, not per row.
+    macro_rules! rows_fn {
+        ($rows:ident, $kernel:ident, $features:literal) => {
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $rows(data: &[u8], rb: usize, acts: &[QActs], out: &mut [f32]) {
+                let t = acts.len();
+                let n4 = t / 4 * 4;
+                for (row, o) in data.chunks_exact(rb).zip(out.chunks_exact_mut(t)) {
+                    for g in (0..n4).step_by(4) {
+                        // SAFETY: the kernel enables the same features as this function.
+                        let r = unsafe { $kernel::<4>(row, [&acts[g], &acts[g + 1], &acts[g + 2], &acts[g + 3]]) };
+                        o[g..g + 4].copy_from_slice(&r);
+                    }
+                    for tt in n4..t {
+                        // SAFETY: as above.
+                        o[tt] = unsafe { $kernel::<1>(row, [&acts[tt]]) }[0];
+                    }
+                }
+            }
+        };
+    }
+
     q4_1_kernel!(q4_1_q8_1, "avx2,fma,f16c", dot_avx2);
     q4_1_kernel!(q4_1_q8_1_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_vnni);
     q8_0_kernel!(q8_0_q8_0, "avx2,fma,f16c", dot_avx2);
     q8_0_kernel!(q8_0_q8_0_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_vnni);
+    rows_fn!(q4_1_rows, q4_1_q8_1, "avx2,fma,f16c");
+    rows_fn!(q4_1_rows_vnni, q4_1_q8_1_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+    rows_fn!(q8_0_rows, q8_0_q8_0, "avx2,fma,f16c");
+    rows_fn!(q8_0_rows_vnni, q8_0_q8_0_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
 }
 
 #[cfg(test)]

@@ -50,14 +50,18 @@ fn quantize_all(x: &[f32], cols: usize, f: fn(&[f32], &mut QActs)) -> Vec<QActs>
         .collect()
 }
 
-thread_local! {
-    /// Row-major staging buffer reused across calls on the same thread.
-    static STAGING: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `t` tokens; `x` is `t × cols`, `out` is `t × rows`.
 pub fn matmul(pool: &rayon::ThreadPool, w: &QMatrix<'_>, x: &[f32], t: usize, out: &mut [f32]) {
     matmul_many(pool, &[w], x, t, &mut [out]);
+}
+
+/// A parallel task: rows `r0..r0 + n` of matrix `m`, with each token's slice of the
+/// output for exactly those rows.
+struct Task<'o> {
+    m: usize,
+    r0: usize,
+    n: usize,
+    outs: Vec<&'o mut [f32]>,
 }
 
 /// Several matrices applied to the same input in one parallel region (Q, K and V; gate and
@@ -84,71 +88,54 @@ pub fn matmul_many(pool: &rayon::ThreadPool, ws: &[&QMatrix<'_>], x: &[f32], t: 
         GgmlType::Q8_0 | GgmlType::Q4_0 => q8_0.as_ref().expect("quantized above"),
         _ => &f32_acts,
     };
-    // Global row index -> (matrix, row): matrices laid end to end.
-    let starts: Vec<usize> = ws.iter().scan(0, |acc, w| {
-        let s = *acc;
-        *acc += w.rows;
-        Some(s)
-    }).collect();
     let total_rows: usize = ws.iter().map(|w| w.rows).sum();
     let threads = pool.current_num_threads().max(1);
-    let rows_per_task = total_rows.div_ceil(threads * 4).max(8);
-    STAGING.with_borrow_mut(|tmp| {
-        tmp.resize(total_rows * t, 0.0);
-        pool.install(|| {
-            tmp.par_chunks_mut(rows_per_task * t).enumerate().for_each(|(ci, chunk)| {
-                let mut scratch = Vec::new();
-                for (ri, o) in chunk.chunks_exact_mut(t).enumerate() {
-                    let g = ci * rows_per_task + ri;
-                    let m = starts.partition_point(|&s| s <= g) - 1;
-                    row_times_tokens(ws[m], g - starts[m], x, acts_for(ws[m].ty), o, &mut scratch);
-                }
-            });
-        });
-        for (m, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
-            let base = starts[m];
-            for r in 0..w.rows {
-                let src = &tmp[(base + r) * t..(base + r + 1) * t];
-                for (tt, v) in src.iter().enumerate() {
-                    out[tt * w.rows + r] = *v;
-                }
+    let per_task = total_rows.div_ceil(threads * 4).max(8);
+    // Split every token's output row at the task boundaries: disjoint slices, no staging.
+    let mut tasks: Vec<Task<'_>> = Vec::new();
+    for (m, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+        let first = tasks.len();
+        for r0 in (0..w.rows).step_by(per_task) {
+            tasks.push(Task { m, r0, n: per_task.min(w.rows - r0), outs: Vec::with_capacity(t) });
+        }
+        for tok in out.chunks_exact_mut(w.rows) {
+            for (k, piece) in tok.chunks_mut(per_task).enumerate() {
+                tasks[first + k].outs.push(piece);
             }
         }
+    }
+    pool.install(|| {
+        tasks.into_par_iter().for_each(|mut task| {
+            let w = ws[task.m];
+            let mut local = vec![0f32; task.n * t];
+            rows_times_tokens(w, task.r0, task.n, x, acts_for(w.ty), &mut local);
+            for (tt, o) in task.outs.iter_mut().enumerate() {
+                for (r, v) in o.iter_mut().enumerate() {
+                    *v = local[r * t + tt];
+                }
+            }
+        });
     });
 }
 
-fn row_times_tokens(w: &QMatrix<'_>, r: usize, x: &[f32], acts: &Acts, o: &mut [f32], scratch: &mut Vec<f32>) {
-    let row = w.row(r);
+/// Rows `r0..r0 + n` of `w` times every token into `out` (n × t, row-major).
+fn rows_times_tokens(w: &QMatrix<'_>, r0: usize, n: usize, x: &[f32], acts: &Acts, out: &mut [f32]) {
+    let rb = w.ty.row_bytes(w.cols);
+    let data = &w.data[r0 * rb..(r0 + n) * rb];
     match acts {
-        Acts::Q8_1(a) => batched(a, o, |g: [&QActs; 4]| dot::q4_1_q8_1(row, g), |g| dot::q4_1_q8_1(row, g)),
-        Acts::Q8_0(a) if w.ty == GgmlType::Q8_0 => {
-            batched(a, o, |g: [&QActs; 4]| dot::q8_0_q8_0(row, g), |g| dot::q8_0_q8_0(row, g))
-        }
-        Acts::Q8_0(a) => batched(a, o, |g: [&QActs; 4]| dot::q4_0_q8_0(row, g), |g| dot::q4_0_q8_0(row, g)),
+        Acts::Q8_1(a) => dot::rows(dot::IntKind::Q4_1, data, rb, a, out),
+        Acts::Q8_0(a) if w.ty == GgmlType::Q8_0 => dot::rows(dot::IntKind::Q8_0, data, rb, a, out),
+        Acts::Q8_0(a) => dot::rows(dot::IntKind::Q4_0, data, rb, a, out),
         Acts::F32 => {
-            scratch.resize(w.cols, 0.0);
-            dequantize(w.ty, row, scratch);
-            for (tt, ot) in o.iter_mut().enumerate() {
-                *ot = dot::f32_dot(scratch, &x[tt * w.cols..(tt + 1) * w.cols]);
+            let t = out.len() / n;
+            let mut scratch = vec![0f32; w.cols];
+            for (row, o) in data.chunks_exact(rb).zip(out.chunks_exact_mut(t)) {
+                dequantize(w.ty, row, &mut scratch);
+                for (tt, ot) in o.iter_mut().enumerate() {
+                    *ot = dot::f32_dot(&scratch, &x[tt * w.cols..(tt + 1) * w.cols]);
+                }
             }
         }
-    }
-}
-
-/// Tokens in groups of four sharing one pass over the row, the rest one at a time.
-fn batched(
-    a: &[QActs],
-    o: &mut [f32],
-    four: impl Fn([&QActs; 4]) -> [f32; 4],
-    one: impl Fn([&QActs; 1]) -> [f32; 1],
-) {
-    let n4 = a.len() / 4 * 4;
-    for g in (0..n4).step_by(4) {
-        let r = four([&a[g], &a[g + 1], &a[g + 2], &a[g + 3]]);
-        o[g..g + 4].copy_from_slice(&r);
-    }
-    for tt in n4..a.len() {
-        o[tt] = one([&a[tt]])[0];
     }
 }
 

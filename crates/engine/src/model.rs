@@ -245,11 +245,13 @@ impl LlamaModel {
                 // Gather this group's K and V for positions 0..=pos as f32.
                 let mut ks = vec![0f32; n * hd];
                 let mut vs = vec![0f32; n * hd];
-                for j in 0..n {
-                    let (page, slot) = (pages[j / ps], j % ps);
-                    let off = slot * kvd + gidx * hd;
-                    pool.values::<f16>(page, layer, 0)[off..off + hd].convert_to_f32_slice(&mut ks[j * hd..(j + 1) * hd]);
-                    pool.values::<f16>(page, layer, 1)[off..off + hd].convert_to_f32_slice(&mut vs[j * hd..(j + 1) * hd]);
+                for (pi, &page) in pages.iter().enumerate().take(n.div_ceil(ps)) {
+                    let (kp, vp) = (pool.values::<f16>(page, layer, 0), pool.values::<f16>(page, layer, 1));
+                    for j in pi * ps..n.min((pi + 1) * ps) {
+                        let off = (j % ps) * kvd + gidx * hd;
+                        kp[off..off + hd].convert_to_f32_slice(&mut ks[j * hd..(j + 1) * hd]);
+                        vp[off..off + hd].convert_to_f32_slice(&mut vs[j * hd..(j + 1) * hd]);
+                    }
                 }
                 let mut scores = vec![0f32; n];
                 for r in 0..rep {

@@ -133,7 +133,7 @@ pub(crate) fn argmax(logits: &[f32]) -> u32 {
 
 fn log_softmax_at(logits: &[f32], token: u32) -> f32 {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let sum: f64 = logits.iter().map(|&l| (l - max).exp() as f64).sum();
     (logits[token as usize] - max) - sum.ln() as f32
 }
 
