@@ -1,1 +1,103 @@
-//! OpenAI-compatible HTTP gateway.
+//! OpenAI-compatible HTTP gateway: `/v1/chat/completions`, `/v1/completions`,
+//! `/v1/models`, `/health` and `/metrics` in front of the tokenizer and worker services.
+//!
+//! A library with one entry point, [`run`], so the `pdmesh` binary and the integration
+//! tests start the same server. The `backend` module is the only one that touches prost
+//! types; handlers work on the domain types it returns.
+
+mod backend;
+mod error;
+mod generate;
+mod handlers;
+mod metrics;
+mod openai;
+mod state;
+mod stop;
+
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use crate::error::Error;
+
+/// Configuration of the gateway.
+#[derive(Clone, Debug, clap::Args)]
+pub struct Config {
+    /// gRPC address of the tokenizer service.
+    #[arg(
+        long,
+        env = "PDMESH_TOKENIZER_URL",
+        default_value = "http://127.0.0.1:50061"
+    )]
+    pub tokenizer_url: String,
+    /// gRPC address of the worker service.
+    #[arg(
+        long,
+        env = "PDMESH_WORKER_URL",
+        default_value = "http://127.0.0.1:50062"
+    )]
+    pub worker_url: String,
+    /// The model name clients must send; default: the model id the worker reports.
+    #[arg(long, env = "PDMESH_MODEL_NAME")]
+    pub model_name: Option<String>,
+    /// When set, every `/v1/*` request must carry `Authorization: Bearer <key>`.
+    #[arg(long, env = "PDMESH_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Largest accepted request body.
+    #[arg(long, env = "PDMESH_MAX_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+}
+
+impl Config {
+    /// A gateway in front of the tokenizer and worker at these `http://host:port` URLs.
+    pub fn new(tokenizer_url: impl Into<String>, worker_url: impl Into<String>) -> Self {
+        Self {
+            tokenizer_url: tokenizer_url.into(),
+            worker_url: worker_url.into(),
+            model_name: None,
+            api_key: None,
+            max_body_bytes: 4 * 1024 * 1024,
+        }
+    }
+
+    fn validate(&self) -> Result<(), Error> {
+        if self.max_body_bytes == 0 {
+            return Err(Error::Config("--max-body-bytes must be at least 1".into()));
+        }
+        if self.api_key.as_deref() == Some("") {
+            return Err(Error::Config(
+                "--api-key must not be empty (unset it to disable auth)".into(),
+            ));
+        }
+        if self.model_name.as_deref() == Some("") {
+            return Err(Error::Config("--model-name must not be empty".into()));
+        }
+        Ok(())
+    }
+}
+
+/// How long a unary backend call (health, model info) may take before it counts as down.
+pub(crate) const BACKEND_PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Serves the gateway on `listener` until `shutdown` is cancelled. Backends are connected
+/// lazily, so the gateway starts even while they are still loading; `/health` tells when
+/// everything is ready. Returns once the server has stopped.
+pub async fn run(
+    cfg: Config,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    cfg.validate()?;
+    let backends = backend::Backends::connect_lazy(&cfg.tokenizer_url, &cfg.worker_url)?;
+    let state = state::AppState::new(cfg, backends, shutdown.child_token())?;
+    let app = handlers::router(state);
+    let addr = listener.local_addr().ok();
+    tracing::info!(?addr, "gateway listening");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+        .map_err(Error::Serve)?;
+    tracing::info!(?addr, "gateway stopped");
+    Ok(())
+}

@@ -1,0 +1,157 @@
+//! The command line: one clap derive tree. Each service subcommand flattens that
+//! service's own `Config`, so `pdmesh worker --help` lists exactly the worker's flags.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+/// Default listen addresses of the services when run one by one.
+pub const TOKENIZER_LISTEN: &str = "127.0.0.1:50061";
+pub const WORKER_LISTEN: &str = "127.0.0.1:50062";
+pub const GATEWAY_LISTEN: &str = "127.0.0.1:8080";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "pdmesh",
+    version,
+    about = "Disaggregated LLM serving as a mesh of small gRPC services."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the tokenizer service (tokenize, chat template, streaming detokenize).
+    Tokenizer {
+        /// Address to listen on (port 0: any free port).
+        #[arg(long, env = "PDMESH_LISTEN", default_value = TOKENIZER_LISTEN)]
+        listen: SocketAddr,
+        #[command(flatten)]
+        cfg: pdmesh_tokenizer::Config,
+    },
+    /// Run a worker service (the inference engine).
+    Worker {
+        /// Address to listen on (port 0: any free port).
+        #[arg(long, env = "PDMESH_LISTEN", default_value = WORKER_LISTEN)]
+        listen: SocketAddr,
+        #[command(flatten)]
+        cfg: pdmesh_worker::Config,
+    },
+    /// Run the OpenAI-compatible HTTP gateway.
+    Gateway {
+        /// Address to listen on (port 0: any free port).
+        #[arg(long, env = "PDMESH_LISTEN", default_value = GATEWAY_LISTEN)]
+        listen: SocketAddr,
+        #[command(flatten)]
+        cfg: pdmesh_gateway::Config,
+    },
+    /// Install or check model files.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Start tokenizer, worker and gateway as child processes and serve until Ctrl-C.
+    Up(UpArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ModelCommand {
+    /// Download the default model (with the machine's pip) and install it in the cache.
+    Fetch {
+        /// Install into this directory instead of the pdmesh cache.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+    /// Check that a GGUF file opens and print what it holds.
+    Verify {
+        /// The .gguf file (default: the model `pdmesh up` would serve).
+        path: Option<PathBuf>,
+    },
+}
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct UpArgs {
+    /// GGUF model to serve (default: the cached default model, fetched if missing).
+    #[arg(long, env = "PDMESH_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Gateway port (0: any free port).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Gateway address; tokenizer and worker always stay on 127.0.0.1.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Once every service is healthy, write the ports and process ids here as JSON.
+    #[arg(long, alias = "print-ports-json", value_name = "FILE")]
+    pub ports_json: Option<PathBuf>,
+    /// How long to wait for every service to become healthy.
+    #[arg(long, default_value_t = 300, value_name = "SECONDS")]
+    pub startup_timeout: u64,
+    /// How long children get to exit after SIGTERM before they are killed.
+    #[arg(long, default_value_t = 10, value_name = "SECONDS")]
+    pub grace: u64,
+    /// Require `Authorization: Bearer <key>` on the gateway's `/v1/*` routes.
+    #[arg(long, env = "PDMESH_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Do not send the first test question once the mesh is up.
+    #[arg(long)]
+    pub no_smoke_test: bool,
+    /// Extra flag for the worker, e.g. `--worker-arg=--kv-pages=512` (repeatable).
+    #[arg(long = "worker-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub worker_args: Vec<String>,
+    /// Extra flag for the gateway, e.g. `--gateway-arg=--model-name=smol` (repeatable).
+    #[arg(long = "gateway-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub gateway_args: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_tree_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn up_takes_ports_json_and_pass_through_flags() {
+        let cli = Cli::try_parse_from([
+            "pdmesh",
+            "up",
+            "--port",
+            "0",
+            "--print-ports-json",
+            "p.json",
+            "--worker-arg=--kv-pages=64",
+        ])
+        .unwrap();
+        let Command::Up(up) = cli.command else {
+            panic!("not up")
+        };
+        assert_eq!(up.port, 0);
+        assert_eq!(up.ports_json, Some(PathBuf::from("p.json")));
+        assert_eq!(up.worker_args, ["--kv-pages=64"]);
+    }
+
+    #[test]
+    fn gateway_flags_come_from_the_gateway_config() {
+        let cli = Cli::try_parse_from([
+            "pdmesh",
+            "gateway",
+            "--listen",
+            "127.0.0.1:0",
+            "--worker-url",
+            "http://127.0.0.1:9",
+            "--model-name",
+            "x",
+        ])
+        .unwrap();
+        let Command::Gateway { listen, cfg } = cli.command else {
+            panic!("not gateway")
+        };
+        assert_eq!(listen.port(), 0);
+        assert_eq!(cfg.worker_url, "http://127.0.0.1:9");
+        assert_eq!(cfg.model_name.as_deref(), Some("x"));
+    }
+}

@@ -1,0 +1,84 @@
+//! The `pdmesh` binary: parses the command line, sets up logging and the tokio runtime,
+//! and hands off to the library (services, `up`, `model`).
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use pdmesh_cli::args::{Cli, Command, ModelCommand};
+use pdmesh_cli::{fetch, serve, up};
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,h2=warn,hyper=warn,tower=warn")
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+}
+
+fn multi_thread() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}` prints the cause chain on one line, without a backtrace.
+            eprintln!("pdmesh: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Tokenizer { listen, cfg } => {
+            multi_thread()?.block_on(serve::serve("tokenizer", listen, |l, s| {
+                pdmesh_tokenizer::run(cfg, l, s)
+            }))?;
+        }
+        Command::Worker { listen, cfg } => {
+            multi_thread()?.block_on(serve::serve("worker", listen, |l, s| {
+                pdmesh_worker::run(cfg, l, s)
+            }))?;
+        }
+        Command::Gateway { listen, cfg } => {
+            multi_thread()?.block_on(serve::serve("gateway", listen, |l, s| {
+                pdmesh_gateway::run(cfg, l, s)
+            }))?;
+        }
+        Command::Model(ModelCommand::Fetch { dir }) => {
+            match fetch::fetch_default(dir.as_deref())? {
+                fetch::Outcome::AlreadyInstalled(p) => println!(
+                    "the model is already installed and verified: {}",
+                    p.display()
+                ),
+                fetch::Outcome::Installed(p) => println!("installed and verified: {}", p.display()),
+            }
+        }
+        Command::Model(ModelCommand::Verify { path }) => {
+            let path = path.unwrap_or_else(pdmesh_gguf::models::default_model_path);
+            println!("{}", fetch::verify(&path)?);
+        }
+        Command::Up(args) => {
+            // Current-thread: children are spawned from the main thread, which lives as
+            // long as `up`, so their parent-death signal fires exactly when `up` dies.
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting tokio")?;
+            rt.block_on(up::run(args))?;
+        }
+    }
+    Ok(())
+}

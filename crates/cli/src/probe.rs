@@ -1,0 +1,133 @@
+//! Readiness probes `pdmesh up` uses: the gRPC Health call of the tokenizer and worker,
+//! and `GET /health` on the gateway (a minimal HTTP/1.1 exchange over loopback).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use pdmesh_proto::tokenizer::v1 as tk;
+use pdmesh_proto::worker::v1 as wk;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Longest a single probe may take.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+async fn channel(addr: SocketAddr) -> Option<tonic::transport::Channel> {
+    let ep = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .ok()?
+        .connect_timeout(PROBE_TIMEOUT);
+    tokio::time::timeout(PROBE_TIMEOUT, ep.connect())
+        .await
+        .ok()?
+        .ok()
+}
+
+/// Whether the tokenizer at `addr` answers Health with ok.
+pub async fn tokenizer_healthy(addr: SocketAddr) -> bool {
+    let Some(ch) = channel(addr).await else {
+        return false;
+    };
+    let mut c = tk::tokenizer_client::TokenizerClient::new(ch);
+    matches!(tokio::time::timeout(PROBE_TIMEOUT, c.health(tk::HealthRequest {})).await, Ok(Ok(r)) if r.get_ref().ok)
+}
+
+/// Whether the worker at `addr` answers Health with ok.
+pub async fn worker_healthy(addr: SocketAddr) -> bool {
+    let Some(ch) = channel(addr).await else {
+        return false;
+    };
+    let mut c = wk::worker_client::WorkerClient::new(ch);
+    matches!(tokio::time::timeout(PROBE_TIMEOUT, c.health(wk::HealthRequest {})).await, Ok(Ok(r)) if r.get_ref().ok)
+}
+
+/// The model id the worker at `addr` serves.
+pub async fn worker_model_id(addr: SocketAddr) -> Option<String> {
+    let mut c = wk::worker_client::WorkerClient::new(channel(addr).await?);
+    let r = tokio::time::timeout(PROBE_TIMEOUT, c.model_info(wk::ModelInfoRequest {}))
+        .await
+        .ok()?
+        .ok()?;
+    Some(r.into_inner().model_id)
+}
+
+/// The status code of `GET {path}` at `addr`, or `None` if there was no HTTP answer.
+pub async fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let raw = tokio::time::timeout(PROBE_TIMEOUT, exchange(addr, req.into_bytes()))
+        .await
+        .ok()??;
+    parse_status_line(&raw)
+}
+
+/// `POST {path}` with a JSON body: the status and the body of the answer.
+pub async fn http_post_json(
+    addr: SocketAddr,
+    path: &str,
+    body: &serde_json::Value,
+    bearer: Option<&str>,
+    timeout: Duration,
+) -> Option<(u16, Vec<u8>)> {
+    let body = body.to_string();
+    let auth = bearer
+        .map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let raw = tokio::time::timeout(timeout, exchange(addr, req.into_bytes()))
+        .await
+        .ok()??;
+    let status = parse_status_line(&raw)?;
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
+    Some((status, raw[split + 4..].to_vec()))
+}
+
+/// Writes `request`, reads until the server closes the connection.
+async fn exchange(addr: SocketAddr, request: Vec<u8>) -> Option<Vec<u8>> {
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(&request).await.ok()?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.ok()?;
+    Some(buf)
+}
+
+fn parse_status_line(response: &[u8]) -> Option<u16> {
+    let line = response.split(|&b| b == b'\n').next()?;
+    let line = std::str::from_utf8(line).ok()?;
+    let mut parts = line.split_whitespace();
+    if !parts.next()?.starts_with("HTTP/1.") {
+        return None;
+    }
+    parts.next()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_lines() {
+        assert_eq!(
+            parse_status_line(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"),
+            Some(200)
+        );
+        assert_eq!(
+            parse_status_line(b"HTTP/1.1 503 Service Unavailable\r\n"),
+            Some(503)
+        );
+        assert_eq!(parse_status_line(b"SSH-2.0-OpenSSH\r\n"), None);
+        assert_eq!(parse_status_line(b""), None);
+    }
+
+    #[tokio::test]
+    async fn nothing_listening_is_unhealthy_not_an_error() {
+        // Bind then drop: the port is (almost certainly) closed now.
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        assert_eq!(http_status(addr, "/health").await, None);
+        assert!(!worker_healthy(addr).await);
+        assert!(!tokenizer_healthy(addr).await);
+    }
+}

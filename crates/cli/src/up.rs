@@ -1,0 +1,501 @@
+//! `pdmesh up`: the whole mesh on one machine. Tokenizer, worker and gateway run as
+//! separate child processes of this one (the same binary, re-executed with a service
+//! subcommand) on loopback ports. `up` waits until each is healthy, prints the URL, then
+//! supervises: a signal stops all children; a child that exits stops the others and
+//! makes `up` fail naming it. Children die with `up` even if it is killed outright.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::future::select_all;
+use pdmesh_gguf::models::{DEFAULT_MODEL, cached_model_path};
+use tokio::process::{Child, Command};
+
+use crate::args::UpArgs;
+use crate::fetch::{self, FetchError, Outcome};
+use crate::probe;
+use crate::serve::Signals;
+
+/// Why `up` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpError {
+    #[error(
+        "the model file {0} does not exist: run `pdmesh model fetch` for the default model, \
+         or pass --model PATH.gguf"
+    )]
+    ModelMissing(PathBuf),
+    #[error("fetching the default model failed")]
+    Fetch(#[from] FetchError),
+    #[error("cannot find this executable to start the services")]
+    CurrentExe(#[source] std::io::Error),
+    #[error("cannot pick a free port")]
+    Port(#[source] std::io::Error),
+    #[error("cannot start the {name}")]
+    Spawn {
+        name: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("installing signal handlers")]
+    Signals(#[source] std::io::Error),
+    #[error("the {name} (pid {pid}) exited with {status} before the mesh was ready")]
+    EarlyExit {
+        name: &'static str,
+        pid: u32,
+        status: ExitStatus,
+    },
+    #[error(
+        "not healthy after {secs} s: {pending} (see the log above; raise --startup-timeout if the machine is slow)"
+    )]
+    StartupTimeout { secs: u64, pending: String },
+    #[error("the {name} (pid {pid}) exited with {status}; stopped the other services")]
+    ChildExited {
+        name: &'static str,
+        pid: u32,
+        status: ExitStatus,
+    },
+    #[error("writing {path}")]
+    PortsJson {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// How `up` ended without an error.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Stopped {
+    /// A signal asked for it.
+    BySignal(&'static str),
+}
+
+/// One running service.
+struct Service {
+    name: &'static str,
+    pid: u32,
+    child: Child,
+    addr: SocketAddr,
+}
+
+/// A loopback port nobody listens on right now (bound, read, released).
+fn free_port() -> Result<u16, UpError> {
+    let l = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(UpError::Port)?;
+    Ok(l.local_addr().map_err(UpError::Port)?.port())
+}
+
+/// The model to serve: `--model`, else the cached default, fetched when missing.
+fn resolve_model(arg: Option<&Path>) -> Result<PathBuf, UpError> {
+    let default = cached_model_path(&DEFAULT_MODEL);
+    let path = arg.map_or_else(|| default.clone(), Path::to_path_buf);
+    if path.is_file() {
+        return Ok(path);
+    }
+    if path != default {
+        return Err(UpError::ModelMissing(path));
+    }
+    eprintln!("the default model is not installed yet; fetching it (same as `pdmesh model fetch`)");
+    match fetch::fetch_default(None)? {
+        Outcome::Installed(p) | Outcome::AlreadyInstalled(p) => Ok(p),
+    }
+}
+
+/// Starts `exe ARGS` as a child in its own process group (so a terminal's Ctrl-C reaches
+/// only `up`, which then stops it in order) that is killed if `up` dies.
+fn spawn(
+    name: &'static str,
+    exe: &Path,
+    args: &[String],
+    addr: SocketAddr,
+    api_key: Option<&str>,
+) -> Result<Service, UpError> {
+    let mut cmd = Command::new(exe);
+    // The key travels in the environment, not argv, so `ps` does not show it.
+    match api_key {
+        Some(k) => cmd.env("PDMESH_API_KEY", k),
+        None => cmd.env_remove("PDMESH_API_KEY"),
+    };
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    cmd.process_group(0);
+    let parent = std::process::id();
+    // SAFETY: the closure runs in the forked child before exec and only calls
+    // async-signal-safe functions (prctl, getppid); it allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            // `up` may have died between fork and prctl: then nobody would kill us.
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::other("parent exited during spawn"));
+            }
+            Ok(())
+        });
+    }
+    let child = cmd
+        .spawn()
+        .map_err(|source| UpError::Spawn { name, source })?;
+    let pid = child.id().unwrap_or(0);
+    Ok(Service {
+        name,
+        pid,
+        child,
+        addr,
+    })
+}
+
+/// Sends `sig` to the child's whole process group.
+fn signal_group(pid: u32, sig: libc::c_int) {
+    if pid == 0 {
+        return;
+    }
+    // SAFETY: kill(2) has no memory-safety preconditions; a negative pid names the
+    // process group the child leads (it was started with process_group(0)).
+    let _ = unsafe { libc::kill(-(pid as libc::pid_t), sig) };
+}
+
+/// SIGTERM to every child still running, then SIGKILL to those that outlive `grace`.
+async fn stop_all(services: &mut [Service], grace: Duration) {
+    for s in services.iter_mut() {
+        if matches!(s.child.try_wait(), Ok(None)) {
+            signal_group(s.pid, libc::SIGTERM);
+        }
+    }
+    let deadline = tokio::time::Instant::now() + grace;
+    for s in services.iter_mut() {
+        match tokio::time::timeout_at(deadline, s.child.wait()).await {
+            Ok(_) => {}
+            Err(_) => {
+                eprintln!(
+                    "pdmesh up: the {} (pid {}) did not stop within {grace:?}; killing it",
+                    s.name, s.pid
+                );
+                signal_group(s.pid, libc::SIGKILL);
+                let _ = s.child.start_kill();
+                let _ = s.child.wait().await;
+            }
+        }
+        // Anything the child left in its group goes too.
+        signal_group(s.pid, libc::SIGKILL);
+    }
+}
+
+async fn healthy(s: &Service) -> bool {
+    match s.name {
+        "tokenizer" => probe::tokenizer_healthy(s.addr).await,
+        "worker" => probe::worker_healthy(s.addr).await,
+        _ => probe::http_status(s.addr, "/health").await == Some(200),
+    }
+}
+
+/// Where to reach a server bound to `host`: wildcard addresses are probed on loopback.
+fn reachable(host: IpAddr, port: u16) -> SocketAddr {
+    let ip = match host {
+        IpAddr::V4(v) if v.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(v) if v.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    SocketAddr::new(ip, port)
+}
+
+/// Polls every service until all are healthy; fails fast if one exits.
+async fn wait_healthy(services: &mut [Service], timeout: Duration) -> Result<(), UpError> {
+    let start = Instant::now();
+    let mut ready = vec![false; services.len()];
+    loop {
+        for (i, s) in services.iter_mut().enumerate() {
+            if let Ok(Some(status)) = s.child.try_wait() {
+                return Err(UpError::EarlyExit {
+                    name: s.name,
+                    pid: s.pid,
+                    status,
+                });
+            }
+            if !ready[i] && healthy(s).await {
+                ready[i] = true;
+                eprintln!("pdmesh up: {} is ready on {}", s.name, s.addr);
+            }
+        }
+        if ready.iter().all(|&r| r) {
+            return Ok(());
+        }
+        if start.elapsed() >= timeout {
+            let pending: Vec<String> = services
+                .iter()
+                .zip(&ready)
+                .filter(|(_, r)| !**r)
+                .map(|(s, _)| format!("{} (pid {}, {})", s.name, s.pid, s.addr))
+                .collect();
+            return Err(UpError::StartupTimeout {
+                secs: timeout.as_secs(),
+                pending: pending.join(", "),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Asks the served model one question through the gateway and prints the answer, so a
+/// first `pdmesh up` shows the whole path works. A failure is reported, not fatal.
+async fn smoke_test(gateway: SocketAddr, model: &str, api_key: Option<&str>) {
+    const QUESTION: &str = "What is the capital of France? Answer in one sentence.";
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{ "role": "user", "content": QUESTION }],
+        "max_tokens": 48,
+        "temperature": 0,
+    });
+    let answer = probe::http_post_json(
+        gateway,
+        "/v1/chat/completions",
+        &body,
+        api_key,
+        SMOKE_TIMEOUT,
+    )
+    .await;
+    match answer {
+        Some((200, bytes)) => {
+            let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+            let text = v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or("")
+                .trim();
+            println!("asked: {QUESTION}");
+            println!("model: {text}");
+        }
+        Some((status, bytes)) => {
+            eprintln!(
+                "pdmesh up: the first test question failed with HTTP {status}: {}",
+                String::from_utf8_lossy(&bytes)
+            );
+        }
+        None => {
+            eprintln!("pdmesh up: the first test question got no answer within {SMOKE_TIMEOUT:?}")
+        }
+    }
+}
+
+/// Longest the first test question may take.
+const SMOKE_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn write_ports_json(path: &Path, value: &serde_json::Value) -> Result<(), UpError> {
+    let err = |source| UpError::PortsJson {
+        path: path.to_owned(),
+        source,
+    };
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, format!("{value:#}\n")).map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
+/// Runs the mesh until a signal (`Ok`) or until a child exits (`Err` naming it). Must run
+/// on a current-thread runtime: the parent-death signal is tied to the spawning thread.
+pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
+    let mut signals = Signals::new().map_err(UpError::Signals)?;
+    let model = resolve_model(args.model.as_deref())?;
+    let exe = std::env::current_exe().map_err(UpError::CurrentExe)?;
+    let tok_addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), free_port()?);
+    let worker_addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), free_port()?);
+    let port = if args.port == 0 {
+        free_port()?
+    } else {
+        args.port
+    };
+    let gateway_listen = SocketAddr::new(args.host, port);
+    let model_arg = model.to_string_lossy().into_owned();
+
+    let mut services = Vec::new();
+    let started = (|| -> Result<(), UpError> {
+        let tok_args = vec![
+            "tokenizer".into(),
+            "--listen".into(),
+            tok_addr.to_string(),
+            "--model".into(),
+            model_arg.clone(),
+        ];
+        services.push(spawn("tokenizer", &exe, &tok_args, tok_addr, None)?);
+        let mut worker_args = vec![
+            "worker".into(),
+            "--listen".into(),
+            worker_addr.to_string(),
+            "--model".into(),
+            model_arg.clone(),
+        ];
+        worker_args.extend(args.worker_args.iter().cloned());
+        services.push(spawn("worker", &exe, &worker_args, worker_addr, None)?);
+        let mut gw_args = vec![
+            "gateway".into(),
+            "--listen".into(),
+            gateway_listen.to_string(),
+            "--tokenizer-url".into(),
+            format!("http://{tok_addr}"),
+            "--worker-url".into(),
+            format!("http://{worker_addr}"),
+        ];
+        gw_args.extend(args.gateway_args.iter().cloned());
+        services.push(spawn(
+            "gateway",
+            &exe,
+            &gw_args,
+            reachable(args.host, port),
+            args.api_key.as_deref(),
+        )?);
+        Ok(())
+    })();
+    let grace = Duration::from_secs(args.grace);
+    if let Err(e) = started {
+        stop_all(&mut services, grace).await;
+        return Err(e);
+    }
+    for s in &services {
+        eprintln!(
+            "pdmesh up: started the {} (pid {}) on {}",
+            s.name, s.pid, s.addr
+        );
+    }
+
+    let ready = tokio::select! {
+        r = wait_healthy(&mut services, Duration::from_secs(args.startup_timeout)) => r.map(|()| None),
+        sig = signals.recv() => Ok(Some(sig)),
+    };
+    match ready {
+        Err(e) => {
+            stop_all(&mut services, grace).await;
+            return Err(e);
+        }
+        Ok(Some(sig)) => {
+            eprintln!("pdmesh up: {sig} received during startup; stopping");
+            stop_all(&mut services, grace).await;
+            return Ok(Stopped::BySignal(sig));
+        }
+        Ok(None) => {}
+    }
+
+    let model_id = probe::worker_model_id(worker_addr)
+        .await
+        .unwrap_or_else(|| DEFAULT_MODEL.id.to_owned());
+    let shown = reachable(args.host, port);
+    let url = format!("http://{shown}/v1");
+    // Before the ports file: whoever waits for that file finds an idle mesh.
+    if !args.no_smoke_test {
+        tokio::select! {
+            () = smoke_test(shown, &model_id, args.api_key.as_deref()) => {}
+            sig = signals.recv() => {
+                eprintln!("pdmesh up: {sig} received; stopping the services");
+                stop_all(&mut services, grace).await;
+                return Ok(Stopped::BySignal(sig));
+            }
+        }
+    }
+    if let Some(path) = &args.ports_json {
+        let pid = |name: &str| {
+            services
+                .iter()
+                .find(|s| s.name == name)
+                .map_or(0, |s| s.pid)
+        };
+        let value = serde_json::json!({
+            "url": url,
+            "host": shown.ip().to_string(),
+            "gateway": port,
+            "tokenizer": tok_addr.port(),
+            "worker": worker_addr.port(),
+            "model": model_id,
+            "pids": {
+                "up": std::process::id(),
+                "tokenizer": pid("tokenizer"),
+                "worker": pid("worker"),
+                "gateway": pid("gateway"),
+            },
+        });
+        if let Err(e) = write_ports_json(path, &value) {
+            stop_all(&mut services, grace).await;
+            return Err(e);
+        }
+    }
+    let auth = match (&args.api_key, std::env::var_os("PDMESH_API_KEY")) {
+        (None, _) => "",
+        (Some(_), Some(_)) => " -H \"Authorization: Bearer $PDMESH_API_KEY\"",
+        (Some(_), None) => " -H 'Authorization: Bearer <your --api-key>'",
+    };
+    println!("pdmesh is up: {url} (model {model_id})");
+    println!("try:");
+    println!(
+        "  curl {url}/chat/completions -H 'Content-Type: application/json'{auth} \\\n    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+    );
+    println!("press Ctrl-C to stop");
+
+    let exited = tokio::select! {
+        (status, i, _) = select_all(services.iter_mut().map(|s| Box::pin(s.child.wait()))) => Ok((i, status)),
+        sig = signals.recv() => Err(sig),
+    };
+    let (i, status) = match exited {
+        Ok(x) => x,
+        Err(sig) => {
+            eprintln!("pdmesh up: {sig} received; stopping the services");
+            stop_all(&mut services, grace).await;
+            return Ok(Stopped::BySignal(sig));
+        }
+    };
+    let (name, pid) = (services[i].name, services[i].pid);
+    let status = match status {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("pdmesh up: waiting for the {name} failed: {e}");
+            ExitStatus::default()
+        }
+    };
+    eprintln!(
+        "pdmesh up: the {name} (pid {pid}) exited with {status}; stopping the other services"
+    );
+    stop_all(&mut services, grace).await;
+    Err(UpError::ChildExited { name, pid, status })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wildcard_hosts_are_probed_on_loopback() {
+        assert_eq!(
+            reachable("0.0.0.0".parse().unwrap(), 80),
+            "127.0.0.1:80".parse().unwrap()
+        );
+        assert_eq!(
+            reachable("::".parse().unwrap(), 80),
+            "[::1]:80".parse().unwrap()
+        );
+        assert_eq!(
+            reachable("10.1.2.3".parse().unwrap(), 80),
+            "10.1.2.3:80".parse().unwrap()
+        );
+    }
+
+    #[test]
+    fn an_explicit_missing_model_says_how_to_get_one() {
+        let err = resolve_model(Some(Path::new("/nonexistent/model.gguf"))).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("pdmesh model fetch"), "{msg}");
+        assert!(msg.contains("/nonexistent/model.gguf"), "{msg}");
+    }
+
+    #[test]
+    fn free_ports_are_distinct_enough_to_use() {
+        let a = free_port().unwrap();
+        assert_ne!(a, 0);
+        std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, a)).expect("the port is free again");
+    }
+}

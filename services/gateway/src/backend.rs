@@ -1,0 +1,321 @@
+//! The gateway's only contact with the backends: tonic clients for the tokenizer and the
+//! worker, and the conversions between their prost types and the gateway's domain types.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use pdmesh_proto::tokenizer::v1 as tk;
+use pdmesh_proto::worker::v1 as wk;
+use tk::tokenizer_client::TokenizerClient;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+use wk::worker_client::WorkerClient;
+
+use crate::error::{ApiError, Error};
+
+/// Connected (lazily) clients for both backends. Cheap to clone: channels are shared.
+#[derive(Clone)]
+pub(crate) struct Backends {
+    tokenizer: TokenizerClient<Channel>,
+    worker: WorkerClient<Channel>,
+}
+
+/// What the worker reports about the model it serves.
+#[derive(Clone, Debug)]
+pub(crate) struct WorkerInfo {
+    pub model_id: String,
+    pub context_length: u32,
+    pub vocab_size: u32,
+    pub total_pages: u32,
+    pub free_pages: u32,
+}
+
+/// One chat message, already flattened to text.
+#[derive(Clone, Debug)]
+pub(crate) struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+/// Sampling parameters, validated by the handlers.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct GenParams {
+    pub temperature: f32,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    /// `None`: up to the context length.
+    pub max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+/// Why the worker ended a sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FinishReason {
+    Stop,
+    Length,
+    Abort,
+}
+
+/// The worker's final message for a request.
+#[derive(Clone, Debug)]
+pub(crate) struct Finish {
+    pub reason: FinishReason,
+    pub matched_stop: Option<String>,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// One message of the worker's Generate stream.
+#[derive(Clone, Debug)]
+pub(crate) enum WorkerEvent {
+    Tokens(Vec<u32>),
+    Finished(Finish),
+}
+
+pub(crate) type WorkerStream = Pin<Box<dyn Stream<Item = Result<WorkerEvent, ApiError>> + Send>>;
+
+fn endpoint(url: &str) -> Result<Endpoint, Error> {
+    let ep = Endpoint::from_shared(url.to_owned()).map_err(|source| Error::BackendUrl {
+        url: url.to_owned(),
+        source,
+    })?;
+    Ok(ep.connect_timeout(Duration::from_secs(5)).tcp_nodelay(true))
+}
+
+impl Backends {
+    /// Clients that connect on first use (and reconnect after a backend restarts).
+    pub fn connect_lazy(tokenizer_url: &str, worker_url: &str) -> Result<Self, Error> {
+        Ok(Self {
+            tokenizer: TokenizerClient::new(endpoint(tokenizer_url)?.connect_lazy()),
+            worker: WorkerClient::new(endpoint(worker_url)?.connect_lazy()),
+        })
+    }
+
+    /// Whether each backend answers its Health call in time: `(tokenizer, worker)`.
+    pub async fn health(&self) -> (bool, bool) {
+        let mut tok = self.tokenizer.clone();
+        let mut work = self.worker.clone();
+        let t = tokio::time::timeout(
+            crate::BACKEND_PROBE_TIMEOUT,
+            tok.health(tk::HealthRequest {}),
+        );
+        let w = tokio::time::timeout(
+            crate::BACKEND_PROBE_TIMEOUT,
+            work.health(wk::HealthRequest {}),
+        );
+        let (t, w) = tokio::join!(t, w);
+        let ok_t = matches!(t, Ok(Ok(r)) if r.get_ref().ok);
+        let ok_w = matches!(w, Ok(Ok(r)) if r.get_ref().ok);
+        (ok_t, ok_w)
+    }
+
+    pub async fn model_info(&self) -> Result<WorkerInfo, ApiError> {
+        let mut w = self.worker.clone();
+        let call = tokio::time::timeout(
+            crate::BACKEND_PROBE_TIMEOUT,
+            w.model_info(wk::ModelInfoRequest {}),
+        );
+        let r = call
+            .await
+            .map_err(|_| ApiError::unavailable("the worker did not answer ModelInfo in time"))??;
+        let r = r.into_inner();
+        Ok(WorkerInfo {
+            model_id: r.model_id,
+            context_length: r.context_length,
+            vocab_size: r.vocab_size,
+            total_pages: r.total_pages,
+            free_pages: r.free_pages,
+        })
+    }
+
+    pub async fn apply_chat_template(
+        &self,
+        messages: Vec<Message>,
+        tools_json: Option<String>,
+    ) -> Result<Vec<u32>, ApiError> {
+        let req = tk::ChatTemplateRequest {
+            messages: messages
+                .into_iter()
+                .map(|m| tk::ChatMessage {
+                    role: m.role.into_bytes(),
+                    content: m.content.into_bytes(),
+                })
+                .collect(),
+            add_generation_prompt: true,
+            tools_json: tools_json.map(String::into_bytes).unwrap_or_default(),
+        };
+        Ok(self
+            .tokenizer
+            .clone()
+            .apply_chat_template(req)
+            .await?
+            .into_inner()
+            .ids)
+    }
+
+    pub async fn tokenize(&self, text: String) -> Result<Vec<u32>, ApiError> {
+        let req = tk::TokenizeRequest {
+            text: text.into_bytes(),
+            add_special_tokens: true,
+        };
+        Ok(self.tokenizer.clone().tokenize(req).await?.into_inner().ids)
+    }
+
+    /// Starts generation; errors the worker reports before its first message (invalid
+    /// parameters, prompt too long) come back as `Err`.
+    pub async fn generate(
+        &self,
+        request_id: &str,
+        input_ids: Vec<u32>,
+        p: GenParams,
+    ) -> Result<WorkerStream, ApiError> {
+        let sampling = wk::SamplingParams {
+            temperature: Some(p.temperature),
+            top_p: p.top_p,
+            top_k: p.top_k,
+            min_p: p.min_p,
+            frequency_penalty: p.frequency_penalty,
+            presence_penalty: p.presence_penalty,
+            repetition_penalty: p.repetition_penalty,
+            seed: p.seed,
+            max_tokens: p.max_tokens.unwrap_or(0),
+            stop: p.stop.into_iter().map(String::into_bytes).collect(),
+            stop_token_ids: p.stop_token_ids,
+            ignore_eos: p.ignore_eos,
+        };
+        let req = wk::GenerateRequest {
+            request_id: request_id.to_owned(),
+            input_ids,
+            sampling: Some(sampling),
+        };
+        let stream = self.worker.clone().generate(req).await?.into_inner();
+        Ok(Box::pin(stream.map(|item| match item {
+            Ok(msg) => convert_generate(msg),
+            Err(status) => Err(ApiError::from(status)),
+        })))
+    }
+
+    /// Asks the worker to drop `request_id` and free its pages; whether it was running.
+    pub async fn abort(&self, request_id: &str) -> Result<bool, ApiError> {
+        let req = wk::AbortRequest {
+            request_id: request_id.to_owned(),
+        };
+        let mut w = self.worker.clone();
+        let call = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, w.abort(req));
+        let r = call
+            .await
+            .map_err(|_| ApiError::unavailable("the worker did not answer Abort in time"))??;
+        Ok(r.into_inner().found)
+    }
+
+    /// A streaming detokenizer session (special tokens skipped).
+    pub fn detokenizer(&self) -> Detokenizer {
+        Detokenizer {
+            client: self.tokenizer.clone(),
+            session: None,
+        }
+    }
+}
+
+fn convert_generate(msg: wk::GenerateResponse) -> Result<WorkerEvent, ApiError> {
+    match msg.kind {
+        Some(wk::generate_response::Kind::Chunk(c)) => Ok(WorkerEvent::Tokens(c.token_ids)),
+        Some(wk::generate_response::Kind::Finished(f)) => {
+            let reason = match wk::FinishReason::try_from(f.reason) {
+                Ok(wk::FinishReason::Stop) => FinishReason::Stop,
+                Ok(wk::FinishReason::Length) => FinishReason::Length,
+                Ok(wk::FinishReason::Abort) => FinishReason::Abort,
+                _ => {
+                    return Err(ApiError::backend(format!(
+                        "the worker sent an unknown finish reason {}",
+                        f.reason
+                    )));
+                }
+            };
+            let matched_stop = if f.matched_stop.is_empty() {
+                None
+            } else {
+                Some(String::from_utf8_lossy(&f.matched_stop).into_owned())
+            };
+            Ok(WorkerEvent::Finished(Finish {
+                reason,
+                matched_stop,
+                prompt_tokens: f.prompt_tokens,
+                completion_tokens: f.completion_tokens,
+                cached_tokens: f.cached_tokens,
+            }))
+        }
+        None => Err(ApiError::backend(
+            "the worker sent an empty Generate message",
+        )),
+    }
+}
+
+/// One Detokenize stream: each `push` sends ids and returns the text they completed.
+pub(crate) struct Detokenizer {
+    client: TokenizerClient<Channel>,
+    session: Option<(
+        mpsc::Sender<tk::DetokenizeRequest>,
+        tonic::Streaming<tk::DetokenizeResponse>,
+    )>,
+}
+
+impl Detokenizer {
+    pub async fn push(&mut self, ids: Vec<u32>) -> Result<String, ApiError> {
+        let msg = tk::DetokenizeRequest {
+            ids,
+            skip_special_tokens: true,
+        };
+        let rx = match &mut self.session {
+            Some((tx, rx)) => {
+                tx.send(msg)
+                    .await
+                    .map_err(|_| ApiError::backend("the tokenizer closed the detokenize stream"))?;
+                rx
+            }
+            None => {
+                // Queue the first message before opening the call, so it does not matter
+                // whether the server answers headers before it reads a message.
+                let (tx, rx) = mpsc::channel(16);
+                tx.try_send(msg)
+                    .map_err(|_| ApiError::backend("detokenize queue full"))?;
+                let inbound = self
+                    .client
+                    .clone()
+                    .detokenize(ReceiverStream::new(rx))
+                    .await?
+                    .into_inner();
+                &mut self.session.insert((tx, inbound)).1
+            }
+        };
+        match rx.message().await? {
+            Some(r) => Ok(r.text),
+            None => Err(ApiError::backend(
+                "the tokenizer ended the detokenize stream early",
+            )),
+        }
+    }
+
+    /// Ends the stream and returns whatever text the tokenizer still held back.
+    pub async fn finish(&mut self) -> Result<String, ApiError> {
+        let Some((tx, mut rx)) = self.session.take() else {
+            return Ok(String::new());
+        };
+        drop(tx);
+        let mut rest = String::new();
+        while let Some(r) = rx.message().await? {
+            rest.push_str(&r.text);
+        }
+        Ok(rest)
+    }
+}

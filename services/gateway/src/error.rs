@@ -1,0 +1,273 @@
+//! The gateway's two error boundaries: [`Error`] stops the server from starting or
+//! serving, [`ApiError`] answers one request with an OpenAI-shaped error body. Every
+//! request error is classified once, here, into an HTTP status and a metric label.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// Why the gateway could not start or keep serving.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("invalid backend URL {url:?}")]
+    BackendUrl {
+        url: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("metrics registry")]
+    Metrics(#[from] prometheus::Error),
+    #[error("HTTP server")]
+    Serve(#[source] std::io::Error),
+}
+
+/// A request that failed: rendered as `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ApiError {
+    pub status: StatusCode,
+    /// OpenAI's `type`, e.g. `invalid_request_error`.
+    pub kind: &'static str,
+    pub code: Option<&'static str>,
+    pub param: Option<String>,
+    pub message: String,
+    /// Closed set of metric labels (`mesh_errors_total{error_type}`).
+    pub error_type: &'static str,
+}
+
+/// Marker put in the extensions of an error response so the metrics middleware can count
+/// it by class without parsing the body.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ErrorClass(pub &'static str);
+
+impl ApiError {
+    /// A 400 about the request as a whole or about `param`.
+    pub fn invalid_request(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            code: None,
+            param: param.map(str::to_owned),
+            message: message.into(),
+            error_type: "invalid_request",
+        }
+    }
+
+    /// A 400 naming the parameter that is out of range.
+    pub fn invalid_param(param: &str, message: impl Into<String>) -> Self {
+        Self {
+            code: Some("invalid_value"),
+            ..Self::invalid_request(message, Some(param))
+        }
+    }
+
+    /// A 400 for a feature this server does not implement.
+    pub fn unsupported(param: &str, message: impl Into<String>) -> Self {
+        Self {
+            code: Some("unsupported_parameter"),
+            ..Self::invalid_request(message, Some(param))
+        }
+    }
+
+    pub fn context_length(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self {
+            code: Some("context_length_exceeded"),
+            error_type: "context_length_exceeded",
+            ..Self::invalid_request(message, param)
+        }
+    }
+
+    pub fn model_not_found(model: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            kind: "invalid_request_error",
+            code: Some("model_not_found"),
+            param: Some("model".into()),
+            message: format!("The model `{model}` does not exist."),
+            error_type: "model_not_found",
+        }
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            kind: "invalid_request_error",
+            code: Some("not_found"),
+            param: None,
+            message: message.into(),
+            error_type: "not_found",
+        }
+    }
+
+    pub fn method_not_allowed() -> Self {
+        Self {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            kind: "invalid_request_error",
+            code: Some("method_not_allowed"),
+            param: None,
+            message: "method not allowed for this endpoint".into(),
+            error_type: "invalid_request",
+        }
+    }
+
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            kind: "authentication_error",
+            code: Some("invalid_api_key"),
+            param: None,
+            message: message.into(),
+            error_type: "authentication",
+        }
+    }
+
+    pub fn payload_too_large(limit: usize) -> Self {
+        Self {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            kind: "invalid_request_error",
+            code: Some("request_too_large"),
+            param: None,
+            message: format!("the request body is larger than the limit of {limit} bytes"),
+            error_type: "payload_too_large",
+        }
+    }
+
+    /// A backend could not be reached (503).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            code: Some("service_unavailable"),
+            param: None,
+            message: message.into(),
+            error_type: "backend_unavailable",
+        }
+    }
+
+    /// A backend answered something it should not have (500).
+    pub fn backend(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "server_error",
+            code: None,
+            param: None,
+            message: message.into(),
+            error_type: "backend_error",
+        }
+    }
+
+    /// The worker aborted the request (for example while shutting down).
+    pub fn aborted() -> Self {
+        Self {
+            error_type: "aborted",
+            code: Some("aborted"),
+            ..Self::unavailable("the request was aborted by the worker before it finished")
+        }
+    }
+
+    /// The JSON body, as the HTTP body and as a mid-stream SSE `data:` payload.
+    pub fn body(&self) -> serde_json::Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status, axum::Json(self.body())).into_response();
+        resp.extensions_mut().insert(ErrorClass(self.error_type));
+        resp
+    }
+}
+
+impl From<tonic::Status> for ApiError {
+    /// The one place gRPC errors become HTTP errors: the backend's message is kept for
+    /// client errors, because it names the field that is wrong.
+    fn from(status: tonic::Status) -> Self {
+        use tonic::Code;
+        let msg = status.message().to_owned();
+        match status.code() {
+            Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
+                if msg.contains("context length") {
+                    Self::context_length(msg, None)
+                } else {
+                    Self::invalid_request(msg, None)
+                }
+            }
+            Code::Unavailable | Code::Cancelled => {
+                Self::unavailable(format!("backend unavailable: {msg}"))
+            }
+            Code::ResourceExhausted => Self {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                kind: "rate_limit_error",
+                code: Some("overloaded"),
+                param: None,
+                message: msg,
+                error_type: "overloaded",
+            },
+            Code::DeadlineExceeded => Self {
+                status: StatusCode::GATEWAY_TIMEOUT,
+                error_type: "timeout",
+                ..Self::backend(format!("backend timed out: {msg}"))
+            },
+            Code::NotFound => Self::not_found(msg),
+            code => Self::backend(format!("backend error ({code:?}): {msg}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_invalid_argument_keeps_the_backend_message_as_a_400() {
+        let e = ApiError::from(tonic::Status::invalid_argument(
+            "messages[1].content is not valid UTF-8",
+        ));
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            e.body()["error"]["message"],
+            "messages[1].content is not valid UTF-8"
+        );
+        assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+    }
+
+    #[test]
+    fn grpc_context_errors_carry_the_openai_code() {
+        let e = ApiError::from(tonic::Status::invalid_argument(
+            "the prompt has 9000 tokens; this model's context length is 8192",
+        ));
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.body()["error"]["code"], "context_length_exceeded");
+    }
+
+    #[test]
+    fn grpc_unavailable_is_503_and_unknown_codes_are_500() {
+        assert_eq!(
+            ApiError::from(tonic::Status::unavailable("tcp connect error")).status,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(
+            ApiError::from(tonic::Status::internal("boom")).status,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
+
+    #[test]
+    fn error_body_has_all_four_fields_even_when_null() {
+        let body = ApiError::invalid_request("bad", None).body();
+        let obj = body["error"].as_object().unwrap();
+        for k in ["message", "type", "param", "code"] {
+            assert!(obj.contains_key(k), "missing {k}");
+        }
+        assert!(obj["param"].is_null());
+    }
+}

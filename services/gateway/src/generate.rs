@@ -1,0 +1,357 @@
+//! One generation, shared by both endpoints: worker.Generate → tokenizer.Detokenize →
+//! stop-string filter → text deltas, then the finish reason and usage. If the consumer
+//! drops the stream early (client disconnect), the worker is told to abort the request,
+//! so the engine frees its KV pages at once instead of generating to the end.
+
+use std::pin::Pin;
+
+use futures::{Stream, StreamExt};
+
+use crate::backend::{Backends, FinishReason, GenParams, WorkerEvent};
+use crate::error::ApiError;
+use crate::state::AppState;
+use crate::stop::StopFilter;
+
+/// Token counts for the `usage` object.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// How a generation ended.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Done {
+    /// `"stop"` or `"length"`.
+    pub finish_reason: &'static str,
+    pub usage: Usage,
+}
+
+#[derive(Debug)]
+pub(crate) enum GenEvent {
+    /// Text safe to show (never part of a stop string).
+    Text(String),
+    Done(Done),
+}
+
+pub(crate) type GenStream = Pin<Box<dyn Stream<Item = Result<GenEvent, ApiError>> + Send>>;
+
+/// Sends worker.Abort for the request when dropped while still armed.
+struct AbortGuard {
+    backends: Backends,
+    request_id: String,
+    armed: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let backends = self.backends.clone();
+        let id = std::mem::take(&mut self.request_id);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                match backends.abort(&id).await {
+                    Ok(found) => tracing::debug!(request_id = %id, found, "aborted on the worker"),
+                    Err(e) => {
+                        tracing::warn!(request_id = %id, error = %e.message, "worker abort failed")
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// Starts generating. Errors the worker reports before its first message (and a worker
+/// that cannot be reached) are returned here, so the handler can still answer with an
+/// HTTP error status instead of a broken stream.
+pub(crate) async fn start(
+    st: &AppState,
+    request_id: String,
+    prompt: Vec<u32>,
+    params: GenParams,
+) -> Result<GenStream, ApiError> {
+    let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+    let stops = params.stop.clone();
+    let mut guard = AbortGuard {
+        backends: st.backends.clone(),
+        request_id: request_id.clone(),
+        armed: true,
+    };
+    let mut worker = match st.backends.generate(&request_id, prompt, params).await {
+        Ok(w) => w,
+        Err(e) => {
+            // Nothing was admitted; no abort needed.
+            guard.armed = e.status.is_server_error();
+            return Err(e);
+        }
+    };
+    let first = match worker.next().await {
+        Some(Err(e)) => {
+            guard.armed = e.status.is_server_error();
+            return Err(e);
+        }
+        Some(Ok(ev)) => ev,
+        None => {
+            return Err(ApiError::backend(
+                "the worker ended the stream before generating anything",
+            ));
+        }
+    };
+    let st = st.clone();
+    let stream = async_stream::stream! {
+        let mut guard = guard;
+        let mut worker = futures::stream::iter([Ok(first)]).chain(worker);
+        let mut detok = st.backends.detokenizer();
+        let mut filter = StopFilter::new(&stops);
+        loop {
+            let item = tokio::select! {
+                biased;
+                () = st.shutdown.cancelled() => Some(Err(ApiError::unavailable("the gateway is shutting down"))),
+                item = worker.next() => item,
+            };
+            match item {
+                None => {
+                    yield Err(ApiError::backend("the worker ended the stream without a Finished message"));
+                    return;
+                }
+                Some(Err(e)) => {
+                    yield Err(e);
+                    return;
+                }
+                Some(Ok(WorkerEvent::Tokens(ids))) => {
+                    if filter.stopped() || ids.is_empty() {
+                        continue;
+                    }
+                    match detok.push(ids).await {
+                        Ok(text) => {
+                            let out = filter.push(&text);
+                            if !out.is_empty() {
+                                yield Ok(GenEvent::Text(out));
+                            }
+                        }
+                        Err(e) => {
+                            yield Err(e);
+                            return;
+                        }
+                    }
+                }
+                Some(Ok(WorkerEvent::Finished(f))) => {
+                    guard.armed = false;
+                    if f.reason == FinishReason::Abort {
+                        yield Err(ApiError::aborted());
+                        return;
+                    }
+                    if !filter.stopped() {
+                        match detok.finish().await {
+                            Ok(rest) => {
+                                let mut out = filter.push(&rest);
+                                out.push_str(&filter.finish());
+                                if !out.is_empty() {
+                                    yield Ok(GenEvent::Text(out));
+                                }
+                            }
+                            Err(e) => {
+                                yield Err(e);
+                                return;
+                            }
+                        }
+                    }
+                    let finish_reason = if filter.stopped() || f.reason == FinishReason::Stop { "stop" } else { "length" };
+                    if f.matched_stop.is_some() && !filter.stopped() {
+                        tracing::debug!(matched = ?f.matched_stop, "worker matched a stop string the text does not contain");
+                    }
+                    let usage = Usage {
+                        prompt_tokens: if f.prompt_tokens > 0 { f.prompt_tokens } else { prompt_len },
+                        completion_tokens: f.completion_tokens,
+                        cached_tokens: f.cached_tokens,
+                    };
+                    st.metrics.prompt_tokens.inc_by(u64::from(usage.prompt_tokens));
+                    st.metrics.generated_tokens.inc_by(u64::from(usage.completion_tokens));
+                    st.metrics.cached_prompt_tokens.inc_by(u64::from(usage.cached_tokens));
+                    yield Ok(GenEvent::Done(Done { finish_reason, usage }));
+                    return;
+                }
+            }
+        }
+    };
+    Ok(Box::pin(stream))
+}
+
+/// Drains a generation into its full text (the non-streaming responses).
+pub(crate) async fn collect(mut stream: GenStream) -> Result<(String, Done), ApiError> {
+    let mut text = String::new();
+    while let Some(ev) = stream.next().await {
+        match ev? {
+            GenEvent::Text(t) => text.push_str(&t),
+            GenEvent::Done(d) => return Ok((text, d)),
+        }
+    }
+    Err(ApiError::backend(
+        "the generation ended without a finish reason",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The abort-on-drop contract, against fake backends (the real worker also aborts
+    //! when its stream is dropped, so only a fake can tell the explicit Abort apart).
+
+    use std::time::Duration;
+
+    use pdmesh_proto::tokenizer::v1 as tk;
+    use pdmesh_proto::worker::v1 as wk;
+    use tokio::sync::mpsc;
+    use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+    use tonic::{Request, Response, Status, Streaming};
+
+    use super::*;
+    use crate::Config;
+
+    /// Streams token 7 forever; reports Abort calls and when the Generate stream closes.
+    struct FakeWorker {
+        aborts: mpsc::UnboundedSender<String>,
+        closed: mpsc::UnboundedSender<()>,
+    }
+
+    #[tonic::async_trait]
+    impl wk::worker_server::Worker for FakeWorker {
+        type GenerateStream = ReceiverStream<Result<wk::GenerateResponse, Status>>;
+        async fn generate(
+            &self,
+            _r: Request<wk::GenerateRequest>,
+        ) -> Result<Response<Self::GenerateStream>, Status> {
+            let (tx, rx) = mpsc::channel(1);
+            let closed = self.closed.clone();
+            tokio::spawn(async move {
+                let chunk = || wk::GenerateResponse {
+                    kind: Some(wk::generate_response::Kind::Chunk(wk::TokenChunk {
+                        token_ids: vec![7],
+                        logprob: 0.0,
+                    })),
+                };
+                while tx.send(Ok(chunk())).await.is_ok() {}
+                let _ = closed.send(());
+            });
+            Ok(Response::new(ReceiverStream::new(rx)))
+        }
+        async fn abort(
+            &self,
+            r: Request<wk::AbortRequest>,
+        ) -> Result<Response<wk::AbortResponse>, Status> {
+            let _ = self.aborts.send(r.into_inner().request_id);
+            Ok(Response::new(wk::AbortResponse { found: true }))
+        }
+        async fn health(
+            &self,
+            _r: Request<wk::HealthRequest>,
+        ) -> Result<Response<wk::HealthResponse>, Status> {
+            Ok(Response::new(wk::HealthResponse { ok: true }))
+        }
+        async fn model_info(
+            &self,
+            _r: Request<wk::ModelInfoRequest>,
+        ) -> Result<Response<wk::ModelInfoResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+    }
+
+    /// Answers every Detokenize message with "x".
+    struct FakeTokenizer;
+
+    #[tonic::async_trait]
+    impl tk::tokenizer_server::Tokenizer for FakeTokenizer {
+        async fn tokenize(
+            &self,
+            _r: Request<tk::TokenizeRequest>,
+        ) -> Result<Response<tk::TokenizeResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        async fn apply_chat_template(
+            &self,
+            _r: Request<tk::ChatTemplateRequest>,
+        ) -> Result<Response<tk::ChatTemplateResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        type DetokenizeStream = ReceiverStream<Result<tk::DetokenizeResponse, Status>>;
+        async fn detokenize(
+            &self,
+            r: Request<Streaming<tk::DetokenizeRequest>>,
+        ) -> Result<Response<Self::DetokenizeStream>, Status> {
+            let mut inbound = r.into_inner();
+            let (tx, rx) = mpsc::channel(16);
+            tokio::spawn(async move {
+                while let Ok(Some(_)) = inbound.message().await {
+                    if tx
+                        .send(Ok(tk::DetokenizeResponse { text: "x".into() }))
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            });
+            Ok(Response::new(ReceiverStream::new(rx)))
+        }
+        async fn health(
+            &self,
+            _r: Request<tk::HealthRequest>,
+        ) -> Result<Response<tk::HealthResponse>, Status> {
+            Ok(Response::new(tk::HealthResponse { ok: true }))
+        }
+        async fn info(
+            &self,
+            _r: Request<tk::InfoRequest>,
+        ) -> Result<Response<tk::InfoResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+    }
+
+    async fn listener() -> (TcpListenerStream, String) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        (TcpListenerStream::new(l), url)
+    }
+
+    #[tokio::test]
+    async fn dropping_the_stream_sends_abort_and_closes_the_generate_call() {
+        let (aborts_tx, mut aborts) = mpsc::unbounded_channel();
+        let (closed_tx, mut closed) = mpsc::unbounded_channel();
+        let (wl, wurl) = listener().await;
+        let (tl, turl) = listener().await;
+        let worker = FakeWorker {
+            aborts: aborts_tx,
+            closed: closed_tx,
+        };
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(wk::worker_server::WorkerServer::new(worker))
+                .serve_with_incoming(wl),
+        );
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(tk::tokenizer_server::TokenizerServer::new(FakeTokenizer))
+                .serve_with_incoming(tl),
+        );
+        let cfg = Config::new(&turl, &wurl);
+        let backends = Backends::connect_lazy(&turl, &wurl).unwrap();
+        let st = AppState::new(cfg, backends, tokio_util::sync::CancellationToken::new()).unwrap();
+
+        let mut stream = start(&st, "req-42".into(), vec![1, 2, 3], GenParams::default())
+            .await
+            .unwrap();
+        for _ in 0..3 {
+            assert!(matches!(stream.next().await, Some(Ok(GenEvent::Text(t))) if t == "x"));
+        }
+        drop(stream);
+        let id = tokio::time::timeout(Duration::from_secs(10), aborts.recv())
+            .await
+            .expect("no Abort was sent");
+        assert_eq!(id.as_deref(), Some("req-42"));
+        tokio::time::timeout(Duration::from_secs(10), closed.recv())
+            .await
+            .expect("the Generate stream stayed open");
+    }
+}

@@ -1,0 +1,446 @@
+//! HTTP routes and middleware: authentication on `/v1/*`, request metrics on everything,
+//! and the handlers that turn OpenAI requests into generations and back.
+
+use std::convert::Infallible;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use crate::backend::WorkerInfo;
+use crate::error::{ApiError, ErrorClass};
+use crate::generate::{self, GenEvent, GenStream};
+use crate::metrics::endpoint_label;
+use crate::openai::{
+    self, ChatRequest, CompletionRequest, PromptInput, ResponseMeta, SamplingFields,
+};
+use crate::state::{AppState, unix_now};
+
+pub(crate) fn router(st: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{model}", get(get_model))
+        .route_layer(middleware::from_fn_with_state(st.clone(), auth));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(st.clone(), observe))
+        .layer(DefaultBodyLimit::max(st.cfg.max_body_bytes))
+        .with_state(st)
+}
+
+/// Counts every response by endpoint and status, and every error by class.
+async fn observe(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let start = Instant::now();
+    let endpoint = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("other", |p| endpoint_label(p.as_str()));
+    let resp = next.run(req).await;
+    st.metrics.observe_request(
+        endpoint,
+        resp.status().as_u16(),
+        start.elapsed().as_secs_f64(),
+    );
+    if let Some(ErrorClass(class)) = resp.extensions().get::<ErrorClass>() {
+        st.metrics.error(class);
+    }
+    resp
+}
+
+/// Constant-time comparison, so the key cannot be guessed byte by byte from timings.
+fn same_key(given: &[u8], expected: &[u8]) -> bool {
+    given.len() == expected.len()
+        && given
+            .iter()
+            .zip(expected)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+/// With `--api-key`, `/v1/*` requires `Authorization: Bearer <key>`.
+async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.cfg.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            });
+        match given {
+            None => {
+                return ApiError::unauthorized(
+                    "You didn't provide an API key. Send it in an `Authorization: Bearer <key>` header.",
+                )
+                .into_response();
+            }
+            Some(k) if !same_key(k.trim().as_bytes(), key.as_bytes()) => {
+                return ApiError::unauthorized("Incorrect API key provided.").into_response();
+            }
+            Some(_) => {}
+        }
+    }
+    next.run(req).await
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::not_found(format!(
+        "no route for {} {}",
+        req.method(),
+        req.uri().path()
+    ))
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
+}
+
+/// 200 when both backends answer their Health call, else 503 naming the one that does not.
+async fn health(State(st): State<AppState>) -> Response {
+    let (tok, worker) = st.backends.health().await;
+    let word = |ok: bool| if ok { "ok" } else { "unavailable" };
+    let body =
+        json!({ "status": word(tok && worker), "tokenizer": word(tok), "worker": word(worker) });
+    let status = if tok && worker {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
+}
+
+/// Prometheus text; the KV page gauges are read from the worker at scrape time.
+async fn metrics(State(st): State<AppState>) -> Response {
+    match st.backends.model_info().await {
+        Ok(info) => {
+            st.metrics.kv_pages_free.set(i64::from(info.free_pages));
+            st.metrics.kv_pages_total.set(i64::from(info.total_pages));
+        }
+        Err(e) => tracing::debug!(error = %e.message, "worker model info unavailable for metrics"),
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        st.metrics.render(),
+    )
+        .into_response()
+}
+
+fn model_object(st: &AppState, id: &str) -> Value {
+    json!({ "id": id, "object": "model", "created": st.started, "owned_by": "pdmesh" })
+}
+
+async fn list_models(State(st): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let id = st.served_model().await?;
+    Ok(Json(
+        json!({ "object": "list", "data": [model_object(&st, &id)] }),
+    ))
+}
+
+async fn get_model(
+    State(st): State<AppState>,
+    Path(model): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let id = st.check_model(&model).await?;
+    Ok(Json(model_object(&st, &id)))
+}
+
+fn body_bytes(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rej| {
+        if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::payload_too_large(st.cfg.max_body_bytes)
+        } else {
+            ApiError::invalid_request(
+                format!("could not read the request body: {}", rej.body_text()),
+                None,
+            )
+        }
+    })
+}
+
+/// The prompt must leave room for at least one token, and for `max_tokens` if given.
+fn check_context(
+    info: &WorkerInfo,
+    prompt_len: usize,
+    max_tokens: Option<u32>,
+    prompt_param: &str,
+) -> Result<(), ApiError> {
+    let ctx = info.context_length as usize;
+    if ctx == 0 {
+        return Ok(());
+    }
+    if prompt_len >= ctx {
+        return Err(ApiError::context_length(
+            format!(
+                "This model's maximum context length is {ctx} tokens, but the prompt has {prompt_len} tokens \
+                 (no room to generate). Please shorten the prompt."
+            ),
+            Some(prompt_param),
+        ));
+    }
+    if let Some(m) = max_tokens
+        && prompt_len + m as usize > ctx
+    {
+        return Err(ApiError::context_length(
+            format!(
+                "This model's maximum context length is {ctx} tokens. However, you requested {} tokens \
+                 ({prompt_len} in the prompt, {m} for the completion). Please reduce the prompt or max_tokens.",
+                prompt_len + m as usize
+            ),
+            Some("max_tokens"),
+        ));
+    }
+    Ok(())
+}
+
+/// `max_tokens` alone already beyond the context: rejected before tokenizing.
+fn check_max_tokens(info: &WorkerInfo, max_tokens: Option<u32>) -> Result<(), ApiError> {
+    check_context(info, 0, max_tokens, "max_tokens")
+}
+
+fn with_request_id(mut resp: Response, id: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+/// Records the time from request to the end of a stream, however it ends.
+struct StreamTimer {
+    st: AppState,
+    start: Instant,
+}
+
+impl Drop for StreamTimer {
+    fn drop(&mut self) {
+        self.st
+            .metrics
+            .stream_duration
+            .observe(self.start.elapsed().as_secs_f64());
+    }
+}
+
+fn data(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+/// The SSE response: `data: {chunk}` per delta, the finish chunk, the optional usage chunk,
+/// then `data: [DONE]`. An error after the stream began is sent as `data: {"error": …}`.
+fn sse(
+    st: AppState,
+    start: Instant,
+    meta: ResponseMeta,
+    mut gen_stream: GenStream,
+    kind: Kind,
+    include_usage: bool,
+) -> Response {
+    let timer = StreamTimer {
+        st: st.clone(),
+        start,
+    };
+    let request_id = meta.id.clone();
+    let events = async_stream::stream! {
+        let _timer = timer;
+        if let Kind::Chat = kind {
+            yield Ok::<Event, Infallible>(data(&openai::chat_chunk(&meta, json!({"role": "assistant", "content": ""}), None)));
+        }
+        while let Some(ev) = gen_stream.next().await {
+            match ev {
+                Ok(GenEvent::Text(t)) => {
+                    let chunk = match kind {
+                        Kind::Chat => openai::chat_chunk(&meta, json!({ "content": t }), None),
+                        Kind::Completion => openai::completion_chunk(&meta, &t, None),
+                    };
+                    yield Ok(data(&chunk));
+                }
+                Ok(GenEvent::Done(d)) => {
+                    let (chunk, object) = match kind {
+                        Kind::Chat => (openai::chat_chunk(&meta, json!({}), Some(d.finish_reason)), "chat.completion.chunk"),
+                        Kind::Completion => (openai::completion_chunk(&meta, "", Some(d.finish_reason)), "text_completion"),
+                    };
+                    yield Ok(data(&chunk));
+                    if include_usage {
+                        yield Ok(data(&openai::usage_chunk(&meta, object, &d.usage)));
+                    }
+                    yield Ok(Event::default().data("[DONE]"));
+                    return;
+                }
+                Err(e) => {
+                    st.metrics.error(e.error_type);
+                    yield Ok(data(&e.body()));
+                    return;
+                }
+            }
+        }
+    };
+    let resp = Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response();
+    with_request_id(resp, &request_id)
+}
+
+#[tracing::instrument(skip_all, fields(request_id))]
+async fn chat_completions(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let start = Instant::now();
+    let body = body_bytes(&st, body)?;
+    let req: ChatRequest = openai::parse(&body)?;
+    let params = openai::parse::<SamplingFields>(&body)?.to_params()?;
+    req.check_supported()?;
+    let messages = req.messages()?;
+    let model = st.check_model(&req.model).await?;
+    let info = st.worker_info().await?.clone();
+    check_max_tokens(&info, params.max_tokens)?;
+
+    let ids = st
+        .backends
+        .apply_chat_template(messages, req.tools_json())
+        .await?;
+    check_context(&info, ids.len(), params.max_tokens, "messages")?;
+    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    tracing::Span::current().record("request_id", id.as_str());
+    let meta = ResponseMeta {
+        id: id.clone(),
+        created: unix_now(),
+        model,
+    };
+    let gen_stream = generate::start(&st, id.clone(), ids, params).await?;
+    if req.stream.unwrap_or(false) {
+        return Ok(sse(
+            st.clone(),
+            start,
+            meta,
+            gen_stream,
+            Kind::Chat,
+            req.include_usage(),
+        ));
+    }
+    let (text, done) = generate::collect(gen_stream).await?;
+    let body = openai::chat_completion(&meta, &text, done.finish_reason, &done.usage);
+    Ok(with_request_id(Json(body).into_response(), &id))
+}
+
+#[tracing::instrument(skip_all, fields(request_id))]
+async fn completions(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let start = Instant::now();
+    let body = body_bytes(&st, body)?;
+    let req: CompletionRequest = openai::parse(&body)?;
+    let params = openai::parse::<SamplingFields>(&body)?.to_params()?;
+    req.check_supported()?;
+    let prompt = req.prompt()?;
+    let model = st.check_model(&req.model).await?;
+    let info = st.worker_info().await?.clone();
+    check_max_tokens(&info, params.max_tokens)?;
+
+    let ids = match prompt {
+        PromptInput::Text(text) => st.backends.tokenize(text).await?,
+        PromptInput::Ids(ids) => {
+            if let Some((i, t)) = ids
+                .iter()
+                .enumerate()
+                .find(|&(_, &t)| info.vocab_size > 0 && t >= info.vocab_size)
+            {
+                return Err(ApiError::invalid_param(
+                    "prompt",
+                    format!(
+                        "prompt[{i}]: token id {t} is outside the vocabulary of {} tokens",
+                        info.vocab_size
+                    ),
+                ));
+            }
+            ids
+        }
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid_param(
+            "prompt",
+            "the prompt tokenized to zero tokens",
+        ));
+    }
+    check_context(&info, ids.len(), params.max_tokens, "prompt")?;
+    let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
+    tracing::Span::current().record("request_id", id.as_str());
+    let meta = ResponseMeta {
+        id: id.clone(),
+        created: unix_now(),
+        model,
+    };
+    let gen_stream = generate::start(&st, id.clone(), ids, params).await?;
+    if req.stream.unwrap_or(false) {
+        return Ok(sse(
+            st.clone(),
+            start,
+            meta,
+            gen_stream,
+            Kind::Completion,
+            req.include_usage(),
+        ));
+    }
+    let (text, done) = generate::collect(gen_stream).await?;
+    let body = openai::completion(&meta, &text, done.finish_reason, &done.usage);
+    Ok(with_request_id(Json(body).into_response(), &id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(ctx: u32) -> WorkerInfo {
+        WorkerInfo {
+            model_id: "m".into(),
+            context_length: ctx,
+            vocab_size: 100,
+            total_pages: 1,
+            free_pages: 1,
+        }
+    }
+
+    #[test]
+    fn context_checks_name_the_limit_and_the_param() {
+        let e = check_context(&info(100), 100, None, "prompt").unwrap_err();
+        assert_eq!(e.code, Some("context_length_exceeded"));
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        assert!(e.message.contains("100 tokens"), "{}", e.message);
+        let e = check_context(&info(100), 60, Some(41), "prompt").unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert!(check_context(&info(100), 60, Some(40), "prompt").is_ok());
+        assert!(check_context(&info(100), 99, None, "prompt").is_ok());
+        assert!(check_max_tokens(&info(100), Some(101)).is_err());
+    }
+
+    #[test]
+    fn api_key_comparison() {
+        assert!(same_key(b"abc", b"abc"));
+        assert!(!same_key(b"abd", b"abc"));
+        assert!(!same_key(b"ab", b"abc"));
+    }
+}

@@ -1,0 +1,681 @@
+//! The OpenAI wire format: request bodies, their validation into domain types, and the
+//! JSON of responses and stream chunks. Every rejection is an [`ApiError`] naming the
+//! parameter, checked here before any backend is called.
+
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use crate::backend::{GenParams, Message};
+use crate::error::ApiError;
+use crate::generate::Usage;
+
+/// Most stop strings per request (OpenAI's limit).
+pub(crate) const MAX_STOP: usize = 4;
+
+/// Parses a JSON body into `T`; syntax errors, invalid UTF-8, missing fields and wrong
+/// types all become a 400 `invalid_request_error` (never axum's plain-text rejection).
+pub(crate) fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if let Err(e) = std::str::from_utf8(body) {
+        return Err(ApiError::invalid_request(
+            format!(
+                "the request body is not valid UTF-8 (invalid byte at offset {})",
+                e.valid_up_to()
+            ),
+            None,
+        ));
+    }
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::invalid_request(
+            "the request body is empty; expected a JSON object",
+            None,
+        ));
+    }
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value: T = match serde_path_to_error::deserialize(&mut de) {
+        Ok(v) => v,
+        Err(e) => {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            return Err(match inner.classify() {
+                serde_json::error::Category::Data if path != "." => ApiError::invalid_request(
+                    format!("invalid value for `{path}`: {inner}"),
+                    Some(&path),
+                ),
+                serde_json::error::Category::Data => {
+                    // "missing field `x`": name the field as the param.
+                    let msg = inner.to_string();
+                    let missing = msg
+                        .strip_prefix("missing field `")
+                        .and_then(|r| r.split('`').next());
+                    ApiError::invalid_request(format!("invalid request: {msg}"), missing)
+                }
+                _ => ApiError::invalid_request(
+                    format!("could not parse the JSON body of the request: {inner}"),
+                    None,
+                ),
+            });
+        }
+    };
+    de.end().map_err(|e| {
+        ApiError::invalid_request(
+            format!("could not parse the JSON body of the request: {e}"),
+            None,
+        )
+    })?;
+    Ok(value)
+}
+
+/// `stop`: a string or a list of strings.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The sampling fields both endpoints share (parsed from the same body as the request).
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct SamplingFields {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub seed: Option<i64>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub stop: Option<Stop>,
+    pub n: Option<i64>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: Option<bool>,
+}
+
+fn in_range(
+    param: &str,
+    v: Option<f64>,
+    ok: impl Fn(f64) -> bool,
+    range: &str,
+) -> Result<Option<f32>, ApiError> {
+    match v {
+        None => Ok(None),
+        Some(x) if x.is_finite() && ok(x) => Ok(Some(x as f32)),
+        Some(x) => Err(ApiError::invalid_param(
+            param,
+            format!("{param} must be {range}, got {x}"),
+        )),
+    }
+}
+
+impl SamplingFields {
+    /// Range-checks every field (OpenAI's ranges) and builds the worker's parameters.
+    pub fn to_params(&self) -> Result<GenParams, ApiError> {
+        match self.n {
+            None | Some(1) => {}
+            Some(n) => {
+                return Err(ApiError::unsupported(
+                    "n",
+                    format!(
+                        "n must be 1: this server generates one choice per request (got n={n})"
+                    ),
+                ));
+            }
+        }
+        let temperature = in_range(
+            "temperature",
+            self.temperature,
+            |x| (0.0..=2.0).contains(&x),
+            "between 0 and 2",
+        )?;
+        let top_p = in_range("top_p", self.top_p, |x| x > 0.0 && x <= 1.0, "in (0, 1]")?;
+        let min_p = in_range(
+            "min_p",
+            self.min_p,
+            |x| (0.0..=1.0).contains(&x),
+            "between 0 and 1",
+        )?;
+        let frequency_penalty = in_range(
+            "frequency_penalty",
+            self.frequency_penalty,
+            |x| (-2.0..=2.0).contains(&x),
+            "between -2 and 2",
+        )?;
+        let presence_penalty = in_range(
+            "presence_penalty",
+            self.presence_penalty,
+            |x| (-2.0..=2.0).contains(&x),
+            "between -2 and 2",
+        )?;
+        let repetition_penalty = in_range(
+            "repetition_penalty",
+            self.repetition_penalty,
+            |x| x > 0.0 && x <= 10.0,
+            "in (0, 10]",
+        )?;
+        let top_k = match self.top_k {
+            None => None,
+            Some(k) if (-1..=i64::from(i32::MAX)).contains(&k) => Some(k as i32),
+            Some(k) => {
+                return Err(ApiError::invalid_param(
+                    "top_k",
+                    format!("top_k must be -1 (disabled) or >= 0, got {k}"),
+                ));
+            }
+        };
+        let (max_param, max) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) => ("max_completion_tokens", Some(m)),
+            (None, m) => ("max_tokens", m),
+        };
+        let max_tokens = match max {
+            None => None,
+            Some(m) if m >= 1 => Some(u32::try_from(m).unwrap_or(u32::MAX)),
+            Some(m) => {
+                return Err(ApiError::invalid_param(
+                    max_param,
+                    format!("{max_param} must be at least 1, got {m}"),
+                ));
+            }
+        };
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stop.len() > MAX_STOP {
+            return Err(ApiError::invalid_param(
+                "stop",
+                format!(
+                    "at most {MAX_STOP} stop strings are allowed, got {}",
+                    stop.len()
+                ),
+            ));
+        }
+        if stop.iter().any(String::is_empty) {
+            return Err(ApiError::invalid_param(
+                "stop",
+                "stop strings must not be empty",
+            ));
+        }
+        Ok(GenParams {
+            temperature: temperature.unwrap_or(1.0),
+            top_p,
+            top_k,
+            min_p,
+            frequency_penalty: frequency_penalty.unwrap_or(0.0),
+            presence_penalty: presence_penalty.unwrap_or(0.0),
+            repetition_penalty,
+            seed: self.seed.map(|s| s as u64),
+            max_tokens,
+            stop,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+        })
+    }
+}
+
+/// `stream_options`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// A chat message's content: a string or a list of typed parts.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatMessage {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<ChatMessage>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub tools: Option<Value>,
+    pub response_format: Option<Value>,
+}
+
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+impl ChatRequest {
+    /// The messages flattened to text, or a 400 naming the bad one.
+    pub fn messages(&self) -> Result<Vec<Message>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid_param(
+                "messages",
+                "messages must contain at least one message",
+            ));
+        }
+        self.messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                if !ROLES.contains(&m.role.as_str()) {
+                    return Err(ApiError::invalid_param(
+                        &format!("messages[{i}].role"),
+                        format!("unknown role {:?}; expected one of {}", m.role, ROLES.join(", ")),
+                    ));
+                }
+                let content = match &m.content {
+                    None => String::new(),
+                    Some(Content::Text(t)) => t.clone(),
+                    Some(Content::Parts(parts)) => {
+                        let mut text = String::new();
+                        for (j, p) in parts.iter().enumerate() {
+                            match (p.kind.as_str(), &p.text) {
+                                ("text", Some(t)) => text.push_str(t),
+                                _ => {
+                                    return Err(ApiError::unsupported(
+                                        &format!("messages[{i}].content[{j}]"),
+                                        format!("content parts of type {:?} are not supported; only text", p.kind),
+                                    ));
+                                }
+                            }
+                        }
+                        text
+                    }
+                };
+                let role = if m.role == "developer" { "system".to_owned() } else { m.role.clone() };
+                Ok(Message { role, content })
+            })
+            .collect()
+    }
+
+    /// Rejects the features this server does not implement.
+    pub fn check_supported(&self) -> Result<(), ApiError> {
+        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
+            return Err(ApiError::unsupported(
+                "logprobs",
+                "logprobs are not supported by this server",
+            ));
+        }
+        if let Some(rf) = &self.response_format
+            && rf.get("type").and_then(Value::as_str) != Some("text")
+        {
+            return Err(ApiError::unsupported(
+                "response_format",
+                "only response_format {\"type\": \"text\"} is supported",
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn tools_json(&self) -> Option<String> {
+        match &self.tools {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(a)) if a.is_empty() => None,
+            Some(t) => Some(t.to_string()),
+        }
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false)
+    }
+}
+
+/// A completions prompt: text, token ids, or a batch of one of either.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdBatch(Vec<Vec<u32>>),
+}
+
+/// The prompt once a batch of one has been unwrapped.
+#[derive(Debug, PartialEq)]
+pub(crate) enum PromptInput {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct CompletionRequest {
+    pub model: String,
+    pub prompt: Prompt,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub logprobs: Option<i64>,
+    pub echo: Option<bool>,
+    pub best_of: Option<i64>,
+    pub suffix: Option<String>,
+}
+
+impl CompletionRequest {
+    pub fn prompt(&self) -> Result<PromptInput, ApiError> {
+        let batch = |n: usize| {
+            ApiError::unsupported(
+                "prompt",
+                format!("a list of {n} prompts is not supported; send one prompt per request"),
+            )
+        };
+        let input = match &self.prompt {
+            Prompt::Text(t) => PromptInput::Text(t.clone()),
+            Prompt::Ids(ids) => PromptInput::Ids(ids.clone()),
+            Prompt::Texts(v) if v.len() == 1 => PromptInput::Text(v[0].clone()),
+            Prompt::Texts(v) => return Err(batch(v.len())),
+            Prompt::IdBatch(v) if v.len() == 1 => PromptInput::Ids(v[0].clone()),
+            Prompt::IdBatch(v) => return Err(batch(v.len())),
+        };
+        let empty = match &input {
+            PromptInput::Text(t) => t.is_empty(),
+            PromptInput::Ids(ids) => ids.is_empty(),
+        };
+        if empty {
+            return Err(ApiError::invalid_param(
+                "prompt",
+                "prompt must not be empty",
+            ));
+        }
+        Ok(input)
+    }
+
+    pub fn check_supported(&self) -> Result<(), ApiError> {
+        if self.logprobs.is_some() {
+            return Err(ApiError::unsupported(
+                "logprobs",
+                "logprobs are not supported by this server",
+            ));
+        }
+        if self.echo == Some(true) {
+            return Err(ApiError::unsupported(
+                "echo",
+                "echo is not supported by this server",
+            ));
+        }
+        if self.best_of.is_some_and(|b| b != 1) {
+            return Err(ApiError::unsupported("best_of", "best_of must be 1"));
+        }
+        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::unsupported(
+                "suffix",
+                "suffix is not supported by this server",
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false)
+    }
+}
+
+/// The `usage` object.
+pub(crate) fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": u.cached_tokens },
+    })
+}
+
+/// Identity shared by every chunk of one response.
+#[derive(Clone, Debug)]
+pub(crate) struct ResponseMeta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+pub(crate) fn chat_completion(
+    m: &ResponseMeta,
+    text: &str,
+    finish_reason: &str,
+    usage: &Usage,
+) -> Value {
+    json!({
+        "id": m.id,
+        "object": "chat.completion",
+        "created": m.created,
+        "model": m.model,
+        "choices": [{
+            "index": 0,
+            "message": { "role": "assistant", "content": text },
+            "logprobs": null,
+            "finish_reason": finish_reason,
+        }],
+        "usage": usage_json(usage),
+    })
+}
+
+pub(crate) fn chat_chunk(m: &ResponseMeta, delta: Value, finish_reason: Option<&str>) -> Value {
+    json!({
+        "id": m.id,
+        "object": "chat.completion.chunk",
+        "created": m.created,
+        "model": m.model,
+        "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason }],
+    })
+}
+
+pub(crate) fn completion(
+    m: &ResponseMeta,
+    text: &str,
+    finish_reason: &str,
+    usage: &Usage,
+) -> Value {
+    json!({
+        "id": m.id,
+        "object": "text_completion",
+        "created": m.created,
+        "model": m.model,
+        "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason }],
+        "usage": usage_json(usage),
+    })
+}
+
+pub(crate) fn completion_chunk(m: &ResponseMeta, text: &str, finish_reason: Option<&str>) -> Value {
+    json!({
+        "id": m.id,
+        "object": "text_completion",
+        "created": m.created,
+        "model": m.model,
+        "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason }],
+    })
+}
+
+/// The final usage-only chunk of a stream (`stream_options.include_usage`).
+pub(crate) fn usage_chunk(m: &ResponseMeta, object: &str, usage: &Usage) -> Value {
+    json!({
+        "id": m.id,
+        "object": object,
+        "created": m.created,
+        "model": m.model,
+        "choices": [],
+        "usage": usage_json(usage),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err<T: DeserializeOwned + std::fmt::Debug>(body: &str) -> ApiError {
+        parse::<T>(body.as_bytes()).unwrap_err()
+    }
+
+    fn params(body: &str) -> Result<GenParams, ApiError> {
+        parse::<SamplingFields>(body.as_bytes())
+            .unwrap()
+            .to_params()
+    }
+
+    #[test]
+    fn malformed_json_is_a_400_with_the_parser_message() {
+        let e = err::<ChatRequest>(r#"{"model": "m", "messages": [}"#);
+        assert_eq!(e.status, 400);
+        assert!(
+            e.message.starts_with("could not parse the JSON body"),
+            "{}",
+            e.message
+        );
+        let e = err::<ChatRequest>(r#"{"model": "m", "messages": []} trailing"#);
+        assert_eq!(e.status, 400);
+    }
+
+    #[test]
+    fn invalid_utf8_is_a_400_not_a_crash() {
+        let e = parse::<ChatRequest>(b"{\"model\": \"m\xff\", \"messages\": []}").unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(e.message.contains("UTF-8"), "{}", e.message);
+    }
+
+    #[test]
+    fn missing_field_and_wrong_type_name_the_problem() {
+        let e = err::<ChatRequest>(r#"{"model": "m"}"#);
+        assert!(
+            e.message.contains("missing field `messages`"),
+            "{}",
+            e.message
+        );
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        let e = err::<SamplingFields>(r#"{"temperature": "hot"}"#);
+        assert_eq!(e.param.as_deref(), Some("temperature"));
+        let e = err::<ChatRequest>(r#"{"model": "m", "messages": [{"role": 7, "content": "x"}]}"#);
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+    }
+
+    #[test]
+    fn out_of_range_sampling_params_are_rejected_by_name() {
+        for (body, param) in [
+            (r#"{"max_tokens": 0}"#, "max_tokens"),
+            (r#"{"max_tokens": -5}"#, "max_tokens"),
+            (r#"{"max_completion_tokens": 0}"#, "max_completion_tokens"),
+            (r#"{"temperature": -0.1}"#, "temperature"),
+            (r#"{"top_p": 0}"#, "top_p"),
+            (r#"{"top_p": 1.5}"#, "top_p"),
+            (r#"{"min_p": 2}"#, "min_p"),
+            (r#"{"frequency_penalty": 3}"#, "frequency_penalty"),
+            (r#"{"top_k": -2}"#, "top_k"),
+            (r#"{"stop": ["a","b","c","d","e"]}"#, "stop"),
+            (r#"{"stop": ""}"#, "stop"),
+            (r#"{"n": 2}"#, "n"),
+        ] {
+            let e = params(body).unwrap_err();
+            assert_eq!(e.status, 400, "{body}");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
+        }
+    }
+
+    #[test]
+    fn defaults_and_mapping() {
+        let p = params("{}").unwrap();
+        assert_eq!(p.temperature, 1.0);
+        assert_eq!(p.max_tokens, None);
+        let p = params(r#"{"temperature": 0, "max_tokens": 7, "max_completion_tokens": 9, "stop": "\n", "seed": 3, "top_k": 40}"#)
+            .unwrap();
+        assert_eq!(p.temperature, 0.0);
+        assert_eq!(
+            p.max_tokens,
+            Some(9),
+            "max_completion_tokens wins over max_tokens"
+        );
+        assert_eq!(p.stop, ["\n"]);
+        assert_eq!(p.seed, Some(3));
+        assert_eq!(p.top_k, Some(40));
+    }
+
+    #[test]
+    fn completion_prompt_forms() {
+        let prompt = |body: &str| {
+            parse::<CompletionRequest>(body.as_bytes())
+                .unwrap()
+                .prompt()
+        };
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":"hi"}"#).unwrap(),
+            PromptInput::Text("hi".into())
+        );
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":["hi"]}"#).unwrap(),
+            PromptInput::Text("hi".into())
+        );
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap(),
+            PromptInput::Ids(vec![1, 2, 3])
+        );
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":[[4,5]]}"#).unwrap(),
+            PromptInput::Ids(vec![4, 5])
+        );
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":["a","b"]}"#)
+                .unwrap_err()
+                .status,
+            400
+        );
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":""}"#).unwrap_err().status,
+            400
+        );
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":[]}"#).unwrap_err().status,
+            400
+        );
+        assert_eq!(
+            err::<CompletionRequest>(r#"{"model":"m","prompt":[-1]}"#).status,
+            400
+        );
+    }
+
+    #[test]
+    fn chat_content_parts_are_joined_and_images_rejected() {
+        let req: ChatRequest = parse(
+            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(req.messages().unwrap()[0].content, "ab");
+        let req: ChatRequest =
+            parse(br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#).unwrap();
+        assert_eq!(req.messages().unwrap_err().status, 400);
+        let req: ChatRequest =
+            parse(br#"{"model":"m","messages":[{"role":"wizard","content":"x"}]}"#).unwrap();
+        assert_eq!(
+            req.messages().unwrap_err().param.as_deref(),
+            Some("messages[0].role")
+        );
+        let req: ChatRequest = parse(br#"{"model":"m","messages":[]}"#).unwrap();
+        assert_eq!(req.messages().unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn logprobs_true_is_rejected_false_is_fine() {
+        let req: ChatRequest = parse(br#"{"model":"m","messages":[],"logprobs":true}"#).unwrap();
+        assert_eq!(
+            req.check_supported().unwrap_err().param.as_deref(),
+            Some("logprobs")
+        );
+        let req: ChatRequest = parse(br#"{"model":"m","messages":[],"logprobs":false}"#).unwrap();
+        assert!(req.check_supported().is_ok());
+    }
+}

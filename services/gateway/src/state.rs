@@ -1,0 +1,85 @@
+//! State shared by every handler: configuration, backend clients, metrics, and the
+//! worker's model facts (fetched once, on first need, since the worker may still be
+//! loading when the gateway starts).
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
+
+use crate::Config;
+use crate::backend::{Backends, WorkerInfo};
+use crate::error::{ApiError, Error};
+use crate::metrics::Metrics;
+
+/// Cheap to clone; everything lives behind one `Arc`.
+#[derive(Clone)]
+pub(crate) struct AppState(Arc<Inner>);
+
+pub(crate) struct Inner {
+    pub cfg: Config,
+    pub backends: Backends,
+    pub metrics: Metrics,
+    pub shutdown: CancellationToken,
+    /// Unix time the gateway started: the `created` of `/v1/models`.
+    pub started: u64,
+    info: OnceCell<WorkerInfo>,
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl AppState {
+    pub fn new(
+        cfg: Config,
+        backends: Backends,
+        shutdown: CancellationToken,
+    ) -> Result<Self, Error> {
+        Ok(Self(Arc::new(Inner {
+            cfg,
+            backends,
+            metrics: Metrics::new()?,
+            shutdown,
+            started: unix_now(),
+            info: OnceCell::new(),
+        })))
+    }
+
+    /// The worker's model facts; a 503 while the worker cannot be reached.
+    pub async fn worker_info(&self) -> Result<&WorkerInfo, ApiError> {
+        self.info
+            .get_or_try_init(|| self.backends.model_info())
+            .await
+    }
+
+    /// The model name clients must send.
+    pub async fn served_model(&self) -> Result<String, ApiError> {
+        match &self.cfg.model_name {
+            Some(name) => Ok(name.clone()),
+            None => Ok(self.worker_info().await?.model_id.clone()),
+        }
+    }
+
+    /// A 404 unless `model` is the served model.
+    pub async fn check_model(&self, model: &str) -> Result<String, ApiError> {
+        let served = self.served_model().await?;
+        if model == served {
+            Ok(served)
+        } else {
+            Err(ApiError::model_not_found(model))
+        }
+    }
+}

@@ -1,0 +1,146 @@
+"""End-to-end harness: runs the already-built `pdmesh up` (nothing is built here) and
+hands tests an `openai.OpenAI` client pointed at its gateway.
+
+The binary is $PDMESH_BIN, default target/release/pdmesh under the repository root. The
+model is whatever `pdmesh up` serves by default ($PDMESH_MODEL or the cached default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "e2e-secret-key"
+STARTUP_TIMEOUT_S = float(os.environ.get("PDMESH_E2E_STARTUP_TIMEOUT", "600"))
+
+
+def pdmesh_bin() -> Path:
+    p = Path(os.environ.get("PDMESH_BIN", REPO / "target" / "release" / "pdmesh"))
+    if not p.is_absolute():
+        p = REPO / p
+    if not p.is_file():
+        pytest.fail(f"{p} does not exist: build it first (cargo build --release -p pdmesh-cli)", pytrace=False)
+    return p
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 60):
+    """(status, body bytes) of one request; HTTP errors are returned, not raised."""
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@dataclass
+class Mesh:
+    """A running `pdmesh up`."""
+
+    proc: subprocess.Popen
+    ports: dict
+    log_path: Path
+    base: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.base = f"http://127.0.0.1:{self.ports['gateway']}"
+
+    @property
+    def model(self) -> str:
+        return self.ports["model"]
+
+    def child_pids(self) -> list[int]:
+        return [self.ports["pids"][k] for k in ("tokenizer", "worker", "gateway")]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0, timeout=300)
+
+    def metrics(self) -> dict[str, float]:
+        status, body = http("GET", self.base + "/metrics")
+        assert status == 200
+        out = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+
+def start_up(tmp: Path, extra_args: list[str] | None = None) -> Mesh:
+    """Starts `pdmesh up` on a free port and waits until its gateway is healthy."""
+    ports_json = tmp / "ports.json"
+    log_path = tmp / "up.log"
+    port = free_port()
+    env = dict(os.environ, PDMESH_API_KEY=API_KEY)
+    cmd = [str(pdmesh_bin()), "up", "--port", str(port), "--ports-json", str(ports_json), *(extra_args or [])]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not ports_json.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"pdmesh up exited with {proc.returncode}:\n{log_path.read_text()}", pytrace=False)
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"pdmesh up not ready after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()}", pytrace=False)
+        time.sleep(0.2)
+    mesh = Mesh(proc=proc, ports=json.loads(ports_json.read_text()), log_path=log_path)
+    status, body = http("GET", mesh.base + "/health")
+    assert status == 200, body
+    return mesh
+
+
+def stop_up(mesh: Mesh) -> int:
+    """SIGTERM to `up`; returns its exit code. Fails if it or any child outlives it."""
+    if mesh.proc.poll() is None:
+        mesh.proc.send_signal(signal.SIGTERM)
+    try:
+        code = mesh.proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        mesh.proc.kill()
+        pytest.fail(f"pdmesh up did not stop on SIGTERM:\n{mesh.log()}", pytrace=False)
+    left = [pid for pid in mesh.child_pids() if alive(pid)]
+    assert not left, f"child processes left behind: {left}\n{mesh.log()}"
+    return code
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory) -> Mesh:
+    m = start_up(tmp_path_factory.mktemp("up"))
+    yield m
+    code = stop_up(m)
+    assert code == 0, f"pdmesh up exited with {code} on SIGTERM:\n{m.log()}"
+
+
+@pytest.fixture(scope="session")
+def client(mesh) -> openai.OpenAI:
+    return mesh.client()

@@ -1,0 +1,284 @@
+"""The OpenAI-compatible API of a running `pdmesh up`, seen through the official `openai`
+client (and raw HTTP where a client would not send such bytes)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from conftest import API_KEY, http
+
+QUESTION = "Name three primary colors."
+
+
+def ask(client, model, content, **kw):
+    kw.setdefault("max_tokens", 24)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], **kw)
+
+
+def stream_text(client, model, content, **kw):
+    """(text, finish_reason, usage) of a streamed chat completion."""
+    kw.setdefault("max_tokens", 24)
+    kw.setdefault("temperature", 0)
+    text, finish, usage = [], None, None
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.content:
+                text.append(c.delta.content)
+            if c.finish_reason:
+                finish = c.finish_reason
+    return "".join(text), finish, usage
+
+
+def test_models_lists_the_served_model(client, mesh):
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids == [mesh.model]
+    assert client.models.retrieve(mesh.model).id == mesh.model
+
+
+def test_chat_non_stream_has_text_finish_reason_and_usage(client, mesh):
+    r = ask(client, mesh.model, QUESTION)
+    assert r.object == "chat.completion"
+    assert r.model == mesh.model
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 0
+    assert 0 < u.completion_tokens <= 24
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens is not None
+    assert 0 <= u.prompt_tokens_details.cached_tokens <= u.prompt_tokens
+
+
+def test_max_tokens_ends_with_length(client, mesh):
+    r = ask(client, mesh.model, "Write a long essay about the ocean.", max_tokens=3)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 3
+
+
+def test_chat_stream_equals_non_stream_greedy_answer(client, mesh):
+    plain = ask(client, mesh.model, QUESTION)
+    text, finish, usage = stream_text(client, mesh.model, QUESTION)
+    assert text == plain.choices[0].message.content
+    assert finish == plain.choices[0].finish_reason
+    assert usage is not None, "stream_options.include_usage must send a usage chunk"
+    assert usage.completion_tokens == plain.usage.completion_tokens
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_completions_stream_and_non_stream_agree(client, mesh):
+    kw = dict(model=mesh.model, prompt="The capital of France is", max_tokens=12, temperature=0)
+    r = client.completions.create(**kw)
+    assert r.object == "text_completion"
+    assert r.choices[0].text
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_completions_accept_token_ids_and_a_list_of_one(client, mesh):
+    by_text = client.completions.create(model=mesh.model, prompt="Hello", max_tokens=6, temperature=0)
+    by_list = client.completions.create(model=mesh.model, prompt=["Hello"], max_tokens=6, temperature=0)
+    assert by_list.choices[0].text == by_text.choices[0].text
+    r = client.completions.create(model=mesh.model, prompt=[1, 2, 3], max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens == 3
+
+
+def test_stop_strings_never_reach_the_client(client, mesh):
+    prompt = "Count from 1 to 20, separated by commas."
+    full = ask(client, mesh.model, prompt, max_tokens=40).choices[0].message.content
+    assert len(full) >= 8, full
+    mid = len(full) // 2
+    stop = full[mid : mid + 2]
+    expected = full[: full.index(stop)]
+    r = ask(client, mesh.model, prompt, max_tokens=40, stop=[stop])
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason == "stop"
+    text, finish, _ = stream_text(client, mesh.model, prompt, max_tokens=40, stop=stop)
+    assert text == expected
+    assert finish == "stop"
+
+
+def test_concurrent_clients_each_get_their_solo_greedy_answer(client, mesh):
+    prompts = [f"Give me one word that rhymes with number {i}." for i in range(16)]
+    solo = [ask(client, mesh.model, p, max_tokens=16).choices[0].message.content for p in prompts]
+
+    def one(p):
+        c = mesh.client()
+        return ask(c, mesh.model, p, max_tokens=16).choices[0].message.content
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        together = list(pool.map(one, prompts))
+    assert together == solo
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+def expect(exc_type, status, fn, code=None, param=None):
+    with pytest.raises(exc_type) as info:
+        fn()
+    e = info.value
+    assert e.status_code == status
+    assert isinstance(e.body, dict) and e.body.get("message"), e.body
+    assert e.type, e.body
+    if code is not None:
+        assert e.code == code, e.body
+    if param is not None:
+        assert e.param == param, e.body
+    return e
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ],
+)
+def test_bad_sampling_params_are_400(client, mesh, kw, param):
+    expect(openai.BadRequestError, 400, lambda: ask(client, mesh.model, "hi", **kw), param=param)
+
+
+def test_unknown_model_is_404_model_not_found(client):
+    expect(openai.NotFoundError, 404, lambda: ask(client, "no-such-model", "hi"), code="model_not_found")
+
+
+def test_wrong_api_key_is_401(mesh):
+    bad = mesh.client(api_key="wrong")
+    expect(openai.AuthenticationError, 401, lambda: ask(bad, mesh.model, "hi"))
+    expect(openai.AuthenticationError, 401, lambda: bad.models.list())
+
+
+def test_a_list_of_several_prompts_is_400(client, mesh):
+    expect(
+        openai.BadRequestError,
+        400,
+        lambda: client.completions.create(model=mesh.model, prompt=["a", "b"], max_tokens=2),
+        param="prompt",
+    )
+
+
+def test_context_limits_are_400_context_length_exceeded(client, mesh):
+    expect(
+        openai.BadRequestError,
+        400,
+        lambda: ask(client, mesh.model, "hi", max_tokens=10_000_000),
+        code="context_length_exceeded",
+    )
+    long_prompt = "hello " * 40_000
+    expect(
+        openai.BadRequestError,
+        400,
+        lambda: client.completions.create(model=mesh.model, prompt=long_prompt, max_tokens=4),
+        code="context_length_exceeded",
+    )
+
+
+def raw_post(mesh, path, body: bytes):
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    status, data = http("POST", mesh.base + path, body, headers)
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        pytest.fail(f"error body is not JSON: {data!r}")
+    assert set(parsed["error"]) >= {"message", "type", "param", "code"}, parsed
+    return status, parsed["error"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "messages": [',
+        b"",
+        b"not json at all",
+        b'{"messages": [{"role": "user", "content": "hi"}]}',
+        b'{"model": "MODEL", "messages": "hi"}',
+        b'{"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}',
+    ],
+    ids=["truncated", "empty", "garbage", "missing-model", "messages-not-a-list", "max-tokens-wrong-type"],
+)
+def test_malformed_bodies_are_400_with_openai_error_json(mesh, body):
+    status, err = raw_post(mesh, "/v1/chat/completions", body.replace(b"MODEL", mesh.model.encode()))
+    assert status == 400, err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_invalid_utf8_in_the_json_body_is_400(mesh):
+    body = b'{"model": "MODEL", "messages": [{"role": "user", "content": "caf\xe9 \xff"}]}'
+    status, err = raw_post(mesh, "/v1/chat/completions", body.replace(b"MODEL", mesh.model.encode()))
+    assert status == 400, err
+    assert "UTF-8" in err["message"]
+
+
+def test_health_and_metrics_are_served(mesh):
+    status, body = http("GET", mesh.base + "/health")
+    assert status == 200
+    assert json.loads(body)["status"] == "ok"
+    m = mesh.metrics()
+    assert m["mesh_kv_pages_total"] > 0
+    assert any(k.startswith("mesh_requests_total{") for k in m)
+    assert "mesh_generated_tokens_total" in m
+    assert "mesh_prompt_tokens_total" in m
+
+
+def test_client_disconnect_mid_stream_frees_the_worker_pages(client, mesh):
+    prompt = "Tell me a very long story about a dragon."
+    # Warm-up with the same prompt, so pages a prefix cache keeps are part of the baseline.
+    ask(client, mesh.model, prompt, max_tokens=1)
+    baseline = mesh.metrics()["mesh_kv_pages_free"]
+
+    body = json.dumps(
+        {
+            "model": mesh.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,  # cannot end early: only an abort frees its pages soon
+        }
+    ).encode()
+    s = socket.create_connection(("127.0.0.1", mesh.ports["gateway"]))
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    seen = b""
+    while seen.count(b'"content"') < 4:
+        data = s.recv(4096)
+        assert data, f"stream ended early: {seen!r}"
+        seen += data
+    assert mesh.metrics()["mesh_kv_pages_free"] < baseline, "a running request holds pages"
+    s.close()
+
+    free = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        free = mesh.metrics()["mesh_kv_pages_free"]
+        if free == baseline:
+            break
+        time.sleep(0.2)
+    assert free == baseline, "the worker's pages did not come back after the client disconnected"

@@ -1,0 +1,48 @@
+"""`pdmesh up` as a supervisor: when one child dies, it stops the others, says which
+child and how, exits non-zero, and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from conftest import alive, start_up
+
+
+def test_up_stops_everything_and_fails_when_the_worker_dies(tmp_path):
+    mesh = start_up(tmp_path)
+    worker = mesh.ports["pids"]["worker"]
+    try:
+        os.kill(worker, signal.SIGKILL)
+        code = mesh.proc.wait(timeout=120)
+    finally:
+        if mesh.proc.poll() is None:
+            mesh.proc.kill()
+    log = mesh.log()
+    assert code != 0, log
+    assert f"the worker (pid {worker}) exited with signal: 9" in log, log
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in mesh.child_pids()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in mesh.child_pids() if alive(p)]
+    assert not left, f"orphans: {left}\n{log}"
+
+
+def test_up_stops_its_children_when_it_is_killed_outright(tmp_path):
+    mesh = start_up(tmp_path)
+    mesh.proc.kill()  # SIGKILL: no chance to clean up; the parent-death signal must act
+    mesh.proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in mesh.child_pids()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in mesh.child_pids() if alive(p)]
+    assert not left, f"orphans after SIGKILL of up: {left}\n{mesh.log()}"
+
+
+def test_up_prints_the_url_a_first_answer_and_a_curl_example(mesh):
+    log = mesh.log()
+    assert f"pdmesh is up: http://127.0.0.1:{mesh.ports['gateway']}/v1" in log, log
+    answers = [line for line in log.splitlines() if line.startswith("model: ")]
+    assert answers and answers[0].removeprefix("model: ").strip(), log
+    assert "curl http://127.0.0.1:" in log, log
