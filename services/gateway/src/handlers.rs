@@ -16,7 +16,7 @@ use axum::{Json, Router};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
-use crate::backend::WorkerInfo;
+use crate::backend::{GenParams, WorkerInfo};
 use crate::error::{ApiError, ErrorClass};
 use crate::generate::{self, GenEvent, GenStream};
 use crate::metrics::endpoint_label;
@@ -323,7 +323,37 @@ async fn chat_completions(
         .apply_chat_template(messages, req.tools_json())
         .await?;
     check_context(&info, ids.len(), params.max_tokens, "messages")?;
-    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    let stream = req.stream.unwrap_or(false);
+    respond(
+        st,
+        start,
+        model,
+        Kind::Chat,
+        ids,
+        params,
+        stream,
+        req.include_usage(),
+    )
+    .await
+}
+
+/// Starts the generation and answers with a Server-Sent Events stream or one JSON body.
+#[allow(clippy::too_many_arguments)]
+async fn respond(
+    st: AppState,
+    start: Instant,
+    model: String,
+    kind: Kind,
+    ids: Vec<u32>,
+    params: GenParams,
+    stream: bool,
+    include_usage: bool,
+) -> Result<Response, ApiError> {
+    let prefix = match kind {
+        Kind::Chat => "chatcmpl",
+        Kind::Completion => "cmpl",
+    };
+    let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
     tracing::Span::current().record("request_id", id.as_str());
     let meta = ResponseMeta {
         id: id.clone(),
@@ -331,18 +361,21 @@ async fn chat_completions(
         model,
     };
     let gen_stream = generate::start(&st, id.clone(), ids, params).await?;
-    if req.stream.unwrap_or(false) {
+    if stream {
         return Ok(sse(
             st.clone(),
             start,
             meta,
             gen_stream,
-            Kind::Chat,
-            req.include_usage(),
+            kind,
+            include_usage,
         ));
     }
     let (text, done) = generate::collect(gen_stream).await?;
-    let body = openai::chat_completion(&meta, &text, done.finish_reason, &done.usage);
+    let body = match kind {
+        Kind::Chat => openai::chat_completion(&meta, &text, done.finish_reason, &done.usage),
+        Kind::Completion => openai::completion(&meta, &text, done.finish_reason, &done.usage),
+    };
     Ok(with_request_id(Json(body).into_response(), &id))
 }
 
@@ -387,27 +420,18 @@ async fn completions(
         ));
     }
     check_context(&info, ids.len(), params.max_tokens, "prompt")?;
-    let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
-    tracing::Span::current().record("request_id", id.as_str());
-    let meta = ResponseMeta {
-        id: id.clone(),
-        created: unix_now(),
+    let stream = req.stream.unwrap_or(false);
+    respond(
+        st,
+        start,
         model,
-    };
-    let gen_stream = generate::start(&st, id.clone(), ids, params).await?;
-    if req.stream.unwrap_or(false) {
-        return Ok(sse(
-            st.clone(),
-            start,
-            meta,
-            gen_stream,
-            Kind::Completion,
-            req.include_usage(),
-        ));
-    }
-    let (text, done) = generate::collect(gen_stream).await?;
-    let body = openai::completion(&meta, &text, done.finish_reason, &done.usage);
-    Ok(with_request_id(Json(body).into_response(), &id))
+        Kind::Completion,
+        ids,
+        params,
+        stream,
+        req.include_usage(),
+    )
+    .await
 }
 
 #[cfg(test)]
