@@ -6,10 +6,12 @@
 //! Architecture Invariant: only this crate contains `unsafe` SIMD code; it is reached
 //! through safe functions that pick the implementation once per process.
 
+mod attention;
 mod dot;
 mod matmul;
 mod quant;
 
+pub use attention::attend;
 pub use matmul::{matmul, matmul_many, QMatrix};
 pub use quant::{quantize_q8_0, quantize_q8_1, QActs};
 

@@ -25,6 +25,8 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Compute each sampled token's log-probability (a softmax over the vocabulary).
+    pub logprobs: bool,
 }
 
 impl Default for SamplingParams {
@@ -42,6 +44,7 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            logprobs: false,
         }
     }
 }
@@ -104,7 +107,7 @@ pub enum FinishReason {
 /// What a sequence produced during one engine step.
 #[derive(Clone, Debug, PartialEq)]
 pub enum StepEvent {
-    Token { id: Arc<str>, token: u32, logprob: f32 },
+    Token { id: Arc<str>, token: u32, logprob: Option<f32> },
     Finished {
         id: Arc<str>,
         reason: FinishReason,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pdmesh_gguf::GgufFile;
-use pdmesh_kernels::{matmul, matmul_many, QMatrix};
+use pdmesh_kernels::{attend, matmul, matmul_many, QMatrix};
 use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
 use rayon::prelude::*;
 
@@ -242,60 +242,22 @@ impl LlamaModel {
                 let tk = tokens[i];
                 let n = tk.pos + 1;
                 let pages = seq_pages[tk.seq];
-                // Gather this group's K and V for positions 0..=pos as f32.
-                let mut ks = vec![0f32; n * hd];
-                let mut vs = vec![0f32; n * hd];
+                // This group's cached rows for positions 0..=pos, page by page.
+                let mut keys: Vec<&[f16]> = Vec::with_capacity(n);
+                let mut values: Vec<&[f16]> = Vec::with_capacity(n);
                 for (pi, &page) in pages.iter().enumerate().take(n.div_ceil(ps)) {
                     let (kp, vp) = (pool.values::<f16>(page, layer, 0), pool.values::<f16>(page, layer, 1));
                     for j in pi * ps..n.min((pi + 1) * ps) {
                         let off = (j % ps) * kvd + gidx * hd;
-                        kp[off..off + hd].convert_to_f32_slice(&mut ks[j * hd..(j + 1) * hd]);
-                        vp[off..off + hd].convert_to_f32_slice(&mut vs[j * hd..(j + 1) * hd]);
+                        keys.push(&kp[off..off + hd]);
+                        values.push(&vp[off..off + hd]);
                     }
                 }
-                let mut scores = vec![0f32; n];
-                for r in 0..rep {
-                    let h = gidx * rep + r;
-                    let qh: Vec<f32> = q[i * c.dim + h * hd..i * c.dim + (h + 1) * hd]
-                        .iter()
-                        .map(|&x| f16::from_f32(x).to_f32())
-                        .collect();
-                    let mut max = f32::NEG_INFINITY;
-                    for j in 0..n {
-                        let s = dot(&qh, &ks[j * hd..(j + 1) * hd]) * scale;
-                        scores[j] = s;
-                        max = max.max(s);
-                    }
-                    let mut sum = 0f64;
-                    for s in scores.iter_mut() {
-                        *s = (*s - max).exp();
-                        sum += *s as f64;
-                    }
-                    let inv = (1.0 / sum) as f32;
-                    let oh = &mut o[r * hd..(r + 1) * hd];
-                    oh.fill(0.0);
-                    for j in 0..n {
-                        // Probabilities are rounded to f16 before the V product, as
-                        // llama.cpp does with an f16 V cache.
-                        let p = f16::from_f32(scores[j] * inv).to_f32();
-                        for (od, vd) in oh.iter_mut().zip(&vs[j * hd..(j + 1) * hd]) {
-                            *od += p * vd;
-                        }
-                    }
-                }
+                let qg = &q[i * c.dim + gidx * rep * hd..i * c.dim + (gidx + 1) * rep * hd];
+                attend(qg, hd, &keys, &values, scale, o);
             });
         });
     }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for l in 0..8 {
-            lanes[l] += ca[l] * cb[l];
-        }
-    }
-    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
 }
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {

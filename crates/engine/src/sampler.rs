@@ -29,8 +29,9 @@ impl Sampler {
         *self.counts.entry(token).or_default() += 1;
     }
 
-    /// Pick the next token; returns it and its log-probability under the penalized logits.
-    pub fn sample(&mut self, logits: &mut [f32], p: &SamplingParams, context: &[u32]) -> (u32, f32) {
+    /// Pick the next token; returns it and, if asked for, its log-probability under the
+    /// penalized logits.
+    pub fn sample(&mut self, logits: &mut [f32], p: &SamplingParams, context: &[u32]) -> (u32, Option<f32>) {
         if p.repetition_penalty != 1.0 {
             let mut seen = std::collections::HashSet::new();
             for &t in context {
@@ -49,7 +50,7 @@ impl Sampler {
             }
         }
         let token = if p.temperature == 0.0 { argmax(logits) } else { self.draw(logits, p) };
-        (token, log_softmax_at(logits, token))
+        (token, p.logprobs.then(|| log_softmax_at(logits, token)))
     }
 
     fn draw(&mut self, logits: &[f32], p: &SamplingParams) -> u32 {
@@ -149,8 +150,12 @@ mod tests {
     fn greedy_takes_the_first_maximum() {
         let mut s = Sampler::new(Some(1));
         let mut l = vec![0.0, 3.0, 3.0, -1.0];
-        let (t, lp) = s.sample(&mut l, &SamplingParams::greedy(1), &[]);
+        let (t, lp) = s.sample(&mut l.clone(), &SamplingParams::greedy(1), &[]);
+        assert_eq!((t, lp), (1, None), "no log-probability unless asked");
+        let p = SamplingParams { logprobs: true, ..SamplingParams::greedy(1) };
+        let (t, lp) = s.sample(&mut l, &p, &[]);
         assert_eq!(t, 1);
+        let lp = lp.unwrap();
         assert!(lp < 0.0 && lp > -1.0);
     }
 

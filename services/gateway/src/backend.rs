@@ -192,6 +192,9 @@ impl Backends {
             stop: p.stop.into_iter().map(String::into_bytes).collect(),
             stop_token_ids: p.stop_token_ids,
             ignore_eos: p.ignore_eos,
+            // The gateway does not serve logprobs (it refuses them), so the worker
+            // skips the softmax over the vocabulary.
+            logprobs: false,
         };
         let req = wk::GenerateRequest {
             request_id: request_id.to_owned(),

@@ -229,7 +229,7 @@ mod tests {
                 let chunk = || wk::GenerateResponse {
                     kind: Some(wk::generate_response::Kind::Chunk(wk::TokenChunk {
                         token_ids: vec![7],
-                        logprob: 0.0,
+                        logprob: None,
                     })),
                 };
                 while tx.send(Ok(chunk())).await.is_ok() {}

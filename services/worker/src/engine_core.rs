@@ -54,7 +54,7 @@ pub struct Finish {
 /// What a client receives for its request: tokens, then exactly one `Finished`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
-    Token { token: u32, logprob: f32 },
+    Token { token: u32, logprob: Option<f32> },
     Finished(Finish),
 }
 
@@ -300,7 +300,7 @@ mod tests {
                 out.push(StepEvent::Token {
                     id: id.clone(),
                     token: 7,
-                    logprob: -0.5,
+                    logprob: Some(-0.5),
                 });
                 if r.1 == r.2 {
                     out.push(StepEvent::Finished {
@@ -352,7 +352,7 @@ mod tests {
             events[0],
             Event::Token {
                 token: 7,
-                logprob: -0.5
+                logprob: Some(-0.5)
             }
         );
         assert!(

@@ -51,6 +51,7 @@ pub(crate) fn sampling_params(p: Option<pb::SamplingParams>) -> Result<SamplingP
         stop,
         stop_token_ids: p.stop_token_ids,
         ignore_eos: p.ignore_eos,
+        logprobs: p.logprobs,
     })
 }
 
