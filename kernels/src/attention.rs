@@ -15,7 +15,7 @@ use crate::dot::has_avx2;
 pub fn attend(q: &[f32], hd: usize, keys: &[&[f16]], values: &[&[f16]], scale: f32, out: &mut [f32]) {
     let rep = q.len() / hd;
     let n = keys.len();
-    assert!(hd % 8 == 0 && q.len() == rep * hd && out.len() == q.len() && values.len() == n && n > 0);
+    assert!(hd.is_multiple_of(8) && q.len() == rep * hd && out.len() == q.len() && values.len() == n && n > 0);
     assert!(keys.iter().chain(values).all(|r| r.len() == hd));
     let simd = cfg!(target_arch = "x86_64") && has_avx2();
     let mut scores = vec![0f32; n];
