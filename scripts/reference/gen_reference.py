@@ -9,7 +9,7 @@ What it makes (both under tests/fixtures/, paths relative to the repository root
 * ``reference.json``: for a handful of prompts (chat-template-rendered and raw text), the
   prompt token ids, llama.cpp's greedy continuation of 32 tokens (argmax of the raw logits,
   taken here with numpy: no sampler, no penalties, EOS is not a stop), and the top-5
-  (token id, logit) pairs at the last prompt position and after each of the first 8
+  (token id, logit) pairs at the last prompt position and after each of the first 31
   generated tokens. Also the llama.cpp version and the model file's sha256.
 
 How to run (a developer tool, never a runtime dependency of pdmesh):
@@ -45,7 +45,7 @@ N_CTX = 2048
 N_THREADS = 2
 N_GEN = 32
 N_TOP = 5
-N_TOP_POSITIONS = 8  # generated positions with a top-5 record (after the prompt's own)
+N_TOP_POSITIONS = 31  # generated positions with a top-5 record (after the prompt's own)
 
 # Strings the tokenizer must get exactly right. Keep each case's intent in its name.
 TOKENIZER_CASES: list[tuple[str, str]] = [
@@ -106,6 +106,7 @@ def chat_prompts() -> list[dict]:
                 {"role": "user", "content": "Tell me a fun fact about octopuses."},
             ],
         },
+        {"name": "chat_recipe", "messages": [{"role": "user", "content": "How do I boil an egg?"}]},
     ]
 
 
@@ -113,6 +114,7 @@ RAW_PROMPTS: list[tuple[str, str]] = [
     ("raw_fox", "The quick brown fox"),
     ("raw_code", "def fibonacci(n):\n"),
     ("raw_story", "Once upon a time, in a land far away,"),
+    ("raw_list", "Three primary colors are"),
 ]
 
 
