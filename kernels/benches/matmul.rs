@@ -1,12 +1,14 @@
 //! Throughput of the quantized matmul at the SmolLM2 FFN shape, 1 and 16 tokens.
 
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{Criterion, criterion_group, criterion_main};
 use pdmesh_gguf::GgmlType;
-use pdmesh_kernels::{matmul, QMatrix};
+use pdmesh_kernels::{QMatrix, matmul};
 
 fn bench(c: &mut Criterion) {
     let (rows, cols) = (1536, 576);
-    let data: Vec<u8> = (0..GgmlType::Q4_1.row_bytes(cols) * rows).map(|i| (i * 31 % 251) as u8 & 0x3f).collect();
+    let data: Vec<u8> = (0..GgmlType::Q4_1.row_bytes(cols) * rows)
+        .map(|i| (i * 31 % 251) as u8 & 0x3f)
+        .collect();
     let w = QMatrix::new(GgmlType::Q4_1, &data, rows, cols);
     let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
     for t in [1usize, 16] {

@@ -12,10 +12,23 @@ use crate::dot::has_avx2;
 /// `out[r] = softmax(scale · q_r · Kᵀ) · V`, where `keys[j]` and `values[j]` are position
 /// j's rows. Queries and probabilities are rounded through f16, as llama.cpp does with an
 /// f16 cache.
-pub fn attend(q: &[f32], hd: usize, keys: &[&[f16]], values: &[&[f16]], scale: f32, out: &mut [f32]) {
+pub fn attend(
+    q: &[f32],
+    hd: usize,
+    keys: &[&[f16]],
+    values: &[&[f16]],
+    scale: f32,
+    out: &mut [f32],
+) {
     let rep = q.len() / hd;
     let n = keys.len();
-    assert!(hd.is_multiple_of(8) && q.len() == rep * hd && out.len() == q.len() && values.len() == n && n > 0);
+    assert!(
+        hd.is_multiple_of(8)
+            && q.len() == rep * hd
+            && out.len() == q.len()
+            && values.len() == n
+            && n > 0
+    );
     assert!(keys.iter().chain(values).all(|r| r.len() == hd));
     let simd = cfg!(target_arch = "x86_64") && has_avx2();
     let mut scores = vec![0f32; n];
@@ -25,8 +38,14 @@ pub fn attend(q: &[f32], hd: usize, keys: &[&[f16]], values: &[&[f16]], scale: f
             *d = f16::from_f32(x).to_f32();
         }
         for (s, k) in scores.iter_mut().zip(keys) {
-            let lanes = if simd { simd_dot_lanes(&qh, k) } else { scalar_dot_lanes(&qh, k) };
-            *s = (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))) * scale;
+            let lanes = if simd {
+                simd_dot_lanes(&qh, k)
+            } else {
+                scalar_dot_lanes(&qh, k)
+            };
+            *s = (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+                + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])))
+                * scale;
         }
         let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
         let mut sum = 0f64;
@@ -132,9 +151,23 @@ mod tests {
 
     fn case() -> (Vec<f32>, Vec<Vec<f16>>, Vec<Vec<f16>>) {
         let (hd, n, rep) = (64, 37, 3);
-        let q: Vec<f32> = (0..rep * hd).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
-        let k = (0..n).map(|j| (0..hd).map(|d| f16::from_f32(((j * hd + d) as f32 * 0.11).cos())).collect()).collect();
-        let v = (0..n).map(|j| (0..hd).map(|d| f16::from_f32(((j + 2 * d) as f32 * 0.1).sin())).collect()).collect();
+        let q: Vec<f32> = (0..rep * hd)
+            .map(|i| (i as f32 * 0.37).sin() * 2.0)
+            .collect();
+        let k = (0..n)
+            .map(|j| {
+                (0..hd)
+                    .map(|d| f16::from_f32(((j * hd + d) as f32 * 0.11).cos()))
+                    .collect()
+            })
+            .collect();
+        let v = (0..n)
+            .map(|j| {
+                (0..hd)
+                    .map(|d| f16::from_f32(((j + 2 * d) as f32 * 0.1).sin()))
+                    .collect()
+            })
+            .collect();
         (q, k, v)
     }
 
@@ -149,14 +182,23 @@ mod tests {
         for r in 0..q.len() / hd {
             let s: Vec<f64> = k
                 .iter()
-                .map(|kj| (0..hd).map(|d| q[r * hd + d] as f64 * kj[d].to_f64()).sum::<f64>() * 0.125)
+                .map(|kj| {
+                    (0..hd)
+                        .map(|d| q[r * hd + d] as f64 * kj[d].to_f64())
+                        .sum::<f64>()
+                        * 0.125
+                })
                 .collect();
             let m = s.iter().cloned().fold(f64::MIN, f64::max);
             let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
             let z: f64 = e.iter().sum();
             for d in 0..hd {
                 let want: f64 = (0..k.len()).map(|j| e[j] / z * v[j][d].to_f64()).sum();
-                assert!((out[r * hd + d] as f64 - want).abs() < 1e-2, "head {r} dim {d}: {} vs {want}", out[r * hd + d]);
+                assert!(
+                    (out[r * hd + d] as f64 - want).abs() < 1e-2,
+                    "head {r} dim {d}: {} vs {want}",
+                    out[r * hd + d]
+                );
             }
         }
     }
@@ -165,13 +207,21 @@ mod tests {
     fn simd_and_scalar_paths_give_the_same_bits() {
         let (q, k, v) = case();
         for (a, b) in q.chunks_exact(64).zip(&k) {
-            assert_eq!(simd_dot_lanes(a, b).map(f32::to_bits), scalar_dot_lanes(a, b).map(f32::to_bits));
+            assert_eq!(
+                simd_dot_lanes(a, b).map(f32::to_bits),
+                scalar_dot_lanes(a, b).map(f32::to_bits)
+            );
         }
-        let p: Vec<f32> = (0..v.len()).map(|j| f16::from_f32(1.0 / (j + 1) as f32).to_f32()).collect();
+        let p: Vec<f32> = (0..v.len())
+            .map(|j| f16::from_f32(1.0 / (j + 1) as f32).to_f32())
+            .collect();
         let vr: Vec<&[f16]> = v.iter().map(Vec::as_slice).collect();
         let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
         simd_weighted_sum(&p, &vr, &mut a);
         scalar_weighted_sum(&p, &vr, &mut b);
-        assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), b.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        assert_eq!(
+            a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
     }
 }

@@ -72,7 +72,8 @@ pub(crate) fn q4_1_q8_1<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; 
             let q = &a.qs[32 * b..32 * b + 32];
             let mut isum = 0i32;
             for j in 0..16 {
-                isum += (blk[4 + j] & 0xF) as i32 * q[j] as i32 + (blk[4 + j] >> 4) as i32 * q[j + 16] as i32;
+                isum += (blk[4 + j] & 0xF) as i32 * q[j] as i32
+                    + (blk[4 + j] >> 4) as i32 * q[j + 16] as i32;
             }
             sum += d * a.d[b] * isum as f32 + m * a.s[b];
         }
@@ -117,7 +118,8 @@ pub(crate) fn q4_0_q8_0<const N: usize>(row: &[u8], acts: [&QActs; N]) -> [f32; 
             let q = &a.qs[32 * b..32 * b + 32];
             let mut isum = 0i32;
             for j in 0..16 {
-                isum += ((blk[2 + j] & 0xF) as i32 - 8) * q[j] as i32 + ((blk[2 + j] >> 4) as i32 - 8) * q[j + 16] as i32;
+                isum += ((blk[2 + j] & 0xF) as i32 - 8) * q[j] as i32
+                    + ((blk[2 + j] >> 4) as i32 - 8) * q[j + 16] as i32;
             }
             sum += d * a.d[b] * isum as f32;
         }
@@ -175,7 +177,10 @@ pub(crate) fn rows(kind: IntKind, data: &[u8], rb: usize, acts: &[QActs], out: &
             IntKind::Q4_0 => (q4_0_q8_0::<4>, q4_0_q8_0::<1>),
         };
         for g in (0..n4).step_by(4) {
-            o[g..g + 4].copy_from_slice(&four(row, [&acts[g], &acts[g + 1], &acts[g + 2], &acts[g + 3]]));
+            o[g..g + 4].copy_from_slice(&four(
+                row,
+                [&acts[g], &acts[g + 1], &acts[g + 2], &acts[g + 3]],
+            ));
         }
         for tt in n4..t {
             o[tt] = one(row, [&acts[tt]])[0];
@@ -192,7 +197,8 @@ pub(crate) fn f32_dot(a: &[f32], b: &[f32]) -> f32 {
             lanes[l] += a[i + l] * b[i + l];
         }
     }
-    let mut s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    let mut s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
     for i in n8..a.len() {
         s += a[i] * b[i];
     }
@@ -248,11 +254,16 @@ mod avx2 {
                         let blk = row.as_ptr().add(20 * b);
                         let (dw, mw) = f16x2(blk);
                         let tmp = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                        let bytes = _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1);
+                        let bytes = _mm256_insertf128_si256(
+                            _mm256_castsi128_si256(tmp),
+                            _mm_srli_epi16(tmp, 4),
+                            1,
+                        );
                         let qx = _mm256_and_si256(lowmask, bytes);
                         for t in 0..N {
                             let a = acts[t];
-                            let qy = _mm256_loadu_si256(a.qs.as_ptr().add(32 * b) as *const __m256i);
+                            let qy =
+                                _mm256_loadu_si256(a.qs.as_ptr().add(32 * b) as *const __m256i);
                             let xy = _mm256_cvtepi32_ps($dot(qx, qy));
                             let d = _mm256_set1_ps(dw * *a.d.get_unchecked(b));
                             acc[t] = _mm256_fmadd_ps(d, xy, acc[t]);
@@ -289,7 +300,8 @@ mod avx2 {
                         let ax = _mm256_sign_epi8(qx, qx);
                         for t in 0..N {
                             let a = acts[t];
-                            let qy = _mm256_loadu_si256(a.qs.as_ptr().add(32 * b) as *const __m256i);
+                            let qy =
+                                _mm256_loadu_si256(a.qs.as_ptr().add(32 * b) as *const __m256i);
                             let sy = _mm256_sign_epi8(qy, qx);
                             let xy = _mm256_cvtepi32_ps($dot(ax, sy));
                             let d = _mm256_set1_ps(dw * *a.d.get_unchecked(b));
@@ -332,7 +344,9 @@ mod avx2 {
                 for (row, o) in data.chunks_exact(rb).zip(out.chunks_exact_mut(t)) {
                     for g in (0..n4).step_by(4) {
                         // SAFETY: the kernel enables the same features as this function.
-                        let r = unsafe { $kernel::<4>(row, [&acts[g], &acts[g + 1], &acts[g + 2], &acts[g + 3]]) };
+                        let r = unsafe {
+                            $kernel::<4>(row, [&acts[g], &acts[g + 1], &acts[g + 2], &acts[g + 3]])
+                        };
                         o[g..g + 4].copy_from_slice(&r);
                     }
                     for tt in n4..t {
@@ -345,20 +359,36 @@ mod avx2 {
     }
 
     q4_1_kernel!(q4_1_q8_1, "avx2,fma,f16c", dot_avx2);
-    q4_1_kernel!(q4_1_q8_1_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_vnni);
+    q4_1_kernel!(
+        q4_1_q8_1_vnni,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        dot_vnni
+    );
     q8_0_kernel!(q8_0_q8_0, "avx2,fma,f16c", dot_avx2);
-    q8_0_kernel!(q8_0_q8_0_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot_vnni);
+    q8_0_kernel!(
+        q8_0_q8_0_vnni,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        dot_vnni
+    );
     rows_fn!(q4_1_rows, q4_1_q8_1, "avx2,fma,f16c");
-    rows_fn!(q4_1_rows_vnni, q4_1_q8_1_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+    rows_fn!(
+        q4_1_rows_vnni,
+        q4_1_q8_1_vnni,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+    );
     rows_fn!(q8_0_rows, q8_0_q8_0, "avx2,fma,f16c");
-    rows_fn!(q8_0_rows_vnni, q8_0_q8_0_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+    rows_fn!(
+        q8_0_rows_vnni,
+        q8_0_q8_0_vnni,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+    );
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{quantize_q8_0, quantize_q8_1};
-    use pdmesh_gguf::{dequantize, GgmlType};
+    use pdmesh_gguf::{GgmlType, dequantize};
 
     fn row_q4_1(n: usize, seed: u32) -> Vec<u8> {
         let mut r = Vec::new();
@@ -375,7 +405,9 @@ mod tests {
     }
 
     fn acts(n: usize, seed: f32) -> Vec<f32> {
-        (0..n).map(|i| ((i as f32 * 0.7 + seed).sin()) * 2.0).collect()
+        (0..n)
+            .map(|i| ((i as f32 * 0.7 + seed).sin()) * 2.0)
+            .collect()
     }
 
     #[test]
@@ -396,9 +428,17 @@ mod tests {
         let four = q4_1_q8_1(&row, [&qs[0], &qs[1], &qs[2], &qs[3]]);
         for t in 0..4 {
             let one = q4_1_q8_1(&row, [&qs[t]]);
-            assert_eq!(one[0].to_bits(), four[t].to_bits(), "token {t} differs between N=1 and N=4");
+            assert_eq!(
+                one[0].to_bits(),
+                four[t].to_bits(),
+                "token {t} differs between N=1 and N=4"
+            );
             let exact = f32_dot(&w, &xs[t]);
-            assert!((one[0] - exact).abs() < 0.02 * exact.abs().max(1.0), "{} vs {exact}", one[0]);
+            assert!(
+                (one[0] - exact).abs() < 0.02 * exact.abs().max(1.0),
+                "{} vs {exact}",
+                one[0]
+            );
         }
     }
 
@@ -456,7 +496,11 @@ mod tests {
         let got = q8_0_q8_0(&row, [&q, &q]);
         assert_eq!(got[0].to_bits(), got[1].to_bits());
         let exact = f32_dot(&w, &x);
-        assert!((got[0] - exact).abs() < 0.02 * exact.abs().max(1.0), "{} vs {exact}", got[0]);
+        assert!(
+            (got[0] - exact).abs() < 0.02 * exact.abs().max(1.0),
+            "{} vs {exact}",
+            got[0]
+        );
 
         let mut row = Vec::new();
         for b in 0..2u8 {
@@ -466,6 +510,10 @@ mod tests {
         dequantize(GgmlType::Q4_0, &row, &mut w);
         let got = q4_0_q8_0(&row, [&q]);
         let exact = f32_dot(&w, &x);
-        assert!((got[0] - exact).abs() < 0.02 * exact.abs().max(1.0), "{} vs {exact}", got[0]);
+        assert!(
+            (got[0] - exact).abs() < 0.02 * exact.abs().max(1.0),
+            "{} vs {exact}",
+            got[0]
+        );
     }
 }

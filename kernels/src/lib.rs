@@ -12,8 +12,8 @@ mod matmul;
 mod quant;
 
 pub use attention::attend;
-pub use matmul::{matmul, matmul_many, QMatrix};
-pub use quant::{quantize_q8_0, quantize_q8_1, QActs};
+pub use matmul::{QMatrix, matmul, matmul_many};
+pub use quant::{QActs, quantize_q8_0, quantize_q8_1};
 
 /// Which kernel family runs on this machine, decided once per process from the CPU's
 /// features; `PDMESH_KERNELS=avx2` or `=scalar` forces a lesser one (for comparisons).

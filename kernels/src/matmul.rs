@@ -2,11 +2,11 @@
 //! computed by one thread, in one fixed order, for every token: results are identical
 //! whatever the batch size or thread count.
 
-use pdmesh_gguf::{dequantize, GgmlType};
+use pdmesh_gguf::{GgmlType, dequantize};
 use rayon::prelude::*;
 
 use crate::dot;
-use crate::quant::{quantize_q8_0, quantize_q8_1, QActs};
+use crate::quant::{QActs, quantize_q8_0, quantize_q8_1};
 
 /// A weight matrix borrowed in its GGUF block format: `rows` rows of `cols` values.
 #[derive(Clone, Copy, Debug)]
@@ -19,8 +19,17 @@ pub struct QMatrix<'a> {
 
 impl<'a> QMatrix<'a> {
     pub fn new(ty: GgmlType, data: &'a [u8], rows: usize, cols: usize) -> Self {
-        assert_eq!(data.len(), ty.row_bytes(cols) * rows, "matrix data size for {rows}x{cols} {ty:?}");
-        Self { ty, data, rows, cols }
+        assert_eq!(
+            data.len(),
+            ty.row_bytes(cols) * rows,
+            "matrix data size for {rows}x{cols} {ty:?}"
+        );
+        Self {
+            ty,
+            data,
+            rows,
+            cols,
+        }
     }
 
     pub fn row(&self, r: usize) -> &'a [u8] {
@@ -67,7 +76,13 @@ struct Task<'o> {
 /// Several matrices applied to the same input in one parallel region (Q, K and V; gate and
 /// up). `outs[i]` is `t × ws[i].rows`. Each row is still computed by one thread in the
 /// same order as [`matmul`] computes it, so results are identical.
-pub fn matmul_many(pool: &rayon::ThreadPool, ws: &[&QMatrix<'_>], x: &[f32], t: usize, outs: &mut [&mut [f32]]) {
+pub fn matmul_many(
+    pool: &rayon::ThreadPool,
+    ws: &[&QMatrix<'_>],
+    x: &[f32],
+    t: usize,
+    outs: &mut [&mut [f32]],
+) {
     assert_eq!(ws.len(), outs.len());
     let cols = ws[0].cols;
     assert_eq!(x.len(), t * cols, "input is not {t} x {cols}");
@@ -79,7 +94,8 @@ pub fn matmul_many(pool: &rayon::ThreadPool, ws: &[&QMatrix<'_>], x: &[f32], t: 
         return;
     }
     let need = |f: fn(GgmlType) -> bool| ws.iter().any(|w| f(w.ty));
-    let q8_1 = need(|ty| ty == GgmlType::Q4_1).then(|| Acts::Q8_1(quantize_all(x, cols, quantize_q8_1)));
+    let q8_1 =
+        need(|ty| ty == GgmlType::Q4_1).then(|| Acts::Q8_1(quantize_all(x, cols, quantize_q8_1)));
     let q8_0 = need(|ty| matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0))
         .then(|| Acts::Q8_0(quantize_all(x, cols, quantize_q8_0)));
     let f32_acts = Acts::F32;
@@ -96,7 +112,12 @@ pub fn matmul_many(pool: &rayon::ThreadPool, ws: &[&QMatrix<'_>], x: &[f32], t: 
     for (m, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
         let first = tasks.len();
         for r0 in (0..w.rows).step_by(per_task) {
-            tasks.push(Task { m, r0, n: per_task.min(w.rows - r0), outs: Vec::with_capacity(t) });
+            tasks.push(Task {
+                m,
+                r0,
+                n: per_task.min(w.rows - r0),
+                outs: Vec::with_capacity(t),
+            });
         }
         for tok in out.chunks_exact_mut(w.rows) {
             for (k, piece) in tok.chunks_mut(per_task).enumerate() {
@@ -119,7 +140,14 @@ pub fn matmul_many(pool: &rayon::ThreadPool, ws: &[&QMatrix<'_>], x: &[f32], t: 
 }
 
 /// Rows `r0..r0 + n` of `w` times every token into `out` (n × t, row-major).
-fn rows_times_tokens(w: &QMatrix<'_>, r0: usize, n: usize, x: &[f32], acts: &Acts, out: &mut [f32]) {
+fn rows_times_tokens(
+    w: &QMatrix<'_>,
+    r0: usize,
+    n: usize,
+    x: &[f32],
+    acts: &Acts,
+    out: &mut [f32],
+) {
     let rb = w.ty.row_bytes(w.cols);
     let data = &w.data[r0 * rb..(r0 + n) * rb];
     match acts {
@@ -167,31 +195,51 @@ mod tests {
         let w = QMatrix::new(GgmlType::Q4_1, &data, rows, cols);
         let t = 7;
         let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.13).cos()).collect();
-        let p1 = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        let p2 = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let p1 = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let p2 = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
         let mut all = vec![0f32; t * rows];
         matmul(&p2, &w, &x, t, &mut all);
         for tt in 0..t {
             let mut one = vec![0f32; rows];
             matmul(&p1, &w, &x[tt * cols..(tt + 1) * cols], 1, &mut one);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&one), bits(&all[tt * rows..(tt + 1) * rows]), "token {tt}");
+            assert_eq!(
+                bits(&one),
+                bits(&all[tt * rows..(tt + 1) * rows]),
+                "token {tt}"
+            );
         }
         // and close to the f32 reference
         let mut wr = vec![0f32; cols];
         w.dequantize_row(3, &mut wr);
         let exact: f32 = wr.iter().zip(&x[..cols]).map(|(a, b)| a * b).sum();
-        assert!((all[3] - exact).abs() < 0.03 * exact.abs().max(1.0), "{} vs {exact}", all[3]);
+        assert!(
+            (all[3] - exact).abs() < 0.03 * exact.abs().max(1.0),
+            "{} vs {exact}",
+            all[3]
+        );
     }
 
     #[test]
     fn fused_matrices_equal_separate_calls() {
         let cols = 64;
         let (a, b) = (q4_1_matrix(20, cols), q4_1_matrix(9, cols));
-        let (wa, wb) = (QMatrix::new(GgmlType::Q4_1, &a, 20, cols), QMatrix::new(GgmlType::Q4_1, &b, 9, cols));
+        let (wa, wb) = (
+            QMatrix::new(GgmlType::Q4_1, &a, 20, cols),
+            QMatrix::new(GgmlType::Q4_1, &b, 9, cols),
+        );
         let t = 5;
         let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.31).sin()).collect();
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
         let (mut oa, mut ob) = (vec![0f32; t * 20], vec![0f32; t * 9]);
         matmul_many(&pool, &[&wa, &wb], &x, t, &mut [&mut oa, &mut ob]);
         let (mut sa, mut sb) = (vec![0f32; t * 20], vec![0f32; t * 9]);
@@ -205,10 +253,16 @@ mod tests {
     fn fallback_types_use_the_reference_dequantizer() {
         let (rows, cols) = (3, 32);
         let vals: Vec<f32> = (0..rows * cols).map(|i| i as f32 * 0.25 - 5.0).collect();
-        let data: Vec<u8> = vals.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect();
+        let data: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect();
         let w = QMatrix::new(GgmlType::F16, &data, rows, cols);
         let x = vec![1.0f32; cols];
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
         let mut out = vec![0f32; rows];
         matmul(&pool, &w, &x, 1, &mut out);
         for r in 0..rows {

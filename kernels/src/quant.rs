@@ -79,7 +79,9 @@ mod tests {
 
     #[test]
     fn q8_blocks_round_trip_within_half_a_step() {
-        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37).collect();
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37)
+            .collect();
         let mut q = QActs::default();
         quantize_q8_1(&x, &mut q);
         assert_eq!(q.blocks(), 2);
@@ -87,7 +89,11 @@ mod tests {
             let mut sum = 0i32;
             for j in 0..32 {
                 let back = q.qs[32 * b + j] as f32 * q.d[b];
-                assert!((back - x[32 * b + j]).abs() <= q.d[b] * 0.51 + 1e-3, "{back} vs {}", x[32 * b + j]);
+                assert!(
+                    (back - x[32 * b + j]).abs() <= q.d[b] * 0.51 + 1e-3,
+                    "{back} vs {}",
+                    x[32 * b + j]
+                );
                 sum += q.qs[32 * b + j] as i32;
             }
             assert!((q.s[b] - q.d[b] * sum as f32).abs() <= q.s[b].abs() * 1e-3 + 1e-3);

@@ -52,14 +52,22 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Greedy decoding of at most `max_tokens` tokens.
     pub fn greedy(max_tokens: u32) -> Self {
-        Self { temperature: 0.0, max_tokens: Some(max_tokens), ..Self::default() }
+        Self {
+            temperature: 0.0,
+            max_tokens: Some(max_tokens),
+            ..Self::default()
+        }
     }
 
     /// Checks every field's range; the message names the field, as OpenAI's errors do.
     pub fn validate(&self) -> Result<(), crate::EngineError> {
-        let bad = |field: &'static str, msg: String| Err(crate::EngineError::InvalidParam { field, msg });
+        let bad =
+            |field: &'static str, msg: String| Err(crate::EngineError::InvalidParam { field, msg });
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return bad("temperature", format!("must be >= 0, got {}", self.temperature));
+            return bad(
+                "temperature",
+                format!("must be >= 0, got {}", self.temperature),
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
@@ -68,13 +76,22 @@ impl SamplingParams {
             return bad("min_p", format!("must be in [0, 1], got {}", self.min_p));
         }
         if !(-2.0..=2.0).contains(&self.frequency_penalty) {
-            return bad("frequency_penalty", format!("must be in [-2, 2], got {}", self.frequency_penalty));
+            return bad(
+                "frequency_penalty",
+                format!("must be in [-2, 2], got {}", self.frequency_penalty),
+            );
         }
         if !(-2.0..=2.0).contains(&self.presence_penalty) {
-            return bad("presence_penalty", format!("must be in [-2, 2], got {}", self.presence_penalty));
+            return bad(
+                "presence_penalty",
+                format!("must be in [-2, 2], got {}", self.presence_penalty),
+            );
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return bad("repetition_penalty", format!("must be > 0, got {}", self.repetition_penalty));
+            return bad(
+                "repetition_penalty",
+                format!("must be > 0, got {}", self.repetition_penalty),
+            );
         }
         if self.max_tokens == Some(0) {
             return bad("max_tokens", "must be at least 1".into());
@@ -107,7 +124,11 @@ pub enum FinishReason {
 /// What a sequence produced during one engine step.
 #[derive(Clone, Debug, PartialEq)]
 pub enum StepEvent {
-    Token { id: Arc<str>, token: u32, logprob: Option<f32> },
+    Token {
+        id: Arc<str>,
+        token: u32,
+        logprob: Option<f32>,
+    },
     Finished {
         id: Arc<str>,
         reason: FinishReason,

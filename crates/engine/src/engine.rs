@@ -113,13 +113,19 @@ impl Engine {
         let model = LlamaModel::load(gguf.clone())?;
         let layout = Arc::new(model.cfg.kv_layout(cfg.page_size));
         let pool = PagePool::new(layout.clone(), cfg.kv_pages);
-        let threads = if cfg.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { cfg.threads };
+        let threads = if cfg.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            cfg.threads
+        };
         let tp = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("pdmesh-compute-{i}"))
             .build()
             .map_err(|e| EngineError::Unsupported(format!("thread pool: {e}")))?;
-        let context = cfg.max_context.map_or(model.cfg.context_length, |m| m.min(model.cfg.context_length));
+        let context = cfg.max_context.map_or(model.cfg.context_length, |m| {
+            m.min(model.cfg.context_length)
+        });
         let token_bytes = token_bytes_table(&gguf)?;
         let eog = eog_tokens(&gguf)?;
         let model_id = cfg
@@ -192,12 +198,19 @@ impl Engine {
             return Err(EngineError::EmptyPrompt);
         }
         if n >= self.context {
-            return Err(EngineError::PromptTooLong { prompt: n, context: self.context });
+            return Err(EngineError::PromptTooLong {
+                prompt: n,
+                context: self.context,
+            });
         }
         if let Some(m) = req.params.max_tokens
             && n + m as usize > self.context
         {
-            return Err(EngineError::MaxTokensTooLarge { prompt: n, max_tokens: m as usize, context: self.context });
+            return Err(EngineError::MaxTokensTooLarge {
+                prompt: n,
+                max_tokens: m as usize,
+                context: self.context,
+            });
         }
         let vocab = self.model.cfg.vocab;
         if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
@@ -206,12 +219,20 @@ impl Engine {
         if self.ids.contains(req.id.as_str()) {
             return Err(EngineError::DuplicateId(req.id));
         }
-        let max_new = req.params.max_tokens.map_or(self.context - n, |m| m as usize);
+        let max_new = req
+            .params
+            .max_tokens
+            .map_or(self.context - n, |m| m as usize);
         // The sequence must fit in the pool on its own, or it could never finish.
         let need = self.pool.pages_for_tokens(n + max_new);
         let need_now = self.pool.pages_for_tokens(n + 1);
-        if need_now > self.pool.total_pages() || (req.params.max_tokens.is_some() && need > self.pool.total_pages()) {
-            return Err(EngineError::TooLargeForPool { need: need.max(need_now), total: self.pool.total_pages() });
+        if need_now > self.pool.total_pages()
+            || (req.params.max_tokens.is_some() && need > self.pool.total_pages())
+        {
+            return Err(EngineError::TooLargeForPool {
+                need: need.max(need_now),
+                total: self.pool.total_pages(),
+            });
         }
         let id: Arc<str> = Arc::from(req.id.as_str());
         self.ids.insert(id.clone());
@@ -251,12 +272,16 @@ impl Engine {
     }
 
     fn release(&mut self, pages: Vec<PageId>) {
-        self.pool.release_all(&pages).expect("engine releases only pages it holds");
+        self.pool
+            .release_all(&pages)
+            .expect("engine releases only pages it holds");
     }
 
     fn admit(&mut self) {
         while self.running.len() < self.cfg.max_batch {
-            let Some(front) = self.waiting.front() else { break };
+            let Some(front) = self.waiting.front() else {
+                break;
+            };
             // Pages for everything to compute now, plus one page of headroom per running
             // sequence so admission does not immediately force a preemption.
             let need = self.pool.pages_for_tokens(front.tokens.len());
@@ -264,7 +289,9 @@ impl Engine {
             if self.pool.free_pages() < need + headroom && !self.running.is_empty() {
                 break;
             }
-            let Ok(pages) = self.pool.alloc(need) else { break };
+            let Ok(pages) = self.pool.alloc(need) else {
+                break;
+            };
             let mut s = self.waiting.pop_front().expect("front exists");
             s.pages = pages;
             self.running.push(s);
@@ -275,7 +302,10 @@ impl Engine {
     /// sequence (recompute later) when the pool is full. False if even that fails.
     fn ensure_pages(&mut self, i: usize, upto: usize) -> bool {
         loop {
-            let need = self.pool.pages_for_tokens(upto).saturating_sub(self.running[i].pages.len());
+            let need = self
+                .pool
+                .pages_for_tokens(upto)
+                .saturating_sub(self.running[i].pages.len());
             if need == 0 {
                 return true;
             }
@@ -330,7 +360,8 @@ impl Engine {
                         cached_tokens: 0,
                     });
                     if self.cfg.capture_logits {
-                        self.captured.insert(s.id.clone(), std::mem::take(&mut s.logits));
+                        self.captured
+                            .insert(s.id.clone(), std::mem::take(&mut s.logits));
                     }
                     self.release(std::mem::take(&mut s.pages));
                     continue;
@@ -371,7 +402,10 @@ impl Engine {
                 });
             }
         }
-        let seq_pages: Vec<&[PageId]> = plan.iter().map(|&(i, _)| self.running[i].pages.as_slice()).collect();
+        let seq_pages: Vec<&[PageId]> = plan
+            .iter()
+            .map(|&(i, _)| self.running[i].pages.as_slice())
+            .collect();
         // Run the whole pass on the compute pool, so its parallel loops do not hand work
         // across threads and back for every matrix.
         let (model, pool, tp) = (&self.model, &mut self.pool, &self.tp);
@@ -384,7 +418,9 @@ impl Engine {
             if s.computed < s.tokens.len() {
                 continue; // prompt not finished yet
             }
-            let mut row = logits.next().expect("one logits row per completed sequence");
+            let mut row = logits
+                .next()
+                .expect("one logits row per completed sequence");
             if self.cfg.capture_logits {
                 s.logits.push(row.clone());
             }
@@ -394,7 +430,11 @@ impl Engine {
             if let Some(reason) = finish_check(s, tok, &self.eog, &self.token_bytes, self.context) {
                 let (reason, matched_stop, matched_token) = reason;
                 if matched_token.is_none() {
-                    events.push(StepEvent::Token { id: s.id.clone(), token: tok, logprob });
+                    events.push(StepEvent::Token {
+                        id: s.id.clone(),
+                        token: tok,
+                        logprob,
+                    });
                 }
                 events.push(StepEvent::Finished {
                     id: s.id.clone(),
@@ -407,7 +447,11 @@ impl Engine {
                 });
                 done.push(i);
             } else {
-                events.push(StepEvent::Token { id: s.id.clone(), token: tok, logprob });
+                events.push(StepEvent::Token {
+                    id: s.id.clone(),
+                    token: tok,
+                    logprob,
+                });
             }
         }
         done.sort_unstable();
@@ -415,7 +459,8 @@ impl Engine {
             let mut s = self.running.remove(i);
             self.ids.remove(&s.id);
             if self.cfg.capture_logits {
-                self.captured.insert(s.id.clone(), std::mem::take(&mut s.logits));
+                self.captured
+                    .insert(s.id.clone(), std::mem::take(&mut s.logits));
             }
             self.release(std::mem::take(&mut s.pages));
         }
@@ -426,7 +471,13 @@ impl Engine {
 type Finish = (FinishReason, Option<String>, Option<u32>);
 
 /// Whether `s` is finished after appending `tok`.
-fn finish_check(s: &mut Seq, tok: u32, eog: &[u32], token_bytes: &[Vec<u8>], context: usize) -> Option<Finish> {
+fn finish_check(
+    s: &mut Seq,
+    tok: u32,
+    eog: &[u32],
+    token_bytes: &[Vec<u8>],
+    context: usize,
+) -> Option<Finish> {
     if (!s.params.ignore_eos && eog.contains(&tok)) || s.params.stop_token_ids.contains(&tok) {
         return Some((FinishReason::Stop, None, Some(tok)));
     }

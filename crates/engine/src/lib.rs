@@ -23,8 +23,14 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("the prompt has {prompt} tokens; this model's context length is {context}")]
     PromptTooLong { prompt: usize, context: usize },
-    #[error("prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context length {context}")]
-    MaxTokensTooLarge { prompt: usize, max_tokens: usize, context: usize },
+    #[error(
+        "prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context length {context}"
+    )]
+    MaxTokensTooLarge {
+        prompt: usize,
+        max_tokens: usize,
+        context: usize,
+    },
     #[error("token id {token} is outside the vocabulary of {vocab}")]
     TokenOutOfRange { token: u32, vocab: usize },
     #[error("request id {0:?} is already running")]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pdmesh_gguf::GgufFile;
-use pdmesh_kernels::{attend, matmul, matmul_many, QMatrix};
+use pdmesh_kernels::{QMatrix, attend, matmul, matmul_many};
 use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
 use rayon::prelude::*;
 
@@ -33,14 +33,21 @@ impl LlamaConfig {
     pub fn from_gguf(g: &GgufFile) -> Result<Self, EngineError> {
         let arch = g.get_str("general.architecture")?;
         if arch != "llama" {
-            return Err(EngineError::Unsupported(format!("architecture {arch:?} (this engine runs llama)")));
+            return Err(EngineError::Unsupported(format!(
+                "architecture {arch:?} (this engine runs llama)"
+            )));
         }
         let k = |s: &str| format!("llama.{s}");
         let dim = g.get_u64(&k("embedding_length"))? as usize;
         let heads = g.get_u64(&k("attention.head_count"))? as usize;
-        let kv_heads = g.get(&k("attention.head_count_kv")).and_then(|v| v.as_u64()).unwrap_or(heads as u64) as usize;
+        let kv_heads = g
+            .get(&k("attention.head_count_kv"))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(heads as u64) as usize;
         let head_dim = dim / heads;
-        let vocab = g.get_str_array("tokenizer.ggml.tokens").map(|t| t.len())
+        let vocab = g
+            .get_str_array("tokenizer.ggml.tokens")
+            .map(|t| t.len())
             .or_else(|_| g.get_u64(&k("vocab_size")).map(|v| v as usize))?;
         let cfg = Self {
             layers: g.get_u64(&k("block_count"))? as usize,
@@ -49,20 +56,36 @@ impl LlamaConfig {
             heads,
             kv_heads,
             head_dim,
-            rope_base: g.get(&k("rope.freq_base")).and_then(|v| v.as_f64()).unwrap_or(10000.0) as f32,
+            rope_base: g
+                .get(&k("rope.freq_base"))
+                .and_then(|v| v.as_f64())
+                .unwrap_or(10000.0) as f32,
             rms_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32,
             context_length: g.get_u64(&k("context_length"))? as usize,
             vocab,
         };
-        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) || !dim.is_multiple_of(heads) || !head_dim.is_multiple_of(2) {
-            return Err(EngineError::Unsupported(format!("head layout {heads}/{kv_heads} for dim {dim}")));
+        if heads == 0
+            || kv_heads == 0
+            || !heads.is_multiple_of(kv_heads)
+            || !dim.is_multiple_of(heads)
+            || !head_dim.is_multiple_of(2)
+        {
+            return Err(EngineError::Unsupported(format!(
+                "head layout {heads}/{kv_heads} for dim {dim}"
+            )));
         }
         Ok(cfg)
     }
 
     /// The KV layout this model needs: f16 K and V per layer.
     pub fn kv_layout(&self, page_size: usize) -> KvLayout {
-        KvLayout::llama(self.layers, self.kv_heads, self.head_dim, DType::F16, page_size)
+        KvLayout::llama(
+            self.layers,
+            self.kv_heads,
+            self.head_dim,
+            DType::F16,
+            page_size,
+        )
     }
 }
 
@@ -115,7 +138,12 @@ fn qmatrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<WRef, E
             t.dims
         )));
     }
-    Ok(WRef { ty: t.ty, range: g.tensor_range(name)?, rows, cols })
+    Ok(WRef {
+        ty: t.ty,
+        range: g.tensor_range(name)?,
+        rows,
+        cols,
+    })
 }
 
 impl LlamaModel {
@@ -139,9 +167,20 @@ impl LlamaModel {
             });
         }
         let embed = qmatrix(g, "token_embd.weight", cfg.vocab, d)?;
-        let output = if g.tensors.contains_key("output.weight") { qmatrix(g, "output.weight", cfg.vocab, d)? } else { embed.clone() };
+        let output = if g.tensors.contains_key("output.weight") {
+            qmatrix(g, "output.weight", cfg.vocab, d)?
+        } else {
+            embed.clone()
+        };
         let out_norm = g.tensor_f32("output_norm.weight")?;
-        Ok(Self { cfg, layers, embed, output, out_norm, gguf })
+        Ok(Self {
+            cfg,
+            layers,
+            embed,
+            output,
+            out_norm,
+            gguf,
+        })
     }
 
     fn m(&self, w: &WRef) -> QMatrix<'_> {
@@ -164,10 +203,19 @@ impl LlamaModel {
         let ps = pool.layout().page_size();
         let mut x = vec![0f32; t * d];
         for (i, tok) in tokens.iter().enumerate() {
-            self.m(&self.embed).dequantize_row(tok.token as usize, &mut x[i * d..(i + 1) * d]);
+            self.m(&self.embed)
+                .dequantize_row(tok.token as usize, &mut x[i * d..(i + 1) * d]);
         }
-        let rope: Vec<(Vec<f32>, Vec<f32>)> = tokens.iter().map(|tk| rope_table(tk.pos, hd, c.rope_base)).collect();
-        let (mut h, mut q, mut k, mut v) = (vec![0f32; t * d], vec![0f32; t * d], vec![0f32; t * kvd], vec![0f32; t * kvd]);
+        let rope: Vec<(Vec<f32>, Vec<f32>)> = tokens
+            .iter()
+            .map(|tk| rope_table(tk.pos, hd, c.rope_base))
+            .collect();
+        let (mut h, mut q, mut k, mut v) = (
+            vec![0f32; t * d],
+            vec![0f32; t * d],
+            vec![0f32; t * kvd],
+            vec![0f32; t * kvd],
+        );
         let mut att = vec![0f32; t * d];
         let mut o = vec![0f32; t * d];
         let (mut g, mut u) = (vec![0f32; t * c.ffn], vec![0f32; t * c.ffn]);
@@ -237,25 +285,30 @@ impl LlamaModel {
         let scale = 1.0 / (hd as f32).sqrt();
         let groups = c.kv_heads;
         tp.install(|| {
-            out.par_chunks_mut(rep * hd).enumerate().for_each(|(idx, o)| {
-                let (i, gidx) = (idx / groups, idx % groups);
-                let tk = tokens[i];
-                let n = tk.pos + 1;
-                let pages = seq_pages[tk.seq];
-                // This group's cached rows for positions 0..=pos, page by page.
-                let mut keys: Vec<&[f16]> = Vec::with_capacity(n);
-                let mut values: Vec<&[f16]> = Vec::with_capacity(n);
-                for (pi, &page) in pages.iter().enumerate().take(n.div_ceil(ps)) {
-                    let (kp, vp) = (pool.values::<f16>(page, layer, 0), pool.values::<f16>(page, layer, 1));
-                    for j in pi * ps..n.min((pi + 1) * ps) {
-                        let off = (j % ps) * kvd + gidx * hd;
-                        keys.push(&kp[off..off + hd]);
-                        values.push(&vp[off..off + hd]);
+            out.par_chunks_mut(rep * hd)
+                .enumerate()
+                .for_each(|(idx, o)| {
+                    let (i, gidx) = (idx / groups, idx % groups);
+                    let tk = tokens[i];
+                    let n = tk.pos + 1;
+                    let pages = seq_pages[tk.seq];
+                    // This group's cached rows for positions 0..=pos, page by page.
+                    let mut keys: Vec<&[f16]> = Vec::with_capacity(n);
+                    let mut values: Vec<&[f16]> = Vec::with_capacity(n);
+                    for (pi, &page) in pages.iter().enumerate().take(n.div_ceil(ps)) {
+                        let (kp, vp) = (
+                            pool.values::<f16>(page, layer, 0),
+                            pool.values::<f16>(page, layer, 1),
+                        );
+                        for j in pi * ps..n.min((pi + 1) * ps) {
+                            let off = (j % ps) * kvd + gidx * hd;
+                            keys.push(&kp[off..off + hd]);
+                            values.push(&vp[off..off + hd]);
+                        }
                     }
-                }
-                let qg = &q[i * c.dim + gidx * rep * hd..i * c.dim + (gidx + 1) * rep * hd];
-                attend(qg, hd, &keys, &values, scale, o);
-            });
+                    let qg = &q[i * c.dim + gidx * rep * hd..i * c.dim + (gidx + 1) * rep * hd];
+                    attend(qg, hd, &keys, &values, scale, o);
+                });
         });
     }
 }

@@ -22,7 +22,10 @@ impl Sampler {
             Some(s) => ChaCha8Rng::seed_from_u64(s),
             None => ChaCha8Rng::from_os_rng(),
         };
-        Self { rng, counts: HashMap::new() }
+        Self {
+            rng,
+            counts: HashMap::new(),
+        }
     }
 
     pub fn record(&mut self, token: u32) {
@@ -31,14 +34,23 @@ impl Sampler {
 
     /// Pick the next token; returns it and, if asked for, its log-probability under the
     /// penalized logits.
-    pub fn sample(&mut self, logits: &mut [f32], p: &SamplingParams, context: &[u32]) -> (u32, Option<f32>) {
+    pub fn sample(
+        &mut self,
+        logits: &mut [f32],
+        p: &SamplingParams,
+        context: &[u32],
+    ) -> (u32, Option<f32>) {
         if p.repetition_penalty != 1.0 {
             let mut seen = std::collections::HashSet::new();
             for &t in context {
                 if seen.insert(t)
                     && let Some(l) = logits.get_mut(t as usize)
                 {
-                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
                 }
             }
         }
@@ -49,7 +61,11 @@ impl Sampler {
                 }
             }
         }
-        let token = if p.temperature == 0.0 { argmax(logits) } else { self.draw(logits, p) };
+        let token = if p.temperature == 0.0 {
+            argmax(logits)
+        } else {
+            self.draw(logits, p)
+        };
         (token, p.logprobs.then(|| log_softmax_at(logits, token)))
     }
 
@@ -66,8 +82,16 @@ impl Sampler {
         // Candidates in descending probability, ties by token id: a total order, so the
         // result never depends on sort stability.
         let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        let mut cand: Vec<(u32, f32)> = probs.iter().enumerate().map(|(i, &x)| (i as u32, x)).collect();
-        let k = if p.top_k > 0 { (p.top_k as usize).min(cand.len()) } else { cand.len() };
+        let mut cand: Vec<(u32, f32)> = probs
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| (i as u32, x))
+            .collect();
+        let k = if p.top_k > 0 {
+            (p.top_k as usize).min(cand.len())
+        } else {
+            cand.len()
+        };
         // Most nuclei are small: look at the top 256 first and sort everything only if needed.
         let mut head = k.min(256);
         loop {
@@ -143,7 +167,10 @@ mod tests {
     use super::*;
 
     fn params() -> SamplingParams {
-        SamplingParams { temperature: 1.0, ..SamplingParams::default() }
+        SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::default()
+        }
     }
 
     #[test]
@@ -152,7 +179,10 @@ mod tests {
         let mut l = vec![0.0, 3.0, 3.0, -1.0];
         let (t, lp) = s.sample(&mut l.clone(), &SamplingParams::greedy(1), &[]);
         assert_eq!((t, lp), (1, None), "no log-probability unless asked");
-        let p = SamplingParams { logprobs: true, ..SamplingParams::greedy(1) };
+        let p = SamplingParams {
+            logprobs: true,
+            ..SamplingParams::greedy(1)
+        };
         let (t, lp) = s.sample(&mut l, &p, &[]);
         assert_eq!(t, 1);
         let lp = lp.unwrap();
@@ -161,10 +191,14 @@ mod tests {
 
     #[test]
     fn same_seed_same_tokens() {
-        let logits: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 101) as f32 * 0.05).collect();
+        let logits: Vec<f32> = (0..1000)
+            .map(|i| ((i * 7919) % 101) as f32 * 0.05)
+            .collect();
         let run = |seed| {
             let mut s = Sampler::new(Some(seed));
-            (0..20).map(|_| s.sample(&mut logits.clone(), &params(), &[]).0).collect::<Vec<_>>()
+            (0..20)
+                .map(|_| s.sample(&mut logits.clone(), &params(), &[]).0)
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(42), run(42));
         assert_ne!(run(42), run(43));
@@ -175,12 +209,28 @@ mod tests {
         let logits = vec![5.0, 4.0, 3.0, 0.0, -1.0];
         let mut s = Sampler::new(Some(7));
         for _ in 0..200 {
-            let p = SamplingParams { top_k: 2, ..params() };
+            let p = SamplingParams {
+                top_k: 2,
+                ..params()
+            };
             assert!(s.sample(&mut logits.clone(), &p, &[]).0 < 2);
-            let p = SamplingParams { top_p: 0.5, ..params() };
-            assert_eq!(s.sample(&mut logits.clone(), &p, &[]).0, 0, "token 0 alone holds > 50%");
-            let p = SamplingParams { min_p: 0.3, ..params() };
-            assert!(s.sample(&mut logits.clone(), &p, &[]).0 < 2, "exp(-2) < 0.3");
+            let p = SamplingParams {
+                top_p: 0.5,
+                ..params()
+            };
+            assert_eq!(
+                s.sample(&mut logits.clone(), &p, &[]).0,
+                0,
+                "token 0 alone holds > 50%"
+            );
+            let p = SamplingParams {
+                min_p: 0.3,
+                ..params()
+            };
+            assert!(
+                s.sample(&mut logits.clone(), &p, &[]).0 < 2,
+                "exp(-2) < 0.3"
+            );
         }
     }
 
@@ -190,13 +240,22 @@ mod tests {
         s.record(0);
         s.record(0);
         let mut l = vec![2.0, 1.9, -1.0];
-        let p = SamplingParams { frequency_penalty: 0.1, ..SamplingParams::greedy(1) };
+        let p = SamplingParams {
+            frequency_penalty: 0.1,
+            ..SamplingParams::greedy(1)
+        };
         assert_eq!(s.sample(&mut l, &p, &[]).0, 1, "2.0 - 2*0.1 < 1.9");
         let mut l = vec![2.0, 1.5];
-        let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy(1) };
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::greedy(1)
+        };
         assert_eq!(s.sample(&mut l, &p, &[0]).0, 1, "2.0 / 2 < 1.5");
         let mut l = vec![2.0, 1.5];
-        let p = SamplingParams { presence_penalty: 1.0, ..SamplingParams::greedy(1) };
+        let p = SamplingParams {
+            presence_penalty: 1.0,
+            ..SamplingParams::greedy(1)
+        };
         assert_eq!(s.sample(&mut l, &p, &[]).0, 1);
     }
 }

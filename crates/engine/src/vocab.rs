@@ -9,7 +9,10 @@ use crate::EngineError;
 
 /// GPT-2's byte-level alphabet: each byte maps to a printable char; invert it.
 fn byte_decoder() -> HashMap<char, u8> {
-    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
     let mut cs = bs.clone();
     let mut n = 0;
     for b in 0..256u32 {
@@ -19,7 +22,10 @@ fn byte_decoder() -> HashMap<char, u8> {
             n += 1;
         }
     }
-    bs.into_iter().zip(cs).map(|(b, c)| (char::from_u32(c).expect("valid char"), b as u8)).collect()
+    bs.into_iter()
+        .zip(cs)
+        .map(|(b, c)| (char::from_u32(c).expect("valid char"), b as u8))
+        .collect()
 }
 
 /// Bytes of each token id. Control tokens map to nothing (they are not output text).
@@ -68,14 +74,21 @@ pub(crate) fn token_bytes_table(g: &GgufFile) -> Result<Vec<Vec<u8>>, EngineErro
 /// control tokens.
 pub(crate) fn eog_tokens(g: &GgufFile) -> Result<Vec<u32>, EngineError> {
     let mut out = Vec::new();
-    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+    for key in [
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ] {
         if let Ok(id) = g.get_u64(key) {
             out.push(id as u32);
         }
     }
     let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
     for (i, t) in tokens.iter().enumerate() {
-        if matches!(*t, "<|endoftext|>" | "<|im_end|>" | "<|eot_id|>" | "<end_of_turn>" | "<|end|>") {
+        if matches!(
+            *t,
+            "<|endoftext|>" | "<|im_end|>" | "<|eot_id|>" | "<end_of_turn>" | "<|end|>"
+        ) {
             out.push(i as u32);
         }
     }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{bits, greedy, run_all, Outcome};
+use common::{Outcome, bits, greedy, run_all};
 use pdmesh_engine::{GenRequest, SamplingParams, StepEvent};
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -13,7 +13,14 @@ fn prompts() -> Vec<Vec<u32>> {
         .as_array()
         .unwrap()
         .iter()
-        .map(|p| p["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect())
+        .map(|p| {
+            p["prompt_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        })
         .collect();
     // 32 prompts of varied lengths: fixture prompts, their prefixes and concatenations.
     let mut out = Vec::new();
@@ -31,7 +38,11 @@ fn prompts() -> Vec<Vec<u32>> {
 
 fn assert_same(alone: &Outcome, other: &Outcome, what: &str) {
     assert_eq!(alone.tokens, other.tokens, "{what}: tokens differ");
-    assert_eq!(alone.logits.len(), other.logits.len(), "{what}: logits rows");
+    assert_eq!(
+        alone.logits.len(),
+        other.logits.len(),
+        "{what}: logits rows"
+    );
     for (i, (a, b)) in alone.logits.iter().zip(&other.logits).enumerate() {
         assert!(bits(a) == bits(b), "{what}: logits row {i} differs");
     }
@@ -49,11 +60,25 @@ fn slow_batch_of_32_is_bit_identical_to_alone() {
         .iter()
         .enumerate()
         .filter(|(i, _)| i % 8 == 0)
-        .map(|(i, p)| run_all(&mut e, vec![greedy(&format!("a{i}"), p, 12)]).remove(&format!("a{i}")).unwrap())
+        .map(|(i, p)| {
+            run_all(&mut e, vec![greedy(&format!("a{i}"), p, 12)])
+                .remove(&format!("a{i}"))
+                .unwrap()
+        })
         .collect();
-    let batch = run_all(&mut e, ps.iter().enumerate().map(|(i, p)| greedy(&format!("b{i}"), p, 12)).collect());
+    let batch = run_all(
+        &mut e,
+        ps.iter()
+            .enumerate()
+            .map(|(i, p)| greedy(&format!("b{i}"), p, 12))
+            .collect(),
+    );
     for (k, a) in alone.iter().enumerate() {
-        assert_same(a, &batch[&format!("b{}", k * 8)], &format!("prompt {} alone vs in a batch of 32", k * 8));
+        assert_same(
+            a,
+            &batch[&format!("b{}", k * 8)],
+            &format!("prompt {} alone vs in a batch of 32", k * 8),
+        );
         assert_eq!(a.tokens.len(), 12);
     }
     assert_eq!(e.free_pages(), baseline, "every page returned");
@@ -66,11 +91,15 @@ fn chunked_prefill_is_bit_identical() {
     assert!(p.len() > 30);
     let one = {
         let mut e = common::engine(|c| c.prefill_chunk = 4096);
-        run_all(&mut e, vec![greedy("x", p, 8)]).remove("x").unwrap()
+        run_all(&mut e, vec![greedy("x", p, 8)])
+            .remove("x")
+            .unwrap()
     };
     for chunk in [1, 5, 16] {
         let mut e = common::engine(|c| c.prefill_chunk = chunk);
-        let got = run_all(&mut e, vec![greedy("x", p, 8)]).remove("x").unwrap();
+        let got = run_all(&mut e, vec![greedy("x", p, 8)])
+            .remove("x")
+            .unwrap();
         assert_same(&one, &got, &format!("prefill in chunks of {chunk}"));
     }
 }
@@ -78,7 +107,11 @@ fn chunked_prefill_is_bit_identical() {
 #[test]
 fn preemption_under_page_pressure_changes_nothing() {
     let ps = prompts();
-    let reqs = |tag: &str| (0..6).map(|i| greedy(&format!("{tag}{i}"), &ps[i * 5], 24)).collect::<Vec<_>>();
+    let reqs = |tag: &str| {
+        (0..6)
+            .map(|i| greedy(&format!("{tag}{i}"), &ps[i * 5], 24))
+            .collect::<Vec<_>>()
+    };
     let roomy = {
         let mut e = common::engine(|c| c.kv_pages = 256);
         run_all(&mut e, reqs("r"))
@@ -89,9 +122,16 @@ fn preemption_under_page_pressure_changes_nothing() {
         c.kv_pages = 40;
     });
     let tight = run_all(&mut e, reqs("t"));
-    assert!(e.preemptions() > 0, "the tight pool must have forced preemptions");
+    assert!(
+        e.preemptions() > 0,
+        "the tight pool must have forced preemptions"
+    );
     for i in 0..6 {
-        assert_same(&roomy[&format!("r{i}")], &tight[&format!("t{i}")], &format!("request {i} under page pressure"));
+        assert_same(
+            &roomy[&format!("r{i}")],
+            &tight[&format!("t{i}")],
+            &format!("request {i} under page pressure"),
+        );
     }
     assert_eq!(e.free_pages(), 40);
 }
@@ -99,18 +139,44 @@ fn preemption_under_page_pressure_changes_nothing() {
 #[test]
 fn seeded_sampling_is_reproducible_in_any_batch() {
     let ps = prompts();
-    let params = SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 40, seed: Some(7), max_tokens: Some(10), ..Default::default() };
-    let req = |id: &str, p: &[u32]| GenRequest { id: id.into(), prompt: p.to_vec(), params: params.clone() };
+    let params = SamplingParams {
+        temperature: 0.8,
+        top_p: 0.9,
+        top_k: 40,
+        seed: Some(7),
+        max_tokens: Some(10),
+        ..Default::default()
+    };
+    let req = |id: &str, p: &[u32]| GenRequest {
+        id: id.into(),
+        prompt: p.to_vec(),
+        params: params.clone(),
+    };
     let mut e = common::engine(|_| {});
     let alone = run_all(&mut e, vec![req("s", &ps[1])]).remove("s").unwrap();
-    let mixed = run_all(&mut e, vec![req("m0", &ps[2]), req("s2", &ps[1]), req("m1", &ps[4])]);
+    let mixed = run_all(
+        &mut e,
+        vec![req("m0", &ps[2]), req("s2", &ps[1]), req("m1", &ps[4])],
+    );
     assert_eq!(alone.tokens, mixed["s2"].tokens);
     let other_seed = {
         let mut p = params.clone();
         p.seed = Some(8);
-        run_all(&mut e, vec![GenRequest { id: "o".into(), prompt: ps[1].clone(), params: p }]).remove("o").unwrap()
+        run_all(
+            &mut e,
+            vec![GenRequest {
+                id: "o".into(),
+                prompt: ps[1].clone(),
+                params: p,
+            }],
+        )
+        .remove("o")
+        .unwrap()
     };
-    assert_ne!(alone.tokens, other_seed.tokens, "a different seed samples differently");
+    assert_ne!(
+        alone.tokens, other_seed.tokens,
+        "a different seed samples differently"
+    );
 }
 
 #[test]
@@ -119,17 +185,44 @@ fn stops_and_limits() {
     let mut e = common::engine(|_| {});
     let free = e.free_pages();
     // Greedy output of prompt 0, then stop on a string taken from inside it.
-    let full = run_all(&mut e, vec![greedy("g", &ps[0], 16)]).remove("g").unwrap();
-    assert!(matches!(full.finished, Some(StepEvent::Finished { reason: pdmesh_engine::FinishReason::Length, completion_tokens: 16, .. })));
+    let full = run_all(&mut e, vec![greedy("g", &ps[0], 16)])
+        .remove("g")
+        .unwrap();
+    assert!(matches!(
+        full.finished,
+        Some(StepEvent::Finished {
+            reason: pdmesh_engine::FinishReason::Length,
+            completion_tokens: 16,
+            ..
+        })
+    ));
     let stop_tok = full.tokens[5];
     let mut p = SamplingParams::greedy(16);
     p.ignore_eos = true;
     p.stop_token_ids = vec![stop_tok];
-    let out = run_all(&mut e, vec![GenRequest { id: "t".into(), prompt: ps[0].clone(), params: p }]).remove("t").unwrap();
+    let out = run_all(
+        &mut e,
+        vec![GenRequest {
+            id: "t".into(),
+            prompt: ps[0].clone(),
+            params: p,
+        }],
+    )
+    .remove("t")
+    .unwrap();
     let first = full.tokens.iter().position(|&t| t == stop_tok).unwrap();
-    assert_eq!(out.tokens, full.tokens[..first], "stop token is not emitted");
+    assert_eq!(
+        out.tokens,
+        full.tokens[..first],
+        "stop token is not emitted"
+    );
     match out.finished {
-        Some(StepEvent::Finished { reason, matched_token, completion_tokens, .. }) => {
+        Some(StepEvent::Finished {
+            reason,
+            matched_token,
+            completion_tokens,
+            ..
+        }) => {
             assert_eq!(reason, pdmesh_engine::FinishReason::Stop);
             assert_eq!(matched_token, Some(stop_tok));
             assert_eq!(completion_tokens as usize, first + 1);
@@ -143,26 +236,102 @@ fn stops_and_limits() {
 fn bad_requests_are_refused_and_leave_the_pool_untouched() {
     let mut e = common::engine(|c| c.max_context = Some(64));
     let free = e.free_pages();
-    let ok = |p: SamplingParams| GenRequest { id: "r".into(), prompt: vec![1, 2, 3], params: p };
+    let ok = |p: SamplingParams| GenRequest {
+        id: "r".into(),
+        prompt: vec![1, 2, 3],
+        params: p,
+    };
     let cases: Vec<(GenRequest, &str)> = vec![
-        (GenRequest { id: "r".into(), prompt: vec![], params: SamplingParams::greedy(4) }, "empty"),
-        (GenRequest { id: "r".into(), prompt: vec![5; 64], params: SamplingParams::greedy(4) }, "context length is 64"),
-        (GenRequest { id: "r".into(), prompt: vec![5; 10], params: SamplingParams::greedy(60) }, "exceeds the context length"),
-        (GenRequest { id: "r".into(), prompt: vec![49152], params: SamplingParams::greedy(4) }, "outside the vocabulary"),
-        (ok(SamplingParams { temperature: -1.0, ..Default::default() }), "temperature"),
-        (ok(SamplingParams { top_p: 0.0, ..Default::default() }), "top_p"),
-        (ok(SamplingParams { top_p: 1.5, ..Default::default() }), "top_p"),
-        (ok(SamplingParams { min_p: 2.0, ..Default::default() }), "min_p"),
-        (ok(SamplingParams { max_tokens: Some(0), ..Default::default() }), "max_tokens"),
-        (ok(SamplingParams { stop: vec![String::new()], ..Default::default() }), "stop"),
+        (
+            GenRequest {
+                id: "r".into(),
+                prompt: vec![],
+                params: SamplingParams::greedy(4),
+            },
+            "empty",
+        ),
+        (
+            GenRequest {
+                id: "r".into(),
+                prompt: vec![5; 64],
+                params: SamplingParams::greedy(4),
+            },
+            "context length is 64",
+        ),
+        (
+            GenRequest {
+                id: "r".into(),
+                prompt: vec![5; 10],
+                params: SamplingParams::greedy(60),
+            },
+            "exceeds the context length",
+        ),
+        (
+            GenRequest {
+                id: "r".into(),
+                prompt: vec![49152],
+                params: SamplingParams::greedy(4),
+            },
+            "outside the vocabulary",
+        ),
+        (
+            ok(SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            }),
+            "temperature",
+        ),
+        (
+            ok(SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            }),
+            "top_p",
+        ),
+        (
+            ok(SamplingParams {
+                top_p: 1.5,
+                ..Default::default()
+            }),
+            "top_p",
+        ),
+        (
+            ok(SamplingParams {
+                min_p: 2.0,
+                ..Default::default()
+            }),
+            "min_p",
+        ),
+        (
+            ok(SamplingParams {
+                max_tokens: Some(0),
+                ..Default::default()
+            }),
+            "max_tokens",
+        ),
+        (
+            ok(SamplingParams {
+                stop: vec![String::new()],
+                ..Default::default()
+            }),
+            "stop",
+        ),
     ];
     for (req, want) in cases {
         let err = e.submit(req).unwrap_err();
         assert!(err.is_client_error());
-        assert!(err.to_string().contains(want), "{err} should mention {want}");
+        assert!(
+            err.to_string().contains(want),
+            "{err} should mention {want}"
+        );
     }
     e.submit(greedy("dup", &[1, 2], 4)).unwrap();
-    assert!(e.submit(greedy("dup", &[1, 2], 4)).unwrap_err().to_string().contains("already running"));
+    assert!(
+        e.submit(greedy("dup", &[1, 2], 4))
+            .unwrap_err()
+            .to_string()
+            .contains("already running")
+    );
     assert!(e.abort("dup"));
     assert!(!e.abort("dup"));
     assert!(!e.has_work());
@@ -182,7 +351,11 @@ fn abort_mid_generation_frees_pages() {
     assert!(e.free_pages() < free);
     assert!(e.abort("a"));
     let evs = e.step();
-    assert!(evs.iter().all(|ev| !matches!(ev, StepEvent::Token { id, .. } if &**id == "a")), "no events after abort");
+    assert!(
+        evs.iter()
+            .all(|ev| !matches!(ev, StepEvent::Token { id, .. } if &**id == "a")),
+        "no events after abort"
+    );
     assert!(e.abort("b"));
     assert_eq!(e.free_pages(), free);
     assert!(!e.has_work());
@@ -198,11 +371,26 @@ fn a_sequence_larger_than_the_pool_ends_with_length_instead_of_livelock() {
     let mut p = SamplingParams::greedy(1);
     p.max_tokens = None;
     p.ignore_eos = true;
-    let out = run_all(&mut e, vec![GenRequest { id: "big".into(), prompt: vec![1, 2, 3, 4, 5], params: p }]);
+    let out = run_all(
+        &mut e,
+        vec![GenRequest {
+            id: "big".into(),
+            prompt: vec![1, 2, 3, 4, 5],
+            params: p,
+        }],
+    );
     match &out["big"].finished {
-        Some(StepEvent::Finished { reason, completion_tokens, .. }) => {
+        Some(StepEvent::Finished {
+            reason,
+            completion_tokens,
+            ..
+        }) => {
             assert_eq!(*reason, pdmesh_engine::FinishReason::Length);
-            assert_eq!(*completion_tokens, 32 - 5 + 1, "filled every slot, then one last token");
+            assert_eq!(
+                *completion_tokens,
+                32 - 5 + 1,
+                "filled every slot, then one last token"
+            );
         }
         other => panic!("{other:?}"),
     }

@@ -26,40 +26,94 @@ fn logits_and_greedy_continuations_match_llama_cpp() {
     assert!(prompts.len() >= 5);
     for p in prompts {
         let name = p["name"].as_str().unwrap();
-        let prompt: Vec<u32> = p["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let want: Vec<u32> = p["greedy_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let out = common::run_all(&mut e, vec![common::greedy(name, &prompt, n_gen)]).remove(name).unwrap();
+        let prompt: Vec<u32> = p["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let want: Vec<u32> = p["greedy_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let out = common::run_all(&mut e, vec![common::greedy(name, &prompt, n_gen)])
+            .remove(name)
+            .unwrap();
         let got = &out.tokens;
         assert_eq!(got.len(), want.len(), "{name}: generated length");
-        let diverge = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(want.len());
+        let diverge = got
+            .iter()
+            .zip(&want)
+            .position(|(a, b)| a != b)
+            .unwrap_or(want.len());
         let top5 = p["top5"].as_array().unwrap();
         for (i, step) in top5.iter().enumerate().take(diverge + 1) {
             for pair in step.as_array().unwrap() {
-                let (id, logit) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap() as f32);
+                let (id, logit) = (
+                    pair[0].as_u64().unwrap() as usize,
+                    pair[1].as_f64().unwrap() as f32,
+                );
                 let ours = out.logits[i][id];
                 worst = worst.max((ours - logit).abs());
-                assert!((ours - logit).abs() <= LOGIT_TOL, "{name} step {i} token {id}: ours {ours}, llama.cpp {logit}");
-                let (top_id, top_logit) = (step[0][0].as_u64().unwrap() as usize, step[0][1].as_f64().unwrap() as f32);
+                assert!(
+                    (ours - logit).abs() <= LOGIT_TOL,
+                    "{name} step {i} token {id}: ours {ours}, llama.cpp {logit}"
+                );
+                let (top_id, top_logit) = (
+                    step[0][0].as_u64().unwrap() as usize,
+                    step[0][1].as_f64().unwrap() as f32,
+                );
                 let gap_diff = ((ours - out.logits[i][top_id]) - (logit - top_logit)).abs();
                 worst_gap = worst_gap.max(gap_diff);
-                assert!(gap_diff <= GAP_TOL, "{name} step {i} token {id}: gap to top differs by {gap_diff}");
+                assert!(
+                    gap_diff <= GAP_TOL,
+                    "{name} step {i} token {id}: gap to top differs by {gap_diff}"
+                );
             }
         }
         if diverge < top5.len() {
             // llama.cpp's margin between its pick and ours at the divergence.
             let step = &top5[diverge];
             let logit_of = |id: u32| {
-                step.as_array().unwrap().iter().find(|p| p[0].as_u64().unwrap() as u32 == id).map(|p| p[1].as_f64().unwrap() as f32)
+                step.as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|p| p[0].as_u64().unwrap() as u32 == id)
+                    .map(|p| p[1].as_f64().unwrap() as f32)
             };
             let theirs = logit_of(want[diverge]).unwrap();
-            let ours = logit_of(got[diverge]).unwrap_or_else(|| panic!("{name}: our token {} not in llama.cpp's top 5", got[diverge]));
-            assert!(theirs - ours < TIE_TOL, "{name}: diverged at {diverge} where llama.cpp's margin was {}", theirs - ours);
+            let ours = logit_of(got[diverge]).unwrap_or_else(|| {
+                panic!(
+                    "{name}: our token {} not in llama.cpp's top 5",
+                    got[diverge]
+                )
+            });
+            assert!(
+                theirs - ours < TIE_TOL,
+                "{name}: diverged at {diverge} where llama.cpp's margin was {}",
+                theirs - ours
+            );
         } else {
-            assert_eq!(diverge, want.len(), "{name}: top-5 logits are recorded for every generated position");
+            assert_eq!(
+                diverge,
+                want.len(),
+                "{name}: top-5 logits are recorded for every generated position"
+            );
             full_matches += 1;
         }
-        eprintln!("{name}: first {diverge} of {} greedy tokens identical", want.len());
+        eprintln!(
+            "{name}: first {diverge} of {} greedy tokens identical",
+            want.len()
+        );
     }
-    eprintln!("worst top-5 logit difference {worst}, worst gap difference {worst_gap}; {full_matches}/{} continuations identical", prompts.len());
-    assert!(full_matches >= 5, "at least 5 greedy continuations must match llama.cpp exactly");
+    eprintln!(
+        "worst top-5 logit difference {worst}, worst gap difference {worst_gap}; {full_matches}/{} continuations identical",
+        prompts.len()
+    );
+    assert!(
+        full_matches >= 5,
+        "at least 5 greedy continuations must match llama.cpp exactly"
+    );
 }

@@ -7,6 +7,6 @@ mod quant;
 mod reader;
 mod writer;
 
-pub use quant::{dequantize, GgmlType};
+pub use quant::{GgmlType, dequantize};
 pub use reader::{GgufError, GgufFile, MetaValue, TensorInfo};
 pub use writer::GgufWriter;

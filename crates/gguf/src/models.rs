@@ -32,7 +32,9 @@ pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
         return PathBuf::from(d).join("pdmesh");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("pdmesh")
 }
 
@@ -43,7 +45,9 @@ pub fn cached_model_path(m: &KnownModel) -> PathBuf {
 
 /// The model tests and `pdmesh up` use: `$PDMESH_MODEL` if set, else the cached default.
 pub fn default_model_path() -> PathBuf {
-    std::env::var_os("PDMESH_MODEL").map(PathBuf::from).unwrap_or_else(|| cached_model_path(&DEFAULT_MODEL))
+    std::env::var_os("PDMESH_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cached_model_path(&DEFAULT_MODEL))
 }
 
 /// For tests that need the real model: its path, or a panic that says how to get it.

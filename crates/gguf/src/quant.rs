@@ -85,8 +85,15 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 /// Dequantize `n` elements of type `t` from `src` into `dst` (scalar reference).
 pub fn dequantize(t: GgmlType, src: &[u8], dst: &mut [f32]) {
     let n = dst.len();
-    assert_eq!(n % t.block_elems(), 0, "{n} elements is not a whole number of {t:?} blocks");
-    assert!(src.len() >= t.row_bytes(n), "source too short for {n} {t:?} elements");
+    assert_eq!(
+        n % t.block_elems(),
+        0,
+        "{n} elements is not a whole number of {t:?} blocks"
+    );
+    assert!(
+        src.len() >= t.row_bytes(n),
+        "source too short for {n} {t:?} elements"
+    );
     let bb = t.block_bytes();
     match t {
         GgmlType::F32 => {
@@ -199,7 +206,10 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 

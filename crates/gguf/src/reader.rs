@@ -9,7 +9,10 @@ use crate::GgmlType;
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("cannot open model file {path}: {source}")]
-    Open { path: PathBuf, source: std::io::Error },
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{0} is not a GGUF file (bad magic)")]
     BadMagic(PathBuf),
     #[error("GGUF version {0} is not supported (2 and 3 are)")]
@@ -139,7 +142,9 @@ struct Cursor<'a> {
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], GgufError> {
         let end = self.pos.checked_add(n).filter(|&e| e <= self.b.len());
-        let end = end.ok_or_else(|| GgufError::Corrupt(format!("read of {n} bytes past the end at {}", self.pos)))?;
+        let end = end.ok_or_else(|| {
+            GgufError::Corrupt(format!("read of {n} bytes past the end at {}", self.pos))
+        })?;
         let s = &self.b[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -160,14 +165,18 @@ impl<'a> Cursor<'a> {
         let n = self.u64()?;
         // No count can exceed the bytes left: stops absurd allocations on corrupt input.
         if n > (self.b.len() - self.pos) as u64 {
-            return Err(GgufError::Corrupt(format!("length {n} exceeds file size at {}", self.pos)));
+            return Err(GgufError::Corrupt(format!(
+                "length {n} exceeds file size at {}",
+                self.pos
+            )));
         }
         Ok(n as usize)
     }
     fn string(&mut self) -> Result<String, GgufError> {
         let n = self.len()?;
         let s = self.take(n)?;
-        String::from_utf8(s.to_vec()).map_err(|_| GgufError::Corrupt(format!("invalid UTF-8 string at {}", self.pos)))
+        String::from_utf8(s.to_vec())
+            .map_err(|_| GgufError::Corrupt(format!("invalid UTF-8 string at {}", self.pos)))
     }
     fn value(&mut self, ty: u32, depth: u32) -> Result<MetaValue, GgufError> {
         Ok(match ty {
@@ -201,10 +210,16 @@ impl GgufFile {
     /// Open and index a GGUF file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
         let path = path.as_ref().to_path_buf();
-        let file = std::fs::File::open(&path).map_err(|source| GgufError::Open { path: path.clone(), source })?;
+        let file = std::fs::File::open(&path).map_err(|source| GgufError::Open {
+            path: path.clone(),
+            source,
+        })?;
         // SAFETY-free: memmap2's map is unsafe only if the file changes under us; model
         // files are read-only inputs.
-        let map = map_readonly(&file).map_err(|source| GgufError::Open { path: path.clone(), source })?;
+        let map = map_readonly(&file).map_err(|source| GgufError::Open {
+            path: path.clone(),
+            source,
+        })?;
         Self::parse(path, map)
     }
 
@@ -235,14 +250,30 @@ impl GgufFile {
             }
             let dims = (0..nd).map(|_| c.u64()).collect::<Result<Vec<_>, _>>()?;
             let tid = c.u32()?;
-            let ty = GgmlType::from_id(tid).ok_or(GgufError::UnsupportedType { name: name.clone(), id: tid })?;
+            let ty = GgmlType::from_id(tid).ok_or(GgufError::UnsupportedType {
+                name: name.clone(),
+                id: tid,
+            })?;
             let offset = c.u64()?;
             if dims[0] % ty.block_elems() as u64 != 0 {
-                return Err(GgufError::Corrupt(format!("tensor {name} row is not whole {ty:?} blocks")));
+                return Err(GgufError::Corrupt(format!(
+                    "tensor {name} row is not whole {ty:?} blocks"
+                )));
             }
-            tensors.insert(name.clone(), TensorInfo { name, dims, ty, offset });
+            tensors.insert(
+                name.clone(),
+                TensorInfo {
+                    name,
+                    dims,
+                    ty,
+                    offset,
+                },
+            );
         }
-        let align = metadata.get("general.alignment").and_then(MetaValue::as_u64).unwrap_or(32) as usize;
+        let align = metadata
+            .get("general.alignment")
+            .and_then(MetaValue::as_u64)
+            .unwrap_or(32) as usize;
         if align == 0 {
             return Err(GgufError::Corrupt("alignment 0".into()));
         }
@@ -250,10 +281,20 @@ impl GgufFile {
         for t in tensors.values() {
             let end = data_start as u64 + t.offset + t.bytes() as u64;
             if end > map.len() as u64 {
-                return Err(GgufError::Corrupt(format!("tensor {} extends past the end of the file", t.name)));
+                return Err(GgufError::Corrupt(format!(
+                    "tensor {} extends past the end of the file",
+                    t.name
+                )));
             }
         }
-        Ok(Self { path, map, version, metadata, tensors, data_start })
+        Ok(Self {
+            path,
+            map,
+            version,
+            metadata,
+            tensors,
+            data_start,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -270,25 +311,38 @@ impl GgufFile {
     }
 
     pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
-        self.get(key).and_then(MetaValue::as_u64).ok_or_else(|| GgufError::MissingKey(key.into()))
+        self.get(key)
+            .and_then(MetaValue::as_u64)
+            .ok_or_else(|| GgufError::MissingKey(key.into()))
     }
 
     pub fn get_f64(&self, key: &str) -> Result<f64, GgufError> {
-        self.get(key).and_then(MetaValue::as_f64).ok_or_else(|| GgufError::MissingKey(key.into()))
+        self.get(key)
+            .and_then(MetaValue::as_f64)
+            .ok_or_else(|| GgufError::MissingKey(key.into()))
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
-        self.get(key).and_then(MetaValue::as_str).ok_or_else(|| GgufError::MissingKey(key.into()))
+        self.get(key)
+            .and_then(MetaValue::as_str)
+            .ok_or_else(|| GgufError::MissingKey(key.into()))
     }
 
     /// String array metadata (e.g. `tokenizer.ggml.tokens`).
     pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>, GgufError> {
-        let a = self.get(key).and_then(MetaValue::as_array).ok_or_else(|| GgufError::MissingKey(key.into()))?;
-        a.iter().map(|v| v.as_str().ok_or_else(|| GgufError::MissingKey(key.into()))).collect()
+        let a = self
+            .get(key)
+            .and_then(MetaValue::as_array)
+            .ok_or_else(|| GgufError::MissingKey(key.into()))?;
+        a.iter()
+            .map(|v| v.as_str().ok_or_else(|| GgufError::MissingKey(key.into())))
+            .collect()
     }
 
     pub fn tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
-        self.tensors.get(name).ok_or_else(|| GgufError::MissingTensor(name.into()))
+        self.tensors
+            .get(name)
+            .ok_or_else(|| GgufError::MissingTensor(name.into()))
     }
 
     /// The raw (quantized) bytes of a tensor, borrowed from the map.

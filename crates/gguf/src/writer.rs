@@ -24,7 +24,11 @@ impl GgufWriter {
     /// Add a tensor; `data` must already be in `ty`'s block format.
     pub fn tensor(&mut self, name: &str, dims: &[u64], ty: GgmlType, data: Vec<u8>) -> &mut Self {
         let elems: u64 = dims.iter().product();
-        assert_eq!(ty.row_bytes(elems as usize), data.len(), "tensor {name} data size");
+        assert_eq!(
+            ty.row_bytes(elems as usize),
+            data.len(),
+            "tensor {name} data size"
+        );
         self.tensors.push((name.into(), dims.to_vec(), ty, data));
         self
     }

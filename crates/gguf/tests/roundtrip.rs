@@ -9,9 +9,15 @@ fn sample() -> Vec<u8> {
         .meta("llama.rope.freq_base", MetaValue::F32(10000.0))
         .meta(
             "tokenizer.ggml.tokens",
-            MetaValue::Array(vec![MetaValue::String("a".into()), MetaValue::String("é".into())]),
+            MetaValue::Array(vec![
+                MetaValue::String("a".into()),
+                MetaValue::String("é".into()),
+            ]),
         );
-    let f32s: Vec<u8> = [1.0f32, -2.0, 3.5, 0.25].iter().flat_map(|x| x.to_le_bytes()).collect();
+    let f32s: Vec<u8> = [1.0f32, -2.0, 3.5, 0.25]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
     w.tensor("norm.weight", &[4], GgmlType::F32, f32s);
     let mut q8 = half::f16::from_f32(0.5).to_le_bytes().to_vec();
     q8.extend((0..32).map(|i| i as u8));
@@ -31,14 +37,23 @@ fn reads_back_what_was_written() {
     assert_eq!(g.get_str("general.architecture").unwrap(), "llama");
     assert_eq!(g.get_u64("llama.block_count").unwrap(), 2);
     assert_eq!(g.get_f64("llama.rope.freq_base").unwrap(), 10000.0);
-    assert_eq!(g.get_str_array("tokenizer.ggml.tokens").unwrap(), vec!["a", "é"]);
-    assert_eq!(g.tensor_f32("norm.weight").unwrap(), vec![1.0, -2.0, 3.5, 0.25]);
+    assert_eq!(
+        g.get_str_array("tokenizer.ggml.tokens").unwrap(),
+        vec!["a", "é"]
+    );
+    assert_eq!(
+        g.tensor_f32("norm.weight").unwrap(),
+        vec![1.0, -2.0, 3.5, 0.25]
+    );
     let w = g.tensor("w").unwrap();
     assert_eq!((w.row_len(), w.rows(), w.ty), (32, 2, GgmlType::Q8_0));
     let v = g.tensor_f32("w").unwrap();
     assert_eq!(v[3], 1.5);
     assert_eq!(v[32 + 4], 4.0);
-    assert!(matches!(g.get_u64("missing"), Err(GgufError::MissingKey(_))));
+    assert!(matches!(
+        g.get_u64("missing"),
+        Err(GgufError::MissingKey(_))
+    ));
     assert!(matches!(g.tensor("nope"), Err(GgufError::MissingTensor(_))));
 }
 

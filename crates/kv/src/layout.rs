@@ -64,7 +64,12 @@ pub struct Component {
 impl Component {
     /// A component without scales.
     pub fn plain(name: &str, dtype: DType, elems_per_token: usize) -> Self {
-        Self { name: name.to_owned(), dtype, elems_per_token, scale: None }
+        Self {
+            name: name.to_owned(),
+            dtype,
+            elems_per_token,
+            scale: None,
+        }
     }
 
     /// A quantized component with one scale per `block` values.
@@ -80,7 +85,11 @@ impl Component {
             name: name.to_owned(),
             dtype,
             elems_per_token,
-            scale: Some(ScaleSpec { dtype: scale_dtype, block, placement }),
+            scale: Some(ScaleSpec {
+                dtype: scale_dtype,
+                block,
+                placement,
+            }),
         }
     }
 
@@ -103,7 +112,12 @@ impl Component {
     }
 
     fn describe(&self) -> String {
-        let mut s = format!("{}:{}x{}", self.name, self.dtype.name(), self.elems_per_token);
+        let mut s = format!(
+            "{}:{}x{}",
+            self.name,
+            self.dtype.name(),
+            self.elems_per_token
+        );
         if let Some(sc) = self.scale {
             let at = match sc.placement {
                 ScalePlacement::BesideToken => "token",
@@ -157,11 +171,22 @@ impl KvLayout {
                 return Err(LayoutError::DuplicateName(c.name.clone()));
             }
         }
-        Ok(Self { name: name.to_owned(), layers, page_size, components })
+        Ok(Self {
+            name: name.to_owned(),
+            layers,
+            page_size,
+            components,
+        })
     }
 
     /// Llama-family K and V caches: `kv_heads × head_dim` values each, per layer.
-    pub fn llama(layers: usize, kv_heads: usize, head_dim: usize, dtype: DType, page_size: usize) -> Self {
+    pub fn llama(
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: DType,
+        page_size: usize,
+    ) -> Self {
         Self::new(
             "llama-kv",
             layers,
@@ -244,7 +269,9 @@ impl KvLayout {
         let s = c.scale?;
         let base = self.region_offset(layer, comp);
         Some(match s.placement {
-            ScalePlacement::BesideToken => base + slot * c.bytes_per_token() + c.value_bytes_per_token(),
+            ScalePlacement::BesideToken => {
+                base + slot * c.bytes_per_token() + c.value_bytes_per_token()
+            }
             ScalePlacement::PageTail => {
                 base + self.page_size * c.value_bytes_per_token() + slot * c.scale_bytes_per_token()
             }
@@ -280,7 +307,12 @@ impl KvLayout {
 
 impl fmt::Debug for KvLayout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "KvLayout({} #{})", self.describe(), self.fingerprint_hex())
+        write!(
+            f,
+            "KvLayout({} #{})",
+            self.describe(),
+            self.fingerprint_hex()
+        )
     }
 }
 
@@ -299,13 +331,26 @@ mod tests {
             "dsa-index-k-fp8",
             1,
             page,
-            vec![Component::scaled("index_k", DType::Fp8E4m3, 128, DType::F32, 128, ScalePlacement::PageTail)],
+            vec![Component::scaled(
+                "index_k",
+                DType::Fp8E4m3,
+                128,
+                DType::F32,
+                128,
+                ScalePlacement::PageTail,
+            )],
         )
         .unwrap()
     }
 
     fn dsa_index_k_bf16(page: usize) -> KvLayout {
-        KvLayout::new("dsa-index-k-bf16", 1, page, vec![Component::plain("index_k", DType::Bf16, 128)]).unwrap()
+        KvLayout::new(
+            "dsa-index-k-bf16",
+            1,
+            page,
+            vec![Component::plain("index_k", DType::Bf16, 128)],
+        )
+        .unwrap()
     }
 
     #[test]
@@ -328,7 +373,10 @@ mod tests {
             "mla-bf16",
             61,
             64,
-            vec![Component::plain("latent", DType::Bf16, 512), Component::plain("rope", DType::Bf16, 64)],
+            vec![
+                Component::plain("latent", DType::Bf16, 512),
+                Component::plain("rope", DType::Bf16, 64),
+            ],
         )
         .unwrap();
         assert_eq!(mla_bf16.bytes_per_token_per_layer(), 1152);
@@ -338,7 +386,14 @@ mod tests {
             61,
             64,
             vec![
-                Component::scaled("latent", DType::Fp8E4m3, 512, DType::F32, 128, ScalePlacement::BesideToken),
+                Component::scaled(
+                    "latent",
+                    DType::Fp8E4m3,
+                    512,
+                    DType::F32,
+                    128,
+                    ScalePlacement::BesideToken,
+                ),
                 Component::plain("rope", DType::Bf16, 64),
             ],
         )
@@ -354,7 +409,10 @@ mod tests {
         assert_eq!(smol.bytes_per_page(), 30 * 768 * 16);
         assert_eq!(smol.bytes_per_pool(10), 10 * 30 * 768 * 16);
         // DeepSeek-V3.2 per-token totals from the reference.
-        assert_eq!(61 * (mla_fp8.bytes_per_token_per_layer() + fp8.bytes_per_token_per_layer()), 48_068);
+        assert_eq!(
+            61 * (mla_fp8.bytes_per_token_per_layer() + fp8.bytes_per_token_per_layer()),
+            48_068
+        );
     }
 
     #[test]
@@ -368,13 +426,29 @@ mod tests {
             "x",
             1,
             64,
-            vec![Component::scaled("index_k", DType::Fp8E4m3, 128, DType::F32, 128, ScalePlacement::BesideToken)],
+            vec![Component::scaled(
+                "index_k",
+                DType::Fp8E4m3,
+                128,
+                DType::F32,
+                128,
+                ScalePlacement::BesideToken,
+            )],
         )
         .unwrap();
         assert_eq!(tail.bytes_per_page(), beside.bytes_per_page());
-        assert_ne!(tail.fingerprint(), beside.fingerprint(), "placement changes where bytes go");
+        assert_ne!(
+            tail.fingerprint(),
+            beside.fingerprint(),
+            "placement changes where bytes go"
+        );
         // Pinned value: changing the canonical form is a wire-protocol change.
-        assert_eq!(KvLayout::llama(30, 3, 64, DType::F16, 16).fingerprint_hex().len(), 16);
+        assert_eq!(
+            KvLayout::llama(30, 3, 64, DType::F16, 16)
+                .fingerprint_hex()
+                .len(),
+            16
+        );
         assert_eq!(
             KvLayout::llama(30, 3, 64, DType::F16, 16).fingerprint(),
             KvLayout::llama(30, 3, 64, DType::F16, 16).fingerprint()
@@ -383,14 +457,25 @@ mod tests {
 
     #[test]
     fn malformed_layouts_are_refused() {
-        assert_eq!(KvLayout::new("x", 0, 16, vec![Component::plain("k", DType::F16, 1)]), Err(LayoutError::Empty));
+        assert_eq!(
+            KvLayout::new("x", 0, 16, vec![Component::plain("k", DType::F16, 1)]),
+            Err(LayoutError::Empty)
+        );
         assert_eq!(KvLayout::new("x", 1, 16, vec![]), Err(LayoutError::Empty));
         assert_eq!(
             KvLayout::new("x", 1, 16, vec![Component::plain("k", DType::F16, 0)]),
             Err(LayoutError::BadComponent("k".into()))
         );
         assert_eq!(
-            KvLayout::new("x", 1, 16, vec![Component::plain("k", DType::F16, 4), Component::plain("k", DType::F16, 4)]),
+            KvLayout::new(
+                "x",
+                1,
+                16,
+                vec![
+                    Component::plain("k", DType::F16, 4),
+                    Component::plain("k", DType::F16, 4)
+                ]
+            ),
             Err(LayoutError::DuplicateName("k".into()))
         );
     }

@@ -11,7 +11,11 @@ pub type PageId = u32;
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum KvError {
     #[error("out of KV pages: wanted {wanted}, {free} free of {total}")]
-    OutOfPages { wanted: usize, free: usize, total: usize },
+    OutOfPages {
+        wanted: usize,
+        free: usize,
+        total: usize,
+    },
     #[error("KV layout mismatch: ours is {ours}, theirs is {theirs}")]
     LayoutMismatch { ours: String, theirs: String },
     #[error("page {0} is not allocated")]
@@ -48,7 +52,12 @@ impl PagePool {
         let data = vec![0u64; bytes.div_ceil(8)];
         // Hand out low page ids first: pop() takes from the end.
         let free = (0..pages as PageId).rev().collect();
-        Self { layout, data, refs: vec![0; pages], free }
+        Self {
+            layout,
+            data,
+            refs: vec![0; pages],
+            free,
+        }
     }
 
     /// A pool holding as many pages as fit in `bytes`.
@@ -78,7 +87,11 @@ impl PagePool {
     /// Allocate `n` pages, each with reference count 1; all or nothing.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<PageId>, KvError> {
         if n > self.free.len() {
-            return Err(KvError::OutOfPages { wanted: n, free: self.free.len(), total: self.total_pages() });
+            return Err(KvError::OutOfPages {
+                wanted: n,
+                free: self.free.len(),
+                total: self.total_pages(),
+            });
         }
         let at = self.free.len() - n;
         let pages: Vec<PageId> = self.free.drain(at..).rev().collect();
@@ -117,7 +130,10 @@ impl PagePool {
 
     fn check(&self, page: PageId) -> Result<(), KvError> {
         match self.refs.get(page as usize) {
-            None => Err(KvError::OutOfRange { page, total: self.total_pages() }),
+            None => Err(KvError::OutOfRange {
+                page,
+                total: self.total_pages(),
+            }),
             Some(0) => Err(KvError::NotAllocated(page)),
             Some(_) => Ok(()),
         }
@@ -160,7 +176,12 @@ impl PagePool {
     }
 
     /// Writable form of [`PagePool::values`].
-    pub fn values_mut<T: bytemuck::Pod>(&mut self, page: PageId, layer: usize, comp: usize) -> &mut [T] {
+    pub fn values_mut<T: bytemuck::Pod>(
+        &mut self,
+        page: PageId,
+        layer: usize,
+        comp: usize,
+    ) -> &mut [T] {
         let (start, len) = self.values_range(page, layer, comp);
         bytemuck::cast_slice_mut(&mut self.bytes_mut()[start..start + len])
     }
@@ -174,7 +195,12 @@ impl PagePool {
     }
 
     /// Copy a page from another pool; refused unless both layouts share a fingerprint.
-    pub fn copy_page_from(&mut self, dst: PageId, src_pool: &PagePool, src: PageId) -> Result<(), KvError> {
+    pub fn copy_page_from(
+        &mut self,
+        dst: PageId,
+        src_pool: &PagePool,
+        src: PageId,
+    ) -> Result<(), KvError> {
         self.ensure_compatible(src_pool.layout())?;
         let bytes = src_pool.page(src)?;
         self.page_mut(dst)?.copy_from_slice(bytes);
@@ -182,11 +208,19 @@ impl PagePool {
     }
 
     /// Write a page received from elsewhere, tagged with its producer's layout.
-    pub fn import_page(&mut self, dst: PageId, bytes: &[u8], theirs: &KvLayout) -> Result<(), KvError> {
+    pub fn import_page(
+        &mut self,
+        dst: PageId,
+        bytes: &[u8],
+        theirs: &KvLayout,
+    ) -> Result<(), KvError> {
         self.ensure_compatible(theirs)?;
         let want = self.layout.bytes_per_page();
         if bytes.len() != want {
-            return Err(KvError::WrongSize { got: bytes.len(), want });
+            return Err(KvError::WrongSize {
+                got: bytes.len(),
+                want,
+            });
         }
         self.page_mut(dst)?.copy_from_slice(bytes);
         Ok(())
@@ -197,7 +231,10 @@ impl PagePool {
         if theirs.fingerprint() == self.layout.fingerprint() {
             Ok(())
         } else {
-            Err(KvError::LayoutMismatch { ours: self.layout.to_string(), theirs: theirs.to_string() })
+            Err(KvError::LayoutMismatch {
+                ours: self.layout.to_string(),
+                theirs: theirs.to_string(),
+            })
         }
     }
 }
@@ -238,7 +275,11 @@ mod tests {
         assert_eq!(pool.free_pages(), 1);
         assert_eq!(
             pool.alloc(2),
-            Err(KvError::OutOfPages { wanted: 2, free: 1, total: 4 }),
+            Err(KvError::OutOfPages {
+                wanted: 2,
+                free: 1,
+                total: 4
+            }),
             "all or nothing"
         );
         assert_eq!(pool.free_pages(), 1);
@@ -249,7 +290,10 @@ mod tests {
         pool.release(a[0]).unwrap();
         assert_eq!(pool.free_pages(), 4);
         assert_eq!(pool.release(a[0]), Err(KvError::NotAllocated(0)));
-        assert_eq!(pool.retain(9), Err(KvError::OutOfRange { page: 9, total: 4 }));
+        assert_eq!(
+            pool.retain(9),
+            Err(KvError::OutOfRange { page: 9, total: 4 })
+        );
     }
 
     #[test]
@@ -263,7 +307,10 @@ mod tests {
         let raw = pool.page(p[1]).unwrap();
         let off = layout.value_offset(7, 1, 0) + 5 * 2;
         assert_eq!(&raw[off..off + 2], &half::f16::from_f32(1.5).to_le_bytes());
-        assert!(pool.page(p[0]).unwrap().iter().all(|&b| b == 0), "other page untouched");
+        assert!(
+            pool.page(p[0]).unwrap().iter().all(|&b| b == 0),
+            "other page untouched"
+        );
     }
 
     #[test]
@@ -273,12 +320,25 @@ mod tests {
                 "dsa-index-k-fp8",
                 2,
                 64,
-                vec![Component::scaled("index_k", DType::Fp8E4m3, 128, DType::F32, 128, ScalePlacement::PageTail)],
+                vec![Component::scaled(
+                    "index_k",
+                    DType::Fp8E4m3,
+                    128,
+                    DType::F32,
+                    128,
+                    ScalePlacement::PageTail,
+                )],
             )
             .unwrap(),
         );
         let bf16 = Arc::new(
-            KvLayout::new("dsa-index-k-bf16", 2, 64, vec![Component::plain("index_k", DType::Bf16, 128)]).unwrap(),
+            KvLayout::new(
+                "dsa-index-k-bf16",
+                2,
+                64,
+                vec![Component::plain("index_k", DType::Bf16, 128)],
+            )
+            .unwrap(),
         );
         let mut host = PagePool::new(fp8.clone(), 2);
         let mut dev = PagePool::new(bf16.clone(), 2);
@@ -286,10 +346,19 @@ mod tests {
         let d = dev.alloc(1).unwrap()[0];
         let err = host.copy_page_from(h, &dev, d).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("dsa-index-k-fp8") && msg.contains("dsa-index-k-bf16"), "{msg}");
-        assert!(msg.contains("132 B/token/layer") && msg.contains("256 B/token/layer"), "{msg}");
+        assert!(
+            msg.contains("dsa-index-k-fp8") && msg.contains("dsa-index-k-bf16"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("132 B/token/layer") && msg.contains("256 B/token/layer"),
+            "{msg}"
+        );
         let bytes = dev.page(d).unwrap().to_vec();
-        assert!(matches!(host.import_page(h, &bytes, &bf16), Err(KvError::LayoutMismatch { .. })));
+        assert!(matches!(
+            host.import_page(h, &bytes, &bf16),
+            Err(KvError::LayoutMismatch { .. })
+        ));
         // Same layout: bytes arrive intact.
         let mut host2 = PagePool::new(bf16.clone(), 1);
         dev.page_mut(d).unwrap()[100] = 42;
@@ -298,7 +367,10 @@ mod tests {
         assert_eq!(host2.page(h2).unwrap()[100], 42);
         assert_eq!(
             host2.import_page(h2, &[0u8; 3], &bf16),
-            Err(KvError::WrongSize { got: 3, want: bf16.bytes_per_page() })
+            Err(KvError::WrongSize {
+                got: 3,
+                want: bf16.bytes_per_page()
+            })
         );
     }
 }

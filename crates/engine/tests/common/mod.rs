@@ -28,15 +28,22 @@ pub fn run_all(e: &mut Engine, reqs: Vec<GenRequest>) -> HashMap<String, Outcome
     for r in reqs {
         e.submit(r).expect("valid request");
     }
-    let mut out: HashMap<String, Outcome> = ids.iter().map(|i| (i.clone(), Outcome::default())).collect();
+    let mut out: HashMap<String, Outcome> = ids
+        .iter()
+        .map(|i| (i.clone(), Outcome::default()))
+        .collect();
     let mut steps = 0;
     while e.has_work() {
         steps += 1;
         assert!(steps < 100_000, "engine made no progress");
         for ev in e.step() {
             match &ev {
-                StepEvent::Token { id, token, .. } => out.get_mut(&**id).unwrap().tokens.push(*token),
-                StepEvent::Finished { id, .. } => out.get_mut(&**id).unwrap().finished = Some(ev.clone()),
+                StepEvent::Token { id, token, .. } => {
+                    out.get_mut(&**id).unwrap().tokens.push(*token)
+                }
+                StepEvent::Finished { id, .. } => {
+                    out.get_mut(&**id).unwrap().finished = Some(ev.clone())
+                }
             }
         }
     }
@@ -50,12 +57,18 @@ pub fn greedy(id: &str, prompt: &[u32], n: u32) -> GenRequest {
     GenRequest {
         id: id.into(),
         prompt: prompt.to_vec(),
-        params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) },
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(n)
+        },
     }
 }
 
 pub fn fixtures() -> serde_json::Value {
-    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/reference.json");
+    let p = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/reference.json"
+    );
     serde_json::from_str(&std::fs::read_to_string(p).expect("reference fixture")).unwrap()
 }
 
