@@ -344,9 +344,15 @@ impl Engine {
             let pending = self.running[i].tokens.len() - self.running[i].computed;
             if pending == 1 {
                 let upto = self.running[i].tokens.len();
-                if !self.ensure_pages(i, upto) {
-                    // Every other sequence was preempted and this one still cannot grow:
-                    // the pool is smaller than its context. End it rather than livelock.
+                if !self.ensure_pages(i, upto) && self.running.len() > 1 {
+                    // This is the newest sequence and nothing newer can give way: it
+                    // waits (and is recomputed) until older ones finish.
+                    self.preempt(i);
+                    continue;
+                }
+                if self.running[i].pages.len() < self.pool.pages_for_tokens(upto) {
+                    // Alone and still unable to grow: the pool is smaller than its
+                    // context. End it rather than livelock.
                     let mut s = self.running.remove(i);
                     tracing::warn!(id = %s.id, pages = s.pages.len(), "KV pool exhausted by one sequence");
                     self.ids.remove(&s.id);

@@ -396,3 +396,41 @@ fn a_sequence_larger_than_the_pool_ends_with_length_instead_of_livelock() {
     }
     assert_eq!(e.free_pages(), 8);
 }
+
+#[test]
+fn the_newest_sequence_is_preempted_not_truncated_when_pages_run_out() {
+    let ps = prompts();
+    // 8 pages of 4 tokens: each request alone fits (5 + 20 tokens = 7 pages), both
+    // together do not, so the newer one must wait and be recomputed, never cut short.
+    let small = |c: &mut pdmesh_engine::EngineConfig| {
+        c.page_size = 4;
+        c.kv_pages = 8;
+    };
+    // The newer prompt is one token longer, so it is the first to need a new page.
+    let (a, b) = (&ps[0][..5], &ps[8][..6]);
+    let solo_a = run_all(&mut common::engine(small), vec![greedy("a", a, 20)])
+        .remove("a")
+        .unwrap();
+    let solo_b = run_all(&mut common::engine(small), vec![greedy("b", b, 20)])
+        .remove("b")
+        .unwrap();
+    let mut e = common::engine(small);
+    let both = run_all(&mut e, vec![greedy("a", a, 20), greedy("b", b, 20)]);
+    assert!(e.preemptions() > 0, "the pool must have run out");
+    assert_same(&solo_a, &both["a"], "older request under pressure");
+    assert_same(&solo_b, &both["b"], "newer request under pressure");
+    for id in ["a", "b"] {
+        assert!(
+            matches!(
+                both[id].finished,
+                Some(StepEvent::Finished {
+                    completion_tokens: 20,
+                    ..
+                })
+            ),
+            "{id}: {:?}",
+            both[id].finished
+        );
+    }
+    assert_eq!(e.free_pages(), 8);
+}
