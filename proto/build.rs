@@ -2,7 +2,8 @@
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
-    // SAFETY-free: build scripts are single-threaded; setting PROTOC for prost-build.
+    // SAFETY: set_var is unsafe only with other threads reading the environment; this
+    // build script has no other threads. prost-build reads PROTOC to find the compiler.
     unsafe { std::env::set_var("PROTOC", protoc) };
     let protos = [
         "pdmesh/tokenizer/v1/tokenizer.proto",

@@ -214,8 +214,7 @@ impl GgufFile {
             path: path.clone(),
             source,
         })?;
-        // SAFETY-free: memmap2's map is unsafe only if the file changes under us; model
-        // files are read-only inputs.
+        // The one unsafe call (the map) lives in map_readonly, with its reasoning.
         let map = map_readonly(&file).map_err(|source| GgufError::Open {
             path: path.clone(),
             source,
