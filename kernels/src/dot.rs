@@ -149,12 +149,7 @@ pub(crate) fn rows(kind: IntKind, data: &[u8], rb: usize, acts: &[QActs], out: &
     #[cfg(target_arch = "x86_64")]
     if has_vnni() && kind != IntKind::Q4_0 {
         // SAFETY: the CPU has every feature these functions enable; lengths asserted inside.
-        unsafe {
-            match kind {
-                IntKind::Q4_1 => avx2::q4_1_rows_vnni(data, rb, acts, out),
-                _ => avx2::q8_0_rows_vnni(data, rb, acts, out),
-            }
-        }
+        unsafe { avx2::rows_vnni(kind, data, rb, acts, out) }
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -209,6 +204,7 @@ pub(crate) fn f32_dot(a: &[f32], b: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
+    use super::IntKind;
     use crate::QActs;
 
     #[inline]
@@ -358,6 +354,186 @@ mod avx2 {
         };
     }
 
+    /// Scale slots per block in a [`Group`]: the widest group's size.
+    const SLOTS: usize = 8;
+
+    /// A group of 4 or 8 tokens' activations rearranged for the grouped VNNI kernels: per
+    /// block the tokens' scales (and Q8_1 sums) side by side in `SLOTS` slots,
+    /// `ds[SLOTS·b + k]`, so one vector multiply gives all their scale products; for Q8_0
+    /// weights each token's values are also kept shifted to unsigned (`q + 128`), the
+    /// operand VNNI multiplies directly. Unused slots stay zero.
+    struct Group<'a> {
+        qs: Vec<&'a [i8]>,
+        shifted: Vec<Vec<u8>>,
+        ds: Vec<f32>,
+        ss: Vec<f32>,
+    }
+
+    impl<'a> Group<'a> {
+        fn new(g: &'a [QActs], nb: usize, kind: IntKind) -> Self {
+            assert!(g.len() <= SLOTS);
+            let sums = kind == IntKind::Q4_1;
+            let mut ds = vec![0f32; nb * SLOTS];
+            let mut ss = vec![0f32; if sums { nb * SLOTS } else { 0 }];
+            for (k, a) in g.iter().enumerate() {
+                assert!(a.qs.len() >= nb * 32 && a.d.len() >= nb && (!sums || a.s.len() >= nb));
+                for b in 0..nb {
+                    ds[SLOTS * b + k] = a.d[b];
+                    if sums {
+                        ss[SLOTS * b + k] = a.s[b];
+                    }
+                }
+            }
+            Self {
+                qs: g.iter().map(|a| &a.qs[..nb * 32]).collect(),
+                shifted: if kind == IntKind::Q8_0 {
+                    g.iter()
+                        .map(|a| a.qs[..nb * 32].iter().map(|&q| q as u8 ^ 0x80).collect())
+                        .collect()
+                } else {
+                    Vec::new()
+                },
+                ds,
+                ss,
+            }
+        }
+    }
+
+    /// Q4_1 rows · a group of `G` tokens. Every token's lanes see exactly the operations of
+    /// [`q4_1_q8_1_vnni`] (the same scale product rounded once, the same FMA chain, the same
+    /// min term and final sum), so results are identical to one token at a time; the
+    /// group's scale products take one vector multiply, its min terms one multiply and one
+    /// add.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn q4_1_group_vnni<const G: usize>(row: &[u8], g: &Group<'_>) -> [f32; G] {
+        let nb = row.len() / 20;
+        assert!(G <= SLOTS && g.qs.len() == G);
+        assert!(g.ds.len() >= nb * SLOTS && g.ss.len() >= nb * SLOTS);
+        assert!(g.qs.iter().all(|q| q.len() >= nb * 32));
+        let lowmask = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); G];
+        let mut summs = _mm256_setzero_ps();
+        for b in 0..nb {
+            // SAFETY: block b lies within `row`; activation lengths checked above.
+            unsafe {
+                let blk = row.as_ptr().add(20 * b);
+                let raw = (blk as *const u32).read_unaligned();
+                let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(raw as i32));
+                let dw = _mm256_broadcastss_ps(dm);
+                let mw = _mm256_broadcastss_ps(_mm_permute_ps(dm, 0b0101_0101));
+                let dv = _mm256_mul_ps(dw, _mm256_loadu_ps(g.ds.as_ptr().add(SLOTS * b)));
+                let mins = _mm256_mul_ps(mw, _mm256_loadu_ps(g.ss.as_ptr().add(SLOTS * b)));
+                summs = _mm256_add_ps(summs, mins);
+                let tmp = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                let bytes =
+                    _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1);
+                let qx = _mm256_and_si256(lowmask, bytes);
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let qy = _mm256_loadu_si256(g.qs[t].as_ptr().add(32 * b) as *const __m256i);
+                    let xy = _mm256_cvtepi32_ps(dot_vnni(qx, qy));
+                    let d = _mm256_permutevar8x32_ps(dv, _mm256_set1_epi32(t as i32));
+                    *acc = _mm256_fmadd_ps(d, xy, *acc);
+                }
+            }
+        }
+        let mut mins = [0f32; SLOTS];
+        // SAFETY: `mins` has room for SLOTS = 8 floats.
+        unsafe { _mm256_storeu_ps(mins.as_mut_ptr(), summs) };
+        std::array::from_fn(|t| hsum(acc[t]) + mins[t])
+    }
+
+    /// Q8_0 rows · a group of `G` tokens, identical per token to [`q8_0_q8_0_vnni`]: the
+    /// integer sums are exact either way. Here the token side is unsigned (`q + 128`) and
+    /// each lane starts from `-128 · Σ w` of its four weights, so no sign fix-ups are
+    /// needed per token.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn q8_0_group_vnni<const G: usize>(row: &[u8], g: &Group<'_>) -> [f32; G] {
+        let nb = row.len() / 34;
+        assert!(G <= SLOTS && g.shifted.len() == G);
+        assert!(g.ds.len() >= nb * SLOTS);
+        assert!(g.shifted.iter().all(|q| q.len() >= nb * 32));
+        let bias = _mm256_set1_epi8(-128);
+        let mut acc = [_mm256_setzero_ps(); G];
+        for b in 0..nb {
+            // SAFETY: block b lies within `row`; activation lengths checked above.
+            unsafe {
+                let blk = row.as_ptr().add(34 * b);
+                let raw = (blk as *const u16).read_unaligned();
+                let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(raw as i32));
+                let dv = _mm256_mul_ps(
+                    _mm256_broadcastss_ps(dm),
+                    _mm256_loadu_ps(g.ds.as_ptr().add(SLOTS * b)),
+                );
+                let qx = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                let start = _mm256_sub_epi32(_mm256_setzero_si256(), dot_vnni(bias, qx));
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let qy =
+                        _mm256_loadu_si256(g.shifted[t].as_ptr().add(32 * b) as *const __m256i);
+                    let xy = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(start, qy, qx));
+                    let d = _mm256_permutevar8x32_ps(dv, _mm256_set1_epi32(t as i32));
+                    *acc = _mm256_fmadd_ps(d, xy, *acc);
+                }
+            }
+        }
+        std::array::from_fn(|t| hsum(acc[t]))
+    }
+
+    /// Every row times every token on the VNNI path: tokens in groups of eight, then four,
+    /// through the group kernels, the rest one at a time through the per-token kernels.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub(super) unsafe fn rows_vnni(
+        kind: IntKind,
+        data: &[u8],
+        rb: usize,
+        acts: &[QActs],
+        out: &mut [f32],
+    ) {
+        let t = acts.len();
+        let nb = match kind {
+            IntKind::Q4_1 => rb / 20,
+            IntKind::Q8_0 => rb / 34,
+            IntKind::Q4_0 => unreachable!("Q4_0 has no VNNI kernel"),
+        };
+        // Eights, then a four, then the rest one at a time.
+        let (n8, n4) = (t / 8 * 8, t / 8 * 8 + (t % 8) / 4 * 4);
+        let groups: Vec<Group<'_>> = acts[..n8]
+            .chunks_exact(8)
+            .chain(acts[n8..n4].chunks_exact(4))
+            .map(|g| Group::new(g, nb, kind))
+            .collect();
+        let ng = n4;
+        for (row, o) in data.chunks_exact(rb).zip(out.chunks_exact_mut(t)) {
+            let mut at = 0;
+            for g in &groups {
+                // SAFETY: this function enables every feature the kernels enable.
+                unsafe {
+                    match (kind, g.qs.len()) {
+                        (IntKind::Q4_1, 8) => {
+                            o[at..at + 8].copy_from_slice(&q4_1_group_vnni::<8>(row, g))
+                        }
+                        (IntKind::Q4_1, _) => {
+                            o[at..at + 4].copy_from_slice(&q4_1_group_vnni::<4>(row, g))
+                        }
+                        (_, 8) => o[at..at + 8].copy_from_slice(&q8_0_group_vnni::<8>(row, g)),
+                        _ => o[at..at + 4].copy_from_slice(&q8_0_group_vnni::<4>(row, g)),
+                    }
+                }
+                at += g.qs.len();
+            }
+            for tt in ng..t {
+                // SAFETY: as above.
+                o[tt] = unsafe {
+                    match kind {
+                        IntKind::Q4_1 => q4_1_q8_1_vnni::<1>(row, [&acts[tt]]),
+                        _ => q8_0_q8_0_vnni::<1>(row, [&acts[tt]]),
+                    }
+                }[0];
+            }
+        }
+    }
+
     q4_1_kernel!(q4_1_q8_1, "avx2,fma,f16c", dot_avx2);
     q4_1_kernel!(
         q4_1_q8_1_vnni,
@@ -371,17 +547,7 @@ mod avx2 {
         dot_vnni
     );
     rows_fn!(q4_1_rows, q4_1_q8_1, "avx2,fma,f16c");
-    rows_fn!(
-        q4_1_rows_vnni,
-        q4_1_q8_1_vnni,
-        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
-    );
     rows_fn!(q8_0_rows, q8_0_q8_0, "avx2,fma,f16c");
-    rows_fn!(
-        q8_0_rows_vnni,
-        q8_0_q8_0_vnni,
-        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
-    );
 }
 
 #[cfg(test)]

@@ -193,7 +193,7 @@ mod tests {
         let (rows, cols) = (100, 128);
         let data = q4_1_matrix(rows, cols);
         let w = QMatrix::new(GgmlType::Q4_1, &data, rows, cols);
-        let t = 7;
+        let t = 15; // a group of eight, a group of four and three alone
         let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.13).cos()).collect();
         let p1 = rayon::ThreadPoolBuilder::new()
             .num_threads(1)
@@ -224,6 +224,55 @@ mod tests {
             "{} vs {exact}",
             all[3]
         );
+    }
+
+    /// Q8_0 weights with the extreme values ±127 and 0, times activations whose blocks
+    /// hit ±127 too: the grouped paths (tokens 0..8, 8..12) and the one-token path (12..15) must
+    /// give each token exactly what it gets alone.
+    #[test]
+    fn q8_0_grouped_tokens_equal_tokens_alone() {
+        let (rows, cols) = (37, 96);
+        let mut data = Vec::new();
+        for r in 0..rows {
+            for b in 0..cols / 32 {
+                data.extend(f16::from_f32(0.003 * (1 + (r + b) % 5) as f32).to_le_bytes());
+                data.extend((0..32).map(|j| match (r + j + b) % 7 {
+                    0 => 127u8,
+                    1 => (-127i8) as u8,
+                    2 => 0,
+                    k => ((k as i32 * 37 - 90) as i8) as u8,
+                }));
+            }
+        }
+        let w = QMatrix::new(GgmlType::Q8_0, &data, rows, cols);
+        let t = 15; // a group of eight, a group of four and three alone
+        let x: Vec<f32> = (0..t * cols)
+            .map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.21)
+            .collect();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let mut all = vec![0f32; t * rows];
+        matmul(&pool, &w, &x, t, &mut all);
+        let mut wr = vec![0f32; cols];
+        for tt in 0..t {
+            let mut one = vec![0f32; rows];
+            matmul(&pool, &w, &x[tt * cols..(tt + 1) * cols], 1, &mut one);
+            for r in 0..rows {
+                assert_eq!(
+                    one[r].to_bits(),
+                    all[tt * rows + r].to_bits(),
+                    "token {tt} row {r}"
+                );
+                w.dequantize_row(r, &mut wr);
+                let xt = &x[tt * cols..(tt + 1) * cols];
+                let exact: f32 = wr.iter().zip(xt).map(|(a, b)| a * b).sum();
+                // Activation rounding moves each product by at most half a step.
+                let bound: f32 = wr.iter().zip(xt).map(|(a, b)| (a * b).abs()).sum::<f32>() * 0.01;
+                assert!((one[r] - exact).abs() <= bound, "{} vs {exact}", one[r]);
+            }
+        }
     }
 
     #[test]
