@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pdmesh_gguf::GgufFile;
-use pdmesh_kv::{PageId, PagePool};
+use pdmesh_kv::{KvError, PageId, PagePool, PrefixCache, PrefixCacheStats};
 
 use crate::model::{BatchToken, LlamaModel};
 use crate::sampler::Sampler;
@@ -33,6 +33,8 @@ pub struct EngineConfig {
     pub max_context: Option<usize>,
     /// Keep every logits row computed for each request (tests and reference checks).
     pub capture_logits: bool,
+    /// Reuse the KV pages of cached prompt prefixes (the device tier of the KV cache).
+    pub prefix_cache: bool,
 }
 
 impl EngineConfig {
@@ -46,6 +48,7 @@ impl EngineConfig {
             threads: 0,
             max_context: None,
             capture_logits: false,
+            prefix_cache: true,
         }
     }
 }
@@ -57,6 +60,8 @@ struct Seq {
     prompt_len: usize,
     /// Tokens whose K/V are in `pages`.
     computed: usize,
+    /// Prompt tokens found in the prefix cache at first admission.
+    cached: Option<usize>,
     pages: Vec<PageId>,
     params: SamplingParams,
     sampler: Sampler,
@@ -87,6 +92,7 @@ pub struct Engine {
     ids: HashSet<Arc<str>>,
     captured: std::collections::HashMap<Arc<str>, Vec<Vec<f32>>>,
     preemptions: u64,
+    cache: Option<PrefixCache>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -109,6 +115,7 @@ impl Engine {
                 msg: "max_batch, page_size, kv_pages and prefill_chunk must be > 0".into(),
             });
         }
+        let (cfg_cache, page_size) = (cfg.prefix_cache, cfg.page_size);
         let gguf = Arc::new(GgufFile::open(&cfg.model_path)?);
         let model = LlamaModel::load(gguf.clone())?;
         let layout = Arc::new(model.cfg.kv_layout(cfg.page_size));
@@ -161,6 +168,7 @@ impl Engine {
             ids: HashSet::new(),
             captured: Default::default(),
             preemptions: 0,
+            cache: cfg_cache.then(|| PrefixCache::new(page_size)),
         })
     }
 
@@ -170,6 +178,28 @@ impl Engine {
 
     pub fn free_pages(&self) -> usize {
         self.pool.free_pages()
+    }
+
+    /// Pages only the prefix cache holds: free for the taking when the pool runs short.
+    /// When idle, `free_pages() + cached_pages()` is the whole pool.
+    pub fn cached_pages(&self) -> usize {
+        self.cache
+            .as_ref()
+            .map_or(0, |c| c.evictable_pages(&self.pool))
+    }
+
+    /// Prefix-cache counters (zero when the cache is off).
+    pub fn cache_stats(&self) -> PrefixCacheStats {
+        self.cache
+            .as_ref()
+            .map_or_else(Default::default, PrefixCache::stats)
+    }
+
+    /// Drop every cached prefix (pages in use by requests stay theirs).
+    pub fn flush_cache(&mut self) {
+        if let Some(c) = &mut self.cache {
+            c.clear(&mut self.pool);
+        }
     }
 
     pub fn pool(&self) -> &PagePool {
@@ -241,6 +271,7 @@ impl Engine {
             tokens: req.prompt,
             prompt_len: n,
             computed: 0,
+            cached: None,
             pages: Vec::new(),
             sampler: Sampler::new(req.params.seed),
             params: req.params,
@@ -257,11 +288,11 @@ impl Engine {
             return false;
         }
         if let Some(i) = self.waiting.iter().position(|s| &*s.id == id) {
-            let s = self.waiting.remove(i).expect("index from position");
-            self.release(s.pages);
+            let mut s = self.waiting.remove(i).expect("index from position");
+            self.retire_pages(&mut s);
         } else if let Some(i) = self.running.iter().position(|s| &*s.id == id) {
-            let s = self.running.remove(i);
-            self.release(s.pages);
+            let mut s = self.running.remove(i);
+            self.retire_pages(&mut s);
         }
         true
     }
@@ -277,23 +308,62 @@ impl Engine {
             .expect("engine releases only pages it holds");
     }
 
+    /// A sequence leaves the running set: the whole pages of KV it computed go to the
+    /// prefix cache (which keeps its own reference), then it drops its references.
+    fn retire_pages(&mut self, s: &mut Seq) {
+        let pages = std::mem::take(&mut s.pages);
+        if let Some(c) = &mut self.cache {
+            c.insert(&mut self.pool, &s.tokens[..s.computed], &pages);
+        }
+        self.release(pages);
+    }
+
+    /// Allocate `n` pages, evicting cached prefixes nobody uses if the pool is short.
+    fn alloc(&mut self, n: usize) -> Result<Vec<PageId>, KvError> {
+        let free = self.pool.free_pages();
+        if n > free
+            && let Some(c) = &mut self.cache
+        {
+            c.evict(&mut self.pool, n - free);
+        }
+        self.pool.alloc(n)
+    }
+
+    /// Pages an allocation could get: free plus evictable.
+    fn available_pages(&self) -> usize {
+        self.pool.free_pages() + self.cached_pages()
+    }
+
     fn admit(&mut self) {
         while self.running.len() < self.cfg.max_batch {
             let Some(front) = self.waiting.front() else {
                 break;
             };
+            // The longest cached prefix, in whole pages, leaving at least the last token to
+            // compute (its logits are needed).
+            let len = front.tokens.len();
+            let hit = match &mut self.cache {
+                Some(c) => c.match_prefix(&mut self.pool, &front.tokens, len - 1),
+                None => Vec::new(),
+            };
             // Pages for everything to compute now, plus one page of headroom per running
             // sequence so admission does not immediately force a preemption.
-            let need = self.pool.pages_for_tokens(front.tokens.len());
-            let headroom = self.running.len().min(self.pool.free_pages());
-            if self.pool.free_pages() < need + headroom && !self.running.is_empty() {
+            let need = self.pool.pages_for_tokens(len) - hit.len();
+            let available = self.available_pages();
+            let headroom = self.running.len().min(available);
+            if available < need + headroom && !self.running.is_empty() {
+                self.release(hit);
                 break;
             }
-            let Ok(pages) = self.pool.alloc(need) else {
+            let Ok(pages) = self.alloc(need) else {
+                self.release(hit);
                 break;
             };
             let mut s = self.waiting.pop_front().expect("front exists");
-            s.pages = pages;
+            s.computed = hit.len() * self.cfg.page_size;
+            s.cached.get_or_insert(s.computed.min(s.prompt_len));
+            s.pages = hit;
+            s.pages.extend(pages);
             self.running.push(s);
         }
     }
@@ -309,7 +379,7 @@ impl Engine {
             if need == 0 {
                 return true;
             }
-            if let Ok(p) = self.pool.alloc(need) {
+            if let Ok(p) = self.alloc(need) {
                 self.running[i].pages.extend(p);
                 return true;
             }
@@ -322,11 +392,11 @@ impl Engine {
     }
 
     /// Put a running sequence back at the head of the queue; its KV is recomputed later
-    /// through the same per-token path, so its output does not change.
+    /// through the same per-token path (or found again in the prefix cache, where it went),
+    /// so its output does not change.
     fn preempt(&mut self, i: usize) {
         let mut s = self.running.remove(i);
-        let pages = std::mem::take(&mut s.pages);
-        self.release(pages);
+        self.retire_pages(&mut s);
         s.computed = 0;
         self.preemptions += 1;
         tracing::debug!(id = %s.id, "preempted: KV pool full");
@@ -363,13 +433,13 @@ impl Engine {
                         matched_token: None,
                         prompt_tokens: s.prompt_len as u32,
                         completion_tokens: s.generated() as u32,
-                        cached_tokens: 0,
+                        cached_tokens: s.cached.unwrap_or(0) as u32,
                     });
                     if self.cfg.capture_logits {
                         self.captured
                             .insert(s.id.clone(), std::mem::take(&mut s.logits));
                     }
-                    self.release(std::mem::take(&mut s.pages));
+                    self.retire_pages(&mut s);
                     continue;
                 }
                 plan.push((i, 1));
@@ -449,7 +519,7 @@ impl Engine {
                     matched_token,
                     prompt_tokens: s.prompt_len as u32,
                     completion_tokens: s.generated() as u32,
-                    cached_tokens: 0,
+                    cached_tokens: s.cached.unwrap_or(0) as u32,
                 });
                 done.push(i);
             } else {
@@ -468,7 +538,7 @@ impl Engine {
                 self.captured
                     .insert(s.id.clone(), std::mem::take(&mut s.logits));
             }
-            self.release(std::mem::take(&mut s.pages));
+            self.retire_pages(&mut s);
         }
         events
     }

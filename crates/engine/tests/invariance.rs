@@ -55,7 +55,7 @@ fn slow_batch_of_32_is_bit_identical_to_alone() {
         c.max_batch = 32;
         c.kv_pages = 512;
     });
-    let baseline = e.free_pages();
+    let baseline = common::available(&e);
     let alone: Vec<Outcome> = ps
         .iter()
         .enumerate()
@@ -81,7 +81,7 @@ fn slow_batch_of_32_is_bit_identical_to_alone() {
         );
         assert_eq!(a.tokens.len(), 12);
     }
-    assert_eq!(e.free_pages(), baseline, "every page returned");
+    assert_eq!(common::available(&e), baseline, "every page returned");
 }
 
 #[test]
@@ -133,7 +133,7 @@ fn preemption_under_page_pressure_changes_nothing() {
             &format!("request {i} under page pressure"),
         );
     }
-    assert_eq!(e.free_pages(), 40);
+    assert_eq!(common::available(&e), 40);
 }
 
 #[test]
@@ -183,7 +183,7 @@ fn seeded_sampling_is_reproducible_in_any_batch() {
 fn stops_and_limits() {
     let ps = prompts();
     let mut e = common::engine(|_| {});
-    let free = e.free_pages();
+    let free = common::available(&e);
     // Greedy output of prompt 0, then stop on a string taken from inside it.
     let full = run_all(&mut e, vec![greedy("g", &ps[0], 16)])
         .remove("g")
@@ -229,13 +229,13 @@ fn stops_and_limits() {
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(e.free_pages(), free);
+    assert_eq!(common::available(&e), free);
 }
 
 #[test]
 fn bad_requests_are_refused_and_leave_the_pool_untouched() {
     let mut e = common::engine(|c| c.max_context = Some(64));
-    let free = e.free_pages();
+    let free = common::available(&e);
     let ok = |p: SamplingParams| GenRequest {
         id: "r".into(),
         prompt: vec![1, 2, 3],
@@ -335,14 +335,14 @@ fn bad_requests_are_refused_and_leave_the_pool_untouched() {
     assert!(e.abort("dup"));
     assert!(!e.abort("dup"));
     assert!(!e.has_work());
-    assert_eq!(e.free_pages(), free);
+    assert_eq!(common::available(&e), free);
 }
 
 #[test]
 fn abort_mid_generation_frees_pages() {
     let ps = prompts();
     let mut e = common::engine(|_| {});
-    let free = e.free_pages();
+    let free = common::available(&e);
     e.submit(greedy("a", &ps[3], 100)).unwrap();
     e.submit(greedy("b", &ps[4], 100)).unwrap();
     for _ in 0..3 {
@@ -357,7 +357,7 @@ fn abort_mid_generation_frees_pages() {
         "no events after abort"
     );
     assert!(e.abort("b"));
-    assert_eq!(e.free_pages(), free);
+    assert_eq!(common::available(&e), free);
     assert!(!e.has_work());
 }
 
@@ -394,7 +394,7 @@ fn a_sequence_larger_than_the_pool_ends_with_length_instead_of_livelock() {
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(e.free_pages(), 8);
+    assert_eq!(common::available(&e), 8);
 }
 
 #[test]
@@ -432,5 +432,5 @@ fn the_newest_sequence_is_preempted_not_truncated_when_pages_run_out() {
             both[id].finished
         );
     }
-    assert_eq!(e.free_pages(), 8);
+    assert_eq!(common::available(&e), 8);
 }

@@ -8,6 +8,8 @@
 
 mod layout;
 mod pool;
+mod radix;
 
 pub use layout::{Component, DType, KvLayout, LayoutError, ScalePlacement, ScaleSpec};
 pub use pool::{KvError, PageId, PagePool};
+pub use radix::{PrefixCache, PrefixCacheStats};

@@ -30,6 +30,10 @@ pub(crate) struct WorkerInfo {
     pub vocab_size: u32,
     pub total_pages: u32,
     pub free_pages: u32,
+    /// Pages only the worker's prefix cache holds (evictable).
+    pub cached_pages: u32,
+    /// Cached pages the worker evicted since it started.
+    pub evicted_pages: u64,
 }
 
 /// One chat message, already flattened to text.
@@ -135,6 +139,8 @@ impl Backends {
             vocab_size: r.vocab_size,
             total_pages: r.total_pages,
             free_pages: r.free_pages,
+            cached_pages: r.cached_pages,
+            evicted_pages: r.prefix_evicted_pages,
         })
     }
 

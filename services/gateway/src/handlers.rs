@@ -131,6 +131,8 @@ async fn metrics(State(st): State<AppState>) -> Response {
         Ok(info) => {
             st.metrics.kv_pages_free.set(i64::from(info.free_pages));
             st.metrics.kv_pages_total.set(i64::from(info.total_pages));
+            st.metrics.kv_pages_cached.set(i64::from(info.cached_pages));
+            st.metrics.observe_device_evictions(info.evicted_pages);
         }
         Err(e) => tracing::debug!(error = %e.message, "worker model info unavailable for metrics"),
     }
@@ -445,6 +447,8 @@ mod tests {
             vocab_size: 100,
             total_pages: 1,
             free_pages: 1,
+            cached_pages: 0,
+            evicted_pages: 0,
         }
     }
 

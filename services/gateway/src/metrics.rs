@@ -17,6 +17,10 @@ pub(crate) struct Metrics {
     errors: IntCounterVec,
     pub kv_pages_free: IntGauge,
     pub kv_pages_total: IntGauge,
+    pub kv_pages_cached: IntGauge,
+    kv_evictions: IntCounterVec,
+    /// The worker's eviction count at the last scrape: the counter grows by the difference.
+    evictions_seen: std::sync::atomic::AtomicU64,
     pub stream_duration: Histogram,
 }
 
@@ -101,6 +105,17 @@ impl Metrics {
         )?;
         let kv_pages_total =
             IntGauge::new("mesh_kv_pages_total", "KV pages in the worker's pool.")?;
+        let kv_pages_cached = IntGauge::new(
+            "mesh_kv_pages_cached",
+            "KV pages only the worker's prefix cache holds, evictable (read at scrape).",
+        )?;
+        let kv_evictions = IntCounterVec::new(
+            Opts::new(
+                "mesh_kv_cache_evictions_total",
+                "Cached KV pages evicted to make room, by cache tier.",
+            ),
+            &["tier"],
+        )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(duration.clone()))?;
         registry.register(Box::new(stream_duration.clone()))?;
@@ -110,6 +125,8 @@ impl Metrics {
         registry.register(Box::new(errors.clone()))?;
         registry.register(Box::new(kv_pages_free.clone()))?;
         registry.register(Box::new(kv_pages_total.clone()))?;
+        registry.register(Box::new(kv_pages_cached.clone()))?;
+        registry.register(Box::new(kv_evictions.clone()))?;
         Ok(Self {
             registry,
             requests,
@@ -120,8 +137,20 @@ impl Metrics {
             errors,
             kv_pages_free,
             kv_pages_total,
+            kv_pages_cached,
+            kv_evictions,
+            evictions_seen: Default::default(),
             stream_duration,
         })
+    }
+
+    /// The worker's cumulative device-tier evictions, as read at a scrape. A count lower
+    /// than the last one means the worker restarted: all of it is new.
+    pub fn observe_device_evictions(&self, total: u64) {
+        use std::sync::atomic::Ordering;
+        let last = self.evictions_seen.swap(total, Ordering::Relaxed);
+        let new = if total >= last { total - last } else { total };
+        self.kv_evictions.with_label_values(&["device"]).inc_by(new);
     }
 
     pub fn observe_request(&self, endpoint: &'static str, status: u16, seconds: f64) {
@@ -174,6 +203,21 @@ mod tests {
         );
         assert!(text.contains("mesh_generated_tokens_total 5"), "{text}");
         assert!(text.contains("mesh_kv_pages_free"), "{text}");
+    }
+
+    #[test]
+    fn device_evictions_count_differences_and_survive_a_worker_restart() {
+        let m = Metrics::new().unwrap();
+        let count = |m: &Metrics| m.kv_evictions.with_label_values(&["device"]).get();
+        m.observe_device_evictions(7);
+        m.observe_device_evictions(10);
+        assert_eq!(count(&m), 10);
+        m.observe_device_evictions(2); // the worker restarted and evicted 2 since
+        assert_eq!(count(&m), 12);
+        assert!(
+            m.render()
+                .contains(r#"mesh_kv_cache_evictions_total{tier="device"} 12"#)
+        );
     }
 
     #[test]

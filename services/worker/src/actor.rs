@@ -13,7 +13,7 @@ use futures::Stream;
 use pdmesh_engine::{Engine, EngineError, GenRequest, ModelInfo};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::engine_core::{EngineCore, Event};
+use crate::engine_core::{EngineCore, Event, PoolNow};
 
 /// Hand a request to the engine; its events go to `tx`.
 struct Submit {
@@ -49,7 +49,7 @@ impl Message for Step {
 /// The model's facts and the free pages now.
 struct Info;
 impl Message for Info {
-    type Result = Result<(ModelInfo, usize), EngineError>;
+    type Result = Result<(ModelInfo, PoolNow), EngineError>;
 }
 
 /// The actor: [`EngineCore`] plus the one-`Step`-in-flight flag.
@@ -107,7 +107,7 @@ impl Handler<Step> for EngineActor {
 }
 
 impl Handler<Info> for EngineActor {
-    type Result = Result<(ModelInfo, usize), EngineError>;
+    type Result = Result<(ModelInfo, PoolNow), EngineError>;
     fn handle(&mut self, _msg: Info, _ctx: &mut Self::Context) -> Self::Result {
         self.core.info()
     }
@@ -241,7 +241,7 @@ impl EngineHandle {
         self.addr.send(AbortAll).await.map_err(offline)
     }
 
-    pub(crate) async fn info(&self) -> Result<(ModelInfo, usize), EngineError> {
+    pub(crate) async fn info(&self) -> Result<(ModelInfo, PoolNow), EngineError> {
         self.addr.send(Info).await.map_err(offline)?
     }
 

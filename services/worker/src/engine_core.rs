@@ -7,12 +7,20 @@ use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use pdmesh_engine::{Engine, EngineError, FinishReason, GenRequest, ModelInfo, StepEvent};
+use pdmesh_kv::PrefixCacheStats;
 use tokio::sync::mpsc::UnboundedSender;
 
 /// What the engine does for [`EngineCore`]; implemented by [`pdmesh_engine::Engine`].
 pub(crate) trait Backend {
     fn info(&self) -> ModelInfo;
     fn free_pages(&self) -> usize;
+    /// Pages only the prefix cache holds.
+    fn cached_pages(&self) -> usize {
+        0
+    }
+    fn cache_stats(&self) -> PrefixCacheStats {
+        PrefixCacheStats::default()
+    }
     fn submit(&mut self, req: GenRequest) -> Result<(), EngineError>;
     fn abort(&mut self, id: &str) -> bool;
     fn step(&mut self) -> Vec<StepEvent>;
@@ -25,6 +33,12 @@ impl Backend for Engine {
     }
     fn free_pages(&self) -> usize {
         Engine::free_pages(self)
+    }
+    fn cached_pages(&self) -> usize {
+        Engine::cached_pages(self)
+    }
+    fn cache_stats(&self) -> PrefixCacheStats {
+        Engine::cache_stats(self)
     }
     fn submit(&mut self, req: GenRequest) -> Result<(), EngineError> {
         Engine::submit(self, req)
@@ -234,11 +248,24 @@ impl<B: Backend> EngineCore<B> {
         }
     }
 
-    /// The model's facts and the pool's free pages right now.
-    pub(crate) fn info(&self) -> Result<(ModelInfo, usize), EngineError> {
+    /// The model's facts and the pool's state right now.
+    pub(crate) fn info(&self) -> Result<(ModelInfo, PoolNow), EngineError> {
         let engine = self.engine.as_ref().ok_or(EngineError::Offline)?;
-        Ok((engine.info(), engine.free_pages()))
+        let pool = PoolNow {
+            free_pages: engine.free_pages(),
+            cached_pages: engine.cached_pages(),
+            cache: engine.cache_stats(),
+        };
+        Ok((engine.info(), pool))
     }
+}
+
+/// The KV pool's state at one moment.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct PoolNow {
+    pub free_pages: usize,
+    pub cached_pages: usize,
+    pub cache: PrefixCacheStats,
 }
 
 #[cfg(test)]
@@ -375,7 +402,7 @@ mod tests {
             Err(EngineError::EmptyPrompt)
         ));
         assert!(rx.is_closed());
-        assert_eq!(core.info().unwrap().1, PAGES);
+        assert_eq!(core.info().unwrap().1.free_pages, PAGES);
     }
 
     #[test]
@@ -384,14 +411,14 @@ mod tests {
         let (tx, mut rx) = unbounded_channel();
         core.submit(req("a", 100), 1, tx).unwrap();
         core.step();
-        assert_eq!(core.info().unwrap().1, PAGES - 1);
+        assert_eq!(core.info().unwrap().1.free_pages, PAGES - 1);
         assert!(
             !core.abort("a", Some(2)),
             "a stale ticket does not abort a newer submission"
         );
         assert!(core.abort("a", Some(1)));
         assert!(!core.abort("a", None), "already gone");
-        assert_eq!(core.info().unwrap().1, PAGES);
+        assert_eq!(core.info().unwrap().1.free_pages, PAGES);
         let events = drain(&mut rx);
         assert!(
             matches!(events.last(), Some(Event::Finished(f)) if f.reason == FinishReason::Abort && f.completion_tokens == 1 && f.prompt_tokens == 1)
@@ -407,7 +434,7 @@ mod tests {
         drop(rx);
         core.step();
         assert_eq!(core.engine.as_ref().unwrap().aborted, ["a"]);
-        assert_eq!(core.info().unwrap().1, PAGES);
+        assert_eq!(core.info().unwrap().1.free_pages, PAGES);
         assert!(!core.has_work());
     }
 

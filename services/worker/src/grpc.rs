@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status};
 
 use crate::Error;
 use crate::actor::EngineHandle;
-use crate::engine_core::{Event, Finish};
+use crate::engine_core::{Event, Finish, PoolNow};
 
 /// The tonic service: a handle to the engine actor.
 pub(crate) struct WorkerService {
@@ -88,7 +88,7 @@ fn response(event: Event) -> pb::GenerateResponse {
     pb::GenerateResponse { kind: Some(kind) }
 }
 
-fn model_info(info: ModelInfo, free_pages: usize) -> pb::ModelInfoResponse {
+fn model_info(info: ModelInfo, pool: PoolNow) -> pb::ModelInfoResponse {
     pb::ModelInfoResponse {
         model_id: info.model_id,
         context_length: info.context_length,
@@ -98,8 +98,11 @@ fn model_info(info: ModelInfo, free_pages: usize) -> pb::ModelInfoResponse {
         kv_layout_fingerprint: info.kv_layout_fingerprint,
         page_size: info.page_size,
         total_pages: info.total_pages,
-        free_pages: u32::try_from(free_pages).unwrap_or(u32::MAX),
+        free_pages: u32::try_from(pool.free_pages).unwrap_or(u32::MAX),
         max_batch: info.max_batch,
+        cached_pages: u32::try_from(pool.cached_pages).unwrap_or(u32::MAX),
+        prefix_hit_tokens: pool.cache.hit_tokens,
+        prefix_evicted_pages: pool.cache.evicted_pages,
     }
 }
 
@@ -163,8 +166,8 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         _request: Request<pb::ModelInfoRequest>,
     ) -> Result<Response<pb::ModelInfoResponse>, Status> {
-        let (info, free) = self.engine.info().await.map_err(Error::from)?;
-        Ok(Response::new(model_info(info, free)))
+        let (info, pool) = self.engine.info().await.map_err(Error::from)?;
+        Ok(Response::new(model_info(info, pool)))
     }
 }
 

@@ -42,6 +42,10 @@ pub struct Config {
     /// Cap on the model's context length, in tokens.
     #[arg(long, env = "PDMESH_MAX_CONTEXT")]
     pub max_context: Option<usize>,
+    /// Recompute every prompt instead of reusing cached prefix pages (the device tier of
+    /// the KV cache), e.g. as the reference for differential tests.
+    #[arg(long, env = "PDMESH_DISABLE_PREFIX_CACHE")]
+    pub disable_prefix_cache: bool,
 }
 
 impl Config {
@@ -55,6 +59,7 @@ impl Config {
             prefill_chunk: 512,
             threads: 0,
             max_context: None,
+            disable_prefix_cache: false,
         }
     }
 
@@ -82,6 +87,7 @@ impl Config {
             threads: self.threads,
             max_context: self.max_context,
             capture_logits: false,
+            prefix_cache: !self.disable_prefix_cache,
         })
     }
 }

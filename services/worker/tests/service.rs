@@ -110,16 +110,18 @@ async fn next_token(stream: &mut Streaming<pb::GenerateResponse>) -> u32 {
     }
 }
 
+/// Pages a new request could get: free plus those only the prefix cache holds. With no
+/// request running, anything short of the baseline is a leak.
 async fn free_pages(client: &mut WorkerClient<Channel>) -> u32 {
-    client
+    let info = client
         .model_info(pb::ModelInfoRequest {})
         .await
         .unwrap()
-        .into_inner()
-        .free_pages
+        .into_inner();
+    info.free_pages + info.cached_pages
 }
 
-/// Polls ModelInfo until `free_pages == want`, failing after [`HANG`].
+/// Polls ModelInfo until free plus cached pages are `want`, failing after [`HANG`].
 async fn wait_free_pages(client: &mut WorkerClient<Channel>, want: u32) {
     let deadline = tokio::time::Instant::now() + HANG;
     loop {
@@ -172,6 +174,34 @@ async fn model_info_describes_the_configured_pool() {
         "{}",
         info.kv_layout_fingerprint
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_reuses_its_cached_page_and_answers_the_same() {
+    let mut s = start().await;
+    let mut run = async |id: &str| {
+        let stream = s
+            .client
+            .generate(request(id, PROMPT, greedy(6)))
+            .await
+            .unwrap()
+            .into_inner();
+        collect(stream).await
+    };
+    let (first, f1) = run("first").await;
+    let (second, f2) = run("second").await;
+    assert_eq!(first, second);
+    // 17 prompt tokens: one whole 16-token page can be reused, the last token is computed.
+    assert_eq!((f1.cached_tokens, f2.cached_tokens), (0, 16));
+    let info = s
+        .client
+        .model_info(pb::ModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.prefix_hit_tokens, 16);
+    assert!(info.cached_pages >= 1, "{info:?}");
+    assert_eq!(info.free_pages + info.cached_pages, KV_PAGES);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,6 +15,12 @@ pub fn engine(f: impl FnOnce(&mut EngineConfig)) -> Engine {
     Engine::load(cfg).expect("engine loads the default model")
 }
 
+/// Pages a new request could get: free plus those only the prefix cache holds. When no
+/// request runs, anything short of the whole pool is a leak.
+pub fn available(e: &Engine) -> usize {
+    e.free_pages() + e.cached_pages()
+}
+
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Outcome {
     pub tokens: Vec<u32>,

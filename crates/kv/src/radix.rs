@@ -1,0 +1,347 @@
+//! `PrefixCache`: the device tier of the KV cache. A radix tree over token ids at page
+//! granularity — every edge is one full page of tokens — whose nodes own one reference to
+//! the pool page holding that page's KV. A new request reuses the longest cached prefix
+//! without recomputing it; pages only the cache still holds are evicted least recently
+//! used first, leaves before their parents.
+//!
+//! Reuse is exact: a page's KV depends only on the tokens up to its end (the engine is
+//! batch- and chunk-invariant), so a page computed by one request is bit for bit the page
+//! another request would compute.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use crate::{PageId, PagePool};
+
+const ROOT: usize = 0;
+
+#[derive(Debug)]
+struct Node {
+    parent: usize,
+    /// This node's page of token ids (empty for the root).
+    key: Box<[u32]>,
+    page: PageId,
+    children: HashMap<Box<[u32]>, usize>,
+    last_use: u64,
+}
+
+/// Counters since the cache was made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    /// Prompt tokens served from cached pages.
+    pub hit_tokens: u64,
+    /// Pages added to the tree.
+    pub inserted_pages: u64,
+    /// Pages evicted to make room.
+    pub evicted_pages: u64,
+}
+
+/// See the module docs. The cache does not own the pool; every call that changes page
+/// references takes it, so the pool's counts always tell who holds what.
+#[derive(Debug)]
+pub struct PrefixCache {
+    page_size: usize,
+    /// Slab of nodes; `None` marks a free slot. Slot 0 is the root.
+    nodes: Vec<Option<Node>>,
+    free_slots: Vec<usize>,
+    tick: u64,
+    stats: PrefixCacheStats,
+}
+
+impl PrefixCache {
+    pub fn new(page_size: usize) -> Self {
+        assert!(page_size > 0, "page size must be > 0");
+        let root = Node {
+            parent: ROOT,
+            key: Box::new([]),
+            page: PageId::MAX,
+            children: HashMap::new(),
+            last_use: 0,
+        };
+        Self {
+            page_size,
+            nodes: vec![Some(root)],
+            free_slots: Vec::new(),
+            tick: 0,
+            stats: PrefixCacheStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> PrefixCacheStats {
+        self.stats
+    }
+
+    /// Pages in the tree (in use by requests or not).
+    pub fn cached_pages(&self) -> usize {
+        self.nodes.len() - 1 - self.free_slots.len()
+    }
+
+    fn node(&self, i: usize) -> &Node {
+        self.nodes[i].as_ref().expect("live node")
+    }
+
+    fn node_mut(&mut self, i: usize) -> &mut Node {
+        self.nodes[i].as_mut().expect("live node")
+    }
+
+    /// The longest cached prefix of `tokens`, in whole pages and at most `max_tokens`
+    /// tokens: returns its pages, each retained once in `pool` on the caller's behalf (the
+    /// caller releases them like pages it allocated). Matched pages count as used now.
+    pub fn match_prefix(
+        &mut self,
+        pool: &mut PagePool,
+        tokens: &[u32],
+        max_tokens: usize,
+    ) -> Vec<PageId> {
+        self.tick += 1;
+        let ps = self.page_size;
+        let mut pages = Vec::new();
+        let mut at = ROOT;
+        for chunk in tokens[..max_tokens.min(tokens.len())].chunks_exact(ps) {
+            let Some(&child) = self.node(at).children.get(chunk) else {
+                break;
+            };
+            let tick = self.tick;
+            let n = self.node_mut(child);
+            n.last_use = tick;
+            pool.retain(n.page)
+                .expect("a cached page is allocated: the cache holds a reference");
+            pages.push(n.page);
+            at = child;
+        }
+        self.stats.hit_tokens += (pages.len() * ps) as u64;
+        pages
+    }
+
+    /// Record that `pages` hold the KV of `tokens`; only whole pages are cached
+    /// (`tokens.len() / page_size` of them, which `pages` must cover). A page new to the
+    /// tree gains a reference held by the cache; where the tree already has these tokens
+    /// under another page, the tree keeps its own and the caller's copy stays the caller's.
+    pub fn insert(&mut self, pool: &mut PagePool, tokens: &[u32], pages: &[PageId]) {
+        self.tick += 1;
+        let ps = self.page_size;
+        let full = tokens.len() / ps;
+        assert!(
+            pages.len() >= full,
+            "{full} full pages of tokens but {} pages",
+            pages.len()
+        );
+        let mut at = ROOT;
+        for (chunk, &page) in tokens.chunks_exact(ps).zip(pages) {
+            let tick = self.tick;
+            if let Some(&child) = self.node(at).children.get(chunk) {
+                self.node_mut(child).last_use = tick;
+                at = child;
+                continue;
+            }
+            pool.retain(page).expect("inserted pages are allocated");
+            let key: Box<[u32]> = chunk.into();
+            let node = Node {
+                parent: at,
+                key: key.clone(),
+                page,
+                children: HashMap::new(),
+                last_use: tick,
+            };
+            let slot = match self.free_slots.pop() {
+                Some(s) => {
+                    self.nodes[s] = Some(node);
+                    s
+                }
+                None => {
+                    self.nodes.push(Some(node));
+                    self.nodes.len() - 1
+                }
+            };
+            self.node_mut(at).children.insert(key, slot);
+            self.stats.inserted_pages += 1;
+            at = slot;
+        }
+    }
+
+    /// Whether nothing but the cache holds node `i`'s page and all of its subtree's.
+    fn evictable_subtree(&self, pool: &PagePool, i: usize) -> bool {
+        let n = self.node(i);
+        pool.ref_count(n.page) == 1
+            && n.children
+                .values()
+                .all(|&c| self.evictable_subtree(pool, c))
+    }
+
+    /// Pages that eviction could free now: held by the cache alone, with no page below
+    /// them in use.
+    pub fn evictable_pages(&self, pool: &PagePool) -> usize {
+        let mut count = 0;
+        let mut stack: Vec<usize> = self.node(ROOT).children.values().copied().collect();
+        while let Some(i) = stack.pop() {
+            if self.evictable_subtree(pool, i) {
+                count += self.subtree_size(i);
+            } else {
+                stack.extend(self.node(i).children.values().copied());
+            }
+        }
+        count
+    }
+
+    fn subtree_size(&self, i: usize) -> usize {
+        1 + self
+            .node(i)
+            .children
+            .values()
+            .map(|&c| self.subtree_size(c))
+            .sum::<usize>()
+    }
+
+    /// Evict up to `n` pages that only the cache holds, least recently used leaves first
+    /// (a parent becomes a candidate once its children are gone). Returns how many pages
+    /// went back to the pool.
+    pub fn evict(&mut self, pool: &mut PagePool, n: usize) -> usize {
+        let evictable = |this: &Self, pool: &PagePool, i: usize| {
+            let node = this.node(i);
+            node.children.is_empty() && pool.ref_count(node.page) == 1
+        };
+        let mut heap: BinaryHeap<Reverse<(u64, usize)>> = (1..self.nodes.len())
+            .filter(|&i| self.nodes[i].is_some() && evictable(self, pool, i))
+            .map(|i| Reverse((self.node(i).last_use, i)))
+            .collect();
+        let mut freed = 0;
+        while freed < n {
+            let Some(Reverse((_, i))) = heap.pop() else {
+                break;
+            };
+            let node = self.nodes[i].take().expect("heap holds live nodes");
+            self.free_slots.push(i);
+            self.node_mut(node.parent).children.remove(&node.key);
+            pool.release(node.page)
+                .expect("the cache held a reference to this page");
+            freed += 1;
+            self.stats.evicted_pages += 1;
+            if node.parent != ROOT && evictable(self, pool, node.parent) {
+                heap.push(Reverse((self.node(node.parent).last_use, node.parent)));
+            }
+        }
+        freed
+    }
+
+    /// Drop every page the cache holds (pages still used by requests stay theirs).
+    pub fn clear(&mut self, pool: &mut PagePool) {
+        for slot in self.nodes.iter_mut().skip(1) {
+            if let Some(n) = slot.take() {
+                pool.release(n.page)
+                    .expect("the cache held a reference to this page");
+            }
+        }
+        self.nodes.truncate(1);
+        self.free_slots.clear();
+        self.node_mut(ROOT).children.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::{DType, KvLayout};
+
+    fn pool(pages: usize) -> PagePool {
+        PagePool::new(Arc::new(KvLayout::llama(1, 1, 2, DType::F16, 4)), pages)
+    }
+
+    /// Allocate pages for `tokens` as a request would, and cache them.
+    fn run_and_cache(c: &mut PrefixCache, p: &mut PagePool, tokens: &[u32]) -> Vec<PageId> {
+        let hit = c.match_prefix(p, tokens, tokens.len());
+        let mut pages = hit.clone();
+        pages.extend(
+            p.alloc(p.pages_for_tokens(tokens.len()) - hit.len())
+                .unwrap(),
+        );
+        c.insert(p, tokens, &pages);
+        p.release_all(&pages).unwrap();
+        pages
+    }
+
+    #[test]
+    fn matches_whole_pages_of_the_longest_prefix_only() {
+        let (mut p, mut c) = (pool(16), PrefixCache::new(4));
+        let a: Vec<u32> = (0..10).collect(); // 2 full pages + 2 tokens
+        let pages = run_and_cache(&mut c, &mut p, &a);
+        assert_eq!(c.cached_pages(), 2, "the partial last page is not cached");
+        assert_eq!(p.free_pages(), 14);
+
+        // Same first page, different second page.
+        let b = [0, 1, 2, 3, 4, 5, 6, 99, 8];
+        let hit = c.match_prefix(&mut p, &b, b.len());
+        assert_eq!(hit, vec![pages[0]]);
+        assert_eq!(
+            p.ref_count(pages[0]),
+            2,
+            "the match holds a reference for the caller"
+        );
+        p.release_all(&hit).unwrap();
+
+        // max_tokens caps the match (a request must compute at least its last token).
+        let hit = c.match_prefix(&mut p, &a[..8], 7);
+        assert_eq!(hit, vec![pages[0]]);
+        p.release_all(&hit).unwrap();
+        assert_eq!(c.stats().hit_tokens, 8);
+    }
+
+    #[test]
+    fn duplicate_pages_stay_with_the_caller() {
+        let (mut p, mut c) = (pool(16), PrefixCache::new(4));
+        let t: Vec<u32> = (0..8).collect();
+        let first = run_and_cache(&mut c, &mut p, &t);
+        // A request that computed the same tokens into its own pages (it ran before the
+        // first finished): inserting keeps the tree's pages, the caller's go back.
+        let own = p.alloc(2).unwrap();
+        c.insert(&mut p, &t, &own);
+        p.release_all(&own).unwrap();
+        assert_eq!(p.free_pages(), 14);
+        assert_eq!(c.match_prefix(&mut p, &t, 8), first);
+    }
+
+    #[test]
+    fn evicts_least_recently_used_leaves_and_never_pages_in_use() {
+        let (mut p, mut c) = (pool(16), PrefixCache::new(4));
+        let a: Vec<u32> = (0..8).collect();
+        let b: Vec<u32> = (100..108).collect();
+        let pa = run_and_cache(&mut c, &mut p, &a);
+        let pb = run_and_cache(&mut c, &mut p, &b);
+        // Touch `a`: `b` is now least recently used.
+        let hit = c.match_prefix(&mut p, &a, 8);
+        p.release_all(&hit).unwrap();
+        assert_eq!(c.evictable_pages(&p), 4);
+
+        assert_eq!(c.evict(&mut p, 1), 1);
+        assert_eq!(p.ref_count(pb[1]), 0, "b's leaf goes first");
+        assert_eq!(c.evict(&mut p, 1), 1);
+        assert_eq!(p.ref_count(pb[0]), 0, "then its parent, now a leaf");
+
+        // A request holding `a`'s pages pins them.
+        let held = c.match_prefix(&mut p, &a, 8);
+        assert_eq!(c.evictable_pages(&p), 0);
+        assert_eq!(c.evict(&mut p, 10), 0);
+        assert_eq!(p.ref_count(pa[0]), 2);
+        p.release_all(&held).unwrap();
+        assert_eq!(c.evict(&mut p, 10), 2);
+        assert_eq!(p.free_pages(), 16, "pool back to baseline");
+        assert_eq!(c.cached_pages(), 0);
+        assert_eq!(c.stats().evicted_pages, 4);
+    }
+
+    #[test]
+    fn a_parent_in_use_below_a_free_leaf_is_not_counted_evictable() {
+        let (mut p, mut c) = (pool(16), PrefixCache::new(4));
+        let long: Vec<u32> = (0..12).collect();
+        run_and_cache(&mut c, &mut p, &long);
+        // A request holds the first page only.
+        let held = c.match_prefix(&mut p, &long, 4);
+        assert_eq!(c.evictable_pages(&p), 2, "the two pages below the held one");
+        assert_eq!(c.evict(&mut p, 10), 2);
+        assert_eq!(c.cached_pages(), 1);
+        p.release_all(&held).unwrap();
+        c.clear(&mut p);
+        assert_eq!(p.free_pages(), 16);
+    }
+}
