@@ -8,6 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos = [
         "pdmesh/tokenizer/v1/tokenizer.proto",
         "pdmesh/worker/v1/worker.proto",
+        "pdmesh/cache/v1/cache.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");

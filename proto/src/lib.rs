@@ -12,3 +12,9 @@ pub mod worker {
         tonic::include_proto!("pdmesh.worker.v1");
     }
 }
+
+pub mod cache {
+    pub mod v1 {
+        tonic::include_proto!("pdmesh.cache.v1");
+    }
+}

@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 pub const TOKENIZER_LISTEN: &str = "127.0.0.1:50061";
 pub const WORKER_LISTEN: &str = "127.0.0.1:50062";
 pub const GATEWAY_LISTEN: &str = "127.0.0.1:8080";
+pub const CACHE_LISTEN: &str = "127.0.0.1:50063";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -24,6 +25,21 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    #[command(flatten)]
+    Service(Service),
+    /// Run one service: `pdmesh serve cache` is `pdmesh cache`.
+    #[command(subcommand)]
+    Serve(Service),
+    /// Install or check model files.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Start tokenizer, worker and gateway as child processes and serve until Ctrl-C.
+    Up(UpArgs),
+}
+
+/// The services, each a subcommand of its own.
+#[derive(Debug, Subcommand)]
+pub enum Service {
     /// Run the tokenizer service (tokenize, chat template, streaming detokenize).
     Tokenizer {
         /// Address to listen on (port 0: any free port).
@@ -48,11 +64,14 @@ pub enum Command {
         #[command(flatten)]
         cfg: pdmesh_gateway::Config,
     },
-    /// Install or check model files.
-    #[command(subcommand)]
-    Model(ModelCommand),
-    /// Start tokenizer, worker and gateway as child processes and serve until Ctrl-C.
-    Up(UpArgs),
+    /// Run the cache service (the shared-memory host mirror of the KV cache).
+    Cache {
+        /// Address to listen on (port 0: any free port).
+        #[arg(long, env = "PDMESH_LISTEN", default_value = CACHE_LISTEN)]
+        listen: SocketAddr,
+        #[command(flatten)]
+        cfg: pdmesh_cache::Config,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -147,11 +166,34 @@ mod tests {
             "x",
         ])
         .unwrap();
-        let Command::Gateway { listen, cfg } = cli.command else {
+        let Command::Service(Service::Gateway { listen, cfg }) = cli.command else {
             panic!("not gateway")
         };
         assert_eq!(listen.port(), 0);
         assert_eq!(cfg.worker_url, "http://127.0.0.1:9");
         assert_eq!(cfg.model_name.as_deref(), Some("x"));
+    }
+
+    #[test]
+    fn serve_cache_and_cache_are_one_command_with_the_mirror_size() {
+        for argv in [
+            &["pdmesh", "serve", "cache", "--host-mirror-size", "64MiB"][..],
+            &["pdmesh", "cache", "--host-mirror-size", "64MiB"][..],
+        ] {
+            let cli = Cli::try_parse_from(argv).unwrap();
+            let (Command::Service(Service::Cache { listen, cfg })
+            | Command::Serve(Service::Cache { listen, cfg })) = cli.command
+            else {
+                panic!("not cache: {argv:?}")
+            };
+            assert_eq!(listen.to_string(), CACHE_LISTEN);
+            assert_eq!(
+                cfg.host_mirror_size,
+                pdmesh_cache::MirrorSize::Bytes(64 << 20)
+            );
+        }
+        let err =
+            Cli::try_parse_from(["pdmesh", "cache", "--host-mirror-size", "lots"]).unwrap_err();
+        assert!(err.to_string().contains("lots"), "{err}");
     }
 }

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use pdmesh_cli::args::{Cli, Command, ModelCommand};
+use pdmesh_cli::args::{Cli, Command, ModelCommand, Service};
 use pdmesh_cli::{fetch, serve, up};
 
 fn init_tracing() {
@@ -40,23 +40,34 @@ fn main() -> ExitCode {
     }
 }
 
+fn run_service(service: Service) -> anyhow::Result<()> {
+    let rt = multi_thread()?;
+    match service {
+        Service::Tokenizer { listen, cfg } => {
+            rt.block_on(serve::serve("tokenizer", listen, |l, s| {
+                pdmesh_tokenizer::run(cfg, l, s)
+            }))?
+        }
+        Service::Worker { listen, cfg } => {
+            rt.block_on(serve::serve("worker", listen, |l, s| {
+                pdmesh_worker::run(cfg, l, s)
+            }))?
+        }
+        Service::Gateway { listen, cfg } => {
+            rt.block_on(serve::serve("gateway", listen, |l, s| {
+                pdmesh_gateway::run(cfg, l, s)
+            }))?
+        }
+        Service::Cache { listen, cfg } => rt.block_on(serve::serve("cache", listen, |l, s| {
+            pdmesh_cache::run(cfg, l, s)
+        }))?,
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Tokenizer { listen, cfg } => {
-            multi_thread()?.block_on(serve::serve("tokenizer", listen, |l, s| {
-                pdmesh_tokenizer::run(cfg, l, s)
-            }))?;
-        }
-        Command::Worker { listen, cfg } => {
-            multi_thread()?.block_on(serve::serve("worker", listen, |l, s| {
-                pdmesh_worker::run(cfg, l, s)
-            }))?;
-        }
-        Command::Gateway { listen, cfg } => {
-            multi_thread()?.block_on(serve::serve("gateway", listen, |l, s| {
-                pdmesh_gateway::run(cfg, l, s)
-            }))?;
-        }
+        Command::Service(s) | Command::Serve(s) => run_service(s)?,
         Command::Model(ModelCommand::Fetch { dir }) => {
             match fetch::fetch_default(dir.as_deref())? {
                 fetch::Outcome::AlreadyInstalled(p) => println!(

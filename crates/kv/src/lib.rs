@@ -12,4 +12,4 @@ mod radix;
 
 pub use layout::{Component, DType, KvLayout, LayoutError, ScalePlacement, ScaleSpec};
 pub use pool::{KvError, PageId, PagePool};
-pub use radix::{PrefixCache, PrefixCacheStats};
+pub use radix::{PrefixCache, PrefixCacheStats, page_hashes};

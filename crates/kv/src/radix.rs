@@ -237,6 +237,22 @@ impl PrefixCache {
     }
 }
 
+/// Chained hashes naming the whole pages of `tokens`: page i's hash covers every token up
+/// to the end of page i, and the chain starts from `seed` — the KV layout's fingerprint,
+/// so pages of different layouts never share a name. Equal hashes mean equal KV bytes.
+/// The host mirror indexes pages by these.
+pub fn page_hashes(seed: u64, tokens: &[u32], page_size: usize) -> Vec<u64> {
+    let mut h = seed;
+    tokens
+        .chunks_exact(page_size)
+        .map(|page| {
+            let bytes: Vec<u8> = page.iter().flat_map(|t| t.to_le_bytes()).collect();
+            h = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, h);
+            h
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -259,6 +275,20 @@ mod tests {
         c.insert(p, tokens, &pages);
         p.release_all(&pages).unwrap();
         pages
+    }
+
+    #[test]
+    fn page_hashes_chain_whole_pages_under_a_seed() {
+        let t: Vec<u32> = (0..10).collect();
+        let h = page_hashes(7, &t, 4);
+        assert_eq!(h.len(), 2, "the partial page has no name");
+        assert_eq!(page_hashes(7, &t[..8], 4), h);
+        // A different first page changes every later name; another seed too.
+        let mut u = t.clone();
+        u[0] = 99;
+        let hu = page_hashes(7, &u, 4);
+        assert!(hu[0] != h[0] && hu[1] != h[1]);
+        assert!(page_hashes(8, &t, 4).iter().zip(&h).all(|(a, b)| a != b));
     }
 
     #[test]

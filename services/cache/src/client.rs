@@ -1,0 +1,335 @@
+//! The worker side of `pdmesh.cache.v1`: register with a layout, keep the lease alive,
+//! find pages, load them (verifying each checksum) and store new ones, over either data
+//! plane. Page bytes always have the device pool's page format for the registered layout.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use pb::cache_client::CacheClient;
+use pdmesh_kv::KvLayout;
+use pdmesh_proto::cache::v1 as pb;
+use tonic::transport::Channel;
+
+use crate::mirror::Mirror;
+use crate::wire::layout_to_pb;
+
+/// How page bytes travel between a worker and the mirror.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DataPlane {
+    /// Map the mirror file and copy pages directly (same host).
+    Shm,
+    /// Page bytes in gRPC messages.
+    Grpc,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cache service: {0}")]
+    Rpc(#[from] tonic::Status),
+    #[error("connecting to the cache service: {0}")]
+    Connect(#[from] tonic::transport::Error),
+    #[error("mapping the host mirror: {0}")]
+    Map(#[from] std::io::Error),
+    #[error("the cache service sent {got} bytes for a {want}-byte page")]
+    WrongSize { want: usize, got: usize },
+}
+
+/// A page the mirror holds, pinned for this worker until loaded.
+pub type PageRef = pb::PageRef;
+
+/// What [`HostClient::load_into`] verified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Loaded {
+    /// Leading pages copied and verified.
+    pub pages: usize,
+    /// The first page whose bytes did not match its checksum (the rest were not used).
+    pub corrupt: Option<u32>,
+}
+
+/// What [`HostClient::store`] did with the pages it was given.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stored {
+    pub written: usize,
+    /// Already in the mirror, or no room.
+    pub skipped: usize,
+    /// Refused by the service's checksum check.
+    pub rejected: usize,
+}
+
+/// A registered worker's connection to the cache service.
+pub struct HostClient {
+    rpc: CacheClient<Channel>,
+    lease: u64,
+    plane: DataPlane,
+    page_bytes: usize,
+    mirror: Option<Mirror>,
+    alive: Arc<AtomicBool>,
+    heartbeat: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for HostClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostClient")
+            .field("lease", &self.lease)
+            .field("plane", &self.plane)
+            .finish()
+    }
+}
+
+impl Drop for HostClient {
+    fn drop(&mut self) {
+        self.heartbeat.abort();
+    }
+}
+
+impl HostClient {
+    /// Registers `worker_id` with `layout` at `endpoint` (e.g. `http://127.0.0.1:50063`)
+    /// and starts heartbeating. A service holding another layout answers
+    /// FAILED_PRECONDITION with both layouts in the message.
+    pub async fn connect(
+        endpoint: &str,
+        worker_id: &str,
+        layout: &KvLayout,
+        plane: DataPlane,
+    ) -> Result<Self, ClientError> {
+        let mut rpc = CacheClient::connect(endpoint.to_owned())
+            .await?
+            .max_decoding_message_size(usize::MAX);
+        let reg = rpc
+            .register(pb::RegisterRequest {
+                worker_id: worker_id.to_owned(),
+                layout: Some(layout_to_pb(layout)),
+                data_plane: match plane {
+                    DataPlane::Shm => pb::DataPlane::Shm,
+                    DataPlane::Grpc => pb::DataPlane::Grpc,
+                }
+                .into(),
+            })
+            .await?
+            .into_inner();
+        let page_bytes = reg.page_bytes as usize;
+        if page_bytes != layout.bytes_per_page() {
+            return Err(ClientError::WrongSize {
+                want: layout.bytes_per_page(),
+                got: page_bytes,
+            });
+        }
+        let mirror = match plane {
+            DataPlane::Shm => Some(Mirror::open(
+                Path::new(&reg.shm_path),
+                page_bytes,
+                reg.total_pages as usize,
+            )?),
+            DataPlane::Grpc => None,
+        };
+        let alive = Arc::new(AtomicBool::new(true));
+        let heartbeat = {
+            let (mut rpc, alive, lease) = (rpc.clone(), alive.clone(), reg.lease);
+            let every = Duration::from_millis(u64::from(reg.lease_ttl_ms) / 3)
+                .max(Duration::from_millis(1));
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                loop {
+                    tick.tick().await;
+                    if let Err(s) = rpc.heartbeat(pb::HeartbeatRequest { lease }).await
+                        && s.code() == tonic::Code::NotFound
+                    {
+                        tracing::warn!(lease, "cache lease expired");
+                        alive.store(false, Ordering::Relaxed);
+                        return;
+                    }
+                }
+            })
+        };
+        Ok(Self {
+            rpc,
+            lease: reg.lease,
+            plane,
+            page_bytes,
+            mirror,
+            alive,
+            heartbeat,
+        })
+    }
+
+    pub fn lease(&self) -> u64 {
+        self.lease
+    }
+
+    pub fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    /// False once the service said the lease expired: register again.
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Relaxed)
+    }
+
+    /// The leading pages of `hashes` the mirror holds, pinned until [`Self::load_into`]
+    /// or [`Self::release`].
+    pub async fn match_pages(&mut self, hashes: &[u64]) -> Result<Vec<PageRef>, ClientError> {
+        if hashes.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(self
+            .rpc
+            .r#match(pb::MatchRequest {
+                lease: self.lease,
+                hashes: hashes.to_vec(),
+            })
+            .await?
+            .into_inner()
+            .pages)
+    }
+
+    /// Copies `pages` into `dsts` (one page-sized buffer each), checking every copy's
+    /// checksum; stops at the first mismatch. Releases every pin of `pages` either way.
+    pub async fn load_into(
+        &mut self,
+        pages: &[PageRef],
+        dsts: &mut [&mut [u8]],
+    ) -> Result<Loaded, ClientError> {
+        assert_eq!(pages.len(), dsts.len());
+        let result = self.copy_verified(pages, dsts).await;
+        let slots: Vec<u32> = pages.iter().map(|p| p.slot).collect();
+        self.release(&slots).await?;
+        result
+    }
+
+    async fn copy_verified(
+        &mut self,
+        pages: &[PageRef],
+        dsts: &mut [&mut [u8]],
+    ) -> Result<Loaded, ClientError> {
+        let verify = |p: &PageRef, d: &[u8]| xxhash_rust::xxh3::xxh3_64(d) == p.checksum;
+        match (&self.mirror, self.plane) {
+            (Some(m), DataPlane::Shm) => {
+                for (i, (p, d)) in pages.iter().zip(dsts.iter_mut()).enumerate() {
+                    m.read(p.slot, d);
+                    if !verify(p, d) {
+                        return Ok(Loaded {
+                            pages: i,
+                            corrupt: Some(p.slot),
+                        });
+                    }
+                }
+            }
+            _ => {
+                if pages.is_empty() {
+                    return Ok(Loaded {
+                        pages: 0,
+                        corrupt: None,
+                    });
+                }
+                let mut stream = self
+                    .rpc
+                    .load(pb::LoadRequest {
+                        lease: self.lease,
+                        slots: pages.iter().map(|p| p.slot).collect(),
+                    })
+                    .await?
+                    .into_inner();
+                for (i, (p, d)) in pages.iter().zip(dsts.iter_mut()).enumerate() {
+                    let msg = stream
+                        .message()
+                        .await?
+                        .ok_or_else(|| tonic::Status::data_loss("the page stream ended early"))?;
+                    if msg.data.len() != d.len() {
+                        return Err(ClientError::WrongSize {
+                            want: d.len(),
+                            got: msg.data.len(),
+                        });
+                    }
+                    d.copy_from_slice(&msg.data);
+                    if msg.slot != p.slot || !verify(p, d) {
+                        return Ok(Loaded {
+                            pages: i,
+                            corrupt: Some(p.slot),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(Loaded {
+            pages: pages.len(),
+            corrupt: None,
+        })
+    }
+
+    /// Drops pins taken by [`Self::match_pages`].
+    pub async fn release(&mut self, slots: &[u32]) -> Result<(), ClientError> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        self.rpc
+            .release(pb::ReleaseRequest {
+                lease: self.lease,
+                slots: slots.to_vec(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Writes pages into the mirror: `(hash, parent hash, bytes)` each, in prefix order.
+    /// Pages the mirror already holds are skipped, as are pages it has no room for.
+    pub async fn store(&mut self, pages: &[(u64, u64, &[u8])]) -> Result<Stored, ClientError> {
+        if pages.is_empty() {
+            return Ok(Stored::default());
+        }
+        for (_, _, d) in pages {
+            if d.len() != self.page_bytes {
+                return Err(ClientError::WrongSize {
+                    want: self.page_bytes,
+                    got: d.len(),
+                });
+            }
+        }
+        let grants = self
+            .rpc
+            .reserve(pb::ReserveRequest {
+                lease: self.lease,
+                hashes: pages.iter().map(|p| p.0).collect(),
+            })
+            .await?
+            .into_inner()
+            .grants;
+        let mut commit = Vec::with_capacity(grants.len());
+        for g in &grants {
+            let &(hash, parent, bytes) = pages
+                .iter()
+                .find(|p| p.0 == g.hash)
+                .ok_or_else(|| tonic::Status::internal("a grant for a page not asked for"))?;
+            let data = match (&self.mirror, self.plane) {
+                (Some(m), DataPlane::Shm) => {
+                    m.write(g.slot, bytes);
+                    Vec::new()
+                }
+                _ => bytes.to_vec(),
+            };
+            commit.push(pb::CommitPage {
+                hash,
+                slot: g.slot,
+                checksum: xxhash_rust::xxh3::xxh3_64(bytes),
+                data,
+                parent_hash: parent,
+            });
+        }
+        let rejected = self
+            .rpc
+            .commit(pb::CommitRequest {
+                lease: self.lease,
+                pages: commit,
+            })
+            .await?
+            .into_inner()
+            .rejected_slots
+            .len();
+        Ok(Stored {
+            written: grants.len() - rejected,
+            skipped: pages.len() - grants.len(),
+            rejected,
+        })
+    }
+}

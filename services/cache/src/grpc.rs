@@ -1,0 +1,253 @@
+//! `pdmesh.cache.v1.Cache` over [`State`]: request validation, status codes, the grpc
+//! data plane's page streams, and the KV event fan-out.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use futures::Stream;
+use pdmesh_proto::cache::v1 as pb;
+use tokio::sync::broadcast;
+use tokio_stream::StreamExt as _;
+use tonic::{Request, Response, Status};
+
+use crate::state::{CacheError, CommitPage, Event, State};
+use crate::wire::layout_from_pb;
+
+impl From<CacheError> for Status {
+    fn from(e: CacheError) -> Self {
+        let msg = e.to_string();
+        match e {
+            CacheError::LayoutMismatch { .. } | CacheError::TooSmall { .. } => {
+                Status::failed_precondition(msg)
+            }
+            CacheError::BadLayout(_) | CacheError::WrongSize { .. } => {
+                Status::invalid_argument(msg)
+            }
+            CacheError::UnknownLease(_) => Status::not_found(msg),
+            CacheError::NotHeld { .. } => Status::failed_precondition(msg),
+            CacheError::Io(_) => Status::internal(msg),
+        }
+    }
+}
+
+/// Shared between the gRPC handlers and the lease reaper.
+#[derive(Clone)]
+pub(crate) struct Shared {
+    pub state: Arc<Mutex<State>>,
+    pub events: broadcast::Sender<pb::KvEvent>,
+    seq: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Shared {
+    pub fn new(state: State) -> Self {
+        Self {
+            state: Arc::new(Mutex::new(state)),
+            events: broadcast::channel(1024).0,
+            seq: Default::default(),
+        }
+    }
+
+    /// Runs `f` on the state, then publishes the events it produced.
+    pub fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
+        let mut st = self.state.lock().expect("cache state lock");
+        let out = f(&mut st);
+        for e in st.take_events() {
+            let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            let kind = match e {
+                Event::Stored { parent, hashes } => pb::kv_event::Kind::Stored(pb::PagesStored {
+                    parent_hash: parent,
+                    hashes,
+                }),
+                Event::Removed { hashes } => {
+                    pb::kv_event::Kind::Removed(pb::PagesRemoved { hashes })
+                }
+            };
+            // No subscriber is fine: events are for whoever listens now.
+            let _ = self.events.send(pb::KvEvent {
+                seq,
+                kind: Some(kind),
+            });
+        }
+        out
+    }
+}
+
+pub(crate) struct CacheService {
+    shared: Shared,
+    /// Ends the event streams, which would otherwise hold a graceful shutdown forever.
+    shutdown: tokio_util::sync::CancellationToken,
+}
+
+impl CacheService {
+    pub fn new(shared: Shared, shutdown: tokio_util::sync::CancellationToken) -> Self {
+        Self { shared, shutdown }
+    }
+}
+
+type PageStream = Pin<Box<dyn Stream<Item = Result<pb::PageData, Status>> + Send>>;
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::KvEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::cache_server::Cache for CacheService {
+    async fn register(
+        &self,
+        request: Request<pb::RegisterRequest>,
+    ) -> Result<Response<pb::RegisterResponse>, Status> {
+        let r = request.into_inner();
+        let layout = r
+            .layout
+            .as_ref()
+            .ok_or_else(|| Status::invalid_argument("layout is required"))
+            .and_then(|l| layout_from_pb(l).map_err(|e| CacheError::BadLayout(e).into()))?;
+        if r.worker_id.is_empty() {
+            return Err(Status::invalid_argument("worker_id is required"));
+        }
+        let reg = self
+            .shared
+            .with(|s| s.register(&r.worker_id, layout, Instant::now()))?;
+        Ok(Response::new(pb::RegisterResponse {
+            lease: reg.lease,
+            lease_ttl_ms: reg.lease_ttl.as_millis() as u32,
+            shm_path: reg.shm_path.to_string_lossy().into_owned(),
+            page_bytes: reg.page_bytes as u64,
+            total_pages: reg.total_pages as u32,
+            layout_fingerprint: reg.layout.fingerprint_hex(),
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let lease = request.into_inner().lease;
+        self.shared.with(|s| s.heartbeat(lease, Instant::now()))?;
+        Ok(Response::new(pb::HeartbeatResponse {}))
+    }
+
+    async fn r#match(
+        &self,
+        request: Request<pb::MatchRequest>,
+    ) -> Result<Response<pb::MatchResponse>, Status> {
+        let r = request.into_inner();
+        let pages = self.shared.with(|s| s.match_pages(r.lease, &r.hashes))?;
+        Ok(Response::new(pb::MatchResponse {
+            pages: pages
+                .into_iter()
+                .map(|p| pb::PageRef {
+                    hash: p.hash,
+                    slot: p.slot,
+                    checksum: p.checksum,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn reserve(
+        &self,
+        request: Request<pb::ReserveRequest>,
+    ) -> Result<Response<pb::ReserveResponse>, Status> {
+        let r = request.into_inner();
+        let grants = self.shared.with(|s| s.reserve(r.lease, &r.hashes))?;
+        Ok(Response::new(pb::ReserveResponse {
+            grants: grants
+                .into_iter()
+                .map(|(hash, slot)| pb::Grant { hash, slot })
+                .collect(),
+        }))
+    }
+
+    async fn commit(
+        &self,
+        request: Request<pb::CommitRequest>,
+    ) -> Result<Response<pb::CommitResponse>, Status> {
+        let r = request.into_inner();
+        let pages = r
+            .pages
+            .into_iter()
+            .map(|p| CommitPage {
+                hash: p.hash,
+                slot: p.slot,
+                checksum: p.checksum,
+                data: (!p.data.is_empty()).then_some(p.data),
+                parent: p.parent_hash,
+            })
+            .collect();
+        let rejected = self.shared.with(|s| s.commit(r.lease, pages))?;
+        Ok(Response::new(pb::CommitResponse {
+            rejected_slots: rejected,
+        }))
+    }
+
+    type LoadStream = PageStream;
+
+    async fn load(
+        &self,
+        request: Request<pb::LoadRequest>,
+    ) -> Result<Response<Self::LoadStream>, Status> {
+        let r = request.into_inner();
+        let (checksums, mirror) = self.shared.with(|s| {
+            let sums = s.check_pinned(r.lease, &r.slots)?;
+            Ok::<_, CacheError>((sums, s.mirror().expect("a lease implies a mirror")))
+        })?;
+        // Pinned pages cannot be evicted or rewritten while the lease holds them, so their
+        // bytes are read outside the lock, one page per message.
+        let pages = r
+            .slots
+            .into_iter()
+            .zip(checksums)
+            .map(move |(slot, checksum)| {
+                let mut data = vec![0u8; mirror.page_bytes()];
+                mirror.read(slot, &mut data);
+                Ok(pb::PageData {
+                    slot,
+                    checksum,
+                    data,
+                })
+            });
+        Ok(Response::new(Box::pin(tokio_stream::iter(pages))))
+    }
+
+    async fn release(
+        &self,
+        request: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let r = request.into_inner();
+        self.shared.with(|s| s.release(r.lease, &r.slots))?;
+        Ok(Response::new(pb::ReleaseResponse {}))
+    }
+
+    type SubscribeEventsStream = EventStream;
+
+    async fn subscribe_events(
+        &self,
+        _request: Request<pb::SubscribeEventsRequest>,
+    ) -> Result<Response<Self::SubscribeEventsStream>, Status> {
+        let rx = self.shared.events.subscribe();
+        let stream = tokio_stream::wrappers::BroadcastStream::new(rx).map(|e| {
+            e.map_err(|lag| Status::data_loss(format!("event stream fell behind: {lag}")))
+        });
+        let stream =
+            futures::StreamExt::take_until(stream, self.shutdown.clone().cancelled_owned());
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn stats(
+        &self,
+        _request: Request<pb::StatsRequest>,
+    ) -> Result<Response<pb::StatsResponse>, Status> {
+        let (st, layout) = self
+            .shared
+            .with(|s| (s.stats(), s.layout().map(|l| l.to_string())));
+        Ok(Response::new(pb::StatsResponse {
+            total_pages: st.total_pages as u32,
+            used_pages: st.used_pages as u32,
+            pinned_pages: st.pinned_pages as u32,
+            leases: st.leases as u32,
+            evicted_pages: st.evicted_pages,
+            checksum_failures: st.checksum_failures,
+            expired_leases: st.expired_leases,
+            layout: layout.unwrap_or_default(),
+        }))
+    }
+}

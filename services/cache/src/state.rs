@@ -1,0 +1,691 @@
+//! The cache service's bookkeeping, free of gRPC: the mirror's slots, the index of
+//! resident pages by chained hash, pins and reservations owned by leases, LRU eviction of
+//! unpinned pages, and the KV events. Every method takes `now` so tests drive time.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdmesh_kv::KvLayout;
+
+use crate::mirror::Mirror;
+
+/// How big the host mirror is: bytes, or tokens of the registered layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MirrorSize {
+    Bytes(u64),
+    Tokens(u64),
+}
+
+impl std::str::FromStr for MirrorSize {
+    type Err = String;
+
+    /// `4GiB`, `512MiB`, `1000000` (bytes), `2GB`, `100000tokens`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let n: u64 = num
+            .parse()
+            .map_err(|_| format!("{s:?}: expected a number with an optional unit"))?;
+        let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "tokens" | "token" => return Ok(Self::Tokens(n)),
+            "" | "b" => 1,
+            "kb" => 1000,
+            "mb" => 1000 * 1000,
+            "gb" => 1000 * 1000 * 1000,
+            "kib" => 1 << 10,
+            "mib" => 1 << 20,
+            "gib" => 1 << 30,
+            u => {
+                return Err(format!(
+                    "{s:?}: unknown unit {u:?} (B, KB, MB, GB, KiB, MiB, GiB, tokens)"
+                ));
+            }
+        };
+        n.checked_mul(mult)
+            .map(Self::Bytes)
+            .ok_or_else(|| format!("{s:?} is too large"))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("KV layout mismatch: the host mirror holds {ours}; this worker has {theirs}")]
+    LayoutMismatch { ours: String, theirs: String },
+    #[error("invalid KV layout: {0}")]
+    BadLayout(String),
+    #[error("lease {0} is unknown or expired: register again")]
+    UnknownLease(u64),
+    #[error("slot {slot} is not {what} by lease {lease}")]
+    NotHeld {
+        slot: u32,
+        what: &'static str,
+        lease: u64,
+    },
+    #[error("a page is {want} bytes, got {got}")]
+    WrongSize { want: usize, got: usize },
+    #[error("the host mirror size {size:?} holds no page of {page_bytes} bytes")]
+    TooSmall { size: MirrorSize, page_bytes: usize },
+    #[error("host mirror file: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What a worker needs to use the mirror.
+#[derive(Clone, Debug)]
+pub struct Registration {
+    pub lease: u64,
+    pub lease_ttl: Duration,
+    pub shm_path: PathBuf,
+    pub page_bytes: usize,
+    pub total_pages: usize,
+    pub layout: Arc<KvLayout>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageRef {
+    pub hash: u64,
+    pub slot: u32,
+    pub checksum: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct CommitPage {
+    pub hash: u64,
+    pub slot: u32,
+    pub checksum: u64,
+    /// The bytes, on the grpc data plane; `None` when written through shared memory.
+    pub data: Option<Vec<u8>>,
+    pub parent: u64,
+}
+
+/// Pages stored in or removed from the mirror.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    Stored { parent: u64, hashes: Vec<u64> },
+    Removed { hashes: Vec<u64> },
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub total_pages: usize,
+    pub used_pages: usize,
+    pub pinned_pages: usize,
+    pub leases: usize,
+    pub evicted_pages: u64,
+    pub checksum_failures: u64,
+    pub expired_leases: u64,
+}
+
+#[derive(Debug)]
+enum Slot {
+    Free,
+    Reserved {
+        lease: u64,
+        hash: u64,
+    },
+    Resident {
+        hash: u64,
+        checksum: u64,
+        pins: u32,
+        last_use: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Lease {
+    worker: String,
+    expires: Instant,
+    /// Pins per slot (a lease may pin a page more than once).
+    pins: HashMap<u32, u32>,
+    reserved: HashSet<u32>,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct State {
+    size: MirrorSize,
+    dir: PathBuf,
+    ttl: Duration,
+    layout: Option<Arc<KvLayout>>,
+    mirror: Option<Arc<Mirror>>,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    /// Resident pages by hash, and hashes being written (reserved) so two writers do not
+    /// store one page twice.
+    index: HashMap<u64, u32>,
+    /// Resident, unpinned pages by last use: the eviction order.
+    lru: BTreeSet<(u64, u32)>,
+    leases: HashMap<u64, Lease>,
+    next_lease: u64,
+    tick: u64,
+    stats: Stats,
+    events: Vec<Event>,
+}
+
+impl State {
+    pub fn new(size: MirrorSize, dir: PathBuf, ttl: Duration) -> Self {
+        Self {
+            size,
+            dir,
+            ttl,
+            layout: None,
+            mirror: None,
+            slots: Vec::new(),
+            free: Vec::new(),
+            index: HashMap::new(),
+            lru: BTreeSet::new(),
+            leases: HashMap::new(),
+            next_lease: 1,
+            tick: 0,
+            stats: Stats::default(),
+            events: Vec::new(),
+        }
+    }
+
+    /// The mirror, once the first worker registered.
+    pub fn mirror(&self) -> Option<Arc<Mirror>> {
+        self.mirror.clone()
+    }
+
+    /// Events since the last call, in order.
+    pub fn take_events(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Admits a worker. The first registration fixes the layout and creates the mirror
+    /// file sized from it; later ones must bring the same fingerprint.
+    pub fn register(
+        &mut self,
+        worker: &str,
+        layout: KvLayout,
+        now: Instant,
+    ) -> Result<Registration, CacheError> {
+        match &self.layout {
+            Some(ours) if ours.fingerprint() != layout.fingerprint() => {
+                return Err(CacheError::LayoutMismatch {
+                    ours: ours.to_string(),
+                    theirs: layout.to_string(),
+                });
+            }
+            Some(_) => {}
+            None => {
+                let page_bytes = layout.bytes_per_page();
+                let pages = match self.size {
+                    MirrorSize::Bytes(b) => b as usize / page_bytes,
+                    MirrorSize::Tokens(t) => t as usize / layout.page_size(),
+                };
+                if pages == 0 {
+                    return Err(CacheError::TooSmall {
+                        size: self.size,
+                        page_bytes,
+                    });
+                }
+                let mirror = Mirror::create(&self.dir, page_bytes, pages)?;
+                tracing::info!(path = %mirror.path().display(), pages, page_bytes, layout = %layout, "host mirror created");
+                self.mirror = Some(Arc::new(mirror));
+                self.slots = (0..pages).map(|_| Slot::Free).collect();
+                self.free = (0..pages as u32).rev().collect();
+                self.stats.total_pages = pages;
+                self.layout = Some(Arc::new(layout));
+            }
+        }
+        let lease = self.next_lease;
+        self.next_lease += 1;
+        self.leases.insert(
+            lease,
+            Lease {
+                worker: worker.to_owned(),
+                expires: now + self.ttl,
+                pins: HashMap::new(),
+                reserved: HashSet::new(),
+            },
+        );
+        let mirror = self.mirror.as_ref().expect("created above");
+        tracing::info!(worker, lease, "worker registered");
+        Ok(Registration {
+            lease,
+            lease_ttl: self.ttl,
+            shm_path: mirror.path().to_owned(),
+            page_bytes: mirror.page_bytes(),
+            total_pages: mirror.pages(),
+            layout: self.layout.clone().expect("set above"),
+        })
+    }
+
+    fn lease_mut(&mut self, lease: u64) -> Result<&mut Lease, CacheError> {
+        self.leases
+            .get_mut(&lease)
+            .ok_or(CacheError::UnknownLease(lease))
+    }
+
+    pub fn heartbeat(&mut self, lease: u64, now: Instant) -> Result<(), CacheError> {
+        let ttl = self.ttl;
+        self.lease_mut(lease)?.expires = now + ttl;
+        Ok(())
+    }
+
+    /// The longest run of leading `hashes` resident in the mirror, each pinned for `lease`.
+    pub fn match_pages(&mut self, lease: u64, hashes: &[u64]) -> Result<Vec<PageRef>, CacheError> {
+        self.lease_mut(lease)?;
+        self.tick += 1;
+        let mut out = Vec::new();
+        for &h in hashes {
+            let Some(&slot) = self.index.get(&h) else {
+                break;
+            };
+            let tick = self.tick;
+            let Slot::Resident {
+                checksum,
+                pins,
+                last_use,
+                ..
+            } = &mut self.slots[slot as usize]
+            else {
+                break; // still being written
+            };
+            if *pins == 0 {
+                self.lru.remove(&(*last_use, slot));
+            }
+            *pins += 1;
+            *last_use = tick;
+            out.push(PageRef {
+                hash: h,
+                slot,
+                checksum: *checksum,
+            });
+            *self
+                .leases
+                .get_mut(&lease)
+                .expect("checked above")
+                .pins
+                .entry(slot)
+                .or_default() += 1;
+        }
+        Ok(out)
+    }
+
+    /// Slots for the pages of `hashes` the mirror does not hold, evicting least recently
+    /// used unpinned pages for room; stops granting when nothing more can be evicted.
+    pub fn reserve(&mut self, lease: u64, hashes: &[u64]) -> Result<Vec<(u64, u32)>, CacheError> {
+        self.lease_mut(lease)?;
+        let mut grants = Vec::new();
+        let mut removed = Vec::new();
+        for &h in hashes {
+            if self.index.contains_key(&h) {
+                continue;
+            }
+            let slot = match self.free.pop() {
+                Some(s) => s,
+                None => match self.lru.pop_first() {
+                    Some((_, s)) => {
+                        let Slot::Resident { hash, .. } = self.slots[s as usize] else {
+                            unreachable!("the LRU set holds resident slots only");
+                        };
+                        self.index.remove(&hash);
+                        removed.push(hash);
+                        self.stats.evicted_pages += 1;
+                        s
+                    }
+                    None => break,
+                },
+            };
+            self.slots[slot as usize] = Slot::Reserved { lease, hash: h };
+            self.index.insert(h, slot);
+            self.lease_mut(lease)?.reserved.insert(slot);
+            grants.push((h, slot));
+        }
+        if !removed.is_empty() {
+            self.events.push(Event::Removed { hashes: removed });
+        }
+        Ok(grants)
+    }
+
+    fn free_slot(&mut self, slot: u32) {
+        if let Slot::Reserved { hash, .. } | Slot::Resident { hash, .. } = self.slots[slot as usize]
+        {
+            self.index.remove(&hash);
+        }
+        self.slots[slot as usize] = Slot::Free;
+        self.free.push(slot);
+    }
+
+    /// Publishes written pages: each must be reserved by `lease` for its hash, and its
+    /// bytes (written to the slot, or carried in `data`) must match its checksum. Returns
+    /// the slots refused for a checksum mismatch (freed and counted).
+    pub fn commit(&mut self, lease: u64, pages: Vec<CommitPage>) -> Result<Vec<u32>, CacheError> {
+        self.lease_mut(lease)?;
+        let mirror = self.mirror.clone().expect("a lease implies a mirror");
+        for p in &pages {
+            match self.slots.get(p.slot as usize) {
+                Some(Slot::Reserved { lease: l, hash }) if *l == lease && *hash == p.hash => {}
+                _ => {
+                    return Err(CacheError::NotHeld {
+                        slot: p.slot,
+                        what: "reserved for this page",
+                        lease,
+                    });
+                }
+            }
+            if let Some(d) = &p.data
+                && d.len() != mirror.page_bytes()
+            {
+                return Err(CacheError::WrongSize {
+                    want: mirror.page_bytes(),
+                    got: d.len(),
+                });
+            }
+        }
+        self.tick += 1;
+        let mut scratch = Vec::new();
+        let mut rejected = Vec::new();
+        let mut stored: Vec<Event> = Vec::new();
+        for p in pages {
+            self.lease_mut(lease)?.reserved.remove(&p.slot);
+            if let Some(d) = &p.data {
+                mirror.write(p.slot, d);
+            }
+            if mirror.checksum(p.slot, &mut scratch) != p.checksum {
+                tracing::warn!(
+                    slot = p.slot,
+                    hash = p.hash,
+                    "committed page does not match its checksum"
+                );
+                self.stats.checksum_failures += 1;
+                self.free_slot(p.slot);
+                rejected.push(p.slot);
+                continue;
+            }
+            self.slots[p.slot as usize] = Slot::Resident {
+                hash: p.hash,
+                checksum: p.checksum,
+                pins: 0,
+                last_use: self.tick,
+            };
+            self.lru.insert((self.tick, p.slot));
+            match stored.last_mut() {
+                Some(Event::Stored { hashes, .. }) if hashes.last() == Some(&p.parent) => {
+                    hashes.push(p.hash)
+                }
+                _ => stored.push(Event::Stored {
+                    parent: p.parent,
+                    hashes: vec![p.hash],
+                }),
+            }
+        }
+        self.events.extend(stored);
+        Ok(rejected)
+    }
+
+    /// Checks that `lease` pins every slot of `slots` (before their bytes are sent).
+    pub fn check_pinned(&mut self, lease: u64, slots: &[u32]) -> Result<Vec<u64>, CacheError> {
+        let l = self.lease_mut(lease)?;
+        if let Some(&slot) = slots.iter().find(|s| !l.pins.contains_key(s)) {
+            return Err(CacheError::NotHeld {
+                slot,
+                what: "pinned",
+                lease,
+            });
+        }
+        Ok(slots
+            .iter()
+            .map(|&s| match self.slots[s as usize] {
+                Slot::Resident { checksum, .. } => checksum,
+                _ => unreachable!("a pinned slot is resident"),
+            })
+            .collect())
+    }
+
+    fn unpin(&mut self, slot: u32) {
+        if let Slot::Resident { pins, last_use, .. } = &mut self.slots[slot as usize] {
+            *pins -= 1;
+            if *pins == 0 {
+                self.lru.insert((*last_use, slot));
+            }
+        }
+    }
+
+    /// Drops one pin per listed slot (or the reservation, if the slot was reserved and
+    /// never committed).
+    pub fn release(&mut self, lease: u64, slots: &[u32]) -> Result<(), CacheError> {
+        for &slot in slots {
+            let l = self.lease_mut(lease)?;
+            if let Some(n) = l.pins.get_mut(&slot) {
+                *n -= 1;
+                if *n == 0 {
+                    l.pins.remove(&slot);
+                }
+                self.unpin(slot);
+            } else if l.reserved.remove(&slot) {
+                self.free_slot(slot);
+            } else {
+                return Err(CacheError::NotHeld {
+                    slot,
+                    what: "pinned or reserved",
+                    lease,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends every lease whose worker stopped heartbeating: its pins and reservations are
+    /// dropped, so its pages become evictable. Returns the expired workers.
+    pub fn expire(&mut self, now: Instant) -> Vec<String> {
+        let dead: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.expires <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        let mut workers = Vec::new();
+        for id in dead {
+            let l = self.leases.remove(&id).expect("listed above");
+            for (slot, n) in l.pins {
+                for _ in 0..n {
+                    self.unpin(slot);
+                }
+            }
+            for slot in l.reserved {
+                self.free_slot(slot);
+            }
+            self.stats.expired_leases += 1;
+            tracing::warn!(worker = %l.worker, lease = id, "lease expired: its pins and reservations are released");
+            workers.push(l.worker);
+        }
+        workers
+    }
+
+    pub fn stats(&self) -> Stats {
+        Stats {
+            used_pages: self.slots.len() - self.free.len(),
+            pinned_pages: self
+                .slots
+                .iter()
+                .filter(|s| matches!(s, Slot::Resident { pins, .. } if *pins > 0))
+                .count(),
+            leases: self.leases.len(),
+            ..self.stats
+        }
+    }
+
+    pub fn layout(&self) -> Option<&Arc<KvLayout>> {
+        self.layout.as_ref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdmesh_kv::DType;
+
+    const TTL: Duration = Duration::from_secs(10);
+
+    fn layout() -> KvLayout {
+        KvLayout::llama(2, 1, 4, DType::F16, 4) // 2 layers × (k+v) × 4 f16 × 4 tokens = 128 B
+    }
+
+    fn state(pages: u64) -> (State, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let s = State::new(MirrorSize::Bytes(128 * pages), dir.path().to_owned(), TTL);
+        (s, dir)
+    }
+
+    fn page(seed: u8) -> Vec<u8> {
+        (0..128u32).map(|i| (i as u8).wrapping_mul(seed)).collect()
+    }
+
+    fn put(s: &mut State, lease: u64, hashes: &[u64]) -> Vec<u32> {
+        let grants = s.reserve(lease, hashes).unwrap();
+        let pages = grants
+            .iter()
+            .map(|&(hash, slot)| {
+                let d = page(hash as u8);
+                CommitPage {
+                    hash,
+                    slot,
+                    checksum: xxhash_rust::xxh3::xxh3_64(&d),
+                    data: Some(d),
+                    parent: 0,
+                }
+            })
+            .collect();
+        assert!(s.commit(lease, pages).unwrap().is_empty());
+        grants.iter().map(|g| g.1).collect()
+    }
+
+    #[test]
+    fn sizes_parse_in_bytes_and_tokens() {
+        assert_eq!("4GiB".parse(), Ok(MirrorSize::Bytes(4 << 30)));
+        assert_eq!("2 MB".parse(), Ok(MirrorSize::Bytes(2_000_000)));
+        assert_eq!("1000".parse(), Ok(MirrorSize::Bytes(1000)));
+        assert_eq!("5000tokens".parse(), Ok(MirrorSize::Tokens(5000)));
+        assert!("lots".parse::<MirrorSize>().is_err());
+        assert!("3 parsecs".parse::<MirrorSize>().is_err());
+    }
+
+    #[test]
+    fn the_first_layout_sizes_the_mirror_and_another_is_refused_naming_both() {
+        let (mut s, _d) = state(10);
+        let now = Instant::now();
+        let r = s.register("w1", layout(), now).unwrap();
+        assert_eq!((r.page_bytes, r.total_pages), (128, 10));
+        let other = KvLayout::llama(2, 1, 4, DType::Bf16, 4);
+        let err = s
+            .register("w2", other.clone(), now)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&layout().to_string()), "{err}");
+        assert!(err.contains(&other.to_string()), "{err}");
+
+        let (mut t, _d2) = state(0);
+        assert!(matches!(
+            t.register("w", layout(), now),
+            Err(CacheError::TooSmall { .. })
+        ));
+        let dir = tempfile::tempdir().unwrap();
+        let mut u = State::new(MirrorSize::Tokens(40), dir.path().to_owned(), TTL);
+        assert_eq!(u.register("w", layout(), now).unwrap().total_pages, 10);
+    }
+
+    #[test]
+    fn pages_are_stored_matched_as_a_leading_run_and_pinned_against_eviction() {
+        let (mut s, _d) = state(3);
+        let now = Instant::now();
+        let a = s.register("a", layout(), now).unwrap().lease;
+        let b = s.register("b", layout(), now).unwrap().lease;
+        put(&mut s, a, &[1, 2]);
+        // A page already held is not reserved again.
+        assert_eq!(s.reserve(b, &[1, 2]).unwrap(), vec![]);
+        let m = s.match_pages(b, &[1, 2, 3]).unwrap();
+        assert_eq!(m.iter().map(|p| p.hash).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(m[0].checksum, xxhash_rust::xxh3::xxh3_64(&page(1)));
+        assert_eq!(
+            s.match_pages(b, &[9, 1]).unwrap(),
+            vec![],
+            "a leading run only"
+        );
+        // Full but for one slot, and both resident pages pinned: one grant only.
+        let g = s.reserve(a, &[3, 4]).unwrap();
+        assert_eq!(g.len(), 1);
+        assert_eq!(s.stats().evicted_pages, 0);
+        // An abandoned reservation frees its slot.
+        s.release(a, &[g[0].1]).unwrap();
+        let slots: Vec<u32> = m.iter().map(|p| p.slot).collect();
+        s.release(b, &slots).unwrap();
+        assert!(s.release(b, &slots).is_err(), "pins are counted");
+        // Unpinned now: the free slot goes first, then 1, least recently used.
+        let g = s.reserve(a, &[5, 6]).unwrap();
+        assert_eq!(g[1].1, slots[0]);
+        assert_eq!(s.stats().evicted_pages, 1);
+        let ev = s.take_events();
+        assert_eq!(
+            ev[0],
+            Event::Stored {
+                parent: 0,
+                hashes: vec![1]
+            }
+        );
+        assert!(ev.contains(&Event::Removed { hashes: vec![1] }), "{ev:?}");
+    }
+
+    #[test]
+    fn a_page_that_does_not_match_its_checksum_is_refused_and_counted() {
+        let (mut s, _d) = state(4);
+        let now = Instant::now();
+        let a = s.register("a", layout(), now).unwrap().lease;
+        let g = s.reserve(a, &[7]).unwrap();
+        let d = page(7);
+        let bad = CommitPage {
+            hash: 7,
+            slot: g[0].1,
+            checksum: xxhash_rust::xxh3::xxh3_64(&d) ^ 1,
+            data: Some(d),
+            parent: 0,
+        };
+        assert_eq!(s.commit(a, vec![bad]).unwrap(), vec![g[0].1]);
+        assert_eq!(s.stats().checksum_failures, 1);
+        assert_eq!(s.match_pages(a, &[7]).unwrap(), vec![]);
+        assert_eq!(s.stats().used_pages, 0);
+        // Committing a slot that is not reserved for that page is an error.
+        let g = s.reserve(a, &[8]).unwrap();
+        let wrong = CommitPage {
+            hash: 9,
+            slot: g[0].1,
+            checksum: 0,
+            data: None,
+            parent: 0,
+        };
+        assert!(matches!(
+            s.commit(a, vec![wrong]),
+            Err(CacheError::NotHeld { .. })
+        ));
+    }
+
+    #[test]
+    fn an_expired_lease_gives_up_its_pins_and_reservations() {
+        let (mut s, _d) = state(2);
+        let t0 = Instant::now();
+        let a = s.register("a", layout(), t0).unwrap().lease;
+        let b = s.register("b", layout(), t0).unwrap().lease;
+        put(&mut s, a, &[1]);
+        s.match_pages(b, &[1]).unwrap();
+        s.reserve(b, &[2]).unwrap();
+        assert_eq!(s.stats().pinned_pages, 1);
+        // a keeps its lease alive, b goes silent.
+        s.heartbeat(a, t0 + TTL / 2).unwrap();
+        assert_eq!(s.expire(t0 + TTL), vec!["b".to_string()]);
+        assert!(matches!(
+            s.heartbeat(b, t0 + TTL),
+            Err(CacheError::UnknownLease(_))
+        ));
+        let st = s.stats();
+        assert_eq!(
+            (st.pinned_pages, st.used_pages, st.expired_leases),
+            (0, 1, 1)
+        );
+        // b's page is evictable now, its reservation free: a can take both slots.
+        assert_eq!(s.reserve(a, &[3, 4]).unwrap().len(), 2);
+    }
+}

@@ -1,0 +1,129 @@
+//! `KvLayout` to and from its `pdmesh.cache.v1` form. The receiving side rebuilds the
+//! layout through `KvLayout::new` (so every size is derived again, never trusted from the
+//! wire) and refuses it if the fingerprint the sender computed differs.
+
+use pdmesh_kv::{Component, DType, KvLayout, ScalePlacement, ScaleSpec};
+use pdmesh_proto::cache::v1 as pb;
+
+fn dtype_to_pb(d: DType) -> pb::Dtype {
+    match d {
+        DType::F32 => pb::Dtype::F32,
+        DType::F16 => pb::Dtype::F16,
+        DType::Bf16 => pb::Dtype::Bf16,
+        DType::Fp8E4m3 => pb::Dtype::Fp8E4m3,
+        DType::U8 => pb::Dtype::U8,
+    }
+}
+
+fn dtype_from_pb(v: i32, what: &str) -> Result<DType, String> {
+    match pb::Dtype::try_from(v) {
+        Ok(pb::Dtype::F32) => Ok(DType::F32),
+        Ok(pb::Dtype::F16) => Ok(DType::F16),
+        Ok(pb::Dtype::Bf16) => Ok(DType::Bf16),
+        Ok(pb::Dtype::Fp8E4m3) => Ok(DType::Fp8E4m3),
+        Ok(pb::Dtype::U8) => Ok(DType::U8),
+        _ => Err(format!("{what}: unknown dtype {v}")),
+    }
+}
+
+pub fn layout_to_pb(l: &KvLayout) -> pb::KvLayout {
+    pb::KvLayout {
+        name: l.name().to_owned(),
+        layers: l.layers() as u32,
+        page_size: l.page_size() as u32,
+        components: l
+            .components()
+            .iter()
+            .map(|c| pb::Component {
+                name: c.name.clone(),
+                dtype: dtype_to_pb(c.dtype).into(),
+                elems_per_token: c.elems_per_token as u32,
+                scale: c.scale.map(|s| pb::Scale {
+                    dtype: dtype_to_pb(s.dtype).into(),
+                    block: s.block as u32,
+                    placement: match s.placement {
+                        ScalePlacement::BesideToken => pb::ScalePlacement::BesideToken,
+                        ScalePlacement::PageTail => pb::ScalePlacement::PageTail,
+                    }
+                    .into(),
+                }),
+            })
+            .collect(),
+        fingerprint: l.fingerprint_hex(),
+    }
+}
+
+pub fn layout_from_pb(p: &pb::KvLayout) -> Result<KvLayout, String> {
+    let mut comps = Vec::with_capacity(p.components.len());
+    for c in &p.components {
+        let dtype = dtype_from_pb(c.dtype, &c.name)?;
+        let scale = match &c.scale {
+            None => None,
+            Some(s) => Some(ScaleSpec {
+                dtype: dtype_from_pb(s.dtype, &format!("{} scales", c.name))?,
+                block: s.block as usize,
+                placement: match pb::ScalePlacement::try_from(s.placement) {
+                    Ok(pb::ScalePlacement::BesideToken) => ScalePlacement::BesideToken,
+                    Ok(pb::ScalePlacement::PageTail) => ScalePlacement::PageTail,
+                    _ => {
+                        return Err(format!(
+                            "{}: unknown scale placement {}",
+                            c.name, s.placement
+                        ));
+                    }
+                },
+            }),
+        };
+        comps.push(Component {
+            name: c.name.clone(),
+            dtype,
+            elems_per_token: c.elems_per_token as usize,
+            scale,
+        });
+    }
+    let layout = KvLayout::new(&p.name, p.layers as usize, p.page_size as usize, comps)
+        .map_err(|e| e.to_string())?;
+    if layout.fingerprint_hex() != p.fingerprint {
+        return Err(format!(
+            "the sender's fingerprint {} does not match {} computed from the fields ({layout})",
+            p.fingerprint,
+            layout.fingerprint_hex()
+        ));
+    }
+    Ok(layout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_round_trip_and_a_forged_fingerprint_is_refused() {
+        let l = KvLayout::new(
+            "dsa",
+            3,
+            64,
+            vec![
+                Component::plain("latent", DType::Bf16, 576),
+                Component::scaled(
+                    "index_k",
+                    DType::Fp8E4m3,
+                    128,
+                    DType::F32,
+                    128,
+                    ScalePlacement::PageTail,
+                ),
+            ],
+        )
+        .unwrap();
+        let p = layout_to_pb(&l);
+        assert_eq!(layout_from_pb(&p).unwrap(), l);
+        let mut forged = p.clone();
+        forged.components[1].dtype = pb::Dtype::Bf16.into();
+        let err = layout_from_pb(&forged).unwrap_err();
+        assert!(err.contains("does not match"), "{err}");
+        let mut bad = p;
+        bad.components[0].dtype = 99;
+        assert!(layout_from_pb(&bad).unwrap_err().contains("unknown dtype"));
+    }
+}

@@ -1,0 +1,301 @@
+//! The cache service over real gRPC on loopback, with workers on both data planes: pages
+//! stored by one worker load bit for bit in another, a byte flipped in the mirror is
+//! caught on load, a different KV layout is refused naming both, a silent worker's lease
+//! expires and frees what it pinned, and a full mirror evicts least recently used pages.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use futures::StreamExt;
+use pb::cache_client::CacheClient;
+use pdmesh_cache::client::{DataPlane, HostClient, Loaded};
+use pdmesh_cache::{Config, MirrorSize};
+use pdmesh_kv::{DType, KvLayout, page_hashes};
+use pdmesh_proto::cache::v1 as pb;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+struct Server {
+    addr: SocketAddr,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), pdmesh_cache::Error>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    async fn stats(&self) -> pb::StatsResponse {
+        let mut c = CacheClient::connect(self.url()).await.unwrap();
+        c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+async fn start(pages: u64, lease_ttl_ms: u64) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = Config::new(MirrorSize::Bytes(pages * layout().bytes_per_page() as u64));
+    cfg.shm_dir = Some(dir.path().to_owned());
+    cfg.lease_ttl_ms = lease_ttl_ms;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(pdmesh_cache::run(cfg, listener, shutdown.clone()));
+    Server {
+        addr,
+        shutdown,
+        task,
+        _dir: dir,
+    }
+}
+
+/// SmolLM2's KV layout with 4-token pages: 30 layers × (K + V) × 192 f16 × 4 tokens.
+fn layout() -> KvLayout {
+    KvLayout::llama(30, 3, 64, DType::F16, 4)
+}
+
+async fn client(s: &Server, name: &str, plane: DataPlane) -> HostClient {
+    HostClient::connect(&s.url(), name, &layout(), plane)
+        .await
+        .unwrap()
+}
+
+/// Distinct page contents per hash.
+fn page_for(hash: u64) -> Vec<u8> {
+    let mut x = hash | 1;
+    (0..layout().bytes_per_page())
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A prompt's page hashes and their parents.
+fn chain(first_token: u32, pages: usize) -> Vec<(u64, u64)> {
+    let tokens: Vec<u32> = (first_token..first_token + 4 * pages as u32).collect();
+    let h = page_hashes(layout().fingerprint(), &tokens, 4);
+    h.iter()
+        .enumerate()
+        .map(|(i, &x)| (x, if i == 0 { 0 } else { h[i - 1] }))
+        .collect()
+}
+
+async fn store(c: &mut HostClient, chain: &[(u64, u64)]) -> pdmesh_cache::client::Stored {
+    let pages: Vec<Vec<u8>> = chain.iter().map(|&(h, _)| page_for(h)).collect();
+    let refs: Vec<(u64, u64, &[u8])> = chain
+        .iter()
+        .zip(&pages)
+        .map(|(&(h, p), d)| (h, p, &d[..]))
+        .collect();
+    c.store(&refs).await.unwrap()
+}
+
+async fn load(c: &mut HostClient, hashes: &[u64]) -> (Loaded, Vec<Vec<u8>>) {
+    let refs = c.match_pages(hashes).await.unwrap();
+    let mut bufs = vec![vec![0u8; c.page_bytes()]; refs.len()];
+    let mut dsts: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let loaded = c.load_into(&refs, &mut dsts).await.unwrap();
+    (loaded, bufs)
+}
+
+#[tokio::test]
+async fn pages_stored_on_one_plane_load_bit_for_bit_on_both_and_are_announced() {
+    let s = start(64, 10_000).await;
+    let mut events = CacheClient::connect(s.url())
+        .await
+        .unwrap()
+        .subscribe_events(pb::SubscribeEventsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    for (writer_plane, tag) in [(DataPlane::Shm, 100), (DataPlane::Grpc, 200)] {
+        let mut w = client(&s, "writer", writer_plane).await;
+        let c = chain(tag, 5);
+        let st = store(&mut w, &c).await;
+        assert_eq!((st.written, st.skipped, st.rejected), (5, 0, 0));
+        assert_eq!(
+            store(&mut w, &c).await.skipped,
+            5,
+            "held pages are not stored twice"
+        );
+        let hashes: Vec<u64> = c.iter().map(|p| p.0).collect();
+        for reader_plane in [DataPlane::Shm, DataPlane::Grpc] {
+            let mut r = client(&s, "reader", reader_plane).await;
+            // A prompt that shares the first three pages, then differs.
+            let mut asked = hashes[..3].to_vec();
+            asked.push(0xdead);
+            let (loaded, bufs) = load(&mut r, &asked).await;
+            assert_eq!(
+                loaded,
+                Loaded {
+                    pages: 3,
+                    corrupt: None
+                }
+            );
+            for (i, b) in bufs.iter().enumerate() {
+                assert!(
+                    *b == page_for(hashes[i]),
+                    "{writer_plane:?} → {reader_plane:?} page {i}"
+                );
+            }
+        }
+        let ev = events.next().await.unwrap().unwrap();
+        let Some(pb::kv_event::Kind::Stored(st)) = ev.kind else {
+            panic!("{ev:?}")
+        };
+        assert_eq!((st.parent_hash, st.hashes), (0, hashes));
+    }
+    let st = s.stats().await;
+    assert_eq!(
+        (st.used_pages, st.pinned_pages),
+        (10, 0),
+        "loads release their pins"
+    );
+    assert!(st.layout.contains("page 4 tokens"), "{}", st.layout);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_byte_flipped_in_the_mirror_is_caught_on_load_on_both_planes() {
+    let s = start(16, 10_000).await;
+    let mut w = client(&s, "writer", DataPlane::Shm).await;
+    let c = chain(7, 3);
+    store(&mut w, &c).await;
+    let hashes: Vec<u64> = c.iter().map(|p| p.0).collect();
+    // Corrupt the second page behind the service's back.
+    let refs = w.match_pages(&hashes).await.unwrap();
+    let path = {
+        let mut rpc = CacheClient::connect(s.url()).await.unwrap();
+        let reg = rpc
+            .register(pb::RegisterRequest {
+                worker_id: "inspector".into(),
+                layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
+                data_plane: pb::DataPlane::Shm.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        reg.shm_path
+    };
+    w.release(&refs.iter().map(|r| r.slot).collect::<Vec<_>>())
+        .await
+        .unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = refs[1].slot as usize * layout().bytes_per_page() + 1234;
+    bytes[at] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    for plane in [DataPlane::Shm, DataPlane::Grpc] {
+        let mut r = client(&s, "reader", plane).await;
+        let (loaded, bufs) = load(&mut r, &hashes).await;
+        assert_eq!(
+            loaded,
+            Loaded {
+                pages: 1,
+                corrupt: Some(refs[1].slot)
+            },
+            "{plane:?}"
+        );
+        assert!(bufs[0] == page_for(hashes[0]));
+    }
+    assert_eq!(s.stats().await.pinned_pages, 0);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_worker_with_another_layout_is_refused_and_the_message_names_both() {
+    let s = start(8, 10_000).await;
+    let _first = client(&s, "fp16", DataPlane::Shm).await;
+    let other = KvLayout::llama(30, 3, 64, DType::Bf16, 4);
+    let err = HostClient::connect(&s.url(), "bf16", &other, DataPlane::Grpc)
+        .await
+        .unwrap_err();
+    let pdmesh_cache::client::ClientError::Rpc(status) = err else {
+        panic!("{err}")
+    };
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        status.message().contains(&layout().to_string()),
+        "{}",
+        status.message()
+    );
+    assert!(
+        status.message().contains(&other.to_string()),
+        "{}",
+        status.message()
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_silent_workers_lease_expires_and_its_pinned_pages_become_evictable() {
+    let s = start(4, 300).await;
+    let mut w = client(&s, "writer", DataPlane::Shm).await;
+    let c = chain(1, 4);
+    store(&mut w, &c).await;
+    let hashes: Vec<u64> = c.iter().map(|p| p.0).collect();
+    let mut doomed = client(&s, "doomed", DataPlane::Shm).await;
+    assert_eq!(doomed.match_pages(&hashes).await.unwrap().len(), 4);
+    // The mirror is full and every page is pinned: nothing can be stored.
+    assert_eq!(store(&mut w, &chain(50, 1)).await.skipped, 1);
+    drop(doomed); // stops heartbeating, as a killed worker would
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = s.stats().await;
+        if st.expired_leases == 1 {
+            assert_eq!(st.pinned_pages, 0);
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "lease never expired: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(w.is_alive(), "a heartbeating worker keeps its lease");
+    assert_eq!(store(&mut w, &chain(50, 1)).await.written, 1);
+    assert_eq!(s.stats().await.evicted_pages, 1);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_full_mirror_evicts_the_least_recently_used_pages_and_says_so() {
+    let s = start(4, 10_000).await;
+    let mut events = CacheClient::connect(s.url())
+        .await
+        .unwrap()
+        .subscribe_events(pb::SubscribeEventsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let mut w = client(&s, "w", DataPlane::Grpc).await;
+    let (a, b) = (chain(1000, 2), chain(2000, 2));
+    store(&mut w, &a).await;
+    store(&mut w, &b).await;
+    // Touch a: b is least recently used.
+    let (l, _) = load(&mut w, &[a[0].0, a[1].0]).await;
+    assert_eq!(l.pages, 2);
+    let c = chain(3000, 2);
+    assert_eq!(store(&mut w, &c).await.written, 2);
+    let mut removed = Vec::new();
+    while removed.len() < 2 {
+        if let Some(pb::kv_event::Kind::Removed(r)) = events.next().await.unwrap().unwrap().kind {
+            removed.extend(r.hashes);
+        }
+    }
+    removed.sort();
+    let mut want = vec![b[0].0, b[1].0];
+    want.sort();
+    assert_eq!(removed, want);
+    let (l, _) = load(&mut w, &[a[0].0]).await;
+    assert_eq!(l.pages, 1, "the recently used prefix survived");
+    s.stop().await;
+}
