@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pdmesh_gguf::GgufFile;
-use pdmesh_kv::{KvError, PageId, PagePool, PrefixCache, PrefixCacheStats};
+use pdmesh_kv::{
+    HostPage, HostTier, KvError, PageId, PagePool, PrefixCache, PrefixCacheStats, page_hashes,
+};
 
 use crate::model::{BatchToken, LlamaModel};
 use crate::sampler::Sampler;
@@ -93,6 +95,32 @@ pub struct Engine {
     captured: std::collections::HashMap<Arc<str>, Vec<Vec<f32>>>,
     preemptions: u64,
     cache: Option<PrefixCache>,
+    host: Option<(Box<dyn HostTier>, WritePolicy)>,
+    host_stats: HostStats,
+}
+
+/// When pages of the device prefix cache are written to the host tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WritePolicy {
+    /// As soon as a sequence hands its pages to the device cache.
+    WriteThrough,
+    /// Once a page has been reused this many times.
+    WriteThroughSelective { hits: u32 },
+    /// When the device cache evicts a page.
+    WriteBack,
+}
+
+/// Host-tier counters since the tier was attached.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct HostStats {
+    /// Prompt tokens loaded from the host tier instead of computed.
+    pub hit_tokens: u64,
+    pub load_bytes: u64,
+    pub load_seconds: f64,
+    pub written_pages: u64,
+    pub written_bytes: u64,
+    /// Host pages whose bytes did not match their checksum (dropped and recomputed).
+    pub checksum_failures: u64,
 }
 
 impl std::fmt::Debug for Engine {
@@ -168,7 +196,9 @@ impl Engine {
             ids: HashSet::new(),
             captured: Default::default(),
             preemptions: 0,
-            cache: cfg_cache.then(|| PrefixCache::new(page_size)),
+            cache: cfg_cache.then(|| PrefixCache::new(page_size, layout.fingerprint())),
+            host: None,
+            host_stats: HostStats::default(),
         })
     }
 
@@ -193,6 +223,18 @@ impl Engine {
         self.cache
             .as_ref()
             .map_or_else(Default::default, PrefixCache::stats)
+    }
+
+    /// Attach the host tier of the KV cache (needs the prefix cache, whose page hashes name
+    /// host pages). Prompt pages the device tier lacks are then looked up there and loaded
+    /// before the forward pass; pages go the other way as `policy` says.
+    pub fn set_host_tier(&mut self, host: Box<dyn HostTier>, policy: WritePolicy) {
+        assert!(self.cache.is_some(), "the host tier needs the prefix cache");
+        self.host = Some((host, policy));
+    }
+
+    pub fn host_stats(&self) -> HostStats {
+        self.host_stats
     }
 
     /// Drop every cached prefix (pages in use by requests stay theirs).
@@ -313,7 +355,36 @@ impl Engine {
     fn retire_pages(&mut self, s: &mut Seq) {
         let pages = std::mem::take(&mut s.pages);
         if let Some(c) = &mut self.cache {
-            c.insert(&mut self.pool, &s.tokens[..s.computed], &pages);
+            let path = c.insert(&mut self.pool, &s.tokens[..s.computed], &pages);
+            if let Some((host, policy)) = &mut self.host {
+                let offer: Vec<_> = path
+                    .iter()
+                    .filter(|p| {
+                        !p.on_host
+                            && match *policy {
+                                WritePolicy::WriteThrough => true,
+                                WritePolicy::WriteThroughSelective { hits } => p.hits >= hits,
+                                WritePolicy::WriteBack => false,
+                            }
+                    })
+                    .collect();
+                if !offer.is_empty() {
+                    let pool = &self.pool;
+                    let batch: Vec<(u64, u64, &[u8])> = offer
+                        .iter()
+                        .map(|p| {
+                            let bytes = pool.page(p.page).expect("cached pages are allocated");
+                            (p.hash, p.parent_hash, bytes)
+                        })
+                        .collect();
+                    let written = host.store(&batch) as u64;
+                    self.host_stats.written_pages += written;
+                    self.host_stats.written_bytes +=
+                        written * pool.layout().bytes_per_page() as u64;
+                    let nodes: Vec<_> = offer.iter().map(|p| p.node).collect();
+                    c.mark_on_host(&nodes);
+                }
+            }
         }
         self.release(pages);
     }
@@ -324,9 +395,71 @@ impl Engine {
         if n > free
             && let Some(c) = &mut self.cache
         {
-            c.evict(&mut self.pool, n - free);
+            match &mut self.host {
+                Some((host, WritePolicy::WriteBack)) => {
+                    // Copy out what the host tier lacks while the pages still exist.
+                    let mut out: Vec<(u64, u64, Vec<u8>)> = Vec::new();
+                    c.evict_with(&mut self.pool, n - free, |e, pool| {
+                        if !e.on_host {
+                            let bytes = pool.page(e.page).expect("evicted pages are allocated");
+                            out.push((e.hash, e.parent_hash, bytes.to_vec()));
+                        }
+                    });
+                    // Leaves go first: put each chain back in prefix order.
+                    out.reverse();
+                    let batch: Vec<(u64, u64, &[u8])> =
+                        out.iter().map(|(h, p, b)| (*h, *p, &b[..])).collect();
+                    let written = host.store(&batch) as u64;
+                    self.host_stats.written_pages += written;
+                    self.host_stats.written_bytes +=
+                        written * self.pool.layout().bytes_per_page() as u64;
+                }
+                _ => {
+                    c.evict(&mut self.pool, n - free);
+                }
+            }
         }
         self.pool.alloc(n)
+    }
+
+    /// The host tier's run of the prompt's whole pages after the `device` pages the device
+    /// tier matched (at most `limit` tokens in all), pinned there.
+    fn host_lookup(&mut self, tokens: &[u32], device: usize, limit: usize) -> Vec<HostPage> {
+        let (Some(c), Some((host, _))) = (&self.cache, &mut self.host) else {
+            return Vec::new();
+        };
+        let ps = self.cfg.page_size;
+        let full = limit / ps;
+        if full <= device {
+            return Vec::new();
+        }
+        let hashes = page_hashes(c.seed(), &tokens[..full * ps], ps);
+        host.lookup(&hashes[device..])
+    }
+
+    /// Loads host pages into freshly allocated `dst` pages; returns how many leading pages
+    /// arrived intact.
+    fn host_load(&mut self, found: &[HostPage], dst: &[PageId]) -> usize {
+        let Some((host, _)) = &mut self.host else {
+            return 0;
+        };
+        let t0 = std::time::Instant::now();
+        let mut bufs = self.pool.pages_mut(dst).expect("freshly allocated pages");
+        let r = host.load(found, &mut bufs);
+        drop(bufs);
+        let st = &mut self.host_stats;
+        st.load_seconds += t0.elapsed().as_secs_f64();
+        st.load_bytes += (r.pages * self.pool.layout().bytes_per_page()) as u64;
+        st.hit_tokens += (r.pages * self.cfg.page_size) as u64;
+        if r.corrupt {
+            st.checksum_failures += 1;
+            tracing::warn!(
+                intact = r.pages,
+                of = found.len(),
+                "a host page failed its checksum: it is recomputed"
+            );
+        }
+        r.pages
     }
 
     /// Pages an allocation could get: free plus evictable.
@@ -346,21 +479,37 @@ impl Engine {
                 Some(c) => c.match_prefix(&mut self.pool, &front.tokens, len - 1),
                 None => Vec::new(),
             };
+            let tokens = std::mem::take(&mut self.waiting.front_mut().expect("front").tokens);
+            let found = self.host_lookup(&tokens, hit.len(), len - 1);
+            self.waiting.front_mut().expect("front").tokens = tokens;
             // Pages for everything to compute now, plus one page of headroom per running
             // sequence so admission does not immediately force a preemption.
             let need = self.pool.pages_for_tokens(len) - hit.len();
             let available = self.available_pages();
             let headroom = self.running.len().min(available);
+            let give_back = |e: &mut Self, hit: Vec<PageId>, found: &[HostPage]| {
+                e.release(hit);
+                if let Some((host, _)) = &mut e.host
+                    && !found.is_empty()
+                {
+                    host.release(found);
+                }
+            };
             if available < need + headroom && !self.running.is_empty() {
-                self.release(hit);
+                give_back(self, hit, &found);
                 break;
             }
             let Ok(pages) = self.alloc(need) else {
-                self.release(hit);
+                give_back(self, hit, &found);
                 break;
             };
+            let loaded = if found.is_empty() {
+                0
+            } else {
+                self.host_load(&found, &pages[..found.len()])
+            };
             let mut s = self.waiting.pop_front().expect("front exists");
-            s.computed = hit.len() * self.cfg.page_size;
+            s.computed = (hit.len() + loaded) * self.cfg.page_size;
             s.cached.get_or_insert(s.computed.min(s.prompt_len));
             s.pages = hit;
             s.pages.extend(pages);

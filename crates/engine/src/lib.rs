@@ -12,7 +12,7 @@ mod sampler;
 mod vocab;
 
 pub use api::{FinishReason, GenRequest, ModelInfo, SamplingParams, StepEvent};
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, HostStats, WritePolicy};
 
 /// Everything that can go wrong between a request and the engine.
 #[derive(Debug, thiserror::Error)]

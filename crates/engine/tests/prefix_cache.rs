@@ -5,79 +5,9 @@
 
 mod common;
 
-use std::collections::HashMap;
-
-use common::{Outcome, available, bits, greedy, run_all};
-use pdmesh_engine::{Engine, StepEvent};
-
-const SESSIONS: usize = 32;
-const TURNS: usize = 3;
-const ANSWER: u32 = 6;
-
-/// Fixture prompts as token lists.
-fn fixture_prompts() -> Vec<Vec<u32>> {
-    common::fixtures()["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            p["prompt_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect()
-}
-
-fn cached_tokens(o: &Outcome) -> u32 {
-    match &o.finished {
-        Some(StepEvent::Finished { cached_tokens, .. }) => *cached_tokens,
-        other => panic!("not finished: {other:?}"),
-    }
-}
-
-/// Every session's outcome per turn. Each turn's prompt is the shared system prompt, the
-/// session's history (its earlier questions and the engine's answers) and a new question;
-/// all sessions of a turn run concurrently.
-fn sessions(e: &mut Engine) -> Vec<HashMap<String, Outcome>> {
-    let fx = fixture_prompts();
-    let system: Vec<u32> = fx[0].iter().chain(&fx[1]).copied().collect();
-    let mut history: Vec<Vec<u32>> = vec![system; SESSIONS];
-    let mut turns = Vec::new();
-    for turn in 0..TURNS {
-        let reqs = (0..SESSIONS)
-            .map(|s| {
-                let q = &fx[(s + turn) % fx.len()];
-                history[s].extend_from_slice(&q[..q.len().min(5 + s % 7)]);
-                greedy(&format!("s{s}t{turn}"), &history[s], ANSWER)
-            })
-            .collect();
-        let out = run_all(e, reqs);
-        for (s, h) in history.iter_mut().enumerate() {
-            h.extend_from_slice(&out[&format!("s{s}t{turn}")].tokens);
-        }
-        turns.push(out);
-    }
-    turns
-}
-
-fn assert_same_turns(a: &[HashMap<String, Outcome>], b: &[HashMap<String, Outcome>], what: &str) {
-    for (turn, (ta, tb)) in a.iter().zip(b).enumerate() {
-        for (id, oa) in ta {
-            let ob = &tb[id];
-            assert_eq!(oa.tokens, ob.tokens, "{what}: {id} tokens differ");
-            assert_eq!(oa.logits.len(), ob.logits.len(), "{what}: {id} logits rows");
-            for (i, (x, y)) in oa.logits.iter().zip(&ob.logits).enumerate() {
-                assert!(
-                    bits(x) == bits(y),
-                    "{what}: turn {turn} {id} logits row {i} differs"
-                );
-            }
-        }
-    }
-}
+use common::{
+    assert_same_turns, available, cached_tokens, fixture_prompts, greedy, run_all, sessions,
+};
 
 #[test]
 fn slow_multi_turn_sessions_are_bit_identical_with_and_without_the_prefix_cache() {
@@ -85,7 +15,7 @@ fn slow_multi_turn_sessions_are_bit_identical_with_and_without_the_prefix_cache(
         c.prefix_cache = false;
         c.kv_pages = 1024;
     });
-    let reference = sessions(&mut plain);
+    let reference = sessions(&mut plain, 32);
     assert_eq!(plain.cached_pages(), 0);
     assert_eq!(plain.free_pages(), 1024);
     for t in &reference {
@@ -94,7 +24,7 @@ fn slow_multi_turn_sessions_are_bit_identical_with_and_without_the_prefix_cache(
 
     // Roomy pool: everything a session computed is still cached at its next turn.
     let mut roomy = common::engine(|c| c.kv_pages = 1024);
-    let got = sessions(&mut roomy);
+    let got = sessions(&mut roomy, 32);
     assert_same_turns(&reference, &got, "device prefix cache");
     let ps = 16;
     for (turn, t) in got.iter().enumerate() {
@@ -121,7 +51,7 @@ fn slow_multi_turn_sessions_are_bit_identical_with_and_without_the_prefix_cache(
         c.page_size = 4;
         c.kv_pages = 160;
     });
-    let got = sessions(&mut tight);
+    let got = sessions(&mut tight, 32);
     assert_same_turns(&reference, &got, "prefix cache under eviction");
     assert!(
         tight.cache_stats().evicted_pages > 0,

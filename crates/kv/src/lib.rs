@@ -6,10 +6,12 @@
 //! with one layout and filled with another; here every pool, transfer and wire message
 //! asks its layout, and pools with different fingerprints refuse to exchange pages.
 
+mod host;
 mod layout;
 mod pool;
 mod radix;
 
+pub use host::{HostLoad, HostPage, HostTier};
 pub use layout::{Component, DType, KvLayout, LayoutError, ScalePlacement, ScaleSpec};
 pub use pool::{KvError, PageId, PagePool};
-pub use radix::{PrefixCache, PrefixCacheStats, page_hashes};
+pub use radix::{EvictedPage, NodeRef, PathPage, PrefixCache, PrefixCacheStats, page_hashes};

@@ -167,6 +167,25 @@ impl PagePool {
         Ok(&mut self.bytes_mut()[r])
     }
 
+    /// The raw bytes of several distinct pages at once, writable, in the order asked.
+    pub fn pages_mut(&mut self, pages: &[PageId]) -> Result<Vec<&mut [u8]>, KvError> {
+        for (i, &p) in pages.iter().enumerate() {
+            self.check(p)?;
+            assert!(!pages[..i].contains(&p), "page {p} asked for twice");
+        }
+        let pb = self.layout.bytes_per_page();
+        let mut slots: Vec<Option<&mut [u8]>> = pages.iter().map(|_| None).collect();
+        for (id, chunk) in self.bytes_mut().chunks_exact_mut(pb).enumerate() {
+            if let Some(i) = pages.iter().position(|&p| p as usize == id) {
+                slots[i] = Some(chunk);
+            }
+        }
+        Ok(slots
+            .into_iter()
+            .map(|s| s.expect("every checked page is inside the pool"))
+            .collect())
+    }
+
     /// The values of component `comp` of `layer` in `page`, for all slots of the page.
     /// Only meaningful for components whose scales (if any) sit at the page tail or that
     /// have none: values of consecutive slots are then contiguous.

@@ -23,6 +23,39 @@ struct Node {
     page: PageId,
     children: HashMap<Box<[u32]>, usize>,
     last_use: u64,
+    /// Chained hash of every token up to this page's end ([`page_hashes`]); the root's is
+    /// the seed.
+    hash: u64,
+    /// Times a request reused this page.
+    hits: u32,
+    /// Whether the host tier has been given this page.
+    on_host: bool,
+}
+
+/// One whole page on a sequence's path through the tree, as [`PrefixCache::insert`]
+/// reports it (for write-through to the host tier).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PathPage {
+    pub node: NodeRef,
+    pub hash: u64,
+    pub parent_hash: u64,
+    pub page: PageId,
+    pub hits: u32,
+    pub on_host: bool,
+}
+
+/// A node of the tree, valid until the next eviction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeRef(usize);
+
+/// A page about to leave the device tier, handed to the eviction callback while its bytes
+/// are still in the pool (for write-back to the host tier).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EvictedPage {
+    pub hash: u64,
+    pub parent_hash: u64,
+    pub page: PageId,
+    pub on_host: bool,
 }
 
 /// Counters since the cache was made.
@@ -41,6 +74,7 @@ pub struct PrefixCacheStats {
 #[derive(Debug)]
 pub struct PrefixCache {
     page_size: usize,
+    seed: u64,
     /// Slab of nodes; `None` marks a free slot. Slot 0 is the root.
     nodes: Vec<Option<Node>>,
     free_slots: Vec<usize>,
@@ -49,7 +83,9 @@ pub struct PrefixCache {
 }
 
 impl PrefixCache {
-    pub fn new(page_size: usize) -> Self {
+    /// A cache of `page_size`-token pages whose chained hashes start from `seed` (the KV
+    /// layout's fingerprint).
+    pub fn new(page_size: usize, seed: u64) -> Self {
         assert!(page_size > 0, "page size must be > 0");
         let root = Node {
             parent: ROOT,
@@ -57,9 +93,13 @@ impl PrefixCache {
             page: PageId::MAX,
             children: HashMap::new(),
             last_use: 0,
+            hash: seed,
+            hits: 0,
+            on_host: false,
         };
         Self {
             page_size,
+            seed,
             nodes: vec![Some(root)],
             free_slots: Vec::new(),
             tick: 0,
@@ -104,6 +144,7 @@ impl PrefixCache {
             let tick = self.tick;
             let n = self.node_mut(child);
             n.last_use = tick;
+            n.hits = n.hits.saturating_add(1);
             pool.retain(n.page)
                 .expect("a cached page is allocated: the cache holds a reference");
             pages.push(n.page);
@@ -117,7 +158,13 @@ impl PrefixCache {
     /// (`tokens.len() / page_size` of them, which `pages` must cover). A page new to the
     /// tree gains a reference held by the cache; where the tree already has these tokens
     /// under another page, the tree keeps its own and the caller's copy stays the caller's.
-    pub fn insert(&mut self, pool: &mut PagePool, tokens: &[u32], pages: &[PageId]) {
+    /// Returns the tree's pages along the whole path.
+    pub fn insert(
+        &mut self,
+        pool: &mut PagePool,
+        tokens: &[u32],
+        pages: &[PageId],
+    ) -> Vec<PathPage> {
         self.tick += 1;
         let ps = self.page_size;
         let full = tokens.len() / ps;
@@ -127,21 +174,36 @@ impl PrefixCache {
             pages.len()
         );
         let mut at = ROOT;
+        let mut path = Vec::with_capacity(full);
         for (chunk, &page) in tokens.chunks_exact(ps).zip(pages) {
             let tick = self.tick;
+            let parent_hash = self.node(at).hash;
             if let Some(&child) = self.node(at).children.get(chunk) {
-                self.node_mut(child).last_use = tick;
+                let n = self.node_mut(child);
+                n.last_use = tick;
+                path.push(PathPage {
+                    node: NodeRef(child),
+                    hash: n.hash,
+                    parent_hash,
+                    page: n.page,
+                    hits: n.hits,
+                    on_host: n.on_host,
+                });
                 at = child;
                 continue;
             }
             pool.retain(page).expect("inserted pages are allocated");
             let key: Box<[u32]> = chunk.into();
+            let hash = chain_hash(parent_hash, chunk);
             let node = Node {
                 parent: at,
                 key: key.clone(),
                 page,
                 children: HashMap::new(),
                 last_use: tick,
+                hash,
+                hits: 0,
+                on_host: false,
             };
             let slot = match self.free_slots.pop() {
                 Some(s) => {
@@ -155,8 +217,31 @@ impl PrefixCache {
             };
             self.node_mut(at).children.insert(key, slot);
             self.stats.inserted_pages += 1;
+            path.push(PathPage {
+                node: NodeRef(slot),
+                hash,
+                parent_hash,
+                page,
+                hits: 0,
+                on_host: false,
+            });
             at = slot;
         }
+        path
+    }
+
+    /// Note that the host tier holds these pages (from the latest [`Self::insert`]).
+    pub fn mark_on_host(&mut self, nodes: &[NodeRef]) {
+        for n in nodes {
+            if let Some(node) = self.nodes.get_mut(n.0).and_then(Option::as_mut) {
+                node.on_host = true;
+            }
+        }
+    }
+
+    /// The seed of the hash chain.
+    pub fn seed(&self) -> u64 {
+        self.seed
     }
 
     /// Whether nothing but the cache holds node `i`'s page and all of its subtree's.
@@ -196,6 +281,17 @@ impl PrefixCache {
     /// (a parent becomes a candidate once its children are gone). Returns how many pages
     /// went back to the pool.
     pub fn evict(&mut self, pool: &mut PagePool, n: usize) -> usize {
+        self.evict_with(pool, n, |_, _| {})
+    }
+
+    /// [`Self::evict`], calling `before` with each page while its bytes are still in the
+    /// pool (write-back to the host tier).
+    pub fn evict_with(
+        &mut self,
+        pool: &mut PagePool,
+        n: usize,
+        mut before: impl FnMut(&EvictedPage, &PagePool),
+    ) -> usize {
         let evictable = |this: &Self, pool: &PagePool, i: usize| {
             let node = this.node(i);
             node.children.is_empty() && pool.ref_count(node.page) == 1
@@ -210,6 +306,13 @@ impl PrefixCache {
                 break;
             };
             let node = self.nodes[i].take().expect("heap holds live nodes");
+            let evicted = EvictedPage {
+                hash: node.hash,
+                parent_hash: self.node(node.parent).hash,
+                page: node.page,
+                on_host: node.on_host,
+            };
+            before(&evicted, pool);
             self.free_slots.push(i);
             self.node_mut(node.parent).children.remove(&node.key);
             pool.release(node.page)
@@ -246,11 +349,15 @@ pub fn page_hashes(seed: u64, tokens: &[u32], page_size: usize) -> Vec<u64> {
     tokens
         .chunks_exact(page_size)
         .map(|page| {
-            let bytes: Vec<u8> = page.iter().flat_map(|t| t.to_le_bytes()).collect();
-            h = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, h);
+            h = chain_hash(h, page);
             h
         })
         .collect()
+}
+
+fn chain_hash(parent: u64, page: &[u32]) -> u64 {
+    let bytes: Vec<u8> = page.iter().flat_map(|t| t.to_le_bytes()).collect();
+    xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, parent)
 }
 
 #[cfg(test)]
@@ -293,7 +400,7 @@ mod tests {
 
     #[test]
     fn matches_whole_pages_of_the_longest_prefix_only() {
-        let (mut p, mut c) = (pool(16), PrefixCache::new(4));
+        let (mut p, mut c) = (pool(16), PrefixCache::new(4, 0));
         let a: Vec<u32> = (0..10).collect(); // 2 full pages + 2 tokens
         let pages = run_and_cache(&mut c, &mut p, &a);
         assert_eq!(c.cached_pages(), 2, "the partial last page is not cached");
@@ -318,8 +425,37 @@ mod tests {
     }
 
     #[test]
+    fn paths_carry_chained_hashes_hits_and_eviction_sees_pages_before_they_go() {
+        let (mut p, mut c) = (pool(16), PrefixCache::new(4, 42));
+        let t: Vec<u32> = (0..9).collect();
+        let pages = p.alloc(3).unwrap();
+        let path = c.insert(&mut p, &t, &pages);
+        p.release_all(&pages).unwrap();
+        let h = page_hashes(42, &t, 4);
+        assert_eq!(path.iter().map(|x| x.hash).collect::<Vec<_>>(), h);
+        assert_eq!((path[0].parent_hash, path[1].parent_hash), (42, h[0]));
+        let hit = c.match_prefix(&mut p, &t, 8);
+        p.release_all(&hit).unwrap();
+        let again = c.insert(&mut p, &t, &pages);
+        assert_eq!(again.iter().map(|x| x.hits).collect::<Vec<_>>(), [1, 1]);
+        c.mark_on_host(&[again[1].node]);
+        let mut seen = Vec::new();
+        assert_eq!(
+            c.evict_with(&mut p, 2, |e, pool| seen.push((*e, pool.ref_count(e.page)))),
+            2
+        );
+        assert_eq!(seen[0].0.hash, h[1]);
+        assert!(seen[0].0.on_host && !seen[1].0.on_host);
+        assert_eq!(
+            seen[0].1, 1,
+            "the page is still allocated when the callback runs"
+        );
+        assert_eq!(p.free_pages(), 16);
+    }
+
+    #[test]
     fn duplicate_pages_stay_with_the_caller() {
-        let (mut p, mut c) = (pool(16), PrefixCache::new(4));
+        let (mut p, mut c) = (pool(16), PrefixCache::new(4, 0));
         let t: Vec<u32> = (0..8).collect();
         let first = run_and_cache(&mut c, &mut p, &t);
         // A request that computed the same tokens into its own pages (it ran before the
@@ -333,7 +469,7 @@ mod tests {
 
     #[test]
     fn evicts_least_recently_used_leaves_and_never_pages_in_use() {
-        let (mut p, mut c) = (pool(16), PrefixCache::new(4));
+        let (mut p, mut c) = (pool(16), PrefixCache::new(4, 0));
         let a: Vec<u32> = (0..8).collect();
         let b: Vec<u32> = (100..108).collect();
         let pa = run_and_cache(&mut c, &mut p, &a);
@@ -362,7 +498,7 @@ mod tests {
 
     #[test]
     fn a_parent_in_use_below_a_free_leaf_is_not_counted_evictable() {
-        let (mut p, mut c) = (pool(16), PrefixCache::new(4));
+        let (mut p, mut c) = (pool(16), PrefixCache::new(4, 0));
         let long: Vec<u32> = (0..12).collect();
         run_and_cache(&mut c, &mut p, &long);
         // A request holds the first page only.

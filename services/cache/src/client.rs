@@ -185,7 +185,8 @@ impl HostClient {
     }
 
     /// Copies `pages` into `dsts` (one page-sized buffer each), checking every copy's
-    /// checksum; stops at the first mismatch. Releases every pin of `pages` either way.
+    /// checksum; stops at the first mismatch. Releases every pin of `pages` either way,
+    /// and asks the service to discard a corrupt page so it is stored afresh.
     pub async fn load_into(
         &mut self,
         pages: &[PageRef],
@@ -195,6 +196,18 @@ impl HostClient {
         let result = self.copy_verified(pages, dsts).await;
         let slots: Vec<u32> = pages.iter().map(|p| p.slot).collect();
         self.release(&slots).await?;
+        if let Ok(Loaded {
+            pages: good,
+            corrupt: Some(_),
+        }) = result
+        {
+            self.rpc
+                .discard(pb::DiscardRequest {
+                    lease: self.lease,
+                    hashes: vec![pages[good].hash],
+                })
+                .await?;
+        }
         result
     }
 

@@ -217,6 +217,17 @@ impl pb::cache_server::Cache for CacheService {
         Ok(Response::new(pb::ReleaseResponse {}))
     }
 
+    async fn discard(
+        &self,
+        request: Request<pb::DiscardRequest>,
+    ) -> Result<Response<pb::DiscardResponse>, Status> {
+        let r = request.into_inner();
+        let n = self.shared.with(|s| s.discard(r.lease, &r.hashes))?;
+        Ok(Response::new(pb::DiscardResponse {
+            discarded: n as u32,
+        }))
+    }
+
     type SubscribeEventsStream = EventStream;
 
     async fn subscribe_events(

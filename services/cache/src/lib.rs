@@ -15,6 +15,7 @@ pub mod client;
 mod grpc;
 pub mod mirror;
 mod state;
+mod tier;
 pub mod wire;
 
 use std::path::PathBuf;
@@ -25,6 +26,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 
 pub use state::{CacheError, MirrorSize};
+pub use tier::{RemoteTier, TierConfig};
 
 /// Configuration of the cache service.
 #[derive(Clone, Debug, PartialEq, Eq, clap::Args)]

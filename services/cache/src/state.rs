@@ -470,6 +470,29 @@ impl State {
         Ok(())
     }
 
+    /// Removes resident, unpinned pages a consumer found corrupt; returns how many.
+    pub fn discard(&mut self, lease: u64, hashes: &[u64]) -> Result<usize, CacheError> {
+        self.lease_mut(lease)?;
+        let mut gone = Vec::new();
+        for &h in hashes {
+            if let Some(&slot) = self.index.get(&h)
+                && let Slot::Resident {
+                    pins: 0, last_use, ..
+                } = self.slots[slot as usize]
+            {
+                self.lru.remove(&(last_use, slot));
+                self.free_slot(slot);
+                gone.push(h);
+            }
+        }
+        let n = gone.len();
+        if n > 0 {
+            tracing::warn!(pages = n, "corrupt pages discarded from the host mirror");
+            self.events.push(Event::Removed { hashes: gone });
+        }
+        Ok(n)
+    }
+
     /// Ends every lease whose worker stopped heartbeating: its pins and reservations are
     /// dropped, so its pages become evictable. Returns the expired workers.
     pub fn expire(&mut self, now: Instant) -> Vec<String> {

@@ -165,35 +165,36 @@ async fn pages_stored_on_one_plane_load_bit_for_bit_on_both_and_are_announced() 
 }
 
 #[tokio::test]
-async fn a_byte_flipped_in_the_mirror_is_caught_on_load_on_both_planes() {
+async fn a_byte_flipped_in_the_mirror_is_caught_on_load_on_both_planes_and_discarded() {
     let s = start(16, 10_000).await;
     let mut w = client(&s, "writer", DataPlane::Shm).await;
-    let c = chain(7, 3);
-    store(&mut w, &c).await;
-    let hashes: Vec<u64> = c.iter().map(|p| p.0).collect();
-    // Corrupt the second page behind the service's back.
-    let refs = w.match_pages(&hashes).await.unwrap();
     let path = {
         let mut rpc = CacheClient::connect(s.url()).await.unwrap();
-        let reg = rpc
-            .register(pb::RegisterRequest {
-                worker_id: "inspector".into(),
-                layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
-                data_plane: pb::DataPlane::Shm.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        reg.shm_path
-    };
-    w.release(&refs.iter().map(|r| r.slot).collect::<Vec<_>>())
+        rpc.register(pb::RegisterRequest {
+            worker_id: "inspector".into(),
+            layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
+            data_plane: pb::DataPlane::Shm.into(),
+        })
         .await
-        .unwrap();
-    let mut bytes = std::fs::read(&path).unwrap();
-    let at = refs[1].slot as usize * layout().bytes_per_page() + 1234;
-    bytes[at] ^= 0x10;
-    std::fs::write(&path, &bytes).unwrap();
+        .unwrap()
+        .into_inner()
+        .shm_path
+    };
+    let c = chain(7, 3);
+    let hashes: Vec<u64> = c.iter().map(|p| p.0).collect();
     for plane in [DataPlane::Shm, DataPlane::Grpc] {
+        // (Re)store the chain: a discarded page is written afresh.
+        store(&mut w, &c).await;
+        let refs = w.match_pages(&hashes).await.unwrap();
+        assert_eq!(refs.len(), 3);
+        w.release(&refs.iter().map(|r| r.slot).collect::<Vec<_>>())
+            .await
+            .unwrap();
+        // Corrupt the second page behind the service's back.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[refs[1].slot as usize * layout().bytes_per_page() + 1234] ^= 0x10;
+        std::fs::write(&path, &bytes).unwrap();
+
         let mut r = client(&s, "reader", plane).await;
         let (loaded, bufs) = load(&mut r, &hashes).await;
         assert_eq!(
@@ -205,6 +206,10 @@ async fn a_byte_flipped_in_the_mirror_is_caught_on_load_on_both_planes() {
             "{plane:?}"
         );
         assert!(bufs[0] == page_for(hashes[0]));
+        // The corrupt page is gone: nobody is served it again.
+        let again = r.match_pages(&hashes).await.unwrap();
+        assert_eq!(again.len(), 1, "{plane:?}");
+        r.release(&[again[0].slot]).await.unwrap();
     }
     assert_eq!(s.stats().await.pinned_pages, 0);
     s.stop().await;

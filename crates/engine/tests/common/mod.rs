@@ -81,3 +81,75 @@ pub fn fixtures() -> serde_json::Value {
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
+
+pub const TURNS: usize = 3;
+pub const ANSWER: u32 = 6;
+
+/// Fixture prompts as token lists.
+pub fn fixture_prompts() -> Vec<Vec<u32>> {
+    fixtures()["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            p["prompt_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+pub fn cached_tokens(o: &Outcome) -> u32 {
+    match &o.finished {
+        Some(StepEvent::Finished { cached_tokens, .. }) => *cached_tokens,
+        other => panic!("not finished: {other:?}"),
+    }
+}
+
+/// Every session's outcome per turn. Each turn's prompt is the shared system prompt, the
+/// session's history (its earlier questions and the engine's answers) and a new question;
+/// all sessions of a turn run concurrently.
+pub fn sessions(e: &mut Engine, sessions: usize) -> Vec<HashMap<String, Outcome>> {
+    let fx = fixture_prompts();
+    let system: Vec<u32> = fx[0].iter().chain(&fx[1]).copied().collect();
+    let mut history: Vec<Vec<u32>> = vec![system; sessions];
+    let mut turns = Vec::new();
+    for turn in 0..TURNS {
+        let reqs = (0..sessions)
+            .map(|s| {
+                let q = &fx[(s + turn) % fx.len()];
+                history[s].extend_from_slice(&q[..q.len().min(5 + s % 7)]);
+                greedy(&format!("s{s}t{turn}"), &history[s], ANSWER)
+            })
+            .collect();
+        let out = run_all(e, reqs);
+        for (s, h) in history.iter_mut().enumerate() {
+            h.extend_from_slice(&out[&format!("s{s}t{turn}")].tokens);
+        }
+        turns.push(out);
+    }
+    turns
+}
+
+pub fn assert_same_turns(
+    a: &[HashMap<String, Outcome>],
+    b: &[HashMap<String, Outcome>],
+    what: &str,
+) {
+    for (turn, (ta, tb)) in a.iter().zip(b).enumerate() {
+        for (id, oa) in ta {
+            let ob = &tb[id];
+            assert_eq!(oa.tokens, ob.tokens, "{what}: {id} tokens differ");
+            assert_eq!(oa.logits.len(), ob.logits.len(), "{what}: {id} logits rows");
+            for (i, (x, y)) in oa.logits.iter().zip(&ob.logits).enumerate() {
+                assert!(
+                    bits(x) == bits(y),
+                    "{what}: turn {turn} {id} logits row {i} differs"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! The host tier of the KV cache, through a real cache service on loopback: multi-turn
+//! sessions give bit-identical tokens and logits when their prefixes come back from the
+//! shared-memory mirror (device pool too small to keep them) over either data plane, with
+//! each write policy; a byte flipped in the mirror is caught, recomputed and counted; and
+//! a cache service that is not there costs nothing but the host hits.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{assert_same_turns, available, greedy, run_all, sessions};
+use pdmesh_cache::client::DataPlane;
+use pdmesh_cache::{Config, MirrorSize, RemoteTier, TierConfig};
+use pdmesh_engine::{Engine, WritePolicy};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// A cache service on its own runtime, its mirror file in a temporary directory.
+struct Cache {
+    rt: tokio::runtime::Runtime,
+    url: String,
+    dir: tempfile::TempDir,
+    shutdown: CancellationToken,
+}
+
+impl Cache {
+    fn start(size: &str) -> Self {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new(size.parse::<MirrorSize>().unwrap());
+        cfg.shm_dir = Some(dir.path().to_owned());
+        let listener = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let shutdown = CancellationToken::new();
+        rt.spawn(pdmesh_cache::run(cfg, listener, shutdown.clone()));
+        Self {
+            rt,
+            url,
+            dir,
+            shutdown,
+        }
+    }
+
+    /// Attach the host tier to `e` and wait until it registered.
+    fn attach(&self, e: &mut Engine, plane: DataPlane, policy: WritePolicy) {
+        let tier = self.tier(e, plane);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !tier.connected() {
+            assert!(std::time::Instant::now() < deadline, "never connected");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        e.set_host_tier(Box::new(tier), policy);
+    }
+
+    fn tier(&self, e: &Engine, plane: DataPlane) -> RemoteTier {
+        let layout = e.pool().layout().as_ref().clone();
+        let cfg = TierConfig {
+            url: self.url.clone(),
+            worker_id: format!("test-{plane:?}"),
+            plane,
+            call_timeout: Duration::from_secs(5),
+            retry_every: Duration::from_millis(50),
+        };
+        RemoteTier::start(self.rt.handle().clone(), cfg, layout)
+    }
+
+    /// The mirror file's path.
+    fn file(&self) -> std::path::PathBuf {
+        let mut files: Vec<_> = std::fs::read_dir(self.dir.path())
+            .unwrap()
+            .map(|f| f.unwrap().path())
+            .collect();
+        assert_eq!(files.len(), 1, "{files:?}");
+        files.remove(0)
+    }
+}
+
+impl Drop for Cache {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// A device pool too small to keep the sessions' histories between turns.
+fn small(c: &mut pdmesh_engine::EngineConfig) {
+    c.kv_pages = 72;
+}
+
+#[test]
+fn slow_eighty_sessions_are_bit_identical_when_prefixes_come_back_from_the_host_mirror() {
+    const N: usize = 80;
+    let mut plain = common::engine(|c| {
+        c.prefix_cache = false;
+        c.kv_pages = 2048;
+    });
+    let reference = sessions(&mut plain, N);
+
+    for (plane, policy) in [
+        (DataPlane::Shm, WritePolicy::WriteThrough),
+        (DataPlane::Grpc, WritePolicy::WriteThrough),
+        (DataPlane::Shm, WritePolicy::WriteBack),
+        (
+            DataPlane::Shm,
+            WritePolicy::WriteThroughSelective { hits: 1 },
+        ),
+    ] {
+        let what = format!("host tier over {plane:?} with {policy:?}");
+        let cache = Cache::start("512MiB");
+        let mut e = common::engine(small);
+        cache.attach(&mut e, plane, policy);
+        let got = sessions(&mut e, N);
+        assert_same_turns(&reference, &got, &what);
+        let st = e.host_stats();
+        assert!(
+            st.hit_tokens > 0,
+            "{what}: nothing came from the host: {st:?}"
+        );
+        assert!(st.written_pages > 0, "{what}: {st:?}");
+        assert_eq!(st.checksum_failures, 0, "{what}");
+        assert!(
+            e.cache_stats().evicted_pages > 0,
+            "{what}: the device pool must evict"
+        );
+        assert_eq!(available(&e), 72, "{what}: pages leaked");
+    }
+}
+
+#[test]
+fn a_byte_flipped_in_the_mirror_is_caught_recomputed_and_counted() {
+    let cache = Cache::start("64MiB");
+    let fx = common::fixture_prompts();
+    let prompt: Vec<u32> = fx[0].iter().chain(&fx[1]).chain(&fx[2]).copied().collect();
+    assert!(prompt.len() > 48);
+
+    let mut writer = common::engine(|_| {});
+    cache.attach(&mut writer, DataPlane::Shm, WritePolicy::WriteThrough);
+    let first = run_all(&mut writer, vec![greedy("w", &prompt, 8)])
+        .remove("w")
+        .unwrap();
+    assert!(writer.host_stats().written_pages >= 3);
+
+    // A fresh worker (empty device tier) loads the prefix from the host: intact.
+    let mut clean = common::engine(|_| {});
+    cache.attach(&mut clean, DataPlane::Grpc, WritePolicy::WriteThrough);
+    let got = run_all(&mut clean, vec![greedy("c", &prompt, 8)])
+        .remove("c")
+        .unwrap();
+    assert_eq!(got.tokens, first.tokens);
+    assert!(clean.host_stats().hit_tokens >= 48);
+
+    // Flip one byte in every slot of the mirror file.
+    let path = cache.file();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let page = writer.pool().layout().bytes_per_page();
+    for slot in 0..bytes.len() / page {
+        bytes[slot * page + 4321] ^= 0x04;
+    }
+    std::fs::write(&path, &bytes).unwrap();
+
+    let mut e = common::engine(|_| {});
+    cache.attach(&mut e, DataPlane::Shm, WritePolicy::WriteThrough);
+    let got = run_all(&mut e, vec![greedy("x", &prompt, 8)])
+        .remove("x")
+        .unwrap();
+    assert_eq!(
+        got.tokens, first.tokens,
+        "a corrupt page must never be served"
+    );
+    for (a, b) in got.logits.iter().zip(&first.logits) {
+        assert!(common::bits(a) == common::bits(b));
+    }
+    let st = e.host_stats();
+    assert_eq!((st.checksum_failures, st.hit_tokens), (1, 0), "{st:?}");
+}
+
+#[test]
+fn without_a_cache_service_requests_are_served_from_the_device_tier() {
+    // Nothing listens here: the tier never connects, and nothing waits on it.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut e = common::engine(|_| {});
+    let tier = RemoteTier::start(
+        rt.handle().clone(),
+        TierConfig {
+            url: format!("http://127.0.0.1:{port}"),
+            worker_id: "lonely".into(),
+            plane: DataPlane::Shm,
+            call_timeout: Duration::from_secs(1),
+            retry_every: Duration::from_millis(50),
+        },
+        e.pool().layout().as_ref().clone(),
+    );
+    e.set_host_tier(Box::new(tier), WritePolicy::WriteThrough);
+    let fx = common::fixture_prompts();
+    let out = run_all(&mut e, vec![greedy("a", &fx[3], 6), greedy("b", &fx[3], 6)]);
+    assert_eq!(out["a"].tokens, out["b"].tokens);
+    assert_eq!(out["a"].tokens.len(), 6);
+    assert_eq!(e.host_stats().hit_tokens, 0);
+}
