@@ -77,7 +77,7 @@ class Mesh:
         return self.ports["model"]
 
     def child_pids(self) -> list[int]:
-        return [self.ports["pids"][k] for k in ("tokenizer", "worker", "gateway")]
+        return [self.ports["pids"][k] for k in ("tokenizer", "cache", "worker", "gateway")]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -83,6 +83,10 @@ def test_a_repeated_conversation_is_served_from_the_prefix_cache_with_the_same_a
     m = mesh.metrics()
     assert m["mesh_cached_prompt_tokens_total"] >= cached
     assert m["mesh_kv_pages_cached"] >= cached // 16
+    assert m['mesh_kv_cache_hit_tokens_total{tier="device"}'] >= cached
+    # `pdmesh up` runs the cache service: the worker writes its pages through to the mirror.
+    assert m['mesh_kv_cache_write_back_bytes_total{tier="host"}'] > 0
+    assert m['mesh_kv_cache_checksum_failures_total{tier="host"}'] == 0
 
 
 def test_max_tokens_ends_with_length(client, mesh):

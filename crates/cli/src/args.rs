@@ -33,7 +33,8 @@ pub enum Command {
     /// Install or check model files.
     #[command(subcommand)]
     Model(ModelCommand),
-    /// Start tokenizer, worker and gateway as child processes and serve until Ctrl-C.
+    /// Start tokenizer, cache service, worker and gateway as child processes and serve
+    /// until Ctrl-C.
     Up(UpArgs),
 }
 
@@ -121,6 +122,13 @@ pub struct UpArgs {
     /// Extra flag for the gateway, e.g. `--gateway-arg=--model-name=smol` (repeatable).
     #[arg(long = "gateway-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub gateway_args: Vec<String>,
+    /// Extra flag for the cache service, e.g. `--cache-arg=--host-mirror-size=4GiB`
+    /// (repeatable).
+    #[arg(long = "cache-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub cache_args: Vec<String>,
+    /// Do not start the cache service: workers keep only their device prefix cache.
+    #[arg(long)]
+    pub no_host_cache: bool,
 }
 
 #[cfg(test)]

@@ -30,6 +30,16 @@ pub async fn tokenizer_healthy(addr: SocketAddr) -> bool {
     matches!(tokio::time::timeout(PROBE_TIMEOUT, c.health(tk::HealthRequest {})).await, Ok(Ok(r)) if r.get_ref().ok)
 }
 
+/// Whether the cache service at `addr` answers Stats.
+pub async fn cache_healthy(addr: SocketAddr) -> bool {
+    let Some(ch) = channel(addr).await else {
+        return false;
+    };
+    let mut c = pdmesh_proto::cache::v1::cache_client::CacheClient::new(ch);
+    let stats = c.stats(pdmesh_proto::cache::v1::StatsRequest {});
+    matches!(tokio::time::timeout(PROBE_TIMEOUT, stats).await, Ok(Ok(_)))
+}
+
 /// Whether the worker at `addr` answers Health with ok.
 pub async fn worker_healthy(addr: SocketAddr) -> bool {
     let Some(ch) = channel(addr).await else {

@@ -1,5 +1,5 @@
-//! `pdmesh up`: the whole mesh on one machine. Tokenizer, worker and gateway run as
-//! separate child processes of this one (the same binary, re-executed with a service
+//! `pdmesh up`: the whole mesh on one machine. Tokenizer, cache service (unless
+//! `--no-host-cache`), worker and gateway run as separate child processes of this one (the same binary, re-executed with a service
 //! subcommand) on loopback ports. `up` waits until each is healthy, prints the URL, then
 //! supervises: a signal stops all children; a child that exits stops the others and
 //! makes `up` fail naming it. Children die with `up` even if it is killed outright.
@@ -196,6 +196,7 @@ async fn healthy(s: &Service) -> bool {
     match s.name {
         "tokenizer" => probe::tokenizer_healthy(s.addr).await,
         "worker" => probe::worker_healthy(s.addr).await,
+        "cache" => probe::cache_healthy(s.addr).await,
         _ => probe::http_status(s.addr, "/health").await == Some(200),
     }
 }
@@ -308,6 +309,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     let exe = std::env::current_exe().map_err(UpError::CurrentExe)?;
     let tok_addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), free_port()?);
     let worker_addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), free_port()?);
+    let cache_addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), free_port()?);
     let port = if args.port == 0 {
         free_port()?
     } else {
@@ -333,6 +335,12 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             "--model".into(),
             model_arg.clone(),
         ];
+        if !args.no_host_cache {
+            let mut cache_args = vec!["cache".into(), "--listen".into(), cache_addr.to_string()];
+            cache_args.extend(args.cache_args.iter().cloned());
+            services.push(spawn("cache", &exe, &cache_args, cache_addr, None)?);
+            worker_args.extend(["--cache-url".into(), format!("http://{cache_addr}")]);
+        }
         worker_args.extend(args.worker_args.iter().cloned());
         services.push(spawn("worker", &exe, &worker_args, worker_addr, None)?);
         let mut gw_args = vec![
@@ -412,12 +420,14 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             "gateway": port,
             "tokenizer": tok_addr.port(),
             "worker": worker_addr.port(),
+            "cache": if args.no_host_cache { 0 } else { cache_addr.port() },
             "model": model_id,
             "pids": {
                 "up": std::process::id(),
                 "tokenizer": pid("tokenizer"),
                 "worker": pid("worker"),
                 "gateway": pid("gateway"),
+                "cache": pid("cache"),
             },
         });
         if let Err(e) = write_ports_json(path, &value) {

@@ -96,6 +96,8 @@ pub struct Engine {
     preemptions: u64,
     cache: Option<PrefixCache>,
     host: Option<(Box<dyn HostTier>, WritePolicy)>,
+    /// The host tier's generation the cache's `on_host` marks refer to.
+    host_generation: u64,
     host_stats: HostStats,
 }
 
@@ -198,6 +200,7 @@ impl Engine {
             preemptions: 0,
             cache: cfg_cache.then(|| PrefixCache::new(page_size, layout.fingerprint())),
             host: None,
+            host_generation: 0,
             host_stats: HostStats::default(),
         })
     }
@@ -354,6 +357,7 @@ impl Engine {
     /// prefix cache (which keeps its own reference), then it drops its references.
     fn retire_pages(&mut self, s: &mut Seq) {
         let pages = std::mem::take(&mut s.pages);
+        self.check_host_generation();
         if let Some(c) = &mut self.cache {
             let path = c.insert(&mut self.pool, &s.tokens[..s.computed], &pages);
             if let Some((host, policy)) = &mut self.host {
@@ -389,8 +393,20 @@ impl Engine {
         self.release(pages);
     }
 
+    /// After the host tier registered anew (its mirror may have lost everything), no page
+    /// counts as written there any more.
+    fn check_host_generation(&mut self) {
+        if let (Some((host, _)), Some(c)) = (&self.host, &mut self.cache)
+            && host.generation() != self.host_generation
+        {
+            c.forget_host();
+            self.host_generation = host.generation();
+        }
+    }
+
     /// Allocate `n` pages, evicting cached prefixes nobody uses if the pool is short.
     fn alloc(&mut self, n: usize) -> Result<Vec<PageId>, KvError> {
+        self.check_host_generation();
         let free = self.pool.free_pages();
         if n > free
             && let Some(c) = &mut self.cache

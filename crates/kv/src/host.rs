@@ -34,4 +34,8 @@ pub trait HostTier: Send {
     /// Offers pages `(hash, parent hash, bytes)` in prefix order; returns how many the
     /// tier wrote (it skips pages it holds and pages it has no room for).
     fn store(&mut self, pages: &[(u64, u64, &[u8])]) -> usize;
+    /// Changes whenever the tier may have lost what it was given (e.g. the cache service
+    /// restarted and this worker registered again): what was marked as written before must
+    /// be offered again.
+    fn generation(&self) -> u64;
 }

@@ -239,6 +239,13 @@ impl PrefixCache {
         }
     }
 
+    /// Forget which pages the host tier was given (it lost them).
+    pub fn forget_host(&mut self) {
+        for n in self.nodes.iter_mut().flatten() {
+            n.on_host = false;
+        }
+    }
+
     /// The seed of the hash chain.
     pub fn seed(&self) -> u64 {
         self.seed

@@ -33,6 +33,8 @@ pub struct RemoteTier {
     client: Arc<Mutex<Option<HostClient>>>,
     timeout: Duration,
     failures: Arc<AtomicU64>,
+    /// Registrations so far: each one may face a mirror that lost everything.
+    registrations: Arc<AtomicU64>,
     reconnect: tokio::task::JoinHandle<()>,
 }
 
@@ -55,8 +57,10 @@ impl RemoteTier {
     /// serves nothing until the first registration succeeds.
     pub fn start(rt: tokio::runtime::Handle, cfg: TierConfig, layout: KvLayout) -> Self {
         let client: Arc<Mutex<Option<HostClient>>> = Arc::default();
+        let registrations: Arc<AtomicU64> = Arc::default();
         let reconnect = {
             let client = client.clone();
+            let registrations = registrations.clone();
             rt.spawn(async move {
                 let mut warned = false;
                 loop {
@@ -71,6 +75,7 @@ impl RemoteTier {
                             Ok(Ok(c)) => {
                                 tracing::info!(url = %cfg.url, lease = c.lease(), plane = ?cfg.plane, "host tier connected");
                                 *client.lock().await = Some(c);
+                                registrations.fetch_add(1, Ordering::Relaxed);
                                 warned = false;
                             }
                             Ok(Err(crate::client::ClientError::Rpc(s)))
@@ -100,6 +105,7 @@ impl RemoteTier {
             client,
             timeout: cfg.call_timeout,
             failures: Arc::default(),
+            registrations,
             reconnect,
         }
     }
@@ -186,5 +192,9 @@ impl HostTier for RemoteTier {
 
     fn store(&mut self, pages: &[(u64, u64, &[u8])]) -> usize {
         call!(self, c => c.store(pages)).map_or(0, |s| s.written)
+    }
+
+    fn generation(&self) -> u64 {
+        self.registrations.load(Ordering::Relaxed)
     }
 }

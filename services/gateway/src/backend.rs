@@ -34,6 +34,19 @@ pub(crate) struct WorkerInfo {
     pub cached_pages: u32,
     /// Cached pages the worker evicted since it started.
     pub evicted_pages: u64,
+    /// Prompt tokens the worker served from its device prefix cache since it started.
+    pub device_hit_tokens: u64,
+    pub host: HostTotals,
+}
+
+/// The worker's host-tier counters since it started.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct HostTotals {
+    pub hit_tokens: u64,
+    pub load_bytes: u64,
+    pub load_seconds: f64,
+    pub written_bytes: u64,
+    pub checksum_failures: u64,
 }
 
 /// One chat message, already flattened to text.
@@ -141,6 +154,14 @@ impl Backends {
             free_pages: r.free_pages,
             cached_pages: r.cached_pages,
             evicted_pages: r.prefix_evicted_pages,
+            device_hit_tokens: r.prefix_hit_tokens,
+            host: HostTotals {
+                hit_tokens: r.host_hit_tokens,
+                load_bytes: r.host_load_bytes,
+                load_seconds: r.host_load_seconds,
+                written_bytes: r.host_written_bytes,
+                checksum_failures: r.host_checksum_failures,
+            },
         })
     }
 

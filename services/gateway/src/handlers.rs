@@ -132,7 +132,19 @@ async fn metrics(State(st): State<AppState>) -> Response {
             st.metrics.kv_pages_free.set(i64::from(info.free_pages));
             st.metrics.kv_pages_total.set(i64::from(info.total_pages));
             st.metrics.kv_pages_cached.set(i64::from(info.cached_pages));
-            st.metrics.observe_device_evictions(info.evicted_pages);
+            let m = &st.metrics;
+            m.kv_evictions.observe("device", info.evicted_pages as f64);
+            m.kv_hit_tokens
+                .observe("device", info.device_hit_tokens as f64);
+            m.kv_hit_tokens.observe("host", info.host.hit_tokens as f64);
+            m.kv_load_back_bytes
+                .observe("host", info.host.load_bytes as f64);
+            m.kv_load_back_seconds
+                .observe("host", info.host.load_seconds);
+            m.kv_write_back_bytes
+                .observe("host", info.host.written_bytes as f64);
+            m.kv_checksum_failures
+                .observe("host", info.host.checksum_failures as f64);
         }
         Err(e) => tracing::debug!(error = %e.message, "worker model info unavailable for metrics"),
     }
@@ -449,6 +461,8 @@ mod tests {
             free_pages: 1,
             cached_pages: 0,
             evicted_pages: 0,
+            device_hit_tokens: 0,
+            host: Default::default(),
         }
     }
 

@@ -18,10 +18,45 @@ pub(crate) struct Metrics {
     pub kv_pages_free: IntGauge,
     pub kv_pages_total: IntGauge,
     pub kv_pages_cached: IntGauge,
-    kv_evictions: IntCounterVec,
-    /// The worker's eviction count at the last scrape: the counter grows by the difference.
-    evictions_seen: std::sync::atomic::AtomicU64,
+    /// Cache counters the worker keeps since it started, mirrored at each scrape.
+    pub kv_evictions: WorkerTotals,
+    pub kv_hit_tokens: WorkerTotals,
+    pub kv_load_back_bytes: WorkerTotals,
+    pub kv_load_back_seconds: WorkerTotals,
+    pub kv_write_back_bytes: WorkerTotals,
+    pub kv_checksum_failures: WorkerTotals,
     pub stream_duration: Histogram,
+}
+
+/// A counter mirroring a total the worker keeps since it started, by cache tier: each
+/// scrape adds the difference from the last total seen. A total lower than the last means
+/// the worker restarted, so all of it is new.
+pub(crate) struct WorkerTotals {
+    counter: prometheus::CounterVec,
+    seen: std::sync::Mutex<std::collections::HashMap<&'static str, f64>>,
+}
+
+impl WorkerTotals {
+    fn new(registry: &Registry, name: &str, help: &str) -> Result<Self, prometheus::Error> {
+        let counter = prometheus::CounterVec::new(Opts::new(name, help), &["tier"])?;
+        registry.register(Box::new(counter.clone()))?;
+        Ok(Self {
+            counter,
+            seen: Default::default(),
+        })
+    }
+
+    pub fn observe(&self, tier: &'static str, total: f64) {
+        let mut seen = self.seen.lock().expect("metrics lock");
+        let last = seen.insert(tier, total).unwrap_or(0.0);
+        let new = if total >= last { total - last } else { total };
+        self.counter.with_label_values(&[tier]).inc_by(new);
+    }
+
+    #[cfg(test)]
+    fn get(&self, tier: &str) -> f64 {
+        self.counter.with_label_values(&[tier]).get()
+    }
 }
 
 /// Routes, as metric labels.
@@ -109,12 +144,35 @@ impl Metrics {
             "mesh_kv_pages_cached",
             "KV pages only the worker's prefix cache holds, evictable (read at scrape).",
         )?;
-        let kv_evictions = IntCounterVec::new(
-            Opts::new(
-                "mesh_kv_cache_evictions_total",
-                "Cached KV pages evicted to make room, by cache tier.",
-            ),
-            &["tier"],
+        let kv_evictions = WorkerTotals::new(
+            &registry,
+            "mesh_kv_cache_evictions_total",
+            "Cached KV pages evicted to make room, by cache tier.",
+        )?;
+        let kv_hit_tokens = WorkerTotals::new(
+            &registry,
+            "mesh_kv_cache_hit_tokens_total",
+            "Prompt tokens served from a KV cache tier instead of computed, by tier.",
+        )?;
+        let kv_load_back_bytes = WorkerTotals::new(
+            &registry,
+            "mesh_kv_cache_load_back_bytes_total",
+            "KV bytes loaded from the host tier into the device pool.",
+        )?;
+        let kv_load_back_seconds = WorkerTotals::new(
+            &registry,
+            "mesh_kv_cache_load_back_seconds_total",
+            "Time spent loading KV pages from the host tier, checksums included.",
+        )?;
+        let kv_write_back_bytes = WorkerTotals::new(
+            &registry,
+            "mesh_kv_cache_write_back_bytes_total",
+            "KV bytes written from the device pool to the host tier.",
+        )?;
+        let kv_checksum_failures = WorkerTotals::new(
+            &registry,
+            "mesh_kv_cache_checksum_failures_total",
+            "Host-tier pages whose bytes failed their checksum on load (recomputed, never served).",
         )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(duration.clone()))?;
@@ -126,7 +184,6 @@ impl Metrics {
         registry.register(Box::new(kv_pages_free.clone()))?;
         registry.register(Box::new(kv_pages_total.clone()))?;
         registry.register(Box::new(kv_pages_cached.clone()))?;
-        registry.register(Box::new(kv_evictions.clone()))?;
         Ok(Self {
             registry,
             requests,
@@ -139,18 +196,13 @@ impl Metrics {
             kv_pages_total,
             kv_pages_cached,
             kv_evictions,
-            evictions_seen: Default::default(),
+            kv_hit_tokens,
+            kv_load_back_bytes,
+            kv_load_back_seconds,
+            kv_write_back_bytes,
+            kv_checksum_failures,
             stream_duration,
         })
-    }
-
-    /// The worker's cumulative device-tier evictions, as read at a scrape. A count lower
-    /// than the last one means the worker restarted: all of it is new.
-    pub fn observe_device_evictions(&self, total: u64) {
-        use std::sync::atomic::Ordering;
-        let last = self.evictions_seen.swap(total, Ordering::Relaxed);
-        let new = if total >= last { total - last } else { total };
-        self.kv_evictions.with_label_values(&["device"]).inc_by(new);
     }
 
     pub fn observe_request(&self, endpoint: &'static str, status: u16, seconds: f64) {
@@ -208,12 +260,12 @@ mod tests {
     #[test]
     fn device_evictions_count_differences_and_survive_a_worker_restart() {
         let m = Metrics::new().unwrap();
-        let count = |m: &Metrics| m.kv_evictions.with_label_values(&["device"]).get();
-        m.observe_device_evictions(7);
-        m.observe_device_evictions(10);
-        assert_eq!(count(&m), 10);
-        m.observe_device_evictions(2); // the worker restarted and evicted 2 since
-        assert_eq!(count(&m), 12);
+        let count = |m: &Metrics| m.kv_evictions.get("device");
+        m.kv_evictions.observe("device", 7.0);
+        m.kv_evictions.observe("device", 10.0);
+        assert_eq!(count(&m), 10.0);
+        m.kv_evictions.observe("device", 2.0); // the worker restarted and evicted 2 since
+        assert_eq!(count(&m), 12.0);
         assert!(
             m.render()
                 .contains(r#"mesh_kv_cache_evictions_total{tier="device"} 12"#)

@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use pdmesh_engine::{Engine, EngineError, FinishReason, GenRequest, ModelInfo, StepEvent};
+use pdmesh_engine::{
+    Engine, EngineError, FinishReason, GenRequest, HostStats, ModelInfo, StepEvent,
+};
 use pdmesh_kv::PrefixCacheStats;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -20,6 +22,9 @@ pub(crate) trait Backend {
     }
     fn cache_stats(&self) -> PrefixCacheStats {
         PrefixCacheStats::default()
+    }
+    fn host_stats(&self) -> HostStats {
+        HostStats::default()
     }
     fn submit(&mut self, req: GenRequest) -> Result<(), EngineError>;
     fn abort(&mut self, id: &str) -> bool;
@@ -39,6 +44,9 @@ impl Backend for Engine {
     }
     fn cache_stats(&self) -> PrefixCacheStats {
         Engine::cache_stats(self)
+    }
+    fn host_stats(&self) -> HostStats {
+        Engine::host_stats(self)
     }
     fn submit(&mut self, req: GenRequest) -> Result<(), EngineError> {
         Engine::submit(self, req)
@@ -255,6 +263,7 @@ impl<B: Backend> EngineCore<B> {
             free_pages: engine.free_pages(),
             cached_pages: engine.cached_pages(),
             cache: engine.cache_stats(),
+            host: engine.host_stats(),
         };
         Ok((engine.info(), pool))
     }
@@ -266,6 +275,7 @@ pub(crate) struct PoolNow {
     pub free_pages: usize,
     pub cached_pages: usize,
     pub cache: PrefixCacheStats,
+    pub host: HostStats,
 }
 
 #[cfg(test)]

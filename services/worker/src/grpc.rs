@@ -103,6 +103,12 @@ fn model_info(info: ModelInfo, pool: PoolNow) -> pb::ModelInfoResponse {
         cached_pages: u32::try_from(pool.cached_pages).unwrap_or(u32::MAX),
         prefix_hit_tokens: pool.cache.hit_tokens,
         prefix_evicted_pages: pool.cache.evicted_pages,
+        host_hit_tokens: pool.host.hit_tokens,
+        host_load_bytes: pool.host.load_bytes,
+        host_load_seconds: pool.host.load_seconds,
+        host_written_pages: pool.host.written_pages,
+        host_written_bytes: pool.host.written_bytes,
+        host_checksum_failures: pool.host.checksum_failures,
     }
 }
 

@@ -11,7 +11,8 @@ mod grpc;
 
 use std::path::PathBuf;
 
-use pdmesh_engine::EngineConfig;
+use pdmesh_cache::client::DataPlane;
+use pdmesh_engine::{EngineConfig, WritePolicy};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
@@ -46,6 +47,30 @@ pub struct Config {
     /// the KV cache), e.g. as the reference for differential tests.
     #[arg(long, env = "PDMESH_DISABLE_PREFIX_CACHE")]
     pub disable_prefix_cache: bool,
+    /// The cache service holding the host tier of the KV cache (e.g.
+    /// `http://127.0.0.1:50063`); without it the worker uses its device tier only.
+    #[arg(long, env = "PDMESH_CACHE_URL")]
+    pub cache_url: Option<String>,
+    /// How KV pages travel to and from the host mirror.
+    #[arg(long, env = "PDMESH_CACHE_DATA_PLANE", value_enum, default_value_t = DataPlane::Shm)]
+    pub cache_data_plane: DataPlane,
+    /// When device pages are written to the host mirror.
+    #[arg(long, env = "PDMESH_CACHE_WRITE_POLICY", value_enum, default_value_t = WritePolicyArg::WriteThrough)]
+    pub cache_write_policy: WritePolicyArg,
+    /// Reuses before a page is written (write-through-selective).
+    #[arg(long, env = "PDMESH_CACHE_WRITE_HITS", default_value_t = 2)]
+    pub cache_write_hits: u32,
+}
+
+/// `--cache-write-policy` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WritePolicyArg {
+    /// As soon as a request's pages enter the device cache.
+    WriteThrough,
+    /// Once a page was reused `--cache-write-hits` times.
+    WriteThroughSelective,
+    /// When the device cache evicts a page.
+    WriteBack,
 }
 
 impl Config {
@@ -60,6 +85,10 @@ impl Config {
             threads: 0,
             max_context: None,
             disable_prefix_cache: false,
+            cache_url: None,
+            cache_data_plane: DataPlane::Shm,
+            cache_write_policy: WritePolicyArg::WriteThrough,
+            cache_write_hits: 2,
         }
     }
 
@@ -77,6 +106,11 @@ impl Config {
         }
         if self.max_context == Some(0) {
             return Err(Error::Config("--max-context must be at least 1".into()));
+        }
+        if self.cache_url.is_some() && self.disable_prefix_cache {
+            return Err(Error::Config(
+                "--cache-url needs the prefix cache: drop --disable-prefix-cache".into(),
+            ));
         }
         Ok(EngineConfig {
             model_path: self.model.clone(),
@@ -101,11 +135,33 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let engine_cfg = cfg.engine_config()?;
-    let engine = tokio::task::spawn_blocking(move || pdmesh_engine::Engine::load(engine_cfg))
+    let mut engine = tokio::task::spawn_blocking(move || pdmesh_engine::Engine::load(engine_cfg))
         .await
         .map_err(|e| {
             Error::Thread(std::io::Error::other(format!("model loader panicked: {e}")))
         })??;
+    if let Some(url) = &cfg.cache_url {
+        let tier = pdmesh_cache::RemoteTier::start(
+            tokio::runtime::Handle::current(),
+            pdmesh_cache::TierConfig {
+                url: url.clone(),
+                worker_id: format!("worker-{}", std::process::id()),
+                plane: cfg.cache_data_plane,
+                call_timeout: std::time::Duration::from_secs(2),
+                retry_every: std::time::Duration::from_secs(1),
+            },
+            engine.pool().layout().as_ref().clone(),
+        );
+        let policy = match cfg.cache_write_policy {
+            WritePolicyArg::WriteThrough => WritePolicy::WriteThrough,
+            WritePolicyArg::WriteThroughSelective => WritePolicy::WriteThroughSelective {
+                hits: cfg.cache_write_hits,
+            },
+            WritePolicyArg::WriteBack => WritePolicy::WriteBack,
+        };
+        tracing::info!(%url, plane = ?cfg.cache_data_plane, ?policy, "host tier enabled");
+        engine.set_host_tier(Box::new(tier), policy);
+    }
     let info = engine.info();
     let addr = listener.local_addr().ok();
     tracing::info!(
