@@ -219,14 +219,38 @@ impl HostClient {
         let verify = |p: &PageRef, d: &[u8]| xxhash_rust::xxh3::xxh3_64(d) == p.checksum;
         match (&self.mirror, self.plane) {
             (Some(m), DataPlane::Shm) => {
-                for (i, (p, d)) in pages.iter().zip(dsts.iter_mut()).enumerate() {
-                    m.read(p.slot, d);
-                    if !verify(p, d) {
-                        return Ok(Loaded {
-                            pages: i,
-                            corrupt: Some(p.slot),
-                        });
-                    }
+                // Pages are independent: copy and check them on several threads, each page
+                // checked right after its copy, while it is still in cache.
+                let threads = std::thread::available_parallelism()
+                    .map_or(1, |n| n.get())
+                    .min(pages.len().div_ceil(4))
+                    .max(1);
+                let per = pages.len().div_ceil(threads);
+                let ok: Vec<bool> = std::thread::scope(|s| {
+                    let jobs: Vec<_> = pages
+                        .chunks(per)
+                        .zip(dsts.chunks_mut(per))
+                        .map(|(ps, ds)| {
+                            s.spawn(move || {
+                                ps.iter()
+                                    .zip(ds.iter_mut())
+                                    .map(|(p, d)| {
+                                        m.read(p.slot, d);
+                                        verify(p, d)
+                                    })
+                                    .collect::<Vec<bool>>()
+                            })
+                        })
+                        .collect();
+                    jobs.into_iter()
+                        .flat_map(|j| j.join().expect("a page copy panicked"))
+                        .collect()
+                });
+                if let Some(i) = ok.iter().position(|&g| !g) {
+                    return Ok(Loaded {
+                        pages: i,
+                        corrupt: Some(pages[i].slot),
+                    });
                 }
             }
             _ => {

@@ -22,7 +22,6 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 
 pub use state::{CacheError, MirrorSize};
@@ -100,7 +99,11 @@ pub async fn run(
         .add_service(pdmesh_proto::cache::v1::cache_server::CacheServer::new(
             grpc::CacheService::new(shared.clone(), shutdown.clone()),
         ))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled_owned())
+        .serve_with_incoming_shutdown(
+            // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown.cancelled_owned(),
+        )
         .await;
     reaper.abort();
     let _ = reaper.await;

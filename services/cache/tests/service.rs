@@ -180,19 +180,21 @@ async fn a_byte_flipped_in_the_mirror_is_caught_on_load_on_both_planes_and_disca
         .into_inner()
         .shm_path
     };
-    let c = chain(7, 3);
+    // Nine pages: a load copies them on several threads; the corrupt one is in the second
+    // half.
+    let c = chain(7, 9);
     let hashes: Vec<u64> = c.iter().map(|p| p.0).collect();
     for plane in [DataPlane::Shm, DataPlane::Grpc] {
         // (Re)store the chain: a discarded page is written afresh.
         store(&mut w, &c).await;
         let refs = w.match_pages(&hashes).await.unwrap();
-        assert_eq!(refs.len(), 3);
+        assert_eq!(refs.len(), 9);
         w.release(&refs.iter().map(|r| r.slot).collect::<Vec<_>>())
             .await
             .unwrap();
-        // Corrupt the second page behind the service's back.
+        // Corrupt the seventh page behind the service's back.
         let mut bytes = std::fs::read(&path).unwrap();
-        bytes[refs[1].slot as usize * layout().bytes_per_page() + 1234] ^= 0x10;
+        bytes[refs[6].slot as usize * layout().bytes_per_page() + 1234] ^= 0x10;
         std::fs::write(&path, &bytes).unwrap();
 
         let mut r = client(&s, "reader", plane).await;
@@ -200,16 +202,20 @@ async fn a_byte_flipped_in_the_mirror_is_caught_on_load_on_both_planes_and_disca
         assert_eq!(
             loaded,
             Loaded {
-                pages: 1,
-                corrupt: Some(refs[1].slot)
+                pages: 6,
+                corrupt: Some(refs[6].slot)
             },
             "{plane:?}"
         );
-        assert!(bufs[0] == page_for(hashes[0]));
+        for (i, b) in bufs.iter().take(6).enumerate() {
+            assert!(*b == page_for(hashes[i]), "{plane:?} page {i}");
+        }
         // The corrupt page is gone: nobody is served it again.
         let again = r.match_pages(&hashes).await.unwrap();
-        assert_eq!(again.len(), 1, "{plane:?}");
-        r.release(&[again[0].slot]).await.unwrap();
+        assert_eq!(again.len(), 6, "{plane:?}");
+        r.release(&again.iter().map(|p| p.slot).collect::<Vec<_>>())
+            .await
+            .unwrap();
     }
     assert_eq!(s.stats().await.pinned_pages, 0);
     s.stop().await;

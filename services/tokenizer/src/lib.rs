@@ -10,7 +10,6 @@ mod grpc;
 use std::path::PathBuf;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 
 pub use error::Error;
@@ -54,7 +53,11 @@ pub async fn run(
     let service = grpc::TokenizerService::new(tokenizer);
     tonic::transport::Server::builder()
         .add_service(pdmesh_proto::tokenizer::v1::tokenizer_server::TokenizerServer::new(service))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled_owned())
+        .serve_with_incoming_shutdown(
+            // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown.cancelled_owned(),
+        )
         .await?;
     tracing::info!(?addr, "tokenizer service stopped");
     Ok(())

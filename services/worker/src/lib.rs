@@ -14,7 +14,6 @@ use std::path::PathBuf;
 use pdmesh_cache::client::DataPlane;
 use pdmesh_engine::{EngineConfig, WritePolicy};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 
 pub use error::Error;
@@ -189,7 +188,11 @@ pub async fn run(
         .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::new(
             grpc::WorkerService::new(handle),
         ))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled_owned())
+        .serve_with_incoming_shutdown(
+            // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown.cancelled_owned(),
+        )
         .await;
     aborter.abort();
     let _ = aborter.await;

@@ -1,0 +1,114 @@
+//! Time to first token for a long prompt: cold (computed), device hit (prefix cache of
+//! the same engine), host hit (a fresh engine whose prefix comes back from the cache
+//! service's shared-memory mirror).
+//!
+//! `cargo run --release -p pdmesh-engine --example bench_ttft -- [PROMPT_TOKENS] [ROUNDS]`
+
+use std::time::{Duration, Instant};
+
+use pdmesh_cache::client::DataPlane;
+use pdmesh_cache::{Config, MirrorSize, RemoteTier, TierConfig};
+use pdmesh_engine::{Engine, EngineConfig, GenRequest, SamplingParams, StepEvent, WritePolicy};
+
+fn ttft(e: &mut Engine, id: &str, prompt: &[u32]) -> f64 {
+    let t = Instant::now();
+    e.submit(GenRequest {
+        id: id.into(),
+        prompt: prompt.to_vec(),
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(1)
+        },
+    })
+    .unwrap();
+    let mut first = None;
+    while e.has_work() {
+        for ev in e.step() {
+            if matches!(ev, StepEvent::Token { .. }) && first.is_none() {
+                first = Some(t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    first.expect("a first token")
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("number"))
+        .collect();
+    let n = *args.first().unwrap_or(&2048);
+    let rounds = *args.get(1).unwrap_or(&3);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    rt.spawn(pdmesh_cache::run(
+        Config::new(MirrorSize::Bytes(1 << 30)),
+        listener,
+        shutdown.clone(),
+    ));
+
+    let engine = |tier: bool| {
+        let mut cfg = EngineConfig::new(pdmesh_gguf::models::require_default_model());
+        cfg.kv_pages = 512;
+        cfg.prefill_chunk = 4096;
+        let mut e = Engine::load(cfg).expect("load");
+        if tier {
+            let t = RemoteTier::start(
+                rt.handle().clone(),
+                TierConfig {
+                    url: url.clone(),
+                    worker_id: "bench".into(),
+                    plane: DataPlane::Shm,
+                    call_timeout: Duration::from_secs(10),
+                    retry_every: Duration::from_millis(20),
+                },
+                e.pool().layout().as_ref().clone(),
+            );
+            while !t.connected() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            e.set_host_tier(Box::new(t), WritePolicy::WriteThrough);
+        }
+        e
+    };
+    let (mut cold, mut device, mut host) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..rounds {
+        // A distinct prompt per round, so every cold run is really cold.
+        let prompt: Vec<u32> = (0..n as u32)
+            .map(|i| 100 + (i * 7 + r as u32 * 13) % 40_000)
+            .collect();
+        let mut writer = engine(true);
+        cold.push(ttft(&mut writer, "cold", &prompt));
+        device.push(ttft(&mut writer, "device", &prompt));
+        let mut reader = engine(true);
+        host.push(ttft(&mut reader, "host", &prompt));
+        assert!(
+            reader.host_stats().hit_tokens as usize >= n - 16,
+            "{:?}",
+            reader.host_stats()
+        );
+    }
+    let (c, d, h) = (median(cold), median(device), median(host));
+    println!("time to first token, {n}-token prompt, median of {rounds}:");
+    println!("  cold (computed):        {:8.1} ms", c * 1e3);
+    println!(
+        "  device prefix hit:      {:8.1} ms  ({:.3}x cold)",
+        d * 1e3,
+        d / c
+    );
+    println!(
+        "  host mirror hit (shm):  {:8.1} ms  ({:.3}x cold)",
+        h * 1e3,
+        h / c
+    );
+    shutdown.cancel();
+}
