@@ -87,6 +87,9 @@ def test_a_repeated_conversation_is_served_from_the_prefix_cache_with_the_same_a
     # `pdmesh up` runs the cache service: the worker writes its pages through to the mirror.
     assert m['mesh_kv_cache_write_back_bytes_total{tier="host"}'] > 0
     assert m['mesh_kv_cache_checksum_failures_total{tier="host"}'] == 0
+    assert m['mesh_host_mirror_pages{state="used"}'] > 0
+    assert m['mesh_host_mirror_pages{state="total"}'] >= m['mesh_host_mirror_pages{state="used"}']
+    assert m["mesh_host_mirror_leases"] == 1
 
 
 def test_max_tokens_ends_with_length(client, mesh):

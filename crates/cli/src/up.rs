@@ -352,6 +352,9 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             "--worker-url".into(),
             format!("http://{worker_addr}"),
         ];
+        if !args.no_host_cache {
+            gw_args.extend(["--cache-url".into(), format!("http://{cache_addr}")]);
+        }
         gw_args.extend(args.gateway_args.iter().cloned());
         services.push(spawn(
             "gateway",

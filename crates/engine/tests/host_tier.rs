@@ -91,13 +91,18 @@ fn small(c: &mut pdmesh_engine::EngineConfig) {
 }
 
 #[test]
-fn slow_eighty_sessions_are_bit_identical_when_prefixes_come_back_from_the_host_mirror() {
+fn slow_eighty_sessions_are_bit_identical_with_no_cache_the_device_tier_and_the_host_mirror() {
     const N: usize = 80;
     let mut plain = common::engine(|c| {
         c.prefix_cache = false;
         c.kv_pages = 2048;
     });
     let reference = sessions(&mut plain, N);
+
+    let mut device = common::engine(|c| c.kv_pages = 2048);
+    let got = sessions(&mut device, N);
+    assert_same_turns(&reference, &got, "device tier only");
+    assert!(device.cache_stats().hit_tokens > 0);
 
     for (plane, policy) in [
         (DataPlane::Shm, WritePolicy::WriteThrough),

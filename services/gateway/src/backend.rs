@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
+use pdmesh_proto::cache::v1::cache_client::CacheClient;
 use pdmesh_proto::tokenizer::v1 as tk;
 use pdmesh_proto::worker::v1 as wk;
 use tk::tokenizer_client::TokenizerClient;
@@ -20,6 +21,7 @@ use crate::error::{ApiError, Error};
 pub(crate) struct Backends {
     tokenizer: TokenizerClient<Channel>,
     worker: WorkerClient<Channel>,
+    cache: Option<CacheClient<Channel>>,
 }
 
 /// What the worker reports about the model it serves.
@@ -115,7 +117,24 @@ impl Backends {
         Ok(Self {
             tokenizer: TokenizerClient::new(endpoint(tokenizer_url)?.connect_lazy()),
             worker: WorkerClient::new(endpoint(worker_url)?.connect_lazy()),
+            cache: None,
         })
+    }
+
+    /// Also read the cache service's state (for `/metrics`).
+    pub fn with_cache(mut self, cache_url: &str) -> Result<Self, Error> {
+        self.cache = Some(CacheClient::new(endpoint(cache_url)?.connect_lazy()));
+        Ok(self)
+    }
+
+    /// The cache service's host-mirror state, if one is configured and answers in time.
+    pub async fn cache_stats(&self) -> Option<pdmesh_proto::cache::v1::StatsResponse> {
+        let mut c = self.cache.clone()?;
+        let call = c.stats(pdmesh_proto::cache::v1::StatsRequest {});
+        match tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await {
+            Ok(Ok(r)) => Some(r.into_inner()),
+            _ => None,
+        }
     }
 
     /// Whether each backend answers its Health call in time: `(tokenizer, worker)`.

@@ -148,6 +148,24 @@ async fn metrics(State(st): State<AppState>) -> Response {
         }
         Err(e) => tracing::debug!(error = %e.message, "worker model info unavailable for metrics"),
     }
+    if let Some(c) = st.backends.cache_stats().await {
+        let m = &st.metrics;
+        for (state, n) in [
+            ("total", c.total_pages),
+            ("used", c.used_pages),
+            ("pinned", c.pinned_pages),
+        ] {
+            m.host_mirror_pages
+                .with_label_values(&[state])
+                .set(i64::from(n));
+        }
+        m.host_mirror_leases.set(i64::from(c.leases));
+        m.kv_evictions.observe("host", c.evicted_pages as f64);
+        m.host_mirror_expired_leases
+            .observe("host", c.expired_leases as f64);
+        m.host_mirror_commit_rejections
+            .observe("host", c.checksum_failures as f64);
+    }
     (
         [(
             header::CONTENT_TYPE,

@@ -38,6 +38,9 @@ pub struct Config {
         default_value = "http://127.0.0.1:50062"
     )]
     pub worker_url: String,
+    /// gRPC address of the cache service, whose host-mirror state `/metrics` reports.
+    #[arg(long, env = "PDMESH_CACHE_URL")]
+    pub cache_url: Option<String>,
     /// The model name clients must send; default: the model id the worker reports.
     #[arg(long, env = "PDMESH_MODEL_NAME")]
     pub model_name: Option<String>,
@@ -55,6 +58,7 @@ impl Config {
         Self {
             tokenizer_url: tokenizer_url.into(),
             worker_url: worker_url.into(),
+            cache_url: None,
             model_name: None,
             api_key: None,
             max_body_bytes: 4 * 1024 * 1024,
@@ -89,7 +93,10 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     cfg.validate()?;
-    let backends = backend::Backends::connect_lazy(&cfg.tokenizer_url, &cfg.worker_url)?;
+    let mut backends = backend::Backends::connect_lazy(&cfg.tokenizer_url, &cfg.worker_url)?;
+    if let Some(url) = &cfg.cache_url {
+        backends = backends.with_cache(url)?;
+    }
     let state = state::AppState::new(cfg, backends, shutdown.child_token())?;
     let app = handlers::router(state);
     let addr = listener.local_addr().ok();

@@ -25,6 +25,11 @@ pub(crate) struct Metrics {
     pub kv_load_back_seconds: WorkerTotals,
     pub kv_write_back_bytes: WorkerTotals,
     pub kv_checksum_failures: WorkerTotals,
+    /// The cache service's host mirror, read at scrape.
+    pub host_mirror_pages: prometheus::IntGaugeVec,
+    pub host_mirror_leases: IntGauge,
+    pub host_mirror_expired_leases: WorkerTotals,
+    pub host_mirror_commit_rejections: WorkerTotals,
     pub stream_duration: Histogram,
 }
 
@@ -169,6 +174,29 @@ impl Metrics {
             "mesh_kv_cache_write_back_bytes_total",
             "KV bytes written from the device pool to the host tier.",
         )?;
+        let host_mirror_pages = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "mesh_host_mirror_pages",
+                "Pages of the cache service's host mirror, by state (total, used, pinned).",
+            ),
+            &["state"],
+        )?;
+        registry.register(Box::new(host_mirror_pages.clone()))?;
+        let host_mirror_leases = IntGauge::new(
+            "mesh_host_mirror_leases",
+            "Workers holding a live lease at the cache service.",
+        )?;
+        registry.register(Box::new(host_mirror_leases.clone()))?;
+        let host_mirror_expired_leases = WorkerTotals::new(
+            &registry,
+            "mesh_host_mirror_expired_leases_total",
+            "Leases of workers that stopped heartbeating (their pins and reservations were freed).",
+        )?;
+        let host_mirror_commit_rejections = WorkerTotals::new(
+            &registry,
+            "mesh_host_mirror_commit_rejections_total",
+            "Pages the cache service refused at commit because their bytes failed the checksum.",
+        )?;
         let kv_checksum_failures = WorkerTotals::new(
             &registry,
             "mesh_kv_cache_checksum_failures_total",
@@ -201,6 +229,10 @@ impl Metrics {
             kv_load_back_seconds,
             kv_write_back_bytes,
             kv_checksum_failures,
+            host_mirror_pages,
+            host_mirror_leases,
+            host_mirror_expired_leases,
+            host_mirror_commit_rejections,
             stream_duration,
         })
     }
