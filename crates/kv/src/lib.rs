@@ -6,11 +6,13 @@
 //! with one layout and filled with another; here every pool, transfer and wire message
 //! asks its layout, and pools with different fingerprints refuse to exchange pages.
 
+mod checksum;
 mod host;
 mod layout;
 mod pool;
 mod radix;
 
+pub use checksum::{copy_and_checksum, page_checksum};
 pub use host::{HostLoad, HostPage, HostTier};
 pub use layout::{Component, DType, KvLayout, LayoutError, ScalePlacement, ScaleSpec};
 pub use pool::{KvError, PageId, PagePool};

@@ -162,6 +162,11 @@ impl HostClient {
         self.page_bytes
     }
 
+    /// The mapped mirror (shm data plane only).
+    pub fn mirror(&self) -> Option<&Mirror> {
+        self.mirror.as_ref()
+    }
+
     /// False once the service said the lease expired: register again.
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::Relaxed)
@@ -216,11 +221,11 @@ impl HostClient {
         pages: &[PageRef],
         dsts: &mut [&mut [u8]],
     ) -> Result<Loaded, ClientError> {
-        let verify = |p: &PageRef, d: &[u8]| xxhash_rust::xxh3::xxh3_64(d) == p.checksum;
+        let verify = |p: &PageRef, d: &[u8]| pdmesh_kv::page_checksum(d) == p.checksum;
         match (&self.mirror, self.plane) {
             (Some(m), DataPlane::Shm) => {
-                // Pages are independent: copy and check them on several threads, each page
-                // checked right after its copy, while it is still in cache.
+                // Pages are independent: copy and check them on several threads, each in
+                // one pass that hashes the bytes as it copies them.
                 let threads = std::thread::available_parallelism()
                     .map_or(1, |n| n.get())
                     .min(pages.len().div_ceil(4))
@@ -234,10 +239,7 @@ impl HostClient {
                             s.spawn(move || {
                                 ps.iter()
                                     .zip(ds.iter_mut())
-                                    .map(|(p, d)| {
-                                        m.read(p.slot, d);
-                                        verify(p, d)
-                                    })
+                                    .map(|(p, d)| m.read_checked(p.slot, d) == p.checksum)
                                     .collect::<Vec<bool>>()
                             })
                         })
@@ -348,7 +350,7 @@ impl HostClient {
             commit.push(pb::CommitPage {
                 hash,
                 slot: g.slot,
-                checksum: xxhash_rust::xxh3::xxh3_64(bytes),
+                checksum: pdmesh_kv::page_checksum(bytes),
                 data,
                 parent_hash: parent,
             });

@@ -6,7 +6,8 @@
 //! hold a lease kept alive by heartbeats, pin pages they load and reserve slots they
 //! write; a worker that dies stops heartbeating and its lease expires, releasing all of
 //! it. Page bytes move over one of two data planes with one page format: `shm` (workers
-//! map the file) or `grpc` (bytes in messages). Every page carries an xxh3-64 checksum,
+//! map the file) or `grpc` (bytes in messages). Every page carries a checksum
+//! (`pdmesh_kv::page_checksum`, XXH3-64),
 //! checked at commit and by every consumer.
 //!
 //! [`client`] is the worker side of the protocol.

@@ -119,11 +119,24 @@ impl Mirror {
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.slot_ptr(slot), src.len()) }
     }
 
-    /// xxh3-64 of the slot's bytes, read through a private copy.
+    /// Copies slot `slot` into `dst` and returns the page checksum of the bytes copied,
+    /// reading the slot once.
+    pub fn read_checked(&self, slot: u32, dst: &mut [u8]) -> u64 {
+        assert_eq!(
+            dst.len(),
+            self.page_bytes,
+            "a page is {} bytes",
+            self.page_bytes
+        );
+        // SAFETY: the source is one slot inside the live mapping (checked in slot_ptr),
+        // `dst` a distinct Rust buffer of the same length.
+        unsafe { pdmesh_kv::copy_and_checksum(self.slot_ptr(slot), dst) }
+    }
+
+    /// The page checksum of the slot's bytes, read through a private copy.
     pub fn checksum(&self, slot: u32, scratch: &mut Vec<u8>) -> u64 {
         scratch.resize(self.page_bytes, 0);
-        self.read(slot, scratch);
-        xxhash_rust::xxh3::xxh3_64(scratch)
+        self.read_checked(slot, scratch)
     }
 }
 
@@ -162,7 +175,7 @@ mod tests {
         let mut scratch = Vec::new();
         assert_eq!(
             owner.checksum(2, &mut scratch),
-            xxhash_rust::xxh3::xxh3_64(&page)
+            pdmesh_kv::page_checksum(&page)
         );
         assert!(
             Mirror::open(owner.path(), 64, 5).is_err(),

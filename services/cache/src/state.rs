@@ -568,7 +568,7 @@ mod tests {
                 CommitPage {
                     hash,
                     slot,
-                    checksum: xxhash_rust::xxh3::xxh3_64(&d),
+                    checksum: pdmesh_kv::page_checksum(&d),
                     data: Some(d),
                     parent: 0,
                 }
@@ -623,7 +623,7 @@ mod tests {
         assert_eq!(s.reserve(b, &[1, 2]).unwrap(), vec![]);
         let m = s.match_pages(b, &[1, 2, 3]).unwrap();
         assert_eq!(m.iter().map(|p| p.hash).collect::<Vec<_>>(), [1, 2]);
-        assert_eq!(m[0].checksum, xxhash_rust::xxh3::xxh3_64(&page(1)));
+        assert_eq!(m[0].checksum, pdmesh_kv::page_checksum(&page(1)));
         assert_eq!(
             s.match_pages(b, &[9, 1]).unwrap(),
             vec![],
@@ -663,7 +663,7 @@ mod tests {
         let bad = CommitPage {
             hash: 7,
             slot: g[0].1,
-            checksum: xxhash_rust::xxh3::xxh3_64(&d) ^ 1,
+            checksum: pdmesh_kv::page_checksum(&d) ^ 1,
             data: Some(d),
             parent: 0,
         };
