@@ -37,6 +37,9 @@ pub struct EngineConfig {
     pub capture_logits: bool,
     /// Reuse the KV pages of cached prompt prefixes (the device tier of the KV cache).
     pub prefix_cache: bool,
+    /// A host-tier hit shorter than this many pages is recomputed instead of loaded; a
+    /// longer one is loaded whole (all or nothing).
+    pub host_min_pages: usize,
 }
 
 impl EngineConfig {
@@ -51,6 +54,7 @@ impl EngineConfig {
             max_context: None,
             capture_logits: false,
             prefix_cache: true,
+            host_min_pages: 1,
         }
     }
 }
@@ -496,7 +500,14 @@ impl Engine {
                 None => Vec::new(),
             };
             let tokens = std::mem::take(&mut self.waiting.front_mut().expect("front").tokens);
-            let found = self.host_lookup(&tokens, hit.len(), len - 1);
+            let mut found = self.host_lookup(&tokens, hit.len(), len - 1);
+            if !found.is_empty()
+                && found.len() < self.cfg.host_min_pages
+                && let Some((host, _)) = &mut self.host
+            {
+                host.release(&found);
+                found.clear();
+            }
             self.waiting.front_mut().expect("front").tokens = tokens;
             // Pages for everything to compute now, plus one page of headroom per running
             // sequence so admission does not immediately force a preemption.

@@ -148,6 +148,15 @@ fn a_byte_flipped_in_the_mirror_is_caught_recomputed_and_counted() {
         .unwrap();
     assert!(writer.host_stats().written_pages >= 3);
 
+    // Below the load threshold a host hit is recomputed, not loaded.
+    let mut picky = common::engine(|c| c.host_min_pages = 1000);
+    cache.attach(&mut picky, DataPlane::Shm, WritePolicy::WriteThrough);
+    let got = run_all(&mut picky, vec![greedy("p", &prompt, 8)])
+        .remove("p")
+        .unwrap();
+    assert_eq!(got.tokens, first.tokens);
+    assert_eq!(picky.host_stats().hit_tokens, 0);
+
     // A fresh worker (empty device tier) loads the prefix from the host: intact.
     let mut clean = common::engine(|_| {});
     cache.attach(&mut clean, DataPlane::Grpc, WritePolicy::WriteThrough);

@@ -59,6 +59,9 @@ pub struct Config {
     /// Reuses before a page is written (write-through-selective).
     #[arg(long, env = "PDMESH_CACHE_WRITE_HITS", default_value_t = 2)]
     pub cache_write_hits: u32,
+    /// A host-mirror hit shorter than this many pages is recomputed rather than loaded.
+    #[arg(long, env = "PDMESH_HOST_LOAD_MIN_PAGES", default_value_t = 1)]
+    pub host_load_min_pages: usize,
 }
 
 /// `--cache-write-policy` values.
@@ -88,6 +91,7 @@ impl Config {
             cache_data_plane: DataPlane::Shm,
             cache_write_policy: WritePolicyArg::WriteThrough,
             cache_write_hits: 2,
+            host_load_min_pages: 1,
         }
     }
 
@@ -121,6 +125,7 @@ impl Config {
             max_context: self.max_context,
             capture_logits: false,
             prefix_cache: !self.disable_prefix_cache,
+            host_min_pages: self.host_load_min_pages,
         })
     }
 }
