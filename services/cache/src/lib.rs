@@ -35,7 +35,8 @@ pub struct Config {
     /// registered layout (`200000tokens`).
     #[arg(long, env = "PDMESH_HOST_MIRROR_SIZE", default_value = "1GiB")]
     pub host_mirror_size: MirrorSize,
-    /// Directory of the mirror file (default: /dev/shm, else the temp directory).
+    /// Directory of the mirror file (default: /dev/shm if it has room, else the temporary
+    /// directory).
     #[arg(long, env = "PDMESH_SHM_DIR")]
     pub shm_dir: Option<PathBuf>,
     /// A worker that does not heartbeat for this long loses its pins and reservations.
@@ -72,15 +73,20 @@ pub async fn run(
     if cfg.lease_ttl_ms == 0 {
         return Err(Error::Config("--lease-ttl-ms must be at least 1".into()));
     }
-    let dir = cfg.shm_dir.clone().unwrap_or_else(mirror::default_dir);
-    if !dir.is_dir() {
+    if let Some(dir) = &cfg.shm_dir
+        && !dir.is_dir()
+    {
         return Err(Error::Config(format!(
             "--shm-dir {} is not a directory",
             dir.display()
         )));
     }
     let ttl = Duration::from_millis(cfg.lease_ttl_ms);
-    let shared = grpc::Shared::new(state::State::new(cfg.host_mirror_size, dir, ttl));
+    let shared = grpc::Shared::new(state::State::new(
+        cfg.host_mirror_size,
+        cfg.shm_dir.clone(),
+        ttl,
+    ));
     let reaper = {
         let shared = shared.clone();
         let shutdown = shutdown.clone();

@@ -33,8 +33,19 @@ impl std::fmt::Debug for Mirror {
 }
 
 impl Mirror {
-    /// Creates (truncating) a mirror file of `pages` slots of `page_bytes` in `dir`.
+    /// Creates a mirror file of `pages` slots of `page_bytes` in `dir`. The directory must
+    /// have room for all of it: a shared-memory file that outgrows its filesystem would
+    /// fault the processes writing to it later, so that is refused now.
     pub fn create(dir: &Path, page_bytes: usize, pages: usize) -> std::io::Result<Self> {
+        let need = (page_bytes * pages) as u64;
+        let free = fs4::available_space(dir)?;
+        if free < need {
+            return Err(std::io::Error::other(format!(
+                "{} has {free} bytes free, the host mirror needs {need}: pass a smaller \
+                 --host-mirror-size or another --shm-dir",
+                dir.display()
+            )));
+        }
         let path = dir.join(format!("pdmesh-mirror-{}", uuid::Uuid::new_v4().simple()));
         let file = OpenOptions::new()
             .read(true)
@@ -148,10 +159,11 @@ impl Drop for Mirror {
     }
 }
 
-/// Where the mirror file goes by default: tmpfs when the host has it.
-pub fn default_dir() -> PathBuf {
+/// Where a mirror of `bytes` goes by default: /dev/shm (memory) when the host has it with
+/// room enough, else the temporary directory.
+pub fn default_dir(bytes: u64) -> PathBuf {
     let shm = Path::new("/dev/shm");
-    if shm.is_dir() {
+    if shm.is_dir() && fs4::available_space(shm).is_ok_and(|free| free >= bytes) {
         shm.to_owned()
     } else {
         std::env::temp_dir()

@@ -146,7 +146,8 @@ struct Lease {
 #[derive(Debug)]
 pub struct State {
     size: MirrorSize,
-    dir: PathBuf,
+    /// Where the mirror file goes; `None`: [`crate::mirror::default_dir`].
+    dir: Option<PathBuf>,
     ttl: Duration,
     layout: Option<Arc<KvLayout>>,
     mirror: Option<Arc<Mirror>>,
@@ -165,7 +166,7 @@ pub struct State {
 }
 
 impl State {
-    pub fn new(size: MirrorSize, dir: PathBuf, ttl: Duration) -> Self {
+    pub fn new(size: MirrorSize, dir: Option<PathBuf>, ttl: Duration) -> Self {
         Self {
             size,
             dir,
@@ -222,7 +223,11 @@ impl State {
                         page_bytes,
                     });
                 }
-                let mirror = Mirror::create(&self.dir, page_bytes, pages)?;
+                let dir = self
+                    .dir
+                    .clone()
+                    .unwrap_or_else(|| crate::mirror::default_dir((page_bytes * pages) as u64));
+                let mirror = Mirror::create(&dir, page_bytes, pages)?;
                 tracing::info!(path = %mirror.path().display(), pages, page_bytes, layout = %layout, "host mirror created");
                 self.mirror = Some(Arc::new(mirror));
                 self.slots = (0..pages).map(|_| Slot::Free).collect();
@@ -551,7 +556,11 @@ mod tests {
 
     fn state(pages: u64) -> (State, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
-        let s = State::new(MirrorSize::Bytes(128 * pages), dir.path().to_owned(), TTL);
+        let s = State::new(
+            MirrorSize::Bytes(128 * pages),
+            Some(dir.path().to_owned()),
+            TTL,
+        );
         (s, dir)
     }
 
@@ -608,7 +617,14 @@ mod tests {
             Err(CacheError::TooSmall { .. })
         ));
         let dir = tempfile::tempdir().unwrap();
-        let mut u = State::new(MirrorSize::Tokens(40), dir.path().to_owned(), TTL);
+        let mut u = State::new(MirrorSize::Tokens(40), Some(dir.path().to_owned()), TTL);
+        assert_eq!(u.register("w", layout(), now).unwrap().total_pages, 10);
+        // A mirror bigger than its filesystem's free space is refused when it is made.
+        let mut huge = State::new(MirrorSize::Bytes(1 << 60), Some(dir.path().to_owned()), TTL);
+        let err = huge.register("w", layout(), now).unwrap_err().to_string();
+        assert!(err.contains("--host-mirror-size"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let mut u = State::new(MirrorSize::Tokens(40), Some(dir.path().to_owned()), TTL);
         assert_eq!(u.register("w", layout(), now).unwrap().total_pages, 10);
     }
 
