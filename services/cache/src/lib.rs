@@ -15,6 +15,7 @@
 pub mod client;
 mod grpc;
 pub mod mirror;
+pub mod rooms;
 mod state;
 mod tier;
 pub mod wire;

@@ -1,0 +1,570 @@
+//! Rooms: the rendezvous of one request's prefill and decode sides at the cache service
+//! (the first step of prefill/decode disaggregation; not yet served over gRPC).
+//!
+//! A room moves Bootstrapping → WaitingForInput → Transferring → Success, or to Failed
+//! from any state that is not final; never backwards. Every state has a deadline; either
+//! side may abort; losing a side's lease fails its rooms. A failed room refuses every
+//! later call, so a late commit from its sender is rejected. The mirror slots a room held
+//! while its sender could still be writing are not reused until that sender's lease lets
+//! go of them (they are quarantined), so a late write through shared memory cannot land
+//! in pages another request now uses.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// Where a room is. The numbering follows SGLang's transfer states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RoomState {
+    Failed = 0,
+    Bootstrapping = 1,
+    WaitingForInput = 2,
+    Transferring = 3,
+    Success = 4,
+}
+
+impl RoomState {
+    fn is_final(self) -> bool {
+        matches!(self, Self::Failed | Self::Success)
+    }
+
+    /// The only moves a room makes.
+    fn may_become(self, next: Self) -> bool {
+        use RoomState::*;
+        matches!(
+            (self, next),
+            (Bootstrapping, WaitingForInput)
+                | (WaitingForInput, Transferring)
+                | (Transferring, Success)
+                | (Bootstrapping | WaitingForInput | Transferring, Failed)
+        )
+    }
+}
+
+/// Which end of a room a worker is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// Prefill: computes and writes the pages.
+    Sender,
+    /// Decode: reserves its pages first, then loads and decodes.
+    Receiver,
+}
+
+/// How long a room may stay in each state (and, for Success, how long the receiver has
+/// to take its pages).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoomDeadlines {
+    pub bootstrapping: Duration,
+    pub waiting_for_input: Duration,
+    pub transferring: Duration,
+    pub success: Duration,
+}
+
+impl Default for RoomDeadlines {
+    fn default() -> Self {
+        Self {
+            bootstrapping: Duration::from_secs(30),
+            waiting_for_input: Duration::from_secs(120),
+            transferring: Duration::from_secs(30),
+            success: Duration::from_secs(30),
+        }
+    }
+}
+
+impl RoomDeadlines {
+    fn of(&self, s: RoomState) -> Option<Duration> {
+        match s {
+            RoomState::Bootstrapping => Some(self.bootstrapping),
+            RoomState::WaitingForInput => Some(self.waiting_for_input),
+            RoomState::Transferring => Some(self.transferring),
+            RoomState::Success => Some(self.success),
+            RoomState::Failed => None,
+        }
+    }
+}
+
+/// What a sender hands over with its pages; the receiver checks `room` on arrival.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Aux {
+    pub room: u64,
+    pub first_token: u32,
+    pub first_logprob: f32,
+}
+
+/// One transferred page: its mirror slot and checksum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoomPage {
+    pub slot: u32,
+    pub checksum: u64,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RoomError {
+    #[error("room {room} failed: {reason}")]
+    Failed { room: u64, reason: String },
+    #[error("room {0} does not exist (finished, failed long ago, or never opened)")]
+    Unknown(u64),
+    #[error("room {room} already has a {side:?} (lease {holder})")]
+    SideTaken { room: u64, side: Side, holder: u64 },
+    #[error("lease {lease} is not the {side:?} of room {room}")]
+    NotYours { room: u64, side: Side, lease: u64 },
+    #[error("room {room} is {state:?}; this needs {need:?}")]
+    WrongState {
+        room: u64,
+        state: RoomState,
+        need: RoomState,
+    },
+}
+
+/// Mirror slots a room gave back: free at once, or held until a lease lets go.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    pub free_now: Vec<u32>,
+    /// (slot, sender lease): the sender might still write these.
+    pub quarantined: Vec<(u32, u64)>,
+}
+
+#[derive(Debug)]
+struct Room {
+    state: RoomState,
+    entered: Instant,
+    sender: Option<u64>,
+    receiver: Option<u64>,
+    /// Mirror slots reserved for the transfer.
+    slots: Vec<u32>,
+    pages: Vec<RoomPage>,
+    aux: Option<Aux>,
+    reason: Option<String>,
+}
+
+/// Every open room. Failed rooms are kept (so both sides learn why) until both sides
+/// have left or their leases are gone.
+#[derive(Debug, Default)]
+pub struct Rooms {
+    rooms: HashMap<u64, Room>,
+    deadlines: RoomDeadlines,
+}
+
+impl Rooms {
+    pub fn new(deadlines: RoomDeadlines) -> Self {
+        Self {
+            rooms: HashMap::new(),
+            deadlines,
+        }
+    }
+
+    pub fn state(&self, room: u64) -> Option<(RoomState, Option<&str>)> {
+        self.rooms
+            .get(&room)
+            .map(|r| (r.state, r.reason.as_deref()))
+    }
+
+    fn get(&mut self, room: u64) -> Result<&mut Room, RoomError> {
+        let r = self.rooms.get_mut(&room).ok_or(RoomError::Unknown(room))?;
+        if r.state == RoomState::Failed {
+            return Err(RoomError::Failed {
+                room,
+                reason: r.reason.clone().unwrap_or_default(),
+            });
+        }
+        Ok(r)
+    }
+
+    fn advance(r: &mut Room, next: RoomState, now: Instant) {
+        assert!(
+            r.state.may_become(next),
+            "room moved {:?} → {next:?}",
+            r.state
+        );
+        r.state = next;
+        r.entered = now;
+    }
+
+    /// A side joins `room` (creating it if it is new). Once both have, it waits for input.
+    pub fn open(
+        &mut self,
+        room: u64,
+        side: Side,
+        lease: u64,
+        now: Instant,
+    ) -> Result<RoomState, RoomError> {
+        let r = match self.rooms.get_mut(&room) {
+            Some(_) => self.get(room)?,
+            None => self.rooms.entry(room).or_insert(Room {
+                state: RoomState::Bootstrapping,
+                entered: now,
+                sender: None,
+                receiver: None,
+                slots: Vec::new(),
+                pages: Vec::new(),
+                aux: None,
+                reason: None,
+            }),
+        };
+        let slot = match side {
+            Side::Sender => &mut r.sender,
+            Side::Receiver => &mut r.receiver,
+        };
+        match *slot {
+            Some(holder) if holder != lease => {
+                return Err(RoomError::SideTaken { room, side, holder });
+            }
+            _ => *slot = Some(lease),
+        }
+        if r.state == RoomState::Bootstrapping && r.sender.is_some() && r.receiver.is_some() {
+            Self::advance(r, RoomState::WaitingForInput, now);
+        }
+        Ok(r.state)
+    }
+
+    fn check_side(r: &Room, room: u64, side: Side, lease: u64) -> Result<(), RoomError> {
+        let holder = match side {
+            Side::Sender => r.sender,
+            Side::Receiver => r.receiver,
+        };
+        if holder == Some(lease) {
+            Ok(())
+        } else {
+            Err(RoomError::NotYours { room, side, lease })
+        }
+    }
+
+    /// The sender starts writing into `slots` (reserved for it in the mirror).
+    pub fn start_transfer(
+        &mut self,
+        room: u64,
+        lease: u64,
+        slots: Vec<u32>,
+        now: Instant,
+    ) -> Result<(), RoomError> {
+        let r = self.get(room)?;
+        Self::check_side(r, room, Side::Sender, lease)?;
+        if r.state != RoomState::WaitingForInput {
+            return Err(RoomError::WrongState {
+                room,
+                state: r.state,
+                need: RoomState::WaitingForInput,
+            });
+        }
+        r.slots = slots;
+        Self::advance(r, RoomState::Transferring, now);
+        Ok(())
+    }
+
+    /// The sender hands over its pages and aux data. Refused once the room failed.
+    pub fn commit(
+        &mut self,
+        room: u64,
+        lease: u64,
+        pages: Vec<RoomPage>,
+        aux: Aux,
+        now: Instant,
+    ) -> Result<(), RoomError> {
+        let r = self.get(room)?;
+        Self::check_side(r, room, Side::Sender, lease)?;
+        if r.state != RoomState::Transferring {
+            return Err(RoomError::WrongState {
+                room,
+                state: r.state,
+                need: RoomState::Transferring,
+            });
+        }
+        assert_eq!(aux.room, room, "aux data of another room");
+        r.pages = pages;
+        r.aux = Some(aux);
+        Self::advance(r, RoomState::Success, now);
+        Ok(())
+    }
+
+    /// What the receiver loads: pages and aux data, once the room succeeded.
+    pub fn result(&mut self, room: u64, lease: u64) -> Result<(Vec<RoomPage>, Aux), RoomError> {
+        let r = self.get(room)?;
+        Self::check_side(r, room, Side::Receiver, lease)?;
+        match (r.state, r.aux) {
+            (RoomState::Success, Some(aux)) => Ok((r.pages.clone(), aux)),
+            (state, _) => Err(RoomError::WrongState {
+                room,
+                state,
+                need: RoomState::Success,
+            }),
+        }
+    }
+
+    /// The receiver took its pages: the room ends and its slots are free.
+    pub fn finish(&mut self, room: u64, lease: u64) -> Result<Released, RoomError> {
+        self.result(room, lease)?;
+        let r = self.rooms.remove(&room).expect("checked above");
+        Ok(Released {
+            free_now: r.slots,
+            quarantined: Vec::new(),
+        })
+    }
+
+    fn fail(r: &mut Room, reason: String, now: Instant) -> Released {
+        let writing = r.state == RoomState::Transferring;
+        Self::advance(r, RoomState::Failed, now);
+        r.reason = Some(reason);
+        let slots = std::mem::take(&mut r.slots);
+        match (writing, r.sender) {
+            // The sender may still be writing: hold its slots until its lease lets go.
+            (true, Some(lease)) => Released {
+                free_now: Vec::new(),
+                quarantined: slots.into_iter().map(|s| (s, lease)).collect(),
+            },
+            _ => Released {
+                free_now: slots,
+                quarantined: Vec::new(),
+            },
+        }
+    }
+
+    /// Either side gives up (client gone, error, its own deadline). False if the room is
+    /// unknown, already final, or not this lease's.
+    pub fn abort(&mut self, room: u64, lease: u64, reason: &str, now: Instant) -> Option<Released> {
+        let r = self.rooms.get_mut(&room)?;
+        if r.state.is_final() || (r.sender != Some(lease) && r.receiver != Some(lease)) {
+            return None;
+        }
+        Some(Self::fail(r, format!("aborted: {reason}"), now))
+    }
+
+    /// Fails every room past its state's deadline; a Success room whose receiver never
+    /// took its pages is dropped. Returns them with what they released.
+    pub fn expire(&mut self, now: Instant) -> Vec<(u64, Released)> {
+        let mut out = Vec::new();
+        let mut dropped = Vec::new();
+        for (&id, r) in &mut self.rooms {
+            let Some(limit) = self.deadlines.of(r.state) else {
+                continue;
+            };
+            if now.duration_since(r.entered) < limit {
+                continue;
+            }
+            if r.state == RoomState::Success {
+                // Nobody writes any more: the slots are free.
+                dropped.push(id);
+                out.push((
+                    id,
+                    Released {
+                        free_now: std::mem::take(&mut r.slots),
+                        quarantined: Vec::new(),
+                    },
+                ));
+            } else {
+                let reason = format!("deadline: {:?} for more than {limit:?}", r.state);
+                out.push((id, Self::fail(r, reason, now)));
+            }
+        }
+        for id in dropped {
+            self.rooms.remove(&id);
+        }
+        out
+    }
+
+    /// A lease ended (its worker died): its rooms fail; failed rooms it was the last side
+    /// of are dropped.
+    pub fn lease_lost(&mut self, lease: u64, now: Instant) -> Vec<(u64, Released)> {
+        let mut out = Vec::new();
+        for (&id, r) in &mut self.rooms {
+            if r.sender != Some(lease) && r.receiver != Some(lease) {
+                continue;
+            }
+            if !r.state.is_final() {
+                out.push((id, Self::fail(r, format!("peer lease {lease} lost"), now)));
+            }
+            if r.sender == Some(lease) {
+                r.sender = None;
+            }
+            if r.receiver == Some(lease) {
+                r.receiver = None;
+            }
+        }
+        self.rooms.retain(|_, r| {
+            !(r.state == RoomState::Failed && r.sender.is_none() && r.receiver.is_none())
+        });
+        out
+    }
+
+    pub fn len(&self) -> usize {
+        self.rooms.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rooms.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use RoomState::*;
+
+    const D: RoomDeadlines = RoomDeadlines {
+        bootstrapping: Duration::from_secs(1),
+        waiting_for_input: Duration::from_secs(2),
+        transferring: Duration::from_secs(3),
+        success: Duration::from_secs(4),
+    };
+    const P: u64 = 7; // prefill's lease
+    const DEC: u64 = 9; // decode's lease
+
+    fn aux(room: u64) -> Aux {
+        Aux {
+            room,
+            first_token: 42,
+            first_logprob: -0.5,
+        }
+    }
+
+    #[test]
+    fn only_forward_moves_and_failure_are_allowed() {
+        let all = [
+            Failed,
+            Bootstrapping,
+            WaitingForInput,
+            Transferring,
+            Success,
+        ];
+        let allowed: Vec<_> = all
+            .iter()
+            .flat_map(|&a| all.iter().map(move |&b| (a, b)))
+            .filter(|&(a, b)| a.may_become(b))
+            .collect();
+        assert_eq!(
+            allowed,
+            [
+                (Bootstrapping, Failed),
+                (Bootstrapping, WaitingForInput),
+                (WaitingForInput, Failed),
+                (WaitingForInput, Transferring),
+                (Transferring, Failed),
+                (Transferring, Success),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_room_goes_from_bootstrap_to_success_and_ends_when_the_receiver_takes_it() {
+        let (mut rooms, t) = (Rooms::new(D), Instant::now());
+        assert_eq!(rooms.open(1, Side::Receiver, DEC, t), Ok(Bootstrapping));
+        assert_eq!(rooms.open(1, Side::Sender, P, t), Ok(WaitingForInput));
+        assert!(matches!(
+            rooms.open(1, Side::Sender, 99, t),
+            Err(RoomError::SideTaken { .. })
+        ));
+        assert!(matches!(
+            rooms.start_transfer(1, DEC, vec![], t),
+            Err(RoomError::NotYours { .. })
+        ));
+        rooms.start_transfer(1, P, vec![3, 4], t).unwrap();
+        assert!(matches!(
+            rooms.result(1, DEC),
+            Err(RoomError::WrongState {
+                state: Transferring,
+                ..
+            })
+        ));
+        let pages = vec![
+            RoomPage {
+                slot: 3,
+                checksum: 11,
+            },
+            RoomPage {
+                slot: 4,
+                checksum: 12,
+            },
+        ];
+        rooms.commit(1, P, pages.clone(), aux(1), t).unwrap();
+        assert_eq!(rooms.result(1, DEC), Ok((pages, aux(1))));
+        let rel = rooms.finish(1, DEC).unwrap();
+        assert_eq!(rel.free_now, vec![3, 4]);
+        assert!(rooms.is_empty());
+    }
+
+    #[test]
+    fn every_state_has_a_deadline() {
+        let t = Instant::now();
+        for (stage, limit) in [
+            (Bootstrapping, 1),
+            (WaitingForInput, 2),
+            (Transferring, 3),
+            (Success, 4),
+        ] {
+            let mut rooms = Rooms::new(D);
+            rooms.open(5, Side::Receiver, DEC, t).unwrap();
+            if stage != Bootstrapping {
+                rooms.open(5, Side::Sender, P, t).unwrap();
+            }
+            if matches!(stage, Transferring | Success) {
+                rooms.start_transfer(5, P, vec![1], t).unwrap();
+            }
+            if stage == Success {
+                rooms.commit(5, P, vec![], aux(5), t).unwrap();
+            }
+            assert_eq!(rooms.state(5).unwrap().0, stage);
+            let just_before = t + Duration::from_secs(limit) - Duration::from_millis(1);
+            assert!(rooms.expire(just_before).is_empty(), "{stage:?}");
+            let gone = rooms.expire(t + Duration::from_secs(limit));
+            assert_eq!(gone.len(), 1, "{stage:?}");
+            if stage == Success {
+                // The receiver never came: the room is dropped and its slot is free.
+                assert_eq!(gone[0].1.free_now, vec![1]);
+                assert!(rooms.state(5).is_none());
+                continue;
+            }
+            let (state, reason) = rooms.state(5).unwrap();
+            assert_eq!(state, Failed);
+            assert!(reason.unwrap().contains("deadline"), "{reason:?}");
+            // Both sides learn it: every later call names the failure.
+            assert!(matches!(
+                rooms.result(5, DEC),
+                Err(RoomError::Failed { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn an_abort_reaches_the_other_side_and_a_late_commit_is_rejected() {
+        let (mut rooms, t) = (Rooms::new(D), Instant::now());
+        rooms.open(2, Side::Receiver, DEC, t).unwrap();
+        rooms.open(2, Side::Sender, P, t).unwrap();
+        rooms.start_transfer(2, P, vec![8, 9], t).unwrap();
+        assert_eq!(
+            rooms.abort(2, 1234, "not mine", t),
+            None,
+            "only a side may abort"
+        );
+        let rel = rooms.abort(2, DEC, "client disconnected", t).unwrap();
+        // Prefill was writing: its slots wait for its lease before anyone reuses them.
+        assert_eq!(rel.quarantined, vec![(8, P), (9, P)]);
+        assert!(rel.free_now.is_empty());
+        let err = rooms.commit(2, P, vec![], aux(2), t).unwrap_err();
+        assert!(err.to_string().contains("client disconnected"), "{err}");
+        assert_eq!(
+            rooms.abort(2, P, "again", t),
+            None,
+            "final states stay final"
+        );
+    }
+
+    #[test]
+    fn a_lost_lease_fails_its_rooms_and_forgets_them_once_both_sides_are_gone() {
+        let (mut rooms, t) = (Rooms::new(D), Instant::now());
+        rooms.open(3, Side::Receiver, DEC, t).unwrap();
+        rooms.open(3, Side::Sender, P, t).unwrap();
+        rooms.open(4, Side::Receiver, DEC, t).unwrap(); // still bootstrapping
+        let failed = rooms.lease_lost(P, t);
+        assert_eq!(failed.len(), 1);
+        assert_eq!(rooms.state(3).unwrap().0, Failed);
+        assert_eq!(
+            rooms.state(4).unwrap().0,
+            Bootstrapping,
+            "rooms without that lease go on"
+        );
+        assert_eq!(rooms.lease_lost(DEC, t).len(), 1, "room 4 fails now");
+        assert!(
+            rooms.state(3).is_none() && rooms.state(4).is_none(),
+            "nobody is left to tell"
+        );
+        assert!(rooms.is_empty());
+    }
+}
