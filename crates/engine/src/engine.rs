@@ -482,11 +482,6 @@ impl Engine {
         r.pages
     }
 
-    /// Pages an allocation could get: free plus evictable.
-    fn available_pages(&self) -> usize {
-        self.pool.free_pages() + self.cached_pages()
-    }
-
     fn admit(&mut self) {
         while self.running.len() < self.cfg.max_batch {
             let Some(front) = self.waiting.front() else {
@@ -499,38 +494,35 @@ impl Engine {
                 Some(c) => c.match_prefix(&mut self.pool, &front.tokens, len - 1),
                 None => Vec::new(),
             };
-            let tokens = std::mem::take(&mut self.waiting.front_mut().expect("front").tokens);
-            let mut found = self.host_lookup(&tokens, hit.len(), len - 1);
-            if !found.is_empty()
-                && found.len() < self.cfg.host_min_pages
-                && let Some((host, _)) = &mut self.host
-            {
-                host.release(&found);
-                found.clear();
-            }
-            self.waiting.front_mut().expect("front").tokens = tokens;
             // Pages for everything to compute now, plus one page of headroom per running
-            // sequence so admission does not immediately force a preemption.
+            // sequence so admission does not immediately force a preemption. (Host-tier
+            // hits need fresh pages too, so they do not change this.)
             let need = self.pool.pages_for_tokens(len) - hit.len();
-            let available = self.available_pages();
-            let headroom = self.running.len().min(available);
-            let give_back = |e: &mut Self, hit: Vec<PageId>, found: &[HostPage]| {
-                e.release(hit);
-                if let Some((host, _)) = &mut e.host
-                    && !found.is_empty()
-                {
-                    host.release(found);
+            let free = self.pool.free_pages();
+            let headroom = self.running.len();
+            // Evictable pages are only counted when free pages alone fall short.
+            if free < need + headroom && !self.running.is_empty() {
+                let available = free + self.cached_pages();
+                if available < need + headroom.min(available) {
+                    self.release(hit);
+                    break;
                 }
-            };
-            if available < need + headroom && !self.running.is_empty() {
-                give_back(self, hit, &found);
-                break;
             }
             let Ok(pages) = self.alloc(need) else {
-                give_back(self, hit, &found);
+                self.release(hit);
                 break;
             };
+            // Admitted: only now ask the host tier for the pages after the device hit.
+            let tokens = std::mem::take(&mut self.waiting.front_mut().expect("front").tokens);
+            let found = self.host_lookup(&tokens, hit.len(), len - 1);
+            self.waiting.front_mut().expect("front").tokens = tokens;
             let loaded = if found.is_empty() {
+                0
+            } else if found.len() < self.cfg.host_min_pages {
+                // Too short to be worth a load: recompute it (all or nothing).
+                if let Some((host, _)) = &mut self.host {
+                    host.release(&found);
+                }
                 0
             } else {
                 self.host_load(&found, &pages[..found.len()])
