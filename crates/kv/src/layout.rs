@@ -130,7 +130,7 @@ impl Component {
 }
 
 /// Invalid layout description.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LayoutError {
     #[error("a KV layout needs at least one layer, one component and a page size > 0")]
     Empty,
@@ -138,7 +138,13 @@ pub enum LayoutError {
     BadComponent(String),
     #[error("component name {0:?} appears twice")]
     DuplicateName(String),
+    #[error("a page of this layout would exceed {max} bytes")]
+    TooLarge { max: usize },
 }
+
+/// The largest page any layout may have. Every size derives from the layout, so bounding
+/// the page bounds them all: no size computation can overflow, whoever sent the layout.
+pub const MAX_PAGE_BYTES: usize = 1 << 30;
 
 /// The complete KV layout of a model: `layers` layers, each holding the same
 /// `components`, stored in pages of `page_size` tokens.
@@ -170,6 +176,33 @@ impl KvLayout {
             if components[..i].iter().any(|o| o.name == c.name) {
                 return Err(LayoutError::DuplicateName(c.name.clone()));
             }
+        }
+        // The page size with checked arithmetic (values, then scales, per component).
+        let too_large = LayoutError::TooLarge {
+            max: MAX_PAGE_BYTES,
+        };
+        let mut per_token = 0usize;
+        for c in &components {
+            let values = c.elems_per_token.checked_mul(c.dtype.size_bytes());
+            let scales = match c.scale {
+                None => Some(0),
+                Some(s) => c
+                    .elems_per_token
+                    .div_ceil(s.block)
+                    .checked_mul(s.dtype.size_bytes()),
+            };
+            per_token = values
+                .zip(scales)
+                .and_then(|(v, s)| v.checked_add(s))
+                .and_then(|b| per_token.checked_add(b))
+                .ok_or(too_large.clone())?;
+        }
+        let page = per_token
+            .checked_mul(page_size)
+            .and_then(|b| b.checked_mul(layers))
+            .filter(|&b| b <= MAX_PAGE_BYTES);
+        if page.is_none() {
+            return Err(too_large);
         }
         Ok(Self {
             name: name.to_owned(),
@@ -478,5 +511,26 @@ mod tests {
             ),
             Err(LayoutError::DuplicateName("k".into()))
         );
+        // Sizes that would overflow, or pages beyond the cap, are refused up front: a
+        // layout from the wire can never make a size computation wrap.
+        let huge = |layers, page, elems| {
+            KvLayout::new(
+                "x",
+                layers,
+                page,
+                vec![Component::plain("k", DType::F32, elems)],
+            )
+        };
+        let too_large = Err(LayoutError::TooLarge {
+            max: MAX_PAGE_BYTES,
+        });
+        assert_eq!(huge(1, 1, usize::MAX / 2), too_large);
+        assert_eq!(huge(usize::MAX / 4, 4, 4), too_large);
+        assert_eq!(huge(1 << 20, 1 << 20, 1 << 20), too_large);
+        assert_eq!(
+            huge(1, 1, MAX_PAGE_BYTES / 4).unwrap().bytes_per_page(),
+            MAX_PAGE_BYTES
+        );
+        assert_eq!(huge(1, 1, MAX_PAGE_BYTES / 4 + 1), too_large);
     }
 }

@@ -21,9 +21,9 @@ impl From<CacheError> for Status {
             CacheError::LayoutMismatch { .. } | CacheError::TooSmall { .. } => {
                 Status::failed_precondition(msg)
             }
-            CacheError::BadLayout(_) | CacheError::WrongSize { .. } => {
-                Status::invalid_argument(msg)
-            }
+            CacheError::BadLayout(_)
+            | CacheError::WrongSize { .. }
+            | CacheError::DuplicateSlot(_) => Status::invalid_argument(msg),
             CacheError::UnknownLease(_) => Status::not_found(msg),
             CacheError::NotHeld { .. } => Status::failed_precondition(msg),
             CacheError::Io(_) => Status::internal(msg),

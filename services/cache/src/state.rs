@@ -66,6 +66,8 @@ pub enum CacheError {
     },
     #[error("a page is {want} bytes, got {got}")]
     WrongSize { want: usize, got: usize },
+    #[error("slot {0} appears twice in one request")]
+    DuplicateSlot(u32),
     #[error("the host mirror size {size:?} holds no page of {page_bytes} bytes")]
     TooSmall { size: MirrorSize, page_bytes: usize },
     #[error("host mirror file: {0}")]
@@ -362,7 +364,11 @@ impl State {
     pub fn commit(&mut self, lease: u64, pages: Vec<CommitPage>) -> Result<Vec<u32>, CacheError> {
         self.lease_mut(lease)?;
         let mirror = self.mirror.clone().expect("a lease implies a mirror");
+        let mut seen = HashSet::new();
         for p in &pages {
+            if !seen.insert(p.slot) {
+                return Err(CacheError::DuplicateSlot(p.slot));
+            }
             match self.slots.get(p.slot as usize) {
                 Some(Slot::Reserved { lease: l, hash }) if *l == lease && *hash == p.hash => {}
                 _ => {
@@ -688,6 +694,24 @@ mod tests {
         assert_eq!(s.match_pages(a, &[7]).unwrap(), vec![]);
         assert_eq!(s.stats().used_pages, 0);
         // Committing a slot that is not reserved for that page is an error.
+        // The same slot twice in one commit is refused whole, before anything changes.
+        let g = s.reserve(a, &[10]).unwrap();
+        let d = page(10);
+        let twice = CommitPage {
+            hash: 10,
+            slot: g[0].1,
+            checksum: pdmesh_kv::page_checksum(&d),
+            data: Some(d),
+            parent: 0,
+        };
+        let err = s.commit(a, vec![twice.clone(), twice.clone()]).unwrap_err();
+        assert!(matches!(err, CacheError::DuplicateSlot(_)), "{err}");
+        assert_eq!(
+            s.commit(a, vec![twice]).unwrap(),
+            Vec::<u32>::new(),
+            "the reservation is intact"
+        );
+        assert_eq!(s.match_pages(a, &[10]).unwrap().len(), 1);
         let g = s.reserve(a, &[8]).unwrap();
         let wrong = CommitPage {
             hash: 9,

@@ -32,6 +32,14 @@ impl Server {
         c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
     }
 
+    async fn events(&self) -> tonic::Streaming<pb::KvEvent> {
+        let mut c = CacheClient::connect(self.url()).await.unwrap();
+        c.subscribe_events(pb::SubscribeEventsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
     async fn stop(self) {
         self.shutdown.cancel();
         self.task.await.unwrap().unwrap();
@@ -110,13 +118,7 @@ async fn load(c: &mut HostClient, hashes: &[u64]) -> (Loaded, Vec<Vec<u8>>) {
 #[tokio::test]
 async fn pages_stored_on_one_plane_load_bit_for_bit_on_both_and_are_announced() {
     let s = start(64, 10_000).await;
-    let mut events = CacheClient::connect(s.url())
-        .await
-        .unwrap()
-        .subscribe_events(pb::SubscribeEventsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut events = s.events().await;
     for (writer_plane, tag) in [(DataPlane::Shm, 100), (DataPlane::Grpc, 200)] {
         let mut w = client(&s, "writer", writer_plane).await;
         let c = chain(tag, 5);
@@ -247,6 +249,51 @@ async fn a_worker_with_another_layout_is_refused_and_the_message_names_both() {
 }
 
 #[tokio::test]
+async fn malformed_registrations_are_refused_and_create_nothing() {
+    let s = start(8, 10_000).await;
+    let mut rpc = CacheClient::connect(s.url()).await.unwrap();
+    let good = pdmesh_cache::wire::layout_to_pb(&layout());
+    let mut huge = good.clone();
+    huge.layers = u32::MAX; // a page far beyond any size the mirror could hold
+    let mut forged = good.clone();
+    forged.fingerprint = "0123456789abcdef".into();
+    let mut no_components = good.clone();
+    no_components.components.clear();
+    for (worker, l, what) in [
+        ("w", Some(huge), "exceed"),
+        ("w", Some(forged), "fingerprint"),
+        ("w", Some(no_components), "at least one"),
+        ("w", None, "layout is required"),
+        ("", Some(good.clone()), "worker_id"),
+    ] {
+        let err = rpc
+            .register(pb::RegisterRequest {
+                worker_id: worker.into(),
+                layout: l,
+                data_plane: pb::DataPlane::Shm.into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{what}: {err}");
+        assert!(err.message().contains(what), "{what}: {}", err.message());
+    }
+    // Nothing was created: no layout fixed, no mirror file, no lease.
+    let st = s.stats().await;
+    assert_eq!((st.layout.as_str(), st.total_pages, st.leases), ("", 0, 0));
+    assert_eq!(std::fs::read_dir(s._dir.path()).unwrap().count(), 0);
+    // A lease that does not exist is NOT_FOUND everywhere.
+    let err = rpc
+        .r#match(pb::MatchRequest {
+            lease: 4242,
+            hashes: vec![1],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    s.stop().await;
+}
+
+#[tokio::test]
 async fn a_silent_workers_lease_expires_and_its_pinned_pages_become_evictable() {
     let s = start(4, 300).await;
     let mut w = client(&s, "writer", DataPlane::Shm).await;
@@ -280,13 +327,7 @@ async fn a_silent_workers_lease_expires_and_its_pinned_pages_become_evictable() 
 #[tokio::test]
 async fn a_full_mirror_evicts_the_least_recently_used_pages_and_says_so() {
     let s = start(4, 10_000).await;
-    let mut events = CacheClient::connect(s.url())
-        .await
-        .unwrap()
-        .subscribe_events(pb::SubscribeEventsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut events = s.events().await;
     let mut w = client(&s, "w", DataPlane::Grpc).await;
     let (a, b) = (chain(1000, 2), chain(2000, 2));
     store(&mut w, &a).await;
