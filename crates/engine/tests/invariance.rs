@@ -8,20 +8,7 @@ use common::{Outcome, bits, greedy, run_all};
 use pdmesh_engine::{GenRequest, SamplingParams, StepEvent};
 
 fn prompts() -> Vec<Vec<u32>> {
-    let fx = common::fixtures();
-    let base: Vec<Vec<u32>> = fx["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            p["prompt_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect();
+    let base = common::fixture_prompts();
     // 32 prompts of varied lengths: fixture prompts, their prefixes and concatenations.
     let mut out = Vec::new();
     for i in 0..32 {
