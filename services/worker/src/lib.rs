@@ -115,6 +115,16 @@ impl Config {
                 "--cache-url needs the prefix cache: drop --disable-prefix-cache".into(),
             ));
         }
+        if let Some(url) = &self.cache_url {
+            // A typo must stop the worker here, not turn into retries forever.
+            let ok = tonic::transport::Endpoint::from_shared(url.clone())
+                .is_ok_and(|e| matches!(e.uri().scheme_str(), Some("http" | "https")));
+            if !ok {
+                return Err(Error::Config(format!(
+                    "--cache-url {url:?} is not an http:// or https:// URL"
+                )));
+            }
+        }
         Ok(EngineConfig {
             model_path: self.model.clone(),
             max_batch: self.max_batch,
@@ -245,5 +255,22 @@ mod tests {
         assert!(err.to_string().contains("--kv-pages"), "{err}");
         let ok = Config::new("m.gguf").engine_config().unwrap();
         assert_eq!((ok.kv_pages, ok.page_size, ok.max_batch), (2048, 16, 32));
+    }
+
+    #[test]
+    fn a_malformed_cache_url_is_refused_at_start() {
+        for bad in ["127.0.0.1:50063", "not a url", ""] {
+            let cfg = Config {
+                cache_url: Some(bad.into()),
+                ..Config::new("m.gguf")
+            };
+            let err = cfg.engine_config().unwrap_err().to_string();
+            assert!(err.contains("--cache-url"), "{bad:?}: {err}");
+        }
+        let good = Config {
+            cache_url: Some("http://127.0.0.1:50063".into()),
+            ..Config::new("m.gguf")
+        };
+        assert!(good.engine_config().is_ok());
     }
 }
