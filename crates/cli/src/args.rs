@@ -11,6 +11,8 @@ pub const TOKENIZER_LISTEN: &str = "127.0.0.1:50061";
 pub const WORKER_LISTEN: &str = "127.0.0.1:50062";
 pub const GATEWAY_LISTEN: &str = "127.0.0.1:8080";
 pub const CACHE_LISTEN: &str = "127.0.0.1:50063";
+pub const PREFILL_LISTEN: &str = "127.0.0.1:50064";
+pub const DECODE_LISTEN: &str = "127.0.0.1:50065";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -33,8 +35,8 @@ pub enum Command {
     /// Install or check model files.
     #[command(subcommand)]
     Model(ModelCommand),
-    /// Start tokenizer, cache service, worker and gateway as child processes and serve
-    /// until Ctrl-C.
+    /// Start tokenizer, cache service, prefill and decode workers (or one unified worker)
+    /// and gateway as child processes and serve until Ctrl-C.
     Up(UpArgs),
 }
 
@@ -53,6 +55,24 @@ pub enum Service {
     Worker {
         /// Address to listen on (port 0: any free port).
         #[arg(long, env = "PDMESH_LISTEN", default_value = WORKER_LISTEN)]
+        listen: SocketAddr,
+        #[command(flatten)]
+        cfg: pdmesh_worker::Config,
+    },
+    /// Run a prefill worker: it computes prompts and sends their KV to decode workers
+    /// through the cache service (`pdmesh worker --role prefill`).
+    Prefill {
+        /// Address to listen on (port 0: any free port).
+        #[arg(long, env = "PDMESH_LISTEN", default_value = PREFILL_LISTEN)]
+        listen: SocketAddr,
+        #[command(flatten)]
+        cfg: pdmesh_worker::Config,
+    },
+    /// Run a decode worker: it reserves pages, receives a prompt's KV from a prefill
+    /// worker and generates (`pdmesh worker --role decode`).
+    Decode {
+        /// Address to listen on (port 0: any free port).
+        #[arg(long, env = "PDMESH_LISTEN", default_value = DECODE_LISTEN)]
         listen: SocketAddr,
         #[command(flatten)]
         cfg: pdmesh_worker::Config,
@@ -116,7 +136,7 @@ pub struct UpArgs {
     /// Do not send the first test question once the mesh is up.
     #[arg(long)]
     pub no_smoke_test: bool,
-    /// Extra flag for the worker, e.g. `--worker-arg=--kv-pages=512` (repeatable).
+    /// Extra flag for every worker, e.g. `--worker-arg=--kv-pages=512` (repeatable).
     #[arg(long = "worker-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub worker_args: Vec<String>,
     /// Extra flag for the gateway, e.g. `--gateway-arg=--model-name=smol` (repeatable).
@@ -126,9 +146,26 @@ pub struct UpArgs {
     /// (repeatable).
     #[arg(long = "cache-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub cache_args: Vec<String>,
-    /// Do not start the cache service: workers keep only their device prefix cache.
+    /// Do not start the cache service: workers keep only their device prefix cache
+    /// (needs --unified: disaggregated workers meet at the cache service).
     #[arg(long)]
     pub no_host_cache: bool,
+    /// One unified worker (prefill and decode in one engine) instead of disaggregated
+    /// prefill and decode workers.
+    #[arg(long)]
+    pub unified: bool,
+    /// Prefill workers to start (disaggregated mode).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub prefill: usize,
+    /// Decode workers to start (disaggregated mode).
+    #[arg(long, default_value_t = 1, value_name = "M")]
+    pub decode: usize,
+    /// Extra flag for the prefill workers only (repeatable).
+    #[arg(long = "prefill-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub prefill_args: Vec<String>,
+    /// Extra flag for the decode workers only (repeatable).
+    #[arg(long = "decode-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub decode_args: Vec<String>,
 }
 
 #[cfg(test)]

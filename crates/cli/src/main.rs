@@ -53,6 +53,24 @@ fn run_service(service: Service) -> anyhow::Result<()> {
                 pdmesh_worker::run(cfg, l, s)
             }))?
         }
+        Service::Prefill { listen, cfg } => {
+            let cfg = pdmesh_worker::Config {
+                role: pdmesh_worker::Role::Prefill,
+                ..cfg
+            };
+            rt.block_on(serve::serve("prefill", listen, |l, s| {
+                pdmesh_worker::run(cfg, l, s)
+            }))?
+        }
+        Service::Decode { listen, cfg } => {
+            let cfg = pdmesh_worker::Config {
+                role: pdmesh_worker::Role::Decode,
+                ..cfg
+            };
+            rt.block_on(serve::serve("decode", listen, |l, s| {
+                pdmesh_worker::run(cfg, l, s)
+            }))?
+        }
         Service::Gateway { listen, cfg } => {
             rt.block_on(serve::serve("gateway", listen, |l, s| {
                 pdmesh_gateway::run(cfg, l, s)

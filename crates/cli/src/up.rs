@@ -56,6 +56,12 @@ pub enum UpError {
         pid: u32,
         status: ExitStatus,
     },
+    #[error(
+        "disaggregated prefill/decode workers meet at the cache service: drop --no-host-cache, or add --unified"
+    )]
+    PdNeedsCache,
+    #[error("--prefill and --decode must each be at least 1")]
+    NoWorkers,
     #[error("writing {path}")]
     PortsJson {
         path: PathBuf,
@@ -195,9 +201,19 @@ async fn stop_all(services: &mut [Service], grace: Duration) {
 async fn healthy(s: &Service) -> bool {
     match s.name {
         "tokenizer" => probe::tokenizer_healthy(s.addr).await,
-        "worker" => probe::worker_healthy(s.addr).await,
         "cache" => probe::cache_healthy(s.addr).await,
-        _ => probe::http_status(s.addr, "/health").await == Some(200),
+        "gateway" => probe::http_status(s.addr, "/health").await == Some(200),
+        _ => probe::worker_healthy(s.addr).await,
+    }
+}
+
+/// The name of the i-th worker of a kind: `prefill`, then `prefill-2`, ...
+fn worker_name(kind: &'static str, i: usize) -> &'static str {
+    if i == 0 {
+        kind
+    } else {
+        // A handful per run, for the life of the process.
+        Box::leak(format!("{kind}-{}", i + 1).into_boxed_str())
     }
 }
 
@@ -307,8 +323,39 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     let mut signals = Signals::new().map_err(UpError::Signals)?;
     let model = resolve_model(args.model.as_deref())?;
     let exe = std::env::current_exe().map_err(UpError::CurrentExe)?;
-    let tok_addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), free_port()?);
-    let worker_addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), free_port()?);
+    let pd = !args.unified;
+    if pd && args.no_host_cache {
+        return Err(UpError::PdNeedsCache);
+    }
+    if pd && (args.prefill == 0 || args.decode == 0) {
+        return Err(UpError::NoWorkers);
+    }
+    let local = || Ok::<_, UpError>(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), free_port()?));
+    let tok_addr = local()?;
+    // (name, role subcommand, address, extra flags): the decode worker (or the unified
+    // one) first.
+    let mut workers: Vec<(&'static str, &'static str, SocketAddr, &[String])> = Vec::new();
+    if pd {
+        for i in 0..args.decode {
+            workers.push((
+                worker_name("decode", i),
+                "decode",
+                local()?,
+                &args.decode_args,
+            ));
+        }
+        for i in 0..args.prefill {
+            workers.push((
+                worker_name("prefill", i),
+                "prefill",
+                local()?,
+                &args.prefill_args,
+            ));
+        }
+    } else {
+        workers.push(("worker", "worker", local()?, &[]));
+    }
+    let worker_addr = workers[0].2;
     let cache_addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), free_port()?);
     let port = if args.port == 0 {
         free_port()?
@@ -328,30 +375,47 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             model_arg.clone(),
         ];
         services.push(spawn("tokenizer", &exe, &tok_args, tok_addr, None)?);
-        let mut worker_args = vec![
-            "worker".into(),
-            "--listen".into(),
-            worker_addr.to_string(),
-            "--model".into(),
-            model_arg.clone(),
-        ];
         if !args.no_host_cache {
             let mut cache_args = vec!["cache".into(), "--listen".into(), cache_addr.to_string()];
             cache_args.extend(args.cache_args.iter().cloned());
             services.push(spawn("cache", &exe, &cache_args, cache_addr, None)?);
-            worker_args.extend(["--cache-url".into(), format!("http://{cache_addr}")]);
         }
-        worker_args.extend(args.worker_args.iter().cloned());
-        services.push(spawn("worker", &exe, &worker_args, worker_addr, None)?);
+        for &(name, sub, addr, extra) in &workers {
+            let mut worker_args = vec![
+                sub.into(),
+                "--listen".into(),
+                addr.to_string(),
+                "--model".into(),
+                model_arg.clone(),
+            ];
+            if !args.no_host_cache {
+                worker_args.extend(["--cache-url".into(), format!("http://{cache_addr}")]);
+            }
+            worker_args.extend(args.worker_args.iter().cloned());
+            worker_args.extend(extra.iter().cloned());
+            services.push(spawn(name, &exe, &worker_args, addr, None)?);
+        }
+        let urls = |kind: &str| {
+            workers
+                .iter()
+                .filter(|w| w.1 == kind)
+                .map(|w| format!("http://{}", w.2))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
         let mut gw_args = vec![
             "gateway".into(),
             "--listen".into(),
             gateway_listen.to_string(),
             "--tokenizer-url".into(),
             format!("http://{tok_addr}"),
-            "--worker-url".into(),
-            format!("http://{worker_addr}"),
         ];
+        if pd {
+            gw_args.extend(["--prefill-url".into(), urls("prefill")]);
+            gw_args.extend(["--decode-url".into(), urls("decode")]);
+        } else {
+            gw_args.extend(["--worker-url".into(), format!("http://{worker_addr}")]);
+        }
         if !args.no_host_cache {
             gw_args.extend(["--cache-url".into(), format!("http://{cache_addr}")]);
         }
@@ -417,18 +481,38 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
                 .find(|s| s.name == name)
                 .map_or(0, |s| s.pid)
         };
+        let kind_ports = |kind: &str| {
+            workers
+                .iter()
+                .filter(|w| w.1 == kind)
+                .map(|w| w.2.port())
+                .collect::<Vec<_>>()
+        };
+        let kind_pids = |kind: &str| {
+            workers
+                .iter()
+                .filter(|w| w.1 == kind)
+                .map(|w| pid(w.0))
+                .collect::<Vec<_>>()
+        };
         let value = serde_json::json!({
             "url": url,
             "host": shown.ip().to_string(),
+            "mode": if pd { "pd" } else { "unified" },
             "gateway": port,
             "tokenizer": tok_addr.port(),
+            // The unified worker, or the first decode worker.
             "worker": worker_addr.port(),
+            "prefill": kind_ports("prefill"),
+            "decode": kind_ports("decode"),
             "cache": if args.no_host_cache { 0 } else { cache_addr.port() },
             "model": model_id,
             "pids": {
                 "up": std::process::id(),
                 "tokenizer": pid("tokenizer"),
-                "worker": pid("worker"),
+                "worker": pid(workers[0].0),
+                "prefill": kind_pids("prefill"),
+                "decode": kind_pids("decode"),
                 "gateway": pid("gateway"),
                 "cache": pid("cache"),
             },

@@ -111,6 +111,20 @@ pub struct GenRequest {
     pub params: SamplingParams,
 }
 
+/// Which part of a request an engine runs (prefill/decode disaggregation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Part {
+    /// Prompt and generation, here (unified).
+    #[default]
+    Whole,
+    /// The prompt and the first token; the prompt's KV pages are then held for
+    /// [`crate::Engine::export`] ([`StepEvent::Exported`]).
+    Prefill,
+    /// Reserve pages for the prompt ([`StepEvent::Reserved`]), receive its KV and first
+    /// token through [`crate::Engine::import`], then generate the rest.
+    Decode,
+}
+
 /// Why a sequence ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
@@ -138,6 +152,16 @@ pub enum StepEvent {
         completion_tokens: u32,
         cached_tokens: u32,
     },
+    /// A prefill finished: the first token, and the prompt's KV held in `pages` pages for
+    /// [`crate::Engine::export`]. (A `Finished` follows.)
+    Exported {
+        id: Arc<str>,
+        token: u32,
+        logprob: Option<f32>,
+        pages: usize,
+    },
+    /// A decode-side request holds `pages` pages for its prompt's KV.
+    Reserved { id: Arc<str>, pages: usize },
 }
 
 /// Static facts about the loaded model and pool.

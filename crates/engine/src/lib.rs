@@ -11,7 +11,7 @@ mod model;
 mod sampler;
 mod vocab;
 
-pub use api::{FinishReason, GenRequest, ModelInfo, SamplingParams, StepEvent};
+pub use api::{FinishReason, GenRequest, ModelInfo, Part, SamplingParams, StepEvent};
 pub use engine::{Engine, EngineConfig, HostStats, WritePolicy};
 
 /// Everything that can go wrong between a request and the engine.
@@ -43,6 +43,10 @@ pub enum EngineError {
     Unsupported(String),
     #[error("the engine is offline")]
     Offline,
+    /// A prefill/decode hand-over failed (unknown request, wrong page count, bytes that
+    /// did not match their checksum).
+    #[error("KV transfer: {0}")]
+    Transfer(String),
 }
 
 impl EngineError {
@@ -57,12 +61,16 @@ impl EngineError {
             Self::TooLargeForPool { .. } => "too_large_for_pool",
             Self::Model(_) | Self::Unsupported(_) => "model",
             Self::Offline => "offline",
+            Self::Transfer(_) => "transfer",
         }
     }
 
     /// Whether the caller sent something wrong (as opposed to a server-side failure).
     pub fn is_client_error(&self) -> bool {
-        !matches!(self, Self::Model(_) | Self::Unsupported(_) | Self::Offline)
+        !matches!(
+            self,
+            Self::Model(_) | Self::Unsupported(_) | Self::Offline | Self::Transfer(_)
+        )
     }
 }
 

@@ -28,6 +28,14 @@ impl Sampler {
         }
     }
 
+    /// Advances the RNG past one [`Self::sample`] made elsewhere with `p` (the prefill
+    /// worker sampled the first token; decode continues the same stream).
+    pub fn skip_sample(&mut self, p: &SamplingParams) {
+        if p.temperature != 0.0 {
+            let _ = self.rng.random::<f64>();
+        }
+    }
+
     pub fn record(&mut self, token: u32) {
         *self.counts.entry(token).or_default() += 1;
     }

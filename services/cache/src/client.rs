@@ -64,7 +64,7 @@ pub struct HostClient {
     lease: u64,
     plane: DataPlane,
     page_bytes: usize,
-    mirror: Option<Mirror>,
+    mirror: Option<Arc<Mirror>>,
     alive: Arc<AtomicBool>,
     heartbeat: tokio::task::JoinHandle<()>,
 }
@@ -117,11 +117,11 @@ impl HostClient {
             });
         }
         let mirror = match plane {
-            DataPlane::Shm => Some(Mirror::open(
+            DataPlane::Shm => Some(Arc::new(Mirror::open(
                 Path::new(&reg.shm_path),
                 page_bytes,
                 reg.total_pages as usize,
-            )?),
+            )?)),
             DataPlane::Grpc => None,
         };
         let alive = Arc::new(AtomicBool::new(true));
@@ -164,7 +164,12 @@ impl HostClient {
 
     /// The mapped mirror (shm data plane only).
     pub fn mirror(&self) -> Option<&Mirror> {
-        self.mirror.as_ref()
+        self.mirror.as_deref()
+    }
+
+    /// The mapped mirror, to copy pages on another thread (shm data plane only).
+    pub fn shared_mirror(&self) -> Option<Arc<Mirror>> {
+        self.mirror.clone()
     }
 
     /// False once the service said the lease expired: register again.
@@ -222,7 +227,7 @@ impl HostClient {
         dsts: &mut [&mut [u8]],
     ) -> Result<Loaded, ClientError> {
         let verify = |p: &PageRef, d: &[u8]| pdmesh_kv::page_checksum(d) == p.checksum;
-        match (&self.mirror, self.plane) {
+        match (self.mirror.as_deref(), self.plane) {
             (Some(m), DataPlane::Shm) => {
                 // Pages are independent: copy and check them on several threads, each in
                 // one pass that hashes the bytes as it copies them.
@@ -340,7 +345,7 @@ impl HostClient {
                 .iter()
                 .find(|p| p.0 == g.hash)
                 .ok_or_else(|| tonic::Status::internal("a grant for a page not asked for"))?;
-            let data = match (&self.mirror, self.plane) {
+            let data = match (self.mirror.as_deref(), self.plane) {
                 (Some(m), DataPlane::Shm) => {
                     m.write(g.slot, bytes);
                     Vec::new()
@@ -370,5 +375,117 @@ impl HostClient {
             skipped: pages.len() - grants.len(),
             rejected,
         })
+    }
+}
+
+/// Room calls (prefill/decode disaggregation). They take `&self`, so many requests' rooms
+/// proceed at once over one connection; each names this client's lease.
+impl HostClient {
+    pub async fn room_open(
+        &self,
+        room: u64,
+        side: pb::RoomSide,
+        request_id: &str,
+        trace_id: &str,
+    ) -> Result<pb::RoomStatus, tonic::Status> {
+        Ok(self
+            .rpc
+            .clone()
+            .room_open(pb::RoomOpenRequest {
+                lease: self.lease,
+                room,
+                side: side.into(),
+                request_id: request_id.to_owned(),
+                trace_id: trace_id.to_owned(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// Waits up to `timeout` for `room` to reach `until` (or fail).
+    pub async fn room_wait(
+        &self,
+        room: u64,
+        until: pb::RoomState,
+        timeout: Duration,
+    ) -> Result<pb::RoomStatus, tonic::Status> {
+        Ok(self
+            .rpc
+            .clone()
+            .room_wait(pb::RoomWaitRequest {
+                lease: self.lease,
+                room,
+                until: until.into(),
+                timeout_ms: timeout.as_millis().min(u128::from(u32::MAX)) as u32,
+            })
+            .await?
+            .into_inner())
+    }
+
+    pub async fn room_start(&self, room: u64, pages: u32) -> Result<Vec<u32>, tonic::Status> {
+        Ok(self
+            .rpc
+            .clone()
+            .room_start(pb::RoomStartRequest {
+                lease: self.lease,
+                room,
+                pages,
+            })
+            .await?
+            .into_inner()
+            .slots)
+    }
+
+    pub async fn room_commit(
+        &self,
+        room: u64,
+        pages: Vec<pb::RoomPage>,
+        aux: pb::RoomAux,
+    ) -> Result<(), tonic::Status> {
+        self.rpc
+            .clone()
+            .room_commit(pb::RoomCommitRequest {
+                lease: self.lease,
+                room,
+                pages,
+                aux: Some(aux),
+            })
+            .await?;
+        Ok(())
+    }
+
+    pub async fn room_result(&self, room: u64) -> Result<pb::RoomResultResponse, tonic::Status> {
+        Ok(self
+            .rpc
+            .clone()
+            .room_result(pb::RoomRef {
+                lease: self.lease,
+                room,
+            })
+            .await?
+            .into_inner())
+    }
+
+    pub async fn room_finish(&self, room: u64) -> Result<(), tonic::Status> {
+        self.rpc
+            .clone()
+            .room_finish(pb::RoomRef {
+                lease: self.lease,
+                room,
+            })
+            .await?;
+        Ok(())
+    }
+
+    pub async fn room_abort(&self, room: u64, reason: &str) -> Result<(), tonic::Status> {
+        self.rpc
+            .clone()
+            .room_abort(pb::RoomAbortRequest {
+                lease: self.lease,
+                room,
+                reason: reason.to_owned(),
+            })
+            .await?;
+        Ok(())
     }
 }

@@ -11,6 +11,7 @@ use tokio::sync::broadcast;
 use tokio_stream::StreamExt as _;
 use tonic::{Request, Response, Status};
 
+use crate::rooms::{Aux, RoomError, RoomPage, RoomState, Side};
 use crate::state::{CacheError, CommitPage, Event, State};
 use crate::wire::layout_from_pb;
 
@@ -27,6 +28,15 @@ impl From<CacheError> for Status {
             CacheError::UnknownLease(_) => Status::not_found(msg),
             CacheError::NotHeld { .. } => Status::failed_precondition(msg),
             CacheError::Io(_) => Status::internal(msg),
+            CacheError::MirrorFull { .. } => Status::resource_exhausted(msg),
+            CacheError::BadRoomCall(_) => Status::invalid_argument(msg),
+            CacheError::Room(r) => match r {
+                RoomError::Failed { .. } => Status::aborted(msg),
+                RoomError::Unknown(_) => Status::not_found(msg),
+                RoomError::SideTaken { .. } => Status::already_exists(msg),
+                RoomError::NotYours { .. } => Status::permission_denied(msg),
+                RoomError::WrongState { .. } => Status::failed_precondition(msg),
+            },
         }
     }
 }
@@ -37,6 +47,8 @@ pub(crate) struct Shared {
     pub state: Arc<Mutex<State>>,
     pub events: broadcast::Sender<pb::KvEvent>,
     seq: Arc<std::sync::atomic::AtomicU64>,
+    /// The rooms' version: room waiters look again whenever it changes.
+    pub rooms: tokio::sync::watch::Sender<u64>,
 }
 
 impl Shared {
@@ -45,6 +57,7 @@ impl Shared {
             state: Arc::new(Mutex::new(state)),
             events: broadcast::channel(1024).0,
             seq: Default::default(),
+            rooms: tokio::sync::watch::channel(0).0,
         }
     }
 
@@ -52,6 +65,12 @@ impl Shared {
     pub fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
         let mut st = self.state.lock().expect("cache state lock");
         let out = f(&mut st);
+        let version = st.rooms_version();
+        self.rooms.send_if_modified(|v| {
+            let changed = *v != version;
+            *v = version;
+            changed
+        });
         for e in st.take_events() {
             let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             let kind = match e {
@@ -247,9 +266,13 @@ impl pb::cache_server::Cache for CacheService {
         &self,
         _request: Request<pb::StatsRequest>,
     ) -> Result<Response<pb::StatsResponse>, Status> {
-        let (st, layout) = self
-            .shared
-            .with(|s| (s.stats(), s.layout().map(|l| l.to_string())));
+        let (st, layout, rooms) = self.shared.with(|s| {
+            (
+                s.stats(),
+                s.layout().map(|l| l.to_string()),
+                s.room_stats(Instant::now()),
+            )
+        });
         Ok(Response::new(pb::StatsResponse {
             total_pages: st.total_pages as u32,
             used_pages: st.used_pages as u32,
@@ -259,6 +282,207 @@ impl pb::cache_server::Cache for CacheService {
             checksum_failures: st.checksum_failures,
             expired_leases: st.expired_leases,
             layout: layout.unwrap_or_default(),
+            rooms: rooms
+                .census
+                .iter()
+                .map(|(st, n, _)| (st.name().to_owned(), *n as u32))
+                .collect(),
+            oldest_room_seconds: rooms
+                .census
+                .iter()
+                .map(|(st, _, age)| (st.name().to_owned(), age.as_secs_f64()))
+                .collect(),
+            room_timeouts: rooms
+                .timeouts
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), *v))
+                .collect(),
+            room_aborts: rooms
+                .aborts
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), *v))
+                .collect(),
+            rooms_finished: rooms.finished,
+            transfer_pages: rooms.transfer_pages,
+            transfer_bytes: rooms.transfer_bytes,
+            room_slots: rooms.room_slots as u32,
+            quarantined_slots: rooms.quarantined_slots as u32,
+            room_stalls: rooms.stalls,
+            late_writes_rejected: rooms.late_writes_rejected,
         }))
+    }
+
+    async fn room_open(
+        &self,
+        request: Request<pb::RoomOpenRequest>,
+    ) -> Result<Response<pb::RoomStatus>, Status> {
+        let r = request.into_inner();
+        let side = match pb::RoomSide::try_from(r.side) {
+            Ok(pb::RoomSide::Sender) => Side::Sender,
+            Ok(pb::RoomSide::Receiver) => Side::Receiver,
+            _ => return Err(Status::invalid_argument("side must be SENDER or RECEIVER")),
+        };
+        let st = self.shared.with(|s| {
+            s.room_open(
+                r.lease,
+                r.room,
+                side,
+                &r.request_id,
+                &r.trace_id,
+                Instant::now(),
+            )
+        })?;
+        Ok(Response::new(status(st, None)))
+    }
+
+    async fn room_wait(
+        &self,
+        request: Request<pb::RoomWaitRequest>,
+    ) -> Result<Response<pb::RoomStatus>, Status> {
+        let r = request.into_inner();
+        let until = room_state_from_pb(r.until)
+            .ok_or_else(|| Status::invalid_argument("until must be a room state"))?;
+        // Long polls are bounded so a vanished caller never holds a task for long.
+        let deadline = tokio::time::Instant::now()
+            + std::time::Duration::from_millis(u64::from(r.timeout_ms.min(60_000)));
+        let mut changed = self.shared.rooms.subscribe();
+        loop {
+            let now = self.shared.with(|s| {
+                s.heartbeat(r.lease, Instant::now())?;
+                Ok::<_, CacheError>(s.room_state(r.room))
+            })?;
+            let Some((st, why)) = now else {
+                return Err(CacheError::Room(RoomError::Unknown(r.room)).into());
+            };
+            if st == RoomState::Failed || st as i32 >= until as i32 {
+                return Ok(Response::new(status(st, why)));
+            }
+            tokio::select! {
+                c = changed.changed() => if c.is_err() {
+                    return Err(Status::unavailable("the cache service is stopping"));
+                },
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Ok(Response::new(status(st, why)));
+                }
+                _ = self.shutdown.cancelled() => {
+                    return Err(Status::unavailable("the cache service is stopping"));
+                }
+            }
+        }
+    }
+
+    async fn room_start(
+        &self,
+        request: Request<pb::RoomStartRequest>,
+    ) -> Result<Response<pb::RoomStartResponse>, Status> {
+        let r = request.into_inner();
+        let slots = self
+            .shared
+            .with(|s| s.room_start(r.lease, r.room, r.pages as usize, Instant::now()))?;
+        Ok(Response::new(pb::RoomStartResponse { slots }))
+    }
+
+    async fn room_commit(
+        &self,
+        request: Request<pb::RoomCommitRequest>,
+    ) -> Result<Response<pb::RoomStatus>, Status> {
+        let r = request.into_inner();
+        let aux = r
+            .aux
+            .ok_or_else(|| Status::invalid_argument("aux is required"))?;
+        let pages = r
+            .pages
+            .iter()
+            .map(|p| RoomPage {
+                slot: p.slot,
+                checksum: p.checksum,
+            })
+            .collect();
+        let aux = Aux {
+            room: aux.room,
+            first_token: aux.first_token,
+            first_logprob: aux.first_logprob,
+            prompt_tokens: aux.prompt_tokens,
+        };
+        self.shared
+            .with(|s| s.room_commit(r.lease, r.room, pages, aux, Instant::now()))?;
+        Ok(Response::new(status(RoomState::Success, None)))
+    }
+
+    async fn room_result(
+        &self,
+        request: Request<pb::RoomRef>,
+    ) -> Result<Response<pb::RoomResultResponse>, Status> {
+        let r = request.into_inner();
+        let (pages, aux) = self.shared.with(|s| s.room_result(r.lease, r.room))?;
+        Ok(Response::new(pb::RoomResultResponse {
+            pages: pages
+                .into_iter()
+                .map(|p| pb::RoomPage {
+                    slot: p.slot,
+                    checksum: p.checksum,
+                })
+                .collect(),
+            aux: Some(pb::RoomAux {
+                room: aux.room,
+                first_token: aux.first_token,
+                first_logprob: aux.first_logprob,
+                prompt_tokens: aux.prompt_tokens,
+            }),
+        }))
+    }
+
+    async fn room_finish(
+        &self,
+        request: Request<pb::RoomRef>,
+    ) -> Result<Response<pb::RoomStatus>, Status> {
+        let r = request.into_inner();
+        self.shared.with(|s| s.room_finish(r.lease, r.room))?;
+        Ok(Response::new(status(RoomState::Success, None)))
+    }
+
+    async fn room_abort(
+        &self,
+        request: Request<pb::RoomAbortRequest>,
+    ) -> Result<Response<pb::RoomStatus>, Status> {
+        let r = request.into_inner();
+        let reason = if r.reason.is_empty() {
+            "no reason given"
+        } else {
+            &r.reason
+        };
+        let st = self.shared.with(|s| {
+            s.room_abort(r.lease, r.room, reason, Instant::now())?;
+            Ok::<_, CacheError>(s.room_state(r.room))
+        })?;
+        let (st, why) = st.unwrap_or((RoomState::Failed, None));
+        Ok(Response::new(status(st, why)))
+    }
+}
+
+fn room_state_pb(s: RoomState) -> pb::RoomState {
+    match s {
+        RoomState::Failed => pb::RoomState::Failed,
+        RoomState::Bootstrapping => pb::RoomState::Bootstrapping,
+        RoomState::WaitingForInput => pb::RoomState::WaitingForInput,
+        RoomState::Transferring => pb::RoomState::Transferring,
+        RoomState::Success => pb::RoomState::Success,
+    }
+}
+
+fn room_state_from_pb(v: i32) -> Option<RoomState> {
+    Some(match pb::RoomState::try_from(v).ok()? {
+        pb::RoomState::Failed => RoomState::Failed,
+        pb::RoomState::Bootstrapping => RoomState::Bootstrapping,
+        pb::RoomState::WaitingForInput => RoomState::WaitingForInput,
+        pb::RoomState::Transferring => RoomState::Transferring,
+        pb::RoomState::Success => RoomState::Success,
+    })
+}
+
+fn status(st: RoomState, why: Option<String>) -> pb::RoomStatus {
+    pb::RoomStatus {
+        state: room_state_pb(st).into(),
+        reason: why.unwrap_or_default(),
     }
 }

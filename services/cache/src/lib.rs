@@ -43,6 +43,32 @@ pub struct Config {
     /// A worker that does not heartbeat for this long loses its pins and reservations.
     #[arg(long, env = "PDMESH_LEASE_TTL_MS", default_value_t = 10_000)]
     pub lease_ttl_ms: u64,
+    /// A room fails when it stays longer than this until both sides joined (decode joins
+    /// once its pages are reserved).
+    #[arg(long, env = "PDMESH_ROOM_BOOTSTRAP_MS", default_value_t = 60_000)]
+    pub room_bootstrap_ms: u64,
+    /// ... until the sender starts writing (prefill computes meanwhile).
+    #[arg(long, env = "PDMESH_ROOM_WAIT_MS", default_value_t = 120_000)]
+    pub room_wait_ms: u64,
+    /// ... while the sender writes.
+    #[arg(long, env = "PDMESH_ROOM_TRANSFER_MS", default_value_t = 30_000)]
+    pub room_transfer_ms: u64,
+    /// A room that succeeded is dropped (its slots freed) when the receiver has not taken
+    /// its pages within this.
+    #[arg(long, env = "PDMESH_ROOM_SUCCESS_MS", default_value_t = 30_000)]
+    pub room_success_ms: u64,
+    /// What the watchdog does with a room past half its state's deadline: `soft` logs a
+    /// table of them and counts stalls; `hard` also fails them, releasing their slots.
+    #[arg(long, env = "PDMESH_WATCHDOG", value_enum, default_value_t = Watchdog::Soft)]
+    pub watchdog: Watchdog,
+}
+
+/// See [`Config::watchdog`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Watchdog {
+    Off,
+    Soft,
+    Hard,
 }
 
 impl Config {
@@ -51,6 +77,20 @@ impl Config {
             host_mirror_size,
             shm_dir: None,
             lease_ttl_ms: 10_000,
+            room_bootstrap_ms: 60_000,
+            room_wait_ms: 120_000,
+            room_transfer_ms: 30_000,
+            room_success_ms: 30_000,
+            watchdog: Watchdog::Soft,
+        }
+    }
+
+    pub fn room_deadlines(&self) -> rooms::RoomDeadlines {
+        rooms::RoomDeadlines {
+            bootstrapping: Duration::from_millis(self.room_bootstrap_ms),
+            waiting_for_input: Duration::from_millis(self.room_wait_ms),
+            transferring: Duration::from_millis(self.room_transfer_ms),
+            success: Duration::from_millis(self.room_success_ms),
         }
     }
 }
@@ -71,8 +111,16 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    if cfg.lease_ttl_ms == 0 {
-        return Err(Error::Config("--lease-ttl-ms must be at least 1".into()));
+    for (flag, v) in [
+        ("lease-ttl-ms", cfg.lease_ttl_ms),
+        ("room-bootstrap-ms", cfg.room_bootstrap_ms),
+        ("room-wait-ms", cfg.room_wait_ms),
+        ("room-transfer-ms", cfg.room_transfer_ms),
+        ("room-success-ms", cfg.room_success_ms),
+    ] {
+        if v == 0 {
+            return Err(Error::Config(format!("--{flag} must be at least 1")));
+        }
     }
     if let Some(dir) = &cfg.shm_dir
         && !dir.is_dir()
@@ -83,20 +131,37 @@ pub async fn run(
         )));
     }
     let ttl = Duration::from_millis(cfg.lease_ttl_ms);
-    let shared = grpc::Shared::new(state::State::new(
+    let shared = grpc::Shared::new(state::State::with_rooms(
         cfg.host_mirror_size,
         cfg.shm_dir.clone(),
         ttl,
+        cfg.room_deadlines(),
     ));
+    let watchdog = cfg.watchdog;
     let reaper = {
         let shared = shared.clone();
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval((ttl / 4).max(Duration::from_millis(5)));
+            // Fine enough for room deadlines of a fraction of a second.
+            let every = (ttl / 4).clamp(Duration::from_millis(5), Duration::from_millis(50));
+            let mut tick = tokio::time::interval(every);
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
-                    _ = tick.tick() => { shared.with(|s| s.expire(Instant::now())); }
+                    _ = tick.tick() => {
+                        let stuck = shared.with(|s| {
+                            let now = Instant::now();
+                            s.expire(now);
+                            match watchdog {
+                                Watchdog::Off => Vec::new(),
+                                Watchdog::Soft => s.watchdog(now, 0.5, false),
+                                Watchdog::Hard => s.watchdog(now, 0.5, true),
+                            }
+                        });
+                        if !stuck.is_empty() {
+                            log_stuck(&stuck, watchdog);
+                        }
+                    }
                 }
             }
         })
@@ -117,4 +182,30 @@ pub async fn run(
     let _ = reaper.await;
     tracing::info!(?addr, "cache service stopped");
     served.map_err(Error::from)
+}
+
+/// One warning with a table of the rooms the watchdog found stuck.
+fn log_stuck(stuck: &[rooms::Stuck], mode: Watchdog) {
+    use std::fmt::Write as _;
+    let mut table = format!(
+        "{:<36} {:>20} {:<18} {:>9} {}",
+        "request", "room", "state", "age", "trace"
+    );
+    for s in stuck {
+        let _ = write!(
+            table,
+            "\n{:<36} {:>20} {:<18} {:>8.1}s {}",
+            s.request_id,
+            s.room,
+            s.state.name(),
+            s.age.as_secs_f64(),
+            s.trace_id
+        );
+    }
+    let action = if mode == Watchdog::Hard {
+        "failed"
+    } else {
+        "left to their deadlines"
+    };
+    tracing::warn!(rooms = stuck.len(), "stuck rooms ({action}):\n{table}");
 }

@@ -144,6 +144,13 @@ impl Mirror {
         unsafe { pdmesh_kv::copy_and_checksum(self.slot_ptr(slot), dst) }
     }
 
+    /// Copies one page from `src` into slot `slot` and returns the page checksum of `src`.
+    pub fn write_checked(&self, slot: u32, src: &[u8]) -> u64 {
+        let sum = pdmesh_kv::page_checksum(src);
+        self.write(slot, src);
+        sum
+    }
+
     /// The page checksum of the slot's bytes, read through a private copy.
     pub fn checksum(&self, slot: u32, scratch: &mut Vec<u8>) -> u64 {
         scratch.resize(self.page_bytes, 0);

@@ -1,5 +1,5 @@
-//! Rooms: the rendezvous of one request's prefill and decode sides at the cache service
-//! (the first step of prefill/decode disaggregation; not yet served over gRPC).
+//! Rooms: the rendezvous of one request's prefill and decode sides at the cache service.
+//! `state.rs` ties them to mirror slots and leases; `grpc.rs` serves them.
 //!
 //! A room moves Bootstrapping → WaitingForInput → Transferring → Success, or to Failed
 //! from any state that is not final; never backwards. Every state has a deadline; either
@@ -23,7 +23,26 @@ pub enum RoomState {
 }
 
 impl RoomState {
-    fn is_final(self) -> bool {
+    pub const ALL: [RoomState; 5] = [
+        RoomState::Failed,
+        RoomState::Bootstrapping,
+        RoomState::WaitingForInput,
+        RoomState::Transferring,
+        RoomState::Success,
+    ];
+
+    /// The metric label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Failed => "failed",
+            Self::Bootstrapping => "bootstrapping",
+            Self::WaitingForInput => "waiting_for_input",
+            Self::Transferring => "transferring",
+            Self::Success => "success",
+        }
+    }
+
+    pub fn is_final(self) -> bool {
         matches!(self, Self::Failed | Self::Success)
     }
 
@@ -53,7 +72,9 @@ pub enum Side {
 /// to take its pages).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RoomDeadlines {
+    /// Until both sides joined (decode joins once its pages are reserved).
     pub bootstrapping: Duration,
+    /// Until the sender starts writing (prefill computes meanwhile).
     pub waiting_for_input: Duration,
     pub transferring: Duration,
     pub success: Duration,
@@ -62,7 +83,7 @@ pub struct RoomDeadlines {
 impl Default for RoomDeadlines {
     fn default() -> Self {
         Self {
-            bootstrapping: Duration::from_secs(30),
+            bootstrapping: Duration::from_secs(60),
             waiting_for_input: Duration::from_secs(120),
             transferring: Duration::from_secs(30),
             success: Duration::from_secs(30),
@@ -71,7 +92,7 @@ impl Default for RoomDeadlines {
 }
 
 impl RoomDeadlines {
-    fn of(&self, s: RoomState) -> Option<Duration> {
+    pub fn of(&self, s: RoomState) -> Option<Duration> {
         match s {
             RoomState::Bootstrapping => Some(self.bootstrapping),
             RoomState::WaitingForInput => Some(self.waiting_for_input),
@@ -88,6 +109,7 @@ pub struct Aux {
     pub room: u64,
     pub first_token: u32,
     pub first_logprob: f32,
+    pub prompt_tokens: u32,
 }
 
 /// One transferred page: its mirror slot and checksum.
@@ -134,6 +156,20 @@ struct Room {
     pages: Vec<RoomPage>,
     aux: Option<Aux>,
     reason: Option<String>,
+    request_id: String,
+    trace_id: String,
+    /// The watchdog already reported this room in its current state.
+    stalled: bool,
+}
+
+/// A room the watchdog found stuck.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stuck {
+    pub room: u64,
+    pub request_id: String,
+    pub trace_id: String,
+    pub state: RoomState,
+    pub age: Duration,
 }
 
 /// Every open room. Failed rooms are kept (so both sides learn why) until both sides
@@ -177,6 +213,7 @@ impl Rooms {
         );
         r.state = next;
         r.entered = now;
+        r.stalled = false;
     }
 
     /// A side joins `room` (creating it if it is new). Once both have, it waits for input.
@@ -198,6 +235,9 @@ impl Rooms {
                 pages: Vec::new(),
                 aux: None,
                 reason: None,
+                request_id: String::new(),
+                trace_id: String::new(),
+                stalled: false,
             }),
         };
         let slot = match side {
@@ -268,11 +308,78 @@ impl Rooms {
                 need: RoomState::Transferring,
             });
         }
-        assert_eq!(aux.room, room, "aux data of another room");
         r.pages = pages;
         r.aux = Some(aux);
         Self::advance(r, RoomState::Success, now);
         Ok(())
+    }
+
+    /// The sender of `room`, if it has one.
+    pub fn sender(&self, room: u64) -> Option<u64> {
+        self.rooms.get(&room).and_then(|r| r.sender)
+    }
+
+    /// The mirror slots `room` holds for its transfer.
+    pub fn slots(&self, room: u64) -> &[u32] {
+        self.rooms.get(&room).map_or(&[], |r| &r.slots)
+    }
+
+    /// Remembers who the request behind `room` is, for the watchdog's table.
+    pub fn describe(&mut self, room: u64, request_id: &str, trace_id: &str) {
+        if let Some(r) = self.rooms.get_mut(&room) {
+            if r.request_id.is_empty() {
+                r.request_id = request_id.to_owned();
+            }
+            if r.trace_id.is_empty() {
+                r.trace_id = trace_id.to_owned();
+            }
+        }
+    }
+
+    /// Rooms by state and the oldest one's age in each.
+    pub fn census(&self, now: Instant) -> Vec<(RoomState, usize, Duration)> {
+        RoomState::ALL
+            .iter()
+            .map(|&st| {
+                let mut n = 0;
+                let mut oldest = Duration::ZERO;
+                for r in self.rooms.values().filter(|r| r.state == st) {
+                    n += 1;
+                    oldest = oldest.max(now.duration_since(r.entered));
+                }
+                (st, n, oldest)
+            })
+            .collect()
+    }
+
+    /// Rooms past `fraction` of their state's deadline that were not reported in that
+    /// state yet (each is reported once per state).
+    pub fn stuck(&mut self, now: Instant, fraction: f64) -> Vec<Stuck> {
+        let mut out = Vec::new();
+        for (&id, r) in &mut self.rooms {
+            let Some(limit) = self.deadlines.of(r.state) else {
+                continue;
+            };
+            let age = now.duration_since(r.entered);
+            if !r.stalled && age >= limit.mul_f64(fraction) {
+                r.stalled = true;
+                out.push(Stuck {
+                    room: id,
+                    request_id: r.request_id.clone(),
+                    trace_id: r.trace_id.clone(),
+                    state: r.state,
+                    age,
+                });
+            }
+        }
+        out.sort_by_key(|s| std::cmp::Reverse(s.age));
+        out
+    }
+
+    /// Drops failed rooms older than `linger`: both sides had that long to learn why.
+    pub fn forget_failed(&mut self, now: Instant, linger: Duration) {
+        self.rooms
+            .retain(|_, r| r.state != RoomState::Failed || now.duration_since(r.entered) < linger);
     }
 
     /// What the receiver loads: pages and aux data, once the room succeeded.
@@ -299,8 +406,9 @@ impl Rooms {
         })
     }
 
-    fn fail(r: &mut Room, reason: String, now: Instant) -> Released {
-        let writing = r.state == RoomState::Transferring;
+    /// `sender_done`: the sender itself gave up, so it writes no more.
+    fn fail(r: &mut Room, reason: String, sender_done: bool, now: Instant) -> Released {
+        let writing = r.state == RoomState::Transferring && !sender_done;
         Self::advance(r, RoomState::Failed, now);
         r.reason = Some(reason);
         let slots = std::mem::take(&mut r.slots);
@@ -324,12 +432,23 @@ impl Rooms {
         if r.state.is_final() || (r.sender != Some(lease) && r.receiver != Some(lease)) {
             return None;
         }
-        Some(Self::fail(r, format!("aborted: {reason}"), now))
+        let by_sender = r.sender == Some(lease);
+        Some(Self::fail(r, format!("aborted: {reason}"), by_sender, now))
+    }
+
+    /// Fails `room` whoever asks (the watchdog). None if it is unknown or final.
+    pub fn abort_any(&mut self, room: u64, reason: &str, now: Instant) -> Option<Released> {
+        let r = self.rooms.get_mut(&room)?;
+        if r.state.is_final() {
+            return None;
+        }
+        Some(Self::fail(r, reason.to_owned(), false, now))
     }
 
     /// Fails every room past its state's deadline; a Success room whose receiver never
-    /// took its pages is dropped. Returns them with what they released.
-    pub fn expire(&mut self, now: Instant) -> Vec<(u64, Released)> {
+    /// took its pages is dropped. Returns them with the state they were stuck in and what
+    /// they released.
+    pub fn expire(&mut self, now: Instant) -> Vec<(u64, RoomState, Released)> {
         let mut out = Vec::new();
         let mut dropped = Vec::new();
         for (&id, r) in &mut self.rooms {
@@ -344,14 +463,18 @@ impl Rooms {
                 dropped.push(id);
                 out.push((
                     id,
+                    RoomState::Success,
                     Released {
                         free_now: std::mem::take(&mut r.slots),
                         quarantined: Vec::new(),
                     },
                 ));
             } else {
-                let reason = format!("deadline: {:?} for more than {limit:?}", r.state);
-                out.push((id, Self::fail(r, reason, now)));
+                let (state, reason) = (
+                    r.state,
+                    format!("deadline: {:?} for more than {limit:?}", r.state),
+                );
+                out.push((id, state, Self::fail(r, reason, false, now)));
             }
         }
         for id in dropped {
@@ -369,7 +492,19 @@ impl Rooms {
                 continue;
             }
             if !r.state.is_final() {
-                out.push((id, Self::fail(r, format!("peer lease {lease} lost"), now)));
+                let reason = format!("peer lease {lease} lost");
+                out.push((id, Self::fail(r, reason, false, now)));
+            } else if r.state == RoomState::Success && r.receiver == Some(lease) {
+                // Nobody will take these pages: the room ends here.
+                out.push((
+                    id,
+                    Released {
+                        free_now: std::mem::take(&mut r.slots),
+                        quarantined: Vec::new(),
+                    },
+                ));
+                r.state = RoomState::Failed;
+                r.reason = Some(format!("receiver lease {lease} lost"));
             }
             if r.sender == Some(lease) {
                 r.sender = None;
@@ -412,6 +547,7 @@ mod tests {
             room,
             first_token: 42,
             first_logprob: -0.5,
+            prompt_tokens: 3,
         }
     }
 
@@ -505,9 +641,10 @@ mod tests {
             assert!(rooms.expire(just_before).is_empty(), "{stage:?}");
             let gone = rooms.expire(t + Duration::from_secs(limit));
             assert_eq!(gone.len(), 1, "{stage:?}");
+            assert_eq!(gone[0].1, stage);
             if stage == Success {
                 // The receiver never came: the room is dropped and its slot is free.
-                assert_eq!(gone[0].1.free_now, vec![1]);
+                assert_eq!(gone[0].2.free_now, vec![1]);
                 assert!(rooms.state(5).is_none());
                 continue;
             }

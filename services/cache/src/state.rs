@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 use pdmesh_kv::KvLayout;
 
 use crate::mirror::Mirror;
+use crate::rooms::{
+    Aux, Released, RoomDeadlines, RoomError, RoomPage, RoomState, Rooms, Side, Stuck,
+};
 
 /// How big the host mirror is: bytes, or tokens of the registered layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +75,12 @@ pub enum CacheError {
     TooSmall { size: MirrorSize, page_bytes: usize },
     #[error("host mirror file: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Room(#[from] RoomError),
+    #[error("the host mirror has {free} pages to spare now; the transfer needs {want}")]
+    MirrorFull { want: usize, free: usize },
+    #[error("invalid room call: {0}")]
+    BadRoomCall(String),
 }
 
 /// What a worker needs to use the mirror.
@@ -120,6 +129,24 @@ pub struct Stats {
     pub expired_leases: u64,
 }
 
+/// Room counters since the service started.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoomStats {
+    /// Rooms now by state, with the oldest one's age.
+    pub census: Vec<(RoomState, usize, Duration)>,
+    /// Rooms failed by a deadline, by the state they were stuck in.
+    pub timeouts: HashMap<&'static str, u64>,
+    /// Rooms aborted, by who or what: "sender", "receiver", "lease_lost", "watchdog".
+    pub aborts: HashMap<&'static str, u64>,
+    pub finished: u64,
+    pub transfer_pages: u64,
+    pub transfer_bytes: u64,
+    pub room_slots: usize,
+    pub quarantined_slots: usize,
+    pub stalls: u64,
+    pub late_writes_rejected: u64,
+}
+
 #[derive(Debug)]
 enum Slot {
     Free,
@@ -132,6 +159,16 @@ enum Slot {
         checksum: u64,
         pins: u32,
         last_use: u64,
+    },
+    /// Held by a room for its transfer.
+    Room {
+        room: u64,
+    },
+    /// A failed room's slot its sender might still write: not reused until that sender
+    /// calls again or its lease ends.
+    Quarantined {
+        room: u64,
+        lease: u64,
     },
 }
 
@@ -165,10 +202,24 @@ pub struct State {
     tick: u64,
     stats: Stats,
     events: Vec<Event>,
+    rooms: Rooms,
+    room_stats: RoomStats,
+    /// Bumped whenever a room changes, so waiters look again.
+    rooms_version: u64,
 }
 
 impl State {
+    #[cfg(test)]
     pub fn new(size: MirrorSize, dir: Option<PathBuf>, ttl: Duration) -> Self {
+        Self::with_rooms(size, dir, ttl, RoomDeadlines::default())
+    }
+
+    pub fn with_rooms(
+        size: MirrorSize,
+        dir: Option<PathBuf>,
+        ttl: Duration,
+        deadlines: RoomDeadlines,
+    ) -> Self {
         Self {
             size,
             dir,
@@ -184,7 +235,15 @@ impl State {
             tick: 0,
             stats: Stats::default(),
             events: Vec::new(),
+            rooms: Rooms::new(deadlines),
+            room_stats: RoomStats::default(),
+            rooms_version: 0,
         }
+    }
+
+    /// Changes whenever any room changed.
+    pub fn rooms_version(&self) -> u64 {
+        self.rooms_version
     }
 
     /// The mirror, once the first worker registered.
@@ -524,10 +583,36 @@ impl State {
             for slot in l.reserved {
                 self.free_slot(slot);
             }
+            let lost = self.rooms.lease_lost(id, now);
+            *self.room_stats.aborts.entry("lease_lost").or_default() += lost.len() as u64;
+            for (_, rel) in lost {
+                self.give_back(rel);
+            }
+            // Slots quarantined for this sender: it writes no more.
+            self.free_quarantined(|_, lease| lease == id);
+            self.rooms_version += 1;
             self.stats.expired_leases += 1;
             tracing::warn!(worker = %l.worker, lease = id, "lease expired: its pins and reservations are released");
             workers.push(l.worker);
         }
+        let expired = self.rooms.expire(now);
+        if !expired.is_empty() {
+            self.rooms_version += 1;
+        }
+        for (room, stuck_in, rel) in expired {
+            if stuck_in != RoomState::Success {
+                *self.room_stats.timeouts.entry(stuck_in.name()).or_default() += 1;
+                tracing::warn!(
+                    room,
+                    state = stuck_in.name(),
+                    "room deadline passed: failed"
+                );
+            }
+            self.give_back(rel);
+        }
+        // Failed rooms stay long enough for both sides to learn why, then go.
+        self.rooms
+            .forget_failed(now, self.ttl.max(Duration::from_secs(30)));
         workers
     }
 
@@ -546,6 +631,246 @@ impl State {
 
     pub fn layout(&self) -> Option<&Arc<KvLayout>> {
         self.layout.as_ref()
+    }
+
+    /// Frees a room's slots, or quarantines those its sender might still write.
+    fn give_back(&mut self, rel: Released) {
+        for slot in rel.free_now {
+            self.free_slot(slot);
+        }
+        for (slot, lease) in rel.quarantined {
+            if let Slot::Room { room } = self.slots[slot as usize] {
+                if self.leases.contains_key(&lease) {
+                    self.slots[slot as usize] = Slot::Quarantined { room, lease };
+                } else {
+                    self.free_slot(slot);
+                }
+            }
+        }
+    }
+
+    fn free_quarantined(&mut self, pick: impl Fn(u64, u64) -> bool) {
+        let slots: Vec<u32> = (0..self.slots.len() as u32)
+            .filter(|&i| {
+                matches!(self.slots[i as usize], Slot::Quarantined { room, lease } if pick(room, lease))
+            })
+            .collect();
+        for slot in slots {
+            self.free_slot(slot);
+        }
+    }
+
+    fn room_call<T>(&mut self, r: Result<T, RoomError>) -> Result<T, CacheError> {
+        self.rooms_version += 1;
+        Ok(r?)
+    }
+
+    /// `lease` joins `room` as `side`.
+    pub fn room_open(
+        &mut self,
+        lease: u64,
+        room: u64,
+        side: Side,
+        request_id: &str,
+        trace_id: &str,
+        now: Instant,
+    ) -> Result<RoomState, CacheError> {
+        self.lease_mut(lease)?;
+        if room == 0 {
+            return Err(CacheError::BadRoomCall("room 0 is not a room".into()));
+        }
+        let r = self.rooms.open(room, side, lease, now);
+        self.rooms.describe(room, request_id, trace_id);
+        self.room_call(r)
+    }
+
+    /// Where `room` is, and why it failed.
+    pub fn room_state(&self, room: u64) -> Option<(RoomState, Option<String>)> {
+        self.rooms
+            .state(room)
+            .map(|(s, why)| (s, why.map(str::to_owned)))
+    }
+
+    /// Slots for the sender to write `pages` pages into, all or none; the room starts
+    /// transferring.
+    pub fn room_start(
+        &mut self,
+        lease: u64,
+        room: u64,
+        pages: usize,
+        now: Instant,
+    ) -> Result<Vec<u32>, CacheError> {
+        self.lease_mut(lease)?;
+        if pages == 0 || pages > self.slots.len() {
+            return Err(CacheError::BadRoomCall(format!(
+                "a transfer of {pages} pages (the mirror has {})",
+                self.slots.len()
+            )));
+        }
+        // Check the room before taking anything.
+        if let Some((state, _)) = self.rooms.state(room)
+            && state != RoomState::WaitingForInput
+        {
+            let r = self.rooms.start_transfer(room, lease, Vec::new(), now);
+            return self.room_call(r.map(|()| Vec::new()));
+        }
+        let spare = self.free.len() + self.lru.len();
+        if spare < pages {
+            return Err(CacheError::MirrorFull {
+                want: pages,
+                free: spare,
+            });
+        }
+        let mut slots = Vec::with_capacity(pages);
+        let mut removed = Vec::new();
+        for _ in 0..pages {
+            let slot = match self.free.pop() {
+                Some(s) => s,
+                None => {
+                    let (_, s) = self.lru.pop_first().expect("counted above");
+                    let Slot::Resident { hash, .. } = self.slots[s as usize] else {
+                        unreachable!("the LRU set holds resident slots only");
+                    };
+                    self.index.remove(&hash);
+                    removed.push(hash);
+                    self.stats.evicted_pages += 1;
+                    s
+                }
+            };
+            self.slots[slot as usize] = Slot::Room { room };
+            slots.push(slot);
+        }
+        if !removed.is_empty() {
+            self.events.push(Event::Removed { hashes: removed });
+        }
+        let r = self.rooms.start_transfer(room, lease, slots.clone(), now);
+        if r.is_err() {
+            for &s in &slots {
+                self.free_slot(s);
+            }
+        }
+        self.room_call(r.map(|()| slots))
+    }
+
+    /// The sender hands over its pages: exactly the room's slots, in order.
+    pub fn room_commit(
+        &mut self,
+        lease: u64,
+        room: u64,
+        pages: Vec<RoomPage>,
+        aux: Aux,
+        now: Instant,
+    ) -> Result<(), CacheError> {
+        self.lease_mut(lease)?;
+        if aux.room != room {
+            return Err(CacheError::BadRoomCall(format!(
+                "aux data names room {}, not {room}",
+                aux.room
+            )));
+        }
+        if matches!(self.rooms.state(room), Some((RoomState::Transferring, _)))
+            && self.rooms.sender(room) == Some(lease)
+            && !pages
+                .iter()
+                .map(|p| p.slot)
+                .eq(self.rooms.slots(room).iter().copied())
+        {
+            return Err(CacheError::BadRoomCall(
+                "a commit must list exactly the room's slots, in order".into(),
+            ));
+        }
+        let r = self.rooms.commit(room, lease, pages, aux, now);
+        if let Err(RoomError::Failed { .. } | RoomError::Unknown(_)) = &r {
+            // A late write: refused. Its sender is done, so its held slots are free now.
+            self.room_stats.late_writes_rejected += 1;
+            self.free_quarantined(|q, l| q == room && l == lease);
+            tracing::warn!(room, lease, "late commit to a failed room refused");
+        }
+        self.room_call(r)
+    }
+
+    /// The receiver's pages and aux data.
+    pub fn room_result(
+        &mut self,
+        lease: u64,
+        room: u64,
+    ) -> Result<(Vec<RoomPage>, Aux), CacheError> {
+        self.lease_mut(lease)?;
+        Ok(self.rooms.result(room, lease)?)
+    }
+
+    /// The receiver took its pages: the slots are free.
+    pub fn room_finish(&mut self, lease: u64, room: u64) -> Result<(), CacheError> {
+        self.lease_mut(lease)?;
+        let pages = self.rooms.result(room, lease).map(|(p, _)| p.len());
+        let rel = self.rooms.finish(room, lease);
+        let rel = self.room_call(rel)?;
+        let n = pages.unwrap_or(0) as u64;
+        self.room_stats.finished += 1;
+        self.room_stats.transfer_pages += n;
+        let page_bytes = self.mirror.as_ref().map_or(0, |m| m.page_bytes()) as u64;
+        self.room_stats.transfer_bytes += n * page_bytes;
+        self.give_back(rel);
+        Ok(())
+    }
+
+    /// Either side gives up. Not an error if the room is already over.
+    pub fn room_abort(
+        &mut self,
+        lease: u64,
+        room: u64,
+        reason: &str,
+        now: Instant,
+    ) -> Result<(), CacheError> {
+        self.lease_mut(lease)?;
+        let who = if self.rooms.sender(room) == Some(lease) {
+            "sender"
+        } else {
+            "receiver"
+        };
+        if let Some(rel) = self.rooms.abort(room, lease, reason, now) {
+            *self.room_stats.aborts.entry(who).or_default() += 1;
+            tracing::info!(room, by = who, reason, "room aborted");
+            self.give_back(rel);
+        }
+        if who == "sender" {
+            self.free_quarantined(|q, l| q == room && l == lease);
+        }
+        self.rooms_version += 1;
+        Ok(())
+    }
+
+    /// Rooms stuck past `fraction` of their state's deadline, each reported once per
+    /// state; with `abort`, they are failed and their slots released.
+    pub fn watchdog(&mut self, now: Instant, fraction: f64, abort: bool) -> Vec<Stuck> {
+        let stuck = self.rooms.stuck(now, fraction);
+        self.room_stats.stalls += stuck.len() as u64;
+        if abort {
+            for s in &stuck {
+                if let Some(rel) = self.rooms.abort_any(s.room, "watchdog: stuck", now) {
+                    *self.room_stats.aborts.entry("watchdog").or_default() += 1;
+                    self.give_back(rel);
+                    self.rooms_version += 1;
+                }
+            }
+        }
+        stuck
+    }
+
+    pub fn room_stats(&self, now: Instant) -> RoomStats {
+        let mut st = self.room_stats.clone();
+        st.census = self.rooms.census(now);
+        st.room_slots = self
+            .slots
+            .iter()
+            .filter(|s| matches!(s, Slot::Room { .. }))
+            .count();
+        st.quarantined_slots = self
+            .slots
+            .iter()
+            .filter(|s| matches!(s, Slot::Quarantined { .. }))
+            .count();
+        st
     }
 }
 

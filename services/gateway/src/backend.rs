@@ -20,8 +20,9 @@ use crate::error::{ApiError, Error};
 #[derive(Clone)]
 pub(crate) struct Backends {
     tokenizer: TokenizerClient<Channel>,
-    worker: WorkerClient<Channel>,
     cache: Option<CacheClient<Channel>>,
+    /// Every worker, and how requests are spread over them.
+    workers: std::sync::Arc<crate::route::Workers>,
 }
 
 /// What the worker reports about the model it serves.
@@ -39,6 +40,40 @@ pub(crate) struct WorkerInfo {
     /// Prompt tokens the worker served from its device prefix cache since it started.
     pub device_hit_tokens: u64,
     pub host: HostTotals,
+    pub pd: PdTotals,
+}
+
+/// Disaggregation and engine-loop counters, summed over workers.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct PdTotals {
+    pub reserved_pages: u64,
+    pub reserved_requests: u64,
+    pub running_requests: u64,
+    pub waiting_requests: u64,
+    pub transfer_bytes: u64,
+    pub transfer_seconds: f64,
+    pub transfer_failures: std::collections::BTreeMap<String, u64>,
+    pub admission_timeouts: u64,
+    pub engine_stalls: u64,
+    /// The longest any worker's loop has had work without a step.
+    pub engine_idle_seconds: f64,
+}
+
+impl PdTotals {
+    fn add(&mut self, o: &PdTotals) {
+        self.reserved_pages += o.reserved_pages;
+        self.reserved_requests += o.reserved_requests;
+        self.running_requests += o.running_requests;
+        self.waiting_requests += o.waiting_requests;
+        self.transfer_bytes += o.transfer_bytes;
+        self.transfer_seconds += o.transfer_seconds;
+        for (k, v) in &o.transfer_failures {
+            *self.transfer_failures.entry(k.clone()).or_default() += v;
+        }
+        self.admission_timeouts += o.admission_timeouts;
+        self.engine_stalls += o.engine_stalls;
+        self.engine_idle_seconds = self.engine_idle_seconds.max(o.engine_idle_seconds);
+    }
 }
 
 /// The worker's host-tier counters since it started.
@@ -113,11 +148,38 @@ fn endpoint(url: &str) -> Result<Endpoint, Error> {
 
 impl Backends {
     /// Clients that connect on first use (and reconnect after a backend restarts).
+    #[cfg(test)]
     pub fn connect_lazy(tokenizer_url: &str, worker_url: &str) -> Result<Self, Error> {
+        Self::connect_pd(tokenizer_url, worker_url, &[], &[])
+    }
+
+    /// With prefill and decode workers (both lists non-empty), requests are disaggregated:
+    /// each goes to one prefill and one decode worker, which meet in a room of the cache
+    /// service. Otherwise `worker_url` serves them whole.
+    pub fn connect_pd(
+        tokenizer_url: &str,
+        worker_url: &str,
+        prefill: &[String],
+        decode: &[String],
+    ) -> Result<Self, Error> {
+        let client = |url: &str| Ok::<_, Error>(WorkerClient::new(endpoint(url)?.connect_lazy()));
+        let workers = if prefill.is_empty() {
+            crate::route::Workers::unified(worker_url, client(worker_url)?)
+        } else {
+            let p = prefill
+                .iter()
+                .map(|u| Ok((u.clone(), client(u)?)))
+                .collect::<Result<Vec<_>, Error>>()?;
+            let d = decode
+                .iter()
+                .map(|u| Ok((u.clone(), client(u)?)))
+                .collect::<Result<Vec<_>, Error>>()?;
+            crate::route::Workers::pd(p, d)
+        };
         Ok(Self {
             tokenizer: TokenizerClient::new(endpoint(tokenizer_url)?.connect_lazy()),
-            worker: WorkerClient::new(endpoint(worker_url)?.connect_lazy()),
             cache: None,
+            workers: std::sync::Arc::new(workers),
         })
     }
 
@@ -140,32 +202,63 @@ impl Backends {
     /// Whether each backend answers its Health call in time: `(tokenizer, worker)`.
     pub async fn health(&self) -> (bool, bool) {
         let mut tok = self.tokenizer.clone();
-        let mut work = self.worker.clone();
         let t = tokio::time::timeout(
             crate::BACKEND_PROBE_TIMEOUT,
             tok.health(tk::HealthRequest {}),
         );
-        let w = tokio::time::timeout(
-            crate::BACKEND_PROBE_TIMEOUT,
-            work.health(wk::HealthRequest {}),
-        );
+        // Every worker must answer: a mesh missing one side cannot serve.
+        let w = futures::future::join_all(self.workers.all().map(|c| {
+            let mut c = c.clone();
+            async move {
+                let call = c.health(wk::HealthRequest {});
+                matches!(
+                    tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await,
+                    Ok(Ok(r)) if r.get_ref().ok
+                )
+            }
+        }));
         let (t, w) = tokio::join!(t, w);
         let ok_t = matches!(t, Ok(Ok(r)) if r.get_ref().ok);
-        let ok_w = matches!(w, Ok(Ok(r)) if r.get_ref().ok);
-        (ok_t, ok_w)
+        (ok_t, w.iter().all(|&ok| ok))
     }
 
+    /// The model's identity from the first worker, with pool and cache counters summed
+    /// over every worker.
     pub async fn model_info(&self) -> Result<WorkerInfo, ApiError> {
-        let mut w = self.worker.clone();
-        let call = tokio::time::timeout(
-            crate::BACKEND_PROBE_TIMEOUT,
-            w.model_info(wk::ModelInfoRequest {}),
-        );
-        let r = call
-            .await
-            .map_err(|_| ApiError::unavailable("the worker did not answer ModelInfo in time"))??;
-        let r = r.into_inner();
-        Ok(WorkerInfo {
+        let all = futures::future::join_all(self.workers.all().map(|c| {
+            let mut c = c.clone();
+            async move {
+                let call = c.model_info(wk::ModelInfoRequest {});
+                let r = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call)
+                    .await
+                    .map_err(|_| {
+                        ApiError::unavailable("a worker did not answer ModelInfo in time")
+                    })??;
+                Ok::<_, ApiError>(r.into_inner())
+            }
+        }))
+        .await;
+        let mut infos = all.into_iter().collect::<Result<Vec<_>, _>>()?.into_iter();
+        let mut total = Self::info_of(infos.next().expect("at least one worker"));
+        for r in infos {
+            let w = Self::info_of(r);
+            total.total_pages += w.total_pages;
+            total.free_pages += w.free_pages;
+            total.cached_pages += w.cached_pages;
+            total.evicted_pages += w.evicted_pages;
+            total.device_hit_tokens += w.device_hit_tokens;
+            total.host.hit_tokens += w.host.hit_tokens;
+            total.host.load_bytes += w.host.load_bytes;
+            total.host.load_seconds += w.host.load_seconds;
+            total.host.written_bytes += w.host.written_bytes;
+            total.host.checksum_failures += w.host.checksum_failures;
+            total.pd.add(&w.pd);
+        }
+        Ok(total)
+    }
+
+    fn info_of(r: wk::ModelInfoResponse) -> WorkerInfo {
+        WorkerInfo {
             model_id: r.model_id,
             context_length: r.context_length,
             vocab_size: r.vocab_size,
@@ -181,7 +274,19 @@ impl Backends {
                 written_bytes: r.host_written_bytes,
                 checksum_failures: r.host_checksum_failures,
             },
-        })
+            pd: PdTotals {
+                reserved_pages: u64::from(r.reserved_pages),
+                reserved_requests: u64::from(r.reserved_requests),
+                running_requests: u64::from(r.running_requests),
+                waiting_requests: u64::from(r.waiting_requests),
+                transfer_bytes: r.transfer_bytes,
+                transfer_seconds: r.transfer_seconds,
+                transfer_failures: r.transfer_failures.into_iter().collect(),
+                admission_timeouts: r.admission_timeouts,
+                engine_stalls: r.engine_stalls,
+                engine_idle_seconds: r.engine_idle_seconds,
+            },
+        }
     }
 
     pub async fn apply_chat_template(
@@ -246,8 +351,10 @@ impl Backends {
             request_id: request_id.to_owned(),
             input_ids,
             sampling: Some(sampling),
+            room: 0,
+            trace_id: String::new(),
         };
-        let stream = self.worker.clone().generate(req).await?.into_inner();
+        let stream = self.workers.generate(req).await?;
         Ok(Box::pin(stream.map(|item| match item {
             Ok(msg) => convert_generate(msg),
             Err(status) => Err(ApiError::from(status)),
@@ -259,12 +366,22 @@ impl Backends {
         let req = wk::AbortRequest {
             request_id: request_id.to_owned(),
         };
-        let mut w = self.worker.clone();
-        let call = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, w.abort(req));
-        let r = call
-            .await
-            .map_err(|_| ApiError::unavailable("the worker did not answer Abort in time"))??;
-        Ok(r.into_inner().found)
+        // Few workers: ask each (in PD mode both sides hold something).
+        let calls = self.workers.all().map(|c| {
+            let (mut c, req) = (c.clone(), req.clone());
+            async move {
+                let call = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, c.abort(req));
+                call.await
+                    .map_err(|_| ApiError::unavailable("a worker did not answer Abort in time"))?
+                    .map(|r| r.into_inner().found)
+                    .map_err(ApiError::from)
+            }
+        });
+        let mut found = false;
+        for r in futures::future::join_all(calls).await {
+            found |= r?;
+        }
+        Ok(found)
     }
 
     /// A streaming detokenizer session (special tokens skipped).

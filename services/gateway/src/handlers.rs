@@ -145,6 +145,26 @@ async fn metrics(State(st): State<AppState>) -> Response {
                 .observe("host", info.host.written_bytes as f64);
             m.kv_checksum_failures
                 .observe("host", info.host.checksum_failures as f64);
+            let (pd, side) = (&m.pd, "all");
+            for (state, n) in [
+                ("waiting", info.pd.waiting_requests),
+                ("reserved", info.pd.reserved_requests),
+                ("running", info.pd.running_requests),
+            ] {
+                pd.requests.with_label_values(&[state]).set(n as i64);
+            }
+            pd.reserved_pages.set(info.pd.reserved_pages as i64);
+            pd.transfer_bytes
+                .observe(side, info.pd.transfer_bytes as f64);
+            pd.transfer_seconds.observe(side, info.pd.transfer_seconds);
+            for (reason, n) in &info.pd.transfer_failures {
+                pd.transfer_failures.observe(reason, *n as f64);
+            }
+            pd.admission_timeouts
+                .observe(side, info.pd.admission_timeouts as f64);
+            pd.engine_stalls.observe(side, info.pd.engine_stalls as f64);
+            pd.room_stalls
+                .observe("engine", info.pd.engine_stalls as f64);
         }
         Err(e) => tracing::debug!(error = %e.message, "worker model info unavailable for metrics"),
     }
@@ -165,6 +185,30 @@ async fn metrics(State(st): State<AppState>) -> Response {
             .observe("host", c.expired_leases as f64);
         m.host_mirror_commit_rejections
             .observe("host", c.checksum_failures as f64);
+        let pd = &m.pd;
+        for (state, n) in &c.rooms {
+            pd.rooms.with_label_values(&[state]).set(i64::from(*n));
+        }
+        for (state, secs) in &c.oldest_room_seconds {
+            pd.room_oldest_seconds
+                .with_label_values(&[state])
+                .set(*secs);
+        }
+        for (stage, n) in &c.room_timeouts {
+            pd.room_timeouts.observe(stage, *n as f64);
+        }
+        for (reason, n) in &c.room_aborts {
+            pd.room_aborts.observe(reason, *n as f64);
+        }
+        pd.room_stalls.observe("room", c.room_stalls as f64);
+        pd.late_writes_rejected
+            .observe("host", c.late_writes_rejected as f64);
+        pd.room_slots
+            .with_label_values(&["transferring"])
+            .set(i64::from(c.room_slots));
+        pd.room_slots
+            .with_label_values(&["quarantined"])
+            .set(i64::from(c.quarantined_slots));
     }
     (
         [(

@@ -11,6 +11,7 @@ mod generate;
 mod handlers;
 mod metrics;
 mod openai;
+mod route;
 mod state;
 mod stop;
 
@@ -38,6 +39,13 @@ pub struct Config {
         default_value = "http://127.0.0.1:50062"
     )]
     pub worker_url: String,
+    /// Prefill workers (repeat the flag or separate with commas). With --decode-url,
+    /// requests are disaggregated and --worker-url is not used.
+    #[arg(long, env = "PDMESH_PREFILL_URL", value_delimiter = ',')]
+    pub prefill_url: Vec<String>,
+    /// Decode workers (repeat the flag or separate with commas).
+    #[arg(long, env = "PDMESH_DECODE_URL", value_delimiter = ',')]
+    pub decode_url: Vec<String>,
     /// gRPC address of the cache service, whose host-mirror state `/metrics` reports.
     #[arg(long, env = "PDMESH_CACHE_URL")]
     pub cache_url: Option<String>,
@@ -58,6 +66,8 @@ impl Config {
         Self {
             tokenizer_url: tokenizer_url.into(),
             worker_url: worker_url.into(),
+            prefill_url: Vec::new(),
+            decode_url: Vec::new(),
             cache_url: None,
             model_name: None,
             api_key: None,
@@ -77,6 +87,11 @@ impl Config {
         if self.model_name.as_deref() == Some("") {
             return Err(Error::Config("--model-name must not be empty".into()));
         }
+        if self.prefill_url.is_empty() != self.decode_url.is_empty() {
+            return Err(Error::Config(
+                "disaggregation needs both --prefill-url and --decode-url".into(),
+            ));
+        }
         Ok(())
     }
 }
@@ -93,7 +108,12 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     cfg.validate()?;
-    let mut backends = backend::Backends::connect_lazy(&cfg.tokenizer_url, &cfg.worker_url)?;
+    let mut backends = backend::Backends::connect_pd(
+        &cfg.tokenizer_url,
+        &cfg.worker_url,
+        &cfg.prefill_url,
+        &cfg.decode_url,
+    )?;
     if let Some(url) = &cfg.cache_url {
         backends = backends.with_cache(url)?;
     }

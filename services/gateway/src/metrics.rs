@@ -31,6 +31,122 @@ pub(crate) struct Metrics {
     pub host_mirror_expired_leases: WorkerTotals,
     pub host_mirror_commit_rejections: WorkerTotals,
     pub stream_duration: Histogram,
+    /// Prefill/decode disaggregation: rooms at the cache service, transfers at the workers.
+    pub pd: PdMetrics,
+}
+
+/// The disaggregation metrics (see `render`'s help texts).
+pub(crate) struct PdMetrics {
+    pub rooms: prometheus::IntGaugeVec,
+    pub room_oldest_seconds: prometheus::GaugeVec,
+    pub room_timeouts: WorkerTotals,
+    pub room_aborts: WorkerTotals,
+    pub room_stalls: WorkerTotals,
+    pub late_writes_rejected: WorkerTotals,
+    pub room_slots: prometheus::IntGaugeVec,
+    pub transfer_bytes: WorkerTotals,
+    pub transfer_seconds: WorkerTotals,
+    pub transfer_failures: WorkerTotals,
+    pub admission_timeouts: WorkerTotals,
+    pub engine_stalls: WorkerTotals,
+    pub requests: prometheus::IntGaugeVec,
+    pub reserved_pages: IntGauge,
+}
+
+impl PdMetrics {
+    fn new(r: &Registry) -> Result<Self, prometheus::Error> {
+        let gauge_vec = |name: &str, help: &str, label: &str| {
+            let g = prometheus::IntGaugeVec::new(Opts::new(name, help), &[label])?;
+            r.register(Box::new(g.clone()))?;
+            Ok::<_, prometheus::Error>(g)
+        };
+        let oldest = prometheus::GaugeVec::new(
+            Opts::new(
+                "mesh_room_oldest_seconds",
+                "Age of the oldest room in each state at the cache service.",
+            ),
+            &["state"],
+        )?;
+        r.register(Box::new(oldest.clone()))?;
+        let reserved_pages = IntGauge::new(
+            "mesh_kv_reserved_pages",
+            "Decode pages reserved for prompts whose KV is still travelling.",
+        )?;
+        r.register(Box::new(reserved_pages.clone()))?;
+        Ok(Self {
+            rooms: gauge_vec(
+                "mesh_rooms",
+                "Rooms at the cache service, by state.",
+                "state",
+            )?,
+            room_oldest_seconds: oldest,
+            room_timeouts: WorkerTotals::labeled(
+                r,
+                "mesh_room_timeouts_total",
+                "Rooms failed by a deadline, by the state they were stuck in.",
+                "stage",
+            )?,
+            room_aborts: WorkerTotals::labeled(
+                r,
+                "mesh_room_aborts_total",
+                "Rooms aborted, by who: sender, receiver, lease_lost, watchdog.",
+                "reason",
+            )?,
+            room_stalls: WorkerTotals::labeled(
+                r,
+                "mesh_stalls_total",
+                "Stalls the watchdogs saw: rooms past half their deadline, engine loops with work and no step.",
+                "component",
+            )?,
+            late_writes_rejected: WorkerTotals::labeled(
+                r,
+                "mesh_room_late_writes_rejected_total",
+                "Commits refused because their room had already failed.",
+                "tier",
+            )?,
+            room_slots: gauge_vec(
+                "mesh_room_slots",
+                "Host-mirror slots held by rooms: transferring, or quarantined after a failure.",
+                "state",
+            )?,
+            transfer_bytes: WorkerTotals::labeled(
+                r,
+                "mesh_kv_transfer_bytes_total",
+                "KV bytes handed from prefill to decode workers, by side.",
+                "side",
+            )?,
+            transfer_seconds: WorkerTotals::labeled(
+                r,
+                "mesh_kv_transfer_seconds_total",
+                "Time spent copying transferred KV pages, checksums included, by side.",
+                "side",
+            )?,
+            transfer_failures: WorkerTotals::labeled(
+                r,
+                "mesh_kv_transfer_failures_total",
+                "Requests that failed in transfer, by reason.",
+                "reason",
+            )?,
+            admission_timeouts: WorkerTotals::labeled(
+                r,
+                "mesh_admission_timeouts_total",
+                "Requests refused because no KV pages became free before the admission deadline.",
+                "side",
+            )?,
+            engine_stalls: WorkerTotals::labeled(
+                r,
+                "mesh_engine_stalls_total",
+                "Times an engine loop had work but made no step past the watchdog threshold.",
+                "side",
+            )?,
+            requests: gauge_vec(
+                "mesh_worker_requests",
+                "Requests in the workers now: waiting, reserved (decode, KV in flight), running.",
+                "state",
+            )?,
+            reserved_pages,
+        })
+    }
 }
 
 /// A counter mirroring a total the worker keeps since it started, by cache tier: each
@@ -38,12 +154,22 @@ pub(crate) struct Metrics {
 /// the worker restarted, so all of it is new.
 pub(crate) struct WorkerTotals {
     counter: prometheus::CounterVec,
-    seen: std::sync::Mutex<std::collections::HashMap<&'static str, f64>>,
+    seen: std::sync::Mutex<std::collections::HashMap<String, f64>>,
 }
 
 impl WorkerTotals {
     fn new(registry: &Registry, name: &str, help: &str) -> Result<Self, prometheus::Error> {
-        let counter = prometheus::CounterVec::new(Opts::new(name, help), &["tier"])?;
+        Self::labeled(registry, name, help, "tier")
+    }
+
+    /// Label values must come from closed sets (the services' own names).
+    fn labeled(
+        registry: &Registry,
+        name: &str,
+        help: &str,
+        label: &str,
+    ) -> Result<Self, prometheus::Error> {
+        let counter = prometheus::CounterVec::new(Opts::new(name, help), &[label])?;
         registry.register(Box::new(counter.clone()))?;
         Ok(Self {
             counter,
@@ -51,9 +177,9 @@ impl WorkerTotals {
         })
     }
 
-    pub fn observe(&self, tier: &'static str, total: f64) {
+    pub fn observe(&self, tier: &str, total: f64) {
         let mut seen = self.seen.lock().expect("metrics lock");
-        let last = seen.insert(tier, total).unwrap_or(0.0);
+        let last = seen.insert(tier.to_owned(), total).unwrap_or(0.0);
         let new = if total >= last { total - last } else { total };
         self.counter.with_label_values(&[tier]).inc_by(new);
     }
@@ -202,6 +328,7 @@ impl Metrics {
             "mesh_kv_cache_checksum_failures_total",
             "Host-tier pages whose bytes failed their checksum on load (recomputed, never served).",
         )?;
+        let pd = PdMetrics::new(&registry)?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(duration.clone()))?;
         registry.register(Box::new(stream_duration.clone()))?;
@@ -234,6 +361,7 @@ impl Metrics {
             host_mirror_expired_leases,
             host_mirror_commit_rejections,
             stream_duration,
+            pd,
         })
     }
 

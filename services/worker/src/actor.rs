@@ -10,16 +10,81 @@ use std::task::{Context, Poll};
 
 use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
 use futures::Stream;
-use pdmesh_engine::{Engine, EngineError, GenRequest, ModelInfo};
+use pdmesh_engine::{Engine, EngineError, GenRequest, ModelInfo, Part};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::engine_core::{EngineCore, Event, PoolNow};
+use crate::engine_core::{EngineCore, Event, ExportFn, ImportFn, PoolNow};
 
-/// Hand a request to the engine; its events go to `tx`.
+/// Hand (a part of) a request to the engine; its events go to `tx`.
 struct Submit {
     req: GenRequest,
+    part: Part,
     ticket: u64,
     tx: mpsc::UnboundedSender<Event>,
+}
+
+/// Hand a prefilled prompt's pages to a writer, then let them go.
+struct Export {
+    id: String,
+    f: ExportFn,
+}
+impl Message for Export {
+    type Result = Result<Vec<u64>, EngineError>;
+}
+
+/// Let go of a prefilled prompt's pages unsent.
+struct DropExport {
+    id: String,
+}
+impl Message for DropExport {
+    type Result = bool;
+}
+
+/// Give a decode request its prompt's KV and first token.
+struct Import {
+    id: String,
+    token: u32,
+    logprob: Option<f32>,
+    fill: ImportFn,
+}
+impl Message for Import {
+    type Result = Result<(), EngineError>;
+}
+
+/// How the engine loop is doing, readable without a message (for the watchdog, which
+/// must see a loop that stopped answering messages).
+#[derive(Debug, Default)]
+pub(crate) struct Progress {
+    pub steps: AtomicU64,
+    /// Milliseconds since `start` when the last step ended (or work arrived).
+    pub last_ms: AtomicU64,
+    /// Whether there was work after the last step.
+    pub busy: std::sync::atomic::AtomicBool,
+    pub start: std::sync::OnceLock<std::time::Instant>,
+}
+
+impl Progress {
+    fn now_ms(&self) -> u64 {
+        self.start
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_millis() as u64
+    }
+
+    fn mark(&self, busy: bool) {
+        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
+        self.busy.store(busy, Ordering::Relaxed);
+    }
+
+    /// Seconds since the loop last moved while it had work; 0 when idle.
+    pub fn idle_seconds(&self) -> f64 {
+        if !self.busy.load(Ordering::Relaxed) {
+            return 0.0;
+        }
+        self.now_ms()
+            .saturating_sub(self.last_ms.load(Ordering::Relaxed)) as f64
+            / 1000.0
+    }
 }
 impl Message for Submit {
     type Result = Result<(), EngineError>;
@@ -56,6 +121,7 @@ impl Message for Info {
 struct EngineActor {
     core: EngineCore<Engine>,
     step_queued: bool,
+    progress: Arc<Progress>,
     /// Dropped with the actor, which tells [`EngineThread::stop`] the engine is released.
     _released: Option<oneshot::Sender<()>>,
 }
@@ -63,7 +129,11 @@ struct EngineActor {
 impl EngineActor {
     /// Queues a `Step` unless one is already queued or there is nothing to do.
     fn kick(&mut self, ctx: &mut SyncContext<Self>) {
-        if !self.step_queued && self.core.has_work() {
+        let work = self.core.has_work();
+        if work && !self.progress.busy.load(Ordering::Relaxed) {
+            self.progress.mark(true);
+        }
+        if !self.step_queued && work {
             self.step_queued = true;
             ctx.address().do_send(Step);
         }
@@ -77,16 +147,46 @@ impl Actor for EngineActor {
 impl Handler<Submit> for EngineActor {
     type Result = Result<(), EngineError>;
     fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
-        self.core.submit(msg.req, msg.ticket, msg.tx)?;
+        self.core.submit(msg.req, msg.part, msg.ticket, msg.tx)?;
         self.kick(ctx);
         Ok(())
     }
 }
 
+impl Handler<Export> for EngineActor {
+    type Result = Result<Vec<u64>, EngineError>;
+    fn handle(&mut self, msg: Export, ctx: &mut Self::Context) -> Self::Result {
+        let out = self.core.export(&msg.id, msg.f);
+        self.kick(ctx);
+        out
+    }
+}
+
+impl Handler<DropExport> for EngineActor {
+    type Result = bool;
+    fn handle(&mut self, msg: DropExport, ctx: &mut Self::Context) -> bool {
+        let out = self.core.drop_export(&msg.id);
+        self.kick(ctx);
+        out
+    }
+}
+
+impl Handler<Import> for EngineActor {
+    type Result = Result<(), EngineError>;
+    fn handle(&mut self, msg: Import, ctx: &mut Self::Context) -> Self::Result {
+        let out = self.core.import(&msg.id, msg.token, msg.logprob, msg.fill);
+        self.kick(ctx);
+        out
+    }
+}
+
 impl Handler<Abort> for EngineActor {
     type Result = bool;
-    fn handle(&mut self, msg: Abort, _ctx: &mut Self::Context) -> bool {
-        self.core.abort(&msg.id, msg.ticket)
+    fn handle(&mut self, msg: Abort, ctx: &mut Self::Context) -> bool {
+        let out = self.core.abort(&msg.id, msg.ticket);
+        // An abort may free pages a queued request waits for.
+        self.kick(ctx);
+        out
     }
 }
 
@@ -102,6 +202,8 @@ impl Handler<Step> for EngineActor {
     fn handle(&mut self, _msg: Step, ctx: &mut Self::Context) {
         self.step_queued = false;
         self.core.step();
+        self.progress.steps.fetch_add(1, Ordering::Relaxed);
+        self.progress.mark(self.core.has_work());
         self.kick(ctx);
     }
 }
@@ -151,17 +253,23 @@ pub(crate) fn start(engine: Engine) -> std::io::Result<(EngineHandle, EngineThre
     // SyncArbiter wants a factory it could call again (it restarts a stopped actor); the
     // engine exists once, so a restarted actor is offline.
     let slot = Arc::new(Mutex::new(Some((engine, released_tx))));
+    let progress: Arc<Progress> = Arc::default();
+    progress.mark(false);
+    let factory_progress = progress.clone();
     let factory = move || {
+        let progress = factory_progress.clone();
         let taken = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
         match taken {
             Some((engine, released)) => EngineActor {
                 core: EngineCore::new(engine),
                 step_queued: false,
+                progress,
                 _released: Some(released),
             },
             None => EngineActor {
                 core: EngineCore::offline(),
                 step_queued: false,
+                progress,
                 _released: None,
             },
         }
@@ -185,6 +293,7 @@ pub(crate) fn start(engine: Engine) -> std::io::Result<(EngineHandle, EngineThre
     let handle = EngineHandle {
         addr,
         tickets: Arc::new(AtomicU64::new(0)),
+        progress,
     };
     Ok((
         handle,
@@ -205,16 +314,31 @@ fn offline(_: actix::MailboxError) -> EngineError {
 pub(crate) struct EngineHandle {
     addr: Addr<EngineActor>,
     tickets: Arc<AtomicU64>,
+    progress: Arc<Progress>,
 }
 
 impl EngineHandle {
     /// Submits `req`; engine validation errors come back here, before any token.
     pub(crate) async fn generate(&self, req: GenRequest) -> Result<Generation, EngineError> {
+        self.generate_part(req, Part::Whole).await
+    }
+
+    /// Submits `part` of `req` (see [`Part`]).
+    pub(crate) async fn generate_part(
+        &self,
+        req: GenRequest,
+        part: Part,
+    ) -> Result<Generation, EngineError> {
         let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
         let id = req.id.clone();
         let (tx, rx) = mpsc::unbounded_channel();
         self.addr
-            .send(Submit { req, ticket, tx })
+            .send(Submit {
+                req,
+                part,
+                ticket,
+                tx,
+            })
             .await
             .map_err(offline)??;
         Ok(Generation {
@@ -247,6 +371,41 @@ impl EngineHandle {
 
     pub(crate) fn connected(&self) -> bool {
         self.addr.connected()
+    }
+
+    pub(crate) fn progress(&self) -> &Progress {
+        &self.progress
+    }
+
+    /// Hands the pages held for prefilled request `id` to `f` (on the engine's thread).
+    pub(crate) async fn export(&self, id: String, f: ExportFn) -> Result<Vec<u64>, EngineError> {
+        self.addr.send(Export { id, f }).await.map_err(offline)?
+    }
+
+    /// Lets go of the pages held for prefilled request `id` (fire and forget: it also
+    /// runs from `Drop`).
+    pub(crate) fn drop_export(&self, id: String) {
+        self.addr.do_send(DropExport { id });
+    }
+
+    /// Gives decode request `id` its prompt's KV (`fill` writes it, on the engine's
+    /// thread) and first token.
+    pub(crate) async fn import(
+        &self,
+        id: String,
+        token: u32,
+        logprob: Option<f32>,
+        fill: ImportFn,
+    ) -> Result<(), EngineError> {
+        self.addr
+            .send(Import {
+                id,
+                token,
+                logprob,
+                fill,
+            })
+            .await
+            .map_err(offline)?
     }
 }
 

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use pdmesh_engine::{
-    Engine, EngineError, FinishReason, GenRequest, HostStats, ModelInfo, StepEvent,
+    Engine, EngineError, FinishReason, GenRequest, HostStats, ModelInfo, Part, StepEvent,
 };
 use pdmesh_kv::PrefixCacheStats;
 use tokio::sync::mpsc::UnboundedSender;
@@ -26,10 +26,51 @@ pub(crate) trait Backend {
     fn host_stats(&self) -> HostStats {
         HostStats::default()
     }
-    fn submit(&mut self, req: GenRequest) -> Result<(), EngineError>;
+    fn submit(&mut self, req: GenRequest, part: Part) -> Result<(), EngineError>;
     fn abort(&mut self, id: &str) -> bool;
     fn step(&mut self) -> Vec<StepEvent>;
     fn has_work(&self) -> bool;
+    /// Requests waiting, holding reserved pages (decode), running; reserved pages.
+    fn load(&self) -> Load {
+        Load::default()
+    }
+    fn export(&mut self, id: &str, f: ExportFn) -> Result<Vec<u64>, EngineError> {
+        let _ = f;
+        Err(EngineError::Transfer(format!(
+            "{id:?}: this engine exports nothing"
+        )))
+    }
+    fn drop_export(&mut self, _id: &str) -> bool {
+        false
+    }
+    fn import(
+        &mut self,
+        id: &str,
+        _token: u32,
+        _logprob: Option<f32>,
+        _fill: ImportFn,
+    ) -> Result<Vec<StepEvent>, EngineError> {
+        Err(EngineError::Transfer(format!(
+            "{id:?}: this engine imports nothing"
+        )))
+    }
+}
+
+/// Writes a prefilled prompt's pages somewhere; returns each page's checksum.
+pub(crate) type ExportFn = Box<dyn FnOnce(&[&[u8]]) -> Vec<u64> + Send>;
+/// Fills a decode request's reserved pages; an error names what did not arrive intact.
+pub(crate) type ImportFn = Box<dyn FnOnce(&mut [&mut [u8]]) -> Result<(), String> + Send>;
+
+/// Where the engine's requests are now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Load {
+    pub waiting: usize,
+    pub reserved: usize,
+    pub running: usize,
+    pub reserved_pages: usize,
+    /// Prefilled prompts whose pages wait for export, and those pages.
+    pub exports: usize,
+    pub export_pages: usize,
 }
 
 impl Backend for Engine {
@@ -48,8 +89,8 @@ impl Backend for Engine {
     fn host_stats(&self) -> HostStats {
         Engine::host_stats(self)
     }
-    fn submit(&mut self, req: GenRequest) -> Result<(), EngineError> {
-        Engine::submit(self, req)
+    fn submit(&mut self, req: GenRequest, part: Part) -> Result<(), EngineError> {
+        Engine::submit_part(self, req, part)
     }
     fn abort(&mut self, id: &str) -> bool {
         Engine::abort(self, id)
@@ -59,6 +100,34 @@ impl Backend for Engine {
     }
     fn has_work(&self) -> bool {
         Engine::has_work(self)
+    }
+    fn load(&self) -> Load {
+        let (waiting, running) = self.load_counts();
+        let (reserved, reserved_pages) = self.reserved();
+        let (exports, export_pages) = self.exports();
+        Load {
+            waiting,
+            reserved,
+            running,
+            reserved_pages,
+            exports,
+            export_pages,
+        }
+    }
+    fn export(&mut self, id: &str, f: ExportFn) -> Result<Vec<u64>, EngineError> {
+        Engine::export(self, id, f)
+    }
+    fn drop_export(&mut self, id: &str) -> bool {
+        Engine::drop_export(self, id)
+    }
+    fn import(
+        &mut self,
+        id: &str,
+        token: u32,
+        logprob: Option<f32>,
+        fill: ImportFn,
+    ) -> Result<Vec<StepEvent>, EngineError> {
+        Engine::import(self, id, token, logprob, fill)
     }
 }
 
@@ -76,8 +145,21 @@ pub struct Finish {
 /// What a client receives for its request: tokens, then exactly one `Finished`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
-    Token { token: u32, logprob: Option<f32> },
+    Token {
+        token: u32,
+        logprob: Option<f32>,
+    },
     Finished(Finish),
+    /// Prefill: the first token; the prompt's KV (`pages` pages) waits for export.
+    Exported {
+        token: u32,
+        logprob: Option<f32>,
+        pages: usize,
+    },
+    /// Decode: `pages` pages are reserved for the prompt's KV.
+    Reserved {
+        pages: usize,
+    },
 }
 
 /// A running request: where its events go and what it has produced so far.
@@ -120,12 +202,13 @@ impl<B: Backend> EngineCore<B> {
     pub(crate) fn submit(
         &mut self,
         req: GenRequest,
+        part: Part,
         ticket: u64,
         tx: UnboundedSender<Event>,
     ) -> Result<(), EngineError> {
         let id = req.id.clone();
         let prompt_tokens = u32::try_from(req.prompt.len()).unwrap_or(u32::MAX);
-        self.engine()?.submit(req)?;
+        self.engine()?.submit(req, part)?;
         self.requests.insert(
             id,
             Entry {
@@ -201,6 +284,32 @@ impl<B: Backend> EngineCore<B> {
         }
     }
 
+    /// Hands the pages held for prefilled request `id` to `f` and lets them go.
+    pub(crate) fn export(&mut self, id: &str, f: ExportFn) -> Result<Vec<u64>, EngineError> {
+        self.engine()?.export(id, f)
+    }
+
+    /// Lets go of the pages held for prefilled request `id`.
+    pub(crate) fn drop_export(&mut self, id: &str) -> bool {
+        self.engine.as_mut().is_some_and(|e| e.drop_export(id))
+    }
+
+    /// Gives decode request `id` its prompt's KV and first token; the first token's events
+    /// reach its client before any later step's.
+    pub(crate) fn import(
+        &mut self,
+        id: &str,
+        token: u32,
+        logprob: Option<f32>,
+        fill: ImportFn,
+    ) -> Result<(), EngineError> {
+        let events = self.engine()?.import(id, token, logprob, fill)?;
+        for event in events {
+            self.route(event);
+        }
+        Ok(())
+    }
+
     fn route(&mut self, event: StepEvent) {
         match event {
             StepEvent::Token { id, token, logprob } => {
@@ -230,6 +339,34 @@ impl<B: Backend> EngineCore<B> {
                         completion_tokens,
                         cached_tokens,
                     }));
+                }
+            }
+            StepEvent::Exported {
+                id,
+                token,
+                logprob,
+                pages,
+            } => match self.requests.get(&*id) {
+                Some(entry)
+                    if entry
+                        .tx
+                        .send(Event::Exported {
+                            token,
+                            logprob,
+                            pages,
+                        })
+                        .is_ok() => {}
+                // Nobody will send these pages.
+                _ => {
+                    self.drop_export(&id);
+                }
+            },
+            StepEvent::Reserved { id, pages } => {
+                let Some(entry) = self.requests.get(&*id) else {
+                    return;
+                };
+                if entry.tx.send(Event::Reserved { pages }).is_err() {
+                    self.client_left(&id);
                 }
             }
         }
@@ -264,6 +401,7 @@ impl<B: Backend> EngineCore<B> {
             cached_pages: engine.cached_pages(),
             cache: engine.cache_stats(),
             host: engine.host_stats(),
+            load: engine.load(),
         };
         Ok((engine.info(), pool))
     }
@@ -276,6 +414,7 @@ pub(crate) struct PoolNow {
     pub cached_pages: usize,
     pub cache: PrefixCacheStats,
     pub host: HostStats,
+    pub load: Load,
 }
 
 #[cfg(test)]
@@ -314,7 +453,7 @@ mod tests {
         fn free_pages(&self) -> usize {
             PAGES - self.running.len()
         }
-        fn submit(&mut self, req: GenRequest) -> Result<(), EngineError> {
+        fn submit(&mut self, req: GenRequest, _part: Part) -> Result<(), EngineError> {
             if req.prompt.is_empty() {
                 return Err(EngineError::EmptyPrompt);
             }
@@ -381,7 +520,7 @@ mod tests {
     fn tokens_then_one_finished_go_to_the_submitting_channel() {
         let mut core = EngineCore::new(Fake::default());
         let (tx, mut rx) = unbounded_channel();
-        core.submit(req("a", 2), 1, tx).unwrap();
+        core.submit(req("a", 2), Part::Whole, 1, tx).unwrap();
         run_to_end(&mut core);
         let events = drain(&mut rx);
         assert_eq!(events.len(), 3, "{events:?}");
@@ -408,7 +547,7 @@ mod tests {
         let mut bad = req("a", 2);
         bad.prompt.clear();
         assert!(matches!(
-            core.submit(bad, 1, tx),
+            core.submit(bad, Part::Whole, 1, tx),
             Err(EngineError::EmptyPrompt)
         ));
         assert!(rx.is_closed());
@@ -419,7 +558,7 @@ mod tests {
     fn abort_frees_the_request_and_tells_its_client() {
         let mut core = EngineCore::new(Fake::default());
         let (tx, mut rx) = unbounded_channel();
-        core.submit(req("a", 100), 1, tx).unwrap();
+        core.submit(req("a", 100), Part::Whole, 1, tx).unwrap();
         core.step();
         assert_eq!(core.info().unwrap().1.free_pages, PAGES - 1);
         assert!(
@@ -439,7 +578,7 @@ mod tests {
     fn a_departed_client_is_aborted_at_the_next_step() {
         let mut core = EngineCore::new(Fake::default());
         let (tx, rx) = unbounded_channel();
-        core.submit(req("a", 100), 1, tx).unwrap();
+        core.submit(req("a", 100), Part::Whole, 1, tx).unwrap();
         core.step();
         drop(rx);
         core.step();
@@ -452,7 +591,7 @@ mod tests {
     fn a_panicking_step_takes_the_engine_offline_and_ends_every_stream() {
         let mut core = EngineCore::new(Fake::default());
         let (tx, mut rx) = unbounded_channel();
-        core.submit(req("a", 100), 1, tx).unwrap();
+        core.submit(req("a", 100), Part::Whole, 1, tx).unwrap();
         core.engine.as_mut().unwrap().panic_on_step = true;
         core.step();
         assert!(
@@ -462,7 +601,7 @@ mod tests {
         assert!(matches!(core.info(), Err(EngineError::Offline)));
         let (tx, _rx) = unbounded_channel();
         assert!(matches!(
-            core.submit(req("b", 1), 2, tx),
+            core.submit(req("b", 1), Part::Whole, 2, tx),
             Err(EngineError::Offline)
         ));
     }

@@ -3,6 +3,7 @@
 //! engine events back to messages; all scheduling happens in the engine actor.
 
 use std::pin::Pin;
+use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
 use pdmesh_engine::{FinishReason, GenRequest, ModelInfo, SamplingParams};
@@ -12,15 +13,22 @@ use tonic::{Request, Response, Status};
 use crate::Error;
 use crate::actor::EngineHandle;
 use crate::engine_core::{Event, Finish, PoolNow};
+use crate::pd::{Pd, Role};
 
-/// The tonic service: a handle to the engine actor.
+/// The tonic service: a handle to the engine actor and the disaggregation state.
 pub(crate) struct WorkerService {
     engine: EngineHandle,
+    pd: Arc<Pd>,
+    stalls: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl WorkerService {
-    pub(crate) fn new(engine: EngineHandle) -> Self {
-        Self { engine }
+    pub(crate) fn new(
+        engine: EngineHandle,
+        pd: Arc<Pd>,
+        stalls: Arc<std::sync::atomic::AtomicU64>,
+    ) -> Self {
+        Self { engine, pd, stalls }
     }
 }
 
@@ -63,8 +71,10 @@ fn finish_reason(r: FinishReason) -> pb::FinishReason {
     }
 }
 
-fn response(event: Event) -> pb::GenerateResponse {
+/// The client's message for an event; `None` for the engine's internal hand-over events.
+fn response(event: Event) -> Option<pb::GenerateResponse> {
     let kind = match event {
+        Event::Exported { .. } | Event::Reserved { .. } => return None,
         Event::Token { token, logprob } => pb::generate_response::Kind::Chunk(pb::TokenChunk {
             token_ids: vec![token],
             logprob,
@@ -85,10 +95,12 @@ fn response(event: Event) -> pb::GenerateResponse {
             cached_tokens,
         }),
     };
-    pb::GenerateResponse { kind: Some(kind) }
+    Some(pb::GenerateResponse { kind: Some(kind) })
 }
 
-fn model_info(info: ModelInfo, pool: PoolNow) -> pb::ModelInfoResponse {
+fn model_info(info: ModelInfo, pool: PoolNow, w: &WorkerService) -> pb::ModelInfoResponse {
+    let pd = w.pd.stats();
+    let progress = w.engine.progress();
     pb::ModelInfoResponse {
         model_id: info.model_id,
         context_length: info.context_length,
@@ -109,6 +121,23 @@ fn model_info(info: ModelInfo, pool: PoolNow) -> pb::ModelInfoResponse {
         host_written_pages: pool.host.written_pages,
         host_written_bytes: pool.host.written_bytes,
         host_checksum_failures: pool.host.checksum_failures,
+        role: w.pd.role().name().to_owned(),
+        waiting_requests: pool.load.waiting as u32,
+        reserved_requests: pool.load.reserved as u32,
+        running_requests: pool.load.running as u32,
+        reserved_pages: pool.load.reserved_pages as u32,
+        transfer_pages: pd.pages,
+        transfer_bytes: pd.bytes,
+        transfer_seconds: pd.seconds,
+        transfer_failures: pd
+            .failures
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), *v))
+            .collect(),
+        admission_timeouts: pd.admission_timeouts,
+        engine_steps: progress.steps.load(std::sync::atomic::Ordering::Relaxed),
+        engine_idle_seconds: progress.idle_seconds(),
+        engine_stalls: w.stalls.load(std::sync::atomic::Ordering::Relaxed),
     }
 }
 
@@ -132,17 +161,44 @@ impl pb::worker_server::Worker for WorkerService {
         } else {
             req.request_id
         };
+        let gen_req = GenRequest {
+            id,
+            prompt: req.input_ids,
+            params,
+        };
+        match (self.pd.role(), req.room) {
+            (Role::Unified, 0) => {}
+            (Role::Unified, room) => {
+                return Err(Status::failed_precondition(format!(
+                    "this is a unified worker; it takes no room (got room {room})"
+                )));
+            }
+            (role, 0) => {
+                return Err(Status::failed_precondition(format!(
+                    "this is a {} worker: a request needs a room",
+                    role.name()
+                )));
+            }
+            (_, room) => {
+                let rx = self
+                    .pd
+                    .generate(&self.engine, gen_req, room, req.trace_id)
+                    .await?;
+                let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
+                    .filter_map(|item| async move { item.map(response).transpose() });
+                return Ok(Response::new(Box::pin(stream)));
+            }
+        }
         let generation = self
             .engine
-            .generate(GenRequest {
-                id,
-                prompt: req.input_ids,
-                params,
-            })
+            .generate(gen_req)
             .await
             .map_err(|e| Status::from(Error::from(e)))?;
-        let stream =
-            generation.map(|item| item.map(response).map_err(|e| Status::from(Error::from(e))));
+        let stream = generation.filter_map(|item| async move {
+            item.map(response)
+                .map_err(|e| Status::from(Error::from(e)))
+                .transpose()
+        });
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -173,7 +229,7 @@ impl pb::worker_server::Worker for WorkerService {
         _request: Request<pb::ModelInfoRequest>,
     ) -> Result<Response<pb::ModelInfoResponse>, Status> {
         let (info, pool) = self.engine.info().await.map_err(Error::from)?;
-        Ok(Response::new(model_info(info, pool)))
+        Ok(Response::new(model_info(info, pool, self)))
     }
 }
 

@@ -8,6 +8,7 @@ mod actor;
 mod engine_core;
 mod error;
 mod grpc;
+mod pd;
 
 use std::path::PathBuf;
 
@@ -17,6 +18,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub use error::Error;
+pub use pd::Role;
 
 /// Configuration of the worker service.
 #[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
@@ -62,6 +64,22 @@ pub struct Config {
     /// A host-mirror hit shorter than this many pages is recomputed rather than loaded.
     #[arg(long, env = "PDMESH_HOST_LOAD_MIN_PAGES", default_value_t = 1)]
     pub host_load_min_pages: usize,
+    /// What this worker runs: `unified` (prompt and generation), or one side of
+    /// prefill/decode disaggregation (`prefill`, `decode`; they need --cache-url).
+    #[arg(long, env = "PDMESH_ROLE", value_enum, default_value_t = Role::Unified)]
+    pub role: Role,
+    /// Decode: how long a request may wait for pages before it is refused
+    /// (RESOURCE_EXHAUSTED) instead of queueing further.
+    #[arg(long, env = "PDMESH_ADMISSION_TIMEOUT_MS", default_value_t = 30_000)]
+    pub admission_timeout_ms: u64,
+    /// Prefill and decode: the longest one request's KV hand-over may take, end to end,
+    /// on this side (DEADLINE_EXCEEDED past it).
+    #[arg(long, env = "PDMESH_TRANSFER_TIMEOUT_MS", default_value_t = 60_000)]
+    pub transfer_timeout_ms: u64,
+    /// The watchdog counts a stall (and logs it) when the engine loop has work but has
+    /// not finished a step for this long.
+    #[arg(long, env = "PDMESH_WATCHDOG_STALL_MS", default_value_t = 10_000)]
+    pub watchdog_stall_ms: u64,
 }
 
 /// `--cache-write-policy` values.
@@ -92,6 +110,10 @@ impl Config {
             cache_write_policy: WritePolicyArg::WriteThrough,
             cache_write_hits: 2,
             host_load_min_pages: 1,
+            role: Role::Unified,
+            admission_timeout_ms: 30_000,
+            transfer_timeout_ms: 60_000,
+            watchdog_stall_ms: 10_000,
         }
     }
 
@@ -109,6 +131,29 @@ impl Config {
         }
         if self.max_context == Some(0) {
             return Err(Error::Config("--max-context must be at least 1".into()));
+        }
+        for (name, value) in [
+            ("admission-timeout-ms", self.admission_timeout_ms),
+            ("transfer-timeout-ms", self.transfer_timeout_ms),
+            ("watchdog-stall-ms", self.watchdog_stall_ms),
+        ] {
+            if value == 0 {
+                return Err(Error::Config(format!("--{name} must be at least 1")));
+            }
+        }
+        if self.role != Role::Unified {
+            if self.cache_url.is_none() {
+                return Err(Error::Config(format!(
+                    "a {} worker needs --cache-url: its KV travels through the cache service",
+                    self.role.name()
+                )));
+            }
+            if self.cache_data_plane != DataPlane::Shm {
+                return Err(Error::Config(format!(
+                    "a {} worker needs --cache-data-plane shm",
+                    self.role.name()
+                )));
+            }
         }
         if self.cache_url.is_some() && self.disable_prefix_cache {
             return Err(Error::Config(
@@ -176,6 +221,20 @@ pub async fn run(
         tracing::info!(%url, plane = ?cfg.cache_data_plane, ?policy, "host tier enabled");
         engine.set_host_tier(Box::new(tier), policy);
     }
+    let pd = std::sync::Arc::new(pd::Pd::new(
+        cfg.role,
+        cfg.cache_url.as_deref(),
+        engine.pool().layout(),
+        pd::PdTimes {
+            admission: std::time::Duration::from_millis(cfg.admission_timeout_ms),
+            transfer: std::time::Duration::from_millis(cfg.transfer_timeout_ms),
+            // Fault injection for the late-write test; never set in production.
+            commit_delay: std::env::var("PDMESH_FAULT_COMMIT_DELAY_MS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map(std::time::Duration::from_millis),
+        },
+    ));
     let info = engine.info();
     let addr = listener.local_addr().ok();
     tracing::info!(
@@ -184,6 +243,7 @@ pub async fn run(
         kv_pages = info.total_pages,
         page_size = info.page_size,
         max_batch = info.max_batch,
+        role = cfg.role.name(),
         "worker listening"
     );
 
@@ -199,9 +259,29 @@ pub async fn run(
             }
         })
     };
+    let stalls: std::sync::Arc<std::sync::atomic::AtomicU64> = Default::default();
+    let watchdog = {
+        let (handle, stalls) = (handle.clone(), stalls.clone());
+        let limit = cfg.watchdog_stall_ms as f64 / 1000.0;
+        tokio::spawn(async move {
+            let mut stalled = false;
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                let idle = handle.progress().idle_seconds();
+                if idle >= limit && !stalled {
+                    stalls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(
+                        idle_seconds = idle,
+                        "watchdog: the engine loop has work but made no step"
+                    );
+                }
+                stalled = idle >= limit;
+            }
+        })
+    };
     let served = tonic::transport::Server::builder()
         .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::new(
-            grpc::WorkerService::new(handle),
+            grpc::WorkerService::new(handle, pd, stalls),
         ))
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
@@ -211,6 +291,7 @@ pub async fn run(
         .await;
     aborter.abort();
     let _ = aborter.await;
+    watchdog.abort();
     engine_thread.stop().await;
     tracing::info!(?addr, "worker stopped");
     served.map_err(Error::from)

@@ -50,6 +50,7 @@ pub fn run_all(e: &mut Engine, reqs: Vec<GenRequest>) -> HashMap<String, Outcome
                 StepEvent::Finished { id, .. } => {
                     out.get_mut(&**id).unwrap().finished = Some(ev.clone())
                 }
+                other => panic!("a unified engine emitted {other:?}"),
             }
         }
     }

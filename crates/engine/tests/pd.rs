@@ -1,0 +1,234 @@
+//! Prefill/decode disaggregation at the engine level: a prefill engine computes each
+//! prompt and its first token, a decode engine reserves pages, receives the prompt's KV
+//! and the first token, and generates the rest. The output must be bit-identical to one
+//! unified engine's, for greedy and seeded sampling, whatever order the two sides meet in.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::*;
+use pdmesh_engine::{Engine, GenRequest, Part, SamplingParams, StepEvent};
+
+fn requests() -> Vec<GenRequest> {
+    let fx = fixture_prompts();
+    let mut out = Vec::new();
+    for i in 0..24 {
+        let mut prompt = fx[i % fx.len()].clone();
+        // Lengths on both sides of page boundaries (16 tokens a page).
+        prompt.extend(fx[(i + 1) % fx.len()].iter().take(i * 3));
+        let params = match i % 3 {
+            0 => SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(7)
+            },
+            1 => SamplingParams {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: Some(i as u64),
+                frequency_penalty: 0.5,
+                max_tokens: Some(6),
+                ..SamplingParams::default()
+            },
+            _ => SamplingParams {
+                temperature: 1.1,
+                top_k: 20,
+                seed: Some(100 + i as u64),
+                // A one-token request finishes on the prefill's token.
+                max_tokens: Some(if i == 2 { 1 } else { 5 }),
+                logprobs: true,
+                ..SamplingParams::default()
+            },
+        };
+        out.push(GenRequest {
+            id: format!("r{i}"),
+            prompt,
+            params,
+        });
+    }
+    out
+}
+
+#[derive(Debug, Default, Clone, PartialEq)]
+struct Seen {
+    tokens: Vec<(u32, Option<u32>)>,
+    finished: Option<StepEvent>,
+}
+
+fn record(out: &mut HashMap<String, Seen>, ev: StepEvent) {
+    match ev {
+        StepEvent::Token { id, token, logprob } => out
+            .entry(id.to_string())
+            .or_default()
+            .tokens
+            .push((token, logprob.map(f32::to_bits))),
+        StepEvent::Finished { ref id, .. } => {
+            out.entry(id.to_string()).or_default().finished = Some(ev.clone())
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+fn unified(reqs: &[GenRequest]) -> HashMap<String, Seen> {
+    let mut e = engine(|_| {});
+    for r in reqs {
+        e.submit(r.clone()).unwrap();
+    }
+    let mut out = HashMap::new();
+    while e.has_work() {
+        for ev in e.step() {
+            record(&mut out, ev);
+        }
+    }
+    out
+}
+
+/// Normalizes what differs by design: the decode side reports no cached prompt tokens.
+fn without_cached(mut m: HashMap<String, Seen>) -> HashMap<String, Seen> {
+    for s in m.values_mut() {
+        if let Some(StepEvent::Finished { cached_tokens, .. }) = &mut s.finished {
+            *cached_tokens = 0;
+        }
+    }
+    m
+}
+
+#[test]
+fn prefill_then_decode_is_bit_identical_to_unified() {
+    let reqs = requests();
+    let want = unified(&reqs);
+    let mut p = engine(|_| {});
+    // A small decode pool, so reservations queue behind each other.
+    let mut d = engine(|c| c.kv_pages = 48);
+    let (p_idle, d_idle) = (available(&p), available(&d));
+
+    // Decode reserves first (as the rooms require), prefill computes meanwhile.
+    for r in &reqs {
+        d.submit_part(r.clone(), Part::Decode).unwrap();
+        p.submit_part(r.clone(), Part::Prefill).unwrap();
+    }
+    let mut exported: HashMap<String, (u32, Option<f32>)> = HashMap::new();
+    while p.has_work() {
+        for ev in p.step() {
+            match ev {
+                StepEvent::Exported {
+                    id, token, logprob, ..
+                } => {
+                    exported.insert(id.to_string(), (token, logprob));
+                }
+                StepEvent::Finished { .. } => {}
+                other => panic!("a prefill engine emitted {other:?}"),
+            }
+        }
+    }
+    assert_eq!(exported.len(), reqs.len());
+    assert_eq!(p.exports().0, reqs.len(), "every prefill holds its pages");
+
+    let mut got: HashMap<String, Seen> = HashMap::new();
+    let mut done = 0;
+    let mut steps = 0;
+    while done < reqs.len() || d.has_work() {
+        steps += 1;
+        assert!(steps < 100_000, "decode made no progress");
+        let events = d.step();
+        for ev in events {
+            match ev {
+                StepEvent::Reserved { id, pages } => {
+                    let (token, logprob) = exported[&*id];
+                    let kv: Vec<Vec<u8>> = p
+                        .export(&id, |src| src.iter().map(|b| b.to_vec()).collect())
+                        .unwrap();
+                    assert_eq!(kv.len(), pages, "{id}: page counts agree");
+                    let evs = d
+                        .import(&id, token, logprob, |dst| {
+                            for (d, s) in dst.iter_mut().zip(&kv) {
+                                d.copy_from_slice(s);
+                            }
+                            Ok(())
+                        })
+                        .unwrap();
+                    for ev in evs {
+                        if matches!(ev, StepEvent::Finished { .. }) {
+                            done += 1;
+                        }
+                        record(&mut got, ev);
+                    }
+                }
+                ev @ StepEvent::Finished { .. } => {
+                    done += 1;
+                    record(&mut got, ev);
+                }
+                ev => record(&mut got, ev),
+            }
+        }
+    }
+    assert_eq!(without_cached(got), without_cached(want));
+    assert_eq!(p.exports(), (0, 0));
+    assert_eq!(d.reserved(), (0, 0));
+    assert_eq!(
+        (available(&p), available(&d)),
+        (p_idle, d_idle),
+        "no page leaked"
+    );
+}
+
+#[test]
+fn aborts_and_failed_imports_release_reservations_and_exports() {
+    let reqs = requests();
+    let mut p = engine(|_| {});
+    let mut d = engine(|c| c.kv_pages = 48);
+    let (p_idle, d_idle) = (available(&p), available(&d));
+    for r in &reqs[..4] {
+        d.submit_part(r.clone(), Part::Decode).unwrap();
+        p.submit_part(r.clone(), Part::Prefill).unwrap();
+    }
+    let reserved: Vec<String> = step_all(&mut d)
+        .into_iter()
+        .filter_map(|ev| match ev {
+            StepEvent::Reserved { id, .. } => Some(id.to_string()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reserved.len(), 4);
+    assert!(d.reserved().1 > 0);
+    step_all(&mut p);
+    assert_eq!(p.exports().0, 4);
+
+    // r0: the client left during the transfer — both sides let go.
+    assert!(d.abort("r0"));
+    assert!(p.abort("r0"), "an abort reaches a held export");
+    // r1: bytes that fail their check leave the request parked, then its abort frees it.
+    let err = d
+        .import("r1", 5, None, |_| Err("page 0 failed its checksum".into()))
+        .unwrap_err();
+    assert!(err.to_string().contains("checksum"), "{err}");
+    assert!(d.abort("r1"));
+    assert!(p.drop_export("r1"));
+    // r2: a token outside the vocabulary is refused before anything is written.
+    assert!(d.import("r2", u32::MAX, None, |_| Ok(())).is_err());
+    assert!(d.abort("r2") && p.drop_export("r2"));
+    // r3: an import for a request that holds nothing is an error, not a panic.
+    assert!(d.import("nobody", 1, None, |_| Ok(())).is_err());
+    assert!(d.abort("r3") && p.drop_export("r3"));
+    assert!(!p.drop_export("r3"), "an export is dropped once");
+
+    assert_eq!(p.exports(), (0, 0));
+    assert_eq!(d.reserved(), (0, 0));
+    assert!(!d.has_work() && !p.has_work());
+    assert_eq!(
+        (available(&p), available(&d)),
+        (p_idle, d_idle),
+        "no page leaked"
+    );
+}
+
+fn step_all(e: &mut Engine) -> Vec<StepEvent> {
+    let mut out = Vec::new();
+    let mut n = 0;
+    while e.has_work() {
+        n += 1;
+        assert!(n < 100_000);
+        out.extend(e.step());
+    }
+    out
+}

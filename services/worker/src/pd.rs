@@ -1,0 +1,578 @@
+//! Prefill/decode disaggregation on the worker side: a prefill worker computes a prompt and
+//! sends its KV pages through a room at the cache service; a decode worker reserves pages
+//! first, receives them and generates. Every wait is bounded (the room's deadlines at the
+//! service, this worker's transfer deadline here), and whatever ends a request early —
+//! an error, a deadline, the caller leaving, a panic in the task — aborts its room, so the
+//! other side learns it at its next call, and lets go of the pages it held.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use pdmesh_cache::client::{DataPlane, HostClient};
+use pdmesh_engine::{GenRequest, Part};
+use pdmesh_kv::KvLayout;
+use pdmesh_proto::cache::v1 as cpb;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use crate::actor::{EngineHandle, Generation};
+use crate::engine_core::{Event, Finish};
+
+/// What this worker runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// Prompt and generation (no rooms).
+    Unified,
+    /// Prompts and first tokens; KV goes to a decode worker through a room.
+    Prefill,
+    /// Reserves pages, receives a prompt's KV through a room, generates the rest.
+    Decode,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Unified => "unified",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+}
+
+/// Transfer counters since the worker started.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct PdStats {
+    pub pages: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+    /// Requests that failed in transfer, by reason.
+    pub failures: HashMap<&'static str, u64>,
+    pub admission_timeouts: u64,
+}
+
+/// The connection rooms use: registered with the cache service (its own lease), renewed
+/// in the background when the service restarts.
+struct RoomLink {
+    cur: Arc<RwLock<Option<Arc<HostClient>>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RoomLink {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl RoomLink {
+    fn start(url: String, worker_id: String, layout: KvLayout) -> Self {
+        let cur: Arc<RwLock<Option<Arc<HostClient>>>> = Arc::default();
+        let task = {
+            let cur = cur.clone();
+            tokio::spawn(async move {
+                let mut warned = false;
+                loop {
+                    let alive = cur
+                        .read()
+                        .expect("room link lock")
+                        .as_ref()
+                        .is_some_and(|c| c.is_alive());
+                    if !alive {
+                        let attempt = tokio::time::timeout(
+                            Duration::from_secs(2),
+                            HostClient::connect(&url, &worker_id, &layout, DataPlane::Shm),
+                        )
+                        .await;
+                        match attempt {
+                            Ok(Ok(c)) => {
+                                tracing::info!(%url, lease = c.lease(), "rooms: connected to the cache service");
+                                *cur.write().expect("room link lock") = Some(Arc::new(c));
+                                warned = false;
+                            }
+                            Ok(Err(e)) if !warned => {
+                                tracing::warn!(%url, error = %e, "rooms: cache service unavailable; retrying");
+                                warned = true;
+                            }
+                            Err(_) if !warned => {
+                                tracing::warn!(%url, "rooms: cache service did not answer; retrying");
+                                warned = true;
+                            }
+                            _ => {}
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            })
+        };
+        Self { cur, task }
+    }
+
+    fn get(&self) -> Result<Arc<HostClient>, Status> {
+        self.cur
+            .read()
+            .expect("room link lock")
+            .clone()
+            .filter(|c| c.is_alive())
+            .ok_or_else(|| Status::unavailable("not connected to the cache service (rooms)"))
+    }
+}
+
+/// Timing knobs of the disaggregated path.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PdTimes {
+    /// How long a decode request may wait for its pages.
+    pub admission: Duration,
+    /// How long either side may spend on one request's hand-over, end to end.
+    pub transfer: Duration,
+    /// Test-only fault: a prefill sleeps this long between writing and committing.
+    pub commit_delay: Option<Duration>,
+}
+
+/// One worker's disaggregation state.
+pub(crate) struct Pd {
+    role: Role,
+    link: Option<RoomLink>,
+    times: PdTimes,
+    stats: Mutex<PdStats>,
+}
+
+/// Aborts a room when dropped armed: the request ended before its hand-over did.
+struct RoomGuard {
+    client: Arc<HostClient>,
+    room: u64,
+    reason: &'static str,
+    armed: bool,
+}
+
+impl Drop for RoomGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (client, room, reason) = (self.client.clone(), self.room, self.reason);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let r =
+                    tokio::time::timeout(Duration::from_secs(2), client.room_abort(room, reason));
+                if !matches!(r.await, Ok(Ok(()))) {
+                    tracing::debug!(
+                        room,
+                        "room abort did not reach the cache service; its deadline will"
+                    );
+                }
+            });
+        }
+    }
+}
+
+/// Lets go of a prefill's held pages when dropped armed.
+struct ExportGuard {
+    engine: EngineHandle,
+    id: Option<String>,
+}
+
+impl Drop for ExportGuard {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.engine.drop_export(id);
+        }
+    }
+}
+
+type Item = Result<Event, Status>;
+
+fn failed(reason: &str) -> Status {
+    Status::aborted(format!("KV transfer failed: {reason}"))
+}
+
+/// Runs `fut` until `deadline`; past it, DEADLINE_EXCEEDED naming `what`.
+async fn by<T>(
+    deadline: tokio::time::Instant,
+    what: &str,
+    fut: impl Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    match tokio::time::timeout_at(deadline, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(Status::deadline_exceeded(format!(
+            "KV transfer: {what} did not finish before the transfer deadline"
+        ))),
+    }
+}
+
+/// Waits until `room` reaches `until`; a failed room is ABORTED with its reason.
+async fn wait_room(
+    client: &HostClient,
+    room: u64,
+    until: cpb::RoomState,
+    deadline: tokio::time::Instant,
+) -> Result<(), Status> {
+    loop {
+        let st = by(
+            deadline,
+            "waiting for the other side",
+            client.room_wait(room, until, Duration::from_secs(1)),
+        )
+        .await?;
+        match cpb::RoomState::try_from(st.state).unwrap_or(cpb::RoomState::Failed) {
+            cpb::RoomState::Failed => return Err(failed(&st.reason)),
+            s if s as i32 >= until as i32 => return Ok(()),
+            _ => {}
+        }
+    }
+}
+
+fn reason_of(s: &Status) -> &'static str {
+    match s.code() {
+        tonic::Code::Aborted => "room_failed",
+        tonic::Code::DeadlineExceeded => "deadline",
+        tonic::Code::Unavailable => "cache_unavailable",
+        tonic::Code::DataLoss => "checksum",
+        tonic::Code::Cancelled => "caller_left",
+        tonic::Code::ResourceExhausted => "admission",
+        _ => "other",
+    }
+}
+
+impl Pd {
+    pub(crate) fn new(
+        role: Role,
+        cache_url: Option<&str>,
+        layout: &KvLayout,
+        times: PdTimes,
+    ) -> Self {
+        let link = match (role, cache_url) {
+            (Role::Unified, _) | (_, None) => None,
+            (_, Some(url)) => Some(RoomLink::start(
+                url.to_owned(),
+                format!("{}-{}", role.name(), std::process::id()),
+                layout.clone(),
+            )),
+        };
+        Self {
+            role,
+            link,
+            times,
+            stats: Mutex::default(),
+        }
+    }
+
+    pub(crate) fn role(&self) -> Role {
+        self.role
+    }
+
+    pub(crate) fn stats(&self) -> PdStats {
+        self.stats.lock().expect("pd stats").clone()
+    }
+
+    fn count(&self, pages: usize, bytes: usize, secs: f64) {
+        let mut st = self.stats.lock().expect("pd stats");
+        st.pages += pages as u64;
+        st.bytes += bytes as u64;
+        st.seconds += secs;
+    }
+
+    fn fail(&self, s: &Status) {
+        let mut st = self.stats.lock().expect("pd stats");
+        *st.failures.entry(reason_of(s)).or_default() += 1;
+        if s.code() == tonic::Code::ResourceExhausted {
+            st.admission_timeouts += 1;
+        }
+    }
+
+    fn client(&self) -> Result<Arc<HostClient>, Status> {
+        self.link
+            .as_ref()
+            .ok_or_else(|| Status::failed_precondition("this worker has no cache service"))?
+            .get()
+    }
+
+    /// Runs one request's side of a room; the returned channel carries its events.
+    pub(crate) async fn generate(
+        self: &Arc<Self>,
+        engine: &EngineHandle,
+        req: GenRequest,
+        room: u64,
+        trace_id: String,
+    ) -> Result<mpsc::Receiver<Item>, Status> {
+        let client = self.client()?;
+        let (tx, rx) = mpsc::channel(64);
+        let pd = self.clone();
+        let engine = engine.clone();
+        match self.role {
+            Role::Prefill => {
+                // Join first, so a decode side that gave up already is known before any
+                // compute is spent.
+                let st = client
+                    .room_open(room, cpb::RoomSide::Sender, &req.id, &trace_id)
+                    .await?;
+                if st.state == cpb::RoomState::Failed as i32 {
+                    return Err(failed(&st.reason));
+                }
+                let guard = RoomGuard {
+                    client: client.clone(),
+                    room,
+                    reason: "prefill ended before its pages were sent",
+                    armed: true,
+                };
+                let generation = engine
+                    .generate_part(req.clone(), Part::Prefill)
+                    .await
+                    .map_err(|e| Status::from(crate::Error::from(e)))?;
+                tokio::spawn(async move {
+                    let work = pd.prefill(&engine, &client, req, room, generation, guard, &tx);
+                    pd.drive(work, &tx).await;
+                });
+            }
+            Role::Decode => {
+                let generation = engine
+                    .generate_part(req.clone(), Part::Decode)
+                    .await
+                    .map_err(|e| Status::from(crate::Error::from(e)))?;
+                tokio::spawn(async move {
+                    let work = pd.decode(&engine, client, req, room, trace_id, generation, &tx);
+                    pd.drive(work, &tx).await;
+                });
+            }
+            Role::Unified => unreachable!("checked by the caller"),
+        }
+        Ok(rx)
+    }
+
+    /// Runs `work` (which sends events on the channel it is given) until it ends or the
+    /// caller leaves; an error becomes the stream's last item. Dropping `work` drops its
+    /// guards: the room is aborted and held pages let go.
+    async fn drive(&self, work: impl Future<Output = Result<(), Status>>, tx: &mpsc::Sender<Item>) {
+        let out = tokio::select! {
+            r = work => r,
+            () = tx.closed() => Err(Status::cancelled("the caller left")),
+        };
+        if let Err(s) = out {
+            self.fail(&s);
+            if s.code() != tonic::Code::Cancelled {
+                tracing::warn!(code = ?s.code(), error = %s.message(), "KV transfer failed");
+            }
+            let _ = tx.send(Err(s)).await;
+        }
+    }
+
+    async fn prefill(
+        &self,
+        engine: &EngineHandle,
+        client: &HostClient,
+        req: GenRequest,
+        room: u64,
+        mut generation: Generation,
+        mut guard: RoomGuard,
+        tx: &mpsc::Sender<Item>,
+    ) -> Result<(), Status> {
+        let prompt_tokens = req.prompt.len() as u32;
+        let (token, logprob, pages) = loop {
+            match generation.next().await {
+                Some(Ok(Event::Exported {
+                    token,
+                    logprob,
+                    pages,
+                })) => break (token, logprob, pages),
+                Some(Ok(Event::Finished(f))) => {
+                    return Err(failed(&format!("prefill ended: {:?}", f.reason)));
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(Status::from(crate::Error::from(e))),
+                None => return Err(Status::unavailable("the engine went away")),
+            }
+        };
+        let mut export = ExportGuard {
+            engine: engine.clone(),
+            id: Some(req.id.clone()),
+        };
+        let deadline = tokio::time::Instant::now() + self.times.transfer;
+        // Decode joins once it has reserved pages for this prompt.
+        wait_room(client, room, cpb::RoomState::WaitingForInput, deadline).await?;
+        let slots = loop {
+            match by(
+                deadline,
+                "room start",
+                client.room_start(room, pages as u32),
+            )
+            .await
+            {
+                Ok(slots) => break slots,
+                // The mirror is full of other rooms' pages for now.
+                Err(s) if s.code() == tonic::Code::ResourceExhausted => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(s) => return Err(s),
+            }
+        };
+        if slots.len() != pages {
+            return Err(Status::internal(format!(
+                "the cache service granted {} slots for {pages} pages",
+                slots.len()
+            )));
+        }
+        let mirror = client
+            .shared_mirror()
+            .ok_or_else(|| Status::failed_precondition("rooms need the shm data plane"))?;
+        let t0 = Instant::now();
+        let write_slots = slots.clone();
+        let sums = engine
+            .export(
+                req.id.clone(),
+                Box::new(move |src: &[&[u8]]| {
+                    src.iter()
+                        .zip(&write_slots)
+                        .map(|(page, &slot)| mirror.write_checked(slot, page))
+                        .collect()
+                }),
+            )
+            .await
+            .map_err(|e| Status::from(crate::Error::from(e)))?;
+        export.id = None;
+        let secs = t0.elapsed().as_secs_f64();
+        if let Some(d) = self.times.commit_delay {
+            tracing::warn!(room, delay = ?d, "fault injection: delaying the commit");
+            tokio::time::sleep(d).await;
+        }
+        let aux = cpb::RoomAux {
+            room,
+            first_token: token,
+            first_logprob: logprob.unwrap_or(f32::NAN),
+            prompt_tokens,
+        };
+        let pages_pb = slots
+            .iter()
+            .zip(&sums)
+            .map(|(&slot, &checksum)| cpb::RoomPage { slot, checksum })
+            .collect();
+        by(
+            deadline,
+            "room commit",
+            client.room_commit(room, pages_pb, aux),
+        )
+        .await?;
+        guard.armed = false;
+        self.count(pages, pages * client.page_bytes(), secs);
+        let _ = tx.send(Ok(Event::Token { token, logprob })).await;
+        let _ = tx
+            .send(Ok(Event::Finished(Finish {
+                reason: pdmesh_engine::FinishReason::Length,
+                matched_stop: None,
+                matched_token: None,
+                prompt_tokens,
+                completion_tokens: 1,
+                cached_tokens: 0,
+            })))
+            .await;
+        Ok(())
+    }
+
+    async fn decode(
+        &self,
+        engine: &EngineHandle,
+        client: Arc<HostClient>,
+        req: GenRequest,
+        room: u64,
+        trace_id: String,
+        mut generation: Generation,
+        tx: &mpsc::Sender<Item>,
+    ) -> Result<(), Status> {
+        // Decode reserves first; a pool that stays full is a clear error, not a wedge.
+        let reserved = tokio::time::timeout(self.times.admission, async {
+            loop {
+                match generation.next().await {
+                    Some(Ok(Event::Reserved { pages })) => return Ok(pages),
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => return Err(Status::from(crate::Error::from(e))),
+                    None => return Err(Status::unavailable("the engine went away")),
+                }
+            }
+        })
+        .await;
+        let mut guard = RoomGuard {
+            client: client.clone(),
+            room,
+            reason: "decode ended before it took its pages",
+            armed: true,
+        };
+        let pages = match reserved {
+            Ok(r) => r?,
+            Err(_) => {
+                guard.reason = "decode pool exhausted";
+                return Err(Status::resource_exhausted(format!(
+                    "no KV pages for a {}-token prompt became free within {:?}",
+                    req.prompt.len(),
+                    self.times.admission
+                )));
+            }
+        };
+        let deadline = tokio::time::Instant::now() + self.times.transfer;
+        by(
+            deadline,
+            "room open",
+            client.room_open(room, cpb::RoomSide::Receiver, &req.id, &trace_id),
+        )
+        .await?;
+        wait_room(&client, room, cpb::RoomState::Success, deadline).await?;
+        let got = by(deadline, "room result", client.room_result(room)).await?;
+        let aux = got
+            .aux
+            .ok_or_else(|| Status::internal("a room result without aux data"))?;
+        if aux.room != room || aux.prompt_tokens as usize != req.prompt.len() {
+            return Err(Status::data_loss(format!(
+                "aux data for room {} ({} prompt tokens) arrived in room {room} ({} tokens)",
+                aux.room,
+                aux.prompt_tokens,
+                req.prompt.len()
+            )));
+        }
+        if got.pages.len() != pages {
+            return Err(Status::data_loss(format!(
+                "{} pages arrived for {pages} reserved",
+                got.pages.len()
+            )));
+        }
+        let mirror = client
+            .shared_mirror()
+            .ok_or_else(|| Status::failed_precondition("rooms need the shm data plane"))?;
+        let t0 = Instant::now();
+        let sent = got.pages;
+        let logprob = (!aux.first_logprob.is_nan()).then_some(aux.first_logprob);
+        engine
+            .import(
+                req.id.clone(),
+                aux.first_token,
+                logprob,
+                Box::new(move |dst: &mut [&mut [u8]]| {
+                    for (i, (d, p)) in dst.iter_mut().zip(&sent).enumerate() {
+                        if mirror.read_checked(p.slot, d) != p.checksum {
+                            return Err(format!(
+                                "page {i} (mirror slot {}) does not match its checksum",
+                                p.slot
+                            ));
+                        }
+                    }
+                    Ok(())
+                }),
+            )
+            .await
+            .map_err(|e| match e {
+                pdmesh_engine::EngineError::Transfer(m) => Status::data_loss(m),
+                e => Status::from(crate::Error::from(e)),
+            })?;
+        let secs = t0.elapsed().as_secs_f64();
+        // The bytes are verified and ours: the room may end even if this call is lost.
+        if let Err(s) = by(deadline, "room finish", client.room_finish(room)).await {
+            tracing::debug!(room, error = %s.message(), "room finish failed; its deadline frees the slots");
+        }
+        guard.armed = false;
+        self.count(pages, pages * client.page_bytes(), secs);
+        while let Some(item) = generation.next().await {
+            let item = item.map_err(|e| Status::from(crate::Error::from(e)));
+            if tx.send(item).await.is_err() {
+                break; // the caller left; dropping the generation aborts the request
+            }
+        }
+        Ok(())
+    }
+}
