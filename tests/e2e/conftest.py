@@ -77,7 +77,9 @@ class Mesh:
         return self.ports["model"]
 
     def child_pids(self) -> list[int]:
-        return [self.ports["pids"][k] for k in ("tokenizer", "cache", "worker", "gateway")]
+        pids = self.ports["pids"]
+        out = [pids[k] for k in ("tokenizer", "cache", "worker", "gateway")]
+        return out + pids.get("prefill", []) + pids.get("decode", [])
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -21,7 +21,9 @@ def test_up_stops_everything_and_fails_when_the_worker_dies(tmp_path):
             mesh.proc.kill()
     log = mesh.log()
     assert code != 0, log
-    assert f"the worker (pid {worker}) exited with signal: 9" in log, log
+    # In the default (disaggregated) mesh the first worker is the decode worker.
+    name = "decode" if mesh.ports["mode"] == "pd" else "worker"
+    assert f"the {name} (pid {worker}) exited with signal: 9" in log, log
     deadline = time.monotonic() + 10
     while any(alive(p) for p in mesh.child_pids()) and time.monotonic() < deadline:
         time.sleep(0.1)

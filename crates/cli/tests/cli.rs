@@ -183,6 +183,7 @@ fn up_fails_naming_the_child_that_died_and_leaves_no_process_behind() {
             "0",
             "--grace",
             "5",
+            "--unified",
             "--worker-arg=--kv-pages=0",
             "--model",
         ])

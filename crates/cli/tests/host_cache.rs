@@ -125,6 +125,7 @@ async fn generate(
                 ignore_eos: true,
                 ..Default::default()
             }),
+            ..Default::default()
         })
         .await?
         .into_inner();

@@ -201,7 +201,8 @@ impl From<tonic::Status> for ApiError {
                     Self::invalid_request(msg, None)
                 }
             }
-            Code::Unavailable | Code::Cancelled => {
+            // Aborted: a KV transfer's room failed (a peer left, a deadline passed).
+            Code::Unavailable | Code::Cancelled | Code::Aborted => {
                 Self::unavailable(format!("backend unavailable: {msg}"))
             }
             Code::ResourceExhausted => Self {

@@ -525,6 +525,7 @@ mod tests {
             evicted_pages: 0,
             device_hit_tokens: 0,
             host: Default::default(),
+            pd: Default::default(),
         }
     }
 

@@ -193,22 +193,29 @@ impl Workers {
         // Prefill's own stream only matters if it fails: then the request fails now
         // rather than when decode's room deadline passes.
         let (fail_tx, fail_rx) = tokio::sync::oneshot::channel::<Status>();
+        // Dropped with the decode stream: prefill's call ends too (it aborts what it
+        // still holds), so a request that failed or left at decode costs no more compute.
+        let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(async move {
             let _p = guards.0;
             loop {
-                match ps.message().await {
-                    Ok(Some(_)) => {}
-                    Ok(None) => return,
-                    Err(s) => {
-                        let _ = fail_tx.send(s);
-                        return;
-                    }
+                tokio::select! {
+                    m = ps.message() => match m {
+                        Ok(Some(_)) => {}
+                        Ok(None) => return,
+                        Err(s) => {
+                            let _ = fail_tx.send(s);
+                            return;
+                        }
+                    },
+                    _ = &mut done_rx => return,
                 }
             }
         });
         let dguard = guards.1;
         let stream = async_stream::stream! {
             let _d = dguard;
+            let _done = done_tx;
             let mut ds = ds;
             let mut fail_rx = Some(fail_rx);
             loop {

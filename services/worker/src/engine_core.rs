@@ -611,8 +611,8 @@ mod tests {
         let mut core = EngineCore::new(Fake::default());
         let (tx1, mut rx1) = unbounded_channel();
         let (tx2, mut rx2) = unbounded_channel();
-        core.submit(req("a", 100), 1, tx1).unwrap();
-        core.submit(req("b", 100), 2, tx2).unwrap();
+        core.submit(req("a", 100), Part::Whole, 1, tx1).unwrap();
+        core.submit(req("b", 100), Part::Whole, 2, tx2).unwrap();
         assert_eq!(core.abort_all(), 2);
         for rx in [&mut rx1, &mut rx2] {
             assert!(

@@ -220,7 +220,7 @@ impl pb::worker_server::Worker for WorkerService {
         _request: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthResponse>, Status> {
         Ok(Response::new(pb::HealthResponse {
-            ok: self.engine.connected() && self.engine.info().await.is_ok(),
+            ok: self.engine.connected() && self.pd.ready() && self.engine.info().await.is_ok(),
         }))
     }
 

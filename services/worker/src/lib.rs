@@ -229,10 +229,14 @@ pub async fn run(
             admission: std::time::Duration::from_millis(cfg.admission_timeout_ms),
             transfer: std::time::Duration::from_millis(cfg.transfer_timeout_ms),
             // Fault injection for the late-write test; never set in production.
-            commit_delay: std::env::var("PDMESH_FAULT_COMMIT_DELAY_MS")
+            write_delay: std::env::var("PDMESH_FAULT_WRITE_DELAY_MS")
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .map(std::time::Duration::from_millis),
+            fault_count: std::env::var("PDMESH_FAULT_COUNT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(u64::MAX),
         },
     ));
     let info = engine.info();

@@ -125,8 +125,11 @@ pub(crate) struct PdTimes {
     pub admission: Duration,
     /// How long either side may spend on one request's hand-over, end to end.
     pub transfer: Duration,
-    /// Test-only fault: a prefill sleeps this long between writing and committing.
-    pub commit_delay: Option<Duration>,
+    /// Test-only fault: a prefill sleeps this long after its room started transferring
+    /// and before it writes (for the first `fault_count` transfers), so its write lands
+    /// after the room's deadline.
+    pub write_delay: Option<Duration>,
+    pub fault_count: u64,
 }
 
 /// One worker's disaggregation state.
@@ -135,6 +138,7 @@ pub(crate) struct Pd {
     link: Option<RoomLink>,
     times: PdTimes,
     stats: Mutex<PdStats>,
+    faults: std::sync::atomic::AtomicU64,
 }
 
 /// Aborts a room when dropped armed: the request ended before its hand-over did.
@@ -172,6 +176,13 @@ struct ExportGuard {
     id: Option<String>,
 }
 
+impl ExportGuard {
+    /// The pages were exported: nothing left to let go of.
+    fn disarm(&mut self) {
+        self.id = None;
+    }
+}
+
 impl Drop for ExportGuard {
     fn drop(&mut self) {
         if let Some(id) = self.id.take() {
@@ -193,6 +204,9 @@ async fn by<T>(
     fut: impl Future<Output = Result<T, Status>>,
 ) -> Result<T, Status> {
     match tokio::time::timeout_at(deadline, fut).await {
+        // The room or this worker's lease is gone at the service (expired, or the service
+        // restarted): the transfer failed.
+        Ok(Err(s)) if s.code() == tonic::Code::NotFound => Err(failed(s.message())),
         Ok(r) => r,
         Err(_) => Err(Status::deadline_exceeded(format!(
             "KV transfer: {what} did not finish before the transfer deadline"
@@ -254,11 +268,17 @@ impl Pd {
             link,
             times,
             stats: Mutex::default(),
+            faults: Default::default(),
         }
     }
 
     pub(crate) fn role(&self) -> Role {
         self.role
+    }
+
+    /// Whether this worker can serve: a prefill or decode worker needs its room link.
+    pub(crate) fn ready(&self) -> bool {
+        self.role == Role::Unified || self.link.as_ref().is_some_and(|l| l.get().is_ok())
     }
 
     pub(crate) fn stats(&self) -> PdStats {
@@ -320,7 +340,7 @@ impl Pd {
                     .await
                     .map_err(|e| Status::from(crate::Error::from(e)))?;
                 tokio::spawn(async move {
-                    let work = pd.prefill(&engine, &client, req, room, generation, guard, &tx);
+                    let work = pd.prefill(&engine, client, req, generation, guard, &tx);
                     pd.drive(work, &tx).await;
                 });
             }
@@ -330,7 +350,7 @@ impl Pd {
                     .await
                     .map_err(|e| Status::from(crate::Error::from(e)))?;
                 tokio::spawn(async move {
-                    let work = pd.decode(&engine, client, req, room, trace_id, generation, &tx);
+                    let work = pd.decode(&engine, client, req, (room, trace_id), generation, &tx);
                     pd.drive(work, &tx).await;
                 });
             }
@@ -359,13 +379,13 @@ impl Pd {
     async fn prefill(
         &self,
         engine: &EngineHandle,
-        client: &HostClient,
+        client: Arc<HostClient>,
         req: GenRequest,
-        room: u64,
         mut generation: Generation,
         mut guard: RoomGuard,
         tx: &mpsc::Sender<Item>,
     ) -> Result<(), Status> {
+        let room = guard.room;
         let prompt_tokens = req.prompt.len() as u32;
         let (token, logprob, pages) = loop {
             match generation.next().await {
@@ -388,7 +408,7 @@ impl Pd {
         };
         let deadline = tokio::time::Instant::now() + self.times.transfer;
         // Decode joins once it has reserved pages for this prompt.
-        wait_room(client, room, cpb::RoomState::WaitingForInput, deadline).await?;
+        wait_room(&client, room, cpb::RoomState::WaitingForInput, deadline).await?;
         let slots = loop {
             match by(
                 deadline,
@@ -414,43 +434,59 @@ impl Pd {
         let mirror = client
             .shared_mirror()
             .ok_or_else(|| Status::failed_precondition("rooms need the shm data plane"))?;
-        let t0 = Instant::now();
-        let write_slots = slots.clone();
-        let sums = engine
-            .export(
-                req.id.clone(),
-                Box::new(move |src: &[&[u8]]| {
-                    src.iter()
-                        .zip(&write_slots)
-                        .map(|(page, &slot)| mirror.write_checked(slot, page))
-                        .collect()
-                }),
-            )
-            .await
-            .map_err(|e| Status::from(crate::Error::from(e)))?;
-        export.id = None;
-        let secs = t0.elapsed().as_secs_f64();
-        if let Some(d) = self.times.commit_delay {
-            tracing::warn!(room, delay = ?d, "fault injection: delaying the commit");
-            tokio::time::sleep(d).await;
-        }
-        let aux = cpb::RoomAux {
-            room,
-            first_token: token,
-            first_logprob: logprob.unwrap_or(f32::NAN),
-            prompt_tokens,
+        let delay = self.times.write_delay.filter(|_| {
+            self.faults
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                < self.times.fault_count
+        });
+        let (engine2, client2, id) = (engine.clone(), client.clone(), req.id.clone());
+        let write_and_commit = async move {
+            if let Some(d) = delay {
+                tracing::warn!(room, delay = ?d, "fault injection: a write that does not hear aborts, delayed");
+                tokio::time::sleep(d).await;
+            }
+            let t0 = Instant::now();
+            let write_slots = slots.clone();
+            let sums = engine2
+                .export(
+                    id,
+                    Box::new(move |src: &[&[u8]]| {
+                        src.iter()
+                            .zip(&write_slots)
+                            .map(|(page, &slot)| mirror.write_checked(slot, page))
+                            .collect()
+                    }),
+                )
+                .await
+                .map_err(|e| Status::from(crate::Error::from(e)))?;
+            export.disarm();
+            let secs = t0.elapsed().as_secs_f64();
+            let aux = cpb::RoomAux {
+                room,
+                first_token: token,
+                first_logprob: logprob.unwrap_or(f32::NAN),
+                prompt_tokens,
+            };
+            let pages_pb = slots
+                .iter()
+                .zip(&sums)
+                .map(|(&slot, &checksum)| cpb::RoomPage { slot, checksum })
+                .collect();
+            let commit = client2.room_commit(room, pages_pb, aux);
+            match delay {
+                Some(_) => commit.await?,
+                None => by(deadline, "room commit", commit).await?,
+            }
+            Ok::<f64, Status>(secs)
         };
-        let pages_pb = slots
-            .iter()
-            .zip(&sums)
-            .map(|(&slot, &checksum)| cpb::RoomPage { slot, checksum })
-            .collect();
-        by(
-            deadline,
-            "room commit",
-            client.room_commit(room, pages_pb, aux),
-        )
-        .await?;
+        let secs = match delay {
+            // The fault: a sender that does not hear its abort (as over a partition)
+            // writes and commits late, detached from this request.
+            Some(_) => tokio::spawn(write_and_commit)
+                .await
+                .map_err(|e| Status::internal(format!("the transfer task failed: {e}")))??,
+            None => write_and_commit.await?,
+        };
         guard.armed = false;
         self.count(pages, pages * client.page_bytes(), secs);
         let _ = tx.send(Ok(Event::Token { token, logprob })).await;
@@ -472,8 +508,7 @@ impl Pd {
         engine: &EngineHandle,
         client: Arc<HostClient>,
         req: GenRequest,
-        room: u64,
-        trace_id: String,
+        (room, trace_id): (u64, String),
         mut generation: Generation,
         tx: &mpsc::Sender<Item>,
     ) -> Result<(), Status> {

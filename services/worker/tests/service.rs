@@ -70,6 +70,7 @@ fn request(id: &str, input_ids: &[u32], sampling: pb::SamplingParams) -> pb::Gen
         request_id: id.into(),
         input_ids: input_ids.to_vec(),
         sampling: Some(sampling),
+        ..Default::default()
     }
 }
 

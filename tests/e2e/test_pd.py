@@ -1,0 +1,332 @@
+"""Prefill/decode disaggregation between real processes: the answers equal a unified
+worker's, and faults injected into the processes (kill -9, SIGSTOP, clients leaving, a full
+decode pool, a late write) end every request within its deadline, return every page and
+slot, and leave a mesh that serves again."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import API_KEY, alive, free_port, http, pdmesh_bin, start_up, stop_up
+
+# Short deadlines, so faults resolve within a test.
+ROOM_ARGS = [
+    "--lease-ttl-ms=2000",
+    "--room-bootstrap-ms=8000",
+    "--room-wait-ms=20000",
+    "--room-transfer-ms=3000",
+    "--room-success-ms=3000",
+]
+WORKER_ARGS = ["--transfer-timeout-ms=15000", "--threads=1"]
+# Every request must end (answer or error) within this.
+REQUEST_DEADLINE_S = 40
+
+
+class Services:
+    """cache, tokenizer, prefill, decode and gateway as separate `pdmesh` processes, each
+    one killable and restartable on its own port."""
+
+    def __init__(self, tmp: Path, decode_args=(), prefill_env=None, cache_args=()):
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ports = {n: free_port() for n in ("cache", "tokenizer", "prefill", "decode", "gateway")}
+        cache = f"http://127.0.0.1:{self.ports['cache']}"
+        self.argv = {
+            "cache": ["cache", *ROOM_ARGS, *cache_args],
+            "tokenizer": ["tokenizer"],
+            "prefill": ["prefill", "--cache-url", cache, *WORKER_ARGS],
+            "decode": ["decode", "--cache-url", cache, *WORKER_ARGS, *decode_args],
+            "gateway": [
+                "gateway",
+                "--tokenizer-url", f"http://127.0.0.1:{self.ports['tokenizer']}",
+                "--prefill-url", f"http://127.0.0.1:{self.ports['prefill']}",
+                "--decode-url", f"http://127.0.0.1:{self.ports['decode']}",
+                "--cache-url", cache,
+            ],
+        }
+        self.env = {"prefill": prefill_env or {}}
+        for name in self.argv:
+            self.start(name)
+        self.base = f"http://127.0.0.1:{self.ports['gateway']}"
+        self.wait_healthy()
+
+    def start(self, name: str) -> None:
+        env = dict(os.environ, PDMESH_API_KEY=API_KEY, **self.env.get(name, {}))
+        log = open(self.tmp / f"{name}.log", "ab")
+        argv = [str(pdmesh_bin()), *self.argv[name], "--listen", f"127.0.0.1:{self.ports[name]}"]
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                assert p.poll() is None, f"{name} exited with {p.returncode}:\n{self.logs()}"
+            try:
+                status, _ = http("GET", self.base + "/health", timeout=5)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"the mesh did not become healthy:\n{self.logs()}", pytrace=False)
+
+    def kill(self, name: str, sig=signal.SIGKILL) -> None:
+        self.procs[name].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.procs[name].wait(timeout=30)
+
+    def restart(self, name: str) -> None:
+        self.start(name)
+        self.wait_healthy()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=API_KEY, max_retries=0, timeout=REQUEST_DEADLINE_S)
+
+    def metrics(self) -> dict[str, float]:
+        status, body = http("GET", self.base + "/metrics")
+        assert status == 200
+        out = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def assert_baseline(self, timeout: float = 30) -> dict[str, float]:
+        """Waits until nothing is held: no request in a worker, no reserved or exported
+        page, every pool page free or cached, no room open, no mirror slot held by a room."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            held = {
+                k: v
+                for k, v in m.items()
+                if (k.startswith("mesh_worker_requests") or k.startswith("mesh_room_slots") or k == "mesh_kv_reserved_pages"
+                    or (k.startswith("mesh_rooms{") and 'state="failed"' not in k))
+                and v != 0
+            }
+            pages = m["mesh_kv_pages_free"] + m["mesh_kv_pages_cached"]
+            if not held and pages == m["mesh_kv_pages_total"]:
+                return m
+            if time.monotonic() > deadline:
+                pytest.fail(f"not back to baseline: held {held}, free+cached {pages} of {m['mesh_kv_pages_total']}\n{self.logs()}", pytrace=False)
+            time.sleep(0.25)
+
+
+@pytest.fixture
+def services(tmp_path, request):
+    kw = getattr(request, "param", {})
+    s = Services(tmp_path, **kw)
+    yield s
+    s.stop()
+
+
+def ask(client: openai.OpenAI, prompt: str, max_tokens: int = 8, **kw) -> str:
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=kw.pop("temperature", 0),
+        **kw,
+    )
+    return r.choices[0].message.content
+
+
+LONG = " ".join(f"item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(120))
+
+
+def outcome(fn):
+    """Runs fn; returns ('ok', value) or ('error', HTTP status) and the seconds it took."""
+    t0 = time.monotonic()
+    try:
+        return ("ok", fn()), time.monotonic() - t0
+    except openai.APIStatusError as e:
+        assert e.message, "an error says what happened"
+        return ("error", e.status_code), time.monotonic() - t0
+    except (openai.APIConnectionError, openai.APITimeoutError) as e:
+        return ("error", type(e).__name__), time.monotonic() - t0
+
+
+def under_load(svc: Services, n: int, fault, prompt=LONG, max_tokens=24, after_s=1.5):
+    """n concurrent requests; `fault` runs after `after_s`. Returns their outcomes."""
+    client = svc.client()
+    with cf.ThreadPoolExecutor(n) as pool:
+        futs = [pool.submit(outcome, lambda i=i: ask(client, f"{prompt} Question {i}: which box is blue?", max_tokens)) for i in range(n)]
+        time.sleep(after_s)
+        fault()
+        results = [f.result(timeout=REQUEST_DEADLINE_S + 30) for f in futs]
+    for (kind, what), secs in results:
+        assert secs < REQUEST_DEADLINE_S, f"a request took {secs:.1f}s ({kind} {what})"
+        assert kind == "ok" or what in (429, 503, 504, 500), (kind, what)
+    return [r for r, _ in results]
+
+
+def test_pd_output_is_bit_identical_to_unified_for_80_sessions(mesh, tmp_path):
+    """The session mesh is disaggregated (`pdmesh up` default); a unified one answers the
+    same 80 concurrent multi-turn sessions, greedy and seeded."""
+    assert mesh.ports["mode"] == "pd"
+    unified = start_up(tmp_path, ["--unified", "--no-smoke-test"])
+    try:
+        assert unified.ports["mode"] == "unified"
+
+        def session(client, s: int) -> list[str]:
+            history = [{"role": "system", "content": "You are a terse assistant."}]
+            out = []
+            for turn in range(2):
+                history.append({"role": "user", "content": f"Session {s}, turn {turn}: name a {['fruit', 'color', 'city', 'animal'][(s + turn) % 4]}."})
+                kw = {"temperature": 0} if s % 3 else {"temperature": 0.9, "seed": s, "top_p": 0.95}
+                r = client.chat.completions.create(model=mesh.model, messages=history, max_tokens=6, **kw)
+                text = r.choices[0].message.content
+                out.append(f"{r.choices[0].finish_reason}:{text}")
+                history.append({"role": "assistant", "content": text})
+            return out
+
+        def run(m) -> list[list[str]]:
+            client = m.client()
+            with cf.ThreadPoolExecutor(80) as pool:
+                return list(pool.map(lambda s: session(client, s), range(80)))
+
+        pd, un = run(mesh), run(unified)
+        diff = [(s, a, b) for s, (a, b) in enumerate(zip(pd, un)) if a != b]
+        assert not diff, f"{len(diff)} sessions differ, e.g. {diff[:3]}"
+        assert mesh.metrics()['mesh_kv_transfer_bytes_total{side="all"}'] > 0, "the KV really travelled"
+    finally:
+        assert stop_up(unified) == 0
+
+
+def test_kill_prefill_mid_transfer(services):
+    ref = ask(services.client(), "Which box is blue? Answer briefly.")
+    services.assert_baseline()
+    results = under_load(services, 12, lambda: services.kill("prefill"))
+    assert any(k == "error" for k, _ in results), "the kill hit requests in flight"
+    services.restart("prefill")
+    services.assert_baseline()
+    assert ask(services.client(), "Which box is blue? Answer briefly.") == ref
+
+
+def test_kill_decode_mid_transfer(services):
+    ref = ask(services.client(), "Which box is blue? Answer briefly.")
+    results = under_load(services, 12, lambda: services.kill("decode"))
+    assert any(k == "error" for k, _ in results)
+    services.restart("decode")
+    m = services.assert_baseline()
+    # Prefill's rooms whose receiver died failed and gave their slots back.
+    assert sum(v for k, v in m.items() if k.startswith("mesh_room_aborts_total") or k.startswith("mesh_room_timeouts_total")) > 0
+    assert ask(services.client(), "Which box is blue? Answer briefly.") == ref
+
+
+def test_sigstop_cache_past_the_deadline_then_sigcont(services):
+    ref = ask(services.client(), "Which box is blue? Answer briefly.")
+
+    def freeze():
+        services.kill("cache", signal.SIGSTOP)
+        time.sleep(17)  # past the workers' 15 s transfer deadline
+        services.kill("cache", signal.SIGCONT)
+
+    results = under_load(services, 8, freeze, after_s=0.5)
+    assert any(k == "error" for k, _ in results), "requests in transfer hit the frozen cache"
+    services.wait_healthy()
+    services.assert_baseline(timeout=60)
+    assert ask(services.client(), "Which box is blue? Answer briefly.") == ref
+
+
+def _stream_and_leave(base: str, prompt: str, chunks: int) -> None:
+    """Streams a completion over a raw socket and closes it after `chunks` SSE events
+    (0: right after sending the request)."""
+    import json as _json
+
+    body = _json.dumps({
+        "model": "SmolLM2-135M-Instruct", "stream": True, "max_tokens": 200, "temperature": 0,
+        "messages": [{"role": "user", "content": prompt}],
+    }).encode()
+    host, port = base.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    seen = b""
+    while seen.count(b"data:") < chunks:
+        got = s.recv(4096)
+        if not got:
+            break
+        seen += got
+    s.close()
+
+
+def test_client_disconnects_during_prefill_and_during_decode(services):
+    ref = ask(services.client(), "Which box is blue? Answer briefly.")
+    with cf.ThreadPoolExecutor(16) as pool:
+        # During prefill: gone right after asking (a long prompt takes a while to compute).
+        during_prefill = [pool.submit(_stream_and_leave, services.base, f"{LONG} {i}", 0) for i in range(8)]
+        # During decode: gone after a few tokens.
+        during_decode = [pool.submit(_stream_and_leave, services.base, f"Count to fifty, {i}.", 4) for i in range(8)]
+        for f in during_prefill + during_decode:
+            f.result(timeout=REQUEST_DEADLINE_S)
+    services.assert_baseline()
+    assert ask(services.client(), "Which box is blue? Answer briefly.") == ref
+
+
+@pytest.mark.parametrize("services", [{"decode_args": ["--kv-pages=64", "--admission-timeout-ms=4000"]}], indirect=True)
+def test_decode_pool_exhausted_by_80_long_requests(services):
+    ref = ask(services.client(), "Which box is blue? Answer briefly.")
+    results = under_load(services, 80, lambda: None, prompt=LONG[:1500], max_tokens=32, after_s=0)
+    kinds = [k for k, _ in results]
+    assert "ok" in kinds, "the pool serves some requests"
+    assert all(w == 429 for k, w in results if k == "error"), results
+    services.assert_baseline()
+    m = services.metrics()
+    assert m['mesh_admission_timeouts_total{side="all"}'] == kinds.count("error")
+    assert ask(services.client(), "Which box is blue? Answer briefly.") == ref
+
+
+@pytest.mark.parametrize("services", [{"prefill_env": {"PDMESH_FAULT_WRITE_DELAY_MS": "6000", "PDMESH_FAULT_COUNT": "1"}}], indirect=True)
+def test_a_late_write_is_rejected_and_reused_pages_are_untouched(services):
+    client = services.client()
+    # A fresh prompt, so the first (delayed) request really transfers.
+    late = [None]
+
+    def first():
+        late[0] = outcome(lambda: ask(client, "Which box is red? Answer briefly.", 16))
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        f = pool.submit(first)
+        # Its room fails 3 s into the transfer; its pages are free again at decode.
+        deadline = time.monotonic() + 20
+        while not any(k.startswith("mesh_room_timeouts_total") and v > 0 for k, v in services.metrics().items()):
+            assert time.monotonic() < deadline, services.logs()
+            time.sleep(0.1)
+        # These reuse decode's pages (and would reuse the mirror slots, were they not held)
+        # while the late write is still to come.
+        answers = [ask(client, f"Which box is blue? Answer briefly. ({i})", 16) for i in range(3)]
+        f.result(timeout=REQUEST_DEADLINE_S)
+    (kind, what), _ = late[0]
+    assert kind == "error" and what == 503, late[0]
+    m = services.assert_baseline()
+    assert m['mesh_room_late_writes_rejected_total{tier="host"}'] == 1, services.logs()
+    # The same questions again, with no late writer around: identical answers.
+    assert answers == [ask(client, f"Which box is blue? Answer briefly. ({i})", 16) for i in range(3)]
