@@ -159,6 +159,8 @@ pub enum StepEvent {
         token: u32,
         logprob: Option<f32>,
         pages: usize,
+        /// Prompt tokens found in the caches instead of computed.
+        cached: usize,
     },
     /// A decode-side request holds `pages` pages for its prompt's KV.
     Reserved { id: Arc<str>, pages: usize },

@@ -410,6 +410,7 @@ impl Engine {
         id: &str,
         first_token: u32,
         logprob: Option<f32>,
+        cached: usize,
         fill: impl FnOnce(&mut [&mut [u8]]) -> Result<(), String>,
     ) -> Result<Vec<StepEvent>, EngineError> {
         let i = self
@@ -434,7 +435,8 @@ impl Engine {
         }
         let mut s = self.parked.remove(i);
         s.computed = s.prompt_len;
-        s.cached.get_or_insert(0);
+        // What the prefill side found cached is what this request was spared.
+        s.cached = Some(cached.min(s.prompt_len));
         s.sampler.skip_sample(&s.params);
         s.sampler.record(first_token);
         s.tokens.push(first_token);
@@ -853,6 +855,7 @@ impl Engine {
                     token: tok,
                     logprob,
                     pages: n,
+                    cached: s.cached.unwrap_or(0),
                 });
                 events.push(StepEvent::Finished {
                     id: s.id.clone(),

@@ -140,7 +140,7 @@ fn prefill_then_decode_is_bit_identical_to_unified() {
                         .unwrap();
                     assert_eq!(kv.len(), pages, "{id}: page counts agree");
                     let evs = d
-                        .import(&id, token, logprob, |dst| {
+                        .import(&id, token, logprob, 0, |dst| {
                             for (d, s) in dst.iter_mut().zip(&kv) {
                                 d.copy_from_slice(s);
                             }
@@ -199,16 +199,16 @@ fn aborts_and_failed_imports_release_reservations_and_exports() {
     assert!(p.abort("r0"), "an abort reaches a held export");
     // r1: bytes that fail their check leave the request parked, then its abort frees it.
     let err = d
-        .import("r1", 5, None, |_| Err("page 0 failed its checksum".into()))
+        .import("r1", 5, None, 0, |_| Err("page 0 failed its checksum".into()))
         .unwrap_err();
     assert!(err.to_string().contains("checksum"), "{err}");
     assert!(d.abort("r1"));
     assert!(p.drop_export("r1"));
     // r2: a token outside the vocabulary is refused before anything is written.
-    assert!(d.import("r2", u32::MAX, None, |_| Ok(())).is_err());
+    assert!(d.import("r2", u32::MAX, None, 0, |_| Ok(())).is_err());
     assert!(d.abort("r2") && p.drop_export("r2"));
     // r3: an import for a request that holds nothing is an error, not a panic.
-    assert!(d.import("nobody", 1, None, |_| Ok(())).is_err());
+    assert!(d.import("nobody", 1, None, 0, |_| Ok(())).is_err());
     assert!(d.abort("r3") && p.drop_export("r3"));
     assert!(!p.drop_export("r3"), "an export is dropped once");
 

@@ -403,6 +403,7 @@ impl pb::cache_server::Cache for CacheService {
             first_token: aux.first_token,
             first_logprob: aux.first_logprob,
             prompt_tokens: aux.prompt_tokens,
+            cached_tokens: aux.cached_tokens,
         };
         self.shared
             .with(|s| s.room_commit(r.lease, r.room, pages, aux, Instant::now()))?;
@@ -428,6 +429,7 @@ impl pb::cache_server::Cache for CacheService {
                 first_token: aux.first_token,
                 first_logprob: aux.first_logprob,
                 prompt_tokens: aux.prompt_tokens,
+                cached_tokens: aux.cached_tokens,
             }),
         }))
     }

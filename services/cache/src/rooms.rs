@@ -110,6 +110,7 @@ pub struct Aux {
     pub first_token: u32,
     pub first_logprob: f32,
     pub prompt_tokens: u32,
+    pub cached_tokens: u32,
 }
 
 /// One transferred page: its mirror slot and checksum.
@@ -548,6 +549,7 @@ mod tests {
             first_token: 42,
             first_logprob: -0.5,
             prompt_tokens: 3,
+            cached_tokens: 0,
         }
     }
 

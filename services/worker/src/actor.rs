@@ -45,6 +45,7 @@ struct Import {
     id: String,
     token: u32,
     logprob: Option<f32>,
+    cached: usize,
     fill: ImportFn,
 }
 impl Message for Import {
@@ -174,7 +175,9 @@ impl Handler<DropExport> for EngineActor {
 impl Handler<Import> for EngineActor {
     type Result = Result<(), EngineError>;
     fn handle(&mut self, msg: Import, ctx: &mut Self::Context) -> Self::Result {
-        let out = self.core.import(&msg.id, msg.token, msg.logprob, msg.fill);
+        let out = self
+            .core
+            .import(&msg.id, msg.token, msg.logprob, msg.cached, msg.fill);
         self.kick(ctx);
         out
     }
@@ -395,6 +398,7 @@ impl EngineHandle {
         id: String,
         token: u32,
         logprob: Option<f32>,
+        cached: usize,
         fill: ImportFn,
     ) -> Result<(), EngineError> {
         self.addr
@@ -402,6 +406,7 @@ impl EngineHandle {
                 id,
                 token,
                 logprob,
+                cached,
                 fill,
             })
             .await

@@ -48,6 +48,7 @@ pub(crate) trait Backend {
         id: &str,
         _token: u32,
         _logprob: Option<f32>,
+        _cached: usize,
         _fill: ImportFn,
     ) -> Result<Vec<StepEvent>, EngineError> {
         Err(EngineError::Transfer(format!(
@@ -125,9 +126,10 @@ impl Backend for Engine {
         id: &str,
         token: u32,
         logprob: Option<f32>,
+        cached: usize,
         fill: ImportFn,
     ) -> Result<Vec<StepEvent>, EngineError> {
-        Engine::import(self, id, token, logprob, fill)
+        Engine::import(self, id, token, logprob, cached, fill)
     }
 }
 
@@ -155,6 +157,7 @@ pub enum Event {
         token: u32,
         logprob: Option<f32>,
         pages: usize,
+        cached: usize,
     },
     /// Decode: `pages` pages are reserved for the prompt's KV.
     Reserved {
@@ -301,9 +304,10 @@ impl<B: Backend> EngineCore<B> {
         id: &str,
         token: u32,
         logprob: Option<f32>,
+        cached: usize,
         fill: ImportFn,
     ) -> Result<(), EngineError> {
-        let events = self.engine()?.import(id, token, logprob, fill)?;
+        let events = self.engine()?.import(id, token, logprob, cached, fill)?;
         for event in events {
             self.route(event);
         }
@@ -346,21 +350,22 @@ impl<B: Backend> EngineCore<B> {
                 token,
                 logprob,
                 pages,
-            } => match self.requests.get(&*id) {
-                Some(entry)
-                    if entry
-                        .tx
-                        .send(Event::Exported {
-                            token,
-                            logprob,
-                            pages,
-                        })
-                        .is_ok() => {}
-                // Nobody will send these pages.
-                _ => {
+                cached,
+            } => {
+                let sent = self.requests.get(&*id).is_some_and(|entry| {
+                    let ev = Event::Exported {
+                        token,
+                        logprob,
+                        pages,
+                        cached,
+                    };
+                    entry.tx.send(ev).is_ok()
+                });
+                if !sent {
+                    // Nobody will send these pages.
                     self.drop_export(&id);
                 }
-            },
+            }
             StepEvent::Reserved { id, pages } => {
                 let Some(entry) = self.requests.get(&*id) else {
                     return;

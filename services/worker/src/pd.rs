@@ -387,13 +387,14 @@ impl Pd {
     ) -> Result<(), Status> {
         let room = guard.room;
         let prompt_tokens = req.prompt.len() as u32;
-        let (token, logprob, pages) = loop {
+        let (token, logprob, pages, cached) = loop {
             match generation.next().await {
                 Some(Ok(Event::Exported {
                     token,
                     logprob,
                     pages,
-                })) => break (token, logprob, pages),
+                    cached,
+                })) => break (token, logprob, pages, cached),
                 Some(Ok(Event::Finished(f))) => {
                     return Err(failed(&format!("prefill ended: {:?}", f.reason)));
                 }
@@ -466,6 +467,7 @@ impl Pd {
                 first_token: token,
                 first_logprob: logprob.unwrap_or(f32::NAN),
                 prompt_tokens,
+                cached_tokens: cached as u32,
             };
             let pages_pb = slots
                 .iter()
@@ -578,6 +580,7 @@ impl Pd {
                 req.id.clone(),
                 aux.first_token,
                 logprob,
+                aux.cached_tokens as usize,
                 Box::new(move |dst: &mut [&mut [u8]]| {
                     for (i, (d, p)) in dst.iter_mut().zip(&sent).enumerate() {
                         if mirror.read_checked(p.slot, d) != p.checksum {
