@@ -199,7 +199,9 @@ fn aborts_and_failed_imports_release_reservations_and_exports() {
     assert!(p.abort("r0"), "an abort reaches a held export");
     // r1: bytes that fail their check leave the request parked, then its abort frees it.
     let err = d
-        .import("r1", 5, None, 0, |_| Err("page 0 failed its checksum".into()))
+        .import("r1", 5, None, 0, |_| {
+            Err("page 0 failed its checksum".into())
+        })
         .unwrap_err();
     assert!(err.to_string().contains("checksum"), "{err}");
     assert!(d.abort("r1"));
