@@ -1076,4 +1076,116 @@ mod tests {
         // b's page is evictable now, its reservation free: a can take both slots.
         assert_eq!(s.reserve(a, &[3, 4]).unwrap().len(), 2);
     }
+
+    fn aux(room: u64) -> Aux {
+        Aux {
+            room,
+            first_token: 1,
+            first_logprob: f32::NAN,
+            prompt_tokens: 4,
+            cached_tokens: 0,
+        }
+    }
+
+    /// Opens `room` on both sides and starts a transfer of `pages` pages.
+    fn transferring(s: &mut State, room: u64, p: u64, d: u64, pages: usize) -> Vec<u32> {
+        let t = Instant::now();
+        s.room_open(d, room, Side::Receiver, "r", "", t).unwrap();
+        s.room_open(p, room, Side::Sender, "r", "", t).unwrap();
+        s.room_start(p, room, pages, t).unwrap()
+    }
+
+    #[test]
+    fn a_failed_rooms_slots_stay_out_of_reach_until_its_late_writer_is_refused() {
+        let (mut s, _dir) = state(4);
+        let t = Instant::now();
+        let p = s.register("prefill", layout(), t).unwrap().lease;
+        let d = s.register("decode", layout(), t).unwrap().lease;
+        let first = transferring(&mut s, 1, p, d, 2);
+        // Decode gives up while prefill is writing: those slots are quarantined.
+        s.room_abort(d, 1, "client left", t).unwrap();
+        assert_eq!(s.room_stats(t).quarantined_slots, 2);
+        // Another room cannot get them: only the 2 other slots exist for it.
+        let second = transferring(&mut s, 2, p, d, 2);
+        assert!(
+            second.iter().all(|x| !first.contains(x)),
+            "{first:?} {second:?}"
+        );
+        assert!(matches!(
+            s.room_start(p, 3, 1, t),
+            Err(CacheError::MirrorFull { .. }) | Err(CacheError::Room(_))
+        ));
+        // The late commit is refused and, its writer being done, frees the slots.
+        let pages = first
+            .iter()
+            .map(|&slot| RoomPage { slot, checksum: 0 })
+            .collect();
+        let err = s.room_commit(p, 1, pages, aux(1), t).unwrap_err();
+        assert!(
+            matches!(err, CacheError::Room(RoomError::Failed { .. })),
+            "{err}"
+        );
+        let st = s.room_stats(t);
+        assert_eq!((st.quarantined_slots, st.late_writes_rejected), (0, 1));
+        // A commit naming slots that are not the room's is refused before anything moves.
+        let wrong = vec![
+            RoomPage {
+                slot: first[0],
+                checksum: 0
+            };
+            2
+        ];
+        assert!(matches!(
+            s.room_commit(p, 2, wrong, aux(2), t),
+            Err(CacheError::BadRoomCall(_))
+        ));
+        let pages = second
+            .iter()
+            .map(|&slot| RoomPage { slot, checksum: 0 })
+            .collect();
+        s.room_commit(p, 2, pages, aux(2), t).unwrap();
+        s.room_finish(d, 2).unwrap();
+        let st = s.room_stats(t);
+        assert_eq!((st.room_slots, st.finished, st.transfer_pages), (0, 1, 2));
+        assert_eq!(s.stats().used_pages, 0, "every slot is free again");
+    }
+
+    #[test]
+    fn hostile_room_calls_are_refused_and_change_nothing() {
+        let (mut s, _dir) = state(4);
+        let t = Instant::now();
+        let p = s.register("prefill", layout(), t).unwrap().lease;
+        let d = s.register("decode", layout(), t).unwrap().lease;
+        assert!(matches!(
+            s.room_open(p, 0, Side::Sender, "", "", t),
+            Err(CacheError::BadRoomCall(_))
+        ));
+        assert!(matches!(
+            s.room_open(999, 5, Side::Sender, "", "", t),
+            Err(CacheError::UnknownLease(999))
+        ));
+        s.room_open(d, 5, Side::Receiver, "", "", t).unwrap();
+        s.room_open(p, 5, Side::Sender, "", "", t).unwrap();
+        for pages in [0, 5, usize::MAX] {
+            assert!(matches!(
+                s.room_start(p, 5, pages, t),
+                Err(CacheError::BadRoomCall(_))
+            ));
+        }
+        // The receiver cannot start the sender's transfer.
+        assert!(s.room_start(d, 5, 1, t).is_err());
+        let slots = s.room_start(p, 5, 1, t).unwrap();
+        let pages = vec![RoomPage {
+            slot: slots[0],
+            checksum: 0,
+        }];
+        assert!(matches!(
+            s.room_commit(p, 5, pages, aux(6), t),
+            Err(CacheError::BadRoomCall(_))
+        ));
+        assert_eq!(s.room_stats(t).room_slots, 1, "the transfer is still on");
+        // A lease that dies fails its rooms and frees what they held.
+        s.expire(t + TTL * 2);
+        assert_eq!(s.stats().used_pages, 0);
+    }
 }
