@@ -60,6 +60,18 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict | None 
         return e.code, e.read()
 
 
+def metrics(base: str) -> dict[str, float]:
+    """A gateway's /metrics as {series: value}."""
+    status, body = http("GET", base + "/metrics")
+    assert status == 200
+    out = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 @dataclass
 class Mesh:
     """A running `pdmesh up`."""
@@ -88,14 +100,7 @@ class Mesh:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0, timeout=300)
 
     def metrics(self) -> dict[str, float]:
-        status, body = http("GET", self.base + "/metrics")
-        assert status == 200
-        out = {}
-        for line in body.decode().splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return metrics(self.base)
 
 
 def start_up(tmp: Path, extra_args: list[str] | None = None) -> Mesh:

@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import API_KEY, alive, free_port, http, pdmesh_bin, start_up, stop_up
+from conftest import API_KEY, free_port, http, metrics, pdmesh_bin, start_up, stop_up
 
 # Short deadlines, so faults resolve within a test.
 ROOM_ARGS = [
@@ -107,14 +107,7 @@ class Services:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=API_KEY, max_retries=0, timeout=REQUEST_DEADLINE_S)
 
     def metrics(self) -> dict[str, float]:
-        status, body = http("GET", self.base + "/metrics")
-        assert status == 200
-        out = {}
-        for line in body.decode().splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return metrics(self.base)
 
     def assert_baseline(self, timeout: float = 30) -> dict[str, float]:
         """Waits until nothing is held: no request in a worker, no reserved or exported
