@@ -35,25 +35,26 @@ class Services:
     """cache, tokenizer, prefill, decode and gateway as separate `pdmesh` processes, each
     one killable and restartable on its own port."""
 
-    def __init__(self, tmp: Path, decode_args=(), prefill_env=None, cache_args=()):
+    def __init__(self, tmp: Path, decode_args=(), prefill_env=None, cache_args=(), prefill_args=(), prefills=1):
         self.tmp = tmp
         self.procs: dict[str, subprocess.Popen] = {}
-        self.ports = {n: free_port() for n in ("cache", "tokenizer", "prefill", "decode", "gateway")}
+        self.prefills = ["prefill"] + [f"prefill{i}" for i in range(2, prefills + 1)]
+        self.ports = {n: free_port() for n in ("cache", "tokenizer", *self.prefills, "decode", "gateway")}
         cache = f"http://127.0.0.1:{self.ports['cache']}"
         self.argv = {
             "cache": ["cache", *ROOM_ARGS, *cache_args],
             "tokenizer": ["tokenizer"],
-            "prefill": ["prefill", "--cache-url", cache, *WORKER_ARGS],
+            **{p: ["prefill", "--cache-url", cache, *WORKER_ARGS, *prefill_args] for p in self.prefills},
             "decode": ["decode", "--cache-url", cache, *WORKER_ARGS, *decode_args],
             "gateway": [
                 "gateway",
                 "--tokenizer-url", f"http://127.0.0.1:{self.ports['tokenizer']}",
-                "--prefill-url", f"http://127.0.0.1:{self.ports['prefill']}",
+                "--prefill-url", ",".join(f"http://127.0.0.1:{self.ports[p]}" for p in self.prefills),
                 "--decode-url", f"http://127.0.0.1:{self.ports['decode']}",
                 "--cache-url", cache,
             ],
         }
-        self.env = {"prefill": prefill_env or {}}
+        self.env = {p: prefill_env or {} for p in self.prefills}
         for name in self.argv:
             self.start(name)
         self.base = f"http://127.0.0.1:{self.ports['gateway']}"
@@ -323,3 +324,52 @@ def test_a_late_write_is_rejected_and_reused_pages_are_untouched(services):
     assert m['mesh_room_late_writes_rejected_total{tier="host"}'] == 1, services.logs()
     # The same questions again, with no late writer around: identical answers.
     assert answers == [ask(client, f"Which box is blue? Answer briefly. ({i})", 16) for i in range(3)]
+
+
+@pytest.mark.parametrize(
+    "services",
+    # Prefill loads nothing back from the host mirror: every cached token a prefill
+    # reports comes from its own device cache.
+    [{"prefills": 2, "prefill_args": ["--host-load-min-pages=1000000"]}],
+    indirect=True,
+)
+def test_prefill_routing_follows_the_workers_kv_events(services):
+    """With two prefill workers, the gateway learns what each one's device cache holds from
+    its KV events and sends a prompt to the worker holding its longest prefix."""
+    client = services.client()
+    texts = {
+        "boxes": LONG,
+        "birds": " ".join(f"bird {i} sings {['low', 'high', 'twice'][i % 3]} at dawn." for i in range(120)),
+    }
+
+    def usage(text: str, q: str):
+        r = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": f"{text} {q}"}],
+            max_tokens=2,
+            temperature=0,
+        )
+        return r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+    def views():
+        m = services.metrics()
+        return {k: v for k, v in m.items() if k.startswith("mesh_router_cached_pages{")}
+
+    # One prompt after the other: the second shares only the chat template's first page
+    # with the first, too little to follow, so it goes to the worker whose cache is emptier.
+    for text in texts.values():
+        assert usage(text, "First question?")[1] <= 16
+    deadline = time.monotonic() + 10
+    while not (len(views()) == 2 and all(v > 0 for v in views().values())):
+        assert time.monotonic() < deadline, f"the gateway never learned both caches: {views()}\n{services.logs()}"
+        time.sleep(0.1)
+    before = services.metrics()
+    # Every later prompt reuses its text's pages, so it must land where they are cached
+    # (several in a row: balancing by load or cache size alone would move some away).
+    for name, text in texts.items():
+        for i in range(3):
+            prompt, cached = usage(text, f"Question {i} about the {name}?")
+            assert cached >= prompt - 64, f"{name} #{i}: {cached} of {prompt} prompt tokens cached"
+    after = services.metrics()
+    routed = 'mesh_route_prefill_total{reason="prefix"}'
+    assert after[routed] - before.get(routed, 0) == 6

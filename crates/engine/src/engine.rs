@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use pdmesh_gguf::GgufFile;
 use pdmesh_kv::{
-    HostPage, HostTier, KvError, PageId, PagePool, PrefixCache, PrefixCacheStats, page_hashes,
+    CacheEvent, HostPage, HostTier, KvError, PageId, PagePool, PrefixCache, PrefixCacheStats,
+    page_hashes,
 };
 
 use crate::model::{BatchToken, LlamaModel};
@@ -256,6 +257,31 @@ impl Engine {
 
     pub fn host_stats(&self) -> HostStats {
         self.host_stats
+    }
+
+    /// From now on, remember each change to the device prefix cache for
+    /// [`Self::take_cache_events`] (the caller must take them). No-op without a cache.
+    pub fn record_cache_events(&mut self) {
+        if let Some(c) = &mut self.cache {
+            c.record_events();
+        }
+    }
+
+    /// Changes to the device prefix cache since the last call.
+    pub fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.cache
+            .as_mut()
+            .map(PrefixCache::take_events)
+            .unwrap_or_default()
+    }
+
+    /// Every page the device prefix cache holds now, as events (see
+    /// [`PrefixCache::snapshot`]).
+    pub fn cache_snapshot(&self) -> Vec<CacheEvent> {
+        self.cache
+            .as_ref()
+            .map(PrefixCache::snapshot)
+            .unwrap_or_default()
     }
 
     /// Drop every cached prefix (pages in use by requests stay theirs).

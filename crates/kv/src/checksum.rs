@@ -4,6 +4,7 @@
 //!
 //! [`copy_and_checksum`] copies a page and computes the same checksum in one pass over the
 //! source, so a load reads each byte once: the hashing rides on the copy's memory traffic.
+//! [`copy_to_and_checksum`] does the same for a producer writing into shared memory.
 
 /// Bytes in the XXH3 secret.
 const SECRET_LEN: usize = 192;
@@ -86,32 +87,33 @@ fn mix2(a: u64, b: u64, secret_at: usize) -> u64 {
 /// One stripe of the source: copied to `dst` and returned as little-endian words.
 ///
 /// # Safety
-/// `src` must be readable for `STRIPE` bytes.
+/// `src` must be readable and `dst` writable for `STRIPE` bytes.
 #[inline(always)]
-unsafe fn stripe(src: *const u8, dst: &mut [u8]) -> [u64; 8] {
+unsafe fn stripe(src: *const u8, dst: *mut u8) -> [u64; 8] {
     let mut w = [0u64; 8];
     for (i, word) in w.iter_mut().enumerate() {
         // SAFETY: the caller guarantees STRIPE readable bytes.
         *word = u64::from_le(unsafe { (src.add(8 * i) as *const u64).read_unaligned() });
     }
-    for (chunk, word) in dst[..STRIPE].chunks_exact_mut(8).zip(&w) {
-        chunk.copy_from_slice(&word.to_le_bytes());
+    for (i, word) in w.iter().enumerate() {
+        // SAFETY: the caller guarantees STRIPE writable bytes.
+        unsafe { (dst.add(8 * i) as *mut u64).write_unaligned(word.to_le()) };
     }
     w
 }
 
 /// # Safety
-/// `src` must be readable for `dst.len()` bytes, and `dst.len()` > 240.
+/// `src` must be readable and `dst` writable for `len` bytes, `len` > 240, and the two
+/// must not overlap.
 #[inline(always)]
-unsafe fn copy_long(src: *const u8, dst: &mut [u8]) -> u64 {
-    let len = dst.len();
+unsafe fn copy_long(src: *const u8, dst: *mut u8, len: usize) -> u64 {
     let mut acc = [P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1];
     let blocks = (len - 1) / BLOCK;
     for n in 0..blocks {
         for s in 0..STRIPES_PER_BLOCK {
             let at = n * BLOCK + s * STRIPE;
             // SAFETY: at + STRIPE <= blocks * BLOCK < len.
-            let w = unsafe { stripe(src.add(at), &mut dst[at..]) };
+            let w = unsafe { stripe(src.add(at), dst.add(at)) };
             accumulate(&mut acc, &w, s * 8);
         }
         scramble(&mut acc);
@@ -120,17 +122,18 @@ unsafe fn copy_long(src: *const u8, dst: &mut [u8]) -> u64 {
     for s in 0..stripes {
         let at = blocks * BLOCK + s * STRIPE;
         // SAFETY: at + STRIPE <= len - 1.
-        let w = unsafe { stripe(src.add(at), &mut dst[at..]) };
+        let w = unsafe { stripe(src.add(at), dst.add(at)) };
         accumulate(&mut acc, &w, s * 8);
     }
     // The tail not yet copied, then the last (overlapping) stripe, read back from `dst`.
     let done = blocks * BLOCK + stripes * STRIPE;
-    // SAFETY: `src` is readable for len bytes and `dst` is a distinct buffer.
-    unsafe { std::ptr::copy_nonoverlapping(src.add(done), dst[done..].as_mut_ptr(), len - done) };
+    // SAFETY: `src` is readable and `dst` writable for len bytes; they do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done) };
     let mut last = [0u64; 8];
     for (i, word) in last.iter_mut().enumerate() {
-        let at = len - STRIPE + 8 * i;
-        *word = u64::from_le_bytes(dst[at..at + 8].try_into().expect("8 bytes"));
+        // SAFETY: len - STRIPE + 8 * i + 8 <= len; `dst` was just written there.
+        *word =
+            u64::from_le(unsafe { (dst.add(len - STRIPE + 8 * i) as *const u64).read_unaligned() });
     }
     accumulate(&mut acc, &last, SECRET_LEN - STRIPE - 7);
     let mut h = (len as u64).wrapping_mul(P64_1);
@@ -144,9 +147,9 @@ unsafe fn copy_long(src: *const u8, dst: &mut [u8]) -> u64 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn copy_long_avx2(src: *const u8, dst: &mut [u8]) -> u64 {
+unsafe fn copy_long_avx2(src: *const u8, dst: *mut u8, len: usize) -> u64 {
     // SAFETY: forwarded from the caller.
-    unsafe { copy_long(src, dst) }
+    unsafe { copy_long(src, dst, len) }
 }
 
 /// Copies `dst.len()` bytes from `src` into `dst` and returns their [`page_checksum`],
@@ -156,18 +159,41 @@ unsafe fn copy_long_avx2(src: *const u8, dst: &mut [u8]) -> u64 {
 /// `src` must be valid for reads of `dst.len()` bytes for the whole call, and must not
 /// overlap `dst`.
 pub unsafe fn copy_and_checksum(src: *const u8, dst: &mut [u8]) -> u64 {
-    if dst.len() <= 240 {
+    // SAFETY: as the caller guarantees; `dst` is a live buffer of its length.
+    unsafe { copy_raw(src, dst.as_mut_ptr(), dst.len()) }
+}
+
+/// Copies `src` to `dst` and returns [`page_checksum`] of the bytes copied, reading `src`
+/// once: how a producer writes a page into shared memory.
+///
+/// # Safety
+/// `dst` must be valid for writes of `src.len()` bytes for the whole call, and must not
+/// overlap `src`.
+pub unsafe fn copy_to_and_checksum(src: &[u8], dst: *mut u8) -> u64 {
+    // SAFETY: as the caller guarantees; `src` is a live buffer of its length.
+    unsafe { copy_raw(src.as_ptr(), dst, src.len()) }
+}
+
+/// The checksum is of the bytes as they landed in `dst`.
+///
+/// # Safety
+/// `src` readable and `dst` writable for `len` bytes, not overlapping.
+unsafe fn copy_raw(src: *const u8, dst: *mut u8, len: usize) -> u64 {
+    if len <= 240 {
         // SAFETY: as the caller guarantees.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
-        return page_checksum(dst);
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+        let mut small = [0u8; 240];
+        // SAFETY: `dst` was just written for len bytes.
+        unsafe { std::ptr::copy_nonoverlapping(dst, small.as_mut_ptr(), len) };
+        return page_checksum(&small[..len]);
     }
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2; the pointer contract is the caller's.
-        return unsafe { copy_long_avx2(src, dst) };
+        return unsafe { copy_long_avx2(src, dst, len) };
     }
     // SAFETY: as the caller guarantees; len > 240.
-    unsafe { copy_long(src, dst) }
+    unsafe { copy_long(src, dst, len) }
 }
 
 #[cfg(test)]
@@ -196,6 +222,10 @@ mod tests {
             let h = unsafe { copy_and_checksum(src.as_ptr(), &mut dst) };
             assert_eq!(dst, src[..len], "len {len}");
             assert_eq!(h, page_checksum(&src[..len]), "len {len}");
+            let mut out = vec![0u8; len];
+            // SAFETY: out holds len bytes and does not overlap src.
+            let h2 = unsafe { copy_to_and_checksum(&src[..len], out.as_mut_ptr()) };
+            assert_eq!((h2, &out[..]), (h, &src[..len]), "len {len}");
         }
         // A different byte changes the checksum; the secret is not XXH3's default.
         let mut other = src[..4096].to_vec();

@@ -12,10 +12,12 @@ mod layout;
 mod pool;
 mod radix;
 
-pub use checksum::{copy_and_checksum, page_checksum};
+pub use checksum::{copy_and_checksum, copy_to_and_checksum, page_checksum};
 pub use host::{HostLoad, HostPage, HostTier};
 pub use layout::{
     Component, DType, KvLayout, LayoutError, MAX_PAGE_BYTES, ScalePlacement, ScaleSpec,
 };
 pub use pool::{KvError, PageId, PagePool};
-pub use radix::{EvictedPage, NodeRef, PathPage, PrefixCache, PrefixCacheStats, page_hashes};
+pub use radix::{
+    CacheEvent, EvictedPage, NodeRef, PathPage, PrefixCache, PrefixCacheStats, page_hashes,
+};

@@ -58,6 +58,19 @@ pub struct EvictedPage {
     pub on_host: bool,
 }
 
+/// A change to the set of pages the cache holds, for routers that send a request where
+/// its prefix is cached. Pages are named by their chained hash ([`page_hashes`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// A chain of pages entered the cache: `hashes[0]`'s parent is `parent_hash` (the
+    /// seed for a prompt's first page), each next page's parent the one before it.
+    Stored { parent_hash: u64, hashes: Vec<u64> },
+    /// These pages left the cache.
+    Removed { hashes: Vec<u64> },
+    /// Every page left the cache.
+    Cleared,
+}
+
 /// Counters since the cache was made.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefixCacheStats {
@@ -80,6 +93,8 @@ pub struct PrefixCache {
     free_slots: Vec<usize>,
     tick: u64,
     stats: PrefixCacheStats,
+    /// Changes not yet taken, when recording ([`Self::record_events`]).
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl PrefixCache {
@@ -104,6 +119,45 @@ impl PrefixCache {
             free_slots: Vec::new(),
             tick: 0,
             stats: PrefixCacheStats::default(),
+            events: None,
+        }
+    }
+
+    /// From now on, remember every change for [`Self::take_events`] (whoever turns this on
+    /// must take them, or they pile up).
+    pub fn record_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The changes since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Every page held now, as `Stored` events parents first: what a router that starts
+    /// listening now must know, before the events that follow.
+    pub fn snapshot(&self) -> Vec<CacheEvent> {
+        let mut out = Vec::with_capacity(self.cached_pages());
+        let mut queue = std::collections::VecDeque::from([ROOT]);
+        while let Some(i) = queue.pop_front() {
+            let n = self.node(i);
+            let mut hashes: Vec<u64> = Vec::with_capacity(n.children.len());
+            for &c in n.children.values() {
+                hashes.push(self.node(c).hash);
+                queue.push_back(c);
+            }
+            // Siblings share a parent but are not a chain: one event each.
+            out.extend(hashes.into_iter().map(|h| CacheEvent::Stored {
+                parent_hash: n.hash,
+                hashes: vec![h],
+            }));
+        }
+        out
+    }
+
+    fn emit(&mut self, e: CacheEvent) {
+        if let Some(ev) = &mut self.events {
+            ev.push(e);
         }
     }
 
@@ -175,6 +229,8 @@ impl PrefixCache {
         );
         let mut at = ROOT;
         let mut path = Vec::with_capacity(full);
+        // The new pages: once one is new, every page after it is (it has no children).
+        let mut stored: Option<(u64, Vec<u64>)> = None;
         for (chunk, &page) in tokens.chunks_exact(ps).zip(pages) {
             let tick = self.tick;
             let parent_hash = self.node(at).hash;
@@ -217,6 +273,10 @@ impl PrefixCache {
             };
             self.node_mut(at).children.insert(key, slot);
             self.stats.inserted_pages += 1;
+            stored
+                .get_or_insert_with(|| (parent_hash, Vec::new()))
+                .1
+                .push(hash);
             path.push(PathPage {
                 node: NodeRef(slot),
                 hash,
@@ -226,6 +286,12 @@ impl PrefixCache {
                 on_host: false,
             });
             at = slot;
+        }
+        if let Some((parent_hash, hashes)) = stored {
+            self.emit(CacheEvent::Stored {
+                parent_hash,
+                hashes,
+            });
         }
         path
     }
@@ -308,6 +374,7 @@ impl PrefixCache {
             .map(|i| Reverse((self.node(i).last_use, i)))
             .collect();
         let mut freed = 0;
+        let mut removed = Vec::new();
         while freed < n {
             let Some(Reverse((_, i))) = heap.pop() else {
                 break;
@@ -326,9 +393,13 @@ impl PrefixCache {
                 .expect("the cache held a reference to this page");
             freed += 1;
             self.stats.evicted_pages += 1;
+            removed.push(evicted.hash);
             if node.parent != ROOT && evictable(self, pool, node.parent) {
                 heap.push(Reverse((self.node(node.parent).last_use, node.parent)));
             }
+        }
+        if !removed.is_empty() {
+            self.emit(CacheEvent::Removed { hashes: removed });
         }
         freed
     }
@@ -344,6 +415,7 @@ impl PrefixCache {
         self.nodes.truncate(1);
         self.free_slots.clear();
         self.node_mut(ROOT).children.clear();
+        self.emit(CacheEvent::Cleared);
     }
 }
 
@@ -472,6 +544,65 @@ mod tests {
         p.release_all(&own).unwrap();
         assert_eq!(p.free_pages(), 14);
         assert_eq!(c.match_prefix(&mut p, &t, 8), first);
+    }
+
+    #[test]
+    fn events_replay_to_the_set_of_cached_pages_and_a_snapshot_equals_the_replay() {
+        let mut p = pool(16);
+        let mut c = PrefixCache::new(4, 7);
+        run_and_cache(&mut c, &mut p, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert!(c.take_events().is_empty(), "not recording yet");
+        c.record_events();
+        let a: Vec<u32> = (1..=12).collect();
+        let b: Vec<u32> = [1, 2, 3, 4, 9, 9, 9, 9].into();
+        run_and_cache(&mut c, &mut p, &a);
+        run_and_cache(&mut c, &mut p, &b);
+        run_and_cache(&mut c, &mut p, &a); // nothing new: no event
+        let ha = page_hashes(7, &a, 4);
+        let hb = page_hashes(7, &b, 4);
+        assert_eq!(
+            c.take_events(),
+            [
+                CacheEvent::Stored {
+                    parent_hash: ha[1],
+                    hashes: vec![ha[2]]
+                },
+                CacheEvent::Stored {
+                    parent_hash: ha[0],
+                    hashes: vec![hb[1]]
+                },
+            ]
+        );
+        assert_eq!(c.evict(&mut p, 1), 1);
+        let ev = c.take_events();
+        let [CacheEvent::Removed { hashes }] = &ev[..] else {
+            panic!("{ev:?}")
+        };
+        assert_eq!(hashes.len(), 1);
+        assert!(hashes[0] == ha[2] || hashes[0] == hb[1]);
+        // The snapshot names exactly the pages left, parents before children.
+        let mut held: Vec<u64> = ha.iter().chain(&hb[1..]).copied().collect();
+        held.retain(|h| *h != hashes[0]);
+        let snap = c.snapshot();
+        let mut seen = vec![7u64];
+        for e in &snap {
+            let CacheEvent::Stored {
+                parent_hash,
+                hashes,
+            } = e
+            else {
+                panic!("{e:?}")
+            };
+            assert!(seen.contains(parent_hash), "parent first");
+            seen.extend(hashes);
+        }
+        seen.remove(0);
+        seen.sort_unstable();
+        held.sort_unstable();
+        assert_eq!(seen, held);
+        c.clear(&mut p);
+        assert_eq!(c.take_events(), [CacheEvent::Cleared]);
+        assert!(c.snapshot().is_empty());
     }
 
     #[test]

@@ -345,17 +345,14 @@ impl HostClient {
                 .iter()
                 .find(|p| p.0 == g.hash)
                 .ok_or_else(|| tonic::Status::internal("a grant for a page not asked for"))?;
-            let data = match (self.mirror.as_deref(), self.plane) {
-                (Some(m), DataPlane::Shm) => {
-                    m.write(g.slot, bytes);
-                    Vec::new()
-                }
-                _ => bytes.to_vec(),
+            let (data, checksum) = match (self.mirror.as_deref(), self.plane) {
+                (Some(m), DataPlane::Shm) => (Vec::new(), m.write_checked(g.slot, bytes)),
+                _ => (bytes.to_vec(), pdmesh_kv::page_checksum(bytes)),
             };
             commit.push(pb::CommitPage {
                 hash,
                 slot: g.slot,
-                checksum: pdmesh_kv::page_checksum(bytes),
+                checksum,
                 data,
                 parent_hash: parent,
             });

@@ -22,7 +22,7 @@ pub(crate) struct Backends {
     tokenizer: TokenizerClient<Channel>,
     cache: Option<CacheClient<Channel>>,
     /// Every worker, and how requests are spread over them.
-    workers: std::sync::Arc<crate::route::Workers>,
+    pub(crate) workers: std::sync::Arc<crate::route::Workers>,
 }
 
 /// What the worker reports about the model it serves.

@@ -256,6 +256,14 @@ mod tests {
         ) -> Result<Response<wk::ModelInfoResponse>, Status> {
             Err(Status::unimplemented("fake"))
         }
+        type SubscribeKvEventsStream =
+            ReceiverStream<Result<pdmesh_proto::cache::v1::KvEvent, Status>>;
+        async fn subscribe_kv_events(
+            &self,
+            _r: Request<wk::SubscribeKvEventsRequest>,
+        ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
     }
 
     /// Answers every Detokenize message with "x".

@@ -2,6 +2,7 @@
 //! and the handlers that turn OpenAI requests into generations and back.
 
 use std::convert::Infallible;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use axum::body::Bytes;
@@ -167,6 +168,18 @@ async fn metrics(State(st): State<AppState>) -> Response {
                 .observe("engine", info.pd.engine_stalls as f64);
         }
         Err(e) => tracing::debug!(error = %e.message, "worker model info unavailable for metrics"),
+    }
+    {
+        let (pd, w) = (&st.metrics.pd, &st.backends.workers);
+        for (url, pages) in w.cache_views() {
+            pd.router_cached_pages
+                .with_label_values(&[url.as_str()])
+                .set(pages as i64);
+        }
+        pd.route_prefill
+            .observe("prefix", w.counts.prefix.load(Ordering::Relaxed) as f64);
+        pd.route_prefill
+            .observe("load", w.counts.load.load(Ordering::Relaxed) as f64);
     }
     if let Some(c) = st.backends.cache_stats().await {
         let m = &st.metrics;

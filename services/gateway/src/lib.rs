@@ -117,6 +117,7 @@ pub async fn run(
     if let Some(url) = &cfg.cache_url {
         backends = backends.with_cache(url)?;
     }
+    backends.workers.watch_caches(shutdown.child_token());
     let state = state::AppState::new(cfg, backends, shutdown.child_token())?;
     let app = handlers::router(state);
     let addr = listener.local_addr().ok();

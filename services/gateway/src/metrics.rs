@@ -51,6 +51,9 @@ pub(crate) struct PdMetrics {
     pub engine_stalls: WorkerTotals,
     pub requests: prometheus::IntGaugeVec,
     pub reserved_pages: IntGauge,
+    /// The router's view of each prefill worker's device cache, from its KV events.
+    pub router_cached_pages: prometheus::IntGaugeVec,
+    pub route_prefill: WorkerTotals,
 }
 
 impl PdMetrics {
@@ -145,6 +148,17 @@ impl PdMetrics {
                 "state",
             )?,
             reserved_pages,
+            router_cached_pages: gauge_vec(
+                "mesh_router_cached_pages",
+                "Pages each prefill worker's device cache holds, as the gateway knows from its KV events.",
+                "worker",
+            )?,
+            route_prefill: WorkerTotals::labeled(
+                r,
+                "mesh_route_prefill_total",
+                "Prefill workers chosen: for the longest cached prefix, or by load alone.",
+                "reason",
+            )?,
         })
     }
 }

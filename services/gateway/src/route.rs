@@ -1,25 +1,64 @@
 //! Which worker serves a request. Unified: the one worker. Disaggregated: one prefill and
 //! one decode worker per request, meeting in a fresh room of the cache service; decode is
-//! the least loaded, prefill the one that most likely holds the longest prefix of the
-//! prompt in its cache (the prompt pages this gateway routed to it before), least loaded
-//! otherwise.
+//! the least loaded, prefill the one whose device cache holds the longest prefix of the
+//! prompt — known from each prefill worker's KV events (`SubscribeKvEvents`) — unless that
+//! would overload it, least loaded otherwise.
 
-use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
+use std::collections::HashSet;
 use std::pin::Pin;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures::{Stream, StreamExt};
+use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_proto::worker::v1 as wk;
 use tonic::Status;
 use tonic::transport::Channel;
 use wk::worker_client::WorkerClient;
 
-/// Tokens per routing page (the workers' default page size).
-const PAGE: usize = 16;
-/// Pages remembered per prefill worker before the least recently routed are forgotten.
-const REMEMBERED: usize = 200_000;
+/// Subscribes to one worker's KV events and applies them to `view` until the stream ends;
+/// returns why it ended.
+async fn follow(mut client: WorkerClient<Channel>, view: &Mutex<CacheView>) -> Status {
+    let info = match client.model_info(wk::ModelInfoRequest {}).await {
+        Ok(r) => r.into_inner(),
+        Err(s) => return s,
+    };
+    let Ok(seed) = u64::from_str_radix(&info.kv_layout_fingerprint, 16) else {
+        return Status::internal(format!(
+            "the worker's KV layout fingerprint {:?} is not hex",
+            info.kv_layout_fingerprint
+        ));
+    };
+    let mut stream = match client
+        .subscribe_kv_events(wk::SubscribeKvEventsRequest {})
+        .await
+    {
+        Ok(r) => r.into_inner(),
+        Err(s) => return s,
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(e)) => {
+                let mut v = view.lock().expect("view lock");
+                v.naming = Some((seed, info.page_size.max(1) as usize));
+                v.apply(&e);
+            }
+            Ok(None) => return Status::unavailable("the worker ended the stream"),
+            Err(s) => return s,
+        }
+    }
+}
+
+/// A worker with the prefix is passed over for the least loaded when it has this many more
+/// requests in flight than that one and more than this factor times as many.
+const BALANCE_ABS: usize = 8;
+const BALANCE_REL: f64 = 1.5;
+/// A cached prefix decides only when it covers at least this share of the prompt's whole
+/// pages: a shared system prompt alone should not pile every request onto one worker.
+const MIN_MATCH: f64 = 0.5;
+/// How long a lost KV event stream waits before subscribing again.
+const RESUBSCRIBE: Duration = Duration::from_millis(500);
 
 struct Target {
     url: String,
@@ -54,11 +93,48 @@ impl Drop for Inflight {
     }
 }
 
-/// Page hashes routed to each prefill worker, with a use tick for forgetting.
-#[derive(Default)]
-struct PrefixMemory {
-    tick: u64,
-    pages: Vec<HashMap<u64, u64>>,
+/// One prefill worker's device cache, as its KV events tell it.
+#[derive(Debug, Default)]
+struct CacheView {
+    /// How it names pages: the hash chain's seed (its KV layout's fingerprint) and the
+    /// page size. `None` while not subscribed.
+    naming: Option<(u64, usize)>,
+    pages: HashSet<u64>,
+}
+
+impl CacheView {
+    fn apply(&mut self, e: &cpb::KvEvent) {
+        match &e.kind {
+            Some(cpb::kv_event::Kind::Stored(s)) => self.pages.extend(&s.hashes),
+            Some(cpb::kv_event::Kind::Removed(r)) => {
+                for h in &r.hashes {
+                    self.pages.remove(h);
+                }
+            }
+            Some(cpb::kv_event::Kind::Cleared(_)) => self.pages.clear(),
+            None => {}
+        }
+    }
+
+    /// Leading pages of `ids` this worker holds.
+    fn matched(&self, ids: &[u32]) -> usize {
+        let Some((seed, page)) = self.naming else {
+            return 0;
+        };
+        pdmesh_kv::page_hashes(seed, ids, page)
+            .iter()
+            .take_while(|h| self.pages.contains(h))
+            .count()
+    }
+}
+
+/// How prefill workers were chosen (for `/metrics`).
+#[derive(Debug, Default)]
+pub(crate) struct RouteCounts {
+    /// For the longest cached prefix.
+    pub prefix: AtomicU64,
+    /// By load alone: nothing cached, or the worker with the prefix was too busy.
+    pub load: AtomicU64,
 }
 
 pub(crate) type GenStream =
@@ -68,22 +144,9 @@ pub(crate) struct Workers {
     unified: Vec<Target>,
     prefill: Vec<Target>,
     decode: Vec<Target>,
-    memory: Mutex<PrefixMemory>,
-}
-
-/// Chained hashes of the prompt's whole pages: page i's covers every token up to its end.
-fn page_hashes(ids: &[u32]) -> Vec<u64> {
-    let mut out = Vec::with_capacity(ids.len() / PAGE);
-    let mut prev = 0u64;
-    for page in ids.chunks_exact(PAGE) {
-        // SipHash with fixed keys: the same on every run, which the routing needs.
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        prev.hash(&mut h);
-        page.hash(&mut h);
-        prev = h.finish();
-        out.push(prev);
-    }
-    out
+    /// One per prefill worker.
+    views: Vec<Arc<Mutex<CacheView>>>,
+    pub counts: RouteCounts,
 }
 
 fn least_loaded(ts: &[Target]) -> usize {
@@ -98,7 +161,8 @@ impl Workers {
             unified: vec![Target::new((url.to_owned(), client))],
             prefill: Vec::new(),
             decode: Vec::new(),
-            memory: Mutex::default(),
+            views: Vec::new(),
+            counts: RouteCounts::default(),
         }
     }
 
@@ -111,11 +175,42 @@ impl Workers {
             unified: Vec::new(),
             prefill: prefill.into_iter().map(Target::new).collect(),
             decode: decode.into_iter().map(Target::new).collect(),
-            memory: Mutex::new(PrefixMemory {
-                tick: 0,
-                pages: vec![HashMap::new(); n],
-            }),
+            views: (0..n).map(|_| Arc::default()).collect(),
+            counts: RouteCounts::default(),
         }
+    }
+
+    /// Follows every prefill worker's KV events until `stop`, subscribing again whenever a
+    /// stream ends (a worker that restarts starts with an empty view).
+    pub fn watch_caches(&self, stop: tokio_util::sync::CancellationToken) {
+        for (t, view) in self.prefill.iter().zip(&self.views) {
+            let (client, url, view, stop) =
+                (t.client.clone(), t.url.clone(), view.clone(), stop.clone());
+            tokio::spawn(async move {
+                loop {
+                    let followed = follow(client.clone(), &view);
+                    let err = tokio::select! {
+                        e = followed => e,
+                        _ = stop.cancelled() => return,
+                    };
+                    tracing::debug!(worker = %url, error = %err.message(), "KV event stream ended; subscribing again");
+                    *view.lock().expect("view lock") = CacheView::default();
+                    tokio::select! {
+                        _ = tokio::time::sleep(RESUBSCRIBE) => {}
+                        _ = stop.cancelled() => return,
+                    }
+                }
+            });
+        }
+    }
+
+    /// Each prefill worker's URL and the pages its view holds (for `/metrics`).
+    pub fn cache_views(&self) -> Vec<(String, usize)> {
+        self.prefill
+            .iter()
+            .zip(&self.views)
+            .map(|(t, v)| (t.url.clone(), v.lock().expect("view lock").pages.len()))
+            .collect()
     }
 
     pub fn all(&self) -> impl Iterator<Item = &WorkerClient<Channel>> {
@@ -126,38 +221,49 @@ impl Workers {
             .map(|t| &t.client)
     }
 
-    /// The prefill worker for `ids`: the longest remembered prefix, then the least load.
+    /// The prefill worker for `ids`: the one holding the longest prefix (the least loaded
+    /// of those), unless it is much busier than the least loaded worker or holds less than
+    /// half of the prompt: then the least loaded takes it (of equally loaded workers, the
+    /// one whose cache holds the fewest pages).
     fn pick_prefill(&self, ids: &[u32]) -> usize {
-        let hashes = page_hashes(ids);
-        let mut mem = self.memory.lock().expect("router lock");
-        mem.tick += 1;
-        let tick = mem.tick;
-        let matched: Vec<usize> = mem
-            .pages
+        let load = |i: usize| self.prefill[i].inflight.load(Ordering::Relaxed);
+        let (matched, held): (Vec<usize>, Vec<usize>) = self
+            .views
             .iter()
-            .map(|m| hashes.iter().take_while(|h| m.contains_key(h)).count())
-            .collect();
+            .map(|v| {
+                let v = v.lock().expect("view lock");
+                (v.matched(ids), v.pages.len())
+            })
+            .unzip();
+        // Among the least loaded, the emptiest cache: new prefixes spread over workers.
+        let idle = (0..self.prefill.len())
+            .min_by_key(|&i| (load(i), held[i]))
+            .expect("at least one prefill worker");
         let best = matched.iter().copied().max().unwrap_or(0);
-        let i = if best == 0 {
-            least_loaded(&self.prefill)
-        } else {
+        let pages = self
+            .views
+            .iter()
+            .find_map(|v| v.lock().expect("view lock").naming)
+            .map_or(0, |(_, page)| ids.len() / page);
+        let cached = (best > 0 && best as f64 >= MIN_MATCH * pages as f64).then(|| {
             (0..self.prefill.len())
                 .filter(|&i| matched[i] == best)
-                .min_by_key(|&i| self.prefill[i].inflight.load(Ordering::Relaxed))
+                .min_by_key(|&i| load(i))
                 .expect("a best match exists")
-        };
-        let m = &mut mem.pages[i];
-        for h in hashes {
-            m.insert(h, tick);
+        });
+        match cached {
+            Some(i)
+                if load(i) <= load(idle) + BALANCE_ABS
+                    || (load(i) as f64) <= load(idle) as f64 * BALANCE_REL =>
+            {
+                self.counts.prefix.fetch_add(1, Ordering::Relaxed);
+                i
+            }
+            _ => {
+                self.counts.load.fetch_add(1, Ordering::Relaxed);
+                idle
+            }
         }
-        if m.len() > REMEMBERED {
-            // Forget the older half.
-            let mut ticks: Vec<u64> = m.values().copied().collect();
-            let mid = ticks.len() / 2;
-            let cut = *ticks.select_nth_unstable(mid).1;
-            m.retain(|_, t| *t > cut);
-        }
-        i
     }
 
     /// Starts `req`: on the unified worker, or on a prefill and a decode worker meeting in
@@ -257,31 +363,79 @@ mod tests {
         )
     }
 
-    #[tokio::test]
-    async fn prefill_goes_where_the_longest_prefix_went_and_balances_otherwise() {
-        let w = workers(3);
-        let system: Vec<u32> = (0..64).collect();
-        let a: Vec<u32> = system.iter().copied().chain(100..140).collect();
-        let first = w.pick_prefill(&a);
-        // Keep it busy: a new prefix still goes to an idle worker...
-        let _busy = Inflight::new(&w.prefill[first].inflight);
-        let other: Vec<u32> = (500..600).collect();
-        assert_ne!(w.pick_prefill(&other), first);
-        // ...but the shared system prompt follows its cache, busy or not.
-        let b: Vec<u32> = system.iter().copied().chain(200..230).collect();
-        assert_eq!(w.pick_prefill(&b), first);
-        // A prompt shorter than a page matches nothing and goes to the least loaded.
-        assert_ne!(w.pick_prefill(&[1, 2, 3]), first);
+    const SEED: u64 = 0x1234;
+
+    /// Tells worker `i`'s view that it holds `ids`' whole pages, as its events would.
+    fn holds(w: &Workers, i: usize, ids: &[u32]) {
+        let hashes = pdmesh_kv::page_hashes(SEED, ids, 16);
+        let mut v = w.views[i].lock().unwrap();
+        v.naming = Some((SEED, 16));
+        v.apply(&cpb::KvEvent {
+            seq: 1,
+            kind: Some(cpb::kv_event::Kind::Stored(cpb::PagesStored {
+                parent_hash: SEED,
+                hashes,
+            })),
+        });
     }
 
-    #[test]
-    fn page_hashes_chain_so_equal_pages_after_different_prefixes_differ() {
-        let x: Vec<u32> = (0..32).collect();
-        let mut y = x.clone();
-        y[0] = 99;
-        let (hx, hy) = (page_hashes(&x), page_hashes(&y));
-        assert_eq!(hx.len(), 2);
-        assert_ne!(hx[1], hy[1], "page 1 is equal but its prefix is not");
-        assert_eq!(page_hashes(&x[..31]).len(), 1, "only whole pages count");
+    #[tokio::test]
+    async fn prefill_goes_to_the_longest_cached_prefix_unless_that_worker_is_overloaded() {
+        let w = workers(3);
+        for i in 0..3 {
+            holds(&w, i, &[]);
+        }
+        let system: Vec<u32> = (0..64).collect();
+        let long: Vec<u32> = system.iter().copied().chain(100..140).collect();
+        holds(&w, 1, &system[..32]);
+        holds(&w, 2, &long);
+        let ask: Vec<u32> = system.iter().copied().chain(100..120).collect();
+        // Worker 2 holds 5 of its pages, worker 1 two: 2 wins though busier than 0.
+        let _busy: Vec<_> = (0..5)
+            .map(|_| Inflight::new(&w.prefill[2].inflight))
+            .collect();
+        assert_eq!(w.pick_prefill(&ask), 2);
+        assert_eq!(w.counts.prefix.load(Ordering::Relaxed), 1);
+        // A prompt nobody holds goes to the least loaded: 0 (1 is as idle, but holds more).
+        assert_eq!(w.pick_prefill(&(500..600).collect::<Vec<_>>()), 0);
+        let _one = Inflight::new(&w.prefill[0].inflight);
+        assert_eq!(w.pick_prefill(&(500..600).collect::<Vec<_>>()), 1);
+        drop(_one);
+        // Worker 1 holds 2 of this prompt's 6 pages: too little to decide.
+        let thin: Vec<u32> = system[..32].iter().copied().chain(700..764).collect();
+        assert_eq!(w.pick_prefill(&thin), 0);
+        // Far busier than the least loaded: the cache is not worth the queue.
+        let _more: Vec<_> = (0..BALANCE_ABS)
+            .map(|_| Inflight::new(&w.prefill[2].inflight))
+            .collect();
+        assert_eq!(w.pick_prefill(&ask), 0);
+        assert_eq!(w.counts.load.load(Ordering::Relaxed), 4);
+        // Removed pages stop counting; `cleared` forgets everything.
+        let mut v = w.views[1].lock().unwrap();
+        v.apply(&cpb::KvEvent {
+            seq: 2,
+            kind: Some(cpb::kv_event::Kind::Cleared(cpb::PagesCleared {})),
+        });
+        assert_eq!(v.matched(&ask), 0);
+        drop(v);
+        let h = pdmesh_kv::page_hashes(SEED, &long, 16);
+        let mut v = w.views[2].lock().unwrap();
+        v.apply(&cpb::KvEvent {
+            seq: 3,
+            kind: Some(cpb::kv_event::Kind::Removed(cpb::PagesRemoved {
+                hashes: vec![h[2]],
+            })),
+        });
+        assert_eq!(v.matched(&long), 2, "a hole ends the prefix");
+    }
+
+    #[tokio::test]
+    async fn a_view_without_naming_matches_nothing_and_partial_pages_do_not_count() {
+        let w = workers(1);
+        let ids: Vec<u32> = (0..40).collect();
+        assert_eq!(w.views[0].lock().unwrap().matched(&ids), 0);
+        holds(&w, 0, &ids);
+        assert_eq!(w.views[0].lock().unwrap().matched(&ids), 2);
+        assert_eq!(w.views[0].lock().unwrap().matched(&ids[..31]), 1);
     }
 }

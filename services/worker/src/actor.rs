@@ -11,7 +11,8 @@ use std::task::{Context, Poll};
 use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
 use futures::Stream;
 use pdmesh_engine::{Engine, EngineError, GenRequest, ModelInfo, Part};
-use tokio::sync::{mpsc, oneshot};
+use pdmesh_kv::CacheEvent;
+use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::engine_core::{EngineCore, Event, ExportFn, ImportFn, PoolNow};
 
@@ -118,18 +119,53 @@ impl Message for Info {
     type Result = Result<(ModelInfo, PoolNow), EngineError>;
 }
 
+/// Changes to the device prefix cache, numbered from 1 in this worker's life.
+pub(crate) type KvBatch = Arc<[(u64, CacheEvent)]>;
+
+/// Subscribe to the device prefix cache: the last change's number, every page held now
+/// (as events), and a receiver of the changes after those.
+struct SubscribeKv;
+impl Message for SubscribeKv {
+    type Result = (u64, Vec<CacheEvent>, broadcast::Receiver<KvBatch>);
+}
+
+/// Batches of changes kept for subscribers that fall behind, before they lose events.
+const KV_BACKLOG: usize = 1024;
+
 /// The actor: [`EngineCore`] plus the one-`Step`-in-flight flag.
 struct EngineActor {
     core: EngineCore<Engine>,
     step_queued: bool,
     progress: Arc<Progress>,
+    kv: broadcast::Sender<KvBatch>,
+    kv_seq: u64,
     /// Dropped with the actor, which tells [`EngineThread::stop`] the engine is released.
     _released: Option<oneshot::Sender<()>>,
 }
 
 impl EngineActor {
-    /// Queues a `Step` unless one is already queued or there is nothing to do.
+    /// Sends the prefix cache's changes to subscribers (each message that reaches the
+    /// engine ends here, through `kick`).
+    fn publish(&mut self) {
+        let events = self.core.take_cache_events();
+        if events.is_empty() {
+            return;
+        }
+        let batch: KvBatch = events
+            .into_iter()
+            .map(|e| {
+                self.kv_seq += 1;
+                (self.kv_seq, e)
+            })
+            .collect();
+        // No subscriber is fine: the changes are for whoever listens now.
+        let _ = self.kv.send(batch);
+    }
+
+    /// Publishes the cache's changes, then queues a `Step` unless one is already queued or
+    /// there is nothing to do.
     fn kick(&mut self, ctx: &mut SyncContext<Self>) {
+        self.publish();
         let work = self.core.has_work();
         if work && !self.progress.busy.load(Ordering::Relaxed) {
             self.progress.mark(true);
@@ -211,6 +247,15 @@ impl Handler<Step> for EngineActor {
     }
 }
 
+impl Handler<SubscribeKv> for EngineActor {
+    type Result = actix::MessageResult<SubscribeKv>;
+    fn handle(&mut self, _msg: SubscribeKv, _ctx: &mut Self::Context) -> Self::Result {
+        // Changes before the snapshot go out first, so none is both in it and after it.
+        self.publish();
+        actix::MessageResult((self.kv_seq, self.core.cache_snapshot(), self.kv.subscribe()))
+    }
+}
+
 impl Handler<Info> for EngineActor {
     type Result = Result<(ModelInfo, PoolNow), EngineError>;
     fn handle(&mut self, _msg: Info, _ctx: &mut Self::Context) -> Self::Result {
@@ -251,7 +296,9 @@ impl Drop for EngineThread {
 
 /// Starts the actor system on a dedicated thread and moves `engine` into a `SyncArbiter`
 /// of one. Returns the handle the gRPC side uses and the thread to stop at shutdown.
-pub(crate) fn start(engine: Engine) -> std::io::Result<(EngineHandle, EngineThread)> {
+pub(crate) fn start(mut engine: Engine) -> std::io::Result<(EngineHandle, EngineThread)> {
+    engine.record_cache_events();
+    let kv = broadcast::channel(KV_BACKLOG).0;
     let (released_tx, released) = oneshot::channel();
     // SyncArbiter wants a factory it could call again (it restarts a stopped actor); the
     // engine exists once, so a restarted actor is offline.
@@ -267,12 +314,16 @@ pub(crate) fn start(engine: Engine) -> std::io::Result<(EngineHandle, EngineThre
                 core: EngineCore::new(engine),
                 step_queued: false,
                 progress,
+                kv: kv.clone(),
+                kv_seq: 0,
                 _released: Some(released),
             },
             None => EngineActor {
                 core: EngineCore::offline(),
                 step_queued: false,
                 progress,
+                kv: kv.clone(),
+                kv_seq: 0,
                 _released: None,
             },
         }
@@ -366,6 +417,13 @@ impl EngineHandle {
     /// Aborts every running request; how many there were.
     pub(crate) async fn abort_all(&self) -> Result<usize, EngineError> {
         self.addr.send(AbortAll).await.map_err(offline)
+    }
+
+    /// The device prefix cache now and its changes from now on (see [`SubscribeKv`]).
+    pub(crate) async fn subscribe_kv(
+        &self,
+    ) -> Result<(u64, Vec<CacheEvent>, broadcast::Receiver<KvBatch>), EngineError> {
+        self.addr.send(SubscribeKv).await.map_err(offline)
     }
 
     pub(crate) async fn info(&self) -> Result<(ModelInfo, PoolNow), EngineError> {

@@ -9,7 +9,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use pdmesh_engine::{
     Engine, EngineError, FinishReason, GenRequest, HostStats, ModelInfo, Part, StepEvent,
 };
-use pdmesh_kv::PrefixCacheStats;
+use pdmesh_kv::{CacheEvent, PrefixCacheStats};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// What the engine does for [`EngineCore`]; implemented by [`pdmesh_engine::Engine`].
@@ -25,6 +25,14 @@ pub(crate) trait Backend {
     }
     fn host_stats(&self) -> HostStats {
         HostStats::default()
+    }
+    /// Changes to the device prefix cache since the last call (for routers).
+    fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        Vec::new()
+    }
+    /// Every page the device prefix cache holds now, as events.
+    fn cache_snapshot(&self) -> Vec<CacheEvent> {
+        Vec::new()
     }
     fn submit(&mut self, req: GenRequest, part: Part) -> Result<(), EngineError>;
     fn abort(&mut self, id: &str) -> bool;
@@ -89,6 +97,12 @@ impl Backend for Engine {
     }
     fn host_stats(&self) -> HostStats {
         Engine::host_stats(self)
+    }
+    fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        Engine::take_cache_events(self)
+    }
+    fn cache_snapshot(&self) -> Vec<CacheEvent> {
+        Engine::cache_snapshot(self)
     }
     fn submit(&mut self, req: GenRequest, part: Part) -> Result<(), EngineError> {
         Engine::submit_part(self, req, part)
@@ -195,6 +209,22 @@ impl<B: Backend> EngineCore<B> {
             engine: None,
             requests: HashMap::new(),
         }
+    }
+
+    /// See [`Backend::take_cache_events`]; nothing once offline.
+    pub(crate) fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.engine
+            .as_mut()
+            .map(Backend::take_cache_events)
+            .unwrap_or_default()
+    }
+
+    /// See [`Backend::cache_snapshot`]; nothing once offline.
+    pub(crate) fn cache_snapshot(&self) -> Vec<CacheEvent> {
+        self.engine
+            .as_ref()
+            .map(Backend::cache_snapshot)
+            .unwrap_or_default()
     }
 
     fn engine(&mut self) -> Result<&mut B, EngineError> {

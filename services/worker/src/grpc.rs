@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
 use pdmesh_engine::{FinishReason, GenRequest, ModelInfo, SamplingParams};
+use pdmesh_kv::CacheEvent;
+use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_proto::worker::v1 as pb;
 use tonic::{Request, Response, Status};
 
@@ -20,6 +22,8 @@ pub(crate) struct WorkerService {
     engine: EngineHandle,
     pd: Arc<Pd>,
     stalls: Arc<std::sync::atomic::AtomicU64>,
+    /// Ends the KV event streams, which would otherwise hold a graceful shutdown forever.
+    shutdown: tokio_util::sync::CancellationToken,
 }
 
 impl WorkerService {
@@ -27,8 +31,35 @@ impl WorkerService {
         engine: EngineHandle,
         pd: Arc<Pd>,
         stalls: Arc<std::sync::atomic::AtomicU64>,
+        shutdown: tokio_util::sync::CancellationToken,
     ) -> Self {
-        Self { engine, pd, stalls }
+        Self {
+            engine,
+            pd,
+            stalls,
+            shutdown,
+        }
+    }
+}
+
+/// A prefix cache change as the wire has it.
+fn kv_event(seq: u64, e: &CacheEvent) -> cpb::KvEvent {
+    let kind = match e {
+        CacheEvent::Stored {
+            parent_hash,
+            hashes,
+        } => cpb::kv_event::Kind::Stored(cpb::PagesStored {
+            parent_hash: *parent_hash,
+            hashes: hashes.clone(),
+        }),
+        CacheEvent::Removed { hashes } => cpb::kv_event::Kind::Removed(cpb::PagesRemoved {
+            hashes: hashes.clone(),
+        }),
+        CacheEvent::Cleared => cpb::kv_event::Kind::Cleared(cpb::PagesCleared {}),
+    };
+    cpb::KvEvent {
+        seq,
+        kind: Some(kind),
     }
 }
 
@@ -142,10 +173,49 @@ fn model_info(info: ModelInfo, pool: PoolNow, w: &WorkerService) -> pb::ModelInf
 }
 
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+type KvEventStream = Pin<Box<dyn Stream<Item = Result<cpb::KvEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::worker_server::Worker for WorkerService {
     type GenerateStream = GenerateStream;
+    type SubscribeKvEventsStream = KvEventStream;
+
+    /// `cleared`, the pages held now, then each change; DATA_LOSS for a subscriber that
+    /// fell more than the backlog behind (it subscribes again and starts afresh).
+    async fn subscribe_kv_events(
+        &self,
+        _request: Request<pb::SubscribeKvEventsRequest>,
+    ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
+        let (seq, snapshot, mut rx) = self.engine.subscribe_kv().await.map_err(Error::from)?;
+        let shutdown = self.shutdown.clone();
+        let stream = async_stream::stream! {
+            yield Ok(kv_event(seq, &CacheEvent::Cleared));
+            for e in &snapshot {
+                yield Ok(kv_event(seq, e));
+            }
+            loop {
+                let batch = tokio::select! {
+                    b = rx.recv() => b,
+                    _ = shutdown.cancelled() => break,
+                };
+                match batch {
+                    Ok(batch) => {
+                        for (n, e) in batch.iter() {
+                            yield Ok(kv_event(*n, e));
+                        }
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                        yield Err(Status::data_loss(format!(
+                            "this subscriber fell {n} batches of KV events behind; subscribe again"
+                        )));
+                        break;
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                }
+            }
+        };
+        Ok(Response::new(Box::pin(stream)))
+    }
 
     /// Streams one `TokenChunk` per token, then `Finished`. Dropping the response stream
     /// (the client went away) aborts the request in the engine.

@@ -285,7 +285,7 @@ pub async fn run(
     };
     let served = tonic::transport::Server::builder()
         .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::new(
-            grpc::WorkerService::new(handle, pd, stalls),
+            grpc::WorkerService::new(handle, pd, stalls, shutdown.clone()),
         ))
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.

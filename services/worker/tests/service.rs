@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use pdmesh_proto::cache::v1::kv_event::Kind as KvKind;
 use pdmesh_proto::worker::v1 as pb;
 use pdmesh_proto::worker::v1::generate_response::Kind;
 use pdmesh_proto::worker::v1::worker_client::WorkerClient;
@@ -467,4 +468,88 @@ async fn shutdown_aborts_running_requests_and_stops_the_server() {
         .expect("worker did not stop")
         .unwrap();
     assert!(result.is_ok(), "{result:?}");
+}
+
+/// The next KV event's kind, or a hang.
+async fn next_kv(stream: &mut Streaming<pdmesh_proto::cache::v1::KvEvent>) -> (u64, KvKind) {
+    let e = tokio::time::timeout(HANG, stream.message())
+        .await
+        .expect("a KV event in time")
+        .unwrap()
+        .expect("the stream stays open");
+    (e.seq, e.kind.expect("every event has a kind"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_name_the_cached_prompt_pages_and_a_late_subscriber_gets_them_as_a_snapshot() {
+    let mut s = start().await;
+    let info = s
+        .client
+        .model_info(pb::ModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let seed = u64::from_str_radix(&info.kv_layout_fingerprint, 16).unwrap();
+    let mut early = s
+        .client
+        .subscribe_kv_events(pb::SubscribeKvEventsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(matches!(next_kv(&mut early).await.1, KvKind::Cleared(_)));
+    // A 40-token prompt: two whole pages.
+    let prompt: Vec<u32> = PROMPT
+        .iter()
+        .chain(PROMPT)
+        .chain(&PROMPT[..6])
+        .copied()
+        .collect();
+    let want = pdmesh_kv::page_hashes(seed, &prompt, info.page_size as usize);
+    assert_eq!(want.len(), 2);
+    let stream = s
+        .client
+        .generate(request("kv", &prompt, greedy(4)))
+        .await
+        .unwrap()
+        .into_inner();
+    collect(stream).await;
+    let (seq, kind) = next_kv(&mut early).await;
+    let KvKind::Stored(st) = kind else {
+        panic!("{kind:?}")
+    };
+    assert_eq!(
+        (seq, st.parent_hash),
+        (1, seed),
+        "the first page's parent is the seed"
+    );
+    assert_eq!(
+        st.hashes[..2],
+        want[..],
+        "the prompt's pages, by the shared naming"
+    );
+    // Someone subscribing now learns the same pages from the snapshot.
+    let mut late = s
+        .client
+        .subscribe_kv_events(pb::SubscribeKvEventsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(matches!(next_kv(&mut late).await.1, KvKind::Cleared(_)));
+    let mut seen = Vec::new();
+    while seen.len() < st.hashes.len() {
+        let (n, kind) = next_kv(&mut late).await;
+        let KvKind::Stored(p) = kind else {
+            panic!("{kind:?}")
+        };
+        assert_eq!(n, seq, "snapshot events carry the last change's number");
+        seen.extend(p.hashes);
+    }
+    assert_eq!(seen, st.hashes);
+    s.shutdown.cancel();
+    // The event streams end with the server instead of holding it open.
+    tokio::time::timeout(HANG, s.task)
+        .await
+        .expect("shutdown in time")
+        .unwrap()
+        .unwrap();
 }
