@@ -35,7 +35,7 @@ class Services:
     """cache, tokenizer, prefill, decode and gateway as separate `pdmesh` processes, each
     one killable and restartable on its own port."""
 
-    def __init__(self, tmp: Path, decode_args=(), prefill_env=None, cache_args=(), prefill_args=(), prefills=1):
+    def __init__(self, tmp: Path, decode_args=(), prefill_env=None, cache_args=(), prefill_args=(), prefills=1, decode_env=None):
         self.tmp = tmp
         self.procs: dict[str, subprocess.Popen] = {}
         self.prefills = ["prefill"] + [f"prefill{i}" for i in range(2, prefills + 1)]
@@ -54,7 +54,7 @@ class Services:
                 "--cache-url", cache,
             ],
         }
-        self.env = {p: prefill_env or {} for p in self.prefills}
+        self.env = {p: prefill_env or {} for p in self.prefills} | {"decode": decode_env or {}}
         for name in self.argv:
             self.start(name)
         self.base = f"http://127.0.0.1:{self.ports['gateway']}"
@@ -124,10 +124,11 @@ class Services:
                 and v != 0
             }
             pages = m["mesh_kv_pages_free"] + m["mesh_kv_pages_cached"]
-            if not held and pages == m["mesh_kv_pages_total"]:
+            # Only a scrape that read every worker tells: the worker gauges are stale otherwise.
+            if m["mesh_workers_read"] == 1 and not held and pages == m["mesh_kv_pages_total"]:
                 return m
             if time.monotonic() > deadline:
-                pytest.fail(f"not back to baseline: held {held}, free+cached {pages} of {m['mesh_kv_pages_total']}\n{self.logs()}", pytrace=False)
+                pytest.fail(f"not back to baseline: workers read {m['mesh_workers_read']}, held {held}, free+cached {pages} of {m['mesh_kv_pages_total']}\n{self.logs()}", pytrace=False)
             time.sleep(0.25)
 
 
@@ -373,3 +374,38 @@ def test_prefill_routing_follows_the_workers_kv_events(services):
     after = services.metrics()
     routed = 'mesh_route_prefill_total{reason="prefix"}'
     assert after[routed] - before.get(routed, 0) == 6
+
+
+STALL_S = 10
+
+
+@pytest.mark.parametrize(
+    "services",
+    [{
+        "decode_args": ["--watchdog=hard", "--watchdog-stall-ms=1000"],
+        # The decode engine loop sleeps before its 30th step, mid-generation.
+        "decode_env": {"PDMESH_FAULT_STALL_STEP": f"30:{STALL_S * 1000}"},
+    }],
+    indirect=True,
+)
+def test_hard_watchdog_ends_the_requests_of_a_stalled_engine_loop(services):
+    """A decode engine loop that stops stepping: the hard watchdog ends its requests with
+    503 well before the loop comes back, refuses new ones meanwhile, and once the loop
+    moves again every page is back and the mesh answers."""
+    client = services.client()
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(6) as pool:
+        futs = [pool.submit(outcome, lambda i=i: ask(client, f"Question {i}: name {i + 2} colors.", 64)) for i in range(6)]
+        results = [f.result(timeout=STALL_S + 60) for f in futs]
+    errors = [(what, secs) for (kind, what), secs in results if kind == "error"]
+    assert errors, f"the stall ended no request: {results}"
+    for what, secs in errors:
+        assert what == 503, errors
+        assert secs < STALL_S - 2, f"a request ended {secs:.1f}s in: when the loop came back, not by the watchdog"
+    if time.monotonic() - t0 < STALL_S - 3:
+        (kind, what), secs = outcome(lambda: ask(client, "Still there?", 4))
+        assert (kind, what) == ("error", 503) and secs < 2, (kind, what, secs)
+    m = services.assert_baseline(timeout=STALL_S + 30)
+    assert m['mesh_watchdog_aborts_total{component="engine"}'] >= len(errors)
+    assert m['mesh_engine_stalls_total{side="all"}'] >= 1
+    assert ask(client, "Name a fruit.", 4)

@@ -55,6 +55,7 @@ pub(crate) struct PdTotals {
     pub transfer_failures: std::collections::BTreeMap<String, u64>,
     pub admission_timeouts: u64,
     pub engine_stalls: u64,
+    pub watchdog_aborts: u64,
     /// The longest any worker's loop has had work without a step.
     pub engine_idle_seconds: f64,
 }
@@ -72,6 +73,7 @@ impl PdTotals {
         }
         self.admission_timeouts += o.admission_timeouts;
         self.engine_stalls += o.engine_stalls;
+        self.watchdog_aborts += o.watchdog_aborts;
         self.engine_idle_seconds = self.engine_idle_seconds.max(o.engine_idle_seconds);
     }
 }
@@ -284,6 +286,7 @@ impl Backends {
                 transfer_failures: r.transfer_failures.into_iter().collect(),
                 admission_timeouts: r.admission_timeouts,
                 engine_stalls: r.engine_stalls,
+                watchdog_aborts: r.watchdog_aborts,
                 engine_idle_seconds: r.engine_idle_seconds,
             },
         }

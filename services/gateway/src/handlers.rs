@@ -130,6 +130,7 @@ async fn health(State(st): State<AppState>) -> Response {
 async fn metrics(State(st): State<AppState>) -> Response {
     match st.backends.model_info().await {
         Ok(info) => {
+            st.metrics.workers_read.set(1);
             st.metrics.kv_pages_free.set(i64::from(info.free_pages));
             st.metrics.kv_pages_total.set(i64::from(info.total_pages));
             st.metrics.kv_pages_cached.set(i64::from(info.cached_pages));
@@ -164,10 +165,15 @@ async fn metrics(State(st): State<AppState>) -> Response {
             pd.admission_timeouts
                 .observe(side, info.pd.admission_timeouts as f64);
             pd.engine_stalls.observe(side, info.pd.engine_stalls as f64);
+            pd.watchdog_aborts
+                .observe("engine", info.pd.watchdog_aborts as f64);
             pd.room_stalls
                 .observe("engine", info.pd.engine_stalls as f64);
         }
-        Err(e) => tracing::debug!(error = %e.message, "worker model info unavailable for metrics"),
+        Err(e) => {
+            st.metrics.workers_read.set(0);
+            tracing::debug!(error = %e.message, "worker model info unavailable for metrics");
+        }
     }
     {
         let (pd, w) = (&st.metrics.pd, &st.backends.workers);

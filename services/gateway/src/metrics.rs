@@ -17,6 +17,9 @@ pub(crate) struct Metrics {
     errors: IntCounterVec,
     pub kv_pages_free: IntGauge,
     pub kv_pages_total: IntGauge,
+    /// 1 when this scrape read every worker's state, else 0 (the worker gauges are then
+    /// from an earlier scrape).
+    pub workers_read: IntGauge,
     pub kv_pages_cached: IntGauge,
     /// Cache counters the worker keeps since it started, mirrored at each scrape.
     pub kv_evictions: WorkerTotals,
@@ -49,6 +52,7 @@ pub(crate) struct PdMetrics {
     pub transfer_failures: WorkerTotals,
     pub admission_timeouts: WorkerTotals,
     pub engine_stalls: WorkerTotals,
+    pub watchdog_aborts: WorkerTotals,
     pub requests: prometheus::IntGaugeVec,
     pub reserved_pages: IntGauge,
     /// The router's view of each prefill worker's device cache, from its KV events.
@@ -141,6 +145,12 @@ impl PdMetrics {
                 "mesh_engine_stalls_total",
                 "Times an engine loop had work but made no step past the watchdog threshold.",
                 "side",
+            )?,
+            watchdog_aborts: WorkerTotals::labeled(
+                r,
+                "mesh_watchdog_aborts_total",
+                "Requests a hard-mode watchdog ended because their engine loop stalled.",
+                "component",
             )?,
             requests: gauge_vec(
                 "mesh_worker_requests",
@@ -285,6 +295,10 @@ impl Metrics {
         )?;
         let kv_pages_total =
             IntGauge::new("mesh_kv_pages_total", "KV pages in the worker's pool.")?;
+        let workers_read = IntGauge::new(
+            "mesh_workers_read",
+            "1 when this scrape read every worker's state; 0 when one did not answer (the worker gauges are then stale).",
+        )?;
         let kv_pages_cached = IntGauge::new(
             "mesh_kv_pages_cached",
             "KV pages only the worker's prefix cache holds, evictable (read at scrape).",
@@ -352,6 +366,7 @@ impl Metrics {
         registry.register(Box::new(errors.clone()))?;
         registry.register(Box::new(kv_pages_free.clone()))?;
         registry.register(Box::new(kv_pages_total.clone()))?;
+        registry.register(Box::new(workers_read.clone()))?;
         registry.register(Box::new(kv_pages_cached.clone()))?;
         Ok(Self {
             registry,
@@ -363,6 +378,7 @@ impl Metrics {
             errors,
             kv_pages_free,
             kv_pages_total,
+            workers_read,
             kv_pages_cached,
             kv_evictions,
             kv_hit_tokens,

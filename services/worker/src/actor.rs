@@ -139,6 +139,8 @@ struct EngineActor {
     progress: Arc<Progress>,
     kv: broadcast::Sender<KvBatch>,
     kv_seq: u64,
+    /// Test-only fault: before step number `.0`, the loop sleeps `.1`.
+    stall_fault: Option<(u64, std::time::Duration)>,
     /// Dropped with the actor, which tells [`EngineThread::stop`] the engine is released.
     _released: Option<oneshot::Sender<()>>,
 }
@@ -240,6 +242,12 @@ impl Handler<Step> for EngineActor {
     type Result = ();
     fn handle(&mut self, _msg: Step, ctx: &mut Self::Context) {
         self.step_queued = false;
+        if let Some((at, pause)) = self.stall_fault
+            && self.progress.steps.load(Ordering::Relaxed) == at
+        {
+            tracing::warn!(?pause, "fault injection: the engine loop stalls");
+            std::thread::sleep(pause);
+        }
         self.core.step();
         self.progress.steps.fetch_add(1, Ordering::Relaxed);
         self.progress.mark(self.core.has_work());
@@ -297,6 +305,14 @@ impl Drop for EngineThread {
 /// Starts the actor system on a dedicated thread and moves `engine` into a `SyncArbiter`
 /// of one. Returns the handle the gRPC side uses and the thread to stop at shutdown.
 pub(crate) fn start(mut engine: Engine) -> std::io::Result<(EngineHandle, EngineThread)> {
+    // Fault injection for the watchdog test, never set in production: "STEP:MS".
+    let stall_fault = std::env::var("PDMESH_FAULT_STALL_STEP").ok().and_then(|v| {
+        let (at, ms) = v.split_once(':')?;
+        Some((
+            at.parse().ok()?,
+            std::time::Duration::from_millis(ms.parse().ok()?),
+        ))
+    });
     engine.record_cache_events();
     let kv = broadcast::channel(KV_BACKLOG).0;
     let (released_tx, released) = oneshot::channel();
@@ -316,6 +332,7 @@ pub(crate) fn start(mut engine: Engine) -> std::io::Result<(EngineHandle, Engine
                 progress,
                 kv: kv.clone(),
                 kv_seq: 0,
+                stall_fault,
                 _released: Some(released),
             },
             None => EngineActor {
@@ -324,6 +341,7 @@ pub(crate) fn start(mut engine: Engine) -> std::io::Result<(EngineHandle, Engine
                 progress,
                 kv: kv.clone(),
                 kv_seq: 0,
+                stall_fault,
                 _released: None,
             },
         }

@@ -16,12 +16,13 @@ use crate::Error;
 use crate::actor::EngineHandle;
 use crate::engine_core::{Event, Finish, PoolNow};
 use crate::pd::{Pd, Role};
+use crate::watchdog::EngineWatch;
 
 /// The tonic service: a handle to the engine actor and the disaggregation state.
 pub(crate) struct WorkerService {
     engine: EngineHandle,
     pd: Arc<Pd>,
-    stalls: Arc<std::sync::atomic::AtomicU64>,
+    watch: Arc<EngineWatch>,
     /// Ends the KV event streams, which would otherwise hold a graceful shutdown forever.
     shutdown: tokio_util::sync::CancellationToken,
 }
@@ -30,13 +31,13 @@ impl WorkerService {
     pub(crate) fn new(
         engine: EngineHandle,
         pd: Arc<Pd>,
-        stalls: Arc<std::sync::atomic::AtomicU64>,
+        watch: Arc<EngineWatch>,
         shutdown: tokio_util::sync::CancellationToken,
     ) -> Self {
         Self {
             engine,
             pd,
-            stalls,
+            watch,
             shutdown,
         }
     }
@@ -168,7 +169,8 @@ fn model_info(info: ModelInfo, pool: PoolNow, w: &WorkerService) -> pb::ModelInf
         admission_timeouts: pd.admission_timeouts,
         engine_steps: progress.steps.load(std::sync::atomic::Ordering::Relaxed),
         engine_idle_seconds: progress.idle_seconds(),
-        engine_stalls: w.stalls.load(std::sync::atomic::Ordering::Relaxed),
+        engine_stalls: w.watch.stalls.load(std::sync::atomic::Ordering::Relaxed),
+        watchdog_aborts: w.watch.aborts.load(std::sync::atomic::Ordering::Relaxed),
     }
 }
 
@@ -226,6 +228,7 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let req = request.into_inner();
         let params = sampling_params(req.sampling)?;
+        self.watch.admit()?;
         let id = if req.request_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
         } else {
@@ -256,7 +259,7 @@ impl pb::worker_server::Worker for WorkerService {
                     .await?;
                 let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
                     .filter_map(|item| async move { item.map(response).transpose() });
-                return Ok(Response::new(Box::pin(stream)));
+                return Ok(Response::new(self.watch.fuse(Box::pin(stream))));
             }
         }
         let generation = self
@@ -269,7 +272,7 @@ impl pb::worker_server::Worker for WorkerService {
                 .map_err(|e| Status::from(Error::from(e)))
                 .transpose()
         });
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(self.watch.fuse(Box::pin(stream))))
     }
 
     #[tracing::instrument(skip_all, fields(request_id = %request.get_ref().request_id))]
@@ -290,7 +293,10 @@ impl pb::worker_server::Worker for WorkerService {
         _request: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthResponse>, Status> {
         Ok(Response::new(pb::HealthResponse {
-            ok: self.engine.connected() && self.pd.ready() && self.engine.info().await.is_ok(),
+            ok: self.engine.connected()
+                && self.pd.ready()
+                && !self.watch.refusing()
+                && self.engine.info().await.is_ok(),
         }))
     }
 

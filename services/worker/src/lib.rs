@@ -9,9 +9,11 @@ mod engine_core;
 mod error;
 mod grpc;
 mod pd;
+mod watchdog;
 
 use std::path::PathBuf;
 
+use pdmesh_cache::Watchdog;
 use pdmesh_cache::client::DataPlane;
 use pdmesh_engine::{EngineConfig, WritePolicy};
 use tokio::net::TcpListener;
@@ -80,6 +82,11 @@ pub struct Config {
     /// not finished a step for this long.
     #[arg(long, env = "PDMESH_WATCHDOG_STALL_MS", default_value_t = 10_000)]
     pub watchdog_stall_ms: u64,
+    /// What the watchdog does at a stall: `soft` logs and counts it; `hard` also ends every
+    /// request in flight with UNAVAILABLE (aborting their rooms, so the host slots are
+    /// freed and the peer told at once) and refuses new ones until the loop moves again.
+    #[arg(long, env = "PDMESH_WATCHDOG", value_enum, default_value_t = Watchdog::Soft)]
+    pub watchdog: Watchdog,
 }
 
 /// `--cache-write-policy` values.
@@ -114,6 +121,7 @@ impl Config {
             admission_timeout_ms: 30_000,
             transfer_timeout_ms: 60_000,
             watchdog_stall_ms: 10_000,
+            watchdog: Watchdog::Soft,
         }
     }
 
@@ -263,29 +271,15 @@ pub async fn run(
             }
         })
     };
-    let stalls: std::sync::Arc<std::sync::atomic::AtomicU64> = Default::default();
-    let watchdog = {
-        let (handle, stalls) = (handle.clone(), stalls.clone());
-        let limit = cfg.watchdog_stall_ms as f64 / 1000.0;
-        tokio::spawn(async move {
-            let mut stalled = false;
-            loop {
-                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-                let idle = handle.progress().idle_seconds();
-                if idle >= limit && !stalled {
-                    stalls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::warn!(
-                        idle_seconds = idle,
-                        "watchdog: the engine loop has work but made no step"
-                    );
-                }
-                stalled = idle >= limit;
-            }
-        })
-    };
+    let watch = std::sync::Arc::new(watchdog::EngineWatch::start(
+        handle.clone(),
+        cfg.watchdog,
+        std::time::Duration::from_millis(cfg.watchdog_stall_ms),
+        shutdown.child_token(),
+    ));
     let served = tonic::transport::Server::builder()
         .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::new(
-            grpc::WorkerService::new(handle, pd, stalls, shutdown.clone()),
+            grpc::WorkerService::new(handle, pd, watch, shutdown.clone()),
         ))
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
@@ -295,7 +289,6 @@ pub async fn run(
         .await;
     aborter.abort();
     let _ = aborter.await;
-    watchdog.abort();
     engine_thread.stop().await;
     tracing::info!(?addr, "worker stopped");
     served.map_err(Error::from)

@@ -1,0 +1,141 @@
+//! The engine-loop watchdog. The engine actor marks its progress after every step
+//! ([`crate::actor::Progress`]); this task looks every 250 ms. A loop that has work and has
+//! finished no step for the stall limit is stuck: `soft` logs it and counts a stall;
+//! `hard` also ends every request in flight on this worker with UNAVAILABLE and refuses
+//! new ones until the loop moves again. Ending a request's stream drops what it holds
+//! outside the engine at once — its room is aborted at the cache service, which frees the
+//! host slots and tells the peer — and queues its abort for the engine, which frees its
+//! pages as soon as the loop runs again.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use pdmesh_cache::Watchdog;
+use tokio::sync::watch;
+use tonic::Status;
+
+use crate::actor::EngineHandle;
+
+/// What the gRPC side needs from the watchdog.
+pub(crate) struct EngineWatch {
+    mode: Watchdog,
+    limit: Duration,
+    /// Bumped at each stall in hard mode: streams watching it end.
+    stalls_rx: watch::Receiver<u64>,
+    /// Stalls seen (any mode).
+    pub stalls: Arc<AtomicU64>,
+    /// Requests the hard watchdog ended.
+    pub aborts: Arc<AtomicU64>,
+    engine: EngineHandle,
+}
+
+impl EngineWatch {
+    /// Starts the watchdog task (ended by `stop`).
+    pub(crate) fn start(
+        engine: EngineHandle,
+        mode: Watchdog,
+        limit: Duration,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> Self {
+        let (tx, stalls_rx) = watch::channel(0u64);
+        let stalls: Arc<AtomicU64> = Arc::default();
+        let (h, count) = (engine.clone(), stalls.clone());
+        tokio::spawn(async move {
+            if mode == Watchdog::Off {
+                return;
+            }
+            let secs = limit.as_secs_f64();
+            let mut stalled = false;
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                    _ = stop.cancelled() => return,
+                }
+                let idle = h.progress().idle_seconds();
+                if idle >= secs && !stalled {
+                    count.fetch_add(1, Ordering::Relaxed);
+                    let hard = mode == Watchdog::Hard;
+                    tracing::warn!(
+                        idle_seconds = idle,
+                        action = if hard {
+                            "ending every request in flight"
+                        } else {
+                            "none (soft mode)"
+                        },
+                        "watchdog: the engine loop has work but made no step"
+                    );
+                    if hard {
+                        tx.send_modify(|n| *n += 1);
+                    }
+                }
+                stalled = idle >= secs;
+            }
+        });
+        Self {
+            mode,
+            limit,
+            stalls_rx,
+            stalls,
+            aborts: Arc::default(),
+            engine,
+        }
+    }
+
+    /// In hard mode, whether the loop is stuck now.
+    pub(crate) fn refusing(&self) -> bool {
+        self.mode == Watchdog::Hard
+            && self.engine.progress().idle_seconds() >= self.limit.as_secs_f64()
+    }
+
+    /// UNAVAILABLE while [`Self::refusing`].
+    pub(crate) fn admit(&self) -> Result<(), Status> {
+        if self.refusing() {
+            return Err(Status::unavailable(format!(
+                "the engine loop has made no step for over {:?}; refusing requests until it does",
+                self.limit
+            )));
+        }
+        Ok(())
+    }
+
+    /// `inner`, ended with UNAVAILABLE at the next stall (hard mode).
+    pub(crate) fn fuse<T: Send + 'static>(
+        &self,
+        inner: Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>,
+    ) -> Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>> {
+        if self.mode != Watchdog::Hard {
+            return inner;
+        }
+        let mut stalls = self.stalls_rx.clone();
+        stalls.mark_unchanged();
+        let (aborts, limit) = (self.aborts.clone(), self.limit);
+        Box::pin(async_stream::stream! {
+            let mut inner = inner;
+            loop {
+                tokio::select! {
+                    item = inner.next() => match item {
+                        Some(item) => yield item,
+                        None => break,
+                    },
+                    changed = stalls.changed() => {
+                        if changed.is_err() {
+                            // The watchdog is gone (shutdown): just forward.
+                            while let Some(item) = inner.next().await {
+                                yield item;
+                            }
+                            break;
+                        }
+                        aborts.fetch_add(1, Ordering::Relaxed);
+                        yield Err(Status::unavailable(format!(
+                            "the engine loop made no step for {limit:?}: the watchdog ended this request"
+                        )));
+                        break;
+                    }
+                }
+            }
+        })
+    }
+}
