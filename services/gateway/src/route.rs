@@ -296,17 +296,27 @@ impl Workers {
         // Both at once: decode reserves its pages while prefill computes.
         let (ps, ds) = tokio::join!(pc.generate(preq), dc.generate(req));
         let (mut ps, ds) = (ps?.into_inner(), ds?.into_inner());
-        // Prefill's own stream only matters if it fails: then the request fails now
-        // rather than when decode's room deadline passes.
+        // From prefill's own stream: its first token, which it sends before the hand-over
+        // (shown at once; decode's copy of it is then checked and dropped), and its error
+        // if it fails: then the request fails now rather than at decode's room deadline.
+        let (first_tx, first_rx) = tokio::sync::oneshot::channel::<wk::TokenChunk>();
         let (fail_tx, fail_rx) = tokio::sync::oneshot::channel::<Status>();
         // Dropped with the decode stream: prefill's call ends too (it aborts what it
         // still holds), so a request that failed or left at decode costs no more compute.
         let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(async move {
             let _p = guards.0;
+            let mut first_tx = Some(first_tx);
             loop {
                 tokio::select! {
                     m = ps.message() => match m {
+                        Ok(Some(wk::GenerateResponse {
+                            kind: Some(wk::generate_response::Kind::Chunk(c)),
+                        })) if !c.token_ids.is_empty() => {
+                            if let Some(tx) = first_tx.take() {
+                                let _ = tx.send(c);
+                            }
+                        }
                         Ok(Some(_)) => {}
                         Ok(None) => return,
                         Err(s) => {
@@ -324,12 +334,45 @@ impl Workers {
             let _done = done_tx;
             let mut ds = ds;
             let mut fail_rx = Some(fail_rx);
+            let mut first_rx = Some(first_rx);
+            // The first token shown from prefill, until decode's copy of it arrives.
+            let mut shown: Option<u32> = None;
             loop {
                 tokio::select! {
                     m = ds.message() => match m {
-                        Ok(Some(m)) => yield Ok(m),
+                        Ok(Some(mut m)) => {
+                            // Decode is first with tokens from now on.
+                            first_rx = None;
+                            if let (Some(t), Some(wk::generate_response::Kind::Chunk(c))) =
+                                (shown, m.kind.as_mut())
+                            {
+                                shown = None;
+                                if c.token_ids.first() != Some(&t) {
+                                    yield Err(Status::data_loss(format!(
+                                        "prefill sent first token {t} but decode {:?}: the KV hand-over is corrupt",
+                                        c.token_ids.first()
+                                    )));
+                                    break;
+                                }
+                                c.token_ids.remove(0);
+                                if c.token_ids.is_empty() {
+                                    continue;
+                                }
+                            }
+                            yield Ok(m)
+                        }
                         Ok(None) => break,
                         Err(s) => { yield Err(s); break; }
+                    },
+                    c = async { first_rx.as_mut().expect("polled while present").await },
+                        if first_rx.is_some() => {
+                        first_rx = None;
+                        if let Ok(c) = c {
+                            shown = c.token_ids.first().copied();
+                            yield Ok(wk::GenerateResponse {
+                                kind: Some(wk::generate_response::Kind::Chunk(c)),
+                            });
+                        }
                     },
                     f = async { fail_rx.as_mut().expect("polled while present").await },
                         if fail_rx.is_some() => match f {
@@ -350,6 +393,126 @@ impl Workers {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A worker whose Generate streams `script` (token chunks; `None` ends with Finished),
+    /// the first message after `delay`.
+    struct Scripted {
+        script: Vec<Vec<u32>>,
+        delay: Duration,
+    }
+
+    #[tonic::async_trait]
+    impl wk::worker_server::Worker for Scripted {
+        type GenerateStream = GenStream;
+        async fn generate(
+            &self,
+            _r: tonic::Request<wk::GenerateRequest>,
+        ) -> Result<tonic::Response<GenStream>, Status> {
+            let (script, delay) = (self.script.clone(), self.delay);
+            Ok(tonic::Response::new(Box::pin(async_stream::stream! {
+                tokio::time::sleep(delay).await;
+                for ids in script {
+                    yield Ok(wk::GenerateResponse {
+                        kind: Some(wk::generate_response::Kind::Chunk(wk::TokenChunk {
+                            token_ids: ids,
+                            logprob: None,
+                        })),
+                    });
+                }
+                yield Ok(wk::GenerateResponse {
+                    kind: Some(wk::generate_response::Kind::Finished(wk::Finished::default())),
+                });
+            })))
+        }
+        async fn abort(
+            &self,
+            _r: tonic::Request<wk::AbortRequest>,
+        ) -> Result<tonic::Response<wk::AbortResponse>, Status> {
+            Ok(tonic::Response::new(wk::AbortResponse { found: false }))
+        }
+        async fn health(
+            &self,
+            _r: tonic::Request<wk::HealthRequest>,
+        ) -> Result<tonic::Response<wk::HealthResponse>, Status> {
+            Ok(tonic::Response::new(wk::HealthResponse { ok: true }))
+        }
+        async fn model_info(
+            &self,
+            _r: tonic::Request<wk::ModelInfoRequest>,
+        ) -> Result<tonic::Response<wk::ModelInfoResponse>, Status> {
+            Err(Status::unimplemented("scripted"))
+        }
+        type SubscribeKvEventsStream =
+            Pin<Box<dyn Stream<Item = Result<cpb::KvEvent, Status>> + Send>>;
+        async fn subscribe_kv_events(
+            &self,
+            _r: tonic::Request<wk::SubscribeKvEventsRequest>,
+        ) -> Result<tonic::Response<Self::SubscribeKvEventsStream>, Status> {
+            Err(Status::unimplemented("scripted"))
+        }
+    }
+
+    async fn serve(w: Scripted) -> (String, WorkerClient<Channel>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(wk::worker_server::WorkerServer::new(w))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+        );
+        let ch = tonic::transport::Endpoint::from_shared(url.clone())
+            .unwrap()
+            .connect_lazy();
+        (url, WorkerClient::new(ch))
+    }
+
+    /// The token ids a PD request's merged stream shows, or its error.
+    async fn merged(prefill: Scripted, decode: Scripted) -> Result<Vec<u32>, Status> {
+        let w = Workers::pd(vec![serve(prefill).await], vec![serve(decode).await]);
+        let mut s = w.generate(wk::GenerateRequest::default()).await?;
+        let mut ids = Vec::new();
+        while let Some(m) = s.next().await {
+            if let Some(wk::generate_response::Kind::Chunk(c)) = m?.kind {
+                ids.extend(c.token_ids);
+            }
+        }
+        Ok(ids)
+    }
+
+    #[tokio::test]
+    async fn prefills_first_token_is_shown_first_and_decodes_copy_is_checked_then_dropped() {
+        let ms = Duration::from_millis;
+        let p = |first: u32| Scripted {
+            script: vec![vec![first]],
+            delay: ms(0),
+        };
+        let d = |script: Vec<Vec<u32>>| Scripted {
+            script,
+            delay: ms(200),
+        };
+        // Shown once, though both sides stream it (in one chunk with more, or alone).
+        assert_eq!(
+            merged(p(5), d(vec![vec![5], vec![7]])).await.unwrap(),
+            [5, 7]
+        );
+        assert_eq!(
+            merged(p(5), d(vec![vec![5, 7, 9]])).await.unwrap(),
+            [5, 7, 9]
+        );
+        // A decode side that disagrees got other KV: the request fails, never shows it.
+        let e = merged(p(5), d(vec![vec![6], vec![7]])).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DataLoss, "{e:?}");
+        // Decode first (prefill's token late): decode's stream alone.
+        let late = Scripted {
+            script: vec![vec![5]],
+            delay: ms(400),
+        };
+        let early = Scripted {
+            script: vec![vec![5], vec![7]],
+            delay: ms(0),
+        };
+        assert_eq!(merged(late, early).await.unwrap(), [5, 7]);
+    }
 
     fn workers(n: usize) -> Workers {
         let ch = || {

@@ -246,6 +246,7 @@ pub async fn run(
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(u64::MAX),
         },
+        engine.info().eos_token_ids,
     ));
     let info = engine.info();
     let addr = listener.local_addr().ok();

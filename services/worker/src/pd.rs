@@ -139,6 +139,8 @@ pub(crate) struct Pd {
     times: PdTimes,
     stats: Mutex<PdStats>,
     faults: std::sync::atomic::AtomicU64,
+    /// The model's end-of-generation tokens (a first token that is one is never shown).
+    eos: Vec<u32>,
 }
 
 /// Aborts a room when dropped armed: the request ended before its hand-over did.
@@ -254,6 +256,7 @@ impl Pd {
         cache_url: Option<&str>,
         layout: &KvLayout,
         times: PdTimes,
+        eos: Vec<u32>,
     ) -> Self {
         let link = match (role, cache_url) {
             (Role::Unified, _) | (_, None) => None,
@@ -269,6 +272,7 @@ impl Pd {
             times,
             stats: Mutex::default(),
             faults: Default::default(),
+            eos,
         }
     }
 
@@ -407,6 +411,15 @@ impl Pd {
             engine: engine.clone(),
             id: Some(req.id.clone()),
         };
+        // The first token goes out now, before the hand-over: the gateway can show it
+        // while the KV travels (decode streams it again, and the gateway checks they are
+        // the same). A token that ends the generation is never shown, so it is not sent.
+        let p = &req.params;
+        let ends =
+            (!p.ignore_eos && self.eos.contains(&token)) || p.stop_token_ids.contains(&token);
+        if !ends {
+            let _ = tx.send(Ok(Event::Token { token, logprob })).await;
+        }
         let deadline = tokio::time::Instant::now() + self.times.transfer;
         // Decode joins once it has reserved pages for this prompt.
         wait_room(&client, room, cpb::RoomState::WaitingForInput, deadline).await?;
@@ -491,7 +504,6 @@ impl Pd {
         };
         guard.armed = false;
         self.count(pages, pages * client.page_bytes(), secs);
-        let _ = tx.send(Ok(Event::Token { token, logprob })).await;
         let _ = tx
             .send(Ok(Event::Finished(Finish {
                 reason: pdmesh_engine::FinishReason::Length,
