@@ -129,6 +129,46 @@ impl Component {
     }
 }
 
+/// `--kv-cache-dtype`: how a DeepSeek MLA latent is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MlaCacheDtype {
+    /// The whole latent (compressed KV and rope part) in bf16.
+    Bf16,
+    /// FlashMLA's fp8 record: the compressed KV in fp8 e4m3 with one f32 scale per 128
+    /// values beside it, then the rope part in bf16.
+    Fp8,
+}
+
+/// `--index-k-dtype`: how the DSA indexer's key is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IndexKDtype {
+    /// fp8 e4m3 with one f32 scale per 128 values, the page's scales after all its values
+    /// (SGLang's layout).
+    Fp8,
+    /// bf16, no scale.
+    Bf16,
+}
+
+/// The per-layer cache dimensions of a DeepSeek V3.2 model (MLA + DSA indexer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaDims {
+    pub kv_lora_rank: usize,
+    pub rope_dim: usize,
+    pub index_head_dim: usize,
+}
+
+impl MlaDims {
+    /// DeepSeek-V3.2's own: 512 + 64 latent values, 128 index-K values.
+    pub const V32: MlaDims = MlaDims {
+        kv_lora_rank: 512,
+        rope_dim: 64,
+        index_head_dim: 128,
+    };
+}
+
+/// Values per fp8 scale in DeepSeek's caches.
+pub const FP8_SCALE_BLOCK: usize = 128;
+
 /// Invalid layout description.
 #[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LayoutError {
@@ -230,6 +270,60 @@ impl KvLayout {
             ],
         )
         .expect("llama layout is well formed")
+    }
+
+    /// DeepSeek V3.2's cache: per layer the MLA latent (`mla_latent`, or `mla_nope` +
+    /// `mla_rope` in the fp8 form) and the DSA indexer's key (`index_k`). With V3.2's
+    /// dimensions a token takes 1152 (bf16) or 656 (fp8) bytes of latent and 132 (fp8) or
+    /// 256 (bf16) bytes of index-K per layer.
+    pub fn deepseek_v32(
+        layers: usize,
+        dims: MlaDims,
+        mla: MlaCacheDtype,
+        index_k: IndexKDtype,
+        page_size: usize,
+    ) -> Result<Self, LayoutError> {
+        let mut components = match mla {
+            MlaCacheDtype::Bf16 => vec![Component::plain(
+                "mla_latent",
+                DType::Bf16,
+                dims.kv_lora_rank + dims.rope_dim,
+            )],
+            MlaCacheDtype::Fp8 => vec![
+                Component::scaled(
+                    "mla_nope",
+                    DType::Fp8E4m3,
+                    dims.kv_lora_rank,
+                    DType::F32,
+                    FP8_SCALE_BLOCK,
+                    ScalePlacement::BesideToken,
+                ),
+                Component::plain("mla_rope", DType::Bf16, dims.rope_dim),
+            ],
+        };
+        components.push(match index_k {
+            IndexKDtype::Fp8 => Component::scaled(
+                "index_k",
+                DType::Fp8E4m3,
+                dims.index_head_dim,
+                DType::F32,
+                FP8_SCALE_BLOCK,
+                ScalePlacement::PageTail,
+            ),
+            IndexKDtype::Bf16 => Component::plain("index_k", DType::Bf16, dims.index_head_dim),
+        });
+        let name = format!(
+            "deepseek-v32-mla-{}-index-k-{}",
+            match mla {
+                MlaCacheDtype::Bf16 => "bf16",
+                MlaCacheDtype::Fp8 => "fp8",
+            },
+            match index_k {
+                IndexKDtype::Fp8 => "fp8",
+                IndexKDtype::Bf16 => "bf16",
+            }
+        );
+        Self::new(&name, layers, page_size, components)
     }
 
     pub fn name(&self) -> &str {
@@ -402,36 +496,13 @@ mod tests {
         assert_eq!(bf16.layer_bytes_per_page(), 16384);
         assert_eq!(bf16.scale_offset(0, 0, 0), None);
         // MLA latent bf16: 512 + 64 rope.
-        let mla_bf16 = KvLayout::new(
-            "mla-bf16",
-            61,
-            64,
-            vec![
-                Component::plain("latent", DType::Bf16, 512),
-                Component::plain("rope", DType::Bf16, 64),
-            ],
-        )
-        .unwrap();
-        assert_eq!(mla_bf16.bytes_per_token_per_layer(), 1152);
+        let v32 = |mla, ik| KvLayout::deepseek_v32(61, MlaDims::V32, mla, ik, 64).unwrap();
+        let mla_bf16 = v32(MlaCacheDtype::Bf16, IndexKDtype::Bf16);
+        assert_eq!(mla_bf16.components()[0].bytes_per_token(), 1152);
         // MLA fp8 record: 512 fp8 + 4 f32 scales beside the token + 64 bf16 rope.
-        let mla_fp8 = KvLayout::new(
-            "mla-fp8",
-            61,
-            64,
-            vec![
-                Component::scaled(
-                    "latent",
-                    DType::Fp8E4m3,
-                    512,
-                    DType::F32,
-                    128,
-                    ScalePlacement::BesideToken,
-                ),
-                Component::plain("rope", DType::Bf16, 64),
-            ],
-        )
-        .unwrap();
-        assert_eq!(mla_fp8.bytes_per_token_per_layer(), 656);
+        let mla_fp8 = v32(MlaCacheDtype::Fp8, IndexKDtype::Fp8);
+        let (nope, rope) = (&mla_fp8.components()[0], &mla_fp8.components()[1]);
+        assert_eq!(nope.bytes_per_token() + rope.bytes_per_token(), 656);
         assert_eq!(mla_fp8.scale_offset(0, 0, 1), Some(528 + 512));
         // SmolLM2 K + V f16, 3 KV heads x 64.
         let smol = KvLayout::llama(30, 3, 64, DType::F16, 16);
@@ -441,11 +512,34 @@ mod tests {
         assert_eq!(smol.bytes_per_token(), 30 * 768);
         assert_eq!(smol.bytes_per_page(), 30 * 768 * 16);
         assert_eq!(smol.bytes_per_pool(10), 10 * 30 * 768 * 16);
-        // DeepSeek-V3.2 per-token totals from the reference.
-        assert_eq!(
-            61 * (mla_fp8.bytes_per_token_per_layer() + fp8.bytes_per_token_per_layer()),
-            48_068
-        );
+        // DeepSeek-V3.2 per-token totals from the reference, and the other two forms.
+        for (mla, ik, per_layer, total) in [
+            (MlaCacheDtype::Fp8, IndexKDtype::Fp8, 656 + 132, 48_068),
+            (MlaCacheDtype::Bf16, IndexKDtype::Fp8, 1152 + 132, 78_324),
+            (MlaCacheDtype::Fp8, IndexKDtype::Bf16, 656 + 256, 61 * 912),
+            (
+                MlaCacheDtype::Bf16,
+                IndexKDtype::Bf16,
+                1152 + 256,
+                61 * 1408,
+            ),
+        ] {
+            let l = v32(mla, ik);
+            assert_eq!(l.bytes_per_token_per_layer(), per_layer, "{l}");
+            assert_eq!(l.bytes_per_token(), total, "{l}");
+            // fp8 index-K keeps the page's scales after all its values (SGLang's form).
+            let k = l.component_index("index_k").unwrap();
+            let tail = (ik == IndexKDtype::Fp8).then(|| l.region_offset(3, k) + 64 * 128);
+            assert_eq!(l.scale_offset(3, k, 0), tail, "{l}");
+        }
+        // The four are four layouts: none can be mistaken for another.
+        let mut prints: Vec<u64> = [MlaCacheDtype::Fp8, MlaCacheDtype::Bf16]
+            .into_iter()
+            .flat_map(|m| [IndexKDtype::Fp8, IndexKDtype::Bf16].map(|i| v32(m, i).fingerprint()))
+            .collect();
+        prints.sort_unstable();
+        prints.dedup();
+        assert_eq!(prints.len(), 4);
     }
 
     #[test]

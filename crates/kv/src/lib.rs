@@ -7,6 +7,7 @@
 //! asks its layout, and pools with different fingerprints refuse to exchange pages.
 
 mod checksum;
+pub mod fp8;
 mod host;
 mod layout;
 mod pool;
@@ -15,7 +16,8 @@ mod radix;
 pub use checksum::{copy_and_checksum, copy_to_and_checksum, page_checksum};
 pub use host::{HostLoad, HostPage, HostTier};
 pub use layout::{
-    Component, DType, KvLayout, LayoutError, MAX_PAGE_BYTES, ScalePlacement, ScaleSpec,
+    Component, DType, FP8_SCALE_BLOCK, IndexKDtype, KvLayout, LayoutError, MAX_PAGE_BYTES,
+    MlaCacheDtype, MlaDims, ScalePlacement, ScaleSpec,
 };
 pub use pool::{KvError, PageId, PagePool};
 pub use radix::{

@@ -249,6 +249,47 @@ async fn a_worker_with_another_layout_is_refused_and_the_message_names_both() {
 }
 
 #[tokio::test]
+async fn the_seeds_bug_a_bf16_index_k_worker_is_refused_by_a_mirror_sized_for_fp8_index_k() {
+    use pdmesh_kv::{IndexKDtype, MlaCacheDtype, MlaDims};
+    let dims = MlaDims {
+        kv_lora_rank: 128,
+        rope_dim: 32,
+        index_head_dim: 128,
+    };
+    let form = |ik| KvLayout::deepseek_v32(4, dims, MlaCacheDtype::Bf16, ik, 16).unwrap();
+    let (fp8, bf16) = (form(IndexKDtype::Fp8), form(IndexKDtype::Bf16));
+    let s = start(8, 10_000).await;
+    // The first worker fixes the mirror's layout: fp8 index-K, 132 B per token per layer.
+    let _fp8_worker = HostClient::connect(&s.url(), "fp8", &fp8, DataPlane::Shm)
+        .await
+        .unwrap();
+    for plane in [DataPlane::Shm, DataPlane::Grpc] {
+        let err = HostClient::connect(&s.url(), "bf16", &bf16, plane)
+            .await
+            .unwrap_err();
+        let pdmesh_cache::client::ClientError::Rpc(status) = err else {
+            panic!("{err}")
+        };
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+        let m = status.message();
+        for want in [
+            "deepseek-v32-mla-bf16-index-k-fp8",
+            "deepseek-v32-mla-bf16-index-k-bf16",
+            "452 B/token/layer", // 320 latent + 132 index-K
+            "576 B/token/layer", // 320 latent + 256 index-K
+        ] {
+            assert!(m.contains(want), "{want:?} missing from: {m}");
+        }
+    }
+    assert_eq!(
+        s.stats().await.leases,
+        1,
+        "the refused worker holds nothing"
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
 async fn malformed_registrations_are_refused_and_create_nothing() {
     let s = start(8, 10_000).await;
     let mut rpc = CacheClient::connect(s.url()).await.unwrap();
