@@ -6,6 +6,8 @@
 //! wraps it in an actix actor, tests drive it directly.
 
 mod api;
+pub mod deepseek;
+pub mod deepseek_synth;
 mod engine;
 mod model;
 mod sampler;
@@ -13,6 +15,7 @@ mod vocab;
 
 pub use api::{FinishReason, GenRequest, ModelInfo, Part, SamplingParams, StepEvent};
 pub use engine::{Engine, EngineConfig, HostStats, WritePolicy};
+pub use model::BatchToken;
 
 /// Everything that can go wrong between a request and the engine.
 #[derive(Debug, thiserror::Error)]
