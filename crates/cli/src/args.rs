@@ -108,11 +108,30 @@ pub enum ModelCommand {
         /// The .gguf file (default: the model `pdmesh up` would serve).
         path: Option<PathBuf>,
     },
+    /// Write a synthetic checkpoint with seeded weights: `deepseek-v32-tiny` is a small
+    /// DeepSeek V3.2 (MLA, DSA indexer with top-k 64, 8 experts) in safetensors with the
+    /// public tensor names, using the default model's tokenizer.
+    Synth {
+        #[arg(value_enum)]
+        model: SynthModel,
+        /// Directory to write (default: the pdmesh model cache).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+    },
+}
+
+/// Models `pdmesh model synth` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SynthModel {
+    DeepseekV32Tiny,
 }
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct UpArgs {
-    /// GGUF model to serve (default: the cached default model, fetched if missing).
+    /// Model to serve: a GGUF file or a checkpoint directory (default: the cached default
+    /// model, fetched if missing).
     #[arg(long, env = "PDMESH_MODEL")]
     pub model: Option<PathBuf>,
     /// Gateway port (0: any free port).

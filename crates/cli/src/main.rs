@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use pdmesh_cli::args::{Cli, Command, ModelCommand, Service};
+use pdmesh_cli::args::{Cli, Command, ModelCommand, Service, SynthModel};
 use pdmesh_cli::{fetch, serve, up};
 
 fn init_tracing() {
@@ -94,6 +94,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 ),
                 fetch::Outcome::Installed(p) => println!("installed and verified: {}", p.display()),
             }
+        }
+        Command::Model(ModelCommand::Synth { model, out, seed }) => {
+            let SynthModel::DeepseekV32Tiny = model;
+            let out = out.unwrap_or_else(|| {
+                pdmesh_gguf::models::default_model_path()
+                    .parent()
+                    .map(|d| d.join("deepseek-v32-tiny"))
+                    .unwrap_or_else(|| "deepseek-v32-tiny".into())
+            });
+            let gguf = pdmesh_gguf::models::default_model_path();
+            let tok = pdmesh_text::TextTokenizer::from_path(&gguf).with_context(|| {
+                format!(
+                    "the tiny model uses the default model's tokenizer: {} (run `pdmesh model fetch`)",
+                    gguf.display()
+                )
+            })?;
+            pdmesh_engine::deepseek_synth::write(
+                &out,
+                &pdmesh_engine::deepseek_synth::tiny_config(),
+                seed,
+                Some(&tok),
+            )?;
+            println!("wrote {}", out.display());
         }
         Command::Model(ModelCommand::Verify { path }) => {
             let path = path.unwrap_or_else(pdmesh_gguf::models::default_model_path);

@@ -23,7 +23,7 @@ use crate::serve::Signals;
 pub enum UpError {
     #[error(
         "the model file {0} does not exist: run `pdmesh model fetch` for the default model, \
-         or pass --model PATH.gguf"
+         or pass --model PATH.gguf (or a checkpoint directory)"
     )]
     ModelMissing(PathBuf),
     #[error("fetching the default model failed")]
@@ -95,7 +95,8 @@ fn free_port() -> Result<u16, UpError> {
 fn resolve_model(arg: Option<&Path>) -> Result<PathBuf, UpError> {
     let default = cached_model_path(&DEFAULT_MODEL);
     let path = arg.map_or_else(|| default.clone(), Path::to_path_buf);
-    if path.is_file() {
+    // A GGUF file, or a checkpoint directory (DeepSeek V3.2: config.json, safetensors).
+    if path.is_file() || path.join("config.json").is_file() {
         return Ok(path);
     }
     if path != default {

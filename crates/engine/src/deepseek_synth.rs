@@ -157,8 +157,15 @@ impl Gen {
     }
 }
 
-/// Writes `config.json` and `model.safetensors` for `cfg` with weights drawn from `seed`.
-pub fn write(dir: &Path, cfg: &DsConfig, seed: u64) -> Result<(), EngineError> {
+/// Writes `config.json` and `model.safetensors` for `cfg` with weights drawn from `seed`,
+/// and, given a tokenizer, `tokenizer.json` and `tokenizer_config.json` (a directory the
+/// engine and the tokenizer service both load).
+pub fn write(
+    dir: &Path,
+    cfg: &DsConfig,
+    seed: u64,
+    tokenizer: Option<&pdmesh_text::TextTokenizer>,
+) -> Result<(), EngineError> {
     let io =
         |e: &dyn std::fmt::Display| EngineError::Unsupported(format!("{}: {e}", dir.display()));
     std::fs::create_dir_all(dir).map_err(|e| io(&e))?;
@@ -286,5 +293,9 @@ pub fn write(dir: &Path, cfg: &DsConfig, seed: u64) -> Result<(), EngineError> {
         .map_err(|e| io(&e))?;
     let json = serde_json::to_string_pretty(cfg).map_err(|e| io(&e))?;
     std::fs::write(dir.join("config.json"), json).map_err(|e| io(&e))?;
+    if let Some(t) = tokenizer {
+        t.write_hf_dir(dir)
+            .map_err(|e| EngineError::Unsupported(format!("tokenizer: {e}")))?;
+    }
     Ok(())
 }

@@ -13,10 +13,12 @@ use pdmesh_kv::{
     page_hashes,
 };
 
+use crate::deepseek::DeepSeekModel;
 use crate::model::{BatchToken, LlamaModel};
 use crate::sampler::Sampler;
 use crate::vocab::{eog_tokens, token_bytes_table};
 use crate::{EngineError, FinishReason, GenRequest, ModelInfo, Part, SamplingParams, StepEvent};
+use pdmesh_kv::{IndexKDtype, KvLayout, MlaCacheDtype};
 
 /// How to build an engine.
 #[derive(Clone, Debug)]
@@ -41,6 +43,10 @@ pub struct EngineConfig {
     /// A host-tier hit shorter than this many pages is recomputed instead of loaded; a
     /// longer one is loaded whole (all or nothing).
     pub host_min_pages: usize,
+    /// DeepSeek models: how the MLA latent is cached (`--kv-cache-dtype`).
+    pub kv_cache_dtype: MlaCacheDtype,
+    /// DeepSeek models: how the indexer's key is cached (`--index-k-dtype`).
+    pub index_k_dtype: IndexKDtype,
 }
 
 impl EngineConfig {
@@ -56,6 +62,8 @@ impl EngineConfig {
             capture_logits: false,
             prefix_cache: true,
             host_min_pages: 1,
+            kv_cache_dtype: MlaCacheDtype::Bf16,
+            index_k_dtype: IndexKDtype::Fp8,
         }
     }
 }
@@ -88,7 +96,7 @@ impl Seq {
 /// The engine. See the crate docs.
 pub struct Engine {
     cfg: EngineConfig,
-    model: LlamaModel,
+    model: AnyModel,
     pool: PagePool,
     tp: rayon::ThreadPool,
     info: ModelInfo,
@@ -161,9 +169,8 @@ impl Engine {
             });
         }
         let (cfg_cache, page_size) = (cfg.prefix_cache, cfg.page_size);
-        let gguf = Arc::new(GgufFile::open(&cfg.model_path)?);
-        let model = LlamaModel::load(gguf.clone())?;
-        let layout = Arc::new(model.cfg.kv_layout(cfg.page_size));
+        let loaded = AnyModel::load(&cfg)?;
+        let (model, layout) = (loaded.model, Arc::new(loaded.layout));
         let pool = PagePool::new(layout.clone(), cfg.kv_pages);
         let threads = if cfg.threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -175,11 +182,10 @@ impl Engine {
             .thread_name(|i| format!("pdmesh-compute-{i}"))
             .build()
             .map_err(|e| EngineError::Unsupported(format!("thread pool: {e}")))?;
-        let context = cfg.max_context.map_or(model.cfg.context_length, |m| {
-            m.min(model.cfg.context_length)
-        });
-        let token_bytes = token_bytes_table(&gguf)?;
-        let eog = eog_tokens(&gguf)?;
+        let context = cfg
+            .max_context
+            .map_or(loaded.context_length, |m| m.min(loaded.context_length));
+        let (token_bytes, eog) = (loaded.token_bytes, loaded.eog);
         let model_id = cfg
             .model_path
             .file_name()
@@ -190,7 +196,7 @@ impl Engine {
         let info = ModelInfo {
             model_id,
             context_length: context as u32,
-            vocab_size: model.cfg.vocab as u32,
+            vocab_size: model.vocab() as u32,
             eos_token_ids: eog.clone(),
             kv_layout: layout.describe(),
             kv_layout_fingerprint: layout.fingerprint_hex(),
@@ -354,7 +360,7 @@ impl Engine {
                 context: self.context,
             });
         }
-        let vocab = self.model.cfg.vocab;
+        let vocab = self.model.vocab();
         if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::TokenOutOfRange { token: bad, vocab });
         }
@@ -444,7 +450,7 @@ impl Engine {
             .iter()
             .position(|s| &*s.id == id)
             .ok_or_else(|| EngineError::Transfer(format!("{id:?} holds no reserved pages")))?;
-        if first_token as usize >= self.model.cfg.vocab {
+        if first_token as usize >= self.model.vocab() {
             return Err(EngineError::Transfer(format!(
                 "first token {first_token} is outside the vocabulary"
             )));
@@ -985,4 +991,75 @@ fn finish_check(
         return Some((FinishReason::Length, None, None));
     }
     None
+}
+
+/// The model families the engine runs.
+pub(crate) enum AnyModel {
+    Llama(LlamaModel),
+    DeepSeek(Box<DeepSeekModel>),
+}
+
+/// A model with what the engine needs beside it.
+struct Loaded {
+    model: AnyModel,
+    layout: KvLayout,
+    context_length: usize,
+    token_bytes: Vec<Vec<u8>>,
+    eog: Vec<u32>,
+}
+
+impl AnyModel {
+    /// A GGUF file is a llama-family model; a directory is an HF checkpoint (DeepSeek
+    /// V3.2: `config.json`, safetensors, `tokenizer.json`).
+    fn load(cfg: &EngineConfig) -> Result<Loaded, EngineError> {
+        if !cfg.model_path.is_dir() {
+            let gguf = Arc::new(GgufFile::open(&cfg.model_path)?);
+            let model = LlamaModel::load(gguf.clone())?;
+            return Ok(Loaded {
+                layout: model.cfg.kv_layout(cfg.page_size),
+                context_length: model.cfg.context_length,
+                token_bytes: token_bytes_table(&gguf)?,
+                eog: eog_tokens(&gguf)?,
+                model: AnyModel::Llama(model),
+            });
+        }
+        let model = DeepSeekModel::load(&cfg.model_path)?;
+        let tok = pdmesh_text::TextTokenizer::from_hf_dir(&cfg.model_path)
+            .map_err(|e| EngineError::Unsupported(format!("tokenizer: {e}")))?;
+        let mut token_bytes = tok.token_bytes_table();
+        token_bytes.resize(model.cfg.vocab_size.max(token_bytes.len()), Vec::new());
+        let mut eog = model.cfg.eos_token_id.to_vec();
+        eog.extend(tok.eos_token_ids());
+        eog.sort_unstable();
+        eog.dedup();
+        Ok(Loaded {
+            layout: model
+                .cfg
+                .kv_layout(cfg.kv_cache_dtype, cfg.index_k_dtype, cfg.page_size)?,
+            context_length: model.cfg.max_position_embeddings,
+            token_bytes,
+            eog,
+            model: AnyModel::DeepSeek(Box::new(model)),
+        })
+    }
+
+    fn vocab(&self) -> usize {
+        match self {
+            AnyModel::Llama(m) => m.cfg.vocab,
+            AnyModel::DeepSeek(m) => m.cfg.vocab_size,
+        }
+    }
+
+    fn forward(
+        &self,
+        tp: &rayon::ThreadPool,
+        pool: &mut PagePool,
+        seq_pages: &[&[PageId]],
+        tokens: &[BatchToken],
+    ) -> Vec<Vec<f32>> {
+        match self {
+            AnyModel::Llama(m) => m.forward(tp, pool, seq_pages, tokens),
+            AnyModel::DeepSeek(m) => m.forward(tp, pool, seq_pages, tokens),
+        }
+    }
 }

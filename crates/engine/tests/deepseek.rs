@@ -17,7 +17,7 @@ fn model() -> &'static DeepSeekModel {
     static M: OnceLock<(tempfile::TempDir, DeepSeekModel)> = OnceLock::new();
     &M.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        deepseek_synth::write(dir.path(), &deepseek_synth::tiny_config(), 7).unwrap();
+        deepseek_synth::write(dir.path(), &deepseek_synth::tiny_config(), 7, None).unwrap();
         let m = DeepSeekModel::load(dir.path()).unwrap();
         (dir, m)
     })
@@ -145,7 +145,7 @@ fn the_cache_forms_are_close_but_not_equal() {
 #[test]
 fn sparse_equals_dense_within_the_top_k_and_departs_after() {
     let dir = tempfile::tempdir().unwrap();
-    deepseek_synth::write(dir.path(), &deepseek_synth::tiny_config(), 7).unwrap();
+    deepseek_synth::write(dir.path(), &deepseek_synth::tiny_config(), 7, None).unwrap();
     let mut dense = DeepSeekModel::load(dir.path()).unwrap();
     dense.dense = true;
     let sparse = model();
@@ -304,10 +304,8 @@ fn index_scores_through_fp8_match_a_reference_quantizer() {
         out
     };
     let (qf, kf) = (through(&q), through(&k));
-    let (qr, kr): (Vec<f32>, Vec<f32>) = (
-        q.chunks(128).flat_map(&reference).collect(),
-        reference(&k),
-    );
+    let (qr, kr): (Vec<f32>, Vec<f32>) =
+        (q.chunks(128).flat_map(&reference).collect(), reference(&k));
     for (a, b) in qf.iter().chain(&kf).zip(qr.iter().chain(&kr)) {
         // Ties may round either way between two codes; nothing else may differ.
         assert!((a - b).abs() <= (a.abs() + b.abs()) / 15.0, "{a} vs {b}");
@@ -360,4 +358,104 @@ fn routing_uses_the_bias_to_choose_and_the_plain_scores_to_weigh() {
     // Without the bias, groups 3 (experts 6, 7) and 1 win.
     let r = route(&c, &logits, &[0.0; 8]);
     assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [7, 6]);
+}
+
+// ---- Through the engine's scheduler ----
+
+mod common;
+
+/// The tiny checkpoint with the default model's tokenizer, written once per test binary.
+fn tiny_dir() -> &'static std::path::Path {
+    static D: OnceLock<tempfile::TempDir> = OnceLock::new();
+    D.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let tok =
+            pdmesh_text::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+                .unwrap();
+        deepseek_synth::write(dir.path(), &deepseek_synth::tiny_config(), 7, Some(&tok)).unwrap();
+        dir
+    })
+    .path()
+}
+
+fn tiny_engine(f: impl FnOnce(&mut pdmesh_engine::EngineConfig)) -> pdmesh_engine::Engine {
+    let mut cfg = pdmesh_engine::EngineConfig::new(tiny_dir());
+    cfg.kv_pages = 128;
+    cfg.threads = 2;
+    f(&mut cfg);
+    pdmesh_engine::Engine::load(cfg).expect("the tiny DeepSeek checkpoint loads")
+}
+
+#[test]
+fn the_engine_serves_the_tiny_model_identically_alone_batched_chunked_and_cached() {
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|s| prompt(10 + s, 40 + 23 * s as usize))
+        .collect();
+    for (mla, ik) in FORMS {
+        let set = |c: &mut pdmesh_engine::EngineConfig| {
+            c.kv_cache_dtype = mla;
+            c.index_k_dtype = ik;
+        };
+        let mut alone = tiny_engine(|c| {
+            set(c);
+            c.prefix_cache = false;
+            c.max_batch = 1;
+        });
+        let info = alone.info();
+        assert_eq!(
+            info.model_id,
+            tiny_dir()
+                .file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .split('.')
+                .next()
+                .unwrap()
+        );
+        assert!(
+            info.kv_layout.contains("deepseek-v32-mla"),
+            "{}",
+            info.kv_layout
+        );
+        assert!(info.eos_token_ids.contains(&2));
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let id = format!("r{i}");
+                common::run_all(&mut alone, vec![common::greedy(&id, p, 12)])
+                    .remove(&id)
+                    .unwrap()
+                    .tokens
+            })
+            .collect();
+        assert!(want.iter().all(|t| t.len() == 12));
+        // All at once, small prefill chunks, prefix cache on, run twice (the second time
+        // the prompts' pages come from the cache).
+        let mut shared = tiny_engine(|c| {
+            set(c);
+            c.prefill_chunk = 29;
+        });
+        for round in 0..2 {
+            let reqs = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| common::greedy(&format!("r{i}"), p, 12))
+                .collect();
+            let got = common::run_all(&mut shared, reqs);
+            for (i, w) in want.iter().enumerate() {
+                assert_eq!(
+                    &got[&format!("r{i}")].tokens,
+                    w,
+                    "{mla:?} {ik:?} round {round} prompt {i}"
+                );
+            }
+        }
+        assert!(
+            shared.cache_stats().hit_tokens > 0,
+            "the second round hit the cache"
+        );
+        assert_eq!(common::available(&shared), 128, "every page back");
+    }
 }

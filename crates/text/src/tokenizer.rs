@@ -71,9 +71,100 @@ impl std::fmt::Debug for TextTokenizer {
 }
 
 impl TextTokenizer {
-    /// Opens the GGUF file at `path` and builds its tokenizer.
+    /// Builds the tokenizer of the model at `path`: a GGUF file, or a directory holding
+    /// an HF checkpoint's `tokenizer.json` and `tokenizer_config.json`.
     pub fn from_path(path: impl AsRef<Path>) -> Result<Self, TextError> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            return Self::from_hf_dir(path);
+        }
         Self::from_gguf(&GgufFile::open(path)?)
+    }
+
+    /// An HF tokenizer directory: `tokenizer.json` (a byte-level BPE) and
+    /// `tokenizer_config.json` (`bos_token`, `eos_token`, `chat_template`, all optional).
+    pub fn from_hf_dir(dir: &Path) -> Result<Self, TextError> {
+        let meta =
+            |e: &dyn std::fmt::Display| TextError::Metadata(format!("{}: {e}", dir.display()));
+        let tok = Tokenizer::from_file(dir.join("tokenizer.json")).map_err(|e| meta(&e))?;
+        let config: serde_json::Value =
+            match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
+                Ok(t) => serde_json::from_str(&t).map_err(|e| meta(&e))?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
+                Err(e) => return Err(meta(&e)),
+            };
+        // A token named in the config, as a plain string or as an AddedToken object.
+        let named = |key: &str| -> Option<String> {
+            match &config[key] {
+                serde_json::Value::String(s) => Some(s.clone()),
+                v => v["content"].as_str().map(str::to_owned),
+            }
+        };
+        let n = tok.get_vocab_size(true);
+        let specials: std::collections::HashMap<u32, String> = tok
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, t)| (id, t.content))
+            .collect();
+        let token_bytes = (0..n as u32)
+            .map(|id| match (specials.get(&id), tok.id_to_token(id)) {
+                (Some(text), _) => text.as_bytes().to_vec(),
+                (None, Some(t)) => byte_level_decode(&t),
+                (None, None) => Vec::new(),
+            })
+            .collect();
+        let bos_text = named("bos_token");
+        let eos_text = named("eos_token");
+        let bos = bos_text.as_deref().and_then(|t| tok.token_to_id(t));
+        let mut eos = Vec::new();
+        if let Some(id) = eos_text.as_deref().and_then(|t| tok.token_to_id(t)) {
+            push_unique(&mut eos, id);
+        }
+        let mut ends: Vec<(&u32, &String)> = specials
+            .iter()
+            .filter(|(_, t)| END_OF_TURN_TEXTS.contains(&t.as_str()))
+            .collect();
+        ends.sort();
+        for (&id, _) in ends {
+            push_unique(&mut eos, id);
+        }
+        let chat_template = match config["chat_template"].as_str() {
+            None => None,
+            Some(src) => Some(Arc::new(ChatTemplate::new(
+                src,
+                bos_text.as_deref().unwrap_or(""),
+                eos_text.as_deref().unwrap_or(""),
+            )?)),
+        };
+        Ok(Self {
+            inner: Arc::new(tok),
+            token_bytes: Arc::new(token_bytes),
+            bos,
+            eos,
+            chat_template,
+        })
+    }
+
+    /// Writes this tokenizer as an HF directory ([`Self::from_hf_dir`] reads it back).
+    pub fn write_hf_dir(&self, dir: &Path) -> Result<(), TextError> {
+        let meta =
+            |e: &dyn std::fmt::Display| TextError::Metadata(format!("{}: {e}", dir.display()));
+        std::fs::create_dir_all(dir).map_err(|e| meta(&e))?;
+        self.inner
+            .save(dir.join("tokenizer.json"), false)
+            .map_err(TextError::tokenizer)?;
+        let text = |id: Option<u32>| id.and_then(|i| self.inner.id_to_token(i));
+        let mut config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": text(self.bos),
+            "eos_token": text(self.eos.first().copied()),
+        });
+        if let Some(t) = &self.chat_template {
+            config["chat_template"] = t.source().into();
+        }
+        let json = serde_json::to_string_pretty(&config).map_err(|e| meta(&e))?;
+        std::fs::write(dir.join("tokenizer_config.json"), json).map_err(|e| meta(&e))
     }
 
     /// Builds the tokenizer described by `gguf`'s `tokenizer.*` metadata.

@@ -286,3 +286,34 @@ fn chat_template_errors_are_text_errors() {
         r#"<s>x</s>[{"type": "function"}]"#
     );
 }
+
+#[test]
+fn an_hf_directory_written_from_the_gguf_tokenizes_and_templates_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    tok().write_hf_dir(dir.path()).unwrap();
+    let hf = TextTokenizer::from_path(dir.path()).unwrap();
+    let cases: TokenizerFixture = fixture("tokenizer_ids.json");
+    for c in &cases.cases {
+        assert_eq!(hf.encode(&c.text, false).unwrap(), c.ids, "{}", c.name);
+        assert_eq!(
+            hf.decode(&c.ids, false).unwrap(),
+            tok().decode(&c.ids, false).unwrap()
+        );
+    }
+    assert_eq!(hf.vocab_size(), tok().vocab_size());
+    assert_eq!(hf.eos_token_ids(), tok().eos_token_ids());
+    assert_eq!(hf.bos_token_id(), tok().bos_token_id());
+    assert_eq!(hf.token_bytes_table(), tok().token_bytes_table());
+    let msgs = [ChatMessage::new("user", "Hi there")];
+    assert_eq!(
+        hf.chat_template()
+            .unwrap()
+            .render(&msgs, None, true)
+            .unwrap(),
+        tok()
+            .chat_template()
+            .unwrap()
+            .render(&msgs, None, true)
+            .unwrap()
+    );
+}

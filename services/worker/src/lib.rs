@@ -25,7 +25,8 @@ pub use pd::Role;
 /// Configuration of the worker service.
 #[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
 pub struct Config {
-    /// GGUF model file to serve.
+    /// Model to serve: a GGUF file (llama family), or a directory with an HF DeepSeek V3.2
+    /// checkpoint (`config.json`, safetensors, `tokenizer.json`).
     #[arg(long = "model", env = "PDMESH_MODEL", default_value_os_t = pdmesh_gguf::models::default_model_path())]
     pub model: PathBuf,
     /// Sequences decoded together at most.
@@ -87,6 +88,28 @@ pub struct Config {
     /// freed and the peer told at once) and refuses new ones until the loop moves again.
     #[arg(long, env = "PDMESH_WATCHDOG", value_enum, default_value_t = Watchdog::Soft)]
     pub watchdog: Watchdog,
+    /// DeepSeek models: the MLA latent's cache form, bf16 (1152 B per token per layer) or
+    /// fp8 (656 B: fp8 values with per-128 f32 scales, bf16 rope part).
+    #[arg(long, env = "PDMESH_KV_CACHE_DTYPE", value_enum, default_value_t = KvCacheDtype::Bf16)]
+    pub kv_cache_dtype: KvCacheDtype,
+    /// DeepSeek models: the indexer key's cache form, fp8 (132 B, scales at the page tail)
+    /// or bf16 (256 B).
+    #[arg(long, env = "PDMESH_INDEX_K_DTYPE", value_enum, default_value_t = IndexKDtypeArg::Fp8)]
+    pub index_k_dtype: IndexKDtypeArg,
+}
+
+/// `--kv-cache-dtype` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvCacheDtype {
+    Bf16,
+    Fp8,
+}
+
+/// `--index-k-dtype` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum IndexKDtypeArg {
+    Fp8,
+    Bf16,
 }
 
 /// `--cache-write-policy` values.
@@ -122,6 +145,8 @@ impl Config {
             transfer_timeout_ms: 60_000,
             watchdog_stall_ms: 10_000,
             watchdog: Watchdog::Soft,
+            kv_cache_dtype: KvCacheDtype::Bf16,
+            index_k_dtype: IndexKDtypeArg::Fp8,
         }
     }
 
@@ -189,6 +214,14 @@ impl Config {
             capture_logits: false,
             prefix_cache: !self.disable_prefix_cache,
             host_min_pages: self.host_load_min_pages,
+            kv_cache_dtype: match self.kv_cache_dtype {
+                KvCacheDtype::Bf16 => pdmesh_kv::MlaCacheDtype::Bf16,
+                KvCacheDtype::Fp8 => pdmesh_kv::MlaCacheDtype::Fp8,
+            },
+            index_k_dtype: match self.index_k_dtype {
+                IndexKDtypeArg::Fp8 => pdmesh_kv::IndexKDtype::Fp8,
+                IndexKDtypeArg::Bf16 => pdmesh_kv::IndexKDtype::Bf16,
+            },
         })
     }
 }
