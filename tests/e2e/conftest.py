@@ -103,12 +103,12 @@ class Mesh:
         return metrics(self.base)
 
 
-def start_up(tmp: Path, extra_args: list[str] | None = None) -> Mesh:
+def start_up(tmp: Path, extra_args: list[str] | None = None, env: dict | None = None) -> Mesh:
     """Starts `pdmesh up` on a free port and waits until its gateway is healthy."""
     ports_json = tmp / "ports.json"
     log_path = tmp / "up.log"
     port = free_port()
-    env = dict(os.environ, PDMESH_API_KEY=API_KEY)
+    env = dict(os.environ, PDMESH_API_KEY=API_KEY, **(env or {}))
     cmd = [str(pdmesh_bin()), "up", "--port", str(port), "--ports-json", str(ports_json), *(extra_args or [])]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)

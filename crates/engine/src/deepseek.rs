@@ -727,12 +727,18 @@ impl DeepSeekModel {
                 } else {
                     let qs = &qi[i * hi * di..(i + 1) * hi * di];
                     let w = &wts[i * hi..(i + 1) * hi];
-                    let mut kbuf = vec![0f32; di];
+                    // Positions in parallel: each score is computed alone, the same way
+                    // on any thread.
                     let mut scored: Vec<(f32, usize)> = (0..n)
-                        .map(|p| {
-                            read_index_k(pool, comps, pages[p / ps], li, p % ps, &mut kbuf);
-                            (index_score(qs, w, &kbuf), p)
-                        })
+                        .into_par_iter()
+                        .with_min_len(256)
+                        .map_init(
+                            || vec![0f32; di],
+                            |kbuf, p| {
+                                read_index_k(pool, comps, pages[p / ps], li, p % ps, kbuf);
+                                (index_score(qs, w, kbuf), p)
+                            },
+                        )
                         .collect();
                     // Highest score first, earlier position on ties: a total order.
                     let by = |a: &(f32, usize), b: &(f32, usize)| {
@@ -745,31 +751,23 @@ impl DeepSeekModel {
                 };
                 // The chosen positions' latents and rope keys.
                 let mut lat = vec![0f32; chosen.len() * (r + dr)];
-                for (j, &p) in chosen.iter().enumerate() {
-                    read_latent(
-                        pool,
-                        comps,
-                        pages[p / ps],
-                        li,
-                        p % ps,
-                        r,
-                        &mut lat[j * (r + dr)..(j + 1) * (r + dr)],
-                    );
-                }
+                lat.par_chunks_mut(r + dr)
+                    .with_min_len(256)
+                    .zip(chosen.par_iter())
+                    .for_each(|(e, &p)| read_latent(pool, comps, pages[p / ps], li, p % ps, r, e));
                 let qrow = &q[i * h * (dn + dr)..(i + 1) * h * (dn + dr)];
-                let mut scores = vec![0f32; chosen.len()];
-                let mut q_abs = vec![0f32; r];
-                let mut o_lat = vec![0f32; r];
-                for head in 0..h {
+                // Heads in parallel, each over the chosen positions in order.
+                o.par_chunks_mut(dv).enumerate().for_each(|(head, oh)| {
                     let qh = &qrow[head * (dn + dr)..(head + 1) * (dn + dr)];
                     // Absorb the key up-projection into the query: q_abs = W_uk^T q_nope.
-                    q_abs.iter_mut().for_each(|v| *v = 0.0);
+                    let mut q_abs = vec![0f32; r];
                     for (dd, &qv) in qh[..dn].iter().enumerate() {
                         let wrow = layer.kv_b.row(head * (dn + dv) + dd);
                         for (a, &wv) in q_abs.iter_mut().zip(wrow) {
                             *a += qv * wv;
                         }
                     }
+                    let mut scores = vec![0f32; chosen.len()];
                     let mut max = f32::NEG_INFINITY;
                     for (j, s) in scores.iter_mut().enumerate() {
                         let e = &lat[j * (r + dr)..(j + 1) * (r + dr)];
@@ -781,7 +779,7 @@ impl DeepSeekModel {
                         *s = (*s - max).exp();
                         sum += *s;
                     }
-                    o_lat.iter_mut().for_each(|v| *v = 0.0);
+                    let mut o_lat = vec![0f32; r];
                     for (j, &s) in scores.iter().enumerate() {
                         let p = s / sum;
                         for (a, &e) in o_lat.iter_mut().zip(&lat[j * (r + dr)..j * (r + dr) + r]) {
@@ -789,10 +787,10 @@ impl DeepSeekModel {
                         }
                     }
                     // The value up-projection.
-                    for (dd, ov) in o[head * dv..(head + 1) * dv].iter_mut().enumerate() {
+                    for (dd, ov) in oh.iter_mut().enumerate() {
                         *ov = dot(&o_lat, layer.kv_b.row(head * (dn + dv) + dn + dd));
                     }
-                }
+                });
             });
         });
         out
@@ -1053,8 +1051,22 @@ fn read_index_k(
     }
 }
 
+/// f32 dot product in a fixed order: eight running lanes (so the compiler vectorizes it),
+/// summed pairwise, then the tail.
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    let n8 = a.len() / 8 * 8;
+    let mut lanes = [0f32; 8];
+    for (ca, cb) in a[..n8].chunks_exact(8).zip(b[..n8].chunks_exact(8)) {
+        for l in 0..8 {
+            lanes[l] += ca[l] * cb[l];
+        }
+    }
+    let mut s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (x, y) in a[n8..].iter().zip(&b[n8..]) {
+        s += x * y;
+    }
+    s
 }
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {

@@ -37,8 +37,19 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     sign | code as u8
 }
 
-/// The value of an E4M3 byte.
+/// The value of an E4M3 byte (from a table of all 256).
+#[inline]
 pub fn e4m3_to_f32(b: u8) -> f32 {
+    table()[b as usize]
+}
+
+/// Every E4M3 byte's value.
+fn table() -> &'static [f32; 256] {
+    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|i| e4m3_value(i as u8)))
+}
+
+fn e4m3_value(b: u8) -> f32 {
     let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
     let e = ((b >> 3) & 0x0F) as i32;
     let m = (b & 0x07) as f32;
@@ -92,8 +103,9 @@ pub fn quantize_block(x: &[f32], out: &mut [u8], rule: ScaleRule) -> f32 {
 /// The values a quantized block stands for.
 pub fn dequantize_block(q: &[u8], scale: f32, out: &mut [f32]) {
     assert_eq!(q.len(), out.len(), "one value per byte");
+    let t = table();
     for (o, b) in out.iter_mut().zip(q) {
-        *o = e4m3_to_f32(*b) * scale;
+        *o = t[*b as usize] * scale;
     }
 }
 

@@ -7,6 +7,7 @@
 //! asks its layout, and pools with different fingerprints refuse to exchange pages.
 
 mod checksum;
+pub mod faults;
 pub mod fp8;
 mod host;
 mod layout;

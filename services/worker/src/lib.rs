@@ -278,6 +278,7 @@ pub async fn run(
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(u64::MAX),
+            missize_index_k: std::env::var_os("PDMESH_FAULT_MISSIZE_INDEX_K").is_some(),
         },
         engine.info().eos_token_ids,
     ));

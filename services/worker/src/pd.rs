@@ -130,6 +130,10 @@ pub(crate) struct PdTimes {
     /// after the room's deadline.
     pub write_delay: Option<Duration>,
     pub fault_count: u64,
+    /// Test-only fault, the seed's bug: a prefill sends its bf16 index-K through a buffer
+    /// sized for fp8 index-K, so most of it is lost in transfer (checksummed after the
+    /// loss, so nothing downstream can tell).
+    pub missize_index_k: bool,
 }
 
 /// One worker's disaggregation state.
@@ -141,6 +145,7 @@ pub(crate) struct Pd {
     faults: std::sync::atomic::AtomicU64,
     /// The model's end-of-generation tokens (a first token that is one is never shown).
     eos: Vec<u32>,
+    layout: KvLayout,
 }
 
 /// Aborts a room when dropped armed: the request ended before its hand-over did.
@@ -273,6 +278,7 @@ impl Pd {
             stats: Mutex::default(),
             faults: Default::default(),
             eos,
+            layout: layout.clone(),
         }
     }
 
@@ -454,6 +460,7 @@ impl Pd {
                 < self.times.fault_count
         });
         let (engine2, client2, id) = (engine.clone(), client.clone(), req.id.clone());
+        let (missize, layout) = (self.times.missize_index_k, self.layout.clone());
         let write_and_commit = async move {
             if let Some(d) = delay {
                 tracing::warn!(room, delay = ?d, "fault injection: a write that does not hear aborts, delayed");
@@ -461,13 +468,23 @@ impl Pd {
             }
             let t0 = Instant::now();
             let write_slots = slots.clone();
+            let missize = missize.then_some(layout);
             let sums = engine2
                 .export(
                     id,
                     Box::new(move |src: &[&[u8]]| {
                         src.iter()
                             .zip(&write_slots)
-                            .map(|(page, &slot)| mirror.write_checked(slot, page))
+                            .map(|(page, &slot)| match &missize {
+                                None => mirror.write_checked(slot, page),
+                                Some(layout) => {
+                                    let mut bad = page.to_vec();
+                                    pdmesh_kv::faults::truncate_bf16_index_k_like_fp8(
+                                        layout, &mut bad,
+                                    );
+                                    mirror.write_checked(slot, &bad)
+                                }
+                            })
                             .collect()
                     }),
                 )
