@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import subprocess
 
+import openai
 import pytest
 
 from conftest import pdmesh_bin, start_up, stop_up
@@ -97,3 +98,22 @@ def test_the_seeds_bug_forced_on_purpose_is_caught_by_the_differential(tmp_path,
     pd = disaggregated(tmp_path / "pd", tiny, "bf16", "bf16", env={"PDMESH_FAULT_MISSIZE_INDEX_K": "1"})
     ref = reference(tmp_path / "ref", tiny, "bf16", "bf16", pd)
     assert differences(pd, ref) > 0
+
+
+def test_thinking_is_chosen_per_request_and_checked(tmp_path, tiny):
+    """`chat_template_kwargs.thinking` reaches the DeepSeek V3.2 encoding; a non-boolean is
+    a 400 naming the field."""
+    mesh = start_up(tmp_path, ["--model", str(tiny), "--no-smoke-test", "--unified", "--no-host-cache"])
+    try:
+        client = mesh.client()
+        ask = lambda kw: client.chat.completions.create(
+            model=mesh.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+            extra_body={"chat_template_kwargs": kw},
+        )
+        for kw in ({"thinking": True}, {"thinking": False}, {"enable_thinking": True}, {}):
+            assert ask(kw).choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError) as e:
+            ask({"thinking": "yes"})
+        assert "chat_template_kwargs.thinking" in str(e.value.body), e.value.body
+    finally:
+        stop_up(mesh)

@@ -294,7 +294,8 @@ pub fn write(
     let json = serde_json::to_string_pretty(cfg).map_err(|e| io(&e))?;
     std::fs::write(dir.join("config.json"), json).map_err(|e| io(&e))?;
     if let Some(t) = tokenizer {
-        t.write_hf_dir(dir)
+        // DeepSeek V3.2 ships no chat template: its prompts follow the model's rules.
+        t.write_hf_dir(dir, false)
             .map_err(|e| EngineError::Unsupported(format!("tokenizer: {e}")))?;
     }
     Ok(())

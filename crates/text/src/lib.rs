@@ -4,11 +4,12 @@
 
 mod chat;
 mod detok;
+pub mod dsv32;
 mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use detok::IncrementalDetokenizer;
-pub use tokenizer::{PRE_TOKENIZER_SMOLLM, TextTokenizer};
+pub use tokenizer::{ChatFormat, PRE_TOKENIZER_SMOLLM, TextTokenizer};
 
 /// Everything that can go wrong turning a GGUF into text machinery, or using it.
 #[derive(Debug, thiserror::Error)]

@@ -57,6 +57,19 @@ pub struct TextTokenizer {
     bos: Option<u32>,
     eos: Vec<u32>,
     chat_template: Option<Arc<ChatTemplate>>,
+    /// DeepSeek V3.2's encoding rules instead of a template ([`crate::dsv32`]).
+    deepseek_v32: bool,
+}
+
+/// How a conversation becomes a prompt for this model.
+#[derive(Clone, Copy, Debug)]
+pub enum ChatFormat<'a> {
+    /// The tokenizer's Jinja chat template.
+    Template(&'a ChatTemplate),
+    /// DeepSeek V3.2's rules ([`crate::dsv32::encode`]).
+    DeepSeekV32,
+    /// Neither: chat requests cannot be served.
+    None,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -142,12 +155,25 @@ impl TextTokenizer {
             token_bytes: Arc::new(token_bytes),
             bos,
             eos,
+            // A DeepSeek V3.2 checkpoint ships no template: its prompts follow rules.
+            deepseek_v32: config["chat_template"].is_null() && is_deepseek_v32(dir),
             chat_template,
         })
     }
 
-    /// Writes this tokenizer as an HF directory ([`Self::from_hf_dir`] reads it back).
-    pub fn write_hf_dir(&self, dir: &Path) -> Result<(), TextError> {
+    /// How chat requests become prompts: the template, else DeepSeek V3.2's rules for a
+    /// `deepseek_v32` checkpoint without one.
+    pub fn chat_format(&self) -> ChatFormat<'_> {
+        match (&self.chat_template, self.deepseek_v32) {
+            (Some(t), _) => ChatFormat::Template(t),
+            (None, true) => ChatFormat::DeepSeekV32,
+            (None, false) => ChatFormat::None,
+        }
+    }
+
+    /// Writes this tokenizer as an HF directory ([`Self::from_hf_dir`] reads it back), with
+    /// its chat template or without (a model whose prompts follow other rules).
+    pub fn write_hf_dir(&self, dir: &Path, with_template: bool) -> Result<(), TextError> {
         let meta =
             |e: &dyn std::fmt::Display| TextError::Metadata(format!("{}: {e}", dir.display()));
         std::fs::create_dir_all(dir).map_err(|e| meta(&e))?;
@@ -160,7 +186,7 @@ impl TextTokenizer {
             "bos_token": text(self.bos),
             "eos_token": text(self.eos.first().copied()),
         });
-        if let Some(t) = &self.chat_template {
+        if let Some(t) = self.chat_template.as_ref().filter(|_| with_template) {
             config["chat_template"] = t.source().into();
         }
         let json = serde_json::to_string_pretty(&config).map_err(|e| meta(&e))?;
@@ -336,6 +362,7 @@ impl TextTokenizer {
             bos,
             eos,
             chat_template,
+            deepseek_v32: false,
         })
     }
 
@@ -403,6 +430,14 @@ impl TextTokenizer {
             None => Ok(()),
         }
     }
+}
+
+/// Whether `dir` holds a `deepseek_v32` checkpoint (its `config.json` says so).
+fn is_deepseek_v32(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|c| c["model_type"] == "deepseek_v32")
 }
 
 fn push_unique(v: &mut Vec<u32>, id: u32) {

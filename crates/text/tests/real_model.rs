@@ -290,7 +290,7 @@ fn chat_template_errors_are_text_errors() {
 #[test]
 fn an_hf_directory_written_from_the_gguf_tokenizes_and_templates_identically() {
     let dir = tempfile::tempdir().unwrap();
-    tok().write_hf_dir(dir.path()).unwrap();
+    tok().write_hf_dir(dir.path(), true).unwrap();
     let hf = TextTokenizer::from_path(dir.path()).unwrap();
     let cases: TokenizerFixture = fixture("tokenizer_ids.json");
     for c in &cases.cases {

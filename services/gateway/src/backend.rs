@@ -296,6 +296,7 @@ impl Backends {
         &self,
         messages: Vec<Message>,
         tools_json: Option<String>,
+        thinking: bool,
     ) -> Result<Vec<u32>, ApiError> {
         let req = tk::ChatTemplateRequest {
             messages: messages
@@ -307,6 +308,7 @@ impl Backends {
                 .collect(),
             add_generation_prompt: true,
             tools_json: tools_json.map(String::into_bytes).unwrap_or_default(),
+            thinking,
         };
         Ok(self
             .tokenizer

@@ -415,7 +415,7 @@ async fn chat_completions(
 
     let ids = st
         .backends
-        .apply_chat_template(messages, req.tools_json())
+        .apply_chat_template(messages, req.tools_json(), req.thinking()?)
         .await?;
     check_context(&info, ids.len(), params.max_tokens, "messages")?;
     let stream = req.stream.unwrap_or(false);

@@ -254,6 +254,9 @@ pub(crate) struct ChatRequest {
     pub top_logprobs: Option<i64>,
     pub tools: Option<Value>,
     pub response_format: Option<Value>,
+    /// Extra variables for the chat format, as vLLM and SGLang take them; pdmesh reads
+    /// `thinking` (or `enable_thinking`).
+    pub chat_template_kwargs: Option<Value>,
 }
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
@@ -319,6 +322,27 @@ impl ChatRequest {
             ));
         }
         Ok(())
+    }
+
+    /// `chat_template_kwargs.thinking` (or `.enable_thinking`); a 400 unless a boolean.
+    pub fn thinking(&self) -> Result<bool, ApiError> {
+        let Some(kw) = &self.chat_template_kwargs else {
+            return Ok(false);
+        };
+        if !kw.is_object() {
+            return Err(ApiError::invalid_param(
+                "chat_template_kwargs",
+                "chat_template_kwargs must be an object",
+            ));
+        }
+        match kw.get("thinking").or_else(|| kw.get("enable_thinking")) {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(other) => Err(ApiError::invalid_param(
+                "chat_template_kwargs.thinking",
+                format!("thinking must be true or false, not {other}"),
+            )),
+        }
     }
 
     pub fn tools_json(&self) -> Option<String> {

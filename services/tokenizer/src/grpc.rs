@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use pdmesh_proto::tokenizer::v1 as pb;
-use pdmesh_text::{ChatMessage, TextTokenizer};
+use pdmesh_text::{ChatFormat, ChatMessage, TextTokenizer, dsv32};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -79,10 +79,25 @@ impl TokenizerService {
     fn chat_impl(&self, req: &pb::ChatTemplateRequest) -> Result<pb::ChatTemplateResponse, Error> {
         let messages = chat_messages(&req.messages)?;
         let tools = tools(&req.tools_json)?;
-        let template = self.tok.chat_template().ok_or(Error::NoChatTemplate)?;
-        let prompt = template
-            .render(&messages, tools.as_ref(), req.add_generation_prompt)
-            .map_err(Error::Template)?;
+        let prompt = match self.tok.chat_format() {
+            ChatFormat::Template(t) => t
+                .render(&messages, tools.as_ref(), req.add_generation_prompt)
+                .map_err(Error::Template)?,
+            // Its prompt always ends where the assistant's turn begins.
+            ChatFormat::DeepSeekV32 => {
+                let msgs: Vec<dsv32::Message> = messages
+                    .iter()
+                    .map(|m| dsv32::Message::new(&m.role, &m.content))
+                    .collect();
+                let tools = match &tools {
+                    None => Vec::new(),
+                    Some(serde_json::Value::Array(a)) => a.clone(),
+                    Some(other) => vec![other.clone()],
+                };
+                dsv32::encode(&msgs, &tools, req.thinking).map_err(Error::Template)?
+            }
+            ChatFormat::None => return Err(Error::NoChatTemplate),
+        };
         // The rendered prompt already carries its special tokens.
         let ids = self.tok.encode(&prompt, false).map_err(Error::Text)?;
         Ok(pb::ChatTemplateResponse { prompt, ids })
@@ -167,7 +182,7 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
             vocab_size: u32::try_from(self.tok.vocab_size()).unwrap_or(u32::MAX),
             eos_token_ids: self.tok.eos_token_ids(),
             bos_token_id: self.tok.bos_token_id(),
-            has_chat_template: self.tok.chat_template().is_some(),
+            has_chat_template: !matches!(self.tok.chat_format(), ChatFormat::None),
         }))
     }
 }

@@ -28,10 +28,14 @@ struct Server {
 }
 
 async fn start() -> Server {
+    start_with(pdmesh_gguf::models::require_default_model()).await
+}
+
+async fn start_with(model: std::path::PathBuf) -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();
-    let cfg = Config::new(pdmesh_gguf::models::require_default_model());
+    let cfg = Config::new(model);
     let task = tokio::spawn(run(cfg, listener, shutdown.clone()));
     // The listener is already bound, so the connection waits in its backlog while the
     // service loads the tokenizer.
@@ -112,6 +116,7 @@ async fn chat_template_ends_with_the_assistant_prompt_and_tokenizes_it() {
         messages: vec![msg("system", b"You are terse."), msg("user", b"Say hi.")],
         add_generation_prompt: true,
         tools_json: Vec::new(),
+        thinking: false,
     };
     let resp = s
         .client
@@ -161,6 +166,7 @@ async fn invalid_input_is_invalid_argument_naming_the_field() {
         messages: vec![msg("system", b"fine"), msg("user", &[0xe2, 0x82])],
         add_generation_prompt: true,
         tools_json: Vec::new(),
+        thinking: false,
     };
     let err = s.client.apply_chat_template(req).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
@@ -175,6 +181,7 @@ async fn invalid_input_is_invalid_argument_naming_the_field() {
         messages: vec![msg("user", b"hi")],
         add_generation_prompt: true,
         tools_json: b"[{\"type\": ".to_vec(),
+        thinking: false,
     };
     let err = s.client.apply_chat_template(req).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
@@ -258,4 +265,64 @@ async fn cancelling_the_shutdown_token_stops_the_server() {
             .is_err(),
         "still accepting connections"
     );
+}
+
+#[tokio::test]
+async fn a_deepseek_v32_checkpoint_without_a_template_gets_its_own_encoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = pdmesh_text::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+        .unwrap();
+    tok.write_hf_dir(dir.path(), false).unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"model_type": "deepseek_v32"}"#,
+    )
+    .unwrap();
+    let mut s = start_with(dir.path().to_owned()).await;
+    let ask = |thinking| pb::ChatTemplateRequest {
+        messages: vec![msg("system", b"Be brief."), msg("user", b"Hi")],
+        add_generation_prompt: true,
+        tools_json: br#"[{"type": "function", "function": {"name": "get_time"}}]"#.to_vec(),
+        thinking,
+    };
+    let chat = s
+        .client
+        .apply_chat_template(ask(false))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        chat.prompt
+            .starts_with("<｜begin▁of▁sentence｜>Be brief.\n\n## Tools\n"),
+        "{}",
+        chat.prompt
+    );
+    assert!(
+        chat.prompt.contains(r#"{"name":"get_time"}"#),
+        "{}",
+        chat.prompt
+    );
+    assert!(
+        chat.prompt.ends_with("<｜User｜>Hi<｜Assistant｜></think>"),
+        "{}",
+        chat.prompt
+    );
+    assert_eq!(
+        chat.ids,
+        tokenize(&mut s.client, chat.prompt.as_bytes(), false)
+            .await
+            .unwrap()
+    );
+    let think = s
+        .client
+        .apply_chat_template(ask(true))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        think.prompt.ends_with("<｜Assistant｜><think>"),
+        "{}",
+        think.prompt
+    );
+    s.shutdown.cancel();
 }
