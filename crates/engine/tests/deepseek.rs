@@ -364,27 +364,7 @@ fn routing_uses_the_bias_to_choose_and_the_plain_scores_to_weigh() {
 
 mod common;
 
-/// The tiny checkpoint with the default model's tokenizer, written once per test binary.
-fn tiny_dir() -> &'static std::path::Path {
-    static D: OnceLock<tempfile::TempDir> = OnceLock::new();
-    D.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
-        let tok =
-            pdmesh_text::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
-                .unwrap();
-        deepseek_synth::write(dir.path(), &deepseek_synth::tiny_config(), 7, Some(&tok)).unwrap();
-        dir
-    })
-    .path()
-}
-
-fn tiny_engine(f: impl FnOnce(&mut pdmesh_engine::EngineConfig)) -> pdmesh_engine::Engine {
-    let mut cfg = pdmesh_engine::EngineConfig::new(tiny_dir());
-    cfg.kv_pages = 128;
-    cfg.threads = 2;
-    f(&mut cfg);
-    pdmesh_engine::Engine::load(cfg).expect("the tiny DeepSeek checkpoint loads")
-}
+use common::{tiny_dir, tiny_engine};
 
 #[test]
 fn the_engine_serves_the_tiny_model_identically_alone_batched_chunked_and_cached() {

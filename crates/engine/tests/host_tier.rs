@@ -2,7 +2,8 @@
 //! sessions give bit-identical tokens and logits when their prefixes come back from the
 //! shared-memory mirror (device pool too small to keep them) over either data plane, with
 //! each write policy; a byte flipped in the mirror is caught, recomputed and counted; and
-//! a cache service that is not there costs nothing but the host hits.
+//! a cache service that is not there costs nothing but the host hits. The DeepSeek tiny
+//! model goes through the mirror in two of its cache forms over both planes too.
 
 mod common;
 
@@ -131,6 +132,46 @@ fn slow_eighty_sessions_are_bit_identical_with_no_cache_the_device_tier_and_the_
             "{what}: the device pool must evict"
         );
         assert_eq!(available(&e), 72, "{what}: pages leaked");
+    }
+}
+
+#[test]
+fn deepseek_sessions_are_bit_identical_through_the_host_mirror_over_both_planes() {
+    use pdmesh_kv::{IndexKDtype, MlaCacheDtype};
+    const N: usize = 40;
+    for (mla, ik) in [
+        (MlaCacheDtype::Bf16, IndexKDtype::Bf16),
+        (MlaCacheDtype::Fp8, IndexKDtype::Fp8),
+    ] {
+        let form = |c: &mut pdmesh_engine::EngineConfig| {
+            c.kv_cache_dtype = mla;
+            c.index_k_dtype = ik;
+        };
+        let mut plain = common::tiny_engine(|c| {
+            form(c);
+            c.prefix_cache = false;
+            c.kv_pages = 1024;
+        });
+        let reference = sessions(&mut plain, N);
+        for plane in [DataPlane::Shm, DataPlane::Grpc] {
+            let what = format!("{mla:?}/{ik:?} over {plane:?}");
+            let cache = Cache::start("256MiB");
+            // Too small to keep the histories: later turns load them from the mirror.
+            let mut e = common::tiny_engine(|c| {
+                form(c);
+                c.kv_pages = 48;
+            });
+            cache.attach(&mut e, plane, WritePolicy::WriteThrough);
+            let got = sessions(&mut e, N);
+            assert_same_turns(&reference, &got, &what);
+            let st = e.host_stats();
+            assert!(
+                st.hit_tokens > 0,
+                "{what}: nothing came from the host: {st:?}"
+            );
+            assert_eq!(st.checksum_failures, 0, "{what}");
+            assert_eq!(available(&e), 48, "{what}: pages leaked");
+        }
     }
 }
 

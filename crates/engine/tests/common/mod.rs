@@ -154,3 +154,34 @@ pub fn assert_same_turns(
         }
     }
 }
+
+/// The synthesized `deepseek-v32-tiny` checkpoint with the default model's tokenizer,
+/// written once per test binary.
+pub fn tiny_dir() -> &'static std::path::Path {
+    static D: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    D.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let tok =
+            pdmesh_text::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+                .unwrap();
+        pdmesh_engine::deepseek_synth::write(
+            dir.path(),
+            &pdmesh_engine::deepseek_synth::tiny_config(),
+            7,
+            Some(&tok),
+        )
+        .unwrap();
+        dir
+    })
+    .path()
+}
+
+/// An engine serving [`tiny_dir`]: 128 pages of 16 tokens, two threads.
+pub fn tiny_engine(f: impl FnOnce(&mut EngineConfig)) -> Engine {
+    let mut cfg = EngineConfig::new(tiny_dir());
+    cfg.kv_pages = 128;
+    cfg.threads = 2;
+    cfg.capture_logits = true;
+    f(&mut cfg);
+    Engine::load(cfg).expect("the tiny DeepSeek checkpoint loads")
+}
