@@ -1,0 +1,116 @@
+//! pdmesh-chat: streaming parsers for what a model writes. Text arrives in chunks split
+//! anywhere — inside a tag, inside a multi-byte character — and leaves as deltas: content,
+//! reasoning, tool calls (name first, then the arguments' JSON), or a parse error.
+//!
+//! Every parser is a state machine that holds back any tail that could still become
+//! markup, so no byte of markup is ever emitted as content, and **fails closed**: a
+//! malformed block becomes a [`ParseError`] with a reason, never content.
+
+mod formats;
+mod reasoning;
+mod tools;
+mod utf8;
+
+pub use formats::Format;
+pub use reasoning::ReasoningParser;
+pub use tools::ToolParser;
+
+/// One piece of parsed output.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Delta {
+    /// Text for the assistant message's `content`.
+    Content(String),
+    /// Text for `reasoning_content`.
+    Reasoning(String),
+    /// A tool call's name (first delta of call `index`, with its id) or a fragment of its
+    /// arguments' JSON (the fragments of one call concatenate to a JSON object).
+    ToolCall {
+        index: usize,
+        id: Option<String>,
+        name: Option<String>,
+        arguments: String,
+    },
+    /// The output's markup could not be parsed; what it held is dropped.
+    Error(ParseError),
+}
+
+/// Why markup failed to parse: `reason` is a short fixed label (for metrics), `detail`
+/// says what was found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParseError {
+    pub parser: &'static str,
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+/// A whole tool call, as a block parser returns it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Call {
+    pub name: String,
+    /// A JSON object.
+    pub arguments: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Reasoning first (when the model has a thinking mode), then tool calls in what is left:
+/// the pipeline the tokenizer service runs over a generation's text.
+pub struct OutputParser {
+    reasoning: Option<ReasoningParser>,
+    tools: Option<ToolParser>,
+}
+
+impl OutputParser {
+    pub fn new(reasoning: Option<ReasoningParser>, tools: Option<ToolParser>) -> Self {
+        Self { reasoning, tools }
+    }
+
+    /// Parses one chunk of bytes.
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<Delta> {
+        let first = match &mut self.reasoning {
+            Some(r) => r.push(chunk),
+            None => vec![Delta::Content(String::from_utf8_lossy(chunk).into_owned())],
+        };
+        self.route(first, false)
+    }
+
+    /// The end of the generation: whatever was held back, and an error for unfinished
+    /// markup.
+    pub fn finish(&mut self) -> Vec<Delta> {
+        let first = match &mut self.reasoning {
+            Some(r) => r.finish(),
+            None => Vec::new(),
+        };
+        self.route(first, true)
+    }
+
+    fn route(&mut self, deltas: Vec<Delta>, end: bool) -> Vec<Delta> {
+        let Some(tools) = &mut self.tools else {
+            return deltas;
+        };
+        let mut out = Vec::new();
+        for d in deltas {
+            match d {
+                Delta::Content(t) => out.extend(tools.push_str(&t)),
+                other => out.push(other),
+            }
+        }
+        if end {
+            out.extend(tools.finish());
+        }
+        out
+    }
+}
+
+/// Merges adjacent deltas of the same kind (content with content, fragments of one call).
+pub fn coalesce(deltas: impl IntoIterator<Item = Delta>) -> Vec<Delta> {
+    let mut out: Vec<Delta> = Vec::new();
+    for d in deltas {
+        match (out.last_mut(), d) {
+            (Some(Delta::Content(a)), Delta::Content(b)) => a.push_str(&b),
+            (Some(Delta::Reasoning(a)), Delta::Reasoning(b)) => a.push_str(&b),
+            (_, Delta::Content(b)) if b.is_empty() => {}
+            (_, Delta::Reasoning(b)) if b.is_empty() => {}
+            (_, d) => out.push(d),
+        }
+    }
+    out
+}

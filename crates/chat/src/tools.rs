@@ -1,0 +1,300 @@
+//! The streaming tool-call parser: content until a block starts, the block until it
+//! closes (then its calls, or one error), then nothing but whitespace, an end-of-sequence
+//! marker or another block.
+
+use crate::formats::Format;
+use crate::utf8::Utf8Assembler;
+use crate::{Delta, ParseError};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Content,
+    Block,
+    After,
+    /// A block failed: everything after it is dropped.
+    Failed,
+}
+
+/// See the module docs. One per generation.
+pub struct ToolParser {
+    format: Format,
+    /// The request's tool names: a call to another is an error. `None`: any name.
+    allowed: Option<Vec<String>>,
+    id_prefix: String,
+    utf8: Utf8Assembler,
+    buf: String,
+    state: State,
+    calls: usize,
+    /// Block state: the closing tag was looked for up to here, and the opening tag checked.
+    scanned: usize,
+    opened: bool,
+    ends: Vec<String>,
+}
+
+/// Held-back text this long (in chars) that matches the start of a marker counts as
+/// markup when the generation ends there (shorter is taken as ordinary text).
+const MARKUP_AT_END: usize = 2;
+
+impl ToolParser {
+    /// `allowed`: the request's tool names; `id_prefix` names the calls
+    /// (`{id_prefix}{index}`).
+    pub fn new(format: Format, allowed: Option<Vec<String>>, id_prefix: &str) -> Self {
+        Self {
+            format,
+            allowed,
+            id_prefix: id_prefix.to_owned(),
+            utf8: Utf8Assembler::default(),
+            buf: String::new(),
+            state: State::Content,
+            calls: 0,
+            scanned: 0,
+            opened: false,
+            ends: format.ends(),
+        }
+    }
+
+    /// Tool calls emitted so far.
+    pub fn calls(&self) -> usize {
+        self.calls
+    }
+
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<Delta> {
+        let text = self.utf8.push(chunk);
+        self.push_str(&text)
+    }
+
+    pub fn push_str(&mut self, text: &str) -> Vec<Delta> {
+        let mut out = Vec::new();
+        if self.state == State::Failed {
+            return out;
+        }
+        self.buf.push_str(text);
+        self.run(&mut out);
+        out
+    }
+
+    pub fn finish(&mut self) -> Vec<Delta> {
+        let mut out = Vec::new();
+        let rest = self.utf8.finish();
+        if !rest.is_empty() && self.state != State::Failed {
+            self.buf.push_str(&rest);
+            self.run(&mut out);
+        }
+        let buf = std::mem::take(&mut self.buf);
+        match self.state {
+            State::Content => {
+                // A held tail that began a marker is a block cut short.
+                if let Some(p) = self.hold_from(&buf)
+                    && buf[p..].chars().count() >= MARKUP_AT_END
+                {
+                    emit_content(&mut out, buf[..p].trim_end());
+                    self.fail(
+                        &mut out,
+                        "unterminated",
+                        format!("output ends inside {:?}", &buf[p..]),
+                    );
+                } else {
+                    emit_content(&mut out, &buf);
+                }
+            }
+            State::Block => {
+                let head: String = buf.chars().take(40).collect();
+                self.fail(
+                    &mut out,
+                    "unterminated",
+                    format!("a block that never closed: {head:?}"),
+                );
+            }
+            State::After if !self.format.is_trailer(&buf) => {
+                self.fail(
+                    &mut out,
+                    "trailing_text",
+                    format!("text after the calls: {buf:?}"),
+                );
+            }
+            State::After | State::Failed => {}
+        }
+        out
+    }
+
+    fn enter_block(&mut self) {
+        self.state = State::Block;
+        self.scanned = 0;
+        self.opened = false;
+    }
+
+    fn fail(&mut self, out: &mut Vec<Delta>, reason: &'static str, detail: String) {
+        self.state = State::Failed;
+        self.buf.clear();
+        out.push(Delta::Error(ParseError {
+            parser: self.format.name(),
+            reason,
+            detail,
+        }));
+    }
+
+    /// The earliest position from which `text` could be (or is) markup.
+    fn hold_from(&self, text: &str) -> Option<usize> {
+        text.char_indices().find_map(|(i, ch)| {
+            let rest = &text[i..];
+            (ch == '<'
+                && self
+                    .format
+                    .starts()
+                    .iter()
+                    .any(|m| m.starts_with(rest) || rest.starts_with(m)))
+            .then_some(i)
+        })
+    }
+
+    /// The position of a complete start marker, if one arrived.
+    fn start_at(&self, text: &str) -> Option<usize> {
+        text.char_indices().find_map(|(i, ch)| {
+            let rest = &text[i..];
+            (ch == '<' && self.format.starts().iter().any(|m| rest.starts_with(m))).then_some(i)
+        })
+    }
+
+    fn run(&mut self, out: &mut Vec<Delta>) {
+        loop {
+            match self.state {
+                State::Failed => return,
+                State::Content => {
+                    if let Some(p) = self.start_at(&self.buf) {
+                        // What precedes the block is content; the blank line before it
+                        // belongs to the block's format.
+                        let head = self.buf[..p].trim_end().to_owned();
+                        emit_content(out, &head);
+                        self.buf.drain(..p);
+                        self.enter_block();
+                        continue;
+                    }
+                    // Keep back what could still start a marker, and trailing whitespace
+                    // (it may be the blank line before a block).
+                    let keep = self.hold_from(&self.buf).unwrap_or(self.buf.len());
+                    let keep = self.buf[..keep].trim_end().len();
+                    let text: String = self.buf.drain(..keep).collect();
+                    emit_content(out, &text);
+                    return;
+                }
+                State::Block => {
+                    if !self.opened {
+                        let head: String = self.buf.chars().take(256).collect();
+                        match self.format.opening(&self.format.normalize(&head)) {
+                            None if head.chars().count() < 256 => return,
+                            None => {
+                                self.fail(
+                                    out,
+                                    "malformed_tag",
+                                    format!("no opening tag in {head:?}"),
+                                );
+                                return;
+                            }
+                            Some(Ok(())) => self.opened = true,
+                            Some(Err(e)) => {
+                                self.state = State::Failed;
+                                self.buf.clear();
+                                out.push(Delta::Error(e));
+                                return;
+                            }
+                        }
+                    }
+                    // Only the new text (and a tag's length before it) can hold the
+                    // closing tag: a long block is scanned once, not at every chunk.
+                    let longest = self.ends.iter().map(String::len).max().unwrap_or(0);
+                    let mut from = self.scanned.saturating_sub(longest);
+                    while !self.buf.is_char_boundary(from) {
+                        from -= 1;
+                    }
+                    self.scanned = self.buf.len();
+                    let Some(end) = self
+                        .ends
+                        .iter()
+                        .filter_map(|e| {
+                            self.buf[from..]
+                                .find(e.as_str())
+                                .map(|i| from + i + e.len())
+                        })
+                        .min()
+                    else {
+                        return;
+                    };
+                    let norm = self.format.normalize(&self.buf[..end]);
+                    let rest = self.buf[end..].to_owned();
+                    match self.format.parse(&norm) {
+                        Ok(calls) => {
+                            if let Some(allowed) = &self.allowed
+                                && let Some(c) = calls.iter().find(|c| !allowed.contains(&c.name))
+                            {
+                                let detail =
+                                    format!("{:?} is not one of the request's tools", c.name);
+                                self.fail(out, "unknown_tool", detail);
+                                return;
+                            }
+                            for c in calls {
+                                let index = self.calls;
+                                self.calls += 1;
+                                out.push(Delta::ToolCall {
+                                    index,
+                                    id: Some(format!("{}{index}", self.id_prefix)),
+                                    name: Some(c.name),
+                                    arguments: String::new(),
+                                });
+                                out.push(Delta::ToolCall {
+                                    index,
+                                    id: None,
+                                    name: None,
+                                    arguments: serde_json::Value::Object(c.arguments).to_string(),
+                                });
+                            }
+                            self.buf = rest;
+                            self.state = State::After;
+                        }
+                        Err(e) => {
+                            self.state = State::Failed;
+                            self.buf.clear();
+                            out.push(Delta::Error(e));
+                            return;
+                        }
+                    }
+                }
+                State::After => {
+                    if let Some(p) = self.start_at(&self.buf) {
+                        if !self.format.is_trailer(&self.buf[..p]) {
+                            let detail = format!("text between blocks: {:?}", &self.buf[..p]);
+                            self.fail(out, "trailing_text", detail);
+                            return;
+                        }
+                        self.buf.drain(..p);
+                        self.enter_block();
+                        continue;
+                    }
+                    // Whitespace and end-of-sequence markers may follow; anything else is
+                    // an error once it cannot be the start of one of those.
+                    let keep = self.hold_from(&self.buf).unwrap_or(self.buf.len());
+                    let settled = &self.buf[..keep];
+                    if !self.format.is_trailer(settled) && !could_be_trailer(settled) {
+                        let detail = format!("text after the calls: {settled:?}");
+                        self.fail(out, "trailing_text", detail);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Whether `text` (whitespace so far, then the start of an end-of-sequence marker) may
+/// still turn out to be a trailer.
+fn could_be_trailer(text: &str) -> bool {
+    let t = text.trim_start();
+    ["<｜end▁of▁sentence｜>", "<|im_end|>", "<|endoftext|>"]
+        .iter()
+        .any(|e| e.starts_with(t))
+}
+
+fn emit_content(out: &mut Vec<Delta>, text: &str) {
+    if !text.is_empty() {
+        out.push(Delta::Content(text.to_owned()));
+    }
+}
