@@ -443,9 +443,11 @@ pub(crate) struct Detokenizer {
 
 impl Detokenizer {
     pub async fn push(&mut self, ids: Vec<u32>) -> Result<String, ApiError> {
+        // Tool-call and reasoning parsing is not requested yet: plain text.
         let msg = tk::DetokenizeRequest {
             ids,
             skip_special_tokens: true,
+            parsing: None,
         };
         let rx = match &mut self.session {
             Some((tx, rx)) => {

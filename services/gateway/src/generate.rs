@@ -293,7 +293,10 @@ mod tests {
             tokio::spawn(async move {
                 while let Ok(Some(_)) = inbound.message().await {
                     if tx
-                        .send(Ok(tk::DetokenizeResponse { text: "x".into() }))
+                        .send(Ok(tk::DetokenizeResponse {
+                            text: "x".into(),
+                            ..Default::default()
+                        }))
                         .await
                         .is_err()
                     {

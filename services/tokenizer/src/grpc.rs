@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use pdmesh_chat::{Delta, Format, OutputParser, ReasoningParser, ToolParser};
 use pdmesh_proto::tokenizer::v1 as pb;
 use pdmesh_text::{ChatFormat, ChatMessage, TextTokenizer, dsv32};
 use tokio::sync::mpsc;
@@ -18,6 +19,64 @@ const DETOKENIZE_BUFFER: usize = 16;
 /// The tonic service: a shared, immutable tokenizer.
 pub(crate) struct TokenizerService {
     tok: Arc<TextTokenizer>,
+}
+
+/// The parser a stream asked for, if any.
+fn output_parser(p: &pb::OutputParsing) -> Option<OutputParser> {
+    let format = match p.tool_format() {
+        pb::ToolFormat::None => None,
+        pb::ToolFormat::Dsml => Some(Format::Dsml),
+        pb::ToolFormat::DeepseekV3 => Some(Format::DeepSeekV3),
+        pb::ToolFormat::DeepseekV31 => Some(Format::DeepSeekV31),
+        pb::ToolFormat::Hermes => Some(Format::Hermes),
+    };
+    if format.is_none() && !p.reasoning {
+        return None;
+    }
+    let allowed = (!p.tool_names.is_empty()).then(|| p.tool_names.clone());
+    Some(OutputParser::new(
+        p.reasoning.then(|| ReasoningParser::new(p.thinking)),
+        format.map(|f| ToolParser::new(f, allowed, &p.call_id_prefix)),
+    ))
+}
+
+fn plain(text: String) -> pb::DetokenizeResponse {
+    pb::DetokenizeResponse {
+        text,
+        ..Default::default()
+    }
+}
+
+/// Parsed deltas as one response (content and reasoning each concatenated, calls and
+/// failures in order).
+fn response(deltas: Vec<Delta>) -> pb::DetokenizeResponse {
+    let mut r = pb::DetokenizeResponse::default();
+    for d in deltas {
+        match d {
+            Delta::Content(t) => r.text.push_str(&t),
+            Delta::Reasoning(t) => r.reasoning.push_str(&t),
+            Delta::ToolCall {
+                index,
+                id,
+                name,
+                arguments,
+            } => r.tool_calls.push(pb::ToolCallDelta {
+                index: index as u32,
+                id: id.unwrap_or_default(),
+                name: name.unwrap_or_default(),
+                arguments,
+            }),
+            Delta::Error(e) => {
+                tracing::warn!(parser = e.parser, reason = e.reason, detail = %e.detail, "model output failed to parse");
+                r.failures.push(pb::ParseFailure {
+                    parser: e.parser.into(),
+                    reason: e.reason.into(),
+                    detail: e.detail,
+                });
+            }
+        }
+    }
+    r
 }
 
 impl TokenizerService {
@@ -138,6 +197,7 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
         tokio::spawn(async move {
             let vocab = tok.vocab_size();
             let mut detok = None;
+            let mut parser: Option<OutputParser> = None;
             loop {
                 let msg = match inbound.message().await {
                     Ok(Some(msg)) => msg,
@@ -147,10 +207,16 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
                         return;
                     }
                 };
-                let d = detok.get_or_insert_with(|| tok.detokenizer(msg.skip_special_tokens));
+                let d = detok.get_or_insert_with(|| {
+                    parser = msg.parsing.as_ref().and_then(output_parser);
+                    tok.detokenizer(msg.skip_special_tokens)
+                });
                 let answer = check_ids(&msg.ids, vocab, "ids")
                     .and_then(|()| d.push(&msg.ids).map_err(Error::Text))
-                    .map(|text| pb::DetokenizeResponse { text })
+                    .map(|text| match &mut parser {
+                        None => plain(text),
+                        Some(p) => response(p.push(text.as_bytes())),
+                    })
                     .map_err(Status::from);
                 let failed = answer.is_err();
                 if tx.send(answer).await.is_err() || failed {
@@ -159,8 +225,16 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
             }
             if let Some(mut d) = detok {
                 let text = d.finish();
-                if !text.is_empty() {
-                    let _ = tx.send(Ok(pb::DetokenizeResponse { text })).await;
+                let last = match &mut parser {
+                    None => plain(text),
+                    Some(p) => {
+                        let mut deltas = p.push(text.as_bytes());
+                        deltas.extend(p.finish());
+                        response(deltas)
+                    }
+                };
+                if last != pb::DetokenizeResponse::default() {
+                    let _ = tx.send(Ok(last)).await;
                 }
             }
         });

@@ -79,6 +79,7 @@ async fn detokenize(
         .map(|ids| pb::DetokenizeRequest {
             ids,
             skip_special_tokens: false,
+            parsing: None,
         })
         .collect();
     let mut stream = client
@@ -325,4 +326,89 @@ async fn a_deepseek_v32_checkpoint_without_a_template_gets_its_own_encoding() {
         think.prompt
     );
     s.shutdown.cancel();
+}
+
+/// Detokenizes `ids` one token per message with `parsing` asked for in the first.
+async fn parse_stream(
+    client: &mut TokenizerClient<Channel>,
+    ids: &[u32],
+    parsing: pb::OutputParsing,
+) -> Vec<pb::DetokenizeResponse> {
+    let requests: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| pb::DetokenizeRequest {
+            ids: vec![id],
+            skip_special_tokens: false,
+            parsing: (i == 0).then(|| parsing.clone()),
+        })
+        .collect();
+    let mut stream = client
+        .detokenize(tokio_stream::iter(requests))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(resp) = stream.message().await.unwrap() {
+        out.push(resp);
+    }
+    out
+}
+
+#[tokio::test]
+async fn detokenize_splits_reasoning_content_and_tool_calls_and_never_leaks_markup() {
+    let mut s = start().await;
+    let text = "Let me see.</think>\n\nSure.\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    let ids = tokenize(&mut s.client, text.as_bytes(), false)
+        .await
+        .unwrap();
+    let parsing = pb::OutputParsing {
+        tool_format: pb::ToolFormat::Hermes as i32,
+        tool_names: vec!["get_weather".into()],
+        reasoning: true,
+        thinking: true,
+        call_id_prefix: "call_x_".into(),
+    };
+    let out = parse_stream(&mut s.client, &ids, parsing.clone()).await;
+    let content: String = out.iter().map(|r| r.text.as_str()).collect();
+    let reasoning: String = out.iter().map(|r| r.reasoning.as_str()).collect();
+    let calls: Vec<&pb::ToolCallDelta> = out.iter().flat_map(|r| &r.tool_calls).collect();
+    assert_eq!(
+        (reasoning.as_str(), content.as_str()),
+        ("Let me see.", "Sure.")
+    );
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert_eq!(
+        (calls[0].id.as_str(), calls[0].name.as_str()),
+        ("call_x_0", "get_weather")
+    );
+    assert_eq!(calls[1].arguments, r#"{"city":"Paris"}"#);
+    assert!(out.iter().all(|r| r.failures.is_empty()));
+
+    // A call to a tool the request did not offer: a failure, and nothing of it as content.
+    let bad = "Sure.\n\n<tool_call>\n{\"name\": \"rm_rf\", \"arguments\": {}}\n</tool_call>";
+    let ids = tokenize(&mut s.client, bad.as_bytes(), false)
+        .await
+        .unwrap();
+    let out = parse_stream(
+        &mut s.client,
+        &ids,
+        pb::OutputParsing {
+            reasoning: false,
+            thinking: false,
+            ..parsing
+        },
+    )
+    .await;
+    let content: String = out.iter().map(|r| r.text.as_str()).collect();
+    let failures: Vec<&str> = out
+        .iter()
+        .flat_map(|r| &r.failures)
+        .map(|f| f.reason.as_str())
+        .collect();
+    assert_eq!(
+        (content.as_str(), failures),
+        ("Sure.", vec!["unknown_tool"])
+    );
+    assert!(out.iter().all(|r| r.tool_calls.is_empty()));
 }
