@@ -26,7 +26,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::EngineError;
-use crate::model::BatchToken;
+use crate::model::{BatchToken, add_in_place, rms_norm};
 
 /// YaRN rope scaling as `config.json` writes it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -1067,24 +1067,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         s += x * y;
     }
     s
-}
-
-fn add_in_place(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
-    }
-}
-
-/// RMSNorm per row of `w.len()` values.
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let n = w.len();
-    for (xr, orow) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let sum: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
-        let scale = 1.0 / ((sum / n as f64) as f32 + eps).sqrt();
-        for ((o, &v), &wi) in orow.iter_mut().zip(xr).zip(w) {
-            *o = v * scale * wi;
-        }
-    }
 }
 
 /// LayerNorm with weight and bias, in place.
