@@ -56,18 +56,32 @@ pub struct Call {
 pub struct OutputParser {
     reasoning: Option<ReasoningParser>,
     tools: Option<ToolParser>,
+    /// With neither parser: plain text, characters reassembled across chunks.
+    utf8: utf8::Utf8Assembler,
 }
 
 impl OutputParser {
     pub fn new(reasoning: Option<ReasoningParser>, tools: Option<ToolParser>) -> Self {
-        Self { reasoning, tools }
+        Self {
+            reasoning,
+            tools,
+            utf8: utf8::Utf8Assembler::default(),
+        }
     }
 
     /// Parses one chunk of bytes.
     pub fn push(&mut self, chunk: &[u8]) -> Vec<Delta> {
-        let first = match &mut self.reasoning {
-            Some(r) => r.push(chunk),
-            None => vec![Delta::Content(String::from_utf8_lossy(chunk).into_owned())],
+        let first = match (&mut self.reasoning, &mut self.tools) {
+            (Some(r), _) => r.push(chunk),
+            // The tool parser reassembles characters split across chunks itself.
+            (None, Some(t)) => return t.push(chunk),
+            (None, None) => {
+                let text = self.utf8.push(chunk);
+                (!text.is_empty())
+                    .then_some(Delta::Content(text))
+                    .into_iter()
+                    .collect()
+            }
         };
         self.route(first, false)
     }
@@ -77,7 +91,13 @@ impl OutputParser {
     pub fn finish(&mut self) -> Vec<Delta> {
         let first = match &mut self.reasoning {
             Some(r) => r.finish(),
-            None => Vec::new(),
+            None => {
+                let rest = self.utf8.finish();
+                (!rest.is_empty())
+                    .then_some(Delta::Content(rest))
+                    .into_iter()
+                    .collect()
+            }
         };
         self.route(first, true)
     }

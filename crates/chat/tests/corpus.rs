@@ -497,3 +497,25 @@ proptest! {
         prop_assert_eq!(&o.calls, calls);
     }
 }
+
+#[test]
+fn characters_split_across_chunks_survive_every_pipeline_shape() {
+    let text = "ünïcödé 🦀 done";
+    let b = text.as_bytes();
+    for cut in 0..=b.len() {
+        for (reasoning, tools) in [(false, false), (false, true), (true, false), (true, true)] {
+            let mut p = OutputParser::new(
+                reasoning.then(|| ReasoningParser::new(false)),
+                tools.then(|| ToolParser::new(Format::Hermes, None, "c")),
+            );
+            let mut d = p.push(&b[..cut]);
+            d.extend(p.push(&b[cut..]));
+            d.extend(p.finish());
+            assert_eq!(
+                outcome(d).content,
+                text,
+                "cut {cut}, reasoning {reasoning}, tools {tools}"
+            );
+        }
+    }
+}
