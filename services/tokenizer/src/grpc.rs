@@ -21,9 +21,15 @@ pub(crate) struct TokenizerService {
     tok: Arc<TextTokenizer>,
 }
 
-/// The parser a stream asked for, if any.
-fn output_parser(p: &pb::OutputParsing) -> Option<OutputParser> {
-    let format = match p.tool_format() {
+/// The parser a stream asked for, if any; an unknown tool format is INVALID_ARGUMENT.
+fn output_parser(p: &pb::OutputParsing) -> Result<Option<OutputParser>, Status> {
+    let format = pb::ToolFormat::try_from(p.tool_format).map_err(|_| {
+        Status::invalid_argument(format!(
+            "parsing.tool_format: {} is not a known tool format",
+            p.tool_format
+        ))
+    })?;
+    let format = match format {
         pb::ToolFormat::None => None,
         pb::ToolFormat::Dsml => Some(Format::Dsml),
         pb::ToolFormat::DeepseekV3 => Some(Format::DeepSeekV3),
@@ -31,13 +37,13 @@ fn output_parser(p: &pb::OutputParsing) -> Option<OutputParser> {
         pb::ToolFormat::Hermes => Some(Format::Hermes),
     };
     if format.is_none() && !p.reasoning {
-        return None;
+        return Ok(None);
     }
     let allowed = (!p.tool_names.is_empty()).then(|| p.tool_names.clone());
-    Some(OutputParser::new(
+    Ok(Some(OutputParser::new(
         p.reasoning.then(|| ReasoningParser::new(p.thinking)),
         format.map(|f| ToolParser::new(f, allowed, &p.call_id_prefix)),
-    ))
+    )))
 }
 
 fn plain(text: String) -> pb::DetokenizeResponse {
@@ -207,10 +213,16 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
                         return;
                     }
                 };
-                let d = detok.get_or_insert_with(|| {
-                    parser = msg.parsing.as_ref().and_then(output_parser);
-                    tok.detokenizer(msg.skip_special_tokens)
-                });
+                if detok.is_none() {
+                    match msg.parsing.as_ref().map(output_parser).transpose() {
+                        Ok(p) => parser = p.flatten(),
+                        Err(status) => {
+                            let _ = tx.send(Err(status)).await;
+                            return;
+                        }
+                    }
+                }
+                let d = detok.get_or_insert_with(|| tok.detokenizer(msg.skip_special_tokens));
                 let answer = check_ids(&msg.ids, vocab, "ids")
                     .and_then(|()| d.push(&msg.ids).map_err(Error::Text))
                     .map(|text| match &mut parser {

@@ -412,3 +412,29 @@ async fn detokenize_splits_reasoning_content_and_tool_calls_and_never_leaks_mark
     );
     assert!(out.iter().all(|r| r.tool_calls.is_empty()));
 }
+
+#[tokio::test]
+async fn an_unknown_tool_format_is_invalid_argument() {
+    let mut s = start().await;
+    let req = pb::DetokenizeRequest {
+        ids: vec![19556],
+        skip_special_tokens: false,
+        parsing: Some(pb::OutputParsing {
+            tool_format: 99,
+            ..Default::default()
+        }),
+    };
+    let mut stream = s
+        .client
+        .detokenize(tokio_stream::iter(vec![req]))
+        .await
+        .unwrap()
+        .into_inner();
+    let err = stream.message().await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("parsing.tool_format"),
+        "{}",
+        err.message()
+    );
+}
