@@ -160,8 +160,26 @@ impl DsConfig {
                 self.index_head_dim, self.qk_rope_head_dim
             ));
         }
-        if self.num_hidden_layers == 0 || self.num_attention_heads == 0 || self.index_topk == 0 {
-            return bad("zero layers, heads or index top-k".into());
+        let dims = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("q_lora_rank", self.q_lora_rank),
+            ("kv_lora_rank", self.kv_lora_rank),
+            ("qk_nope_head_dim", self.qk_nope_head_dim),
+            ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ("v_head_dim", self.v_head_dim),
+            ("intermediate_size", self.intermediate_size),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("num_experts_per_tok", self.num_experts_per_tok),
+            ("moe_layer_freq", self.moe_layer_freq),
+            ("index_n_heads", self.index_n_heads),
+            ("index_topk", self.index_topk),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        if let Some((name, _)) = dims.iter().find(|(_, v)| *v == 0) {
+            return bad(format!("{name} is 0"));
         }
         Ok(())
     }

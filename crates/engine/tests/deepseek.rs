@@ -439,3 +439,39 @@ fn the_engine_serves_the_tiny_model_identically_alone_batched_chunked_and_cached
         assert_eq!(common::available(&shared), 128, "every page back");
     }
 }
+
+#[test]
+fn a_malformed_checkpoint_is_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    deepseek_synth::write(dir.path(), &deepseek_synth::tiny_config(), 7, None).unwrap();
+    let cfg_path = dir.path().join("config.json");
+    let good = std::fs::read_to_string(&cfg_path).unwrap();
+    let with = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
+        edit(&mut v);
+        std::fs::write(&cfg_path, v.to_string()).unwrap();
+        match DeepSeekModel::load(dir.path()) {
+            Ok(_) => panic!("loaded a malformed checkpoint"),
+            Err(e) => e.to_string(),
+        }
+    };
+    assert!(with(&|v| v["hidden_size"] = 0.into()).contains("hidden_size is 0"));
+    assert!(with(&|v| v["model_type"] = "llama".into()).contains("deepseek_v32"));
+    assert!(with(&|v| v["n_group"] = 3.into()).contains("groups"));
+    // Sizes that disagree with the tensors: the tensor is named with both shapes.
+    let e = with(&|v| v["q_lora_rank"] = 64.into());
+    assert!(
+        e.contains("q_a_proj") && e.contains("[128, 256]") && e.contains("[64, 256]"),
+        "{e}"
+    );
+    assert!(
+        with(&|v| {
+            v.as_object_mut().unwrap().remove("kv_lora_rank");
+        })
+        .contains("kv_lora_rank")
+    );
+    // Not a checkpoint's bytes.
+    std::fs::write(&cfg_path, &good).unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), b"not safetensors").unwrap();
+    assert!(DeepSeekModel::load(dir.path()).is_err());
+}
