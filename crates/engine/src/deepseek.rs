@@ -26,7 +26,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::EngineError;
-use crate::model::{BatchToken, add_in_place, rms_norm};
+use crate::model::{BatchToken, add_in_place, output_logits, rms_norm};
 
 /// YaRN rope scaling as `config.json` writes it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -616,22 +616,12 @@ impl DeepSeekModel {
             let f = self.ffn(tp, &layer.ffn, &hbuf, t);
             add_in_place(&mut x, &f);
         }
-        let sel: Vec<usize> = (0..t).filter(|&i| tokens[i].want_logits).collect();
-        if sel.is_empty() {
-            return Vec::new();
-        }
-        let mut xs = Vec::with_capacity(sel.len() * d);
-        for &i in &sel {
-            xs.extend_from_slice(&x[i * d..(i + 1) * d]);
-        }
-        let mut hs = vec![0f32; xs.len()];
-        rms_norm(&xs, &self.norm, c.rms_norm_eps, &mut hs);
-        let mut logits = vec![0f32; sel.len() * c.vocab_size];
-        matmul(tp, &self.lm_head.m(), &hs, sel.len(), &mut logits);
-        logits
-            .chunks_exact(c.vocab_size)
-            .map(<[f32]>::to_vec)
-            .collect()
+        output_logits(
+            tp,
+            &x,
+            tokens,
+            (&self.norm[..], c.rms_norm_eps, &self.lm_head.m()),
+        )
     }
 
     /// MLA with the indexer's selection, for every token of the batch; returns the

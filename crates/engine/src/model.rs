@@ -251,19 +251,8 @@ impl LlamaModel {
             matmul(tp, &self.m(&layer.w_down), &g, t, &mut o);
             add_in_place(&mut x, &o);
         }
-        let sel: Vec<usize> = (0..t).filter(|&i| tokens[i].want_logits).collect();
-        if sel.is_empty() {
-            return Vec::new();
-        }
-        let mut xs = Vec::with_capacity(sel.len() * d);
-        for &i in &sel {
-            xs.extend_from_slice(&x[i * d..(i + 1) * d]);
-        }
-        let mut hs = vec![0f32; xs.len()];
-        rms_norm(&xs, &self.out_norm, c.rms_eps, &mut hs);
-        let mut logits = vec![0f32; sel.len() * c.vocab];
-        matmul(tp, &self.m(&self.output), &hs, sel.len(), &mut logits);
-        logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect()
+        let head = (&self.out_norm[..], c.rms_eps, &self.m(&self.output));
+        output_logits(tp, &x, tokens, head)
     }
 
     /// Causal attention for every (token, KV head) pair in parallel.
@@ -311,6 +300,37 @@ impl LlamaModel {
                 });
         });
     }
+}
+
+/// The logits of the tokens with `want_logits`, in batch order: their rows of the final
+/// hidden state `x` through the final RMSNorm (`head.0`, epsilon `head.1`) and the output
+/// matrix `head.2`.
+pub(crate) fn output_logits(
+    tp: &rayon::ThreadPool,
+    x: &[f32],
+    tokens: &[BatchToken],
+    head: (&[f32], f32, &QMatrix<'_>),
+) -> Vec<Vec<f32>> {
+    let (norm, eps, output) = head;
+    let d = norm.len();
+    let sel: Vec<usize> = (0..tokens.len())
+        .filter(|&i| tokens[i].want_logits)
+        .collect();
+    if sel.is_empty() {
+        return Vec::new();
+    }
+    let mut xs = Vec::with_capacity(sel.len() * d);
+    for &i in &sel {
+        xs.extend_from_slice(&x[i * d..(i + 1) * d]);
+    }
+    let mut hs = vec![0f32; xs.len()];
+    rms_norm(&xs, norm, eps, &mut hs);
+    let mut logits = vec![0f32; sel.len() * output.rows];
+    matmul(tp, output, &hs, sel.len(), &mut logits);
+    logits
+        .chunks_exact(output.rows)
+        .map(<[f32]>::to_vec)
+        .collect()
 }
 
 pub(crate) fn add_in_place(x: &mut [f32], y: &[f32]) {
