@@ -116,12 +116,21 @@ impl CacheView {
         }
     }
 
-    /// Leading pages of `ids` this worker holds.
-    fn matched(&self, ids: &[u32]) -> usize {
-        let Some((seed, page)) = self.naming else {
+    /// Leading pages of `ids` this worker holds. `named` caches the prompt's page hashes
+    /// per naming, so workers that share one (the usual case) hash the prompt once.
+    fn matched(&self, ids: &[u32], named: &mut Vec<((u64, usize), Vec<u64>)>) -> usize {
+        let Some(naming) = self.naming else {
             return 0;
         };
-        pdmesh_kv::page_hashes(seed, ids, page)
+        let at = match named.iter().position(|(n, _)| *n == naming) {
+            Some(i) => i,
+            None => {
+                named.push((naming, pdmesh_kv::page_hashes(naming.0, ids, naming.1)));
+                named.len() - 1
+            }
+        };
+        named[at]
+            .1
             .iter()
             .take_while(|h| self.pages.contains(h))
             .count()
@@ -227,12 +236,13 @@ impl Workers {
     /// one whose cache holds the fewest pages).
     fn pick_prefill(&self, ids: &[u32]) -> usize {
         let load = |i: usize| self.prefill[i].inflight.load(Ordering::Relaxed);
+        let mut named = Vec::new();
         let (matched, held): (Vec<usize>, Vec<usize>) = self
             .views
             .iter()
             .map(|v| {
                 let v = v.lock().expect("view lock");
-                (v.matched(ids), v.pages.len())
+                (v.matched(ids, &mut named), v.pages.len())
             })
             .unzip();
         // Among the least loaded, the emptiest cache: new prefixes spread over workers.
@@ -579,7 +589,7 @@ mod tests {
             seq: 2,
             kind: Some(cpb::kv_event::Kind::Cleared(cpb::PagesCleared {})),
         });
-        assert_eq!(v.matched(&ask), 0);
+        assert_eq!(v.matched(&ask, &mut Vec::new()), 0);
         drop(v);
         let h = pdmesh_kv::page_hashes(SEED, &long, 16);
         let mut v = w.views[2].lock().unwrap();
@@ -589,16 +599,26 @@ mod tests {
                 hashes: vec![h[2]],
             })),
         });
-        assert_eq!(v.matched(&long), 2, "a hole ends the prefix");
+        assert_eq!(
+            v.matched(&long, &mut Vec::new()),
+            2,
+            "a hole ends the prefix"
+        );
     }
 
     #[tokio::test]
     async fn a_view_without_naming_matches_nothing_and_partial_pages_do_not_count() {
         let w = workers(1);
         let ids: Vec<u32> = (0..40).collect();
-        assert_eq!(w.views[0].lock().unwrap().matched(&ids), 0);
+        assert_eq!(w.views[0].lock().unwrap().matched(&ids, &mut Vec::new()), 0);
         holds(&w, 0, &ids);
-        assert_eq!(w.views[0].lock().unwrap().matched(&ids), 2);
-        assert_eq!(w.views[0].lock().unwrap().matched(&ids[..31]), 1);
+        assert_eq!(w.views[0].lock().unwrap().matched(&ids, &mut Vec::new()), 2);
+        assert_eq!(
+            w.views[0]
+                .lock()
+                .unwrap()
+                .matched(&ids[..31], &mut Vec::new()),
+            1
+        );
     }
 }
