@@ -43,6 +43,25 @@ pub struct ParseError {
     pub detail: String,
 }
 
+/// Every [`ParseError::parser`] (a closed set, for metric labels).
+pub const PARSERS: [&str; 4] = ["dsml", "deepseek_v3", "deepseek_v31", "hermes"];
+
+/// Every [`ParseError::reason`] (a closed set, for metric labels).
+pub const FAILURE_REASONS: [&str; 12] = [
+    "unterminated",
+    "unterminated_call",
+    "unterminated_parameter",
+    "bare_invoke",
+    "wrong_wrapper",
+    "bad_json",
+    "duplicate_parameter",
+    "bad_string_attr",
+    "empty_block",
+    "malformed_tag",
+    "unknown_tool",
+    "trailing_text",
+];
+
 /// A whole tool call, as a block parser returns it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Call {

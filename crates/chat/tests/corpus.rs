@@ -40,7 +40,11 @@ fn outcome(deltas: Vec<Delta>) -> Outcome {
                 }
                 args[index].push_str(&arguments);
             }
-            Delta::Error(e) => o.errors.push(e.reason),
+            Delta::Error(e) => {
+                assert!(pdmesh_chat::PARSERS.contains(&e.parser), "{e:?}");
+                assert!(pdmesh_chat::FAILURE_REASONS.contains(&e.reason), "{e:?}");
+                o.errors.push(e.reason)
+            }
         }
     }
     for (c, a) in o.calls.iter_mut().zip(args) {

@@ -27,6 +27,9 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Compute each sampled token's log-probability (a softmax over the vocabulary).
     pub logprobs: bool,
+    /// A Lark grammar (llguidance's dialect, `%json{…}` for JSON schemas) the output
+    /// must match; every other token is masked out before sampling.
+    pub grammar: Option<String>,
 }
 
 impl Default for SamplingParams {
@@ -45,6 +48,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: false,
+            grammar: None,
         }
     }
 }

@@ -14,6 +14,7 @@ use pdmesh_kv::{
 };
 
 use crate::deepseek::DeepSeekModel;
+use crate::grammar::{Constraint, Grammars};
 use crate::model::{BatchToken, LlamaModel};
 use crate::sampler::Sampler;
 use crate::vocab::{eog_tokens, token_bytes_table};
@@ -85,6 +86,8 @@ struct Seq {
     tail: Vec<u8>,
     logits: Vec<Vec<f32>>,
     part: Part,
+    /// The request's grammar (constrained decoding), if it has one.
+    constraint: Option<Box<Constraint>>,
 }
 
 impl Seq {
@@ -102,6 +105,7 @@ pub struct Engine {
     info: ModelInfo,
     token_bytes: Vec<Vec<u8>>,
     eog: Vec<u32>,
+    grammars: Grammars,
     context: usize,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
@@ -211,6 +215,7 @@ impl Engine {
             pool,
             tp,
             info,
+            grammars: Grammars::new(token_bytes.clone(), eog.clone()),
             token_bytes,
             eog,
             context,
@@ -367,6 +372,10 @@ impl Engine {
         if self.ids.contains(req.id.as_str()) {
             return Err(EngineError::DuplicateId(req.id));
         }
+        let constraint = match &req.params.grammar {
+            Some(g) => Some(Box::new(self.grammars.matcher(g)?)),
+            None => None,
+        };
         let max_new = req
             .params
             .max_tokens
@@ -397,6 +406,7 @@ impl Engine {
             tail: Vec::new(),
             logits: Vec::new(),
             part,
+            constraint,
         });
         self.stalled = false;
         Ok(())
@@ -454,6 +464,13 @@ impl Engine {
             return Err(EngineError::Transfer(format!(
                 "first token {first_token} is outside the vocabulary"
             )));
+        }
+        if let Some(c) = &mut self.parked[i].constraint {
+            c.commit(first_token, &self.eog).map_err(|e| {
+                EngineError::Transfer(format!(
+                    "first token {first_token} breaks the request's grammar: {e}"
+                ))
+            })?;
         }
         let filled = {
             let mut bufs = self
@@ -845,6 +862,17 @@ impl Engine {
                 });
             }
         }
+        // Grammar masks for the tokens this step samples are computed on another thread
+        // while the forward pass runs.
+        let mut masks: Vec<(usize, Box<Constraint>)> = Vec::new();
+        for &(i, take) in &plan {
+            let s = &mut self.running[i];
+            if s.computed + take >= s.tokens.len()
+                && let Some(c) = s.constraint.take()
+            {
+                masks.push((i, c));
+            }
+        }
         let seq_pages: Vec<&[PageId]> = plan
             .iter()
             .map(|&(i, _)| self.running[i].pages.as_slice())
@@ -852,7 +880,24 @@ impl Engine {
         // Run the whole pass on the compute pool, so its parallel loops do not hand work
         // across threads and back for every matrix.
         let (model, pool, tp) = (&self.model, &mut self.pool, &self.tp);
-        let logits = tp.install(|| model.forward(tp, pool, &seq_pages, &batch));
+        let logits = std::thread::scope(|scope| {
+            let prep = (!masks.is_empty()).then(|| {
+                scope.spawn(|| {
+                    for (_, c) in &mut masks {
+                        c.prepare();
+                    }
+                })
+            });
+            let logits = tp.install(|| model.forward(tp, pool, &seq_pages, &batch));
+            if let Some(h) = prep {
+                h.join().expect("grammar mask thread panicked");
+            }
+            logits
+        });
+        drop(seq_pages);
+        for (i, c) in masks {
+            self.running[i].constraint = Some(c);
+        }
         let mut logits = logits.into_iter();
         let mut done = Vec::new();
         for &(i, take) in &plan {
@@ -867,7 +912,20 @@ impl Engine {
             if self.cfg.capture_logits {
                 s.logits.push(row.clone());
             }
-            let (tok, logprob) = s.sampler.sample(&mut row, &s.params, &s.tokens);
+            let live = match &mut s.constraint {
+                Some(c) => c.apply(&mut row, &self.eog),
+                None => true,
+            };
+            let (mut tok, mut logprob) = s.sampler.sample(&mut row, &s.params, &s.tokens);
+            if !live && !self.eog.contains(&tok) {
+                // The grammar allows nothing more: end the sequence.
+                (tok, logprob) = (self.eog[0], None);
+            }
+            if let Some(c) = &mut s.constraint
+                && let Err(e) = c.commit(tok, &self.eog)
+            {
+                tracing::warn!(id = %s.id, tok, error = %e, "the grammar refused a sampled token");
+            }
             s.sampler.record(tok);
             s.tokens.push(tok);
             if s.part == Part::Prefill {
@@ -970,6 +1028,11 @@ fn finish_check(
 ) -> Option<Finish> {
     if (!s.params.ignore_eos && eog.contains(&tok)) || s.params.stop_token_ids.contains(&tok) {
         return Some((FinishReason::Stop, None, Some(tok)));
+    }
+    if s.constraint.as_ref().is_some_and(|c| c.done()) {
+        // The grammar is complete: nothing more may be written.
+        let end = eog.contains(&tok).then_some(tok);
+        return Some((FinishReason::Stop, None, end));
     }
     if !s.params.stop.is_empty() {
         let before = s.tail.len();

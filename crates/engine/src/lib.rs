@@ -9,6 +9,7 @@ mod api;
 pub mod deepseek;
 pub mod deepseek_synth;
 mod engine;
+mod grammar;
 mod model;
 mod sampler;
 mod vocab;

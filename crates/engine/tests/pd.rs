@@ -1,7 +1,8 @@
 //! Prefill/decode disaggregation at the engine level: a prefill engine computes each
 //! prompt and its first token, a decode engine reserves pages, receives the prompt's KV
 //! and the first token, and generates the rest. The output must be bit-identical to one
-//! unified engine's, for greedy and seeded sampling, whatever order the two sides meet in.
+//! unified engine's, for greedy, seeded and constrained sampling, whatever order the two
+//! sides meet in.
 
 mod common;
 
@@ -40,6 +41,16 @@ fn requests() -> Vec<GenRequest> {
                 ..SamplingParams::default()
             },
         };
+        let mut params = params;
+        if i % 8 == 7 {
+            // Constrained decoding: the decode side's grammar must accept the prefill's
+            // first token and go on exactly as a unified engine would.
+            params.grammar = Some(
+                r#"start: %json{"type":"object","properties":{"city":{"type":"string"},"n":{"type":"integer"}},"required":["city","n"],"x-guidance":{"whitespace_flexible":false}}"#
+                    .into(),
+            );
+            params.max_tokens = Some(10);
+        }
         out.push(GenRequest {
             id: format!("r{i}"),
             prompt,

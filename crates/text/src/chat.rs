@@ -6,25 +6,207 @@ use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
 
-use crate::TextError;
+use crate::{TextError, hermes};
 
-/// One chat turn, as OpenAI's API and the templates see it.
+/// One chat turn, as OpenAI's API and the templates see it. Serialized the way Hugging
+/// Face templates read a message: `role`, `content`, then, only when present,
+/// `tool_calls` (see [`ToolCall`]), `tool_call_id` and `reasoning_content`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// Assistant turns: the calls the assistant made, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// Tool turns: the id of the call this result answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// Assistant turns: the reasoning before the answer.
+    #[serde(
+        default,
+        rename = "reasoning_content",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub reasoning: Option<String>,
 }
 
 impl ChatMessage {
+    /// A plain turn: no tool calls, tool call id or reasoning.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            reasoning: None,
+        }
+    }
+
+    /// This turn with `calls` as its tool calls.
+    pub fn with_tool_calls(mut self, calls: Vec<ToolCall>) -> Self {
+        self.tool_calls = calls;
+        self
+    }
+
+    /// This turn answering the call `id`.
+    pub fn with_tool_call_id(mut self, id: impl Into<String>) -> Self {
+        self.tool_call_id = Some(id.into());
+        self
+    }
+
+    /// This turn with `reasoning` before its content.
+    pub fn with_reasoning(mut self, reasoning: impl Into<String>) -> Self {
+        self.reasoning = Some(reasoning.into());
+        self
+    }
+}
+
+/// One tool call an assistant turn made. Serialized as OpenAI's shape with the arguments
+/// as an object, which is what templates expect (`tool_call.function.arguments | tojson`):
+/// `{"id": …, "type": "function", "function": {"name": …, "arguments": {…}}}` (no `id`
+/// when it has none). Deserialized by [`ToolCall::from_openai`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "WireToolCall", try_from = "serde_json::Value")]
+pub struct ToolCall {
+    /// The call's id (OpenAI's `call_…`), if the client sent one.
+    pub id: Option<String>,
+    /// The function called; never empty.
+    pub name: String,
+    pub arguments: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Why a JSON value is not an OpenAI tool call: `part` is the offending member's path
+/// inside the call (`"function.arguments"`; empty for the call itself) and `problem`
+/// what is wrong with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("tool call{sep}{part} {problem}", sep = if part.is_empty() { "" } else { " " })]
+pub struct ToolCallError {
+    pub part: &'static str,
+    pub problem: &'static str,
+}
+
+impl ToolCall {
+    /// A call of `name` with `arguments` and no id.
+    pub fn new(
+        name: impl Into<String>,
+        arguments: serde_json::Map<String, serde_json::Value>,
+    ) -> Self {
+        Self {
+            id: None,
+            name: name.into(),
+            arguments,
+        }
+    }
+
+    /// This call with `id`.
+    pub fn with_id(mut self, id: impl Into<String>) -> Self {
+        self.id = Some(id.into());
+        self
+    }
+
+    /// One element of OpenAI's `tool_calls`: `{"id": …, "type": "function", "function":
+    /// {"name": …, "arguments": …}}`. `id` (a string; empty or null is none) and `type`
+    /// (`"function"`) may be left out; `name` must be a non-empty string; `arguments` a
+    /// JSON object, or a string holding one (OpenAI's wire form).
+    pub fn from_openai(value: serde_json::Value) -> Result<Self, ToolCallError> {
+        use serde_json::Value;
+        let err = |part, problem| ToolCallError { part, problem };
+        let Value::Object(mut call) = value else {
+            return Err(err("", "is not a JSON object"));
+        };
+        let id = match call.remove("id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s).filter(|s| !s.is_empty()),
+            Some(_) => return Err(err("id", "is not a string")),
+        };
+        match call.get("type") {
+            None | Some(Value::Null) => {}
+            Some(t) if t == "function" => {}
+            Some(_) => return Err(err("type", "is not \"function\"")),
+        }
+        let Some(Value::Object(mut function)) = call.remove("function") else {
+            return Err(err("function", "is not a JSON object"));
+        };
+        let name = match function.remove("name") {
+            Some(Value::String(s)) if !s.is_empty() => s,
+            _ => return Err(err("function.name", "is not a non-empty string")),
+        };
+        let arguments = match function.remove("arguments") {
+            Some(Value::Object(m)) => Some(m),
+            Some(Value::String(s)) => match serde_json::from_str(&s) {
+                Ok(Value::Object(m)) => Some(m),
+                _ => None,
+            },
+            _ => None,
+        };
+        let arguments =
+            arguments.ok_or_else(|| err("function.arguments", "is not a JSON object"))?;
+        Ok(Self {
+            id,
+            name,
+            arguments,
+        })
+    }
+}
+
+impl TryFrom<serde_json::Value> for ToolCall {
+    type Error = ToolCallError;
+
+    fn try_from(value: serde_json::Value) -> Result<Self, ToolCallError> {
+        Self::from_openai(value)
+    }
+}
+
+/// [`ToolCall`] as templates read it: OpenAI's nesting under `function`.
+#[derive(Serialize)]
+struct WireToolCall {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<String>,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: WireFunction,
+}
+
+#[derive(Serialize)]
+struct WireFunction {
+    name: String,
+    arguments: serde_json::Value,
+}
+
+impl From<ToolCall> for WireToolCall {
+    fn from(c: ToolCall) -> Self {
+        Self {
+            id: c.id,
+            kind: "function",
+            function: WireFunction {
+                name: c.name,
+                arguments: serde_json::Value::Object(c.arguments),
+            },
         }
     }
 }
 
 const NAME: &str = "chat_template";
+
+/// The tool-call markup a model writes (each is one of pdmesh-chat's parsers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ToolFormat {
+    /// DeepSeek V3.2 / V4 DSML (`<｜DSML｜function_calls>`).
+    Dsml,
+    /// DeepSeek V3 / R1: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and fenced JSON.
+    DeepSeekV3,
+    /// DeepSeek V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS`.
+    DeepSeekV31,
+    /// Hermes / Qwen: `<tool_call>{"name": …, "arguments": {…}}</tool_call>`.
+    Hermes,
+}
+
+/// DeepSeek V3 / V3.1 templates open their calls with this.
+const DEEPSEEK_CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
+/// DeepSeek V3 (not V3.1) writes the call type before the separator.
+const DEEPSEEK_V3_CALL: &str = "function<｜tool▁sep｜>";
+/// DSML tags start with this.
+const DSML_TAG: &str = "<｜DSML｜";
 
 /// A compiled chat template. Cheap to clone.
 #[derive(Clone)]
@@ -33,6 +215,8 @@ pub struct ChatTemplate {
     source: String,
     bos_token: String,
     eos_token: String,
+    /// The source mentions `tools`: it renders tools and tool calls itself.
+    renders_tools: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -61,6 +245,7 @@ impl ChatTemplate {
             source: source.to_string(),
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
+            renders_tools: source.contains("tools"),
         })
     }
 
@@ -69,14 +254,58 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// Whether the template renders tools and tool calls itself (its source mentions
+    /// `tools`). If not, [`Self::render`] writes them in the Hermes style
+    /// ([`crate::hermes`]).
+    pub fn renders_tools(&self) -> bool {
+        self.renders_tools
+    }
+
+    /// The tool-call markup the model is asked to write: DeepSeek V3 or V3.1 for a
+    /// template with `<｜tool▁calls▁begin｜>` (V3 when it writes `function<｜tool▁sep｜>`),
+    /// DSML for one with `<｜DSML｜`, otherwise Hermes (Qwen-style templates, and
+    /// pdmesh's own tools block for templates without tools).
+    pub fn tool_format(&self) -> ToolFormat {
+        if self.source.contains(DEEPSEEK_CALLS_BEGIN) {
+            if self.source.contains(DEEPSEEK_V3_CALL) {
+                ToolFormat::DeepSeekV3
+            } else {
+                ToolFormat::DeepSeekV31
+            }
+        } else if self.source.contains(DSML_TAG) {
+            ToolFormat::Dsml
+        } else {
+            ToolFormat::Hermes
+        }
+    }
+
+    /// Whether the model reasons in `<think>…</think>` tags (the template mentions
+    /// `<think>`).
+    pub fn reasoning(&self) -> bool {
+        self.source.contains("<think>")
+    }
+
     /// Renders `messages` (and `tools`, a JSON list of tool definitions, when given) into
     /// a prompt; `add_generation_prompt` appends the header that opens the assistant's turn.
+    ///
+    /// A template that [renders tools](Self::renders_tools) gets the messages as they are
+    /// (with `tool_calls`, `tool_call_id`, `reasoning_content`) and `tools`. Any other
+    /// gets them rewritten by [`hermes::rewrite`] when tools are offered or a turn made
+    /// calls; otherwise, unchanged.
     pub fn render(
         &self,
         messages: &[ChatMessage],
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, TextError> {
+        let rewritten;
+        let tool_list = hermes::tool_list(tools);
+        let messages = if !self.renders_tools && hermes::needed(messages, tool_list) {
+            rewritten = hermes::rewrite(messages, tool_list)?;
+            &rewritten[..]
+        } else {
+            messages
+        };
         let tmpl = self.env.get_template(NAME).map_err(TextError::template)?;
         let ctx = minijinja::context! {
             messages => Value::from_serialize(messages),
@@ -111,6 +340,14 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let mut out = String::new();
     py_json(value, indent, sort_keys.unwrap_or(false), 0, &mut out)?;
     Ok(Value::from_safe_string(out))
+}
+
+/// `json.dumps(v, ensure_ascii=False)`: Python's separators, keys in their order.
+pub(crate) fn python_json(v: &serde_json::Value) -> String {
+    let mut out = String::new();
+    py_json(&Value::from_serialize(v), None, false, 0, &mut out)
+        .expect("a JSON value always renders");
+    out
 }
 
 fn py_json(
@@ -242,6 +479,230 @@ mod tests {
                 .unwrap(),
             "HI"
         );
+    }
+
+    /// A plain ChatML loop over role and content, like SmolLM2-135M-Instruct's (which
+    /// knows nothing of tools).
+    const CHATML: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nDefault.<|im_end|>\n' }}{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    fn weather_tools() -> serde_json::Value {
+        serde_json::json!([{"type": "function", "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}
+        }}])
+    }
+
+    fn paris_call() -> ToolCall {
+        let args = serde_json::json!({"city": "Paris"});
+        ToolCall::new("get_weather", args.as_object().unwrap().clone()).with_id("call_0")
+    }
+
+    #[test]
+    fn a_template_without_tools_renders_the_same_prompt_when_none_are_used() {
+        let t = ChatTemplate::new(CHATML, "", "").unwrap();
+        assert!(!t.renders_tools());
+        let conv = [
+            ChatMessage::new("user", "Hi"),
+            ChatMessage::new("assistant", "Hello.").with_reasoning("Greet back."),
+            ChatMessage::new("user", "Bye"),
+        ];
+        let want = "<|im_start|>system\nDefault.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+                    <|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n\
+                    <|im_start|>assistant\n";
+        assert_eq!(t.render(&conv, None, true).unwrap(), want);
+        let empty = serde_json::json!([]);
+        assert_eq!(t.render(&conv, Some(&empty), true).unwrap(), want);
+    }
+
+    #[test]
+    fn a_template_without_tools_gets_pdmesh_tools_block_calls_and_results() {
+        let t = ChatTemplate::new(CHATML, "", "").unwrap();
+        let tools = weather_tools();
+        let block = crate::hermes::tools_block(tools.as_array().unwrap()).unwrap();
+        assert!(
+            block.contains("<tools>\n{\"name\": \"get_weather\", \"description\": \"Weather in a city\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}\n</tools>"),
+            "{block}"
+        );
+
+        // One user turn and the tools: a system turn carrying the tools block opens the
+        // conversation (so the template's default system prompt is not added).
+        let got = t
+            .render(
+                &[ChatMessage::new("user", "Weather in Paris?")],
+                Some(&tools),
+                true,
+            )
+            .unwrap();
+        assert_eq!(
+            got,
+            format!(
+                "<|im_start|>system\n{block}<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+            )
+        );
+
+        // A whole tool round trip after a system message.
+        let conv = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Weather in Paris?"),
+            ChatMessage::new("assistant", "").with_tool_calls(vec![paris_call()]),
+            ChatMessage::new("tool", "{\"temp\": 21}").with_tool_call_id("call_0"),
+        ];
+        let got = t.render(&conv, Some(&tools), true).unwrap();
+        assert_eq!(
+            got,
+            format!(
+                "<|im_start|>system\nBe brief.\n\n{block}<|im_end|>\n\
+                 <|im_start|>user\nWeather in Paris?<|im_end|>\n\
+                 <|im_start|>assistant\n<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"Paris\"}}}}\n</tool_call><|im_end|>\n\
+                 <|im_start|>user\n<tool_response>\n{{\"temp\": 21}}\n</tool_response><|im_end|>\n\
+                 <|im_start|>assistant\n"
+            )
+        );
+
+        // Calls in the history without tools on offer: still written as <tool_call>.
+        let got = t.render(&conv[1..], None, false).unwrap();
+        assert!(
+            got.contains("<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\""),
+            "{got}"
+        );
+        assert!(!got.contains("<tools>"), "{got}");
+    }
+
+    #[test]
+    fn a_template_that_mentions_tools_reads_calls_ids_and_reasoning_from_messages() {
+        let src = "{% for m in messages %}{{ m.role }}:{{ m.content }}\
+                   {% if m.tool_calls %}{% for c in m.tool_calls %}[{{ c.id }} {{ c.type }} {{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}{% endif %}\
+                   {% if m.tool_call_id is defined %}<{{ m.tool_call_id }}>{% endif %}\
+                   {% if m.reasoning_content is defined %}({{ m.reasoning_content }}){% endif %}{{ '\n' }}{% endfor %}\
+                   {% if tools %}tools={{ tools | length }} first={{ tools[0].function.name }}{% endif %}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        assert!(t.renders_tools());
+        let conv = [
+            ChatMessage::new("user", "Weather?"),
+            ChatMessage::new("assistant", "")
+                .with_tool_calls(vec![paris_call()])
+                .with_reasoning("Look it up."),
+            ChatMessage::new("tool", "sunny").with_tool_call_id("call_0"),
+        ];
+        assert_eq!(
+            t.render(&conv, Some(&weather_tools()), false).unwrap(),
+            "user:Weather?\n\
+             assistant:[call_0 function get_weather {\"city\": \"Paris\"}](Look it up.)\n\
+             tool:sunny<call_0>\n\
+             tools=1 first=get_weather"
+        );
+    }
+
+    #[test]
+    fn tool_format_and_reasoning_come_from_the_template_source() {
+        let detect = |src: &str| {
+            let t = ChatTemplate::new(src, "", "").unwrap();
+            (t.tool_format(), t.reasoning())
+        };
+        assert_eq!(detect(CHATML), (ToolFormat::Hermes, false));
+        assert_eq!(
+            detect("{% if tools %}<tool_call>{% endif %}<think>{{ messages[0].content }}"),
+            (ToolFormat::Hermes, true)
+        );
+        assert_eq!(
+            detect("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ name }}"),
+            (ToolFormat::DeepSeekV3, false)
+        );
+        assert_eq!(
+            detect(
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{{ name }}<｜tool▁sep｜>{{ args }}<think>"
+            ),
+            (ToolFormat::DeepSeekV31, true)
+        );
+        assert_eq!(
+            detect("<｜DSML｜function_calls>"),
+            (ToolFormat::Dsml, false)
+        );
+    }
+
+    #[test]
+    fn messages_serialize_as_templates_expect_and_read_openai_arguments() {
+        let m = ChatMessage::new("assistant", "x")
+            .with_tool_calls(vec![paris_call()])
+            .with_reasoning("r");
+        assert_eq!(
+            serde_json::to_value(&m).unwrap(),
+            serde_json::json!({
+                "role": "assistant",
+                "content": "x",
+                "tool_calls": [{"id": "call_0", "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+                "reasoning_content": "r",
+            })
+        );
+        assert_eq!(
+            serde_json::to_value(ChatMessage::new("tool", "y").with_tool_call_id("c")).unwrap(),
+            serde_json::json!({"role": "tool", "content": "y", "tool_call_id": "c"})
+        );
+        let back: ChatMessage = serde_json::from_value(serde_json::json!({
+            "role": "assistant", "content": "x", "reasoning_content": "r",
+            "tool_calls": [{"id": "call_0", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}],
+        }))
+        .unwrap();
+        assert_eq!(back, m);
+        let plain: ChatMessage =
+            serde_json::from_value(serde_json::json!({"role": "user", "content": "hi"})).unwrap();
+        assert_eq!(plain, ChatMessage::new("user", "hi"));
+        let bad = serde_json::from_value::<ChatMessage>(serde_json::json!({
+            "role": "assistant", "content": "",
+            "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}],
+        }));
+        assert!(bad.unwrap_err().to_string().contains("not a JSON object"));
+    }
+
+    #[test]
+    fn openai_tool_calls_are_checked_part_by_part() {
+        use serde_json::json;
+        let call = |v| ToolCall::from_openai(v).map_err(|e| (e.part, e.to_string()));
+        assert_eq!(
+            call(json!({"function": {"name": "f", "arguments": "{}"}})),
+            Ok(ToolCall::new("f", Default::default()))
+        );
+        assert_eq!(
+            call(json!({"id": "", "type": "function", "function": {"name": "f", "arguments": {}}})),
+            Ok(ToolCall::new("f", Default::default()))
+        );
+        assert_eq!(
+            call(json!([])),
+            Err(("", "tool call is not a JSON object".into()))
+        );
+        assert_eq!(
+            call(json!({"id": 7, "function": {"name": "f", "arguments": {}}})),
+            Err(("id", "tool call id is not a string".into()))
+        );
+        assert_eq!(
+            call(json!({"type": "custom", "function": {"name": "f", "arguments": {}}})),
+            Err(("type", "tool call type is not \"function\"".into()))
+        );
+        assert_eq!(
+            call(json!({"name": "f"})),
+            Err(("function", "tool call function is not a JSON object".into()))
+        );
+        assert_eq!(
+            call(json!({"function": {"name": "", "arguments": {}}})),
+            Err((
+                "function.name",
+                "tool call function.name is not a non-empty string".into()
+            ))
+        );
+        for bad in [json!("[1]"), json!("{"), json!(3), json!(null)] {
+            assert_eq!(
+                call(json!({"function": {"name": "f", "arguments": bad}})),
+                Err((
+                    "function.arguments",
+                    "tool call function.arguments is not a JSON object".into()
+                ))
+            );
+        }
+        let missing = call(json!({"function": {"name": "f"}}));
+        assert_eq!(missing.unwrap_err().0, "function.arguments");
     }
 
     #[test]

@@ -55,6 +55,28 @@ impl Message {
     }
 }
 
+impl From<&crate::ToolCall> for ToolCall {
+    fn from(c: &crate::ToolCall) -> Self {
+        Self {
+            name: c.name.clone(),
+            arguments: c.arguments.clone(),
+        }
+    }
+}
+
+impl From<&crate::ChatMessage> for Message {
+    /// The turn with its reasoning and tool calls (call ids and `tool_call_id` have no
+    /// place in this encoding).
+    fn from(m: &crate::ChatMessage) -> Self {
+        Self {
+            role: m.role.clone(),
+            content: m.content.clone(),
+            reasoning: m.reasoning.clone(),
+            tool_calls: m.tool_calls.iter().map(ToolCall::from).collect(),
+        }
+    }
+}
+
 /// Renders the tools block: OpenAI tool definitions (`{"type":"function","function":{…}}`
 /// or bare function objects), one JSON object per line.
 pub fn tools_block(tools: &[Value]) -> Result<String, TextError> {

@@ -1,13 +1,15 @@
 //! pdmesh-text: the model's text side, built only from the GGUF file. A real
 //! `tokenizers::Tokenizer` made from the GGUF vocabulary (so ids match llama.cpp's), an
-//! incremental detokenizer for streaming, and the model's Jinja chat template.
+//! incremental detokenizer for streaming, and the model's Jinja chat template (with
+//! pdmesh's own Hermes-style tool rendering, [`hermes`], for templates without tools).
 
 mod chat;
 mod detok;
 pub mod dsv32;
+pub mod hermes;
 mod tokenizer;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, ToolCall, ToolCallError, ToolFormat};
 pub use detok::IncrementalDetokenizer;
 pub use tokenizer::{ChatFormat, PRE_TOKENIZER_SMOLLM, TextTokenizer};
 

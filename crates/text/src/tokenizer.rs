@@ -14,7 +14,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
-use crate::{ChatTemplate, IncrementalDetokenizer, TextError};
+use crate::{ChatTemplate, IncrementalDetokenizer, TextError, ToolFormat};
 
 /// The regexes llama.cpp applies, in order, for `tokenizer.ggml.pre == "smollm"`: every
 /// digit on its own, then the GPT-2 split. (llama.cpp spells the second without the final
@@ -70,6 +70,28 @@ pub enum ChatFormat<'a> {
     DeepSeekV32,
     /// Neither: chat requests cannot be served.
     None,
+}
+
+impl ChatFormat<'_> {
+    /// The tool-call markup this format asks the model to write: DSML for DeepSeek V3.2,
+    /// [`ChatTemplate::tool_format`] for a template, `None` without a chat format.
+    pub fn tool_format(&self) -> Option<ToolFormat> {
+        match self {
+            Self::Template(t) => Some(t.tool_format()),
+            Self::DeepSeekV32 => Some(ToolFormat::Dsml),
+            Self::None => None,
+        }
+    }
+
+    /// Whether the model reasons in `<think>…</think>` tags: always for DeepSeek V3.2,
+    /// [`ChatTemplate::reasoning`] for a template, never without a chat format.
+    pub fn reasoning(&self) -> bool {
+        match self {
+            Self::Template(t) => t.reasoning(),
+            Self::DeepSeekV32 => true,
+            Self::None => false,
+        }
+    }
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -578,6 +600,39 @@ pub(crate) mod tests {
         assert_eq!(table[0xc3], [0xc3]);
         assert_eq!(table[256], b"<|im_start|>");
         assert_eq!(table[260], b" hi");
+    }
+
+    #[test]
+    fn chat_formats_name_their_tool_markup_and_reasoning() {
+        assert_eq!(
+            ChatFormat::DeepSeekV32.tool_format(),
+            Some(ToolFormat::Dsml)
+        );
+        assert!(ChatFormat::DeepSeekV32.reasoning());
+        assert_eq!(ChatFormat::None.tool_format(), None);
+        assert!(!ChatFormat::None.reasoning());
+        let chatml = ChatTemplate::new(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(
+            ChatFormat::Template(&chatml).tool_format(),
+            Some(ToolFormat::Hermes)
+        );
+        assert!(!ChatFormat::Template(&chatml).reasoning());
+        let v3 = ChatTemplate::new(
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ x }}<think>",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(
+            ChatFormat::Template(&v3).tool_format(),
+            Some(ToolFormat::DeepSeekV3)
+        );
+        assert!(ChatFormat::Template(&v3).reasoning());
     }
 
     #[test]

@@ -15,6 +15,7 @@ use tonic::transport::{Channel, Endpoint};
 use wk::worker_client::WorkerClient;
 
 use crate::error::{ApiError, Error};
+use crate::tools::{OutputFormat, ToolFormat};
 
 /// Connected (lazily) clients for both backends. Cheap to clone: channels are shared.
 #[derive(Clone)]
@@ -93,6 +94,12 @@ pub(crate) struct HostTotals {
 pub(crate) struct Message {
     pub role: String,
     pub content: String,
+    /// Assistant turns: the OpenAI `tool_calls` array, as JSON.
+    pub tool_calls_json: Option<String>,
+    /// Tool turns: the call answered.
+    pub tool_call_id: Option<String>,
+    /// Assistant turns: `reasoning_content`.
+    pub reasoning: Option<String>,
 }
 
 /// Sampling parameters, validated by the handlers.
@@ -111,6 +118,8 @@ pub(crate) struct GenParams {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Constrained decoding: the Lark grammar the output must match.
+    pub grammar: Option<String>,
 }
 
 /// Why the worker ended a sequence.
@@ -304,6 +313,12 @@ impl Backends {
                 .map(|m| tk::ChatMessage {
                     role: m.role.into_bytes(),
                     content: m.content.into_bytes(),
+                    tool_calls_json: m
+                        .tool_calls_json
+                        .map(String::into_bytes)
+                        .unwrap_or_default(),
+                    tool_call_id: m.tool_call_id.map(String::into_bytes).unwrap_or_default(),
+                    reasoning: m.reasoning.map(String::into_bytes).unwrap_or_default(),
                 })
                 .collect(),
             add_generation_prompt: true,
@@ -317,6 +332,27 @@ impl Backends {
             .await?
             .into_inner()
             .ids)
+    }
+
+    /// The tool-call markup and reasoning tags the model writes (the tokenizer's Info).
+    pub async fn output_format(&self) -> Result<OutputFormat, ApiError> {
+        let mut client = self.tokenizer.clone();
+        let call = client.info(tk::InfoRequest {});
+        let info = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call)
+            .await
+            .map_err(|_| ApiError::unavailable("the tokenizer did not answer Info in time"))??
+            .into_inner();
+        let tools = match info.tool_format() {
+            tk::ToolFormat::None => ToolFormat::None,
+            tk::ToolFormat::Dsml => ToolFormat::Dsml,
+            tk::ToolFormat::DeepseekV3 => ToolFormat::DeepSeekV3,
+            tk::ToolFormat::DeepseekV31 => ToolFormat::DeepSeekV31,
+            tk::ToolFormat::Hermes => ToolFormat::Hermes,
+        };
+        Ok(OutputFormat {
+            tools,
+            reasoning: info.reasoning,
+        })
     }
 
     pub async fn tokenize(&self, text: String) -> Result<Vec<u32>, ApiError> {
@@ -351,6 +387,7 @@ impl Backends {
             // The gateway does not serve logprobs (it refuses them), so the worker
             // skips the softmax over the vocabulary.
             logprobs: false,
+            grammar: p.grammar.unwrap_or_default(),
         };
         let req = wk::GenerateRequest {
             request_id: request_id.to_owned(),
@@ -389,11 +426,13 @@ impl Backends {
         Ok(found)
     }
 
-    /// A streaming detokenizer session (special tokens skipped).
-    pub fn detokenizer(&self) -> Detokenizer {
+    /// A streaming detokenizer session (special tokens skipped); `parsing` splits the
+    /// text into content, reasoning and tool calls (absent: plain text).
+    pub fn detokenizer(&self, parsing: Option<Parsing>) -> Detokenizer {
         Detokenizer {
             client: self.tokenizer.clone(),
             session: None,
+            parsing,
         }
     }
 }
@@ -432,22 +471,103 @@ fn convert_generate(msg: wk::GenerateResponse) -> Result<WorkerEvent, ApiError> 
     }
 }
 
-/// One Detokenize stream: each `push` sends ids and returns the text they completed.
+/// How a chat response's text is split (the tokenizer runs the parsers).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Parsing {
+    pub tool_format: ToolFormat,
+    /// Calls to other names are parse failures.
+    pub tool_names: Vec<String>,
+    pub reasoning: bool,
+    /// The prompt opened `<think>`: the output starts as reasoning.
+    pub thinking: bool,
+    pub call_id_prefix: String,
+}
+
+/// What a batch of ids completed: content, reasoning, tool-call deltas and parse failures.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Parsed {
+    pub text: String,
+    pub reasoning: String,
+    pub tool_calls: Vec<ToolCallDelta>,
+    pub failures: Vec<ParseFailure>,
+}
+
+/// One piece of a tool call: the first carries id and name, later ones argument JSON.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ToolCallDelta {
+    pub index: u32,
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ParseFailure {
+    pub parser: String,
+    pub reason: String,
+    pub detail: String,
+}
+
+fn parsed(r: tk::DetokenizeResponse) -> Parsed {
+    Parsed {
+        text: r.text,
+        reasoning: r.reasoning,
+        tool_calls: r
+            .tool_calls
+            .into_iter()
+            .map(|c| ToolCallDelta {
+                index: c.index,
+                id: c.id,
+                name: c.name,
+                arguments: c.arguments,
+            })
+            .collect(),
+        failures: r
+            .failures
+            .into_iter()
+            .map(|f| ParseFailure {
+                parser: f.parser,
+                reason: f.reason,
+                detail: f.detail,
+            })
+            .collect(),
+    }
+}
+
+/// One Detokenize stream: each `push` sends ids and returns what they completed.
 pub(crate) struct Detokenizer {
     client: TokenizerClient<Channel>,
     session: Option<(
         mpsc::Sender<tk::DetokenizeRequest>,
         tonic::Streaming<tk::DetokenizeResponse>,
     )>,
+    parsing: Option<Parsing>,
 }
 
 impl Detokenizer {
-    pub async fn push(&mut self, ids: Vec<u32>) -> Result<String, ApiError> {
-        // Tool-call and reasoning parsing is not requested yet: plain text.
+    pub async fn push(&mut self, ids: Vec<u32>) -> Result<Parsed, ApiError> {
+        let parsing = self
+            .session
+            .is_none()
+            .then_some(self.parsing.as_ref())
+            .flatten()
+            .map(|p| tk::OutputParsing {
+                tool_format: match p.tool_format {
+                    ToolFormat::None => tk::ToolFormat::None,
+                    ToolFormat::Dsml => tk::ToolFormat::Dsml,
+                    ToolFormat::DeepSeekV3 => tk::ToolFormat::DeepseekV3,
+                    ToolFormat::DeepSeekV31 => tk::ToolFormat::DeepseekV31,
+                    ToolFormat::Hermes => tk::ToolFormat::Hermes,
+                } as i32,
+                tool_names: p.tool_names.clone(),
+                reasoning: p.reasoning,
+                thinking: p.thinking,
+                call_id_prefix: p.call_id_prefix.clone(),
+            });
         let msg = tk::DetokenizeRequest {
             ids,
             skip_special_tokens: true,
-            parsing: None,
+            parsing,
         };
         let rx = match &mut self.session {
             Some((tx, rx)) => {
@@ -472,22 +592,27 @@ impl Detokenizer {
             }
         };
         match rx.message().await? {
-            Some(r) => Ok(r.text),
+            Some(r) => Ok(parsed(r)),
             None => Err(ApiError::backend(
                 "the tokenizer ended the detokenize stream early",
             )),
         }
     }
 
-    /// Ends the stream and returns whatever text the tokenizer still held back.
-    pub async fn finish(&mut self) -> Result<String, ApiError> {
+    /// Ends the stream and returns whatever the tokenizer still held back (an open
+    /// block that never closed is a failure here).
+    pub async fn finish(&mut self) -> Result<Parsed, ApiError> {
         let Some((tx, mut rx)) = self.session.take() else {
-            return Ok(String::new());
+            return Ok(Parsed::default());
         };
         drop(tx);
-        let mut rest = String::new();
+        let mut rest = Parsed::default();
         while let Some(r) = rx.message().await? {
-            rest.push_str(&r.text);
+            let p = parsed(r);
+            rest.text.push_str(&p.text);
+            rest.reasoning.push_str(&p.reasoning);
+            rest.tool_calls.extend(p.tool_calls);
+            rest.failures.extend(p.failures);
         }
         Ok(rest)
     }

@@ -157,6 +157,19 @@ impl ApiError {
         }
     }
 
+    /// The model wrote a tool call or reasoning block that does not parse (500): failing
+    /// closed, so the markup is never returned as content.
+    pub fn unparsable_output(parser: &str, reason: &str, detail: &str) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "server_error",
+            code: Some("model_output_unparsable"),
+            param: None,
+            message: format!("the model's output failed to parse as {parser} ({reason}): {detail}"),
+            error_type: "unparsable_output",
+        }
+    }
+
     /// The worker aborted the request (for example while shutting down).
     pub fn aborted() -> Self {
         Self {

@@ -1,5 +1,7 @@
-//! One generation, shared by both endpoints: worker.Generate → tokenizer.Detokenize →
-//! stop-string filter → text deltas, then the finish reason and usage. If the consumer
+//! One generation, shared by both endpoints: worker.Generate → tokenizer.Detokenize (which
+//! also splits reasoning and tool calls from content when asked) → stop-string filter →
+//! deltas, then the finish reason and usage. A tool call or reasoning block that fails to
+//! parse ends the generation with an error: its markup is never shown as content. If the consumer
 //! drops the stream early (client disconnect), the worker is told to abort the request,
 //! so the engine frees its KV pages at once instead of generating to the end.
 
@@ -7,7 +9,9 @@ use std::pin::Pin;
 
 use futures::{Stream, StreamExt};
 
-use crate::backend::{Backends, FinishReason, GenParams, WorkerEvent};
+use crate::backend::{
+    Backends, FinishReason, GenParams, Parsed, Parsing, ToolCallDelta, WorkerEvent,
+};
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::stop::StopFilter;
@@ -23,15 +27,18 @@ pub(crate) struct Usage {
 /// How a generation ended.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Done {
-    /// `"stop"` or `"length"`.
+    /// `"stop"`, `"length"` or `"tool_calls"`.
     pub finish_reason: &'static str,
     pub usage: Usage,
 }
 
 #[derive(Debug)]
 pub(crate) enum GenEvent {
-    /// Text safe to show (never part of a stop string).
+    /// Content safe to show (never part of a stop string, never markup).
     Text(String),
+    /// Reasoning (`reasoning_content`).
+    Reasoning(String),
+    ToolCall(ToolCallDelta),
     Done(Done),
 }
 
@@ -72,6 +79,7 @@ pub(crate) async fn start(
     request_id: String,
     prompt: Vec<u32>,
     params: GenParams,
+    parsing: Option<Parsing>,
 ) -> Result<GenStream, ApiError> {
     let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
     let stops = params.stop.clone();
@@ -104,8 +112,9 @@ pub(crate) async fn start(
     let stream = async_stream::stream! {
         let mut guard = guard;
         let mut worker = futures::stream::iter([Ok(first)]).chain(worker);
-        let mut detok = st.backends.detokenizer();
+        let mut detok = st.backends.detokenizer(parsing);
         let mut filter = StopFilter::new(&stops);
+        let mut calls = 0usize;
         loop {
             let item = tokio::select! {
                 biased;
@@ -125,11 +134,11 @@ pub(crate) async fn start(
                     if filter.stopped() || ids.is_empty() {
                         continue;
                     }
-                    match detok.push(ids).await {
-                        Ok(text) => {
-                            let out = filter.push(&text);
-                            if !out.is_empty() {
-                                yield Ok(GenEvent::Text(out));
+                    match detok.push(ids).await.and_then(|p| split(&st, p, &mut filter, false)) {
+                        Ok(events) => {
+                            for ev in events {
+                                calls += usize::from(matches!(ev, GenEvent::ToolCall(ref c) if !c.name.is_empty()));
+                                yield Ok(ev);
                             }
                         }
                         Err(e) => {
@@ -145,21 +154,33 @@ pub(crate) async fn start(
                         return;
                     }
                     if !filter.stopped() {
-                        match detok.finish().await {
-                            Ok(rest) => {
-                                let mut out = filter.push(&rest);
-                                out.push_str(&filter.finish());
-                                if !out.is_empty() {
-                                    yield Ok(GenEvent::Text(out));
+                        // A block cut off by max_tokens is not the model's error: the
+                        // answer ends with "length" (its markup still never shown).
+                        let cut = f.reason == FinishReason::Length;
+                        match detok.finish().await.and_then(|mut p| {
+                            if cut {
+                                p.failures.retain(|f| !f.reason.starts_with("unterminated"));
+                            }
+                            split(&st, p, &mut filter, true)
+                        }) {
+                            Ok(events) => {
+                                for ev in events {
+                                    calls += usize::from(matches!(ev, GenEvent::ToolCall(ref c) if !c.name.is_empty()));
+                                    yield Ok(ev);
                                 }
                             }
                             Err(e) => {
+                                // The guard is disarmed: the worker already finished.
                                 yield Err(e);
                                 return;
                             }
                         }
                     }
-                    let finish_reason = if filter.stopped() || f.reason == FinishReason::Stop { "stop" } else { "length" };
+                    let finish_reason = if filter.stopped() || f.reason == FinishReason::Stop {
+                        if calls > 0 { "tool_calls" } else { "stop" }
+                    } else {
+                        "length"
+                    };
                     if f.matched_stop.is_some() && !filter.stopped() {
                         tracing::debug!(matched = ?f.matched_stop, "worker matched a stop string the text does not contain");
                     }
@@ -180,13 +201,67 @@ pub(crate) async fn start(
     Ok(Box::pin(stream))
 }
 
-/// Drains a generation into its full text (the non-streaming responses).
-pub(crate) async fn collect(mut stream: GenStream) -> Result<(String, Done), ApiError> {
-    let mut text = String::new();
+/// Orders what one Detokenize answer completed into events: reasoning, content (through
+/// the stop filter; `last` flushes it), then tool calls. A parse failure is counted and
+/// becomes the generation's error.
+fn split(
+    st: &AppState,
+    p: Parsed,
+    filter: &mut StopFilter,
+    last: bool,
+) -> Result<Vec<GenEvent>, ApiError> {
+    if let Some(f) = p.failures.first() {
+        for f in &p.failures {
+            st.metrics.parse_failure(&f.parser, &f.reason);
+        }
+        return Err(ApiError::unparsable_output(&f.parser, &f.reason, &f.detail));
+    }
+    let mut out = Vec::new();
+    if !p.reasoning.is_empty() {
+        out.push(GenEvent::Reasoning(p.reasoning));
+    }
+    let mut text = filter.push(&p.text);
+    if last {
+        text.push_str(&filter.finish());
+    }
+    if !text.is_empty() {
+        out.push(GenEvent::Text(text));
+    }
+    out.extend(p.tool_calls.into_iter().map(GenEvent::ToolCall));
+    Ok(out)
+}
+
+/// A whole response: content, reasoning and complete tool calls.
+#[derive(Debug, Default)]
+pub(crate) struct Collected {
+    pub text: String,
+    pub reasoning: String,
+    /// `(id, name, arguments JSON)` in call order.
+    pub tool_calls: Vec<(String, String, String)>,
+}
+
+/// Drains a generation (the non-streaming responses).
+pub(crate) async fn collect(mut stream: GenStream) -> Result<(Collected, Done), ApiError> {
+    let mut c = Collected::default();
     while let Some(ev) = stream.next().await {
         match ev? {
-            GenEvent::Text(t) => text.push_str(&t),
-            GenEvent::Done(d) => return Ok((text, d)),
+            GenEvent::Text(t) => c.text.push_str(&t),
+            GenEvent::Reasoning(t) => c.reasoning.push_str(&t),
+            GenEvent::ToolCall(d) => {
+                let i = d.index as usize;
+                if c.tool_calls.len() <= i {
+                    c.tool_calls.resize(i + 1, Default::default());
+                }
+                let call = &mut c.tool_calls[i];
+                if !d.id.is_empty() {
+                    call.0 = d.id;
+                }
+                if !d.name.is_empty() {
+                    call.1 = d.name;
+                }
+                call.2.push_str(&d.arguments);
+            }
+            GenEvent::Done(d) => return Ok((c, d)),
         }
     }
     Err(ApiError::backend(
@@ -350,9 +425,15 @@ mod tests {
         let backends = Backends::connect_lazy(&turl, &wurl).unwrap();
         let st = AppState::new(cfg, backends, tokio_util::sync::CancellationToken::new()).unwrap();
 
-        let mut stream = start(&st, "req-42".into(), vec![1, 2, 3], GenParams::default())
-            .await
-            .unwrap();
+        let mut stream = start(
+            &st,
+            "req-42".into(),
+            vec![1, 2, 3],
+            GenParams::default(),
+            None,
+        )
+        .await
+        .unwrap();
         for _ in 0..3 {
             assert!(matches!(stream.next().await, Some(Ok(GenEvent::Text(t))) if t == "x"));
         }

@@ -17,7 +17,7 @@ use axum::{Json, Router};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
-use crate::backend::{GenParams, WorkerInfo};
+use crate::backend::{GenParams, Parsing, WorkerInfo};
 use crate::error::{ApiError, ErrorClass};
 use crate::generate::{self, GenEvent, GenStream};
 use crate::metrics::endpoint_label;
@@ -25,6 +25,7 @@ use crate::openai::{
     self, ChatRequest, CompletionRequest, PromptInput, ResponseMeta, SamplingFields,
 };
 use crate::state::{AppState, unix_now};
+use crate::tools::{self, ToolFormat};
 
 pub(crate) fn router(st: AppState) -> Router {
     let v1 = Router::new()
@@ -372,6 +373,13 @@ fn sse(
                     };
                     yield Ok(data(&chunk));
                 }
+                // Only chat requests ask for parsing.
+                Ok(GenEvent::Reasoning(t)) => {
+                    yield Ok(data(&openai::chat_chunk(&meta, json!({ "reasoning_content": t }), None)));
+                }
+                Ok(GenEvent::ToolCall(d)) => {
+                    yield Ok(data(&openai::chat_chunk(&meta, openai::tool_call_delta(&d), None)));
+                }
                 Ok(GenEvent::Done(d)) => {
                     let (chunk, object) = match kind {
                         Kind::Chat => (openai::chat_chunk(&meta, json!({}), Some(d.finish_reason)), "chat.completion.chunk"),
@@ -407,15 +415,42 @@ async fn chat_completions(
     let body = body_bytes(&st, body)?;
     let req: ChatRequest = openai::parse(&body)?;
     let params = openai::parse::<SamplingFields>(&body)?.to_params()?;
+    let mut params = params;
     req.check_supported()?;
     let messages = req.messages()?;
+    let tools = tools::parse_tools(req.tools.as_ref())?;
+    let choice = tools::parse_tool_choice(req.tool_choice.as_ref(), &tools)?;
+    let schema = tools::response_schema(req.response_format.as_ref())?;
+    let thinking = req.thinking()?;
     let model = st.check_model(&req.model).await?;
     let info = st.worker_info().await?.clone();
     check_max_tokens(&info, params.max_tokens)?;
+    let format = st.output_format().await?;
+    let plan = tools::plan(
+        &tools,
+        req.tools_json(),
+        &choice,
+        req.parallel_tool_calls.unwrap_or(true),
+        schema,
+        format,
+        thinking,
+    )?;
+    params.grammar = plan.grammar;
+    let parsing = (plan.parse_tools.is_some() || format.reasoning).then(|| Parsing {
+        tool_format: if plan.parse_tools.is_some() {
+            format.tools
+        } else {
+            ToolFormat::None
+        },
+        tool_names: plan.parse_tools.unwrap_or_default(),
+        reasoning: format.reasoning,
+        thinking,
+        call_id_prefix: format!("call_{}_", &uuid::Uuid::new_v4().simple().to_string()[..12]),
+    });
 
     let ids = st
         .backends
-        .apply_chat_template(messages, req.tools_json(), req.thinking()?)
+        .apply_chat_template(messages, plan.render, thinking)
         .await?;
     check_context(&info, ids.len(), params.max_tokens, "messages")?;
     let stream = req.stream.unwrap_or(false);
@@ -425,7 +460,7 @@ async fn chat_completions(
         model,
         Kind::Chat,
         ids,
-        params,
+        (params, parsing),
         stream,
         req.include_usage(),
     )
@@ -440,7 +475,7 @@ async fn respond(
     model: String,
     kind: Kind,
     ids: Vec<u32>,
-    params: GenParams,
+    (params, parsing): (GenParams, Option<Parsing>),
     stream: bool,
     include_usage: bool,
 ) -> Result<Response, ApiError> {
@@ -455,7 +490,7 @@ async fn respond(
         created: unix_now(),
         model,
     };
-    let gen_stream = generate::start(&st, id.clone(), ids, params).await?;
+    let gen_stream = generate::start(&st, id.clone(), ids, params, parsing).await?;
     if stream {
         return Ok(sse(
             st.clone(),
@@ -466,10 +501,10 @@ async fn respond(
             include_usage,
         ));
     }
-    let (text, done) = generate::collect(gen_stream).await?;
+    let (out, done) = generate::collect(gen_stream).await?;
     let body = match kind {
-        Kind::Chat => openai::chat_completion(&meta, &text, done.finish_reason, &done.usage),
-        Kind::Completion => openai::completion(&meta, &text, done.finish_reason, &done.usage),
+        Kind::Chat => openai::chat_completion(&meta, &out, done.finish_reason, &done.usage),
+        Kind::Completion => openai::completion(&meta, &out.text, done.finish_reason, &done.usage),
     };
     Ok(with_request_id(Json(body).into_response(), &id))
 }
@@ -522,7 +557,7 @@ async fn completions(
         model,
         Kind::Completion,
         ids,
-        params,
+        (params, None),
         stream,
         req.include_usage(),
     )

@@ -15,6 +15,7 @@ pub(crate) struct Metrics {
     pub prompt_tokens: IntCounter,
     pub cached_prompt_tokens: IntCounter,
     errors: IntCounterVec,
+    parse_failures: IntCounterVec,
     pub kv_pages_free: IntGauge,
     pub kv_pages_total: IntGauge,
     /// 1 when this scrape read every worker's state, else 0 (the worker gauges are then
@@ -364,6 +365,14 @@ impl Metrics {
         registry.register(Box::new(prompt_tokens.clone()))?;
         registry.register(Box::new(cached_prompt_tokens.clone()))?;
         registry.register(Box::new(errors.clone()))?;
+        let parse_failures = IntCounterVec::new(
+            Opts::new(
+                "mesh_tool_call_parse_failures_total",
+                "Model outputs whose tool-call markup failed to parse (the request failed; nothing was shown as content), by parser and reason.",
+            ),
+            &["parser", "reason"],
+        )?;
+        registry.register(Box::new(parse_failures.clone()))?;
         registry.register(Box::new(kv_pages_free.clone()))?;
         registry.register(Box::new(kv_pages_total.clone()))?;
         registry.register(Box::new(workers_read.clone()))?;
@@ -376,6 +385,7 @@ impl Metrics {
             prompt_tokens,
             cached_prompt_tokens,
             errors,
+            parse_failures,
             kv_pages_free,
             kv_pages_total,
             workers_read,
@@ -407,6 +417,19 @@ impl Metrics {
     /// `error_type` is an [`crate::error::ApiError::error_type`] (a closed set).
     pub fn error(&self, error_type: &'static str) {
         self.errors.with_label_values(&[error_type]).inc();
+    }
+
+    /// One output that failed to parse; labels outside the parsers' closed sets read
+    /// `other`.
+    pub fn parse_failure(&self, parser: &str, reason: &str) {
+        let known = |s: &str, set: &[&'static str]| {
+            set.iter().copied().find(|k| *k == s).unwrap_or("other")
+        };
+        let labels = [
+            known(parser, &pdmesh_chat::PARSERS),
+            known(reason, &pdmesh_chat::FAILURE_REASONS),
+        ];
+        self.parse_failures.with_label_values(&labels).inc();
     }
 
     /// The Prometheus text exposition of every metric.

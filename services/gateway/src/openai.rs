@@ -6,9 +6,9 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
-use crate::backend::{GenParams, Message};
+use crate::backend::{GenParams, Message, ToolCallDelta};
 use crate::error::ApiError;
-use crate::generate::Usage;
+use crate::generate::{Collected, Usage};
 
 /// Most stop strings per request (OpenAI's limit).
 pub(crate) const MAX_STOP: usize = 4;
@@ -211,6 +211,7 @@ impl SamplingFields {
             stop,
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            grammar: None,
         })
     }
 }
@@ -241,6 +242,12 @@ pub(crate) struct ContentPart {
 pub(crate) struct ChatMessage {
     pub role: String,
     pub content: Option<Content>,
+    /// Assistant turns: the calls it made (checked in detail by the tokenizer).
+    pub tool_calls: Option<Value>,
+    /// Tool turns: the call this result answers.
+    pub tool_call_id: Option<String>,
+    /// Assistant turns: the reasoning shown before the answer.
+    pub reasoning_content: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -253,6 +260,8 @@ pub(crate) struct ChatRequest {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     pub response_format: Option<Value>,
     /// Extra variables for the chat format, as vLLM and SGLang take them; pdmesh reads
     /// `thinking` (or `enable_thinking`).
@@ -300,7 +309,30 @@ impl ChatRequest {
                     }
                 };
                 let role = if m.role == "developer" { "system".to_owned() } else { m.role.clone() };
-                Ok(Message { role, content })
+                let tool_calls_json = match &m.tool_calls {
+                    None | Some(Value::Null) => None,
+                    Some(Value::Array(a)) if a.is_empty() => None,
+                    Some(v @ Value::Array(_)) if role == "assistant" => Some(v.to_string()),
+                    Some(Value::Array(_)) => {
+                        return Err(ApiError::invalid_param(
+                            &format!("messages[{i}].tool_calls"),
+                            format!("only assistant messages carry tool_calls, not {:?}", m.role),
+                        ));
+                    }
+                    Some(_) => {
+                        return Err(ApiError::invalid_param(
+                            &format!("messages[{i}].tool_calls"),
+                            "tool_calls must be a list",
+                        ));
+                    }
+                };
+                Ok(Message {
+                    role,
+                    content,
+                    tool_calls_json,
+                    tool_call_id: m.tool_call_id.clone(),
+                    reasoning: m.reasoning_content.clone().filter(|r| !r.is_empty()),
+                })
             })
             .collect()
     }
@@ -311,14 +343,6 @@ impl ChatRequest {
             return Err(ApiError::unsupported(
                 "logprobs",
                 "logprobs are not supported by this server",
-            ));
-        }
-        if let Some(rf) = &self.response_format
-            && rf.get("type").and_then(Value::as_str) != Some("text")
-        {
-            return Err(ApiError::unsupported(
-                "response_format",
-                "only response_format {\"type\": \"text\"} is supported",
             ));
         }
         Ok(())
@@ -473,10 +497,26 @@ pub(crate) struct ResponseMeta {
 
 pub(crate) fn chat_completion(
     m: &ResponseMeta,
-    text: &str,
+    out: &Collected,
     finish_reason: &str,
     usage: &Usage,
 ) -> Value {
+    let mut message = json!({ "role": "assistant", "content": out.text });
+    if !out.reasoning.is_empty() {
+        message["reasoning_content"] = json!(out.reasoning);
+    }
+    if !out.tool_calls.is_empty() {
+        if out.text.is_empty() {
+            message["content"] = Value::Null;
+        }
+        message["tool_calls"] = out
+            .tool_calls
+            .iter()
+            .map(|(id, name, arguments)| {
+                json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
+            })
+            .collect();
+    }
     json!({
         "id": m.id,
         "object": "chat.completion",
@@ -484,12 +524,25 @@ pub(crate) fn chat_completion(
         "model": m.model,
         "choices": [{
             "index": 0,
-            "message": { "role": "assistant", "content": text },
+            "message": message,
             "logprobs": null,
             "finish_reason": finish_reason,
         }],
         "usage": usage_json(usage),
     })
+}
+
+/// The delta of one tool-call piece: the first carries id, type and name.
+pub(crate) fn tool_call_delta(d: &ToolCallDelta) -> Value {
+    let mut call = json!({"index": d.index, "function": {"arguments": d.arguments}});
+    if !d.id.is_empty() {
+        call["id"] = json!(d.id);
+        call["type"] = json!("function");
+    }
+    if !d.name.is_empty() {
+        call["function"]["name"] = json!(d.name);
+    }
+    json!({ "tool_calls": [call] })
 }
 
 pub(crate) fn chat_chunk(m: &ResponseMeta, delta: Value, finish_reason: Option<&str>) -> Value {

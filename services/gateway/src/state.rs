@@ -12,6 +12,7 @@ use crate::Config;
 use crate::backend::{Backends, WorkerInfo};
 use crate::error::{ApiError, Error};
 use crate::metrics::Metrics;
+use crate::tools::OutputFormat;
 
 /// Cheap to clone; everything lives behind one `Arc`.
 #[derive(Clone)]
@@ -25,6 +26,7 @@ pub(crate) struct Inner {
     /// Unix time the gateway started: the `created` of `/v1/models`.
     pub started: u64,
     info: OnceCell<WorkerInfo>,
+    output: OnceCell<OutputFormat>,
 }
 
 impl std::ops::Deref for AppState {
@@ -55,6 +57,7 @@ impl AppState {
             shutdown,
             started: unix_now(),
             info: OnceCell::new(),
+            output: OnceCell::new(),
         })))
     }
 
@@ -63,6 +66,14 @@ impl AppState {
         self.info
             .get_or_try_init(|| self.backends.model_info())
             .await
+    }
+
+    /// The markup the model writes (tool calls, reasoning), from the tokenizer.
+    pub async fn output_format(&self) -> Result<OutputFormat, ApiError> {
+        self.output
+            .get_or_try_init(|| self.backends.output_format())
+            .await
+            .copied()
     }
 
     /// The model name clients must send.

@@ -24,6 +24,10 @@ pub enum Error {
     },
     #[error("tools_json is not valid JSON: {0}")]
     ToolsJson(serde_json::Error),
+    /// A field holds UTF-8 but not what it must (`field` is its path in the request,
+    /// `problem` finishes the sentence: "is not a JSON object").
+    #[error("{field} {problem}")]
+    InvalidField { field: String, problem: String },
     #[error("this model has no chat template")]
     NoChatTemplate,
     /// The template refused the conversation (e.g. a role order it does not support).
@@ -41,6 +45,7 @@ impl Error {
             Self::InvalidUtf8 { .. } => "invalid_utf8",
             Self::TokenOutOfRange { .. } => "token_out_of_range",
             Self::ToolsJson(_) => "tools_json",
+            Self::InvalidField { .. } => "invalid_field",
             Self::NoChatTemplate => "no_chat_template",
             Self::Template(_) => "template",
             Self::Text(_) => "tokenizer",
@@ -55,6 +60,7 @@ impl From<Error> for tonic::Status {
             Error::InvalidUtf8 { .. }
             | Error::TokenOutOfRange { .. }
             | Error::ToolsJson(_)
+            | Error::InvalidField { .. }
             | Error::Template(_) => tonic::Status::invalid_argument(msg),
             Error::NoChatTemplate => tonic::Status::failed_precondition(msg),
             Error::Load { .. } | Error::Startup(_) | Error::Transport(_) | Error::Text(_) => {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use pdmesh_chat::{Delta, Format, OutputParser, ReasoningParser, ToolParser};
 use pdmesh_proto::tokenizer::v1 as pb;
-use pdmesh_text::{ChatFormat, ChatMessage, TextTokenizer, dsv32};
+use pdmesh_text::{ChatFormat, ChatMessage, TextTokenizer, ToolCall, ToolFormat, dsv32};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -114,23 +114,84 @@ fn chat_messages(messages: &[pb::ChatMessage]) -> Result<Vec<ChatMessage>, Error
         .iter()
         .enumerate()
         .map(|(i, m)| {
+            let role = utf8(&m.role, || format!("messages[{i}].role"))?;
+            let tool_calls = tool_calls(&m.tool_calls_json, i)?;
+            if !tool_calls.is_empty() && role != "assistant" {
+                return Err(Error::InvalidField {
+                    field: format!("messages[{i}].tool_calls_json"),
+                    problem: format!("is only allowed on assistant messages, not on {role:?}"),
+                });
+            }
+            let optional = |bytes: &[u8], name: &str| -> Result<Option<String>, Error> {
+                let text = utf8(bytes, || format!("messages[{i}].{name}"))?;
+                Ok((!text.is_empty()).then(|| text.to_owned()))
+            };
             Ok(ChatMessage {
-                role: utf8(&m.role, || format!("messages[{i}].role"))?.to_owned(),
+                role: role.to_owned(),
                 content: utf8(&m.content, || format!("messages[{i}].content"))?.to_owned(),
+                tool_calls,
+                tool_call_id: optional(&m.tool_call_id, "tool_call_id")?,
+                reasoning: optional(&m.reasoning, "reasoning")?,
             })
         })
         .collect()
 }
 
-/// `tools_json` → `None` when empty, else the parsed JSON.
+/// `messages[i].tool_calls_json` → the calls (none when empty), or an error naming the
+/// offending part (`messages[1].tool_calls[0].function.arguments is not a JSON object`).
+fn tool_calls(json: &[u8], i: usize) -> Result<Vec<ToolCall>, Error> {
+    if json.is_empty() {
+        return Ok(Vec::new());
+    }
+    let field = || format!("messages[{i}].tool_calls_json");
+    let text = utf8(json, field)?;
+    let invalid = |problem: String| Error::InvalidField {
+        field: field(),
+        problem,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| invalid(format!("is not valid JSON: {e}")))?;
+    let serde_json::Value::Array(calls) = value else {
+        return Err(invalid("is not a JSON array".to_owned()));
+    };
+    calls
+        .into_iter()
+        .enumerate()
+        .map(|(j, c)| {
+            ToolCall::from_openai(c).map_err(|e| Error::InvalidField {
+                field: match e.part {
+                    "" => format!("messages[{i}].tool_calls[{j}]"),
+                    part => format!("messages[{i}].tool_calls[{j}].{part}"),
+                },
+                problem: e.problem.to_owned(),
+            })
+        })
+        .collect()
+}
+
+/// `tools_json` → `None` when empty, else the parsed JSON as a list of tool definitions
+/// (a single definition not in an array is taken as a list of one).
 fn tools(tools_json: &[u8]) -> Result<Option<serde_json::Value>, Error> {
     if tools_json.is_empty() {
         return Ok(None);
     }
     let text = utf8(tools_json, || "tools_json".to_owned())?;
-    serde_json::from_str(text)
-        .map(Some)
-        .map_err(Error::ToolsJson)
+    match serde_json::from_str(text).map_err(Error::ToolsJson)? {
+        serde_json::Value::Null => Ok(None),
+        a @ serde_json::Value::Array(_) => Ok(Some(a)),
+        one => Ok(Some(serde_json::Value::Array(vec![one]))),
+    }
+}
+
+/// The domain's tool-call markup as the proto names it.
+fn tool_format(f: Option<ToolFormat>) -> pb::ToolFormat {
+    match f {
+        None => pb::ToolFormat::None,
+        Some(ToolFormat::Dsml) => pb::ToolFormat::Dsml,
+        Some(ToolFormat::DeepSeekV3) => pb::ToolFormat::DeepseekV3,
+        Some(ToolFormat::DeepSeekV31) => pb::ToolFormat::DeepseekV31,
+        Some(ToolFormat::Hermes) => pb::ToolFormat::Hermes,
+    }
 }
 
 impl TokenizerService {
@@ -150,16 +211,9 @@ impl TokenizerService {
                 .map_err(Error::Template)?,
             // Its prompt always ends where the assistant's turn begins.
             ChatFormat::DeepSeekV32 => {
-                let msgs: Vec<dsv32::Message> = messages
-                    .iter()
-                    .map(|m| dsv32::Message::new(&m.role, &m.content))
-                    .collect();
-                let tools = match &tools {
-                    None => Vec::new(),
-                    Some(serde_json::Value::Array(a)) => a.clone(),
-                    Some(other) => vec![other.clone()],
-                };
-                dsv32::encode(&msgs, &tools, req.thinking).map_err(Error::Template)?
+                let msgs: Vec<dsv32::Message> = messages.iter().map(dsv32::Message::from).collect();
+                let tools = pdmesh_text::hermes::tool_list(tools.as_ref());
+                dsv32::encode(&msgs, tools, req.thinking).map_err(Error::Template)?
             }
             ChatFormat::None => return Err(Error::NoChatTemplate),
         };
@@ -264,11 +318,14 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
         &self,
         _request: Request<pb::InfoRequest>,
     ) -> Result<Response<pb::InfoResponse>, Status> {
+        let format = self.tok.chat_format();
         Ok(Response::new(pb::InfoResponse {
             vocab_size: u32::try_from(self.tok.vocab_size()).unwrap_or(u32::MAX),
             eos_token_ids: self.tok.eos_token_ids(),
             bos_token_id: self.tok.bos_token_id(),
-            has_chat_template: !matches!(self.tok.chat_format(), ChatFormat::None),
+            has_chat_template: !matches!(format, ChatFormat::None),
+            tool_format: tool_format(format.tool_format()).into(),
+            reasoning: format.reasoning(),
         }))
     }
 }
@@ -279,19 +336,148 @@ mod tests {
 
     #[test]
     fn invalid_utf8_names_the_message_field() {
-        let msgs = vec![
-            pb::ChatMessage {
-                role: b"system".to_vec(),
-                content: b"ok".to_vec(),
-            },
-            pb::ChatMessage {
-                role: b"user".to_vec(),
-                content: vec![b'h', 0xff],
-            },
-        ];
+        let msgs = vec![msg("system", b"ok"), msg("user", &[b'h', 0xff])];
         let err = chat_messages(&msgs).unwrap_err();
         assert_eq!(err.to_string(), "messages[1].content is not valid UTF-8");
         assert_eq!(Status::from(err).code(), tonic::Code::InvalidArgument);
+    }
+
+    fn msg(role: &str, content: &[u8]) -> pb::ChatMessage {
+        pb::ChatMessage {
+            role: role.as_bytes().to_vec(),
+            content: content.to_vec(),
+            ..Default::default()
+        }
+    }
+
+    fn with_calls(role: &str, tool_calls_json: &[u8]) -> pb::ChatMessage {
+        pb::ChatMessage {
+            tool_calls_json: tool_calls_json.to_vec(),
+            ..msg(role, b"")
+        }
+    }
+
+    /// The INVALID_ARGUMENT message for a conversation of `m` after one user turn.
+    fn rejection(m: pb::ChatMessage) -> String {
+        let err = chat_messages(&[msg("user", b"hi"), m]).unwrap_err();
+        let status = Status::from(err);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        status.message().to_owned()
+    }
+
+    #[test]
+    fn tool_calls_tool_call_ids_and_reasoning_become_domain_types() {
+        let calls = br#"[{"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+                         {"function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]"#;
+        let msgs = [
+            msg("user", b"Weather?"),
+            pb::ChatMessage {
+                reasoning: b"Look it up.".to_vec(),
+                ..with_calls("assistant", calls)
+            },
+            pb::ChatMessage {
+                tool_call_id: b"call_0".to_vec(),
+                ..msg("tool", b"sunny")
+            },
+        ];
+        let got = chat_messages(&msgs).unwrap();
+        let args = |v: serde_json::Value| v.as_object().unwrap().clone();
+        assert_eq!(
+            got,
+            [
+                ChatMessage::new("user", "Weather?"),
+                ChatMessage::new("assistant", "")
+                    .with_tool_calls(vec![
+                        ToolCall::new("get_weather", args(serde_json::json!({"city": "Paris"})))
+                            .with_id("call_0"),
+                        ToolCall::new("get_time", args(serde_json::json!({"tz": "UTC"}))),
+                    ])
+                    .with_reasoning("Look it up."),
+                ChatMessage::new("tool", "sunny").with_tool_call_id("call_0"),
+            ]
+        );
+    }
+
+    #[test]
+    fn malformed_tool_calls_are_invalid_argument_naming_the_part() {
+        assert_eq!(
+            rejection(with_calls("assistant", &[b'[', 0xff, b']'])),
+            "messages[1].tool_calls_json is not valid UTF-8"
+        );
+        assert!(
+            rejection(with_calls("assistant", b"[{"))
+                .starts_with("messages[1].tool_calls_json is not valid JSON: ")
+        );
+        assert_eq!(
+            rejection(with_calls("assistant", br#"{"function": {}}"#)),
+            "messages[1].tool_calls_json is not a JSON array"
+        );
+        assert_eq!(
+            rejection(with_calls("assistant", b"[1]")),
+            "messages[1].tool_calls[0] is not a JSON object"
+        );
+        let ok = r#"{"function": {"name": "f", "arguments": "{}"}}"#;
+        for (call, want) in [
+            (
+                r#"{"function": {"name": "", "arguments": "{}"}}"#,
+                "messages[1].tool_calls[1].function.name is not a non-empty string",
+            ),
+            (
+                r#"{"function": {"name": "f", "arguments": "[1, 2]"}}"#,
+                "messages[1].tool_calls[1].function.arguments is not a JSON object",
+            ),
+            (
+                r#"{"function": {"name": "f", "arguments": "{\"a\": "}}"#,
+                "messages[1].tool_calls[1].function.arguments is not a JSON object",
+            ),
+            (
+                r#"{"function": {"name": "f"}}"#,
+                "messages[1].tool_calls[1].function.arguments is not a JSON object",
+            ),
+            (
+                r#"{"id": 3, "function": {"name": "f", "arguments": {}}}"#,
+                "messages[1].tool_calls[1].id is not a string",
+            ),
+        ] {
+            let json = format!("[{ok}, {call}]");
+            assert_eq!(rejection(with_calls("assistant", json.as_bytes())), want);
+        }
+        assert_eq!(
+            rejection(with_calls("user", format!("[{ok}]").as_bytes())),
+            "messages[1].tool_calls_json is only allowed on assistant messages, not on \"user\""
+        );
+        assert_eq!(
+            rejection(pb::ChatMessage {
+                tool_call_id: vec![0xc3],
+                ..msg("tool", b"r")
+            }),
+            "messages[1].tool_call_id is not valid UTF-8"
+        );
+        assert_eq!(
+            rejection(pb::ChatMessage {
+                reasoning: vec![0xc3],
+                ..msg("assistant", b"r")
+            }),
+            "messages[1].reasoning is not valid UTF-8"
+        );
+    }
+
+    #[test]
+    fn tool_formats_map_one_to_one() {
+        assert_eq!(tool_format(None), pb::ToolFormat::None);
+        assert_eq!(tool_format(Some(ToolFormat::Dsml)), pb::ToolFormat::Dsml);
+        assert_eq!(
+            tool_format(Some(ToolFormat::DeepSeekV3)),
+            pb::ToolFormat::DeepseekV3
+        );
+        assert_eq!(
+            tool_format(Some(ToolFormat::DeepSeekV31)),
+            pb::ToolFormat::DeepseekV31
+        );
+        assert_eq!(
+            tool_format(Some(ToolFormat::Hermes)),
+            pb::ToolFormat::Hermes
+        );
     }
 
     #[test]
@@ -307,7 +493,16 @@ mod tests {
     #[test]
     fn tools_json_empty_is_none_and_garbage_is_invalid_argument() {
         assert!(tools(b"").unwrap().is_none());
-        assert!(tools(br#"[{"type":"function"}]"#).unwrap().is_some());
+        assert!(tools(b"null").unwrap().is_none());
+        assert_eq!(
+            tools(br#"[{"type":"function"}]"#).unwrap(),
+            Some(serde_json::json!([{"type": "function"}]))
+        );
+        // A single definition is a list of one, for every chat format.
+        assert_eq!(
+            tools(br#"{"type":"function"}"#).unwrap(),
+            Some(serde_json::json!([{"type": "function"}]))
+        );
         let err = tools(b"[{").unwrap_err();
         assert_eq!(Status::from(err).code(), tonic::Code::InvalidArgument);
     }

@@ -66,8 +66,28 @@ fn msg(role: &str, content: &[u8]) -> pb::ChatMessage {
     pb::ChatMessage {
         role: role.as_bytes().to_vec(),
         content: content.to_vec(),
+        ..Default::default()
     }
 }
+
+/// An assistant turn that made the calls in `tool_calls_json` (OpenAI's JSON).
+fn calls(content: &[u8], tool_calls_json: &str) -> pb::ChatMessage {
+    pb::ChatMessage {
+        tool_calls_json: tool_calls_json.as_bytes().to_vec(),
+        ..msg("assistant", content)
+    }
+}
+
+/// A tool turn answering `id`.
+fn result(id: &str, content: &[u8]) -> pb::ChatMessage {
+    pb::ChatMessage {
+        tool_call_id: id.as_bytes().to_vec(),
+        ..msg("tool", content)
+    }
+}
+
+const WEATHER_TOOLS: &str = r#"[{"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]"#;
+const PARIS_CALL: &str = r#"[{"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]"#;
 
 /// Streams `batches` through one Detokenize call and returns every answer in order.
 async fn detokenize(
@@ -236,6 +256,10 @@ async fn info_and_health_describe_the_model() {
         .into_inner();
     assert_eq!(info.vocab_size, 49_152);
     assert!(info.has_chat_template);
+    // SmolLM2's ChatML template knows no tools: pdmesh's own tools block asks for Hermes
+    // calls, and nothing in it uses <think>.
+    assert_eq!(info.tool_format(), pb::ToolFormat::Hermes);
+    assert!(!info.reasoning);
     assert!(
         info.eos_token_ids.contains(&2),
         "<|im_end|> is an end token: {:?}",
@@ -325,7 +349,195 @@ async fn a_deepseek_v32_checkpoint_without_a_template_gets_its_own_encoding() {
         "{}",
         think.prompt
     );
+
+    // History with a call, its reasoning and its result reaches the encoding.
+    let history = pb::ChatTemplateRequest {
+        messages: vec![
+            msg("user", b"Weather in Paris?"),
+            pb::ChatMessage {
+                reasoning: b"Look it up.".to_vec(),
+                ..calls(b"", PARIS_CALL)
+            },
+            result("call_0", b"sunny"),
+        ],
+        add_generation_prompt: true,
+        tools_json: WEATHER_TOOLS.as_bytes().to_vec(),
+        thinking: true,
+    };
+    let chat = s
+        .client
+        .apply_chat_template(history)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        chat.prompt.contains(
+            "<｜Assistant｜><think>Look it up.</think>\n\n<｜DSML｜function_calls>\n\
+             <｜DSML｜invoke name=\"get_weather\">\n\
+             <｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n"
+        ),
+        "{}",
+        chat.prompt
+    );
+    assert!(
+        chat.prompt.ends_with(
+            "<function_results>\n<result>sunny</result>\n</function_results>\n\n<think>"
+        ),
+        "{}",
+        chat.prompt
+    );
+
+    let info = s
+        .client
+        .info(pb::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(info.has_chat_template);
+    assert_eq!(info.tool_format(), pb::ToolFormat::Dsml);
+    assert!(info.reasoning);
     s.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn tools_and_tool_history_reach_a_template_that_knows_no_tools() {
+    let mut s = start().await;
+    // One user turn and one tool: pdmesh's tools block becomes the system turn.
+    let req = pb::ChatTemplateRequest {
+        messages: vec![msg("user", b"Weather in Paris?")],
+        add_generation_prompt: true,
+        tools_json: WEATHER_TOOLS.as_bytes().to_vec(),
+        thinking: false,
+    };
+    let chat = s
+        .client
+        .apply_chat_template(req)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        chat.prompt.starts_with("<|im_start|>system\n## Tools\n"),
+        "{}",
+        chat.prompt
+    );
+    assert!(
+        chat.prompt.contains(
+            "<tools>\n{\"name\": \"get_weather\", \"description\": \"Current weather\", \
+             \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \
+             \"required\": [\"city\"]}}\n</tools>"
+        ),
+        "{}",
+        chat.prompt
+    );
+    assert!(
+        chat.prompt.ends_with(
+            "</tool_call>\n\nEach result comes back to you in a <tool_response></tool_response> block.<|im_end|>\n\
+             <|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+        ),
+        "{}",
+        chat.prompt
+    );
+    assert!(
+        !chat.prompt.contains("SmolLM"),
+        "the template's default system prompt is replaced: {}",
+        chat.prompt
+    );
+    assert_eq!(
+        chat.ids,
+        tokenize(&mut s.client, chat.prompt.as_bytes(), false)
+            .await
+            .unwrap()
+    );
+
+    // The call and its result come back as Hermes markup in ordinary turns.
+    let req = pb::ChatTemplateRequest {
+        messages: vec![
+            msg("system", b"Be brief."),
+            msg("user", b"Weather in Paris?"),
+            calls(b"Checking.", PARIS_CALL),
+            result("call_0", b"sunny"),
+        ],
+        add_generation_prompt: true,
+        tools_json: WEATHER_TOOLS.as_bytes().to_vec(),
+        thinking: false,
+    };
+    let chat = s
+        .client
+        .apply_chat_template(req)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        chat.prompt
+            .starts_with("<|im_start|>system\nBe brief.\n\n## Tools\n"),
+        "{}",
+        chat.prompt
+    );
+    assert!(
+        chat.prompt.ends_with(
+            "<|im_start|>user\nWeather in Paris?<|im_end|>\n\
+             <|im_start|>assistant\nChecking.\n<tool_call>\n\
+             {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n\
+             <|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n\
+             <|im_start|>assistant\n"
+        ),
+        "{}",
+        chat.prompt
+    );
+}
+
+#[tokio::test]
+async fn malformed_tool_history_is_invalid_argument_naming_the_field() {
+    let mut s = start().await;
+    let ask = |messages| pb::ChatTemplateRequest {
+        messages,
+        add_generation_prompt: true,
+        tools_json: WEATHER_TOOLS.as_bytes().to_vec(),
+        thinking: false,
+    };
+    let cases = [
+        (
+            vec![
+                msg("user", b"hi"),
+                calls(
+                    b"",
+                    r#"[{"function": {"name": "get_weather", "arguments": "Paris"}}]"#,
+                ),
+            ],
+            "messages[1].tool_calls[0].function.arguments is not a JSON object",
+        ),
+        (
+            vec![msg("user", b"hi"), calls(b"", r#"{"name": "get_weather"}"#)],
+            "messages[1].tool_calls_json is not a JSON array",
+        ),
+        (
+            vec![pb::ChatMessage {
+                tool_calls_json: PARIS_CALL.as_bytes().to_vec(),
+                ..msg("user", b"hi")
+            }],
+            "messages[0].tool_calls_json is only allowed on assistant messages",
+        ),
+        (
+            vec![
+                msg("user", b"hi"),
+                calls(b"", PARIS_CALL),
+                pb::ChatMessage {
+                    tool_call_id: vec![b'c', 0xff],
+                    ..msg("tool", b"sunny")
+                },
+            ],
+            "messages[2].tool_call_id is not valid UTF-8",
+        ),
+    ];
+    for (messages, want) in cases {
+        let err = s
+            .client
+            .apply_chat_template(ask(messages))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{want}: {err:?}");
+        assert!(err.message().contains(want), "{want}: {}", err.message());
+    }
 }
 
 /// Detokenizes `ids` one token per message with `parsing` asked for in the first.

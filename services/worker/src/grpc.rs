@@ -92,6 +92,7 @@ pub(crate) fn sampling_params(p: Option<pb::SamplingParams>) -> Result<SamplingP
         stop_token_ids: p.stop_token_ids,
         ignore_eos: p.ignore_eos,
         logprobs: p.logprobs,
+        grammar: (!p.grammar.is_empty()).then_some(p.grammar),
     })
 }
 

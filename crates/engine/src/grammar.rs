@@ -1,0 +1,328 @@
+//! Constrained decoding with llguidance: a request's grammar (Lark, with `%json{…}` for
+//! JSON schemas) becomes a token mask applied to its logits before sampling, so the model
+//! can only write text the grammar accepts. The vocabulary comes from the engine's own
+//! token-bytes table (the engine never tokenizes); the mask for a step is computed on
+//! another thread while the forward pass runs.
+
+use std::sync::{Arc, OnceLock};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+
+use crate::EngineError;
+
+/// Builds matchers for one vocabulary. The token trie is built on first use (a grammar
+/// request), not at load.
+pub(crate) struct Grammars {
+    token_bytes: Vec<Vec<u8>>,
+    eog: Vec<u32>,
+    factory: OnceLock<Result<Arc<ParserFactory>, String>>,
+}
+
+impl Grammars {
+    /// `token_bytes[i]`: the bytes token `i` stands for (empty for control tokens);
+    /// `eog`: the ids that end generation (the first stands for "end" in grammars).
+    pub fn new(token_bytes: Vec<Vec<u8>>, eog: Vec<u32>) -> Self {
+        Self {
+            token_bytes,
+            eog,
+            factory: OnceLock::new(),
+        }
+    }
+
+    fn factory(&self) -> Result<&Arc<ParserFactory>, EngineError> {
+        let built = self.factory.get_or_init(|| {
+            let eos = *self
+                .eog
+                .first()
+                .ok_or("the model names no end-of-generation token")?;
+            let words: Vec<Vec<u8>> = self
+                .token_bytes
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    if b.is_empty() {
+                        // Control tokens never match text: mark them special, as the
+                        // trie expects (0xFF prefix), with a unique name.
+                        let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                        w.extend(format!("<special_{i}>").as_bytes());
+                        w
+                    } else {
+                        b.clone()
+                    }
+                })
+                .collect();
+            let info = TokRxInfo::new(words.len() as u32, eos);
+            let trie = TokTrie::from(&info, &words);
+            let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+            let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+            factory.quiet();
+            Ok(Arc::new(factory))
+        });
+        built
+            .as_ref()
+            .map_err(|e| EngineError::Unsupported(format!("grammar: {e}")))
+    }
+
+    /// Compiles `lark` into a fresh matcher; a grammar that does not compile is the
+    /// caller's error.
+    pub fn matcher(&self, lark: &str) -> Result<Constraint, EngineError> {
+        let factory = self.factory()?;
+        let parser = factory
+            .create_parser(TopLevelGrammar::from_lark(lark.to_owned()))
+            .map_err(|e| EngineError::InvalidParam {
+                field: "grammar",
+                msg: e.to_string(),
+            })?;
+        Ok(Constraint {
+            matcher: Matcher::new(Ok(parser)),
+            mask: None,
+            eos: self.eog[0],
+        })
+    }
+}
+
+/// One request's grammar state: the matcher and the mask for its next token.
+pub(crate) struct Constraint {
+    matcher: Matcher,
+    mask: Option<SimpleVob>,
+    eos: u32,
+}
+
+impl Constraint {
+    /// Computes the mask for the next token if it is not known yet (run off the engine's
+    /// critical path, beside the forward pass).
+    pub fn prepare(&mut self) {
+        if self.mask.is_none() && !self.matcher.is_stopped() {
+            match self.matcher.compute_mask() {
+                Ok(m) => self.mask = Some(self.forced(m)),
+                Err(e) => tracing::warn!(error = %e, "the grammar could not compute a mask"),
+            }
+        }
+    }
+
+    /// Where the grammar forces the next bytes (a tag, a key, a tool's name), only the
+    /// longest token spelling a prefix of them: otherwise a model that never saw the text
+    /// may spell it letter by letter, spending many tokens on what had no choice.
+    fn forced(&mut self, mask: SimpleVob) -> SimpleVob {
+        let ff = self.matcher.compute_ff_bytes();
+        if ff.is_empty() {
+            return mask;
+        }
+        let Ok(env) = self.matcher.tok_env() else {
+            return mask;
+        };
+        let (tok, len) = env.tok_trie().prefix_token_id(&ff);
+        if len == 0 || !mask.is_allowed(tok) {
+            return mask;
+        }
+        let mut only = SimpleVob::alloc(mask.len());
+        only.allow_token(tok);
+        only
+    }
+
+    /// Sets every token the grammar forbids to -inf. The grammar's "end" allows every
+    /// end-of-generation id. Returns false when nothing is allowed (the grammar is done
+    /// or failed), so the caller ends the sequence.
+    pub fn apply(&mut self, logits: &mut [f32], eog: &[u32]) -> bool {
+        self.prepare();
+        let Some(mask) = &self.mask else {
+            // Stopped or failed: only an end token may follow.
+            for (t, l) in logits.iter_mut().enumerate() {
+                if !eog.contains(&(t as u32)) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            return false;
+        };
+        let end = mask.is_allowed(self.eos);
+        let mut any = false;
+        for (t, l) in logits.iter_mut().enumerate() {
+            let t = t as u32;
+            let ok = if eog.contains(&t) {
+                end
+            } else {
+                (t as usize) < mask.len() && mask.is_allowed(t)
+            };
+            if ok {
+                any |= *l > f32::NEG_INFINITY;
+            } else {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        any
+    }
+
+    /// Advances past sampled token `tok` (an end-of-generation id counts as "end").
+    /// Err: the grammar rejected it.
+    pub fn commit(&mut self, tok: u32, eog: &[u32]) -> Result<(), String> {
+        self.mask = None;
+        let t = if eog.contains(&tok) { self.eos } else { tok };
+        self.matcher.consume_token(t).map_err(|e| e.to_string())
+    }
+
+    /// Whether the grammar is complete and can take no more text.
+    pub fn done(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A byte-level toy vocabulary: 256 single bytes, a few merges, and two control ids.
+    fn toy() -> Grammars {
+        let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        for w in [
+            "{\"",
+            "\":",
+            "name",
+            "get_weather",
+            "\"}",
+            "<tool_call>",
+            "Paris",
+        ] {
+            words.push(w.as_bytes().to_vec());
+        }
+        words.push(Vec::new()); // eos
+        words.push(Vec::new()); // another end token
+        let n = words.len() as u32;
+        Grammars::new(words, vec![n - 2, n - 1])
+    }
+
+    fn greedy(g: &Grammars, c: &mut Constraint, prefer: &[u8], max: usize) -> Vec<u8> {
+        let vocab = g.token_bytes.len();
+        let mut out = Vec::new();
+        for _ in 0..max {
+            // Prefer the longest token continuing `prefer`, else the lowest allowed id.
+            let mut logits = vec![0.0f32; vocab];
+            for (t, b) in g.token_bytes.iter().enumerate() {
+                if !b.is_empty() && prefer[out.len().min(prefer.len())..].starts_with(b) {
+                    logits[t] = 1.0 + b.len() as f32;
+                }
+            }
+            let live = c.apply(&mut logits, &g.eog);
+            let tok = crate::sampler::argmax(&logits);
+            if !live || g.eog.contains(&tok) {
+                c.commit(tok, &g.eog).unwrap();
+                break;
+            }
+            out.extend(&g.token_bytes[tok as usize]);
+            c.commit(tok, &g.eog).unwrap();
+            if c.done() {
+                break;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_mask_forces_the_grammar_whatever_the_model_prefers() {
+        let g = toy();
+        let lark = r#"start: "<tool_call>\n" %json{"type":"object","properties":{"name":{"const":"get_weather"}},"required":["name"],"additionalProperties":false,"x-guidance":{"whitespace_flexible":false}} "\n</tool_call>""#;
+        let mut c = g.matcher(lark).unwrap();
+        // The "model" wants to write prose; the grammar wins.
+        let out = greedy(&g, &mut c, b"Sure, the weather in Paris is", 200);
+        let text = String::from_utf8(out).unwrap();
+        let body = text
+            .strip_prefix("<tool_call>\n")
+            .and_then(|r| r.strip_suffix("\n</tool_call>"))
+            .unwrap_or_else(|| panic!("not a tool call: {text:?}"));
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["name"], "get_weather");
+        assert!(c.done(), "the grammar is complete after the closing tag");
+    }
+
+    #[test]
+    fn forced_text_is_spelled_with_the_longest_token() {
+        let g = toy();
+        let mut c = g.matcher(r#"start: "<tool_call>" /[a-z]+/"#).unwrap();
+        let vocab = g.token_bytes.len();
+        let mut logits = vec![0.0f32; vocab];
+        logits[usize::from(b'<')] = 5.0; // the model prefers the one-byte spelling
+        assert!(c.apply(&mut logits, &g.eog));
+        let allowed: Vec<usize> = (0..vocab)
+            .filter(|&t| logits[t] > f32::NEG_INFINITY)
+            .collect();
+        assert_eq!(allowed.len(), 1);
+        assert_eq!(g.token_bytes[allowed[0]], b"<tool_call>");
+        c.commit(allowed[0] as u32, &g.eog).unwrap();
+        // A free choice is left free.
+        let mut logits = vec![0.0f32; vocab];
+        assert!(c.apply(&mut logits, &g.eog));
+        // a-z, and the merge "name".
+        assert_eq!((0..vocab).filter(|&t| logits[t] == 0.0).count(), 27);
+    }
+
+    #[test]
+    fn an_end_token_is_allowed_only_where_the_grammar_may_end() {
+        let g = toy();
+        let mut c = g.matcher(r#"start: "ab" | "abc""#).unwrap();
+        let (a, b) = (u32::from(b'a'), u32::from(b'b'));
+        let vocab = g.token_bytes.len();
+        let mut logits = vec![0.0f32; vocab];
+        assert!(c.apply(&mut logits, &g.eog));
+        assert!(logits[a as usize].is_finite());
+        assert!(
+            g.eog
+                .iter()
+                .all(|&e| logits[e as usize] == f32::NEG_INFINITY)
+        );
+        c.commit(a, &g.eog).unwrap();
+        c.commit(b, &g.eog).unwrap();
+        let mut logits = vec![0.0f32; vocab];
+        assert!(c.apply(&mut logits, &g.eog));
+        assert!(
+            g.eog.iter().all(|&e| logits[e as usize] == 0.0),
+            "ab is complete"
+        );
+        assert!(logits[usize::from(b'c')].is_finite());
+        assert!(logits[usize::from(b'd')] == f32::NEG_INFINITY);
+        c.commit(g.eog[1], &g.eog).unwrap();
+        assert!(c.done());
+    }
+
+    #[test]
+    fn a_bad_grammar_is_the_callers_error() {
+        let g = toy();
+        let Err(e) = g.matcher("start: undefined_rule") else {
+            panic!("compiled a grammar with an undefined rule");
+        };
+        assert!(e.is_client_error(), "{e}");
+        assert!(matches!(
+            e,
+            EngineError::InvalidParam {
+                field: "grammar",
+                ..
+            }
+        ));
+    }
+
+    /// The prefix the gateway puts before a constrained answer when the prompt opened
+    /// `<think>`: free reasoning up to the first `</think>`, then the grammar.
+    #[test]
+    fn reasoning_runs_free_until_the_first_end_think() {
+        let g = toy();
+        let lark = "start: think_ answer_\nthink_[lazy]: /(?s:.*)<\\/think>/\nanswer_: \"X\"";
+        let feed = |text: &str| {
+            let mut c = g.matcher(lark).unwrap();
+            for b in text.bytes() {
+                c.commit(u32::from(b), &g.eog)?;
+            }
+            Ok::<bool, String>(c.done())
+        };
+        assert_eq!(feed("a <b> X</think>X"), Ok(true));
+        assert_eq!(feed("</think>X"), Ok(true));
+        assert!(feed("ab</think>Y").is_err());
+        assert_eq!(feed("still thinking, X"), Ok(false));
+    }
+
+    #[test]
+    fn a_token_outside_the_grammar_is_refused() {
+        let g = toy();
+        let mut c = g.matcher(r#"start: "x""#).unwrap();
+        assert!(c.commit(u32::from(b'y'), &g.eog).is_err());
+    }
+}

@@ -1,0 +1,228 @@
+"""Tool calls, tool_choice and structured outputs through the whole mesh with the openai
+client, on the default model (SmolLM2-135M, whose calls are Hermes `<tool_call>` JSON).
+
+A model this small rarely calls a tool on its own; `tool_choice: required` or a named
+function constrains decoding to the model's own call format, so it must return a valid
+call every time. Markup must never reach content, and a block that fails to parse must
+fail the request and be counted, not be shown.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"location": {"type": "string", "description": "the city"}},
+            "required": ["location"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Local time in a timezone",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string"}, "24h": {"type": "boolean"}},
+            "required": ["timezone", "24h"],
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+def chat(client, mesh, **kw):
+    kw.setdefault("max_tokens", 80)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=mesh.model, **kw)
+
+
+def stream_chat(client, mesh, **kw):
+    """(content, tool calls as {index: [id, name, args]}, finish_reason, chunks)."""
+    chunks = list(chat(client, mesh, stream=True, **kw))
+    content, calls, finish = "", {}, None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        c = ch.choices[0]
+        content += c.delta.content or ""
+        for tc in c.delta.tool_calls or []:
+            call = calls.setdefault(tc.index, [None, None, ""])
+            if tc.id:
+                assert call[0] is None, "the id comes once, in the first delta"
+                call[0] = tc.id
+            if tc.function and tc.function.name:
+                assert call[1] is None and call[2] == "", "the name comes first, once"
+                call[1] = tc.function.name
+            if tc.function and tc.function.arguments:
+                assert call[1] is not None, "arguments after the name"
+                call[2] += tc.function.arguments
+        finish = c.finish_reason or finish
+    return content, calls, finish, chunks
+
+
+def check_call(name, args_json, tool):
+    assert name == tool["function"]["name"]
+    args = json.loads(args_json)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    return args
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_required_or_named_tool_choice_returns_a_valid_call(client, mesh, choice):
+    r = chat(client, mesh, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    assert c.message.content is None, c.message
+    assert len(c.message.tool_calls) == 1, c.message.tool_calls
+    tc = c.message.tool_calls[0]
+    assert tc.type == "function" and tc.id.startswith("call_")
+    tool = WEATHER if tc.function.name == "get_weather" else TIME
+    if isinstance(choice, dict):
+        assert tc.function.name == "get_weather"
+    check_call(tc.function.name, tc.function.arguments, tool)
+
+    # Streaming gives the same call, id and name first, then argument fragments.
+    content, calls, finish, chunks = stream_chat(
+        client, mesh, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False
+    )
+    assert finish == "tool_calls"
+    assert content == "", f"markup leaked into content: {content!r}"
+    assert list(calls) == [0]
+    cid, name, args = calls[0]
+    assert cid.startswith("call_")
+    assert (name, json.loads(args)) == (tc.function.name, json.loads(tc.function.arguments)), "greedy: same call"
+
+
+def test_naming_the_other_tool_calls_it(client, mesh):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = chat(client, mesh, messages=ASK, tools=[WEATHER, TIME], tool_choice=named)
+    calls = r.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_time"], "a named choice allows one call of that tool"
+    args = check_call("get_time", calls[0].function.arguments, TIME)
+    assert isinstance(args["24h"], bool)
+    _, scalls, finish, _ = stream_chat(client, mesh, messages=ASK, tools=[WEATHER, TIME], tool_choice=named)
+    assert finish == "tool_calls" and [c[1] for c in scalls.values()] == ["get_time"]
+
+
+def test_tool_choice_none_renders_no_tools_and_returns_text(client, mesh):
+    plain = chat(client, mesh, messages=ASK, max_tokens=8)
+    none = chat(client, mesh, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8)
+    auto = chat(client, mesh, messages=ASK, tools=[WEATHER], max_tokens=8)
+    # The prompt is the prompt without tools: nothing about them was rendered.
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 30, "auto renders the tools"
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_json_schema_output_validates(client, mesh):
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "population": {"type": "integer", "minimum": 0, "maximum": 50000000},
+            "capital": {"type": "boolean"},
+        },
+        "required": ["city", "population", "capital"],
+        "additionalProperties": False,
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "Describe Paris as JSON."}]
+    r = chat(client, mesh, messages=msgs, response_format=rf, max_tokens=120)
+    assert r.choices[0].finish_reason == "stop", r
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    content, calls, finish, _ = stream_chat(client, mesh, messages=msgs, response_format=rf, max_tokens=120)
+    assert (content, calls, finish) == (r.choices[0].message.content, {}, "stop")
+
+    r = chat(client, mesh, messages=msgs, response_format={"type": "json_object"}, max_tokens=120)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
+
+
+def test_a_conversation_with_tool_results_continues(client, mesh):
+    first = chat(client, mesh, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    call = first.choices[0].message.tool_calls[0]
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21, "sky": "clear"})},
+    ]
+    r = chat(client, mesh, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=24)
+    c = r.choices[0]
+    assert c.finish_reason in ("stop", "length") and c.message.tool_calls is None
+    assert c.message.content
+    # The call and its result were rendered into the prompt.
+    without_call = chat(client, mesh, messages=ASK, max_tokens=1)
+    without_result = chat(client, mesh, messages=history[:-1], tools=[WEATHER], tool_choice="none", max_tokens=1)
+    assert r.usage.prompt_tokens > without_result.usage.prompt_tokens + 10
+    assert without_result.usage.prompt_tokens > without_call.usage.prompt_tokens + 10
+
+    # A second required call after the result is again valid.
+    again = chat(client, mesh, messages=history, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    tc = again.choices[0].message.tool_calls[0]
+    check_call(tc.function.name, tc.function.arguments, WEATHER)
+    assert tc.id != call.id, "ids are unique per response"
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0].function.name"),
+        (dict(response_format={"type": "yaml"}), "response_format"),
+        (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    ],
+)
+def test_bad_tool_requests_are_400_naming_the_param(client, mesh, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, mesh, messages=ASK, **kw)
+    assert e.value.body["param"] == param, e.value.body
+
+
+@pytest.mark.parametrize(
+    "message, needle",
+    [
+        ({"role": "user", "content": "x", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "tool_calls"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "[1"}}]}, "arguments"),
+    ],
+)
+def test_malformed_tool_history_is_400(client, mesh, message, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, mesh, messages=ASK + [message, {"role": "user", "content": "and?"}])
+    assert needle in e.value.message
+
+
+def test_markup_that_fails_to_parse_fails_the_request_and_is_counted(client, mesh):
+    # The grammar makes the model write a tool-call block that never closes, inside a
+    # JSON string; with tools offered, the parser sees the markup and must fail closed.
+    schema = {"type": "string", "const": '<tool_call>\n{"name": "get_weather", oops'}
+    rf = {"type": "json_schema", "json_schema": {"name": "leak", "schema": schema}}
+    key = 'mesh_tool_call_parse_failures_total{parser="hermes",reason="unterminated"}'
+    before = mesh.metrics().get(key, 0)
+    with pytest.raises(openai.InternalServerError) as e:
+        chat(client, mesh, messages=ASK, tools=[WEATHER], response_format=rf)
+    assert "failed to parse" in e.value.message
+    with pytest.raises(openai.APIError) as e:
+        stream_chat(client, mesh, messages=ASK, tools=[WEATHER], response_format=rf)
+    assert "failed to parse" in str(e.value)
+    assert mesh.metrics().get(key, 0) == before + 2
