@@ -117,3 +117,69 @@ def test_thinking_is_chosen_per_request_and_checked(tmp_path, tiny):
         assert "chat_template_kwargs.thinking" in str(e.value.body), e.value.body
     finally:
         stop_up(mesh)
+
+
+BOOK = {
+    "type": "function",
+    "function": {
+        "name": "fetch_book",
+        "description": "Fetch a book from a shelf",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "shelf": {"type": "integer", "minimum": 0, "maximum": 13},
+                "kind": {"type": "string", "enum": ["maps", "letters", "ledgers", "seeds"]},
+                "fragile": {"type": "boolean"},
+            },
+            "required": ["shelf", "kind", "fragile"],
+        },
+    },
+}
+
+
+def test_required_calls_are_dsml_under_pd_and_parse_into_tool_calls(tmp_path, tiny):
+    """The tiny model's weights are random, so only the grammar makes it call: the DSML it
+    is forced to write must come back as a valid call, across the PD hand-over, streamed
+    and not; in thinking mode the output is reasoning, never content."""
+    import json
+
+    import jsonschema
+
+    mesh = start_up(tmp_path, ["--model", str(tiny), "--no-smoke-test"])
+    try:
+        assert mesh.ports["mode"] == "pd"
+        client = mesh.client()
+        kw = dict(
+            model=mesh.model, messages=[{"role": "user", "content": "Fetch the maps."}], tools=[BOOK],
+            # Its tokenizer (SmolLM2's) spells each fullwidth DSML sentinel in three byte
+            # tokens: a call takes about 150.
+            tool_choice="required", parallel_tool_calls=False, max_tokens=400, temperature=0,
+        )
+        r = client.chat.completions.create(**kw)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        (call,) = c.message.tool_calls
+        assert call.function.name == "fetch_book"
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, BOOK["function"]["parameters"])
+
+        streamed, content = {}, ""
+        for ch in client.chat.completions.create(stream=True, **kw):
+            if ch.choices:
+                content += ch.choices[0].delta.content or ""
+                for tc in ch.choices[0].delta.tool_calls or []:
+                    streamed.setdefault(tc.index, [None, ""])
+                    streamed[tc.index][0] = streamed[tc.index][0] or tc.function.name
+                    streamed[tc.index][1] += tc.function.arguments or ""
+        assert content == "" and len(streamed) == 1
+        assert (streamed[0][0], json.loads(streamed[0][1])) == ("fetch_book", args), "greedy: the same call"
+
+        think = client.chat.completions.create(
+            model=mesh.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0,
+            extra_body={"chat_template_kwargs": {"thinking": True}},
+        )
+        msg = think.choices[0].message
+        assert msg.model_extra.get("reasoning_content"), msg
+        assert not msg.content, "the prompt opened <think>: no </think>, no content"
+    finally:
+        stop_up(mesh)
