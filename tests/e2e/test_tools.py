@@ -226,3 +226,12 @@ def test_markup_that_fails_to_parse_fails_the_request_and_is_counted(client, mes
         stream_chat(client, mesh, messages=ASK, tools=[WEATHER], response_format=rf)
     assert "failed to parse" in str(e.value)
     assert mesh.metrics().get(key, 0) == before + 2
+
+
+def test_a_schema_the_grammar_cannot_compile_is_400(client, mesh):
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, mesh, messages=ASK, response_format=rf)
+    assert "grammar" in e.value.message
+    # The worker is fine afterwards.
+    assert chat(client, mesh, messages=ASK, max_tokens=2).choices[0].finish_reason == "length"
