@@ -5,10 +5,12 @@
 //! through actor messages. Token ids in, token ids out: the worker never tokenizes.
 
 mod actor;
+mod bundle;
 mod engine_core;
 mod error;
 mod grpc;
 mod pd;
+mod sglang;
 mod watchdog;
 
 use std::path::PathBuf;
@@ -312,10 +314,21 @@ pub async fn run(
         std::time::Duration::from_millis(cfg.watchdog_stall_ms),
         shutdown.child_token(),
     ));
+    let worker = std::sync::Arc::new(grpc::WorkerService::new(
+        handle,
+        pd,
+        watch,
+        shutdown.clone(),
+    ));
+    let sglang = sglang::SglangService::new(worker.clone(), cfg.model.clone(), cfg.role);
     let served = tonic::transport::Server::builder()
-        .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::new(
-            grpc::WorkerService::new(handle, pd, watch, shutdown.clone()),
-        ))
+        .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::from_arc(worker))
+        // The SGLang scheduler protocol on the same port, for gateways built for SGLang.
+        .add_service(
+            pdmesh_proto::sglang::grpc::scheduler::sglang_scheduler_server::SglangSchedulerServer::new(
+                sglang,
+            ),
+        )
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),

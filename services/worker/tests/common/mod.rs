@@ -1,0 +1,144 @@
+//! The worker test harness: the real worker (real model, real engine on its actor
+//! thread) started on 127.0.0.1:0 with a small KV pool, and helpers over its
+//! `pdmesh.worker.v1` client.
+
+#![allow(dead_code)]
+
+pub use std::time::Duration;
+
+pub use pdmesh_proto::worker::v1 as pb;
+pub use pdmesh_proto::worker::v1::generate_response::Kind;
+pub use pdmesh_proto::worker::v1::worker_client::WorkerClient;
+pub use pdmesh_worker::{Config, Error, run};
+pub use tokio::net::TcpListener;
+pub use tokio::task::JoinHandle;
+pub use tokio_util::sync::CancellationToken;
+pub use tonic::transport::Channel;
+pub use tonic::{Code, Streaming};
+
+/// How long a test waits for something that should happen promptly before calling it hung.
+pub const HANG: Duration = Duration::from_secs(120);
+pub const KV_PAGES: u32 = 256;
+pub const MAX_CONTEXT: usize = 512;
+
+/// "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
+/// in the default model's vocabulary (as llama.cpp tokenizes it).
+pub const PROMPT: &[u32] = &[
+    1, 4093, 198, 19161, 253, 986, 1977, 563, 253, 17422, 30, 2, 198, 1, 520, 9531, 198,
+];
+
+pub struct Server {
+    pub shutdown: CancellationToken,
+    pub task: JoinHandle<Result<(), Error>>,
+    pub client: WorkerClient<Channel>,
+    /// `http://127.0.0.1:PORT`, for other clients on the same port.
+    pub url: String,
+}
+
+pub async fn start() -> Server {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = CancellationToken::new();
+    let cfg = Config {
+        kv_pages: KV_PAGES as usize,
+        max_context: Some(MAX_CONTEXT),
+        max_batch: 8,
+        threads: 2,
+        ..Config::new(pdmesh_gguf::models::require_default_model())
+    };
+    let task = tokio::spawn(run(cfg, listener, shutdown.clone()));
+    // The listener is already bound: the connection waits in its backlog while the model
+    // loads.
+    let client = WorkerClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    Server {
+        shutdown,
+        task,
+        client,
+        url: format!("http://{addr}"),
+    }
+}
+
+pub fn greedy(max_tokens: u32) -> pb::SamplingParams {
+    pb::SamplingParams {
+        temperature: Some(0.0),
+        max_tokens,
+        ignore_eos: true,
+        logprobs: true,
+        ..Default::default()
+    }
+}
+
+pub fn request(id: &str, input_ids: &[u32], sampling: pb::SamplingParams) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        request_id: id.into(),
+        input_ids: input_ids.to_vec(),
+        sampling: Some(sampling),
+        ..Default::default()
+    }
+}
+
+/// Reads a Generate stream to its end: the tokens (one per chunk, checked) and Finished.
+pub async fn collect(mut stream: Streaming<pb::GenerateResponse>) -> (Vec<u32>, pb::Finished) {
+    let mut tokens = Vec::new();
+    let mut finished = None;
+    while let Some(msg) = tokio::time::timeout(HANG, stream.message())
+        .await
+        .expect("stream hung")
+        .unwrap()
+    {
+        assert!(finished.is_none(), "message after Finished: {msg:?}");
+        match msg.kind.expect("response without kind") {
+            Kind::Chunk(c) => {
+                assert_eq!(c.token_ids.len(), 1, "one token per chunk: {c:?}");
+                if let Some(lp) = c.logprob {
+                    assert!(lp <= 0.0 && lp.is_finite(), "{c:?}");
+                }
+                tokens.extend(c.token_ids);
+            }
+            Kind::Finished(f) => finished = Some(f),
+        }
+    }
+    (tokens, finished.expect("stream ended without Finished"))
+}
+
+/// Reads one message and expects a token.
+pub async fn next_token(stream: &mut Streaming<pb::GenerateResponse>) -> u32 {
+    let msg = tokio::time::timeout(HANG, stream.message())
+        .await
+        .expect("stream hung")
+        .unwrap()
+        .expect("stream ended");
+    match msg.kind {
+        Some(Kind::Chunk(c)) => c.token_ids[0],
+        other => panic!("expected a token, got {other:?}"),
+    }
+}
+
+/// Pages a new request could get: free plus those only the prefix cache holds. With no
+/// request running, anything short of the baseline is a leak.
+pub async fn free_pages(client: &mut WorkerClient<Channel>) -> u32 {
+    let info = client
+        .model_info(pb::ModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    info.free_pages + info.cached_pages
+}
+
+/// Polls ModelInfo until free plus cached pages are `want`, failing after [`HANG`].
+pub async fn wait_free_pages(client: &mut WorkerClient<Channel>, want: u32) {
+    let deadline = tokio::time::Instant::now() + HANG;
+    loop {
+        let free = free_pages(client).await;
+        if free == want {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "free_pages stuck at {free}, want {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,353 @@
+//! `sglang.grpc.scheduler.SglangScheduler` on a real worker, through the generated tonic
+//! client: every RPC a gateway calls, the same tokens as `pdmesh.worker.v1`, and invalid
+//! requests answered with gRPC codes.
+
+mod common;
+
+use common::*;
+use pdmesh_proto::sglang::grpc::scheduler as s;
+use pdmesh_proto::smg::grpc::common as c;
+use s::sglang_scheduler_client::SglangSchedulerClient;
+use sha2::Digest;
+
+async fn sglang(srv: &Server) -> SglangSchedulerClient<Channel> {
+    SglangSchedulerClient::connect(srv.url.clone())
+        .await
+        .unwrap()
+}
+
+fn sreq(id: &str, stream: bool, max_new_tokens: u32) -> s::GenerateRequest {
+    s::GenerateRequest {
+        request_id: id.into(),
+        tokenized: Some(s::TokenizedInput {
+            original_text: String::new(),
+            input_ids: PROMPT.to_vec(),
+        }),
+        sampling_params: Some(s::SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: -1,
+            repetition_penalty: 1.0,
+            max_new_tokens: Some(max_new_tokens),
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        stream,
+        return_logprob: true,
+        ..Default::default()
+    }
+}
+
+/// Every message of a Generate stream.
+async fn all(mut st: Streaming<s::GenerateResponse>) -> Vec<s::generate_response::Response> {
+    let mut out = Vec::new();
+    while let Some(m) = tokio::time::timeout(HANG, st.message())
+        .await
+        .expect("stream hung")
+        .unwrap()
+    {
+        out.push(m.response.expect("a response"));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_streams_chunks_then_complete_with_the_native_tokens() {
+    let mut srv = start().await;
+    let mut sg = sglang(&srv).await;
+    let (native, _) = collect(
+        srv.client
+            .generate(request("n", PROMPT, greedy(6)))
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await;
+
+    // Streaming: a chunk per token with cumulative counts, then `complete` repeating the
+    // last chunk's tokens (as SGLang's own server does).
+    let msgs = all(sg.generate(sreq("st", true, 6)).await.unwrap().into_inner()).await;
+    assert_eq!(msgs.len(), 7, "{msgs:?}");
+    let mut streamed: Vec<u32> = Vec::new();
+    for (i, m) in msgs[..6].iter().enumerate() {
+        let s::generate_response::Response::Chunk(ch) = m else {
+            panic!("chunk expected: {m:?}")
+        };
+        assert_eq!(ch.completion_tokens, i as u32 + 1);
+        assert_eq!(ch.prompt_tokens, PROMPT.len() as u32);
+        let lp = ch.output_logprobs.as_ref().expect("logprobs asked for");
+        assert_eq!(lp.token_ids, ch.token_ids);
+        assert!(lp.token_logprobs[0] <= 0.0);
+        streamed.extend(&ch.token_ids);
+    }
+    assert_eq!(streamed, native);
+    let s::generate_response::Response::Complete(done) = &msgs[6] else {
+        panic!("complete expected: {:?}", msgs[6])
+    };
+    assert_eq!(done.finish_reason, "length");
+    assert_eq!(done.output_ids, native[5..]);
+    assert_eq!(
+        (done.prompt_tokens, done.completion_tokens),
+        (PROMPT.len() as u32, 6)
+    );
+
+    // Not streaming: one `complete` with every token.
+    let msgs = all(sg
+        .generate(sreq("one", false, 6))
+        .await
+        .unwrap()
+        .into_inner())
+    .await;
+    let [s::generate_response::Response::Complete(done)] = &msgs[..] else {
+        panic!("one complete expected: {msgs:?}")
+    };
+    assert_eq!(done.output_ids, native);
+    assert_eq!(
+        done.output_logprobs.as_ref().unwrap().token_logprobs.len(),
+        6
+    );
+
+    // A stop token: the matched id is reported and not part of the output.
+    let mut stop = sreq("stop", false, 6);
+    let sp = stop.sampling_params.as_mut().unwrap();
+    sp.stop_token_ids = vec![native[2]];
+    sp.ignore_eos = false;
+    let msgs = all(sg.generate(stop).await.unwrap().into_inner()).await;
+    let [s::generate_response::Response::Complete(done)] = &msgs[..] else {
+        panic!("{msgs:?}")
+    };
+    assert_eq!(done.finish_reason, "stop");
+    assert_eq!(done.output_ids, native[..2]);
+    assert_eq!(
+        done.matched_stop,
+        Some(s::generate_complete::MatchedStop::MatchedTokenId(native[2]))
+    );
+    wait_free_pages(&mut srv.client, KV_PAGES).await;
+    srv.shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_server_and_load_info_describe_the_worker() {
+    let srv = start().await;
+    let mut sg = sglang(&srv).await;
+    let h = sg
+        .health_check(s::HealthCheckRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(h.healthy, "{h:?}");
+
+    let m = sg
+        .get_model_info(s::GetModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(m.max_context_length, MAX_CONTEXT as i32);
+    assert_eq!(m.vocab_size, 49152);
+    assert!(m.is_generation);
+    assert!(!m.eos_token_ids.is_empty());
+    assert_eq!(m.architectures, ["LlamaForCausalLM"]);
+    // The tokenizer path is a real HF directory that reads back with its chat template.
+    let tok =
+        pdmesh_text::TextTokenizer::from_hf_dir(std::path::Path::new(&m.tokenizer_path)).unwrap();
+    assert!(tok.chat_template().is_some());
+
+    let info = sg
+        .get_server_info(s::GetServerInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let args = info.server_args.unwrap().fields;
+    let num = |k: &str| match args[k].kind {
+        Some(prost_types::value::Kind::NumberValue(n)) => n,
+        ref other => panic!("{k}: {other:?}"),
+    };
+    assert_eq!(
+        args["disaggregation_mode"].kind,
+        Some(prost_types::value::Kind::StringValue("null".into()))
+    );
+    assert_eq!(
+        (
+            num("dp_size"),
+            num("max_running_requests"),
+            num("context_length")
+        ),
+        (1.0, 8.0, MAX_CONTEXT as f64)
+    );
+    assert_eq!(info.server_type, "grpc");
+
+    let loads = sg
+        .get_loads(s::GetLoadsRequest {
+            dp_rank: None,
+            include: vec!["all".into()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(loads.dp_rank_count, 1);
+    let l = &loads.loads[0];
+    assert_eq!(
+        (l.num_running_reqs, l.num_waiting_reqs, l.num_used_tokens),
+        (0, 0, 0)
+    );
+    assert_eq!(l.max_total_num_tokens, (KV_PAGES * 16) as i32);
+    let e = sg
+        .get_loads(s::GetLoadsRequest {
+            dp_rank: Some(3),
+            include: vec![],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+
+    // While a request runs, the loads say so.
+    let mut running = sg
+        .generate(sreq("busy", true, 200))
+        .await
+        .unwrap()
+        .into_inner();
+    running.message().await.unwrap().unwrap();
+    let l = sg
+        .get_loads(s::GetLoadsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .loads
+        .remove(0);
+    assert_eq!(l.num_running_reqs, 1);
+    assert!(l.num_used_tokens > 0);
+    drop(running);
+    srv.shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tokenizer_zip_matches_its_hash_and_holds_the_three_files() {
+    let srv = start().await;
+    let mut sg = sglang(&srv).await;
+    let mut st = sg
+        .get_tokenizer(c::GetTokenizerRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let (mut zip, mut sha) = (Vec::new(), String::new());
+    while let Some(ch) = st.message().await.unwrap() {
+        assert!(sha.is_empty(), "the hash comes on the last chunk only");
+        zip.extend(ch.data);
+        sha = ch.sha256;
+    }
+    let digest: String = sha2::Sha256::digest(&zip)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(sha, digest);
+    let mut z = zip::ZipArchive::new(std::io::Cursor::new(zip)).unwrap();
+    let mut names: Vec<&str> = z.file_names().collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    );
+    let mut cfg = String::new();
+    std::io::Read::read_to_string(&mut z.by_name("tokenizer_config.json").unwrap(), &mut cfg)
+        .unwrap();
+    assert!(cfg.contains("chat_template"), "{cfg}");
+    srv.shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_stops_a_request_and_an_unknown_id_is_harmless() {
+    let mut srv = start().await;
+    let mut sg = sglang(&srv).await;
+    let r = sg
+        .abort(s::AbortRequest {
+            request_id: "nobody".into(),
+            reason: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!r.success, "{r:?}");
+
+    let mut st = sg
+        .generate(sreq("victim", true, 400))
+        .await
+        .unwrap()
+        .into_inner();
+    st.message().await.unwrap().unwrap();
+    let r = sg
+        .abort(s::AbortRequest {
+            request_id: "victim".into(),
+            reason: "test".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.success, "{r:?}");
+    let rest = all(st).await;
+    match rest.last() {
+        Some(s::generate_response::Response::Complete(done)) => {
+            assert_eq!(done.finish_reason, "abort")
+        }
+        other => panic!("{other:?}"),
+    }
+    wait_free_pages(&mut srv.client, KV_PAGES).await;
+    srv.shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_requests_get_codes_and_hold_nothing() {
+    let mut srv = start().await;
+    let mut sg = sglang(&srv).await;
+    let mut cases: Vec<(s::GenerateRequest, &str)> = Vec::new();
+    let mut r = sreq("a", false, 4);
+    r.tokenized = None;
+    cases.push((r, "tokenized"));
+    let mut r = sreq("b", false, 4);
+    r.sampling_params.as_mut().unwrap().n = 3;
+    cases.push((r, "sampling_params.n"));
+    let mut r = sreq("c", false, 4);
+    r.top_logprobs_num = 5;
+    cases.push((r, "top_logprobs_num"));
+    let mut r = sreq("d", false, 4);
+    r.tokenized.as_mut().unwrap().input_ids = vec![1, 999_999];
+    cases.push((r, "outside the vocabulary"));
+    let mut r = sreq("e", false, 4);
+    r.sampling_params.as_mut().unwrap().constraint = Some(
+        s::sampling_params::Constraint::JsonSchema(r#"{"type": "strin"}"#.into()),
+    );
+    cases.push((r, "grammar"));
+    let mut r = sreq("f", false, 4);
+    r.disaggregated_params = Some(s::DisaggregatedParams {
+        bootstrap_host: "127.0.0.1".into(),
+        bootstrap_port: 1,
+        bootstrap_room: 9,
+    });
+    r.sampling_params.as_mut().unwrap().max_new_tokens = Some(4);
+    // A unified worker ignores the room (as SGLang's would without disaggregation).
+    let ok = all(sg.generate(r).await.unwrap().into_inner()).await;
+    assert!(matches!(
+        ok.last(),
+        Some(s::generate_response::Response::Complete(_))
+    ));
+    for (req, needle) in cases {
+        let e = match sg.generate(req).await {
+            Err(e) => e,
+            Ok(st) => st.into_inner().message().await.unwrap_err(),
+        };
+        assert_eq!(e.code(), Code::InvalidArgument, "{needle}: {e:?}");
+        assert!(e.message().contains(needle), "{needle}: {}", e.message());
+    }
+    let e = sg.embed(s::EmbedRequest::default()).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unimplemented);
+    let e = sg
+        .subscribe_kv_events(c::SubscribeKvEventsRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::Unimplemented,
+        "a gateway falls back to its own view"
+    );
+    wait_free_pages(&mut srv.client, KV_PAGES).await;
+    srv.shutdown.cancel();
+}

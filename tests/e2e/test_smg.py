@@ -1,0 +1,136 @@
+"""The smg gateway (pinned, from PyPI) driving pdmesh workers over SGLang's scheduler gRPC
+protocol: a unified worker, and a prefill + decode pair with the cache service as the
+bootstrap endpoint. Through smg's OpenAI endpoint, greedy answers are identical to
+pdmesh's own gateway's, streamed and not, and a client leaving mid-stream frees the
+workers' pages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from conftest import free_port, http, start_up, stop_up
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about rust.",
+    "List three prime numbers.",
+]
+
+
+class Smg:
+    def __init__(self, args: list[str], log_path):
+        self.port = free_port()
+        cmd = [
+            sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *args,
+        ]
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.base = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"smg exited with {self.proc.returncode}:\n{log_path.read_text()}", pytrace=False)
+            try:
+                status, body = http("GET", self.base + "/v1/models", timeout=5)
+                if status == 200 and b"SmolLM2" in body:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"smg not ready:\n{log_path.read_text()}", pytrace=False)
+            time.sleep(0.5)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def answers(client: openai.OpenAI, model: str) -> list:
+    out = []
+    for p in PROMPTS:
+        msgs = [{"role": "user", "content": p}]
+        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0)
+        s = client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0, stream=True)
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices)
+        c = client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0)
+        cs = client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0, stream=True)
+        cstreamed = "".join(ch.choices[0].text for ch in cs if ch.choices)
+        out.append((r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens,
+                    streamed, c.choices[0].text, cstreamed))
+    return out
+
+
+def pages_in_use(mesh) -> float:
+    m = mesh.metrics()
+    assert m["mesh_workers_read"] == 1
+    return m["mesh_kv_pages_total"] - m["mesh_kv_pages_free"] - m["mesh_kv_pages_cached"]
+
+
+def leave_mid_stream(client: openai.OpenAI, model: str):
+    s = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Tell me a very long story."}],
+        max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True},
+    )
+    for i, _ in enumerate(s):
+        if i == 3:
+            break
+    s.response.close()
+
+
+def wait_pages(mesh, want: float):
+    deadline = time.monotonic() + 60
+    while (used := pages_in_use(mesh)) != want:
+        assert time.monotonic() < deadline, f"{used} pages still held (baseline {want})"
+        time.sleep(0.2)
+
+
+def test_smg_drives_a_unified_worker_like_pdmeshs_gateway(tmp_path):
+    mesh = start_up(tmp_path, ["--unified"])
+    smg = None
+    try:
+        smg = Smg(["--worker-urls", f"grpc://127.0.0.1:{mesh.ports['worker']}"], tmp_path / "smg.log")
+        ours = answers(mesh.client(), mesh.model)
+        theirs = answers(smg.client(), mesh.model)
+        assert theirs == ours
+        baseline = pages_in_use(mesh)
+        leave_mid_stream(smg.client(), mesh.model)
+        wait_pages(mesh, baseline)
+    finally:
+        if smg:
+            smg.stop()
+        stop_up(mesh)
+
+
+def test_smg_drives_prefill_and_decode_workers_through_rooms(mesh, tmp_path):
+    """The session mesh is disaggregated: smg sends the same Generate to prefill and
+    decode with its bootstrap room, and the KV travels through pdmesh's rooms."""
+    assert mesh.ports["mode"] == "pd"
+    p, d, cache = mesh.ports["prefill"][0], mesh.ports["decode"][0], mesh.ports["cache"]
+    smg = Smg(["--pd-disaggregation", "--prefill", f"grpc://127.0.0.1:{p}", str(cache),
+               "--decode", f"grpc://127.0.0.1:{d}"], tmp_path / "smg.log")
+    try:
+        before = mesh.metrics()['mesh_kv_transfer_bytes_total{side="all"}']
+        theirs = answers(smg.client(), mesh.model)
+        moved = mesh.metrics()['mesh_kv_transfer_bytes_total{side="all"}'] - before
+        assert moved > 0, "the KV went through rooms"
+        ours = answers(mesh.client(), mesh.model)
+        assert theirs == ours
+        baseline = pages_in_use(mesh)
+        leave_mid_stream(smg.client(), mesh.model)
+        wait_pages(mesh, baseline)
+    finally:
+        smg.stop()
