@@ -64,12 +64,14 @@ def one(client, i: int, max_tokens: int):
     return ttft, itl, len(stamps), stamps[-1] - t0
 
 
-def run(url: str, conc: int, n: int, max_tokens: int):
+def run(url: str, conc: int, n: int, max_tokens: int, offset: int = 0):
+    """`n` requests at `conc`; prompts are numbered from `offset`, so runs that must not
+    find each other's prompts in the prefix cache use different offsets."""
     client = openai.OpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
     one(client, -1, 4)  # warm
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(conc) as pool:
-        res = list(pool.map(lambda i: one(client, i, max_tokens), range(n)))
+        res = list(pool.map(lambda i: one(client, offset + i, max_tokens), range(n)))
     wall = time.perf_counter() - t0
     ttft = sorted(r[0] for r in res)
     itl = sorted(x for r in res for x in r[1])
