@@ -1,8 +1,8 @@
 """The smg gateway (pinned, from PyPI) driving pdmesh workers over SGLang's scheduler gRPC
 protocol: a unified worker, and a prefill + decode pair with the cache service as the
 bootstrap endpoint. Through smg's OpenAI endpoint, greedy answers are identical to
-pdmesh's own gateway's, streamed and not, and a client leaving mid-stream frees the
-workers' pages."""
+pdmesh's own gateway's, streamed and not; smg routes by the workers' KV events; and a
+client leaving mid-stream frees the workers' pages."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ PROMPTS = [
 
 class Smg:
     def __init__(self, args: list[str], log_path):
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         cmd = [
             sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *args,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port), *args,
         ]
         self.log_path = log_path
         with open(log_path, "wb") as log:
@@ -47,6 +47,14 @@ class Smg:
                 self.stop()
                 pytest.fail(f"smg not ready:\n{log_path.read_text()}", pytrace=False)
             time.sleep(0.5)
+
+    def metric(self, series: str) -> float:
+        status, body = http("GET", f"http://127.0.0.1:{self.metrics_port}/metrics")
+        assert status == 200
+        for line in body.decode().splitlines():
+            if line.startswith(series + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -106,6 +114,10 @@ def test_smg_drives_a_unified_worker_like_pdmeshs_gateway(tmp_path):
         ours = answers(mesh.client(), mesh.model)
         theirs = answers(smg.client(), mesh.model)
         assert theirs == ours
+        # smg follows the worker's KV events (SGLang blocks with their token ids) and
+        # routes by them: its cache-aware policy found the prompts' pages there.
+        assert "does not implement SubscribeKvEvents" not in smg.log_path.read_text()
+        assert smg.metric('smg_cache_aware_policy_branch_total{branch="event_hit"}') > 0
         baseline = pages_in_use(mesh)
         leave_mid_stream(smg.client(), mesh.model)
         wait_pages(mesh, baseline)

@@ -63,8 +63,13 @@ pub struct EvictedPage {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheEvent {
     /// A chain of pages entered the cache: `hashes[0]`'s parent is `parent_hash` (the
-    /// seed for a prompt's first page), each next page's parent the one before it.
-    Stored { parent_hash: u64, hashes: Vec<u64> },
+    /// seed for a prompt's first page), each next page's parent the one before it;
+    /// `tokens` are the pages' tokens in order, a page's worth each.
+    Stored {
+        parent_hash: u64,
+        hashes: Vec<u64>,
+        tokens: Vec<u32>,
+    },
     /// These pages left the cache.
     Removed { hashes: Vec<u64> },
     /// Every page left the cache.
@@ -141,15 +146,17 @@ impl PrefixCache {
         let mut queue = std::collections::VecDeque::from([ROOT]);
         while let Some(i) = queue.pop_front() {
             let n = self.node(i);
-            let mut hashes: Vec<u64> = Vec::with_capacity(n.children.len());
+            let mut hashes: Vec<(u64, Vec<u32>)> = Vec::with_capacity(n.children.len());
             for &c in n.children.values() {
-                hashes.push(self.node(c).hash);
+                let child = self.node(c);
+                hashes.push((child.hash, child.key.to_vec()));
                 queue.push_back(c);
             }
             // Siblings share a parent but are not a chain: one event each.
-            out.extend(hashes.into_iter().map(|h| CacheEvent::Stored {
+            out.extend(hashes.into_iter().map(|(h, key)| CacheEvent::Stored {
                 parent_hash: n.hash,
                 hashes: vec![h],
+                tokens: key,
             }));
         }
         out
@@ -230,7 +237,7 @@ impl PrefixCache {
         let mut at = ROOT;
         let mut path = Vec::with_capacity(full);
         // The new pages: once one is new, every page after it is (it has no children).
-        let mut stored: Option<(u64, Vec<u64>)> = None;
+        let mut stored: Option<(u64, Vec<u64>, Vec<u32>)> = None;
         for (chunk, &page) in tokens.chunks_exact(ps).zip(pages) {
             let tick = self.tick;
             let parent_hash = self.node(at).hash;
@@ -273,10 +280,9 @@ impl PrefixCache {
             };
             self.node_mut(at).children.insert(key, slot);
             self.stats.inserted_pages += 1;
-            stored
-                .get_or_insert_with(|| (parent_hash, Vec::new()))
-                .1
-                .push(hash);
+            let s = stored.get_or_insert_with(|| (parent_hash, Vec::new(), Vec::new()));
+            s.1.push(hash);
+            s.2.extend_from_slice(chunk);
             path.push(PathPage {
                 node: NodeRef(slot),
                 hash,
@@ -287,10 +293,11 @@ impl PrefixCache {
             });
             at = slot;
         }
-        if let Some((parent_hash, hashes)) = stored {
+        if let Some((parent_hash, hashes, tokens)) = stored {
             self.emit(CacheEvent::Stored {
                 parent_hash,
                 hashes,
+                tokens,
             });
         }
         path
@@ -565,11 +572,13 @@ mod tests {
             [
                 CacheEvent::Stored {
                     parent_hash: ha[1],
-                    hashes: vec![ha[2]]
+                    hashes: vec![ha[2]],
+                    tokens: a[8..12].to_vec(),
                 },
                 CacheEvent::Stored {
                     parent_hash: ha[0],
-                    hashes: vec![hb[1]]
+                    hashes: vec![hb[1]],
+                    tokens: b[4..8].to_vec(),
                 },
             ]
         );
@@ -589,11 +598,15 @@ mod tests {
             let CacheEvent::Stored {
                 parent_hash,
                 hashes,
+                tokens,
             } = e
             else {
                 panic!("{e:?}")
             };
             assert!(seen.contains(parent_hash), "parent first");
+            // Each snapshot page carries its own tokens, which hash to its name.
+            assert_eq!(tokens.len(), 4);
+            assert_eq!(hashes[0], crate::radix::chain_hash(*parent_hash, tokens));
             seen.extend(hashes);
         }
         seen.remove(0);

@@ -77,6 +77,8 @@ impl Shared {
                 Event::Stored { parent, hashes } => pb::kv_event::Kind::Stored(pb::PagesStored {
                     parent_hash: parent,
                     hashes,
+                    // The mirror keeps pages by hash, not their tokens.
+                    token_ids: Vec::new(),
                 }),
                 Event::Removed { hashes } => {
                     pb::kv_event::Kind::Removed(pb::PagesRemoved { hashes })

@@ -548,6 +548,7 @@ mod tests {
             kind: Some(cpb::kv_event::Kind::Stored(cpb::PagesStored {
                 parent_hash: SEED,
                 hashes,
+                token_ids: Vec::new(),
             })),
         });
     }

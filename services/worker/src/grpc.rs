@@ -49,9 +49,11 @@ fn kv_event(seq: u64, e: &CacheEvent) -> cpb::KvEvent {
         CacheEvent::Stored {
             parent_hash,
             hashes,
+            tokens,
         } => cpb::kv_event::Kind::Stored(cpb::PagesStored {
             parent_hash: *parent_hash,
             hashes: hashes.clone(),
+            token_ids: tokens.clone(),
         }),
         CacheEvent::Removed { hashes } => cpb::kv_event::Kind::Removed(cpb::PagesRemoved {
             hashes: hashes.clone(),

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use futures::{Stream, StreamExt};
+use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_proto::sglang::grpc::scheduler as s;
 use pdmesh_proto::smg::grpc::common as c;
 use pdmesh_proto::worker::v1 as pb;
@@ -602,15 +603,79 @@ impl s::sglang_scheduler_server::SglangScheduler for SglangService {
         Ok(Response::new(Box::pin(futures::stream::iter(chunks))))
     }
 
+    /// The device prefix cache's pages in SGLang's form: the pdmesh stream (`cleared`, a
+    /// snapshot, then each change) one batch per change, pages as blocks with their token
+    /// ids, numbered from 1 on each subscription (a resumed subscriber starts afresh: its
+    /// first batch clears what it knew).
     async fn subscribe_kv_events(
         &self,
         _request: Request<c::SubscribeKvEventsRequest>,
     ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
-        // pdmesh's events name pages by chained hashes without their token ids, which an
-        // SGLang subscriber needs; it falls back to its own routing on UNIMPLEMENTED.
-        Err(Status::unimplemented(
-            "KV events in SGLang's form are not available; use pdmesh.worker.v1.SubscribeKvEvents",
-        ))
+        let info = self.info().await?;
+        let page = info.page_size;
+        let mut inner = self
+            .worker
+            .subscribe_kv_events(Request::new(pb::SubscribeKvEventsRequest {}))
+            .await?
+            .into_inner();
+        let stream = async_stream::stream! {
+            let mut n = 0u64;
+            while let Some(item) = inner.next().await {
+                let ev = match item {
+                    Ok(ev) => ev,
+                    Err(status) => {
+                        yield Err(status);
+                        return;
+                    }
+                };
+                n += 1;
+                let data = match ev.kind {
+                    Some(cpb::kv_event::Kind::Stored(st)) => {
+                        let blocks = st
+                            .hashes
+                            .iter()
+                            .zip(st.token_ids.chunks(page as usize))
+                            .map(|(&h, toks)| c::KvBlock {
+                                block_hash: h as i64,
+                                token_ids: toks.to_vec(),
+                                block_size: i32_of(page),
+                                ..Default::default()
+                            })
+                            .collect();
+                        c::kv_cache_event::Data::Stored(c::KvBlocksStored {
+                            blocks,
+                            parent_block_hash: Some(st.parent_hash as i64),
+                            tier: Some(c::KvCacheTier::Device.into()),
+                            ..Default::default()
+                        })
+                    }
+                    Some(cpb::kv_event::Kind::Removed(r)) => {
+                        c::kv_cache_event::Data::Removed(c::KvBlocksRemoved {
+                            block_hashes: r.hashes.iter().map(|&h| h as i64).collect(),
+                            ..Default::default()
+                        })
+                    }
+                    Some(cpb::kv_event::Kind::Cleared(_)) => {
+                        c::kv_cache_event::Data::Cleared(c::KvCacheCleared::default())
+                    }
+                    None => continue,
+                };
+                yield Ok(c::KvEventBatch {
+                    sequence_number: n,
+                    timestamp: SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .unwrap_or_default()
+                        .as_secs_f64(),
+                    events: vec![c::KvCacheEvent {
+                        event_id: n,
+                        data: Some(data),
+                    }],
+                    dp_rank: Some(0),
+                    ..Default::default()
+                });
+            }
+        };
+        Ok(Response::new(Box::pin(stream)))
     }
 }
 

@@ -339,15 +339,62 @@ async fn invalid_requests_get_codes_and_hold_nothing() {
     }
     let e = sg.embed(s::EmbedRequest::default()).await.unwrap_err();
     assert_eq!(e.code(), Code::Unimplemented);
-    let e = sg
+    wait_free_pages(&mut srv.client, KV_PAGES).await;
+    srv.shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_list_the_cached_prompt_pages_with_their_tokens() {
+    let mut srv = start().await;
+    let mut sg = sglang(&srv).await;
+    let mut ev = sg
         .subscribe_kv_events(c::SubscribeKvEventsRequest::default())
         .await
-        .unwrap_err();
-    assert_eq!(
-        e.code(),
-        Code::Unimplemented,
-        "a gateway falls back to its own view"
+        .unwrap()
+        .into_inner();
+    let mut next = async || {
+        let b = tokio::time::timeout(HANG, ev.message())
+            .await
+            .expect("event stream hung")
+            .unwrap()
+            .expect("stream ended");
+        assert_eq!(b.events.len(), 1);
+        (
+            b.sequence_number,
+            b.events[0].data.clone().expect("event data"),
+        )
+    };
+    let (seq, first) = next().await;
+    assert_eq!(seq, 1);
+    assert!(
+        matches!(first, c::kv_cache_event::Data::Cleared(_)),
+        "{first:?}"
     );
+    // A finished request hands its whole prompt pages to the cache: they come as blocks
+    // whose tokens are the prompt's, a page each, chained from one parent.
+    all(sg
+        .generate(sreq("cache-me", false, 2))
+        .await
+        .unwrap()
+        .into_inner())
+    .await;
     wait_free_pages(&mut srv.client, KV_PAGES).await;
+    let mut blocks = Vec::new();
+    let mut last = seq;
+    while blocks.len() < PROMPT.len() / 16 {
+        let (seq, data) = next().await;
+        assert_eq!(seq, last + 1, "numbered in order");
+        last = seq;
+        if let c::kv_cache_event::Data::Stored(st) = data {
+            blocks.extend(st.blocks);
+        }
+    }
+    let tokens: Vec<u32> = blocks.iter().flat_map(|b| b.token_ids.clone()).collect();
+    assert_eq!(tokens, PROMPT[..tokens.len()]);
+    assert!(
+        blocks
+            .iter()
+            .all(|b| b.block_size == 16 && b.token_ids.len() == 16)
+    );
     srv.shutdown.cancel();
 }
