@@ -333,14 +333,24 @@ def overview() -> dict:
 def latency() -> dict:
     qs = (0.5, 0.9, 0.99)
     return dashboard("pdmesh-latency", "pdmesh / Latency",
-                     "Request and stream durations from the gateway's histograms.", [
+                     "Time to first token, inter-token latency, request and stream durations "
+                     "from the gateway's histograms.", [
         text("About these histograms",
+             "`mesh_time_to_first_token_seconds` runs from a request's arrival to its first "
+             "generated token reaching the gateway; `mesh_inter_token_latency_seconds` "
+             "between consecutive tokens of one request. "
              "`mesh_request_duration_seconds` runs from the request to the response "
              "headers; for a stream that is **not** the time to first token. "
-             "`mesh_stream_duration_seconds` runs to the end of an SSE stream. "
-             "Time-to-first-token and inter-token-latency histograms do not exist yet; "
-             "they come with the observability work, and panels for them with it.",
+             "`mesh_stream_duration_seconds` runs to the end of an SSE stream.",
              h=3),
+        timeseries("Time to first token p50 / p90 / p99",
+                   "histogram_quantile over mesh_time_to_first_token_seconds_bucket.",
+                   [target(quantile(q, "mesh_time_to_first_token_seconds"), f"p{round(q * 100)}")
+                    for q in qs], "s"),
+        timeseries("Inter-token latency p50 / p90 / p99",
+                   "histogram_quantile over mesh_inter_token_latency_seconds_bucket.",
+                   [target(quantile(q, "mesh_inter_token_latency_seconds"), f"p{round(q * 100)}")
+                    for q in qs], "s"),
         timeseries("Request duration p50 / p90 / p99 (API endpoints)",
                    "histogram_quantile over mesh_request_duration_seconds_bucket, by endpoint.",
                    [target(quantile(q, "mesh_request_duration_seconds", "endpoint", API),

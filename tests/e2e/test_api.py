@@ -271,6 +271,25 @@ def test_health_and_metrics_are_served(mesh):
     assert "mesh_prompt_tokens_total" in m
 
 
+def test_first_token_and_inter_token_latency_are_timed_per_token(client, mesh):
+    before = mesh.metrics()
+    n = 8
+    for stream in (False, True):
+        r = client.chat.completions.create(
+            model=mesh.model, messages=[{"role": "user", "content": "Count to twenty."}],
+            max_tokens=n, temperature=0, stream=stream, extra_body={"ignore_eos": True},
+        )
+        if stream:
+            list(r)
+    after = mesh.metrics()
+    delta = lambda k: after[k] - before.get(k, 0)
+    # One first token per request, one gap per later token.
+    assert delta("mesh_time_to_first_token_seconds_count") == 2
+    assert delta("mesh_inter_token_latency_seconds_count") == 2 * (n - 1)
+    ttft = delta("mesh_time_to_first_token_seconds_sum") / 2
+    assert 0 < ttft < 60, ttft
+
+
 def test_client_disconnect_mid_stream_frees_the_worker_pages(client, mesh):
     prompt = "Tell me a very long story about a dragon."
     # Pages a new request could get: free plus those only the prefix cache holds.

@@ -80,6 +80,7 @@ pub(crate) async fn start(
     prompt: Vec<u32>,
     params: GenParams,
     parsing: Option<Parsing>,
+    arrived: std::time::Instant,
 ) -> Result<GenStream, ApiError> {
     let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
     let stops = params.stop.clone();
@@ -115,6 +116,7 @@ pub(crate) async fn start(
         let mut detok = st.backends.detokenizer(parsing);
         let mut filter = StopFilter::new(&stops);
         let mut calls = 0usize;
+        let mut last_token: Option<std::time::Instant> = None;
         loop {
             let item = tokio::select! {
                 biased;
@@ -131,7 +133,22 @@ pub(crate) async fn start(
                     return;
                 }
                 Some(Ok(WorkerEvent::Tokens(ids))) => {
-                    if filter.stopped() || ids.is_empty() {
+                    if ids.is_empty() {
+                        continue;
+                    }
+                    let now = std::time::Instant::now();
+                    match last_token {
+                        None => st.metrics.ttft.observe((now - arrived).as_secs_f64()),
+                        Some(t) => {
+                            // A chunk of several tokens: its gap, shared between them.
+                            let gap = (now - t).as_secs_f64() / ids.len() as f64;
+                            for _ in 0..ids.len() {
+                                st.metrics.itl.observe(gap);
+                            }
+                        }
+                    }
+                    last_token = Some(now);
+                    if filter.stopped() {
                         continue;
                     }
                     match detok.push(ids).await.and_then(|p| split(&st, p, &mut filter, false)) {
@@ -431,6 +448,7 @@ mod tests {
             vec![1, 2, 3],
             GenParams::default(),
             None,
+            std::time::Instant::now(),
         )
         .await
         .unwrap();

@@ -490,7 +490,7 @@ async fn respond(
         created: unix_now(),
         model,
     };
-    let gen_stream = generate::start(&st, id.clone(), ids, params, parsing).await?;
+    let gen_stream = generate::start(&st, id.clone(), ids, params, parsing, start).await?;
     if stream {
         return Ok(sse(
             st.clone(),

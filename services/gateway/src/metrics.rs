@@ -35,6 +35,10 @@ pub(crate) struct Metrics {
     pub host_mirror_expired_leases: WorkerTotals,
     pub host_mirror_commit_rejections: WorkerTotals,
     pub stream_duration: Histogram,
+    /// From the request to the first generated token reaching the gateway.
+    pub ttft: Histogram,
+    /// Between consecutive generated tokens reaching the gateway.
+    pub itl: Histogram,
     /// Prefill/decode disaggregation: rooms at the cache service, transfers at the workers.
     pub pd: PdMetrics,
 }
@@ -273,6 +277,24 @@ impl Metrics {
                 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
             ]),
         )?;
+        let ttft = Histogram::with_opts(
+            HistogramOpts::new(
+                "mesh_time_to_first_token_seconds",
+                "Time from a request's arrival to its first generated token reaching the gateway (both endpoints).",
+            )
+            .buckets(vec![
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+            ]),
+        )?;
+        let itl = Histogram::with_opts(
+            HistogramOpts::new(
+                "mesh_inter_token_latency_seconds",
+                "Time between consecutive generated tokens of one request reaching the gateway.",
+            )
+            .buckets(vec![
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+            ]),
+        )?;
         let generated_tokens = IntCounter::new(
             "mesh_generated_tokens_total",
             "Completion tokens generated.",
@@ -361,6 +383,8 @@ impl Metrics {
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(duration.clone()))?;
         registry.register(Box::new(stream_duration.clone()))?;
+        registry.register(Box::new(ttft.clone()))?;
+        registry.register(Box::new(itl.clone()))?;
         registry.register(Box::new(generated_tokens.clone()))?;
         registry.register(Box::new(prompt_tokens.clone()))?;
         registry.register(Box::new(cached_prompt_tokens.clone()))?;
@@ -401,6 +425,8 @@ impl Metrics {
             host_mirror_expired_leases,
             host_mirror_commit_rejections,
             stream_duration,
+            ttft,
+            itl,
             pd,
         })
     }
