@@ -323,27 +323,20 @@ fn calls_grammar(format: ToolFormat, tools: &[&Tool], many: bool) -> String {
                 g.push_str(&format!("call{i}: {}\n", json_rule(&schema)));
             }
         }
-        ToolFormat::DeepSeekV31 => {
+        ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => {
+            // V3 writes `function<｜tool▁sep｜>NAME` and fenced JSON; V3.1 `NAME<｜tool▁sep｜>ARGS`.
+            let (before, between, after) = if format == ToolFormat::DeepSeekV3 {
+                ("function<｜tool▁sep｜>", "\\n```json\\n", "\\n```")
+            } else {
+                ("", "<｜tool▁sep｜>", "")
+            };
             g.push_str(&format!(
                 "start: \"<｜tool▁calls▁begin｜>\" call{rep} \"<｜tool▁calls▁end｜>\"\ncall: {}\n",
                 alts.join(" | ")
             ));
             for (i, t) in tools.iter().enumerate() {
                 g.push_str(&format!(
-                    "call{i}: \"<｜tool▁call▁begin｜>\" {} \"<｜tool▁sep｜>\" {} \"<｜tool▁call▁end｜>\"\n",
-                    lit(&t.name),
-                    json_rule(&closed(&t.parameters))
-                ));
-            }
-        }
-        ToolFormat::DeepSeekV3 => {
-            g.push_str(&format!(
-                "start: \"<｜tool▁calls▁begin｜>\" call{rep} \"<｜tool▁calls▁end｜>\"\ncall: {}\n",
-                alts.join(" | ")
-            ));
-            for (i, t) in tools.iter().enumerate() {
-                g.push_str(&format!(
-                    "call{i}: \"<｜tool▁call▁begin｜>function<｜tool▁sep｜>\" {} \"\\n```json\\n\" {} \"\\n```<｜tool▁call▁end｜>\"\n",
+                    "call{i}: \"<｜tool▁call▁begin｜>{before}\" {} \"{between}\" {} \"{after}<｜tool▁call▁end｜>\"\n",
                     lit(&t.name),
                     json_rule(&closed(&t.parameters))
                 ));
@@ -604,6 +597,94 @@ mod tests {
             g.starts_with("start: think_ answer_\nthink_[lazy]: "),
             "thinking first: {g}"
         );
+    }
+
+    /// Decodes `grammar` over a byte vocabulary (256 one-byte tokens and an end token),
+    /// taking at each step the first allowed byte of `prefer` (an order that closes
+    /// strings and blocks soon in that format), else the lowest: a short text of the
+    /// grammar's shape.
+    fn shortest_text(grammar: &str, prefer: &[u8]) -> String {
+        use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+        let words: Vec<Vec<u8>> = (0..=255u8)
+            .map(|b| vec![b])
+            .chain([vec![0xff, b'E']])
+            .collect();
+        let eos = 256;
+        let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, eos), &words);
+        let env: TokEnv = std::sync::Arc::new(ApproximateTokEnv::new(trie));
+        let factory = llguidance::ParserFactory::new_simple(&env).unwrap();
+        let parser = factory
+            .create_parser(llguidance::api::TopLevelGrammar::from_lark(grammar.into()))
+            .unwrap_or_else(|e| panic!("{e}\n{grammar}"));
+        let mut m = llguidance::Matcher::new(Ok(parser));
+        let mut out = Vec::new();
+        for _ in 0..4000 {
+            if m.is_stopped() {
+                break;
+            }
+            let mask = m.compute_mask().unwrap();
+            if mask.is_allowed(eos) {
+                break;
+            }
+            let tok = prefer
+                .iter()
+                .map(|&b| u32::from(b))
+                .find(|&t| mask.is_allowed(t))
+                .or_else(|| (0..256).find(|&t| mask.is_allowed(t)))
+                .expect("the grammar allows something");
+            m.consume_token(tok).unwrap();
+            out.push(tok as u8);
+        }
+        String::from_utf8(out).unwrap()
+    }
+
+    /// The grammar for each format writes what pdmesh-chat's parser for that format reads
+    /// back as the forced call: a mismatch would fail every constrained request, or show
+    /// markup as content.
+    #[test]
+    fn every_formats_grammar_parses_back_into_the_call() {
+        let tools = weather();
+        for (tf, cf) in [
+            (ToolFormat::Hermes, pdmesh_chat::Format::Hermes),
+            (ToolFormat::Dsml, pdmesh_chat::Format::Dsml),
+            (ToolFormat::DeepSeekV3, pdmesh_chat::Format::DeepSeekV3),
+            (ToolFormat::DeepSeekV31, pdmesh_chat::Format::DeepSeekV31),
+        ] {
+            let out = OutputFormat {
+                tools: tf,
+                reasoning: false,
+            };
+            let g = plan(&tools, None, &ToolChoice::Required, false, None, out, false)
+                .unwrap()
+                .grammar
+                .unwrap();
+            // A DSML string value ends at `<`; a JSON string at `"`.
+            let prefer: &[u8] = if tf == ToolFormat::Dsml {
+                b"<\"}]0f\n"
+            } else {
+                b"\"}]<0f\n"
+            };
+            let text = shortest_text(&g, prefer);
+            let mut p = pdmesh_chat::ToolParser::new(cf, Some(vec!["get_weather".into()]), "c");
+            let mut deltas = p.push_str(&text);
+            deltas.extend(p.finish());
+            let mut name = None;
+            let mut args = String::new();
+            for d in deltas {
+                match d {
+                    pdmesh_chat::Delta::ToolCall {
+                        name: n, arguments, ..
+                    } => {
+                        name = name.or(n);
+                        args.push_str(&arguments);
+                    }
+                    other => panic!("{tf:?}: {other:?} from {text:?}"),
+                }
+            }
+            assert_eq!(name.as_deref(), Some("get_weather"), "{tf:?}: {text:?}");
+            let args: Value = serde_json::from_str(&args).unwrap();
+            assert!(args["location"].is_string(), "{tf:?}: {args}");
+        }
     }
 
     #[test]
