@@ -41,8 +41,22 @@ ROOM_DEADLINES_S = {
     "success": 30,
 }
 
-# The span attribute the Tempo links search on. No span carries it yet (tracing arrives
-# with the observability work); the links are templates for when one does.
+# The workers' default hand-over deadline (--transfer-timeout-ms): a KV hand-over older
+# than this, as the workers see it, should already have failed on its side.
+# deploy/prometheus/rules/pdmesh.rules.yml alerts on the same number
+# (HandoverOlderThanDeadline); change them together.
+HANDOVER_DEADLINE_S = 60
+
+# The workers' default watchdog threshold (--watchdog-stall-ms): an engine loop with work
+# and no step for this long counts a stall.
+WATCHDOG_STALL_S = 10
+
+# The cache service's age thresholds for mesh_rooms_older_than (its `seconds` label).
+ROOM_AGE_BUCKETS_S = (1, 5, 30, 120)
+
+# The span attribute the Tempo links search on: the cache service's room-call spans carry
+# the state each call left the room in (a wedged room shows as RoomWait spans ending in
+# its state), named as mesh_room_oldest_seconds's `state` label values.
 TRACE_ROOM_STATE_ATTR = "pdmesh.room.state"
 
 
@@ -116,7 +130,10 @@ def _reduce() -> dict:
 
 
 def stat(title: str, description: str, targets: list, unit: str, *, steps: tuple = (),
-         mappings: list | None = None, w: int = 6, h: int = 4) -> dict:
+         mappings: list | None = None, text_mode: str = "auto", graph: bool = True,
+         w: int = 6, h: int = 4) -> dict:
+    """A single value; `text_mode="name"` shows the series name (its legend) instead, as
+    for a label-only series such as mesh_build_info."""
     p = _panel("stat", title, description, targets, unit, w, h)
     defaults = p["fieldConfig"]["defaults"]
     defaults["thresholds"] = thresholds(*steps)
@@ -124,11 +141,11 @@ def stat(title: str, description: str, targets: list, unit: str, *, steps: tuple
     defaults["mappings"] = mappings or []
     p["options"] = {
         "colorMode": "value",
-        "graphMode": "area",
+        "graphMode": "area" if graph else "none",
         "justifyMode": "auto",
         "orientation": "auto",
         "reduceOptions": _reduce(),
-        "textMode": "auto",
+        "textMode": text_mode,
     }
     return p
 
@@ -265,28 +282,67 @@ def quantile(q: float, histogram: str, by: str = "", selector: str = "") -> str:
 
 API = '{endpoint=~"chat_completions|completions"}'
 
+# mesh_prompt_token_sources_total: computed + device + host are the prompt tokens;
+# transferred is counted besides (tokens whose KV a prefill worker handed to a decode one).
+SOURCES = "mesh_prompt_token_sources_total"
+PROMPT_SOURCES = f'{SOURCES}{{source=~"computed|device|host"}}'
+CACHED_SOURCES = f'{SOURCES}{{source=~"device|host"}}'
+
+
+def prompt_sources_panel(w: int = 12) -> dict:
+    return timeseries(
+        "Prompt tokens by source",
+        "Prompt tokens per second by where their KV came from (stacked, adding up to the "
+        "prompt tokens): computed by a prefill, device = the worker's prefix cache, host = "
+        "loaded back from the host tier. The dashed line, not stacked, is the tokens whose KV "
+        "a prefill worker handed to a decode worker (mesh_prompt_token_sources_total).",
+        [target(rate(PROMPT_SOURCES, "source"), "{{source}}"),
+         target(rate(f'{SOURCES}{{source="transferred"}}'), "transferred")], "short",
+        stack=True,
+        overrides=[override(  # transferred: a dashed line on top, not part of the stack
+            "B",
+            ("custom.stacking", {"group": "A", "mode": "none"}),
+            ("custom.fillOpacity", 0),
+            ("custom.lineStyle", {"dash": [10, 10], "fill": "dash"}))],
+        w=w)
+
+
+def cache_hit_by_tier_panel(w: int = 12) -> dict:
+    return timeseries(
+        "Cache hit ratio by tier",
+        "Share of prompt tokens whose KV came from a cache, per rate window: device (the "
+        "worker's prefix cache) or host (the host tier), each over computed + device + host "
+        "(mesh_prompt_token_sources_total, counted per request by the gateway).",
+        [target(f"{rate(CACHED_SOURCES, 'source')} / scalar({rate(PROMPT_SOURCES)})",
+                "{{source}}")],
+        "percentunit", w=w)
+
 
 def overview() -> dict:
     return dashboard("pdmesh-overview", "pdmesh / Overview",
                      "Traffic, errors, tokens and the KV pool of one pdmesh gateway.", [
         stat("Request rate", "HTTP requests answered per second, all endpoints.",
-             [target(rate("mesh_requests_total"), "requests/s")], "reqps"),
+             [target(rate("mesh_requests_total"), "requests/s")], "reqps", w=5),
         stat("Error rate", "Requests that ended in an error per second.",
              [target(f"sum(rate(mesh_errors_total[{RATE}])) or vector(0)", "errors/s")],
-             "reqps", steps=((0.01, "red"),)),
+             "reqps", steps=((0.01, "red"),), w=5),
         stat("Prompt cache-hit ratio (range)",
              "Prompt tokens served from the prefix cache over the shown range "
              "(mesh_cached_prompt_tokens_total / mesh_prompt_tokens_total).",
              [target("sum(increase(mesh_cached_prompt_tokens_total[$__range])) / "
                      "sum(increase(mesh_prompt_tokens_total[$__range]))", "hit ratio")],
-             "percentunit"),
+             "percentunit", w=5),
         stat("Workers read", "1: the last scrape read every worker's state; 0: a worker "
              "did not answer and the worker gauges are stale (mesh_workers_read).",
              [target("min(mesh_workers_read)", "workers read")], "none",
              steps=((1, "green"),),
              mappings=[{"type": "value", "options": {
                  "0": {"color": "red", "index": 0, "text": "stale"},
-                 "1": {"color": "green", "index": 1, "text": "read"}}}]),
+                 "1": {"color": "green", "index": 1, "text": "read"}}}], w=5),
+        stat("Version", "The pdmesh version the gateway was built from (mesh_build_info). "
+             "Two versions at once mean gateways of different versions are answering.",
+             [target("max by (version) (mesh_build_info)", "{{version}}", instant=True)],
+             "none", text_mode="name", graph=False, w=4),
         timeseries("Requests by endpoint and status",
                    "mesh_requests_total, per second.",
                    [target(rate("mesh_requests_total", "endpoint, status"),
@@ -304,14 +360,16 @@ def overview() -> dict:
                    [target(f"{rate('mesh_cached_prompt_tokens_total')} / "
                            f"{rate('mesh_prompt_tokens_total')}", "hit ratio")],
                    "percentunit"),
+        prompt_sources_panel(),
+        cache_hit_by_tier_panel(),
         timeseries("KV pages in use vs total",
                    "The worker's KV pool, read at scrape: pages held by requests "
                    "(total - free - cached), pages only the prefix cache holds (evictable), "
                    "and the pool size.",
-                   [target("sum(mesh_kv_pages_total) - sum(mesh_kv_pages_free) - "
+                   [target("sum(mesh_kv_pages_capacity) - sum(mesh_kv_pages_free) - "
                            "sum(mesh_kv_pages_cached)", "held by requests"),
                     target("sum(mesh_kv_pages_cached)", "prefix cache (evictable)"),
-                    target("sum(mesh_kv_pages_total)", "total")], "short",
+                    target("sum(mesh_kv_pages_capacity)", "total")], "short",
                    stack=True,
                    overrides=[override(  # the pool size: a dashed line, not stacked
                        "C",
@@ -332,17 +390,24 @@ def overview() -> dict:
 
 def latency() -> dict:
     qs = (0.5, 0.9, 0.99)
+    stage = "mesh_request_stage_seconds"
     return dashboard("pdmesh-latency", "pdmesh / Latency",
-                     "Time to first token, inter-token latency, request and stream durations "
-                     "from the gateway's histograms.", [
+                     "Time to first token, inter-token latency, request and stream durations, "
+                     "time per request stage and the gateway's event loop delay, from the "
+                     "gateway's histograms.", [
         text("About these histograms",
              "`mesh_time_to_first_token_seconds` runs from a request's arrival to its first "
              "generated token reaching the gateway; `mesh_inter_token_latency_seconds` "
              "between consecutive tokens of one request. "
              "`mesh_request_duration_seconds` runs from the request to the response "
              "headers; for a stream that is **not** the time to first token. "
-             "`mesh_stream_duration_seconds` runs to the end of an SSE stream.",
-             h=3),
+             "`mesh_stream_duration_seconds` runs to the end of an SSE stream. "
+             "`mesh_request_stage_seconds` splits a request into stages: tokenize (in the "
+             "gateway), queue (waiting for admission), prefill (to the first token), transfer "
+             "(first token to the KV in the decode pool) and decode (first token to last). "
+             "`mesh_event_loop_delay_seconds` is how late the gateway runs a timer due every "
+             "100 ms.",
+             h=4),
         timeseries("Time to first token p50 / p90 / p99",
                    "histogram_quantile over mesh_time_to_first_token_seconds_bucket.",
                    [target(quantile(q, "mesh_time_to_first_token_seconds"), f"p{round(q * 100)}")
@@ -367,12 +432,36 @@ def latency() -> dict:
                     target(f"sum(rate(mesh_stream_duration_seconds_sum[{RATE}])) / "
                            f"sum(rate(mesh_stream_duration_seconds_count[{RATE}]))", "stream")],
                    "s"),
+        timeseries("Time per stage p50",
+                   "Median time a request spent in each stage (histogram_quantile over "
+                   "mesh_request_stage_seconds_bucket, by stage).",
+                   [target(quantile(0.5, stage, "stage"), "{{stage}}")], "s"),
+        timeseries("Time per stage p95",
+                   "95th percentile of the time a request spent in each stage "
+                   "(histogram_quantile over mesh_request_stage_seconds_bucket, by stage).",
+                   [target(quantile(0.95, stage, "stage"), "{{stage}}")], "s"),
+        timeseries("Queue time p50 / p95 / p99",
+                   "How long requests waited for admission (stage queue of "
+                   "mesh_request_stage_seconds): a rising queue time means the workers are "
+                   "full.",
+                   [target(quantile(q, stage, selector='{stage="queue"}'), f"p{round(q * 100)}")
+                    for q in (0.5, 0.95, 0.99)], "s"),
+        timeseries("Gateway event loop delay p99 / p99.9",
+                   "How late the gateway's async runtime ran a timer due every 100 ms "
+                   "(mesh_event_loop_delay_seconds). A high value means the gateway's event "
+                   "loop is busy or blocked, which delays every request it serves.",
+                   [target(quantile(0.99, "mesh_event_loop_delay_seconds"), "p99"),
+                    target(quantile(0.999, "mesh_event_loop_delay_seconds"), "p99.9")], "s"),
         timeseries("Requests timed, by endpoint",
                    "mesh_request_duration_seconds_count per second (every endpoint), and "
                    "streams finished per second.",
                    [target(rate("mesh_request_duration_seconds_count", "endpoint"), "{{endpoint}}"),
                     target(rate("mesh_stream_duration_seconds_count"), "streams")], "reqps", w=24),
     ])
+
+
+WRITE_BACK_BYTES = 'mesh_kv_cache_write_back_bytes_total{tier="host"}'
+WRITE_BACK_SECONDS = 'mesh_kv_cache_write_back_seconds_total{tier="host"}'
 
 
 def cache_tiers() -> dict:
@@ -384,26 +473,34 @@ def cache_tiers() -> dict:
                    "mesh_kv_cache_hit_tokens_total: device = the worker's prefix cache, "
                    "host = loaded back from the host tier. Tokens per second.",
                    [target(rate(f'{hit}{{tier="device"}}'), "device"),
-                    target(rate(f'{hit}{{tier="host"}}'), "host")], "short"),
+                    target(rate(f'{hit}{{tier="host"}}'), "host")], "short", w=8),
         timeseries("Share of prompt tokens served from cache, by tier",
-                   "Hit tokens per tier / prompt tokens processed.",
+                   "Hit tokens per tier, as the workers count them, / prompt tokens processed.",
                    [target(f"{rate(hit, 'tier')} / scalar({rate('mesh_prompt_tokens_total')})",
-                           "{{tier}}")], "percentunit"),
+                           "{{tier}}")], "percentunit", w=8),
+        cache_hit_by_tier_panel(w=8),
+        prompt_sources_panel(w=24),
         timeseries("Host tier: load-back and write-back bytes/s",
                    "mesh_kv_cache_load_back_bytes_total (host tier -> device) and "
                    "mesh_kv_cache_write_back_bytes_total (device -> host tier).",
                    [target(rate("mesh_kv_cache_load_back_bytes_total"), "load-back"),
                     target(rate("mesh_kv_cache_write_back_bytes_total"), "write-back")],
-                   "Bps"),
+                   "Bps", w=8),
         timeseries("Host tier: load-back time and speed",
                    "Seconds spent loading back per second (checksums included), and the "
-                   "average load-back speed (bytes / seconds). No write-back timing is "
-                   "exported yet.",
+                   "average load-back speed (bytes / seconds).",
                    [target(rate("mesh_kv_cache_load_back_seconds_total"), "load-back s/s"),
                     target(f"{rate('mesh_kv_cache_load_back_bytes_total')} / "
                            f"{rate('mesh_kv_cache_load_back_seconds_total')}",
                            "load-back speed")], "s",
-                   overrides=right_axis("B", unit="Bps")),
+                   overrides=right_axis("B", unit="Bps"), w=8),
+        timeseries("Host tier: write-back time and speed",
+                   "Seconds spent writing KV pages to the host tier per second (checksums "
+                   "included), and the average write-back speed (bytes / seconds).",
+                   [target(rate(WRITE_BACK_SECONDS), "write-back s/s"),
+                    target(f"{rate(WRITE_BACK_BYTES)} / {rate(WRITE_BACK_SECONDS)}",
+                           "write-back speed")], "s",
+                   overrides=right_axis("B", unit="Bps"), w=8),
         timeseries("Evictions, by tier",
                    "Cached KV pages evicted to make room, pages per second.",
                    [target(rate("mesh_kv_cache_evictions_total", "tier"), "{{tier}}")], "short"),
@@ -432,6 +529,30 @@ def cache_tiers() -> dict:
     ])
 
 
+TRANSFERS = "mesh_kv_transfers_total"
+TRANSFERS_FAILED = f'{TRANSFERS}{{outcome="failed"}}'
+
+
+def handovers_panel(w: int = 12) -> dict:
+    return timeseries(
+        "Hand-overs under way, by side",
+        "mesh_handovers: KV hand-overs the workers have under way now. Prefill: from the "
+        "start until its commit; decode: until its pages are verified.",
+        [target("sum by (side) (mesh_handovers)", "{{side}}")], "short", w=w)
+
+
+def handover_oldest_panel(w: int = 12) -> dict:
+    return timeseries(
+        "Oldest hand-over by side (workers' view)",
+        "mesh_handover_oldest_seconds: age of the oldest KV hand-over under way, as the "
+        "workers on each side see it. Unlike the rooms' ages it keeps rising while the cache "
+        "service is stopped or frozen. The line is the workers' default hand-over deadline "
+        f"({HANDOVER_DEADLINE_S} s): one that stays above it is stuck (alert "
+        "HandoverOlderThanDeadline).",
+        [target("max by (side) (mesh_handover_oldest_seconds)", "{{side}}")], "s",
+        steps=((HANDOVER_DEADLINE_S, "red"),), w=w)
+
+
 def transfers() -> dict:
     b, s = "mesh_kv_transfer_bytes_total", "mesh_kv_transfer_seconds_total"
     return dashboard("pdmesh-transfers", "pdmesh / Transfers",
@@ -444,19 +565,31 @@ def transfers() -> dict:
                    [target(rate(s, "side"), "{{side}}")], "s", w=8),
         timeseries("Average transfer speed", "Bytes / seconds of copying, by side.",
                    [target(f"{rate(b, 'side')} / {rate(s, 'side')}", "{{side}}")], "Bps", w=8),
+        timeseries("Transfers by outcome",
+                   "KV hand-overs per second as the decode side ended them: ok (pages "
+                   "verified) or failed (mesh_kv_transfers_total).",
+                   [target(rate(TRANSFERS, "outcome"), "{{outcome}}")], "reqps", stack=True,
+                   w=8),
+        timeseries(f"Transfer failure ratio (per {WINDOW})",
+                   f"Failed hand-overs / all hand-overs ended in the last {WINDOW} "
+                   "(mesh_kv_transfers_total). Alert KvTransfersFailing fires on any failure.",
+                   [target(f"{increase(TRANSFERS_FAILED)} / {increase(TRANSFERS)}", "failed")],
+                   "percentunit", steps=((0.01, "red"),), w=8),
         timeseries(f"Transfer failures by reason (per {WINDOW})",
                    "mesh_kv_transfer_failures_total: requests that failed in transfer.",
                    [target(increase("mesh_kv_transfer_failures_total", "reason"), "{{reason}}")],
                    "short", steps=((1, "red"),), w=8),
+        handovers_panel(),
+        handover_oldest_panel(),
         timeseries(f"Admission timeouts (per {WINDOW})",
                    "Requests refused because no KV pages became free before the "
                    "admission deadline.",
                    [target(increase("mesh_admission_timeouts_total", "side"), "{{side}}")],
-                   "short", steps=((1, "orange"),), w=8),
+                   "short", steps=((1, "orange"),)),
         timeseries(f"Late writes rejected (per {WINDOW})",
                    "Commits refused because their room had already failed.",
                    [target(increase("mesh_room_late_writes_rejected_total", "tier"), "{{tier}}")],
-                   "short", w=8),
+                   "short"),
         timeseries("Prefill routing", "Prefill workers chosen per second: for the longest "
                    "cached prefix, or by load alone (mesh_route_prefill_total).",
                    [target(rate("mesh_route_prefill_total", "reason"), "{{reason}}")],
@@ -479,23 +612,35 @@ def wedges() -> dict:
         "mesh_room_oldest_seconds: age of the oldest room in each state at the cache "
         "service. Lines: the shortest default deadline (transferring, success) and the "
         "longest (waiting_for_input); a room above its state's deadline should already "
-        "have failed (alert RoomOlderThanDeadline). Click a series for a data link to "
-        "the Tempo trace search for rooms in that state (a link only: it needs the "
-        f"`{TRACE_ROOM_STATE_ATTR}` span attribute).",
+        "have failed (alert RoomOlderThanDeadline). While the cache service does not "
+        "answer these ages cannot be read: the workers' view of the hand-overs, next to "
+        "this panel, still rises. Click a series for a data link to "
+        "the Tempo trace search for rooms in that state (the cache service's room calls "
+        f"carry `{TRACE_ROOM_STATE_ATTR}` when traces are exported).",
         [target("max by (state) (mesh_room_oldest_seconds)", "{{state}}")], "s",
         steps=((ROOM_DEADLINES_S["transferring"], "orange"),
                (max(ROOM_DEADLINES_S.values()), "red")),
         links=[{"targetBlank": True,
                 "title": "Traces of rooms in state ${__field.labels.state} (Tempo)",
                 "url": search}],
-        w=24)
+        w=12)
     oldest["links"] = [{"targetBlank": True,
                         "title": "Tempo: traces longer than the shortest room deadline",
                         "url": long_traces}]
     return dashboard("pdmesh-wedges", "pdmesh / Wedge tracing",
-                     "Where requests get stuck: rooms by state and age, reservations, "
-                     "stalls and watchdogs.", [
+                     "Where requests get stuck: rooms by state and age, hand-overs as the "
+                     "workers see them, reservations, stalls and watchdogs.", [
         oldest,
+        handover_oldest_panel(),
+        timeseries("Rooms older than N seconds",
+                   "mesh_rooms_older_than: rooms at the cache service under way longer than "
+                   "N seconds in their state, for N = "
+                   + ", ".join(str(n) for n in ROOM_AGE_BUCKETS_S)
+                   + ". The counts are cumulative: a room older than 120 s is also counted "
+                   "in > 30 s, > 5 s and > 1 s.",
+                   [target("sum by (seconds) (mesh_rooms_older_than)", "> {{seconds}} s")],
+                   "short"),
+        handovers_panel(),
         timeseries("Rooms by state", "mesh_rooms: rooms at the cache service, by state.",
                    [target("sum by (state) (mesh_rooms)", "{{state}}")], "short", stack=True),
         timeseries("Room slots", "mesh_room_slots: host-mirror slots held by rooms, "
@@ -518,7 +663,11 @@ def wedges() -> dict:
                    [target("sum(mesh_kv_reserved_pages)", "reserved decode pages"),
                     target('sum(mesh_worker_requests{state="reserved"})', "requests reserved"),
                     target('sum(mesh_worker_requests{state="running"})', "requests running")],
-                   "short", overrides=right_axis("B", "C")),
+                   "short", overrides=right_axis("B", "C"), w=16),
+        timeseries("Workers read", "mesh_workers_read: 0 means the last scrape could not "
+                   "read a worker, so the worker gauges on this dashboard are stale.",
+                   [target("min(mesh_workers_read)", "workers read")], "none",
+                   steps=((1, "green"),), w=8),
         timeseries(f"Stalls (per {WINDOW})",
                    "mesh_engine_stalls_total: engine loops with work and no step past the "
                    "watchdog threshold, by side; mesh_stalls_total: everything the watchdogs "
@@ -531,11 +680,20 @@ def wedges() -> dict:
                    "mesh_watchdog_aborts_total: requests a hard-mode watchdog ended because "
                    "their engine loop stalled.",
                    [target(increase("mesh_watchdog_aborts_total", "component"), "{{component}}")],
-                   "short", steps=((1, "red"),), w=8),
-        timeseries("Workers read", "mesh_workers_read: 0 means the last scrape could not "
-                   "read a worker, so the worker gauges above are stale.",
-                   [target("min(mesh_workers_read)", "workers read")], "none",
-                   steps=((1, "green"),), w=16),
+                   "short", steps=((1, "red"),)),
+        timeseries("Watchdog progress: engine steps/s",
+                   "mesh_engine_steps_total: engine loop steps per second, summed over the "
+                   "workers; the counter the watchdogs read. Steps falling to 0 while "
+                   "requests are running (right axis) means the engine loops stopped moving.",
+                   [target(rate('mesh_engine_steps_total{side="all"}'), "steps/s"),
+                    target('sum(mesh_worker_requests{state="running"})', "requests running")],
+                   "short", overrides=right_axis("B")),
+        timeseries("Engine idle with work",
+                   "mesh_engine_idle_seconds: the longest any worker's engine loop has had work "
+                   "without a step, read at scrape. The line is the workers' default watchdog "
+                   f"threshold ({WATCHDOG_STALL_S} s), past which a stall is counted.",
+                   [target("max(mesh_engine_idle_seconds)", "longest idle with work")], "s",
+                   steps=((WATCHDOG_STALL_S, "orange"),)),
     ])
 
 

@@ -74,13 +74,29 @@ def test_a_repeated_conversation_is_served_from_the_prefix_cache_with_the_same_a
     def run():
         return client.chat.completions.create(model=mesh.model, messages=messages, max_tokens=12, temperature=0)
 
-    first, second = run(), run()
+    first = run()
+    before = mesh.metrics()
+    second = run()
     assert second.choices[0].message.content == first.choices[0].message.content
     cached = second.usage.prompt_tokens_details.cached_tokens
     prompt = second.usage.prompt_tokens
     # Whole 16-token pages, and the prompt's last token is always computed.
     assert cached % 16 == 0 and prompt - 16 <= cached < prompt, (cached, prompt)
     m = mesh.metrics()
+
+    def grew(series: str) -> float:
+        return m.get(series, 0) - before.get(series, 0)
+
+    # The second request's prompt by source: the device cache held all but the last page.
+    source = 'mesh_prompt_token_sources_total{{source="{}"}}'.format
+    assert grew(source("device")) == cached
+    assert grew(source("computed")) == prompt - cached
+    assert grew(source("host")) == 0
+    assert grew(source("transferred")) == (prompt if mesh.ports["mode"] == "pd" else 0)
+    # Each stage it passed was timed once.
+    stages = ["tokenize", "queue", "prefill", "decode"] + (["transfer"] if mesh.ports["mode"] == "pd" else [])
+    for stage in stages:
+        assert grew(f'mesh_request_stage_seconds_count{{stage="{stage}"}}') == 1, stage
     assert m["mesh_cached_prompt_tokens_total"] >= cached
     assert m["mesh_kv_pages_cached"] >= cached // 16
     assert m['mesh_kv_cache_hit_tokens_total{tier="device"}'] >= cached
@@ -265,7 +281,7 @@ def test_health_and_metrics_are_served(mesh):
     assert status == 200
     assert json.loads(body)["status"] == "ok"
     m = mesh.metrics()
-    assert m["mesh_kv_pages_total"] > 0
+    assert m["mesh_kv_pages_capacity"] > 0
     assert any(k.startswith("mesh_requests_total{") for k in m)
     assert "mesh_generated_tokens_total" in m
     assert "mesh_prompt_tokens_total" in m
@@ -299,7 +315,7 @@ def test_client_disconnect_mid_stream_frees_the_worker_pages(client, mesh):
 
     ask(client, mesh.model, prompt, max_tokens=1)
     baseline = available()
-    assert baseline == mesh.metrics()["mesh_kv_pages_total"], "nothing runs: no page is held"
+    assert baseline == mesh.metrics()["mesh_kv_pages_capacity"], "nothing runs: no page is held"
 
     body = json.dumps(
         {

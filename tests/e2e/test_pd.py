@@ -125,10 +125,10 @@ class Services:
             }
             pages = m["mesh_kv_pages_free"] + m["mesh_kv_pages_cached"]
             # Only a scrape that read every worker tells: the worker gauges are stale otherwise.
-            if m["mesh_workers_read"] == 1 and not held and pages == m["mesh_kv_pages_total"]:
+            if m["mesh_workers_read"] == 1 and not held and pages == m["mesh_kv_pages_capacity"]:
                 return m
             if time.monotonic() > deadline:
-                pytest.fail(f"not back to baseline: workers read {m['mesh_workers_read']}, held {held}, free+cached {pages} of {m['mesh_kv_pages_total']}\n{self.logs()}", pytrace=False)
+                pytest.fail(f"not back to baseline: workers read {m['mesh_workers_read']}, held {held}, free+cached {pages} of {m['mesh_kv_pages_capacity']}\n{self.logs()}", pytrace=False)
             time.sleep(0.25)
 
 
@@ -246,6 +246,50 @@ def test_sigstop_cache_past_the_deadline_then_sigcont(services):
     assert any(k == "error" for k, _ in results), "requests in transfer hit the frozen cache"
     services.wait_healthy()
     services.assert_baseline(timeout=60)
+    assert ask(services.client(), "Which box is blue? Answer briefly.") == ref
+
+
+def test_a_stopped_cache_service_shows_as_a_rising_handover_age_that_falls_after_recovery(services):
+    """The Wedge dashboard's view of the seed's failure: the component that moves the KV
+    stops answering. The cache service cannot report its rooms then, so the workers' own
+    view (the oldest hand-over each side has under way) is what rises; it falls once the
+    transfer deadline fails the requests, and after the service resumes every room age
+    and bucket is back to zero."""
+    ref = ask(services.client(), "Which box is blue? Answer briefly.")
+    services.assert_baseline()
+
+    def oldest() -> float:
+        m = services.metrics()
+        return max(v for k, v in m.items() if k.startswith("mesh_handover_oldest_seconds{"))
+
+    assert oldest() == 0
+    services.kill("cache", signal.SIGSTOP)
+    try:
+        client = services.client()
+        with cf.ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(outcome, lambda i=i: ask(client, f"Question {i}: which box is blue?")) for i in range(2)]
+            time.sleep(2)
+            ages = [oldest()]
+            time.sleep(2)
+            ages.append(oldest())
+            results = [f.result(timeout=REQUEST_DEADLINE_S + 30) for f in futs]
+        assert 0 < ages[0] < ages[1], f"the oldest hand-over's age rises while the cache is stopped: {ages}"
+        for (kind, what), secs in results:
+            assert kind == "error" and what in (500, 503, 504), (kind, what)
+            assert secs < REQUEST_DEADLINE_S, f"a request took {secs:.1f}s"
+        # The requests ended at their transfer deadline: nothing is under way any more,
+        # although the cache service is still stopped.
+        assert oldest() == 0
+    finally:
+        services.kill("cache", signal.SIGCONT)
+    services.wait_healthy()
+    m = services.assert_baseline(timeout=60)
+    deadline = time.monotonic() + 30
+    while any(v for k, v in m.items() if k.startswith(("mesh_room_oldest_seconds{", "mesh_rooms_older_than{"))):
+        assert time.monotonic() < deadline, {k: v for k, v in m.items() if k.startswith("mesh_room")}
+        time.sleep(0.5)
+        m = services.metrics()
+    assert m["mesh_handovers{side=\"decode\"}"] == 0 and m["mesh_handovers{side=\"prefill\"}"] == 0
     assert ask(services.client(), "Which box is blue? Answer briefly.") == ref
 
 

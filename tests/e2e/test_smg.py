@@ -85,7 +85,7 @@ def answers(client: openai.OpenAI, model: str) -> list:
 def pages_in_use(mesh) -> float:
     m = mesh.metrics()
     assert m["mesh_workers_read"] == 1
-    return m["mesh_kv_pages_total"] - m["mesh_kv_pages_free"] - m["mesh_kv_pages_cached"]
+    return m["mesh_kv_pages_capacity"] - m["mesh_kv_pages_free"] - m["mesh_kv_pages_cached"]
 
 
 def leave_mid_stream(client: openai.OpenAI, model: str):

@@ -95,6 +95,23 @@ pub enum Service {
     },
 }
 
+impl Service {
+    /// The service's name in logs and traces (`pdmesh-<name>`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Tokenizer { .. } => "tokenizer",
+            Self::Worker { cfg, .. } => match cfg.role {
+                pdmesh_worker::Role::Unified => "worker",
+                role => role.name(),
+            },
+            Self::Prefill { .. } => "prefill",
+            Self::Decode { .. } => "decode",
+            Self::Gateway { .. } => "gateway",
+            Self::Cache { .. } => "cache",
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 pub enum ModelCommand {
     /// Download the default model (with the machine's pip) and install it in the cache.

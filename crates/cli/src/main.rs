@@ -1,24 +1,12 @@
 //! The `pdmesh` binary: parses the command line, sets up logging and the tokio runtime,
 //! and hands off to the library (services, `up`, `model`).
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
 use pdmesh_cli::args::{Cli, Command, ModelCommand, Service, SynthModel};
 use pdmesh_cli::{fetch, serve, up};
-
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new("info,h2=warn,hyper=warn,tower=warn")
-    });
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
-}
 
 fn multi_thread() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
@@ -29,7 +17,10 @@ fn multi_thread() -> anyhow::Result<tokio::runtime::Runtime> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    // Services set up their own telemetry (trace export runs on their runtime); the other
+    // commands only log.
+    let _logs = (!matches!(cli.command, Command::Service(_) | Command::Serve(_)))
+        .then(|| pdmesh_telemetry::init(None));
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -42,6 +33,17 @@ fn main() -> ExitCode {
 
 fn run_service(service: Service) -> anyhow::Result<()> {
     let rt = multi_thread()?;
+    let telemetry = {
+        let _rt = rt.enter();
+        pdmesh_telemetry::init(Some(service.name()))
+    };
+    let out = serve_one(&rt, service);
+    // Flushes the spans still queued, while the runtime the exporter uses still runs.
+    drop(telemetry);
+    out
+}
+
+fn serve_one(rt: &tokio::runtime::Runtime, service: Service) -> anyhow::Result<()> {
     match service {
         Service::Tokenizer { listen, cfg } => {
             rt.block_on(serve::serve("tokenizer", listen, |l, s| {

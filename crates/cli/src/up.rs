@@ -85,10 +85,18 @@ struct Service {
     addr: SocketAddr,
 }
 
-/// A loopback port nobody listens on right now (bound, read, released).
-fn free_port() -> Result<u16, UpError> {
-    let l = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(UpError::Port)?;
-    Ok(l.local_addr().map_err(UpError::Port)?.port())
+/// Free loopback ports, each held until the picker is dropped, so one `up` never hands
+/// the same port to two services (a released port can come back from the next bind).
+#[derive(Default)]
+struct Ports(Vec<std::net::TcpListener>);
+
+impl Ports {
+    fn pick(&mut self) -> Result<u16, UpError> {
+        let l = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(UpError::Port)?;
+        let port = l.local_addr().map_err(UpError::Port)?.port();
+        self.0.push(l);
+        Ok(port)
+    }
 }
 
 /// The model to serve: `--model`, else the cached default, fetched when missing.
@@ -123,6 +131,9 @@ fn spawn(
         Some(k) => cmd.env("PDMESH_API_KEY", k),
         None => cmd.env_remove("PDMESH_API_KEY"),
     };
+    // Each service names itself in traces (`pdmesh-<service>`); one name set for `up`
+    // would merge them all.
+    cmd.env_remove("OTEL_SERVICE_NAME");
     cmd.args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())
@@ -331,7 +342,8 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     if pd && (args.prefill == 0 || args.decode == 0) {
         return Err(UpError::NoWorkers);
     }
-    let local = || Ok::<_, UpError>(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), free_port()?));
+    let mut ports = Ports::default();
+    let mut local = || Ok::<_, UpError>(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), ports.pick()?));
     let tok_addr = local()?;
     // (name, role subcommand, address, extra flags): the decode worker (or the unified
     // one) first.
@@ -357,12 +369,14 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         workers.push(("worker", "worker", local()?, &[]));
     }
     let worker_addr = workers[0].2;
-    let cache_addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), free_port()?);
+    let cache_addr = local()?;
     let port = if args.port == 0 {
-        free_port()?
+        local()?.port()
     } else {
         args.port
     };
+    // Released only now, all at once, for the services to bind.
+    drop(ports);
     let gateway_listen = SocketAddr::new(args.host, port);
     let model_arg = model.to_string_lossy().into_owned();
 
@@ -591,9 +605,13 @@ mod tests {
     }
 
     #[test]
-    fn free_ports_are_distinct_enough_to_use() {
-        let a = free_port().unwrap();
-        assert_ne!(a, 0);
-        std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, a)).expect("the port is free again");
+    fn picked_ports_are_distinct_and_free_once_the_picker_is_dropped() {
+        let mut ports = Ports::default();
+        let picked: Vec<u16> = (0..64).map(|_| ports.pick().unwrap()).collect();
+        let distinct: std::collections::HashSet<_> = picked.iter().collect();
+        assert_eq!(distinct.len(), picked.len());
+        assert!(!picked.contains(&0));
+        drop(ports);
+        std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, picked[0])).expect("free again");
     }
 }

@@ -168,6 +168,16 @@ pub enum StepEvent {
     },
     /// A decode-side request holds `pages` pages for its prompt's KV.
     Reserved { id: Arc<str>, pages: usize },
+    /// A request left the waiting queue for the first time (later re-admissions after a
+    /// preemption are not reported): of its prompt, `device_cached` tokens came from the
+    /// device prefix cache and `host_cached` from the host tier; the rest is computed.
+    Admitted {
+        id: Arc<str>,
+        device_cached: usize,
+        host_cached: usize,
+        /// When (events are delivered after the step's forward pass).
+        at: std::time::Instant,
+    },
 }
 
 /// Static facts about the loaded model and pool.

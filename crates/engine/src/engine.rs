@@ -148,6 +148,8 @@ pub struct HostStats {
     pub load_seconds: f64,
     pub written_pages: u64,
     pub written_bytes: u64,
+    /// Time spent in the host tier's `store` (copies, checksums and the calls).
+    pub written_seconds: f64,
     /// Host pages whose bytes did not match their checksum (dropped and recomputed).
     pub checksum_failures: u64,
 }
@@ -578,7 +580,9 @@ impl Engine {
                             (p.hash, p.parent_hash, bytes)
                         })
                         .collect();
+                    let t0 = std::time::Instant::now();
                     let written = host.store(&batch) as u64;
+                    self.host_stats.written_seconds += t0.elapsed().as_secs_f64();
                     self.host_stats.written_pages += written;
                     self.host_stats.written_bytes +=
                         written * pool.layout().bytes_per_page() as u64;
@@ -622,7 +626,9 @@ impl Engine {
                     out.reverse();
                     let batch: Vec<(u64, u64, &[u8])> =
                         out.iter().map(|(h, p, b)| (*h, *p, &b[..])).collect();
+                    let t0 = std::time::Instant::now();
                     let written = host.store(&batch) as u64;
+                    self.host_stats.written_seconds += t0.elapsed().as_secs_f64();
                     self.host_stats.written_pages += written;
                     self.host_stats.written_bytes +=
                         written * self.pool.layout().bytes_per_page() as u64;
@@ -744,6 +750,15 @@ impl Engine {
             };
             let mut s = self.waiting.pop_front().expect("front exists");
             s.computed = (hit.len() + loaded) * self.cfg.page_size;
+            if s.cached.is_none() {
+                let device_cached = (hit.len() * self.cfg.page_size).min(s.prompt_len);
+                self.pending.push(StepEvent::Admitted {
+                    id: s.id.clone(),
+                    device_cached,
+                    host_cached: s.computed.min(s.prompt_len) - device_cached,
+                    at: std::time::Instant::now(),
+                });
+            }
             s.cached.get_or_insert(s.computed.min(s.prompt_len));
             s.pages = hit;
             s.pages.extend(pages);

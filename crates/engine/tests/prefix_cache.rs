@@ -5,6 +5,8 @@
 
 mod common;
 
+use pdmesh_engine::StepEvent;
+
 use common::{
     assert_same_turns, available, cached_tokens, fixture_prompts, greedy, run_all, sessions,
 };
@@ -86,4 +88,33 @@ fn a_repeated_prompt_reports_its_cached_whole_pages_and_leaves_the_last_token() 
         .unwrap();
     assert_eq!(cached_tokens(&again), 8);
     assert_eq!(available(&e), 256);
+}
+
+#[test]
+fn admission_reports_where_the_prompt_came_from_once() {
+    let fx = fixture_prompts();
+    let prompt: Vec<u32> = fx[2].iter().chain(&fx[3]).copied().collect();
+    let mut e = common::engine(|c| c.page_size = 8);
+    let admitted = |e: &mut pdmesh_engine::Engine, id: &str| {
+        e.submit(greedy(id, &prompt, 3)).expect("valid request");
+        let mut seen = Vec::new();
+        while e.has_work() {
+            for ev in e.step() {
+                if let StepEvent::Admitted {
+                    id,
+                    device_cached,
+                    host_cached,
+                    ..
+                } = ev
+                {
+                    seen.push((id.to_string(), device_cached, host_cached));
+                }
+            }
+        }
+        seen
+    };
+    // Nothing cached yet; then the same prompt finds its whole pages but the last token's.
+    assert_eq!(admitted(&mut e, "a"), vec![("a".to_owned(), 0, 0)]);
+    let hit = (prompt.len() - 1) / 8 * 8;
+    assert_eq!(admitted(&mut e, "b"), vec![("b".to_owned(), hit, 0)]);
 }

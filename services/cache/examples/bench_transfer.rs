@@ -90,7 +90,7 @@ async fn main() {
             first_token: 1,
             first_logprob: f32::NAN,
             prompt_tokens: (pages * 16) as u32,
-            cached_tokens: 0,
+            ..Default::default()
         };
         sender.room_commit(room, sums, aux).await.unwrap();
         let st = receiver

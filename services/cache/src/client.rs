@@ -376,7 +376,8 @@ impl HostClient {
 }
 
 /// Room calls (prefill/decode disaggregation). They take `&self`, so many requests' rooms
-/// proceed at once over one connection; each names this client's lease.
+/// proceed at once over one connection; each names this client's lease and carries the
+/// current span's trace context.
 impl HostClient {
     pub async fn room_open(
         &self,
@@ -388,13 +389,13 @@ impl HostClient {
         Ok(self
             .rpc
             .clone()
-            .room_open(pb::RoomOpenRequest {
+            .room_open(pdmesh_telemetry::request(pb::RoomOpenRequest {
                 lease: self.lease,
                 room,
                 side: side.into(),
                 request_id: request_id.to_owned(),
                 trace_id: trace_id.to_owned(),
-            })
+            }))
             .await?
             .into_inner())
     }
@@ -409,12 +410,12 @@ impl HostClient {
         Ok(self
             .rpc
             .clone()
-            .room_wait(pb::RoomWaitRequest {
+            .room_wait(pdmesh_telemetry::request(pb::RoomWaitRequest {
                 lease: self.lease,
                 room,
                 until: until.into(),
                 timeout_ms: timeout.as_millis().min(u128::from(u32::MAX)) as u32,
-            })
+            }))
             .await?
             .into_inner())
     }
@@ -423,11 +424,11 @@ impl HostClient {
         Ok(self
             .rpc
             .clone()
-            .room_start(pb::RoomStartRequest {
+            .room_start(pdmesh_telemetry::request(pb::RoomStartRequest {
                 lease: self.lease,
                 room,
                 pages,
-            })
+            }))
             .await?
             .into_inner()
             .slots)
@@ -441,12 +442,12 @@ impl HostClient {
     ) -> Result<(), tonic::Status> {
         self.rpc
             .clone()
-            .room_commit(pb::RoomCommitRequest {
+            .room_commit(pdmesh_telemetry::request(pb::RoomCommitRequest {
                 lease: self.lease,
                 room,
                 pages,
                 aux: Some(aux),
-            })
+            }))
             .await?;
         Ok(())
     }
@@ -455,10 +456,10 @@ impl HostClient {
         Ok(self
             .rpc
             .clone()
-            .room_result(pb::RoomRef {
+            .room_result(pdmesh_telemetry::request(pb::RoomRef {
                 lease: self.lease,
                 room,
-            })
+            }))
             .await?
             .into_inner())
     }
@@ -466,10 +467,10 @@ impl HostClient {
     pub async fn room_finish(&self, room: u64) -> Result<(), tonic::Status> {
         self.rpc
             .clone()
-            .room_finish(pb::RoomRef {
+            .room_finish(pdmesh_telemetry::request(pb::RoomRef {
                 lease: self.lease,
                 room,
-            })
+            }))
             .await?;
         Ok(())
     }
@@ -477,11 +478,11 @@ impl HostClient {
     pub async fn room_abort(&self, room: u64, reason: &str) -> Result<(), tonic::Status> {
         self.rpc
             .clone()
-            .room_abort(pb::RoomAbortRequest {
+            .room_abort(pdmesh_telemetry::request(pb::RoomAbortRequest {
                 lease: self.lease,
                 room,
                 reason: reason.to_owned(),
-            })
+            }))
             .await?;
         Ok(())
     }

@@ -289,6 +289,11 @@ impl pb::cache_server::Cache for CacheService {
                 .iter()
                 .map(|(st, n, _)| (st.name().to_owned(), *n as u32))
                 .collect(),
+            rooms_older_than: rooms
+                .older_than
+                .iter()
+                .map(|(t, n)| (format!("{t}"), *n as u32))
+                .collect(),
             oldest_room_seconds: rooms
                 .census
                 .iter()
@@ -324,6 +329,8 @@ impl pb::cache_server::Cache for CacheService {
             Ok(pb::RoomSide::Receiver) => Side::Receiver,
             _ => return Err(Status::invalid_argument("side must be SENDER or RECEIVER")),
         };
+        let span = traced(r.room, None);
+        span.record("pdmesh.request_id", r.request_id.as_str());
         let st = self.shared.with(|s| {
             s.room_open(
                 r.lease,
@@ -334,6 +341,7 @@ impl pb::cache_server::Cache for CacheService {
                 Instant::now(),
             )
         })?;
+        traced(r.room, Some(st));
         Ok(Response::new(status(st, None)))
     }
 
@@ -356,6 +364,9 @@ impl pb::cache_server::Cache for CacheService {
             let Some((st, why)) = now else {
                 return Err(CacheError::Room(RoomError::Unknown(r.room)).into());
             };
+            // The state the wait ends in: a room stuck in a state shows up as waits
+            // ending in it.
+            traced(r.room, Some(st));
             if st == RoomState::Failed || st as i32 >= until as i32 {
                 return Ok(Response::new(status(st, why)));
             }
@@ -378,9 +389,11 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomStartRequest>,
     ) -> Result<Response<pb::RoomStartResponse>, Status> {
         let r = request.into_inner();
+        traced(r.room, None);
         let slots = self
             .shared
             .with(|s| s.room_start(r.lease, r.room, r.pages as usize, Instant::now()))?;
+        traced(r.room, Some(RoomState::Transferring));
         Ok(Response::new(pb::RoomStartResponse { slots }))
     }
 
@@ -406,9 +419,15 @@ impl pb::cache_server::Cache for CacheService {
             first_logprob: aux.first_logprob,
             prompt_tokens: aux.prompt_tokens,
             cached_tokens: aux.cached_tokens,
+            host_cached_tokens: aux.host_cached_tokens,
+            queue_seconds: aux.queue_seconds,
+            prefill_seconds: aux.prefill_seconds,
+            send_seconds: aux.send_seconds,
         };
+        traced(r.room, None);
         self.shared
             .with(|s| s.room_commit(r.lease, r.room, pages, aux, Instant::now()))?;
+        traced(r.room, Some(RoomState::Success));
         Ok(Response::new(status(RoomState::Success, None)))
     }
 
@@ -417,6 +436,7 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomRef>,
     ) -> Result<Response<pb::RoomResultResponse>, Status> {
         let r = request.into_inner();
+        traced(r.room, None);
         let (pages, aux) = self.shared.with(|s| s.room_result(r.lease, r.room))?;
         Ok(Response::new(pb::RoomResultResponse {
             pages: pages
@@ -432,6 +452,10 @@ impl pb::cache_server::Cache for CacheService {
                 first_logprob: aux.first_logprob,
                 prompt_tokens: aux.prompt_tokens,
                 cached_tokens: aux.cached_tokens,
+                host_cached_tokens: aux.host_cached_tokens,
+                queue_seconds: aux.queue_seconds,
+                prefill_seconds: aux.prefill_seconds,
+                send_seconds: aux.send_seconds,
             }),
         }))
     }
@@ -441,6 +465,7 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomRef>,
     ) -> Result<Response<pb::RoomStatus>, Status> {
         let r = request.into_inner();
+        traced(r.room, None);
         self.shared.with(|s| s.room_finish(r.lease, r.room))?;
         Ok(Response::new(status(RoomState::Success, None)))
     }
@@ -450,6 +475,7 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomAbortRequest>,
     ) -> Result<Response<pb::RoomStatus>, Status> {
         let r = request.into_inner();
+        traced(r.room, Some(RoomState::Failed));
         let reason = if r.reason.is_empty() {
             "no reason given"
         } else {
@@ -489,4 +515,15 @@ fn status(st: RoomState, why: Option<String>) -> pb::RoomStatus {
         state: room_state_pb(st).into(),
         reason: why.unwrap_or_default(),
     }
+}
+
+/// Records a room call's room (and the state it leaves the room in) on the call's span,
+/// which exists when the call carries trace context.
+fn traced(room: u64, state: Option<RoomState>) -> tracing::Span {
+    let span = tracing::Span::current();
+    span.record("pdmesh.room", room);
+    if let Some(st) = state {
+        span.record("pdmesh.room.state", st.name());
+    }
+    span
 }

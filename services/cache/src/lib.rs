@@ -169,6 +169,7 @@ pub async fn run(
     let addr = listener.local_addr().ok();
     tracing::info!(?addr, size = ?cfg.host_mirror_size, "cache service listening");
     let served = tonic::transport::Server::builder()
+        .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(pdmesh_proto::cache::v1::cache_server::CacheServer::new(
             grpc::CacheService::new(shared.clone(), shutdown.clone()),
         ))

@@ -103,14 +103,24 @@ impl RoomDeadlines {
     }
 }
 
+/// The ages (seconds in the current state) rooms are counted past, for the wedge
+/// dashboard's age buckets.
+pub const AGE_THRESHOLDS: [f64; 4] = [1.0, 5.0, 30.0, 120.0];
+
 /// What a sender hands over with its pages; the receiver checks `room` on arrival.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Aux {
     pub room: u64,
     pub first_token: u32,
     pub first_logprob: f32,
     pub prompt_tokens: u32,
     pub cached_tokens: u32,
+    /// The sender's cache sources and stage times, passed through for the receiver's
+    /// report (see `RoomAux`).
+    pub host_cached_tokens: u32,
+    pub queue_seconds: f64,
+    pub prefill_seconds: f64,
+    pub send_seconds: f64,
 }
 
 /// One transferred page: its mirror slot and checksum.
@@ -353,6 +363,19 @@ impl Rooms {
             .collect()
     }
 
+    /// How many rooms still under way (not yet succeeded or failed) have been in their
+    /// state longer than each of [`AGE_THRESHOLDS`] seconds.
+    pub fn older_than(&self, now: Instant) -> [usize; AGE_THRESHOLDS.len()] {
+        let mut out = [0; AGE_THRESHOLDS.len()];
+        for r in self.rooms.values().filter(|r| !r.state.is_final()) {
+            let age = now.duration_since(r.entered).as_secs_f64();
+            for (n, &t) in out.iter_mut().zip(&AGE_THRESHOLDS) {
+                *n += usize::from(age > t);
+            }
+        }
+        out
+    }
+
     /// Rooms past `fraction` of their state's deadline that were not reported in that
     /// state yet (each is reported once per state).
     pub fn stuck(&mut self, now: Instant, fraction: f64) -> Vec<Stuck> {
@@ -549,8 +572,29 @@ mod tests {
             first_token: 42,
             first_logprob: -0.5,
             prompt_tokens: 3,
-            cached_tokens: 0,
+            ..Aux::default()
         }
+    }
+
+    #[test]
+    fn rooms_under_way_are_counted_past_each_age_threshold_in_their_state() {
+        let (mut rooms, t) = (Rooms::new(D), Instant::now());
+        assert_eq!(rooms.older_than(t), [0; 4]);
+        rooms.open(1, Side::Receiver, DEC, t).unwrap();
+        rooms
+            .open(2, Side::Receiver, DEC, t + Duration::from_secs(4))
+            .unwrap();
+        let now = t + Duration::from_secs(10);
+        // Room 1: 10 s in bootstrapping; room 2: 6 s.
+        assert_eq!(rooms.older_than(now), [2, 2, 0, 0]);
+        // A move to another state restarts the clock; finished rooms are not counted.
+        rooms.open(2, Side::Sender, P, now).unwrap();
+        assert_eq!(rooms.older_than(now), [1, 1, 0, 0]);
+        rooms.abort(1, DEC, "test", now).unwrap();
+        assert_eq!(
+            rooms.older_than(now + Duration::from_secs(40)),
+            [1, 1, 1, 0]
+        );
     }
 
     #[test]

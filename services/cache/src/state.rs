@@ -134,6 +134,8 @@ pub struct Stats {
 pub struct RoomStats {
     /// Rooms now by state, with the oldest one's age.
     pub census: Vec<(RoomState, usize, Duration)>,
+    /// Rooms under way longer than each of `rooms::AGE_THRESHOLDS` in their state.
+    pub older_than: Vec<(f64, usize)>,
     /// Rooms failed by a deadline, by the state they were stuck in.
     pub timeouts: HashMap<&'static str, u64>,
     /// Rooms aborted, by who or what: "sender", "receiver", "lease_lost", "watchdog".
@@ -860,6 +862,10 @@ impl State {
     pub fn room_stats(&self, now: Instant) -> RoomStats {
         let mut st = self.room_stats.clone();
         st.census = self.rooms.census(now);
+        st.older_than = crate::rooms::AGE_THRESHOLDS
+            .into_iter()
+            .zip(self.rooms.older_than(now))
+            .collect();
         st.room_slots = self
             .slots
             .iter()
@@ -1083,7 +1089,7 @@ mod tests {
             first_token: 1,
             first_logprob: f32::NAN,
             prompt_tokens: 4,
-            cached_tokens: 0,
+            ..Aux::default()
         }
     }
 

@@ -57,6 +57,13 @@ pub(crate) struct PdTotals {
     pub admission_timeouts: u64,
     pub engine_stalls: u64,
     pub watchdog_aborts: u64,
+    /// Engine steps, summed (the watchdogs' progress counter).
+    pub engine_steps: u64,
+    /// Hand-overs the decode side completed, and those that failed there.
+    pub transfers_ok: u64,
+    pub transfers_failed: u64,
+    /// Hand-overs under way and the oldest one's age, by side (prefill, decode).
+    pub handovers: std::collections::BTreeMap<String, (u64, f64)>,
     /// The longest any worker's loop has had work without a step.
     pub engine_idle_seconds: f64,
 }
@@ -75,6 +82,14 @@ impl PdTotals {
         self.admission_timeouts += o.admission_timeouts;
         self.engine_stalls += o.engine_stalls;
         self.watchdog_aborts += o.watchdog_aborts;
+        self.engine_steps += o.engine_steps;
+        self.transfers_ok += o.transfers_ok;
+        self.transfers_failed += o.transfers_failed;
+        for (side, (n, oldest)) in &o.handovers {
+            let e = self.handovers.entry(side.clone()).or_default();
+            e.0 += n;
+            e.1 = e.1.max(*oldest);
+        }
         self.engine_idle_seconds = self.engine_idle_seconds.max(o.engine_idle_seconds);
     }
 }
@@ -86,6 +101,7 @@ pub(crate) struct HostTotals {
     pub load_bytes: u64,
     pub load_seconds: f64,
     pub written_bytes: u64,
+    pub written_seconds: f64,
     pub checksum_failures: u64,
 }
 
@@ -138,6 +154,10 @@ pub(crate) struct Finish {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub cached_tokens: u32,
+    pub host_cached_tokens: u32,
+    pub transferred_tokens: u32,
+    /// Seconds in each worker stage (queue, prefill, transfer, decode), 0 when skipped.
+    pub stages: [(&'static str, f64); 4],
 }
 
 /// One message of the worker's Generate stream.
@@ -262,6 +282,7 @@ impl Backends {
             total.host.load_bytes += w.host.load_bytes;
             total.host.load_seconds += w.host.load_seconds;
             total.host.written_bytes += w.host.written_bytes;
+            total.host.written_seconds += w.host.written_seconds;
             total.host.checksum_failures += w.host.checksum_failures;
             total.pd.add(&w.pd);
         }
@@ -269,6 +290,7 @@ impl Backends {
     }
 
     fn info_of(r: wk::ModelInfoResponse) -> WorkerInfo {
+        let failed: u64 = r.transfer_failures.values().sum();
         WorkerInfo {
             model_id: r.model_id,
             context_length: r.context_length,
@@ -283,6 +305,7 @@ impl Backends {
                 load_bytes: r.host_load_bytes,
                 load_seconds: r.host_load_seconds,
                 written_bytes: r.host_written_bytes,
+                written_seconds: r.host_written_seconds,
                 checksum_failures: r.host_checksum_failures,
             },
             pd: PdTotals {
@@ -296,6 +319,19 @@ impl Backends {
                 admission_timeouts: r.admission_timeouts,
                 engine_stalls: r.engine_stalls,
                 watchdog_aborts: r.watchdog_aborts,
+                engine_steps: r.engine_steps,
+                // A hand-over completes when the decode side verified its pages.
+                transfers_ok: if r.role == "decode" { r.transfers } else { 0 },
+                transfers_failed: if r.role == "decode" { failed } else { 0 },
+                handovers: if r.role == "prefill" || r.role == "decode" {
+                    [(
+                        r.role.clone(),
+                        (u64::from(r.handovers), r.handover_oldest_seconds),
+                    )]
+                    .into()
+                } else {
+                    Default::default()
+                },
                 engine_idle_seconds: r.engine_idle_seconds,
             },
         }
@@ -328,7 +364,7 @@ impl Backends {
         Ok(self
             .tokenizer
             .clone()
-            .apply_chat_template(req)
+            .apply_chat_template(pdmesh_telemetry::request(req))
             .await?
             .into_inner()
             .ids)
@@ -360,7 +396,13 @@ impl Backends {
             text: text.into_bytes(),
             add_special_tokens: true,
         };
-        Ok(self.tokenizer.clone().tokenize(req).await?.into_inner().ids)
+        Ok(self
+            .tokenizer
+            .clone()
+            .tokenize(pdmesh_telemetry::request(req))
+            .await?
+            .into_inner()
+            .ids)
     }
 
     /// Starts generation; errors the worker reports before its first message (invalid
@@ -428,11 +470,12 @@ impl Backends {
 
     /// A streaming detokenizer session (special tokens skipped); `parsing` splits the
     /// text into content, reasoning and tool calls (absent: plain text).
-    pub fn detokenizer(&self, parsing: Option<Parsing>) -> Detokenizer {
+    pub fn detokenizer(&self, parsing: Option<Parsing>, span: tracing::Span) -> Detokenizer {
         Detokenizer {
             client: self.tokenizer.clone(),
             session: None,
             parsing,
+            span,
         }
     }
 }
@@ -463,6 +506,17 @@ fn convert_generate(msg: wk::GenerateResponse) -> Result<WorkerEvent, ApiError> 
                 prompt_tokens: f.prompt_tokens,
                 completion_tokens: f.completion_tokens,
                 cached_tokens: f.cached_tokens,
+                host_cached_tokens: f.host_cached_tokens,
+                transferred_tokens: f.transferred_tokens,
+                stages: {
+                    let t = f.stages.unwrap_or_default();
+                    [
+                        ("queue", t.queue_seconds),
+                        ("prefill", t.prefill_seconds),
+                        ("transfer", t.transfer_seconds),
+                        ("decode", t.decode_seconds),
+                    ]
+                },
             }))
         }
         None => Err(ApiError::backend(
@@ -542,6 +596,9 @@ pub(crate) struct Detokenizer {
         tonic::Streaming<tk::DetokenizeResponse>,
     )>,
     parsing: Option<Parsing>,
+    /// The request's span, whose trace the Detokenize call joins (the stream is polled
+    /// outside it).
+    span: tracing::Span,
 }
 
 impl Detokenizer {
@@ -582,12 +639,9 @@ impl Detokenizer {
                 let (tx, rx) = mpsc::channel(16);
                 tx.try_send(msg)
                     .map_err(|_| ApiError::backend("detokenize queue full"))?;
-                let inbound = self
-                    .client
-                    .clone()
-                    .detokenize(ReceiverStream::new(rx))
-                    .await?
-                    .into_inner();
+                let mut call = tonic::Request::new(ReceiverStream::new(rx));
+                pdmesh_telemetry::inject_from(&self.span, &mut call);
+                let inbound = self.client.clone().detokenize(call).await?.into_inner();
                 &mut self.session.insert((tx, inbound)).1
             }
         };

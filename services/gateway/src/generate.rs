@@ -110,10 +110,14 @@ pub(crate) async fn start(
         }
     };
     let st = st.clone();
+    // The request's span stays open until the stream ends, and the calls the stream
+    // makes (Detokenize) join its trace.
+    let span = tracing::Span::current();
+    let span2 = span.clone();
     let stream = async_stream::stream! {
         let mut guard = guard;
         let mut worker = futures::stream::iter([Ok(first)]).chain(worker);
-        let mut detok = st.backends.detokenizer(parsing);
+        let mut detok = st.backends.detokenizer(parsing, span.clone());
         let mut filter = StopFilter::new(&stops);
         let mut calls = 0usize;
         let mut last_token: Option<std::time::Instant> = None;
@@ -209,13 +213,36 @@ pub(crate) async fn start(
                     st.metrics.prompt_tokens.inc_by(u64::from(usage.prompt_tokens));
                     st.metrics.generated_tokens.inc_by(u64::from(usage.completion_tokens));
                     st.metrics.cached_prompt_tokens.inc_by(u64::from(usage.cached_tokens));
+                    let cached = f.cached_tokens.min(usage.prompt_tokens);
+                    let host = f.host_cached_tokens.min(cached);
+                    st.metrics.prompt_sources(usage.prompt_tokens - cached, cached - host, host, f.transferred_tokens);
+                    for (stage, secs) in f.stages {
+                        // A unified worker's requests have no transfer stage.
+                        if stage != "transfer" || f.transferred_tokens > 0 {
+                            st.metrics.stage(stage, secs);
+                        }
+                    }
+                    // As i64: OpenTelemetry has no unsigned attributes.
+                    span.record("gen_ai.usage.input_tokens", i64::from(usage.prompt_tokens));
+                    span.record("gen_ai.usage.output_tokens", i64::from(usage.completion_tokens));
+                    span.record("gen_ai.response.finish_reasons", finish_reason);
                     yield Ok(GenEvent::Done(Done { finish_reason, usage }));
                     return;
                 }
             }
         }
     };
-    Ok(Box::pin(stream))
+    Ok(Box::pin(stream.inspect(move |item| {
+        if let Err(e) = item {
+            record_error(&span2, e);
+        }
+    })))
+}
+
+/// Marks a request's span failed, with the error's class.
+pub(crate) fn record_error(span: &tracing::Span, e: &ApiError) {
+    span.record("error.type", e.error_type);
+    span.record("otel.status_code", "ERROR");
 }
 
 /// Orders what one Detokenize answer completed into events: reasoning, content (through

@@ -8,7 +8,7 @@ use std::time::Instant;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -16,6 +16,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
 use serde_json::{Value, json};
+use tracing::Instrument as _;
 
 use crate::backend::{GenParams, Parsing, WorkerInfo};
 use crate::error::{ApiError, ErrorClass};
@@ -133,7 +134,9 @@ async fn metrics(State(st): State<AppState>) -> Response {
         Ok(info) => {
             st.metrics.workers_read.set(1);
             st.metrics.kv_pages_free.set(i64::from(info.free_pages));
-            st.metrics.kv_pages_total.set(i64::from(info.total_pages));
+            st.metrics
+                .kv_pages_capacity
+                .set(i64::from(info.total_pages));
             st.metrics.kv_pages_cached.set(i64::from(info.cached_pages));
             let m = &st.metrics;
             m.kv_evictions.observe("device", info.evicted_pages as f64);
@@ -146,6 +149,10 @@ async fn metrics(State(st): State<AppState>) -> Response {
                 .observe("host", info.host.load_seconds);
             m.kv_write_back_bytes
                 .observe("host", info.host.written_bytes as f64);
+            m.kv_write_back_seconds
+                .observe("host", info.host.written_seconds);
+            m.engine_steps.observe("all", info.pd.engine_steps as f64);
+            m.engine_idle_seconds.set(info.pd.engine_idle_seconds);
             m.kv_checksum_failures
                 .observe("host", info.host.checksum_failures as f64);
             let (pd, side) = (&m.pd, "all");
@@ -170,6 +177,16 @@ async fn metrics(State(st): State<AppState>) -> Response {
                 .observe("engine", info.pd.watchdog_aborts as f64);
             pd.room_stalls
                 .observe("engine", info.pd.engine_stalls as f64);
+            pd.transfers.observe("ok", info.pd.transfers_ok as f64);
+            pd.transfers
+                .observe("failed", info.pd.transfers_failed as f64);
+            for side in ["prefill", "decode"] {
+                let (n, oldest) = info.pd.handovers.get(side).copied().unwrap_or_default();
+                pd.handovers.with_label_values(&[side]).set(n as i64);
+                pd.handover_oldest_seconds
+                    .with_label_values(&[side])
+                    .set(oldest);
+            }
         }
         Err(e) => {
             st.metrics.workers_read.set(0);
@@ -208,6 +225,14 @@ async fn metrics(State(st): State<AppState>) -> Response {
         let pd = &m.pd;
         for (state, n) in &c.rooms {
             pd.rooms.with_label_values(&[state]).set(i64::from(*n));
+        }
+        for (secs, n) in &c.rooms_older_than {
+            // Only the service's own thresholds become label values.
+            if ["1", "5", "30", "120"].contains(&secs.as_str()) {
+                pd.rooms_older_than
+                    .with_label_values(&[secs.as_str()])
+                    .set(i64::from(*n));
+            }
         }
         for (state, secs) in &c.oldest_room_seconds {
             pd.room_oldest_seconds
@@ -406,11 +431,60 @@ fn sse(
     with_request_id(resp, &request_id)
 }
 
-#[tracing::instrument(skip_all, fields(request_id))]
+/// The span of one API request: the root of its trace (a child of the client's
+/// `traceparent` when it sent one), named and attributed as OpenTelemetry's GenAI
+/// conventions say. The generation's stream holds it open until the answer ends.
+fn request_span(operation: &'static str, headers: &HeaderMap) -> tracing::Span {
+    use tracing::field::Empty;
+    let span = tracing::info_span!(
+        "request",
+        otel.name = operation,
+        otel.kind = "server",
+        otel.status_code = Empty,
+        gen_ai.operation.name = operation,
+        gen_ai.request.model = Empty,
+        gen_ai.response.id = Empty,
+        gen_ai.response.finish_reasons = Empty,
+        gen_ai.usage.input_tokens = Empty,
+        gen_ai.usage.output_tokens = Empty,
+        request_id = Empty,
+        pdmesh.room = Empty,
+        error.type = Empty,
+    );
+    pdmesh_telemetry::set_parent_from(&span, headers);
+    span
+}
+
+/// Runs one API request in its span; an error is recorded on it.
+async fn traced(
+    operation: &'static str,
+    headers: &HeaderMap,
+    handler: impl Future<Output = Result<Response, ApiError>>,
+) -> Result<Response, ApiError> {
+    let span = request_span(operation, headers);
+    let out = handler.instrument(span.clone()).await;
+    if let Err(e) = &out {
+        generate::record_error(&span, e);
+    }
+    out
+}
+
+/// Names the request's span after the model, as the GenAI conventions do.
+fn record_model(operation: &str, model: &str) {
+    let span = tracing::Span::current();
+    span.record("gen_ai.request.model", model);
+    pdmesh_telemetry::rename(&span, format!("{operation} {model}"));
+}
+
 async fn chat_completions(
     State(st): State<AppState>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    traced("chat", &headers, chat(st, body)).await
+}
+
+async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let start = Instant::now();
     let body = body_bytes(&st, body)?;
     let req: ChatRequest = openai::parse(&body)?;
@@ -423,6 +497,7 @@ async fn chat_completions(
     let schema = tools::response_schema(req.response_format.as_ref())?;
     let thinking = req.thinking()?;
     let model = st.check_model(&req.model).await?;
+    record_model("chat", &model);
     let info = st.worker_info().await?.clone();
     check_max_tokens(&info, params.max_tokens)?;
     let format = st.output_format().await?;
@@ -448,10 +523,12 @@ async fn chat_completions(
         call_id_prefix: format!("call_{}_", &uuid::Uuid::new_v4().simple().to_string()[..12]),
     });
 
+    let t0 = Instant::now();
     let ids = st
         .backends
         .apply_chat_template(messages, plan.render, thinking)
         .await?;
+    st.metrics.stage("tokenize", t0.elapsed().as_secs_f64());
     check_context(&info, ids.len(), params.max_tokens, "messages")?;
     let stream = req.stream.unwrap_or(false);
     respond(
@@ -484,7 +561,9 @@ async fn respond(
         Kind::Completion => "cmpl",
     };
     let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
-    tracing::Span::current().record("request_id", id.as_str());
+    let span = tracing::Span::current();
+    span.record("request_id", id.as_str());
+    span.record("gen_ai.response.id", id.as_str());
     let meta = ResponseMeta {
         id: id.clone(),
         created: unix_now(),
@@ -509,9 +588,16 @@ async fn respond(
     Ok(with_request_id(Json(body).into_response(), &id))
 }
 
-#[tracing::instrument(skip_all, fields(request_id))]
 async fn completions(
     State(st): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    traced("text_completion", &headers, completion(st, body)).await
+}
+
+async fn completion(
+    st: AppState,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let start = Instant::now();
@@ -521,11 +607,17 @@ async fn completions(
     req.check_supported()?;
     let prompt = req.prompt()?;
     let model = st.check_model(&req.model).await?;
+    record_model("text_completion", &model);
     let info = st.worker_info().await?.clone();
     check_max_tokens(&info, params.max_tokens)?;
 
     let ids = match prompt {
-        PromptInput::Text(text) => st.backends.tokenize(text).await?,
+        PromptInput::Text(text) => {
+            let t0 = Instant::now();
+            let ids = st.backends.tokenize(text).await?;
+            st.metrics.stage("tokenize", t0.elapsed().as_secs_f64());
+            ids
+        }
         PromptInput::Ids(ids) => {
             if let Some((i, t)) = ids
                 .iter()

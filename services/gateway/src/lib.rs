@@ -120,6 +120,7 @@ pub async fn run(
     }
     backends.workers.watch_caches(shutdown.child_token());
     let state = state::AppState::new(cfg, backends, shutdown.child_token())?;
+    tokio::spawn(watch_event_loop(state.clone(), shutdown.child_token()));
     let app = handlers::router(state);
     let addr = listener.local_addr().ok();
     tracing::info!(?addr, "gateway listening");
@@ -129,4 +130,18 @@ pub async fn run(
         .map_err(Error::Serve)?;
     tracing::info!(?addr, "gateway stopped");
     Ok(())
+}
+
+/// Measures how late the runtime runs a timer due every 100 ms, until `stop`.
+async fn watch_event_loop(st: state::AppState, stop: CancellationToken) {
+    const PERIOD: Duration = Duration::from_millis(100);
+    loop {
+        let due = tokio::time::Instant::now() + PERIOD;
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep_until(due) => {}
+        }
+        let late = tokio::time::Instant::now().saturating_duration_since(due);
+        st.metrics.event_loop_delay.observe(late.as_secs_f64());
+    }
 }

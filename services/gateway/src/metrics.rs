@@ -17,7 +17,7 @@ pub(crate) struct Metrics {
     errors: IntCounterVec,
     parse_failures: IntCounterVec,
     pub kv_pages_free: IntGauge,
-    pub kv_pages_total: IntGauge,
+    pub kv_pages_capacity: IntGauge,
     /// 1 when this scrape read every worker's state, else 0 (the worker gauges are then
     /// from an earlier scrape).
     pub workers_read: IntGauge,
@@ -39,6 +39,17 @@ pub(crate) struct Metrics {
     pub ttft: Histogram,
     /// Between consecutive generated tokens reaching the gateway.
     pub itl: Histogram,
+    /// Seconds per request stage: tokenize (here), queue, prefill, transfer, decode (the
+    /// workers' report).
+    stage_seconds: HistogramVec,
+    /// Prompt tokens by where their KV came from.
+    prompt_token_sources: IntCounterVec,
+    /// How late the gateway's runtime wakes a timer (a busy or blocked event loop).
+    pub event_loop_delay: Histogram,
+    pub kv_write_back_seconds: WorkerTotals,
+    /// Engine steps (the watchdogs' progress counter) and the longest wait for one.
+    pub engine_steps: WorkerTotals,
+    pub engine_idle_seconds: prometheus::Gauge,
     /// Prefill/decode disaggregation: rooms at the cache service, transfers at the workers.
     pub pd: PdMetrics,
 }
@@ -55,6 +66,10 @@ pub(crate) struct PdMetrics {
     pub transfer_bytes: WorkerTotals,
     pub transfer_seconds: WorkerTotals,
     pub transfer_failures: WorkerTotals,
+    pub transfers: WorkerTotals,
+    pub handovers: prometheus::IntGaugeVec,
+    pub handover_oldest_seconds: prometheus::GaugeVec,
+    pub rooms_older_than: prometheus::IntGaugeVec,
     pub admission_timeouts: WorkerTotals,
     pub engine_stalls: WorkerTotals,
     pub watchdog_aborts: WorkerTotals,
@@ -80,6 +95,14 @@ impl PdMetrics {
             &["state"],
         )?;
         r.register(Box::new(oldest.clone()))?;
+        let handover_oldest_seconds = prometheus::GaugeVec::new(
+            Opts::new(
+                "mesh_handover_oldest_seconds",
+                "Age of the oldest KV hand-over under way, as the workers on each side see it (it keeps rising while the cache service does not answer).",
+            ),
+            &["side"],
+        )?;
+        r.register(Box::new(handover_oldest_seconds.clone()))?;
         let reserved_pages = IntGauge::new(
             "mesh_kv_reserved_pages",
             "Decode pages reserved for prompts whose KV is still travelling.",
@@ -138,6 +161,23 @@ impl PdMetrics {
                 "mesh_kv_transfer_failures_total",
                 "Requests that failed in transfer, by reason.",
                 "reason",
+            )?,
+            transfers: WorkerTotals::labeled(
+                r,
+                "mesh_kv_transfers_total",
+                "KV hand-overs as the decode side ended them: ok (pages verified) or failed.",
+                "outcome",
+            )?,
+            handovers: gauge_vec(
+                "mesh_handovers",
+                "KV hand-overs under way, by side (prefill: until its commit; decode: until its pages are verified).",
+                "side",
+            )?,
+            handover_oldest_seconds,
+            rooms_older_than: gauge_vec(
+                "mesh_rooms_older_than",
+                "Rooms under way longer than N seconds in their state (N = 1, 5, 30, 120; cumulative).",
+                "seconds",
             )?,
             admission_timeouts: WorkerTotals::labeled(
                 r,
@@ -316,8 +356,8 @@ impl Metrics {
             "mesh_kv_pages_free",
             "Free KV pages in the worker's pool (read at scrape).",
         )?;
-        let kv_pages_total =
-            IntGauge::new("mesh_kv_pages_total", "KV pages in the worker's pool.")?;
+        let kv_pages_capacity =
+            IntGauge::new("mesh_kv_pages_capacity", "KV pages in the worker's pool.")?;
         let workers_read = IntGauge::new(
             "mesh_workers_read",
             "1 when this scrape read every worker's state; 0 when one did not answer (the worker gauges are then stale).",
@@ -379,6 +419,63 @@ impl Metrics {
             "mesh_kv_cache_checksum_failures_total",
             "Host-tier pages whose bytes failed their checksum on load (recomputed, never served).",
         )?;
+        let kv_write_back_seconds = WorkerTotals::new(
+            &registry,
+            "mesh_kv_cache_write_back_seconds_total",
+            "Time spent writing KV pages to the host tier, checksums included.",
+        )?;
+        let engine_steps = WorkerTotals::labeled(
+            &registry,
+            "mesh_engine_steps_total",
+            "Engine loop steps, summed over workers (the watchdogs' progress counter).",
+            "side",
+        )?;
+        let engine_idle_seconds = prometheus::Gauge::new(
+            "mesh_engine_idle_seconds",
+            "The longest any worker's engine loop has had work without a step (read at scrape).",
+        )?;
+        registry.register(Box::new(engine_idle_seconds.clone()))?;
+        let stage_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "mesh_request_stage_seconds",
+                "Time a request spent in each stage: tokenize (gateway), queue (waiting for admission), prefill (to the first token), transfer (first token to KV in the decode pool), decode (first token to last).",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0, 60.0,
+            ]),
+            &["stage"],
+        )?;
+        registry.register(Box::new(stage_seconds.clone()))?;
+        let prompt_token_sources = IntCounterVec::new(
+            Opts::new(
+                "mesh_prompt_token_sources_total",
+                "Prompt tokens by where their KV came from: computed, device (prefix cache hit), host (host tier hit); transferred counts, besides, the tokens whose KV a prefill worker handed to a decode worker.",
+            ),
+            &["source"],
+        )?;
+        registry.register(Box::new(prompt_token_sources.clone()))?;
+        let event_loop_delay = Histogram::with_opts(
+            HistogramOpts::new(
+                "mesh_event_loop_delay_seconds",
+                "How late the gateway's async runtime runs a timer due every 100 ms (a busy or blocked event loop).",
+            )
+            .buckets(vec![
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+            ]),
+        )?;
+        registry.register(Box::new(event_loop_delay.clone()))?;
+        let build_info = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "mesh_build_info",
+                "1, labeled with the pdmesh version this gateway was built from.",
+            ),
+            &["version"],
+        )?;
+        registry.register(Box::new(build_info.clone()))?;
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
         let pd = PdMetrics::new(&registry)?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(duration.clone()))?;
@@ -398,7 +495,7 @@ impl Metrics {
         )?;
         registry.register(Box::new(parse_failures.clone()))?;
         registry.register(Box::new(kv_pages_free.clone()))?;
-        registry.register(Box::new(kv_pages_total.clone()))?;
+        registry.register(Box::new(kv_pages_capacity.clone()))?;
         registry.register(Box::new(workers_read.clone()))?;
         registry.register(Box::new(kv_pages_cached.clone()))?;
         Ok(Self {
@@ -411,7 +508,7 @@ impl Metrics {
             errors,
             parse_failures,
             kv_pages_free,
-            kv_pages_total,
+            kv_pages_capacity,
             workers_read,
             kv_pages_cached,
             kv_evictions,
@@ -427,6 +524,12 @@ impl Metrics {
             stream_duration,
             ttft,
             itl,
+            stage_seconds,
+            prompt_token_sources,
+            event_loop_delay,
+            kv_write_back_seconds,
+            engine_steps,
+            engine_idle_seconds,
             pd,
         })
     }
@@ -438,6 +541,27 @@ impl Metrics {
         self.duration
             .with_label_values(&[endpoint])
             .observe(seconds);
+    }
+
+    /// One request stage's duration (`stage` from the closed set in the help text).
+    pub fn stage(&self, stage: &'static str, seconds: f64) {
+        self.stage_seconds
+            .with_label_values(&[stage])
+            .observe(seconds);
+    }
+
+    /// A finished request's prompt tokens by source.
+    pub fn prompt_sources(&self, computed: u32, device: u32, host: u32, transferred: u32) {
+        for (source, n) in [
+            ("computed", computed),
+            ("device", device),
+            ("host", host),
+            ("transferred", transferred),
+        ] {
+            self.prompt_token_sources
+                .with_label_values(&[source])
+                .inc_by(u64::from(n));
+        }
     }
 
     /// `error_type` is an [`crate::error::ApiError::error_type`] (a closed set).

@@ -281,7 +281,12 @@ impl Workers {
     pub async fn generate(&self, mut req: wk::GenerateRequest) -> Result<GenStream, Status> {
         if let Some(t) = self.unified.first() {
             let guard = Inflight::new(&t.inflight);
-            let s = t.client.clone().generate(req).await?.into_inner();
+            let s = t
+                .client
+                .clone()
+                .generate(pdmesh_telemetry::request(req))
+                .await?
+                .into_inner();
             return Ok(Box::pin(s.map(move |m| {
                 let _keep = &guard;
                 m
@@ -295,15 +300,23 @@ impl Workers {
                 break r;
             }
         };
+        // The trace id the rooms at the cache service are filed under: this request's
+        // trace when traces are exported, so a stuck room's log line names its trace.
         if req.trace_id.is_empty() {
-            req.trace_id = format!("{:032x}", uuid::Uuid::new_v4().as_u128());
+            req.trace_id = pdmesh_telemetry::trace_id(&tracing::Span::current())
+                .unwrap_or_else(|| format!("{:032x}", uuid::Uuid::new_v4().as_u128()));
         }
+        tracing::Span::current().record("pdmesh.room", req.room);
         let (pt, dt) = (&self.prefill[p], &self.decode[d]);
         tracing::debug!(request_id = %req.request_id, room = req.room, prefill = %pt.url, decode = %dt.url, "routed");
         let guards = (Inflight::new(&pt.inflight), Inflight::new(&dt.inflight));
         let (mut pc, mut dc) = (pt.client.clone(), dt.client.clone());
         let preq = req.clone();
         // Both at once: decode reserves its pages while prefill computes.
+        let (preq, req) = (
+            pdmesh_telemetry::request(preq),
+            pdmesh_telemetry::request(req),
+        );
         let (ps, ds) = tokio::join!(pc.generate(preq), dc.generate(req));
         let (mut ps, ds) = (ps?.into_inner(), ds?.into_inner());
         // From prefill's own stream: its first token, which it sends before the hand-over

@@ -243,7 +243,7 @@ async fn slow_a_client_disconnect_mid_stream_frees_the_worker_pages() {
             metric(text, "mesh_kv_pages_free")
                 .zip(metric(text, "mesh_kv_pages_cached"))
                 .map(|(f, c)| f + c),
-            metric(text, "mesh_kv_pages_total"),
+            metric(text, "mesh_kv_pages_capacity"),
         )
     };
     let prompt = "Tell me a very long story.";

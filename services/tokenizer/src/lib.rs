@@ -52,6 +52,7 @@ pub async fn run(
 
     let service = grpc::TokenizerService::new(tokenizer);
     tonic::transport::Server::builder()
+        .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(pdmesh_proto::tokenizer::v1::tokenizer_server::TokenizerServer::new(service))
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.

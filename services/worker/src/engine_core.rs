@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::time::Instant;
 
 use pdmesh_engine::{
     Engine, EngineError, FinishReason, GenRequest, HostStats, ModelInfo, Part, StepEvent,
@@ -156,6 +157,24 @@ pub struct Finish {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub cached_tokens: u32,
+    /// Of `cached_tokens`, those loaded from the host tier.
+    pub host_cached_tokens: u32,
+    /// Prompt tokens whose KV arrived from a prefill worker.
+    pub transferred_tokens: u32,
+    pub stages: Stages,
+}
+
+/// Seconds a request spent in each stage (0: a stage it did not pass here).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Stages {
+    /// Submitted until admitted (pages found for it; for decode, its reservation).
+    pub queue: f64,
+    /// Admitted until the first token.
+    pub prefill: f64,
+    /// First token until the prompt's KV is verified in the decode pool (disaggregated).
+    pub transfer: f64,
+    /// First token until the last.
+    pub decode: f64,
 }
 
 /// What a client receives for its request: tokens, then exactly one `Finished`.
@@ -172,6 +191,10 @@ pub enum Event {
         logprob: Option<f32>,
         pages: usize,
         cached: usize,
+        /// Of `cached`, the tokens loaded from the host tier.
+        host_cached: usize,
+        /// Queue and prefill times so far.
+        stages: Stages,
     },
     /// Decode: `pages` pages are reserved for the prompt's KV.
     Reserved {
@@ -186,6 +209,25 @@ struct Entry {
     tx: UnboundedSender<Event>,
     prompt_tokens: u32,
     completion_tokens: u32,
+    host_cached: u32,
+    /// When it was submitted, admitted, and produced its first token.
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first: Option<Instant>,
+}
+
+impl Entry {
+    /// Its stage times until `now` (admission and first token default to `now`).
+    fn stages(&self, now: Instant) -> Stages {
+        let admitted = self.admitted.unwrap_or(now);
+        let first = self.first.unwrap_or(now);
+        Stages {
+            queue: admitted.duration_since(self.submitted).as_secs_f64(),
+            prefill: first.duration_since(admitted).as_secs_f64(),
+            transfer: 0.0,
+            decode: now.duration_since(first).as_secs_f64(),
+        }
+    }
 }
 
 /// The engine plus the routing table from request id to client channel.
@@ -249,6 +291,10 @@ impl<B: Backend> EngineCore<B> {
                 tx,
                 prompt_tokens,
                 completion_tokens: 0,
+                host_cached: 0,
+                submitted: Instant::now(),
+                admitted: None,
+                first: None,
             },
         );
         Ok(())
@@ -274,6 +320,9 @@ impl<B: Backend> EngineCore<B> {
             prompt_tokens: entry.prompt_tokens,
             completion_tokens: entry.completion_tokens,
             cached_tokens: 0,
+            host_cached_tokens: 0,
+            transferred_tokens: 0,
+            stages: entry.stages(Instant::now()),
         }));
         true
     }
@@ -351,6 +400,7 @@ impl<B: Backend> EngineCore<B> {
                     return;
                 };
                 entry.completion_tokens += 1;
+                entry.first.get_or_insert_with(Instant::now);
                 if entry.tx.send(Event::Token { token, logprob }).is_err() {
                     self.client_left(&id);
                 }
@@ -372,6 +422,9 @@ impl<B: Backend> EngineCore<B> {
                         prompt_tokens,
                         completion_tokens,
                         cached_tokens,
+                        host_cached_tokens: entry.host_cached.min(cached_tokens),
+                        transferred_tokens: 0,
+                        stages: entry.stages(Instant::now()),
                     }));
                 }
             }
@@ -382,12 +435,16 @@ impl<B: Backend> EngineCore<B> {
                 pages,
                 cached,
             } => {
-                let sent = self.requests.get(&*id).is_some_and(|entry| {
+                let sent = self.requests.get_mut(&*id).is_some_and(|entry| {
+                    let now = Instant::now();
+                    entry.first.get_or_insert(now);
                     let ev = Event::Exported {
                         token,
                         logprob,
                         pages,
                         cached,
+                        host_cached: (entry.host_cached as usize).min(cached),
+                        stages: entry.stages(now),
                     };
                     entry.tx.send(ev).is_ok()
                 });
@@ -396,10 +453,22 @@ impl<B: Backend> EngineCore<B> {
                     self.drop_export(&id);
                 }
             }
+            StepEvent::Admitted {
+                id,
+                host_cached,
+                at,
+                ..
+            } => {
+                if let Some(entry) = self.requests.get_mut(&*id) {
+                    entry.admitted = Some(at);
+                    entry.host_cached = u32::try_from(host_cached).unwrap_or(u32::MAX);
+                }
+            }
             StepEvent::Reserved { id, pages } => {
-                let Some(entry) = self.requests.get(&*id) else {
+                let Some(entry) = self.requests.get_mut(&*id) else {
                     return;
                 };
+                entry.admitted = Some(Instant::now());
                 if entry.tx.send(Event::Reserved { pages }).is_err() {
                     self.client_left(&id);
                 }
@@ -506,8 +575,16 @@ mod tests {
             assert!(!self.panic_on_step, "kernel exploded");
             let mut out = Vec::new();
             for r in &mut self.running {
-                r.1 += 1;
                 let id: Arc<str> = r.0.as_str().into();
+                if r.1 == 0 {
+                    out.push(StepEvent::Admitted {
+                        id: id.clone(),
+                        device_cached: 16,
+                        host_cached: 16,
+                        at: Instant::now(),
+                    });
+                }
+                r.1 += 1;
                 out.push(StepEvent::Token {
                     id: id.clone(),
                     token: 7,
@@ -521,7 +598,7 @@ mod tests {
                         matched_token: None,
                         prompt_tokens: 1,
                         completion_tokens: r.1,
-                        cached_tokens: 0,
+                        cached_tokens: 32,
                     });
                 }
             }
@@ -573,6 +650,28 @@ mod tests {
             rx.try_recv().is_err() && rx.is_closed(),
             "the sender is dropped after Finished"
         );
+    }
+
+    #[test]
+    fn finished_reports_stage_times_and_host_hits_from_admission() {
+        let pause = std::time::Duration::from_millis(30);
+        let mut core = EngineCore::new(Fake::default());
+        let (tx, mut rx) = unbounded_channel();
+        core.submit(req("a", 2), Part::Whole, 1, tx).unwrap();
+        std::thread::sleep(pause); // waiting in the queue
+        core.step(); // admitted and the first token
+        std::thread::sleep(pause); // decoding
+        core.step();
+        let Some(Event::Finished(f)) = drain(&mut rx).pop() else {
+            panic!("no Finished");
+        };
+        assert_eq!((f.cached_tokens, f.host_cached_tokens), (32, 16));
+        assert_eq!(f.transferred_tokens, 0);
+        let s = f.stages;
+        assert!(s.queue >= pause.as_secs_f64(), "{s:?}");
+        assert!(s.prefill < pause.as_secs_f64(), "{s:?}");
+        assert!(s.decode >= pause.as_secs_f64(), "{s:?}");
+        assert_eq!(s.transfer, 0.0);
     }
 
     #[test]

@@ -121,6 +121,9 @@ fn response(event: Event) -> Option<pb::GenerateResponse> {
             prompt_tokens,
             completion_tokens,
             cached_tokens,
+            host_cached_tokens,
+            transferred_tokens,
+            stages,
         }) => pb::generate_response::Kind::Finished(pb::Finished {
             reason: finish_reason(reason).into(),
             matched_stop: matched_stop.map(String::into_bytes).unwrap_or_default(),
@@ -128,6 +131,14 @@ fn response(event: Event) -> Option<pb::GenerateResponse> {
             prompt_tokens,
             completion_tokens,
             cached_tokens,
+            host_cached_tokens,
+            transferred_tokens,
+            stages: Some(pb::StageTimes {
+                queue_seconds: stages.queue,
+                prefill_seconds: stages.prefill,
+                transfer_seconds: stages.transfer,
+                decode_seconds: stages.decode,
+            }),
         }),
     };
     Some(pb::GenerateResponse { kind: Some(kind) })
@@ -155,6 +166,7 @@ fn model_info(info: ModelInfo, pool: PoolNow, w: &WorkerService) -> pb::ModelInf
         host_load_seconds: pool.host.load_seconds,
         host_written_pages: pool.host.written_pages,
         host_written_bytes: pool.host.written_bytes,
+        host_written_seconds: pool.host.written_seconds,
         host_checksum_failures: pool.host.checksum_failures,
         role: w.pd.role().name().to_owned(),
         waiting_requests: pool.load.waiting as u32,
@@ -174,6 +186,9 @@ fn model_info(info: ModelInfo, pool: PoolNow, w: &WorkerService) -> pb::ModelInf
         engine_idle_seconds: progress.idle_seconds(),
         engine_stalls: w.watch.stalls.load(std::sync::atomic::Ordering::Relaxed),
         watchdog_aborts: w.watch.aborts.load(std::sync::atomic::Ordering::Relaxed),
+        transfers: pd.transfers,
+        handovers: u32::try_from(pd.handovers).unwrap_or(u32::MAX),
+        handover_oldest_seconds: pd.handover_oldest_seconds,
     }
 }
 
@@ -224,7 +239,12 @@ impl pb::worker_server::Worker for WorkerService {
 
     /// Streams one `TokenChunk` per token, then `Finished`. Dropping the response stream
     /// (the client went away) aborts the request in the engine.
-    #[tracing::instrument(skip_all, fields(request_id = %request.get_ref().request_id, prompt_tokens = request.get_ref().input_ids.len()))]
+    #[tracing::instrument(skip_all, fields(
+        request_id = %request.get_ref().request_id,
+        prompt_tokens = request.get_ref().input_ids.len(),
+        pdmesh.role = self.pd.role().name(),
+        pdmesh.room = request.get_ref().room,
+    ))]
     async fn generate(
         &self,
         request: Request<pb::GenerateRequest>,

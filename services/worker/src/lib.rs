@@ -322,6 +322,7 @@ pub async fn run(
     ));
     let sglang = sglang::SglangService::new(worker.clone(), cfg.model.clone(), cfg.role);
     let served = tonic::transport::Server::builder()
+        .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::from_arc(worker))
         // The SGLang scheduler protocol on the same port, for gateways built for SGLang.
         .add_service(

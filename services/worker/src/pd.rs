@@ -14,11 +14,13 @@ use pdmesh_cache::client::{DataPlane, HostClient};
 use pdmesh_engine::{GenRequest, Part};
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as cpb;
+use pdmesh_telemetry::KeyValue;
 use tokio::sync::mpsc;
 use tonic::Status;
+use tracing::Instrument as _;
 
 use crate::actor::{EngineHandle, Generation};
-use crate::engine_core::{Event, Finish};
+use crate::engine_core::{Event, Finish, Stages};
 
 /// What this worker runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -50,6 +52,11 @@ pub(crate) struct PdStats {
     /// Requests that failed in transfer, by reason.
     pub failures: HashMap<&'static str, u64>,
     pub admission_timeouts: u64,
+    /// Hand-overs completed.
+    pub transfers: u64,
+    /// Hand-overs under way now, and the oldest one's age in seconds.
+    pub handovers: usize,
+    pub handover_oldest_seconds: f64,
 }
 
 /// The connection rooms use: registered with the cache service (its own lease), renewed
@@ -146,6 +153,25 @@ pub(crate) struct Pd {
     /// The model's end-of-generation tokens (a first token that is one is never shown).
     eos: Vec<u32>,
     layout: KvLayout,
+    /// When each hand-over under way began, by a key of its own.
+    handovers: Mutex<HashMap<u64, Instant>>,
+    next_handover: std::sync::atomic::AtomicU64,
+}
+
+/// A hand-over under way, counted until dropped (however the request ends).
+struct Handover {
+    pd: Arc<Pd>,
+    key: u64,
+}
+
+impl Drop for Handover {
+    fn drop(&mut self) {
+        self.pd
+            .handovers
+            .lock()
+            .expect("handovers lock")
+            .remove(&self.key);
+    }
 }
 
 /// Aborts a room when dropped armed: the request ended before its hand-over did.
@@ -243,6 +269,27 @@ async fn wait_room(
     }
 }
 
+/// A room reached `state` as this side sees it (an event on the request's room span).
+fn room_event(state: &'static str) {
+    pdmesh_telemetry::event(
+        &tracing::Span::current(),
+        "room_state",
+        vec![KeyValue::new("pdmesh.room.state", state)],
+    );
+}
+
+/// A transfer started or ended: its pages and bytes, and at the end the copy's seconds.
+fn transfer_event(name: &'static str, pages: usize, page_bytes: usize, seconds: Option<f64>) {
+    let mut attrs = vec![
+        KeyValue::new("pdmesh.pages", pages as i64),
+        KeyValue::new("pdmesh.bytes", (pages * page_bytes) as i64),
+    ];
+    if let Some(s) = seconds {
+        attrs.push(KeyValue::new("pdmesh.seconds", s));
+    }
+    pdmesh_telemetry::event(&tracing::Span::current(), name, attrs);
+}
+
 fn reason_of(s: &Status) -> &'static str {
     match s.code() {
         tonic::Code::Aborted => "room_failed",
@@ -279,6 +326,22 @@ impl Pd {
             faults: Default::default(),
             eos,
             layout: layout.clone(),
+            handovers: Mutex::default(),
+            next_handover: Default::default(),
+        }
+    }
+
+    fn handover(self: &Arc<Self>) -> Handover {
+        let key = self
+            .next_handover
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.handovers
+            .lock()
+            .expect("handovers lock")
+            .insert(key, Instant::now());
+        Handover {
+            pd: self.clone(),
+            key,
         }
     }
 
@@ -292,7 +355,14 @@ impl Pd {
     }
 
     pub(crate) fn stats(&self) -> PdStats {
-        self.stats.lock().expect("pd stats").clone()
+        let mut st = self.stats.lock().expect("pd stats").clone();
+        let handovers = self.handovers.lock().expect("handovers lock");
+        st.handovers = handovers.len();
+        st.handover_oldest_seconds = handovers
+            .values()
+            .map(|t| t.elapsed().as_secs_f64())
+            .fold(0.0, f64::max);
+        st
     }
 
     fn count(&self, pages: usize, bytes: usize, secs: f64) {
@@ -300,6 +370,7 @@ impl Pd {
         st.pages += pages as u64;
         st.bytes += bytes as u64;
         st.seconds += secs;
+        st.transfers += 1;
     }
 
     fn fail(&self, s: &Status) {
@@ -325,17 +396,33 @@ impl Pd {
         room: u64,
         trace_id: String,
     ) -> Result<mpsc::Receiver<Item>, Status> {
+        let handover = self.handover();
         let client = self.client()?;
         let (tx, rx) = mpsc::channel(64);
         let pd = self.clone();
         let engine = engine.clone();
+        // This side's part of the hand-over, in the request's trace; its events mark the
+        // room's progress and the transfer's start and end.
+        let span = tracing::info_span!(
+            "room",
+            otel.name = format!("{} room", self.role.name()),
+            otel.status_code = tracing::field::Empty,
+            pdmesh.room = room,
+            pdmesh.role = self.role.name(),
+            pdmesh.request_id = %req.id,
+        );
         match self.role {
             Role::Prefill => {
                 // Join first, so a decode side that gave up already is known before any
                 // compute is spent.
-                let st = client
-                    .room_open(room, cpb::RoomSide::Sender, &req.id, &trace_id)
-                    .await?;
+                // Bounded like every other room call: a cache service that stopped
+                // answering fails the request instead of holding it.
+                let st = by(
+                    tokio::time::Instant::now() + self.times.transfer,
+                    "room open",
+                    client.room_open(room, cpb::RoomSide::Sender, &req.id, &trace_id),
+                )
+                .await?;
                 if st.state == cpb::RoomState::Failed as i32 {
                     return Err(failed(&st.reason));
                 }
@@ -349,20 +436,34 @@ impl Pd {
                     .generate_part(req.clone(), Part::Prefill)
                     .await
                     .map_err(|e| Status::from(crate::Error::from(e)))?;
-                tokio::spawn(async move {
-                    let work = pd.prefill(&engine, client, req, generation, guard, &tx);
-                    pd.drive(work, &tx).await;
-                });
+                tokio::spawn(
+                    async move {
+                        let _handover = handover;
+                        let work = pd.prefill(&engine, client, req, generation, guard, &tx);
+                        pd.drive(work, &tx).await;
+                    }
+                    .instrument(span),
+                );
             }
             Role::Decode => {
                 let generation = engine
                     .generate_part(req.clone(), Part::Decode)
                     .await
                     .map_err(|e| Status::from(crate::Error::from(e)))?;
-                tokio::spawn(async move {
-                    let work = pd.decode(&engine, client, req, (room, trace_id), generation, &tx);
-                    pd.drive(work, &tx).await;
-                });
+                tokio::spawn(
+                    async move {
+                        let work = pd.decode(
+                            &engine,
+                            client,
+                            req,
+                            (room, trace_id, handover),
+                            generation,
+                            &tx,
+                        );
+                        pd.drive(work, &tx).await;
+                    }
+                    .instrument(span),
+                );
             }
             Role::Unified => unreachable!("checked by the caller"),
         }
@@ -379,6 +480,16 @@ impl Pd {
         };
         if let Err(s) = out {
             self.fail(&s);
+            let span = tracing::Span::current();
+            span.record("otel.status_code", "ERROR");
+            pdmesh_telemetry::event(
+                &span,
+                "kv_cache_transfer_failed",
+                vec![
+                    KeyValue::new("error.type", reason_of(&s)),
+                    KeyValue::new("pdmesh.error", s.message().to_owned()),
+                ],
+            );
             if s.code() != tonic::Code::Cancelled {
                 tracing::warn!(code = ?s.code(), error = %s.message(), "KV transfer failed");
             }
@@ -397,14 +508,16 @@ impl Pd {
     ) -> Result<(), Status> {
         let room = guard.room;
         let prompt_tokens = req.prompt.len() as u32;
-        let (token, logprob, pages, cached) = loop {
+        let (token, logprob, pages, cached, host_cached, stages) = loop {
             match generation.next().await {
                 Some(Ok(Event::Exported {
                     token,
                     logprob,
                     pages,
                     cached,
-                })) => break (token, logprob, pages, cached),
+                    host_cached,
+                    stages,
+                })) => break (token, logprob, pages, cached, host_cached, stages),
                 Some(Ok(Event::Finished(f))) => {
                     return Err(failed(&format!("prefill ended: {:?}", f.reason)));
                 }
@@ -426,9 +539,11 @@ impl Pd {
         if !ends {
             let _ = tx.send(Ok(Event::Token { token, logprob })).await;
         }
+        let exported = Instant::now();
         let deadline = tokio::time::Instant::now() + self.times.transfer;
         // Decode joins once it has reserved pages for this prompt.
         wait_room(&client, room, cpb::RoomState::WaitingForInput, deadline).await?;
+        room_event("waiting_for_input");
         let slots = loop {
             match by(
                 deadline,
@@ -451,6 +566,7 @@ impl Pd {
                 slots.len()
             )));
         }
+        transfer_event("kv_cache_transfer_start", pages, client.page_bytes(), None);
         let mirror = client
             .shared_mirror()
             .ok_or_else(|| Status::failed_precondition("rooms need the shm data plane"))?;
@@ -498,6 +614,10 @@ impl Pd {
                 first_logprob: logprob.unwrap_or(f32::NAN),
                 prompt_tokens,
                 cached_tokens: cached as u32,
+                host_cached_tokens: host_cached as u32,
+                queue_seconds: stages.queue,
+                prefill_seconds: stages.prefill,
+                send_seconds: exported.elapsed().as_secs_f64(),
             };
             let pages_pb = slots
                 .iter()
@@ -521,6 +641,12 @@ impl Pd {
         };
         guard.armed = false;
         self.count(pages, pages * client.page_bytes(), secs);
+        transfer_event(
+            "kv_cache_transfer_end",
+            pages,
+            client.page_bytes(),
+            Some(secs),
+        );
         let _ = tx
             .send(Ok(Event::Finished(Finish {
                 reason: pdmesh_engine::FinishReason::Length,
@@ -529,6 +655,12 @@ impl Pd {
                 prompt_tokens,
                 completion_tokens: 1,
                 cached_tokens: 0,
+                host_cached_tokens: 0,
+                transferred_tokens: 0,
+                stages: Stages {
+                    transfer: exported.elapsed().as_secs_f64(),
+                    ..stages
+                },
             })))
             .await;
         Ok(())
@@ -539,7 +671,7 @@ impl Pd {
         engine: &EngineHandle,
         client: Arc<HostClient>,
         req: GenRequest,
-        (room, trace_id): (u64, String),
+        (room, trace_id, handover): (u64, String, Handover),
         mut generation: Generation,
         tx: &mpsc::Sender<Item>,
     ) -> Result<(), Status> {
@@ -579,7 +711,10 @@ impl Pd {
             client.room_open(room, cpb::RoomSide::Receiver, &req.id, &trace_id),
         )
         .await?;
+        room_event("receiver_joined");
         wait_room(&client, room, cpb::RoomState::Success, deadline).await?;
+        room_event("success");
+        let arrived = Instant::now();
         let got = by(deadline, "room result", client.room_result(room)).await?;
         let aux = got
             .aux
@@ -601,6 +736,7 @@ impl Pd {
         let mirror = client
             .shared_mirror()
             .ok_or_else(|| Status::failed_precondition("rooms need the shm data plane"))?;
+        transfer_event("kv_cache_transfer_start", pages, client.page_bytes(), None);
         let t0 = Instant::now();
         let sent = got.pages;
         let logprob = (!aux.first_logprob.is_nan()).then_some(aux.first_logprob);
@@ -634,8 +770,37 @@ impl Pd {
         }
         guard.armed = false;
         self.count(pages, pages * client.page_bytes(), secs);
+        transfer_event(
+            "kv_cache_transfer_end",
+            pages,
+            client.page_bytes(),
+            Some(secs),
+        );
+        drop(handover);
+        // The whole request's stages, as the prefill side measured its own: the report a
+        // unified worker would give, plus the hand-over.
+        let prefill_stages = Stages {
+            queue: aux.queue_seconds,
+            prefill: aux.prefill_seconds,
+            transfer: aux.send_seconds + arrived.elapsed().as_secs_f64(),
+            decode: 0.0,
+        };
+        let host_cached = aux.host_cached_tokens;
         while let Some(item) = generation.next().await {
-            let item = item.map_err(|e| Status::from(crate::Error::from(e)));
+            let item = item
+                .map(|ev| match ev {
+                    Event::Finished(f) => Event::Finished(Finish {
+                        host_cached_tokens: host_cached.min(f.cached_tokens),
+                        transferred_tokens: f.prompt_tokens,
+                        stages: Stages {
+                            decode: f.stages.decode,
+                            ..prefill_stages
+                        },
+                        ..f
+                    }),
+                    ev => ev,
+                })
+                .map_err(|e| Status::from(crate::Error::from(e)));
             if tx.send(item).await.is_err() {
                 break; // the caller left; dropping the generation aborts the request
             }
