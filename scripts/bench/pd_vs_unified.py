@@ -33,13 +33,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def up(extra: list[str]):
+def up(extra: list[str], env: dict | None = None):
     tmp = Path(tempfile.mkdtemp())
     ports = tmp / "ports.json"
     proc = subprocess.Popen(
         [os.environ.get("PDMESH_BIN", str(ROOT / "target/release/pdmesh")), "up", "--port", str(free_port()),
          "--ports-json", str(ports), "--no-smoke-test", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, **(env or {})),
     )
     while not ports.exists():
         if proc.poll() is not None:

@@ -290,6 +290,9 @@ def test_a_stopped_cache_service_shows_as_a_rising_handover_age_that_falls_after
         time.sleep(0.5)
         m = services.metrics()
     assert m["mesh_handovers{side=\"decode\"}"] == 0 and m["mesh_handovers{side=\"prefill\"}"] == 0
+    # Decode ended both hand-overs as failed; the first request's went through.
+    assert m['mesh_kv_transfers_total{outcome="failed"}'] == 2
+    assert m['mesh_kv_transfers_total{outcome="ok"}'] == 1
     assert ask(services.client(), "Which box is blue? Answer briefly.") == ref
 
 
