@@ -76,6 +76,7 @@ fn record(out: &mut HashMap<String, Seen>, ev: StepEvent) {
         StepEvent::Finished { ref id, .. } => {
             out.entry(id.to_string()).or_default().finished = Some(ev.clone())
         }
+        StepEvent::Admitted { .. } => {}
         other => panic!("unexpected {other:?}"),
     }
 }
@@ -127,7 +128,7 @@ fn prefill_then_decode_is_bit_identical_to_unified() {
                 } => {
                     exported.insert(id.to_string(), (token, logprob));
                 }
-                StepEvent::Finished { .. } => {}
+                StepEvent::Finished { .. } | StepEvent::Admitted { .. } => {}
                 other => panic!("a prefill engine emitted {other:?}"),
             }
         }
