@@ -6,6 +6,7 @@ client leaving mid-stream frees the workers' pages."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -39,7 +40,9 @@ class Smg:
                 pytest.fail(f"smg exited with {self.proc.returncode}:\n{log_path.read_text()}", pytrace=False)
             try:
                 status, body = http("GET", self.base + "/v1/models", timeout=5)
-                if status == 200 and b"SmolLM2" in body:
+                # Listing the model comes before smg has fetched its tokenizer from the
+                # worker (503 "not registered yet"): ready means a request is served.
+                if status == 200 and b"SmolLM2" in body and self.serves():
                     break
             except OSError:
                 pass
@@ -47,6 +50,16 @@ class Smg:
                 self.stop()
                 pytest.fail(f"smg not ready:\n{log_path.read_text()}", pytrace=False)
             time.sleep(0.5)
+
+    def serves(self) -> bool:
+        body = json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 1,
+                           "messages": [{"role": "user", "content": "Ready?"}]}).encode()
+        status, text = http("POST", self.base + "/v1/chat/completions", body,
+                            {"Content-Type": "application/json"}, timeout=30)
+        if status == 503:
+            return False
+        assert status == 200, (status, text)
+        return True
 
     def metric(self, series: str) -> float:
         status, body = http("GET", f"http://127.0.0.1:{self.metrics_port}/metrics")

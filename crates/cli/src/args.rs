@@ -38,6 +38,9 @@ pub enum Command {
     /// Start tokenizer, cache service, prefill and decode workers (or one unified worker)
     /// and gateway as child processes and serve until Ctrl-C.
     Up(UpArgs),
+    /// Load an OpenAI-compatible endpoint (pdmesh, smg, llama.cpp's server) and report
+    /// latency, throughput and, against a reference, answers that differ.
+    Bench(pdmesh_bench::BenchArgs),
 }
 
 /// The services, each a subcommand of its own.

@@ -124,6 +124,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let path = path.unwrap_or_else(pdmesh_gguf::models::default_model_path);
             println!("{}", fetch::verify(&path)?);
         }
+        Command::Bench(args) => {
+            multi_thread()?.block_on(pdmesh_bench::run(args))?;
+        }
         Command::Up(args) => {
             // Current-thread: children are spawned from the main thread, which lives as
             // long as `up`, so their parent-death signal fires exactly when `up` dies.

@@ -1,0 +1,246 @@
+//! A streaming OpenAI chat client that times what it receives: the first token, the gaps
+//! between chunks, the whole answer. Works against any server speaking the chat
+//! completions API with Server-Sent Events.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use crate::summary::Record;
+
+/// A tool call as the answer carried it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ToolCall {
+    pub name: String,
+    /// The arguments' JSON text, as streamed.
+    pub arguments: String,
+}
+
+/// What came back for one request (for differential comparison and the next turn).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Answer {
+    pub content: String,
+    pub tool_calls: Vec<ToolCall>,
+    pub finish_reason: Option<String>,
+    pub completion_tokens: u32,
+}
+
+/// An OpenAI-compatible endpoint: `base` ends in `/v1`.
+#[derive(Clone, Debug)]
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    api_key: Option<String>,
+    timeout: Duration,
+}
+
+impl Client {
+    pub fn new(base: &str, api_key: Option<String>, timeout: Duration) -> Self {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            // Many requests in flight to one host: keep their connections.
+            .pool_max_idle_per_host(1024)
+            .build()
+            .expect("a client without TLS builds");
+        Self {
+            http,
+            base: base.trim_end_matches('/').to_owned(),
+            api_key,
+            timeout,
+        }
+    }
+
+    fn post(&self, path: &str) -> reqwest::RequestBuilder {
+        let req = self.http.post(format!("{}{path}", self.base));
+        match &self.api_key {
+            Some(k) => req.bearer_auth(k),
+            None => req,
+        }
+    }
+
+    /// The first model `/models` lists.
+    pub async fn first_model(&self) -> Result<String, String> {
+        let mut req = self.http.get(format!("{}/models", self.base));
+        if let Some(k) = &self.api_key {
+            req = req.bearer_auth(k);
+        }
+        let resp = req
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .map_err(|e| format!("GET {}/models: {e}", self.base))?;
+        let status = resp.status();
+        let body: Value = resp
+            .json()
+            .await
+            .map_err(|e| format!("GET {}/models: {e}", self.base))?;
+        body["data"][0]["id"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| format!("GET {}/models answered {status} with no model", self.base))
+    }
+
+    /// Streams one chat completion (`body` without `stream`), timing it from now.
+    pub async fn chat(&self, mut body: Value, t0_run: Instant) -> (Record, Answer) {
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({ "include_usage": true });
+        let start = Instant::now();
+        let mut rec = Record {
+            start_s: start.duration_since(t0_run).as_secs_f64(),
+            ..Record::default()
+        };
+        let mut ans = Answer::default();
+        let out =
+            tokio::time::timeout(self.timeout, self.stream(body, start, &mut rec, &mut ans)).await;
+        rec.error = match out {
+            Ok(Ok(())) => None,
+            Ok(Err(kind)) => Some(kind),
+            Err(_) => Some("timeout".into()),
+        };
+        rec.e2e_s = start.elapsed().as_secs_f64();
+        if rec.completion_tokens == 0 {
+            rec.completion_tokens = ans.completion_tokens;
+        }
+        (rec, ans)
+    }
+
+    async fn stream(
+        &self,
+        body: Value,
+        start: Instant,
+        rec: &mut Record,
+        ans: &mut Answer,
+    ) -> Result<(), String> {
+        let resp = self
+            .post("/chat/completions")
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| if e.is_connect() { "connect" } else { "send" }.to_owned())?;
+        if !resp.status().is_success() {
+            return Err(resp.status().as_u16().to_string());
+        }
+        let mut events = SseLines::default();
+        let mut bytes = resp.bytes_stream();
+        let mut last: Option<Instant> = None;
+        let mut done = false;
+        while let Some(chunk) = bytes.next().await {
+            let chunk = chunk.map_err(|_| "stream".to_owned())?;
+            for data in events.push(&chunk) {
+                if data == "[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let v: Value = serde_json::from_str(&data).map_err(|_| "stream".to_owned())?;
+                if v.get("error").is_some() {
+                    return Err("stream".into());
+                }
+                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                    let n = |k: &str| u[k].as_u64().unwrap_or(0) as u32;
+                    rec.prompt_tokens = n("prompt_tokens");
+                    rec.completion_tokens = n("completion_tokens");
+                    rec.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .unwrap_or(0) as u32;
+                }
+                let Some(choice) = v["choices"].get(0) else {
+                    continue;
+                };
+                let delta = &choice["delta"];
+                let mut produced = false;
+                for key in ["content", "reasoning_content"] {
+                    if let Some(t) = delta[key].as_str().filter(|t| !t.is_empty()) {
+                        if key == "content" {
+                            ans.content.push_str(t);
+                        }
+                        produced = true;
+                    }
+                }
+                if let Some(calls) = delta["tool_calls"].as_array() {
+                    for c in calls {
+                        let i = c["index"].as_u64().unwrap_or(0) as usize;
+                        if ans.tool_calls.len() <= i {
+                            ans.tool_calls.resize(i + 1, ToolCall::default());
+                        }
+                        let call = &mut ans.tool_calls[i];
+                        if let Some(n) = c["function"]["name"].as_str() {
+                            call.name.push_str(n);
+                        }
+                        if let Some(a) = c["function"]["arguments"].as_str() {
+                            call.arguments.push_str(a);
+                        }
+                        produced = true;
+                    }
+                }
+                if let Some(f) = choice["finish_reason"].as_str() {
+                    ans.finish_reason = Some(f.to_owned());
+                }
+                if produced {
+                    let now = Instant::now();
+                    match last {
+                        None => rec.ttft_s = Some(now.duration_since(start).as_secs_f64()),
+                        Some(t) => rec.itl_s.push(now.duration_since(t).as_secs_f64()),
+                    }
+                    last = Some(now);
+                    ans.completion_tokens += 1;
+                }
+            }
+        }
+        if !done && ans.finish_reason.is_none() {
+            return Err("stream".into());
+        }
+        Ok(())
+    }
+}
+
+/// Splits a Server-Sent Events byte stream into its `data:` payloads, whatever the chunk
+/// boundaries.
+#[derive(Default)]
+pub(crate) struct SseLines {
+    buf: Vec<u8>,
+    data: String,
+}
+
+impl SseLines {
+    pub(crate) fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        while let Some(nl) = self.buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.buf.drain(..=nl).collect();
+            let line = String::from_utf8_lossy(&line);
+            let line = line.trim_end_matches(['\n', '\r']);
+            if line.is_empty() {
+                // An event ends at a blank line.
+                if !self.data.is_empty() {
+                    out.push(std::mem::take(&mut self.data));
+                }
+            } else if let Some(d) = line.strip_prefix("data:") {
+                if !self.data.is_empty() {
+                    self.data.push('\n');
+                }
+                self.data.push_str(d.strip_prefix(' ').unwrap_or(d));
+            }
+            // Comments (":"), "event:", "id:" and "retry:" lines carry nothing we use.
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_payloads_survive_any_split_and_skip_comments() {
+        let stream = b": keep-alive\n\ndata: {\"a\":1}\n\ndata: [DONE]\r\n\r\n";
+        for cut in 0..stream.len() {
+            let mut s = SseLines::default();
+            let mut got = s.push(&stream[..cut]);
+            got.extend(s.push(&stream[cut..]));
+            assert_eq!(got, ["{\"a\":1}", "[DONE]"], "split at {cut}");
+        }
+        let mut s = SseLines::default();
+        assert_eq!(s.push(b"data: a\ndata: b\n\n"), ["a\nb"]);
+    }
+}

@@ -1,0 +1,12 @@
+//! `pdmesh bench`: drives an OpenAI-compatible endpoint (pdmesh's gateway, smg, llama.cpp's
+//! server) with a workload, measures what users compare serving stacks by, and writes a
+//! report a person can look at.
+
+pub mod cli;
+pub mod client;
+pub mod report;
+pub mod run;
+pub mod summary;
+pub mod workload;
+
+pub use cli::{BenchArgs, BenchError, run};
