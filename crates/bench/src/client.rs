@@ -112,12 +112,15 @@ impl Client {
         rec: &mut Record,
         ans: &mut Answer,
     ) -> Result<(), String> {
-        let resp = self
-            .post("/chat/completions")
-            .json(&body)
-            .send()
-            .await
-            .map_err(|e| if e.is_connect() { "connect" } else { "send" }.to_owned())?;
+        let send = || self.post("/chat/completions").json(&body).send();
+        let resp = match send().await {
+            // A kept-alive connection the server closed just as it was reused (servers
+            // cap requests per connection): the request never got an answer, so it is
+            // sent once more, on a fresh connection.
+            Err(e) if !e.is_connect() && !e.is_timeout() => send().await,
+            r => r,
+        }
+        .map_err(|e| if e.is_connect() { "connect" } else { "send" }.to_owned())?;
         if !resp.status().is_success() {
             return Err(resp.status().as_u16().to_string());
         }

@@ -196,3 +196,56 @@ async fn an_endpoint_that_refuses_is_counted_as_errors() {
     assert_eq!(level["errors"], 4);
     assert_eq!(level["errors_by_kind"]["connect"], 4);
 }
+
+/// A server that drops its first connection after reading the request (as a server that
+/// closed a kept-alive connection at that moment), then answers normally.
+async fn serve_dropping_the_first_connection() -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut first = true;
+        loop {
+            let (mut sock, _) = l.accept().await.unwrap();
+            let drop_it = std::mem::take(&mut first);
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                let _ = sock.read(&mut buf).await;
+                if drop_it {
+                    return;
+                }
+                let body = format!(
+                    "{}{}data: [DONE]\n\n",
+                    chunk(json!({"content": "ok"}), None),
+                    chunk(json!({}), Some("stop"))
+                );
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = sock.write_all(head.as_bytes()).await;
+                let _ = sock.write_all(body.as_bytes()).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_connection_closed_before_any_answer_is_retried_once() {
+    let addr = serve_dropping_the_first_connection().await;
+    let client = pdmesh_bench::client::Client::new(
+        &format!("http://{addr}/v1"),
+        None,
+        std::time::Duration::from_secs(10),
+    );
+    let (rec, ans) = client
+        .chat(
+            json!({"model": "m", "messages": []}),
+            std::time::Instant::now(),
+        )
+        .await;
+    assert_eq!(rec.error, None);
+    assert_eq!(ans.content, "ok");
+    assert_eq!(ans.finish_reason.as_deref(), Some("stop"));
+}
