@@ -120,7 +120,9 @@ def check_trace(spans: list[dict], usage, response_id: str) -> None:
         if s is not root:
             assert s["parent"] in ids, f'{s["service"]} {s["name"]} has a parent outside the trace'
 
-    # Both sides' room spans name the room and mark the transfer's start and end.
+    # Both sides' room spans name the room and mark the transfer's start and end, and
+    # agree on what moved: the prompt's pages (16 tokens each), of one size.
+    moved = {}
     for side in ("prefill", "decode"):
         rs = [s for s in by_service[f"pdmesh-{side}"] if s["name"] == f"{side} room"]
         assert len(rs) == 1, summary(spans)
@@ -131,7 +133,12 @@ def check_trace(spans: list[dict], usage, response_id: str) -> None:
         assert events.index("kv_cache_transfer_start") < events.index("kv_cache_transfer_end")
         end = dict(r["events"])["kv_cache_transfer_end"]
         assert end["pdmesh.pages"] > 0 and end["pdmesh.bytes"] > 0 and end["pdmesh.seconds"] >= 0
+        assert dict(r["events"])["kv_cache_transfer_start"]["pdmesh.bytes"] == end["pdmesh.bytes"]
+        moved[side] = (end["pdmesh.pages"], end["pdmesh.bytes"])
         assert "room_state" in events
+    assert moved["prefill"] == moved["decode"], moved
+    pages, size = moved["decode"]
+    assert pages == -(-usage.prompt_tokens // 16) and size % pages == 0, (moved, usage.prompt_tokens)
 
     # The cache service's room calls carry the room and the state they left it in.
     cache = by_service["pdmesh-cache"]
@@ -201,3 +208,21 @@ def test_failed_requests_mark_their_span(traced):
     assert len(spans) == 1, summary(spans)
     s = spans[0]
     assert s["attrs"]["error.type"] == "invalid_request" and s["status"] == 2, s
+
+
+def test_a_malformed_traceparent_is_ignored_and_the_gateway_starts_the_trace(traced):
+    mesh, receiver = traced
+    r = mesh.client().chat.completions.create(
+        model=mesh.model,
+        messages=[{"role": "user", "content": "Name a fruit."}],
+        max_tokens=4,
+        temperature=0,
+        extra_headers={"traceparent": "00-not-a-trace-context-" + "f" * 300},
+    )
+    deadline = time.monotonic() + 30
+    root = None
+    while root is None and time.monotonic() < deadline:
+        with receiver.lock:
+            root = next((s for s in receiver.spans if s["attrs"].get("gen_ai.response.id") == r.id), None)
+        time.sleep(0.2)
+    assert root is not None and root["parent"] == "", root
