@@ -98,6 +98,10 @@ pub enum BenchError {
     NoLevels,
     #[error(transparent)]
     Report(#[from] report::ReportError),
+    #[error(
+        "the reference failed {failed} replays, so their answers were not checked (report in {out})"
+    )]
+    ReferenceFailed { failed: u32, out: String },
     #[error("{corrupted} of {compared} answers differ from their reference (report in {out})")]
     Corruption {
         corrupted: u32,
@@ -205,6 +209,19 @@ async fn bench(a: RunArgs) -> Result<(), BenchError> {
         .fold((0, 0), |(c, n), d| (c + d.corrupted, n + d.compared));
     for d in &diffs {
         eprintln!("{d}");
+    }
+    let failed: u32 = report
+        .levels
+        .iter()
+        .filter_map(|l| l.differential.as_ref())
+        .map(|d| d.reference_errors)
+        .sum();
+    if corrupted == 0 && failed > 0 {
+        // Unchecked answers are not correct answers: a dead reference must not pass.
+        return Err(BenchError::ReferenceFailed {
+            failed,
+            out: a.out.display().to_string(),
+        });
     }
     if corrupted > 0 {
         return Err(BenchError::Corruption {

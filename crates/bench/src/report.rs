@@ -709,6 +709,7 @@ mod tests {
                 tool_calls_expected: 10,
                 tool_calls_valid: 9,
                 tool_calls_truncated: 1,
+                reference_errors: 0,
             }),
         }
     }

@@ -255,7 +255,11 @@ pub async fn differential(
         }
         let (r, want) = reference.chat(e.body.clone(), t0).await;
         tick();
-        if r.error.is_some() {
+        if let Some(why) = &r.error {
+            d.reference_errors += 1;
+            if diffs.len() < 10 {
+                diffs.push(format!("the reference failed a replay: {why}"));
+            }
             continue;
         }
         d.compared += 1;

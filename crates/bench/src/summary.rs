@@ -47,6 +47,9 @@ pub struct Differential {
     pub tool_calls_valid: u32,
     #[serde(default)]
     pub tool_calls_truncated: u32,
+    /// Replays the reference answered with an error (those answers were not compared).
+    #[serde(default)]
+    pub reference_errors: u32,
 }
 
 impl Differential {

@@ -249,3 +249,25 @@ async fn a_connection_closed_before_any_answer_is_retried_once() {
     assert_eq!(ans.content, "ok");
     assert_eq!(ans.finish_reason.as_deref(), Some("stop"));
 }
+
+#[tokio::test]
+async fn a_reference_that_fails_its_replays_fails_the_run() {
+    // Nothing listens on port 9: no answer can be checked, so nothing may pass as checked.
+    let sut = serve(Mode::Honest).await;
+    let dir = tempfile::tempdir().unwrap();
+    let err = pdmesh_bench::run(args(sut, Some("127.0.0.1:9".parse().unwrap()), dir.path()))
+        .await
+        .expect_err("unchecked answers fail the run");
+    assert!(
+        matches!(
+            err,
+            pdmesh_bench::BenchError::ReferenceFailed { failed: 16, .. }
+        ),
+        "{err}"
+    );
+    let d = &report(dir.path())[0]["levels"][0]["differential"];
+    assert_eq!(
+        (d["compared"].as_u64(), d["reference_errors"].as_u64()),
+        (Some(0), Some(16))
+    );
+}
