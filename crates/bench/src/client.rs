@@ -136,8 +136,8 @@ impl Client {
                     continue;
                 }
                 let v: Value = serde_json::from_str(&data).map_err(|_| "stream".to_owned())?;
-                if v.get("error").is_some() {
-                    return Err("stream".into());
+                if let Some(e) = v.get("error") {
+                    return Err(in_stream_error(e));
                 }
                 if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                     let n = |k: &str| u[k].as_u64().unwrap_or(0) as u32;
@@ -197,6 +197,63 @@ impl Client {
     }
 }
 
+/// The class of an error the server reported inside a stream it had begun (after the
+/// 200): `in_stream:` and the OpenAI error's `code`, else its `type` (the statuses the
+/// server would have answered with before the stream began: `overloaded` is a 429,
+/// `service_unavailable` a 503).
+fn in_stream_error(e: &Value) -> String {
+    let class = e["code"]
+        .as_str()
+        .or_else(|| e["type"].as_str())
+        .unwrap_or("unknown");
+    format!("in_stream:{class}")
+}
+
+impl Client {
+    /// Streams one chat completion (`body` without `stream`) and goes away after `events`
+    /// SSE chunks (0: as soon as the response headers arrive), as a client that closes
+    /// its connection mid-answer. Returns the chunks seen; if the request ended first, the
+    /// error class as [`Client::chat`] names it, or `finished` for a whole answer.
+    pub async fn chat_and_leave(&self, mut body: Value, events: usize) -> Result<usize, String> {
+        body["stream"] = json!(true);
+        let go = async {
+            let resp = self
+                .post("/chat/completions")
+                .json(&body)
+                .send()
+                .await
+                .map_err(|e| if e.is_connect() { "connect" } else { "send" }.to_owned())?;
+            if !resp.status().is_success() {
+                return Err(resp.status().as_u16().to_string());
+            }
+            let mut seen = 0;
+            let mut sse = SseLines::default();
+            let mut bytes = resp.bytes_stream();
+            while seen < events {
+                let Some(chunk) = bytes.next().await else {
+                    return Err("stream".to_owned());
+                };
+                let chunk = chunk.map_err(|_| "stream".to_owned())?;
+                for data in sse.push(&chunk) {
+                    if data == "[DONE]" {
+                        return Err("finished".to_owned());
+                    }
+                    let v: Value = serde_json::from_str(&data).map_err(|_| "stream".to_owned())?;
+                    if let Some(e) = v.get("error") {
+                        return Err(in_stream_error(e));
+                    }
+                    seen += 1;
+                }
+            }
+            // Dropping the unfinished body closes the connection.
+            Ok(seen)
+        };
+        tokio::time::timeout(self.timeout, go)
+            .await
+            .unwrap_or_else(|_| Err("timeout".into()))
+    }
+}
+
 /// Splits a Server-Sent Events byte stream into its `data:` payloads, whatever the chunk
 /// boundaries.
 #[derive(Default)]
@@ -233,6 +290,20 @@ impl SseLines {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_inside_a_stream_is_classed_by_its_code() {
+        let e = |v: Value| in_stream_error(&v);
+        assert_eq!(
+            e(json!({"type": "rate_limit_error", "code": "overloaded"})),
+            "in_stream:overloaded"
+        );
+        assert_eq!(
+            e(json!({"type": "server_error", "code": null})),
+            "in_stream:server_error"
+        );
+        assert_eq!(e(json!({})), "in_stream:unknown");
+    }
 
     #[test]
     fn sse_payloads_survive_any_split_and_skip_comments() {

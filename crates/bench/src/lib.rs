@@ -2,8 +2,10 @@
 //! server) with a workload, measures what users compare serving stacks by, and writes a
 //! report a person can look at.
 
+pub mod chaos;
 pub mod cli;
 pub mod client;
+pub mod mesh;
 pub mod report;
 pub mod run;
 pub mod summary;

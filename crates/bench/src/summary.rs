@@ -18,8 +18,9 @@ pub struct Record {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub cached_tokens: u32,
-    /// `None` when it succeeded; else a short class: an HTTP status ("429"), "timeout",
-    /// "connect", "stream".
+    /// `None` when it succeeded; else a short class: an HTTP status ("429"), an error
+    /// the server reported mid-stream ("in_stream:overloaded"), "timeout", "connect",
+    /// "stream" (the stream broke off).
     pub error: Option<String>,
 }
 

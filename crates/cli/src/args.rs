@@ -41,6 +41,9 @@ pub enum Command {
     /// Load an OpenAI-compatible endpoint (pdmesh, smg, llama.cpp's server) and report
     /// latency, throughput and, against a reference, answers that differ.
     Bench(pdmesh_bench::BenchArgs),
+    /// Inject one fault into a running mesh (`pdmesh up --ports-json FILE`) under load and
+    /// judge it: every request ended in time, no page leaked, every answer unchanged.
+    Chaos(pdmesh_bench::chaos::ChaosArgs),
 }
 
 /// The services, each a subcommand of its own.
@@ -175,6 +178,12 @@ pub struct UpArgs {
     /// Do not send the first test question once the mesh is up.
     #[arg(long)]
     pub no_smoke_test: bool,
+    /// Once the mesh is up, start a service that exits again, with the same flags on the
+    /// same port, after 1 s (doubling while it keeps exiting soon after each start, up to
+    /// 30 s); the ports file gets its new pid. Without it, a service that exits stops
+    /// the mesh.
+    #[arg(long)]
+    pub restart: bool,
     /// Extra flag for every worker, e.g. `--worker-arg=--kv-pages=512` (repeatable).
     #[arg(long = "worker-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub worker_args: Vec<String>,
@@ -235,6 +244,34 @@ mod tests {
         assert_eq!(up.port, 0);
         assert_eq!(up.ports_json, Some(PathBuf::from("p.json")));
         assert_eq!(up.worker_args, ["--kv-pages=64"]);
+        assert!(!up.restart, "services are not restarted unless asked");
+        let cli = Cli::try_parse_from(["pdmesh", "up", "--restart"]).unwrap();
+        let Command::Up(up) = cli.command else {
+            panic!("not up")
+        };
+        assert!(up.restart);
+    }
+
+    #[test]
+    fn chaos_takes_a_scenario_and_the_ports_file() {
+        let cli = Cli::try_parse_from([
+            "pdmesh",
+            "chaos",
+            "kill-prefill",
+            "--mesh",
+            "p.json",
+            "--requests",
+            "4",
+        ])
+        .unwrap();
+        let Command::Chaos(c) = cli.command else {
+            panic!("not chaos")
+        };
+        assert_eq!(c.scenario, pdmesh_bench::chaos::Scenario::KillPrefill);
+        assert_eq!((c.mesh, c.requests), (PathBuf::from("p.json"), Some(4)));
+        let err =
+            Cli::try_parse_from(["pdmesh", "chaos", "melt-down", "--mesh", "p.json"]).unwrap_err();
+        assert!(err.to_string().contains("melt-down"), "{err}");
     }
 
     #[test]

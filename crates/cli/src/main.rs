@@ -1,5 +1,5 @@
 //! The `pdmesh` binary: parses the command line, sets up logging and the tokio runtime,
-//! and hands off to the library (services, `up`, `model`).
+//! and hands off to the library (services, `up`, `model`, `bench`, `chaos`).
 
 use std::process::ExitCode;
 
@@ -126,6 +126,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Bench(args) => {
             multi_thread()?.block_on(pdmesh_bench::run(args))?;
+        }
+        Command::Chaos(args) => {
+            multi_thread()?.block_on(pdmesh_bench::chaos::run(args))?;
         }
         Command::Up(args) => {
             // Current-thread: children are spawned from the main thread, which lives as

@@ -2,7 +2,8 @@
 //! `--no-host-cache`), worker and gateway run as separate child processes of this one (the same binary, re-executed with a service
 //! subcommand) on loopback ports. `up` waits until each is healthy, prints the URL, then
 //! supervises: a signal stops all children; a child that exits stops the others and
-//! makes `up` fail naming it. Children die with `up` even if it is killed outright.
+//! makes `up` fail naming it — or, with `--restart`, is started again the same way after
+//! a backoff. Children die with `up` even if it is killed outright.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -80,9 +81,39 @@ pub enum Stopped {
 /// One running service.
 struct Service {
     name: &'static str,
+    /// Its command line after the executable, and the API key it gets: a restart starts it
+    /// the same way.
+    args: Vec<String>,
+    api_key: Option<String>,
     pid: u32,
     child: Child,
     addr: SocketAddr,
+    started: Instant,
+}
+
+/// The first wait before restarting a service that exited, the longest, and how long a
+/// service must have run for its next exit to count as a fresh one.
+const BACKOFF_MIN: Duration = Duration::from_secs(1);
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+const BACKOFF_RESET: Duration = Duration::from_secs(60);
+
+/// How long to wait before restarting one service: [`BACKOFF_MIN`], doubling with every
+/// exit that comes within [`BACKOFF_RESET`] of its start, up to [`BACKOFF_MAX`].
+#[derive(Debug, Default)]
+struct Backoff {
+    next: Option<Duration>,
+}
+
+impl Backoff {
+    /// The wait before the restart after an exit of a service that ran for `ran`.
+    fn after_exit(&mut self, ran: Duration) -> Duration {
+        let wait = match self.next {
+            Some(d) if ran < BACKOFF_RESET => d,
+            _ => BACKOFF_MIN,
+        };
+        self.next = Some((wait * 2).min(BACKOFF_MAX));
+        wait
+    }
 }
 
 /// Free loopback ports, each held until the picker is dropped, so one `up` never hands
@@ -168,10 +199,26 @@ fn spawn(
     let pid = child.id().unwrap_or(0);
     Ok(Service {
         name,
+        args: args.to_vec(),
+        api_key: api_key.map(str::to_owned),
         pid,
         child,
         addr,
+        started: Instant::now(),
     })
+}
+
+impl Service {
+    /// Starts this service again with the same command line, key and address.
+    fn respawn(&self, exe: &Path) -> Result<Service, UpError> {
+        spawn(
+            self.name,
+            exe,
+            &self.args,
+            self.addr,
+            self.api_key.as_deref(),
+        )
+    }
 }
 
 /// Sends `sig` to the child's whole process group.
@@ -318,6 +365,73 @@ async fn smoke_test(gateway: SocketAddr, model: &str, api_key: Option<&str>) {
 
 /// Longest the first test question may take.
 const SMOKE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What the ports file says besides the process ids (which change when a service is
+/// restarted).
+struct MeshLayout {
+    url: String,
+    host: IpAddr,
+    pd: bool,
+    gateway: u16,
+    tokenizer: u16,
+    /// (name, port) of each worker of a role, in start order; the first one overall (the
+    /// unified worker or the first decode worker) is "worker".
+    workers: Vec<(&'static str, &'static str, u16)>,
+    /// 0 without a cache service.
+    cache: u16,
+    model: String,
+    restart: bool,
+}
+
+impl MeshLayout {
+    /// The ports file's JSON, each service's pid from `pid` (by name; 0 when absent).
+    fn json(&self, pid: impl Fn(&str) -> u32) -> serde_json::Value {
+        let ports = |kind: &str| {
+            let of = self.workers.iter().filter(|w| w.1 == kind);
+            of.map(|w| w.2).collect::<Vec<_>>()
+        };
+        let pids = |kind: &str| {
+            let of = self.workers.iter().filter(|w| w.1 == kind);
+            of.map(|w| pid(w.0)).collect::<Vec<_>>()
+        };
+        let first = self.workers.first();
+        serde_json::json!({
+            "url": self.url,
+            "host": self.host.to_string(),
+            "mode": if self.pd { "pd" } else { "unified" },
+            "gateway": self.gateway,
+            "tokenizer": self.tokenizer,
+            // The unified worker, or the first decode worker.
+            "worker": first.map_or(0, |w| w.2),
+            "prefill": ports("prefill"),
+            "decode": ports("decode"),
+            "cache": self.cache,
+            "model": self.model,
+            // Whether `up` restarts a service that exits (`--restart`).
+            "restart": self.restart,
+            "pids": {
+                "up": std::process::id(),
+                "tokenizer": pid("tokenizer"),
+                "worker": first.map_or(0, |w| pid(w.0)),
+                "prefill": pids("prefill"),
+                "decode": pids("decode"),
+                "gateway": pid("gateway"),
+                "cache": pid("cache"),
+            },
+        })
+    }
+
+    /// Writes the ports file with the services' current pids.
+    fn write(&self, path: &Path, services: &[Service]) -> Result<(), UpError> {
+        let value = self.json(|name| {
+            services
+                .iter()
+                .find(|s| s.name == name)
+                .map_or(0, |s| s.pid)
+        });
+        write_ports_json(path, &value)
+    }
+}
 
 fn write_ports_json(path: &Path, value: &serde_json::Value) -> Result<(), UpError> {
     let err = |source| UpError::PortsJson {
@@ -489,53 +603,26 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             }
         }
     }
-    if let Some(path) = &args.ports_json {
-        let pid = |name: &str| {
-            services
-                .iter()
-                .find(|s| s.name == name)
-                .map_or(0, |s| s.pid)
-        };
-        let kind_ports = |kind: &str| {
-            workers
-                .iter()
-                .filter(|w| w.1 == kind)
-                .map(|w| w.2.port())
-                .collect::<Vec<_>>()
-        };
-        let kind_pids = |kind: &str| {
-            workers
-                .iter()
-                .filter(|w| w.1 == kind)
-                .map(|w| pid(w.0))
-                .collect::<Vec<_>>()
-        };
-        let value = serde_json::json!({
-            "url": url,
-            "host": shown.ip().to_string(),
-            "mode": if pd { "pd" } else { "unified" },
-            "gateway": port,
-            "tokenizer": tok_addr.port(),
-            // The unified worker, or the first decode worker.
-            "worker": worker_addr.port(),
-            "prefill": kind_ports("prefill"),
-            "decode": kind_ports("decode"),
-            "cache": if args.no_host_cache { 0 } else { cache_addr.port() },
-            "model": model_id,
-            "pids": {
-                "up": std::process::id(),
-                "tokenizer": pid("tokenizer"),
-                "worker": pid(workers[0].0),
-                "prefill": kind_pids("prefill"),
-                "decode": kind_pids("decode"),
-                "gateway": pid("gateway"),
-                "cache": pid("cache"),
-            },
-        });
-        if let Err(e) = write_ports_json(path, &value) {
-            stop_all(&mut services, grace).await;
-            return Err(e);
-        }
+    let layout = MeshLayout {
+        url: url.clone(),
+        host: shown.ip(),
+        pd,
+        gateway: port,
+        tokenizer: tok_addr.port(),
+        workers: workers.iter().map(|w| (w.0, w.1, w.2.port())).collect(),
+        cache: if args.no_host_cache {
+            0
+        } else {
+            cache_addr.port()
+        },
+        model: model_id.clone(),
+        restart: args.restart,
+    };
+    if let Some(path) = &args.ports_json
+        && let Err(e) = layout.write(path, &services)
+    {
+        stop_all(&mut services, grace).await;
+        return Err(e);
     }
     let auth = match (&args.api_key, std::env::var_os("PDMESH_API_KEY")) {
         (None, _) => "",
@@ -549,31 +636,69 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     );
     println!("press Ctrl-C to stop");
 
-    let exited = tokio::select! {
-        (status, i, _) = select_all(services.iter_mut().map(|s| Box::pin(s.child.wait()))) => Ok((i, status)),
-        sig = signals.recv() => Err(sig),
-    };
-    let (i, status) = match exited {
-        Ok(x) => x,
-        Err(sig) => {
-            eprintln!("pdmesh up: {sig} received; stopping the services");
+    let mut backoff: Vec<Backoff> = services.iter().map(|_| Backoff::default()).collect();
+    loop {
+        let exited = tokio::select! {
+            (status, i, _) = select_all(services.iter_mut().map(|s| Box::pin(s.child.wait()))) => Ok((i, status)),
+            sig = signals.recv() => Err(sig),
+        };
+        let (i, status) = match exited {
+            Ok(x) => x,
+            Err(sig) => {
+                eprintln!("pdmesh up: {sig} received; stopping the services");
+                stop_all(&mut services, grace).await;
+                return Ok(Stopped::BySignal(sig));
+            }
+        };
+        let (name, pid) = (services[i].name, services[i].pid);
+        let status = match status {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("pdmesh up: waiting for the {name} failed: {e}");
+                ExitStatus::default()
+            }
+        };
+        if !args.restart {
+            eprintln!(
+                "pdmesh up: the {name} (pid {pid}) exited with {status}; stopping the other services"
+            );
             stop_all(&mut services, grace).await;
-            return Ok(Stopped::BySignal(sig));
+            return Err(UpError::ChildExited { name, pid, status });
         }
-    };
-    let (name, pid) = (services[i].name, services[i].pid);
-    let status = match status {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("pdmesh up: waiting for the {name} failed: {e}");
-            ExitStatus::default()
+        // Whatever the service left in its process group goes with it.
+        signal_group(pid, libc::SIGKILL);
+        let wait = backoff[i].after_exit(services[i].started.elapsed());
+        eprintln!(
+            "pdmesh up: the {name} (pid {pid}) exited with {status}; restarting it in {} s",
+            wait.as_secs_f64()
+        );
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            sig = signals.recv() => {
+                eprintln!("pdmesh up: {sig} received; stopping the services");
+                stop_all(&mut services, grace).await;
+                return Ok(Stopped::BySignal(sig));
+            }
         }
-    };
-    eprintln!(
-        "pdmesh up: the {name} (pid {pid}) exited with {status}; stopping the other services"
-    );
-    stop_all(&mut services, grace).await;
-    Err(UpError::ChildExited { name, pid, status })
+        match services[i].respawn(&exe) {
+            Ok(s) => services[i] = s,
+            Err(e) => {
+                eprintln!("pdmesh up: restarting the {name} failed; stopping the other services");
+                stop_all(&mut services, grace).await;
+                return Err(e);
+            }
+        }
+        eprintln!(
+            "pdmesh up: restarted the {name} (pid {}) on {}",
+            services[i].pid, services[i].addr
+        );
+        if let Some(path) = &args.ports_json
+            && let Err(e) = layout.write(path, &services)
+        {
+            stop_all(&mut services, grace).await;
+            return Err(e);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -602,6 +727,69 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.contains("pdmesh model fetch"), "{msg}");
         assert!(msg.contains("/nonexistent/model.gguf"), "{msg}");
+    }
+
+    #[test]
+    fn restarts_back_off_doubling_up_to_a_cap_and_reset_after_a_long_run() {
+        let mut b = Backoff::default();
+        let quick = Duration::from_secs(2);
+        let waits: Vec<u64> = (0..7).map(|_| b.after_exit(quick).as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30]);
+        // A service that stayed up a while starts again from the shortest wait.
+        assert_eq!(b.after_exit(BACKOFF_RESET), BACKOFF_MIN);
+        assert_eq!(b.after_exit(quick), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn the_ports_file_names_every_pid_and_whether_up_restarts() {
+        let layout = MeshLayout {
+            url: "http://127.0.0.1:8080/v1".into(),
+            host: "127.0.0.1".parse().unwrap(),
+            pd: true,
+            gateway: 8080,
+            tokenizer: 1,
+            workers: vec![
+                ("decode", "decode", 2),
+                ("prefill", "prefill", 3),
+                ("prefill-2", "prefill", 4),
+            ],
+            cache: 5,
+            model: "m".into(),
+            restart: true,
+        };
+        let pids = |name: &str| match name {
+            "decode" => 20,
+            "prefill" => 30,
+            "prefill-2" => 40,
+            "gateway" => 80,
+            _ => 0,
+        };
+        let v = layout.json(pids);
+        assert_eq!(v["restart"], true);
+        assert_eq!(v["mode"], "pd");
+        assert_eq!(v["worker"], 2);
+        assert_eq!(v["prefill"], serde_json::json!([3, 4]));
+        assert_eq!(v["decode"], serde_json::json!([2]));
+        assert_eq!(
+            v["pids"]["worker"], 20,
+            "the first worker is the decode worker"
+        );
+        assert_eq!(v["pids"]["prefill"], serde_json::json!([30, 40]));
+        assert_eq!(v["pids"]["gateway"], 80);
+        assert_eq!(v["pids"]["up"], std::process::id());
+        let unified = MeshLayout {
+            pd: false,
+            workers: vec![("worker", "worker", 2)],
+            restart: false,
+            ..layout
+        };
+        let v = unified.json(|n| if n == "worker" { 7 } else { 0 });
+        assert_eq!(
+            (v["mode"].as_str(), v["restart"].as_bool()),
+            (Some("unified"), Some(false))
+        );
+        assert_eq!(v["pids"]["worker"], 7);
+        assert_eq!(v["prefill"], serde_json::json!([]));
     }
 
     #[test]

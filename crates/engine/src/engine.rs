@@ -297,11 +297,13 @@ impl Engine {
             .unwrap_or_default()
     }
 
-    /// Drop every cached prefix (pages in use by requests stay theirs).
-    pub fn flush_cache(&mut self) {
-        if let Some(c) = &mut self.cache {
-            c.clear(&mut self.pool);
-        }
+    /// Evicts every page of the device prefix cache that no request references, as
+    /// eviction under pool pressure does (under write-back, pages the host tier lacks are
+    /// written there first); pages requests use stay cached. Returns how many pages went
+    /// back to the free list.
+    pub fn flush_cache(&mut self) -> usize {
+        self.check_host_generation();
+        self.evict_cached(usize::MAX)
     }
 
     pub fn pool(&self) -> &PagePool {
@@ -609,36 +611,43 @@ impl Engine {
     fn alloc(&mut self, n: usize) -> Result<Vec<PageId>, KvError> {
         self.check_host_generation();
         let free = self.pool.free_pages();
-        if n > free
-            && let Some(c) = &mut self.cache
-        {
-            match &mut self.host {
-                Some((host, WritePolicy::WriteBack)) => {
-                    // Copy out what the host tier lacks while the pages still exist.
-                    let mut out: Vec<(u64, u64, Vec<u8>)> = Vec::new();
-                    c.evict_with(&mut self.pool, n - free, |e, pool| {
-                        if !e.on_host {
-                            let bytes = pool.page(e.page).expect("evicted pages are allocated");
-                            out.push((e.hash, e.parent_hash, bytes.to_vec()));
-                        }
-                    });
-                    // Leaves go first: put each chain back in prefix order.
-                    out.reverse();
-                    let batch: Vec<(u64, u64, &[u8])> =
-                        out.iter().map(|(h, p, b)| (*h, *p, &b[..])).collect();
-                    let t0 = std::time::Instant::now();
-                    let written = host.store(&batch) as u64;
-                    self.host_stats.written_seconds += t0.elapsed().as_secs_f64();
-                    self.host_stats.written_pages += written;
-                    self.host_stats.written_bytes +=
-                        written * self.pool.layout().bytes_per_page() as u64;
-                }
-                _ => {
-                    c.evict(&mut self.pool, n - free);
-                }
-            }
+        if n > free {
+            self.evict_cached(n - free);
         }
         self.pool.alloc(n)
+    }
+
+    /// Evicts up to `n` cached pages only the prefix cache holds, least recently used
+    /// first; under write-back, pages the host tier lacks are written there before they
+    /// go. Returns how many pages were freed.
+    fn evict_cached(&mut self, n: usize) -> usize {
+        let Some(c) = &mut self.cache else {
+            return 0;
+        };
+        match &mut self.host {
+            Some((host, WritePolicy::WriteBack)) => {
+                // Copy out what the host tier lacks while the pages still exist.
+                let mut out: Vec<(u64, u64, Vec<u8>)> = Vec::new();
+                let freed = c.evict_with(&mut self.pool, n, |e, pool| {
+                    if !e.on_host {
+                        let bytes = pool.page(e.page).expect("evicted pages are allocated");
+                        out.push((e.hash, e.parent_hash, bytes.to_vec()));
+                    }
+                });
+                // Leaves go first: put each chain back in prefix order.
+                out.reverse();
+                let batch: Vec<(u64, u64, &[u8])> =
+                    out.iter().map(|(h, p, b)| (*h, *p, &b[..])).collect();
+                let t0 = std::time::Instant::now();
+                let written = host.store(&batch) as u64;
+                self.host_stats.written_seconds += t0.elapsed().as_secs_f64();
+                self.host_stats.written_pages += written;
+                self.host_stats.written_bytes +=
+                    written * self.pool.layout().bytes_per_page() as u64;
+                freed
+            }
+            _ => c.evict(&mut self.pool, n),
+        }
     }
 
     /// The host tier's run of the prompt's whole pages after the `device` pages the device

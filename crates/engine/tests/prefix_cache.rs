@@ -1,7 +1,7 @@
 //! The device tier of the KV cache: reused prefix pages give bit-identical outputs to
 //! recomputing them, in multi-turn sessions sharing a system prompt, with a roomy pool
 //! and with one so small that cached pages are evicted and sequences preempted. Cached
-//! tokens are reported, and every page comes back.
+//! tokens are reported, and every page comes back; a flush frees what no request uses.
 
 mod common;
 
@@ -117,4 +117,92 @@ fn admission_reports_where_the_prompt_came_from_once() {
     assert_eq!(admitted(&mut e, "a"), vec![("a".to_owned(), 0, 0)]);
     let hit = (prompt.len() - 1) / 8 * 8;
     assert_eq!(admitted(&mut e, "b"), vec![("b".to_owned(), hit, 0)]);
+}
+
+/// A host tier that holds nothing and records what it is offered.
+#[derive(Default)]
+struct Recorder(std::sync::Arc<std::sync::Mutex<Vec<u64>>>);
+
+impl pdmesh_kv::HostTier for Recorder {
+    fn lookup(&mut self, _hashes: &[u64]) -> Vec<pdmesh_kv::HostPage> {
+        Vec::new()
+    }
+    fn load(
+        &mut self,
+        _pages: &[pdmesh_kv::HostPage],
+        _dsts: &mut [&mut [u8]],
+    ) -> pdmesh_kv::HostLoad {
+        pdmesh_kv::HostLoad::default()
+    }
+    fn release(&mut self, _pages: &[pdmesh_kv::HostPage]) {}
+    fn store(&mut self, pages: &[(u64, u64, &[u8])]) -> usize {
+        let mut got = self.0.lock().unwrap();
+        got.extend(pages.iter().map(|p| p.0));
+        pages.len()
+    }
+    fn generation(&self) -> u64 {
+        0
+    }
+}
+
+#[test]
+fn a_flush_evicts_only_pages_no_request_uses_and_writes_them_back_first() {
+    let fx = fixture_prompts();
+    let prompt: Vec<u32> = fx[2].iter().chain(&fx[3]).copied().collect();
+    let mut e = common::engine(|c| c.page_size = 4);
+    let stored = std::sync::Arc::default();
+    e.set_host_tier(
+        Box::new(Recorder(std::sync::Arc::clone(&stored))),
+        pdmesh_engine::WritePolicy::WriteBack,
+    );
+    let first = run_all(&mut e, vec![greedy("a", &prompt, 12)])
+        .remove("a")
+        .unwrap();
+    let cached = e.cached_pages();
+    assert!(cached > 0);
+    assert!(
+        stored.lock().unwrap().is_empty(),
+        "write-back waits for eviction"
+    );
+
+    // The same prompt again: once admitted, it holds the prompt's cached pages, which
+    // the flush must leave alone; the first answer's own pages go.
+    e.submit(greedy("b", &prompt, 12)).expect("valid request");
+    let mut tokens = Vec::new();
+    while tokens.is_empty() {
+        for ev in e.step() {
+            if let StepEvent::Token { token, .. } = ev {
+                tokens.push(token);
+            }
+        }
+    }
+    let in_use = (prompt.len() - 1) / 4;
+    let idle = e.cached_pages();
+    assert_eq!(
+        idle,
+        cached - in_use,
+        "the running request holds its prefix"
+    );
+    let flushed = e.flush_cache();
+    assert_eq!(flushed, idle);
+    assert_eq!(e.cached_pages(), 0);
+    assert_eq!(
+        stored.lock().unwrap().len(),
+        flushed,
+        "every flushed page was written back before it went"
+    );
+    assert_eq!(e.cache_stats().evicted_pages, flushed as u64);
+    while e.has_work() {
+        for ev in e.step() {
+            if let StepEvent::Token { token, .. } = ev {
+                tokens.push(token);
+            }
+        }
+    }
+    assert_eq!(tokens, first.tokens, "the running request did not notice");
+
+    // Idle: a flush frees the whole pool; a second finds nothing.
+    assert!(e.flush_cache() > 0);
+    assert_eq!(e.free_pages(), 256);
+    assert_eq!(e.flush_cache(), 0);
 }

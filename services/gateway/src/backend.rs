@@ -105,6 +105,20 @@ pub(crate) struct HostTotals {
     pub checksum_failures: u64,
 }
 
+/// One worker's answer to a cache flush.
+#[derive(Clone, Debug)]
+pub(crate) struct Flushed {
+    /// `unified`, `prefill` or `decode`.
+    pub role: &'static str,
+    pub url: String,
+    /// Pages freed, or why the worker did not flush.
+    pub pages: Result<u64, String>,
+}
+
+/// How long a worker may take to flush its cache (it waits for the engine loop's current
+/// step, and under write-back writes pages to the host mirror first).
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// One chat message, already flattened to text.
 #[derive(Clone, Debug)]
 pub(crate) struct Message {
@@ -466,6 +480,29 @@ impl Backends {
             found |= r?;
         }
         Ok(found)
+    }
+
+    /// Asks every worker to evict the cached pages no request uses: each worker's role,
+    /// URL, and the pages it freed or why it could not.
+    pub async fn flush_cache(&self) -> Vec<Flushed> {
+        let calls = self.workers.named().map(|(role, url, c)| {
+            let mut c = c.clone();
+            async move {
+                let call =
+                    tokio::time::timeout(FLUSH_TIMEOUT, c.flush_cache(wk::FlushCacheRequest {}));
+                let pages = match call.await {
+                    Ok(Ok(r)) => Ok(r.into_inner().pages_flushed),
+                    Ok(Err(status)) => Err(ApiError::from(status).message),
+                    Err(_) => Err(format!("no answer within {FLUSH_TIMEOUT:?}")),
+                };
+                Flushed {
+                    role,
+                    url: url.to_owned(),
+                    pages,
+                }
+            }
+        });
+        futures::future::join_all(calls).await
     }
 
     /// A streaming detokenizer session (special tokens skipped); `parsing` splits the

@@ -375,6 +375,12 @@ mod tests {
         ) -> Result<Response<wk::ModelInfoResponse>, Status> {
             Err(Status::unimplemented("fake"))
         }
+        async fn flush_cache(
+            &self,
+            _r: Request<wk::FlushCacheRequest>,
+        ) -> Result<Response<wk::FlushCacheResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
         type SubscribeKvEventsStream =
             ReceiverStream<Result<pdmesh_proto::cache::v1::KvEvent, Status>>;
         async fn subscribe_kv_events(

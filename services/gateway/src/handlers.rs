@@ -34,6 +34,7 @@ pub(crate) fn router(st: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{model}", get(get_model))
+        .route("/flush_cache", post(flush_cache))
         .route_layer(middleware::from_fn_with_state(st.clone(), auth));
     Router::new()
         .merge(v1)
@@ -263,6 +264,33 @@ async fn metrics(State(st): State<AppState>) -> Response {
         st.metrics.render(),
     )
         .into_response()
+}
+
+/// `POST /flush_cache` (SGLang's route): every worker evicts the pages of its device
+/// prefix cache that no request uses. 200 with the pages each worker freed; 503 naming
+/// the workers that did not flush (the others still did).
+async fn flush_cache(State(st): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let flushed = st.backends.flush_cache().await;
+    let failed: Vec<String> = flushed
+        .iter()
+        .filter_map(|f| match &f.pages {
+            Err(why) => Some(format!("the {} worker {}: {why}", f.role, f.url)),
+            Ok(_) => None,
+        })
+        .collect();
+    let total: u64 = flushed.iter().filter_map(|f| f.pages.as_ref().ok()).sum();
+    if !failed.is_empty() {
+        return Err(ApiError::unavailable(format!(
+            "the cache flush failed on {} (the other workers flushed {total} pages)",
+            failed.join("; ")
+        )));
+    }
+    tracing::info!(pages = total, "flushed every worker's device prefix cache");
+    let workers: Vec<Value> = flushed
+        .iter()
+        .map(|f| json!({ "role": f.role, "url": f.url, "pages_flushed": f.pages.as_ref().ok() }))
+        .collect();
+    Ok(Json(json!({ "pages_flushed": total, "workers": workers })))
 }
 
 fn model_object(st: &AppState, id: &str) -> Value {

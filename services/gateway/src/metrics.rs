@@ -267,6 +267,7 @@ pub(crate) fn endpoint_label(path: &str) -> &'static str {
         "/v1/models" | "/v1/models/{model}" => "models",
         "/health" => "health",
         "/metrics" => "metrics",
+        "/flush_cache" => "flush_cache",
         _ => "other",
     }
 }

@@ -222,6 +222,17 @@ impl Workers {
             .collect()
     }
 
+    /// Every worker with its role (`unified`, `prefill`, `decode`) and URL.
+    pub fn named(&self) -> impl Iterator<Item = (&'static str, &str, &WorkerClient<Channel>)> {
+        [
+            ("unified", &self.unified),
+            ("prefill", &self.prefill),
+            ("decode", &self.decode),
+        ]
+        .into_iter()
+        .flat_map(|(role, ts)| ts.iter().map(move |t| (role, t.url.as_str(), &t.client)))
+    }
+
     pub fn all(&self) -> impl Iterator<Item = &WorkerClient<Channel>> {
         self.unified
             .iter()
@@ -463,6 +474,12 @@ mod tests {
             &self,
             _r: tonic::Request<wk::ModelInfoRequest>,
         ) -> Result<tonic::Response<wk::ModelInfoResponse>, Status> {
+            Err(Status::unimplemented("scripted"))
+        }
+        async fn flush_cache(
+            &self,
+            _r: tonic::Request<wk::FlushCacheRequest>,
+        ) -> Result<tonic::Response<wk::FlushCacheResponse>, Status> {
             Err(Status::unimplemented("scripted"))
         }
         type SubscribeKvEventsStream =

@@ -178,6 +178,14 @@ async fn a_worker_that_is_down_is_503_and_health_says_which() {
     let body = r.json();
     assert_eq!(body["tokenizer"], "ok");
     assert_eq!(body["worker"], "unavailable");
+    // A cache flush that cannot reach the worker names it.
+    let r = post_json(mesh.gateway, "/flush_cache", &json!({})).await;
+    let err = r.expect_error(503);
+    let msg = err["message"].as_str().unwrap();
+    assert!(
+        msg.contains("the unified worker http://") && msg.contains("flushed 0 pages"),
+        "{msg}"
+    );
 }
 
 #[tokio::test]
@@ -211,6 +219,8 @@ async fn api_key_is_required_on_v1_when_configured() {
     // Auth comes before anything else on /v1, even a malformed body.
     let r = post_raw(g, "/v1/chat/completions", b"{").await;
     r.expect_error(401);
+    // Flushing the workers' caches is behind the same key.
+    post_raw(g, "/flush_cache", b"").await.expect_error(401);
     // Health and metrics stay open for probes and scrapers.
     assert_ne!(get(g, "/health").await.status, 401);
     assert_eq!(get(g, "/metrics").await.status, 200);

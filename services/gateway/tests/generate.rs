@@ -296,3 +296,41 @@ async fn slow_a_client_disconnect_mid_stream_frees_the_worker_pages() {
         "pages were not returned after the client went away"
     );
 }
+
+#[tokio::test]
+async fn slow_flush_cache_frees_every_cached_page_and_the_answer_stays_the_same() {
+    let m = mesh().await;
+    let model = model_name(&m).await;
+    let body = chat_body(
+        &model,
+        "List the colors of the rainbow, one per line, and say why each appears.",
+        json!({}),
+    );
+    let (first, _, _) = chat(&m, &body).await;
+    let text = get(m.gateway, "/metrics").await.text();
+    let cached = metric(&text, "mesh_kv_pages_cached").unwrap();
+    assert!(cached > 0.0, "the answer's pages are cached");
+
+    let r = post_json(m.gateway, "/flush_cache", &json!({})).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["pages_flushed"].as_f64(), Some(cached), "{v}");
+    assert_eq!(v["workers"][0]["role"], "unified", "{v}");
+    assert_eq!(v["workers"][0]["pages_flushed"].as_f64(), Some(cached));
+    let text = get(m.gateway, "/metrics").await.text();
+    assert_eq!(metric(&text, "mesh_kv_pages_cached"), Some(0.0));
+    assert_eq!(
+        metric(&text, "mesh_kv_pages_free"),
+        metric(&text, "mesh_kv_pages_capacity"),
+    );
+    // Nothing cached any more: the same question is computed again, to the same answer.
+    let (again, _, usage) = chat(&m, &body).await;
+    assert_eq!(again, first);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 0,
+        "{usage}"
+    );
+    // A second flush finds only the pages the second answer left.
+    let r = post_json(m.gateway, "/flush_cache", &json!({})).await;
+    assert_eq!(r.json()["pages_flushed"].as_f64(), Some(cached));
+}

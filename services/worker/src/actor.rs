@@ -119,6 +119,12 @@ impl Message for Info {
     type Result = Result<(ModelInfo, PoolNow), EngineError>;
 }
 
+/// Evict every cached page no request uses; how many were freed.
+struct FlushCache;
+impl Message for FlushCache {
+    type Result = Result<usize, EngineError>;
+}
+
 /// Changes to the device prefix cache, numbered from 1 in this worker's life.
 pub(crate) type KvBatch = Arc<[(u64, CacheEvent)]>;
 
@@ -261,6 +267,16 @@ impl Handler<SubscribeKv> for EngineActor {
         // Changes before the snapshot go out first, so none is both in it and after it.
         self.publish();
         actix::MessageResult((self.kv_seq, self.core.cache_snapshot(), self.kv.subscribe()))
+    }
+}
+
+impl Handler<FlushCache> for EngineActor {
+    type Result = Result<usize, EngineError>;
+    fn handle(&mut self, _msg: FlushCache, ctx: &mut Self::Context) -> Self::Result {
+        let out = self.core.flush_cache();
+        // Subscribers see the pages removed; freed pages may admit a queued request.
+        self.kick(ctx);
+        out
     }
 }
 
@@ -442,6 +458,12 @@ impl EngineHandle {
         &self,
     ) -> Result<(u64, Vec<CacheEvent>, broadcast::Receiver<KvBatch>), EngineError> {
         self.addr.send(SubscribeKv).await.map_err(offline)
+    }
+
+    /// Evicts every cached page no request uses (see [`Engine::flush_cache`]); how many
+    /// were freed.
+    pub(crate) async fn flush_cache(&self) -> Result<usize, EngineError> {
+        self.addr.send(FlushCache).await.map_err(offline)?
     }
 
     pub(crate) async fn info(&self) -> Result<(ModelInfo, PoolNow), EngineError> {

@@ -35,6 +35,10 @@ pub(crate) trait Backend {
     fn cache_snapshot(&self) -> Vec<CacheEvent> {
         Vec::new()
     }
+    /// Evicts every cached page no request uses; how many were freed.
+    fn flush_cache(&mut self) -> usize {
+        0
+    }
     fn submit(&mut self, req: GenRequest, part: Part) -> Result<(), EngineError>;
     fn abort(&mut self, id: &str) -> bool;
     fn step(&mut self) -> Vec<StepEvent>;
@@ -104,6 +108,9 @@ impl Backend for Engine {
     }
     fn cache_snapshot(&self) -> Vec<CacheEvent> {
         Engine::cache_snapshot(self)
+    }
+    fn flush_cache(&mut self) -> usize {
+        Engine::flush_cache(self)
     }
     fn submit(&mut self, req: GenRequest, part: Part) -> Result<(), EngineError> {
         Engine::submit_part(self, req, part)
@@ -267,6 +274,11 @@ impl<B: Backend> EngineCore<B> {
             .as_ref()
             .map(Backend::cache_snapshot)
             .unwrap_or_default()
+    }
+
+    /// See [`Backend::flush_cache`]; `Offline` once the engine is gone.
+    pub(crate) fn flush_cache(&mut self) -> Result<usize, EngineError> {
+        Ok(self.engine()?.flush_cache())
     }
 
     fn engine(&mut self) -> Result<&mut B, EngineError> {

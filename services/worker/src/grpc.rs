@@ -330,6 +330,18 @@ impl pb::worker_server::Worker for WorkerService {
         let (info, pool) = self.engine.info().await.map_err(Error::from)?;
         Ok(Response::new(model_info(info, pool, self)))
     }
+
+    #[tracing::instrument(skip_all)]
+    async fn flush_cache(
+        &self,
+        _request: Request<pb::FlushCacheRequest>,
+    ) -> Result<Response<pb::FlushCacheResponse>, Status> {
+        let pages = self.engine.flush_cache().await.map_err(Error::from)?;
+        tracing::info!(pages, "flushed the device prefix cache");
+        Ok(Response::new(pb::FlushCacheResponse {
+            pages_flushed: pages as u64,
+        }))
+    }
 }
 
 #[cfg(test)]

@@ -572,13 +572,25 @@ impl s::sglang_scheduler_server::SglangScheduler for SglangService {
         }))
     }
 
+    /// pdmesh's FlushCache: every cached page no request uses is evicted at once. Pages
+    /// running requests hold stay cached rather than failing the call, so there is nothing
+    /// to drain and `timeout_s` is not waited for.
     async fn flush_cache(
         &self,
         _request: Request<c::FlushCacheRequest>,
     ) -> Result<Response<c::FlushCacheResponse>, Status> {
-        Err(Status::unimplemented(
-            "FlushCache is not available: the prefix cache evicts on its own",
-        ))
+        let pages = self
+            .worker
+            .flush_cache(Request::new(pb::FlushCacheRequest {}))
+            .await?
+            .into_inner()
+            .pages_flushed;
+        Ok(Response::new(c::FlushCacheResponse {
+            success: true,
+            message: format!(
+                "flushed {pages} pages of the device prefix cache (pages running requests use stay cached)"
+            ),
+        }))
     }
 
     async fn get_tokenizer(

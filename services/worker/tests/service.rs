@@ -422,3 +422,79 @@ async fn kv_events_name_the_cached_prompt_pages_and_a_late_subscriber_gets_them_
         .unwrap()
         .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flush_cache_frees_the_cached_pages_and_subscribers_see_them_removed() {
+    let mut s = start().await;
+    let mut events = s
+        .client
+        .subscribe_kv_events(pb::SubscribeKvEventsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(matches!(next_kv(&mut events).await.1, KvKind::Cleared(_)));
+    let stream = s
+        .client
+        .generate(request("cached", PROMPT, greedy(6)))
+        .await
+        .unwrap()
+        .into_inner();
+    let (first, _) = collect(stream).await;
+    let KvKind::Stored(stored) = next_kv(&mut events).await.1 else {
+        panic!("the request's pages are cached first")
+    };
+    let info = s
+        .client
+        .model_info(pb::ModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(info.cached_pages >= 1, "{info:?}");
+
+    let flushed = s
+        .client
+        .flush_cache(pb::FlushCacheRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .pages_flushed;
+    assert_eq!(flushed, u64::from(info.cached_pages));
+    let KvKind::Removed(removed) = next_kv(&mut events).await.1 else {
+        panic!("a flush removes pages")
+    };
+    let (mut a, mut b) = (removed.hashes, stored.hashes);
+    a.sort_unstable();
+    b.sort_unstable();
+    assert_eq!(a, b, "exactly the stored pages are removed");
+    let info = s
+        .client
+        .model_info(pb::ModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((info.cached_pages, info.free_pages), (0, KV_PAGES));
+
+    // Nothing is reused any more, and the answer is the same.
+    let stream = s
+        .client
+        .generate(request("again", PROMPT, greedy(6)))
+        .await
+        .unwrap()
+        .into_inner();
+    let (again, f) = collect(stream).await;
+    assert_eq!((again, f.cached_tokens), (first, 0));
+    // The second answer's pages go too; then an empty cache frees nothing and fails
+    // nothing.
+    s.client
+        .flush_cache(pb::FlushCacheRequest {})
+        .await
+        .unwrap();
+    let empty = s
+        .client
+        .flush_cache(pb::FlushCacheRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(empty.pages_flushed, 0);
+    wait_free_pages(&mut s.client, KV_PAGES).await;
+}

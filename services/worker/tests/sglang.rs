@@ -398,3 +398,37 @@ async fn kv_events_list_the_cached_prompt_pages_with_their_tokens() {
     );
     srv.shutdown.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flush_cache_empties_the_device_prefix_cache() {
+    let mut srv = start().await;
+    let mut sg = sglang(&srv).await;
+    all(sg.generate(sreq("c", false, 4)).await.unwrap().into_inner()).await;
+    wait_free_pages(&mut srv.client, KV_PAGES).await;
+    let cached = srv
+        .client
+        .model_info(pb::ModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .cached_pages;
+    assert!(cached >= 1);
+    let r = sg
+        .flush_cache(c::FlushCacheRequest { timeout_s: 0.0 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.success, "{r:?}");
+    assert!(
+        r.message.contains(&format!("flushed {cached} pages")),
+        "{r:?}"
+    );
+    let info = srv
+        .client
+        .model_info(pb::ModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((info.cached_pages, info.free_pages), (0, KV_PAGES));
+    srv.shutdown.cancel();
+}

@@ -1,0 +1,184 @@
+"""`pdmesh chaos` against a real `pdmesh up --restart`: a worker killed mid-load comes back
+on its own, and the command's verdict says every request ended in time, no page leaked and
+every answer is unchanged; bytes flipped in the host mirror are caught by the workers'
+checksums and recomputed. Also `/flush_cache`, and the command's refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import API_KEY, alive, http, pdmesh_bin, start_up, stop_up
+
+# Short deadlines (as in test_pd.py), so faults resolve within a test.
+ROOM_ARGS = [
+    "--lease-ttl-ms=2000",
+    "--room-bootstrap-ms=8000",
+    "--room-wait-ms=20000",
+    "--room-transfer-ms=3000",
+    "--room-success-ms=3000",
+]
+WORKER_ARGS = ["--transfer-timeout-ms=15000", "--threads=1"]
+# Small loads: each scenario stays well under a minute on two cores.
+LOAD = ["--requests", "6", "--input-len", "200", "--max-tokens", "16", "--deadline-s", "40", "--settle-s", "60"]
+
+
+@pytest.fixture(scope="module")
+def restarting(tmp_path_factory):
+    """A disaggregated mesh whose services `up` restarts when they die."""
+    tmp = tmp_path_factory.mktemp("restarting")
+    args = [
+        "--restart",
+        "--no-smoke-test",
+        "--cache-arg=--host-mirror-size=256MiB",
+        *(f"--cache-arg={a}" for a in ROOM_ARGS),
+        *(f"--worker-arg={a}" for a in WORKER_ARGS),
+    ]
+    m = start_up(tmp, args)
+    m.ports_path = tmp / "ports.json"
+    yield m
+    # Restarted services have new pids: stop_up checks those are gone too.
+    m.ports = json.loads(m.ports_path.read_text())
+    assert stop_up(m) == 0, m.log()
+
+
+def chaos(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PDMESH_API_KEY=API_KEY)
+    return subprocess.run([str(pdmesh_bin()), "chaos", *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def verdict(out: Path) -> dict:
+    v = json.loads((out / "verdict.json").read_text())
+    assert set(v) >= {"scenario", "url", "passed", "checks", "fault", "requests", "settled", "answers", "duration_s"}, v
+    return v
+
+
+def ask(mesh, prompt: str = "Which box is blue? Answer briefly.") -> str:
+    r = mesh.client().chat.completions.create(
+        model=mesh.model, messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0
+    )
+    return r.choices[0].message.content
+
+
+def wait_for(cond, timeout: float, what: str, log) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}\n{log()}"
+        time.sleep(0.2)
+
+
+def test_up_restart_brings_a_killed_worker_back_on_its_port(restarting):
+    m = restarting
+    ports = json.loads(m.ports_path.read_text())
+    assert ports["restart"] is True
+    before = ask(m)
+    old = ports["pids"]["decode"][0]
+    os.kill(old, signal.SIGKILL)
+
+    def new_pid() -> int:
+        return json.loads(m.ports_path.read_text())["pids"]["decode"][0]
+
+    wait_for(lambda: new_pid() != old, 60, "the ports file never named a new decode pid", m.log)
+    new = new_pid()
+    assert alive(new) and not alive(old)
+    wait_for(lambda: http("GET", m.base + "/health", timeout=5)[0] == 200, 60, "the mesh never became healthy", m.log)
+    assert m.proc.poll() is None, "up keeps running"
+    log = m.log()
+    assert f"the decode (pid {old}) exited with signal: 9" in log and "restarting it in 1 s" in log, log
+    assert f"restarted the decode (pid {new})" in log, log
+    # Same port: the gateway reaches the new worker, which answers as the old one did.
+    assert json.loads(m.ports_path.read_text())["decode"] == ports["decode"]
+    assert ask(m) == before
+
+
+def test_chaos_kill_prefill_passes_on_a_restarting_mesh(restarting, tmp_path):
+    m = restarting
+    old = json.loads(m.ports_path.read_text())["pids"]["prefill"][0]
+    out = tmp_path / "kill"
+    t0 = time.monotonic()
+    r = chaos("kill-prefill", "--mesh", str(m.ports_path), *LOAD, "--fault-after-s", "1", "--out", str(out))
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout + r.stderr + m.log()[-3000:]
+    v = verdict(out)
+    assert v["scenario"] == "kill-prefill" and v["passed"] is True, v
+    names = [c["name"] for c in v["checks"]]
+    assert names == [
+        "requests ended in time", "no leaked pages", "answers identical", "fault under load", "restarted", "answers after recovery"
+    ], names
+    assert all(c["passed"] for c in v["checks"]), v["checks"]
+    # The loaded pass and the pass after recovery; every answer was compared.
+    assert v["requests"]["sent"] == 12 and v["requests"]["timed_out"] == 0 and not v["requests"]["broken"], v["requests"]
+    assert v["answers"]["compared"] == v["requests"]["ok"] >= 6 and v["answers"]["differing"] == 0, v["answers"]
+    assert v["settled"]["baseline"] is True and v["settled"]["pages_held"] == 0
+    assert f"(pid {old})" in v["fault"], v["fault"]
+    new = json.loads(m.ports_path.read_text())["pids"]["prefill"][0]
+    assert new != old and alive(new)
+    for word in ("PASS  requests ended in time", "PASS  no leaked pages", "PASS  answers identical", "verdict: PASS"):
+        assert word in r.stdout, r.stdout
+    print(f"kill-prefill took {took:.1f} s")
+    assert ask(m), "the mesh still answers"
+
+
+def test_chaos_flip_host_bytes_is_caught_by_the_checksums(restarting, tmp_path):
+    m = restarting
+    out = tmp_path / "flip"
+    t0 = time.monotonic()
+    r = chaos("flip-host-bytes", "--mesh", str(m.ports_path), *LOAD, "--out", str(out))
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout + r.stderr + m.log()[-3000:]
+    v = verdict(out)
+    assert v["passed"] is True and all(c["passed"] for c in v["checks"]), v["checks"]
+    assert [c["name"] for c in v["checks"]][-2:] == ["pages flipped", "corruption caught"]
+    # The fault was really exercised: loads of flipped pages failed their checksums...
+    assert v["checksum_failures"] > 0, v
+    # ...and the answers, recomputed, are the healthy mesh's.
+    assert v["answers"]["compared"] == 6 and v["answers"]["differing"] == 0, v["answers"]
+    assert v["requests"]["ok"] == 6, v["requests"]
+    assert "checksum failures seen" in r.stdout, r.stdout
+    print(f"flip-host-bytes took {took:.1f} s")
+    assert ask(m), "the mesh still answers"
+
+
+def test_flush_cache_empties_every_workers_device_cache(restarting):
+    m = restarting
+    ask(m, "Name three rivers of Europe.")
+    status, body = http("POST", m.base + "/flush_cache")
+    assert status == 401, body
+    status, body = http("POST", m.base + "/flush_cache", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200, body
+    v = json.loads(body)
+    assert sorted(w["role"] for w in v["workers"]) == ["decode", "prefill"], v
+    assert v["pages_flushed"] == sum(w["pages_flushed"] for w in v["workers"]) > 0, v
+    got = m.metrics()
+    assert got["mesh_kv_pages_cached"] == 0 and got["mesh_kv_pages_free"] == got["mesh_kv_pages_capacity"], got
+    # Nothing cached is left to flush.
+    status, body = http("POST", m.base + "/flush_cache", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200 and json.loads(body)["pages_flushed"] == 0, body
+
+
+def test_a_kill_scenario_needs_a_restarting_mesh_and_says_so(mesh, tmp_path):
+    """The session mesh runs without --restart: nothing is killed, nothing is sent."""
+    ports = mesh.log_path.parent / "ports.json"
+    assert json.loads(ports.read_text())["restart"] is False
+    t0 = time.monotonic()
+    r = chaos("kill-decode", "--mesh", str(ports), "--out", str(tmp_path / "v"), timeout=60)
+    assert r.returncode != 0 and time.monotonic() - t0 < 10
+    assert "kill-decode needs" in r.stderr and "pdmesh up --restart" in r.stderr, r.stderr
+    assert not (tmp_path / "v").exists()
+    assert all(alive(p) for p in mesh.child_pids() if p)
+
+
+def test_a_bad_scenario_or_ports_file_is_a_clear_error(tmp_path):
+    r = chaos("melt-down", "--mesh", str(tmp_path / "p.json"), timeout=60)
+    assert r.returncode == 2 and "melt-down" in r.stderr, r.stderr
+    r = chaos("stall-cache", "--mesh", str(tmp_path / "missing.json"), timeout=60)
+    assert r.returncode == 1 and "missing.json" in r.stderr, r.stderr
+    (tmp_path / "junk.json").write_text("{}")
+    r = chaos("stall-cache", "--mesh", str(tmp_path / "junk.json"), timeout=60)
+    assert r.returncode == 1 and "not a ports file written by `pdmesh up --ports-json`" in r.stderr, r.stderr
