@@ -109,8 +109,12 @@ pub struct Engine {
     context: usize,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
-    /// Decode-side sequences holding pages for their prompt while its KV travels.
+    /// Decode-side sequences holding pages for their prompt while its KV travels. Bounded
+    /// by pages, not by `max_batch`: a reservation needs no batch slot.
     parked: Vec<Seq>,
+    /// Decode-side sequences whose KV arrived while the batch was full: they keep their
+    /// pages and join the batch, first in line, as slots free.
+    ready: VecDeque<Seq>,
     /// Prefilled prompts' pages held (one reference each) until exported or dropped.
     exports: std::collections::HashMap<Arc<str>, Vec<PageId>>,
     /// Events produced outside `step` (admission), handed out by the next `step`.
@@ -160,6 +164,7 @@ impl std::fmt::Debug for Engine {
             .field("model", &self.info.model_id)
             .field("running", &self.running.len())
             .field("waiting", &self.waiting.len())
+            .field("ready", &self.ready.len())
             .field("pool", &self.pool)
             .finish()
     }
@@ -224,6 +229,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             parked: Vec::new(),
+            ready: VecDeque::new(),
             exports: Default::default(),
             pending: Vec::new(),
             stalled: false,
@@ -312,6 +318,7 @@ impl Engine {
 
     pub fn has_work(&self) -> bool {
         !self.running.is_empty()
+            || !self.ready.is_empty()
             || !self.pending.is_empty()
             || (!self.waiting.is_empty() && !self.stalled)
     }
@@ -321,9 +328,9 @@ impl Engine {
         self.preemptions
     }
 
-    /// Requests waiting for admission and running.
+    /// Requests waiting for admission (or, with their KV, for a batch slot) and running.
     pub fn load_counts(&self) -> (usize, usize) {
-        (self.waiting.len(), self.running.len())
+        (self.waiting.len() + self.ready.len(), self.running.len())
     }
 
     /// Decode-side requests holding pages while their KV travels, and those pages.
@@ -499,8 +506,10 @@ impl Engine {
         if finished {
             self.ids.remove(&s.id);
             self.retire_pages(&mut s);
-        } else {
+        } else if self.running.len() < self.cfg.max_batch {
             self.running.push(s);
+        } else {
+            self.ready.push_back(s);
         }
         Ok(events)
     }
@@ -535,6 +544,9 @@ impl Engine {
             self.release(s.pages);
         } else if let Some(i) = self.waiting.iter().position(|s| &*s.id == id) {
             let mut s = self.waiting.remove(i).expect("index from position");
+            self.retire_pages(&mut s);
+        } else if let Some(i) = self.ready.iter().position(|s| &*s.id == id) {
+            let mut s = self.ready.remove(i).expect("index from position");
             self.retire_pages(&mut s);
         } else if let Some(i) = self.running.iter().position(|s| &*s.id == id) {
             let mut s = self.running.remove(i);
@@ -691,14 +703,27 @@ impl Engine {
     }
 
     fn admit(&mut self) {
-        while self.running.len() + self.parked.len() < self.cfg.max_batch {
-            let Some(front) = self.waiting.front() else {
+        while self.running.len() < self.cfg.max_batch
+            && let Some(s) = self.ready.pop_front()
+        {
+            self.running.push(s);
+        }
+        while let Some(front) = self.waiting.front() {
+            let reserve =
+                front.part == Part::Decode && front.computed == 0 && front.generated() == 0;
+            if !reserve && self.running.len() + self.ready.len() >= self.cfg.max_batch {
                 break;
-            };
-            if front.part == Part::Decode && front.computed == 0 && front.generated() == 0 {
-                // Reserve the prompt's pages; its KV arrives from a prefill worker.
+            }
+            if reserve {
+                // Reserve the prompt's pages; its KV arrives from a prefill worker. Only
+                // pages bound reservations (as a decode server preallocates for every
+                // transfer memory allows), so a request waiting for a batch slot is not
+                // also waiting to be told it has pages.
                 let need = self.pool.pages_for_tokens(front.tokens.len());
-                let (free, headroom) = (self.pool.free_pages(), self.running.len());
+                let (free, headroom) = (
+                    self.pool.free_pages(),
+                    self.running.len() + self.ready.len(),
+                );
                 if free < need + headroom
                     && !self.running.is_empty()
                     && free + self.cached_pages() < need + headroom

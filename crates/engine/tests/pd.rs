@@ -246,3 +246,91 @@ fn step_all(e: &mut Engine) -> Vec<StepEvent> {
     }
     out
 }
+
+#[test]
+fn reservations_are_bounded_by_pages_not_by_batch_slots() {
+    // A decode engine running two sequences at a time reserves pages for all six
+    // requests at once: a request waiting for a batch slot must not also wait (and time
+    // out) for its pages. KV that arrives while the batch is full waits, with its pages,
+    // for a slot, and the output is still the unified engine's.
+    let reqs: Vec<GenRequest> = requests().into_iter().take(6).collect();
+    let want = unified(&reqs);
+    let mut p = engine(|_| {});
+    let mut d = engine(|c| c.max_batch = 2);
+    let d_idle = available(&d);
+    for r in &reqs {
+        d.submit_part(r.clone(), Part::Decode).unwrap();
+        p.submit_part(r.clone(), Part::Prefill).unwrap();
+    }
+    let exported: HashMap<String, (u32, Option<f32>)> = step_all(&mut p)
+        .into_iter()
+        .filter_map(|ev| match ev {
+            StepEvent::Exported {
+                id, token, logprob, ..
+            } => Some((id.to_string(), (token, logprob))),
+            _ => None,
+        })
+        .collect();
+    let reserved: Vec<String> = d
+        .step()
+        .into_iter()
+        .filter_map(|ev| match ev {
+            StepEvent::Reserved { id, .. } => Some(id.to_string()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reserved.len(), 6, "every request holds its pages at once");
+    let mut got: HashMap<String, Seen> = HashMap::new();
+    for id in &reserved {
+        let (token, logprob) = exported[id];
+        let kv: Vec<Vec<u8>> = p
+            .export(id, |src| src.iter().map(|b| b.to_vec()).collect())
+            .unwrap();
+        for ev in d
+            .import(id, token, logprob, 0, |dst| {
+                for (d, s) in dst.iter_mut().zip(&kv) {
+                    d.copy_from_slice(s);
+                }
+                Ok(())
+            })
+            .unwrap()
+        {
+            record(&mut got, ev);
+        }
+    }
+    // Those not finished on their first token hold their KV, two of them running.
+    let finished = got.values().filter(|s| s.finished.is_some()).count();
+    assert!(finished >= 1, "r2 finishes on its first token");
+    assert_eq!(d.reserved(), (0, 0));
+    assert_eq!(
+        d.load_counts(),
+        (6 - finished - 2, 2),
+        "the rest wait for a slot"
+    );
+    let mut n = 0;
+    while d.has_work() {
+        n += 1;
+        assert!(n < 100_000, "decode made no progress");
+        for ev in d.step() {
+            record(&mut got, ev);
+        }
+        assert!(d.load_counts().1 <= 2, "never more than max_batch running");
+    }
+    assert_eq!(without_cached(got), without_cached(want));
+    assert_eq!(available(&d), d_idle, "no page leaked");
+
+    // A request aborted while it waits for a slot gives its pages back.
+    let mut d = engine(|c| c.max_batch = 1);
+    for r in &reqs[..2] {
+        d.submit_part(r.clone(), Part::Decode).unwrap();
+    }
+    assert_eq!(d.step().len(), 2, "both reserved");
+    for r in &reqs[..2] {
+        d.import(&r.id, 1, None, 0, |_| Ok(())).unwrap();
+    }
+    assert_eq!(d.load_counts(), (1, 1));
+    assert!(d.abort(&reqs[1].id), "the waiting one");
+    assert!(d.abort(&reqs[0].id), "the running one");
+    assert_eq!((d.load_counts(), d.has_work()), ((0, 0), false));
+    assert_eq!(available(&d), d_idle);
+}
