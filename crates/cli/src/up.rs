@@ -443,8 +443,10 @@ fn write_ports_json(path: &Path, value: &serde_json::Value) -> Result<(), UpErro
     std::fs::rename(&tmp, path).map_err(err)
 }
 
-/// Runs the mesh until a signal (`Ok`) or until a child exits (`Err` naming it). Must run
-/// on a current-thread runtime: the parent-death signal is tied to the spawning thread.
+/// Runs the mesh until a signal (`Ok`) or until a child exits (`Err` naming it; with
+/// `--restart`, the child is started again and only a failed start ends the mesh). Must
+/// run on a current-thread runtime: the parent-death signal is tied to the spawning thread
+/// (restarted children are spawned from it too).
 pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     let mut signals = Signals::new().map_err(UpError::Signals)?;
     let model = resolve_model(args.model.as_deref())?;
