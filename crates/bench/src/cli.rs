@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::client::Client;
 use crate::report;
 use crate::run::{self, Level, RequestCfg};
-use crate::summary::Report;
+use crate::summary::{LevelSummary, Report};
 use crate::workload::{Kind, Spec};
 
 /// `pdmesh bench`: load an OpenAI-compatible endpoint and report, or combine reports.
@@ -33,6 +33,12 @@ pub enum BenchCommand {
         #[arg(long, default_value = "bench-compare")]
         out: PathBuf,
     },
+    /// The corruption matrix: the DeepSeek tiny model over {index-K fp8, bf16} x {host
+    /// mirror on, off} x {PD, unified} and SmolLM2 over {mirror on, off} x {PD, unified},
+    /// each mesh started here with `pdmesh up`, its answers to concurrent agentic sessions
+    /// compared with a unified worker's without any cache. Prints the table (corruption %,
+    /// tool-call validity, TTFT, throughput); any corrupted answer fails the command.
+    Matrix(Box<crate::matrix::MatrixArgs>),
 }
 
 /// One benchmark run.
@@ -98,6 +104,8 @@ pub enum BenchError {
     NoLevels,
     #[error(transparent)]
     Report(#[from] report::ReportError),
+    #[error(transparent)]
+    Matrix(#[from] crate::matrix::MatrixError),
     #[error(
         "the reference failed {failed} replays, so their answers were not checked (report in {out})"
     )]
@@ -122,6 +130,7 @@ pub async fn run(args: BenchArgs) -> Result<(), BenchError> {
             print_written(&written);
             Ok(())
         }
+        Some(BenchCommand::Matrix(m)) => crate::matrix::run(*m).await,
         None => bench(args.run).await,
     }
 }
@@ -160,7 +169,7 @@ async fn bench(a: RunArgs) -> Result<(), BenchError> {
     let reference = a
         .reference
         .as_deref()
-        .map(|u| Client::new(u, a.api_key.clone(), timeout));
+        .map(|u| run::Reference::new(Client::new(u, a.api_key.clone(), timeout)));
     let cfg = RequestCfg {
         model: model.clone(),
         max_tokens: a.output_len,
@@ -173,67 +182,88 @@ async fn bench(a: RunArgs) -> Result<(), BenchError> {
         started: now_rfc3339(),
         levels: Vec::new(),
     };
-    let turns = if a.workload == Kind::Sessions {
-        spec.turns
-    } else {
-        1
-    };
     let mut diffs = Vec::new();
     for (i, &level) in levels.iter().enumerate() {
-        let sessions = spec.sessions(i as u64 + 1);
-        let bar = progress(
-            (sessions.len() * turns) as u64,
-            &format!("{} {}", a.label, level_name(level)),
-        );
-        let tick = || bar.inc(1);
-        let (ex, wall) = run::run_level(&client, &cfg, sessions, level, a.seed, &tick).await;
-        bar.finish_and_clear();
-        let mut summary = run::summarize(level, &ex, wall);
+        let (ex, mut summary) = load(&client, &cfg, &spec, i as u64 + 1, level, &a.label).await;
         if let Some(r) = &reference {
-            let bar = progress(ex.len() as u64, "reference, one at a time");
-            let tick = || bar.inc(1);
-            let (d, why) = run::differential(r, &ex, &tick).await;
-            bar.finish_and_clear();
-            diffs.extend(why);
-            summary.differential = Some(d);
+            diffs.extend(check(r, &ex, &mut summary).await);
         }
         println!("{}", line(level, &summary));
         report.levels.push(summary);
     }
     let written = report::write(&a.out, std::slice::from_ref(&report))?;
     print_written(&written);
-    let (corrupted, compared) = report
-        .levels
-        .iter()
-        .filter_map(|l| l.differential.as_ref())
-        .fold((0, 0), |(c, n), d| (c + d.corrupted, n + d.compared));
     for d in &diffs {
         eprintln!("{d}");
     }
-    let failed: u32 = report
-        .levels
-        .iter()
-        .filter_map(|l| l.differential.as_ref())
-        .map(|d| d.reference_errors)
-        .sum();
+    judge(&report.levels, &a.out)
+}
+
+/// Fails a run whose answers differ from the reference, or were not all checked.
+pub(crate) fn judge(levels: &[LevelSummary], out: &std::path::Path) -> Result<(), BenchError> {
+    let ds = || levels.iter().filter_map(|l| l.differential.as_ref());
+    let (corrupted, compared) = ds().fold((0, 0), |(c, n), d| (c + d.corrupted, n + d.compared));
+    let failed: u32 = ds().map(|d| d.reference_errors).sum();
     if corrupted == 0 && failed > 0 {
         // Unchecked answers are not correct answers: a dead reference must not pass.
         return Err(BenchError::ReferenceFailed {
             failed,
-            out: a.out.display().to_string(),
+            out: out.display().to_string(),
         });
     }
     if corrupted > 0 {
         return Err(BenchError::Corruption {
             corrupted,
             compared,
-            out: a.out.display().to_string(),
+            out: out.display().to_string(),
         });
     }
     Ok(())
 }
 
-fn print_written(w: &report::Written) {
+/// Runs one level of `spec`'s sessions (salted with `salt`): what was sent and answered,
+/// and the level's summary.
+pub(crate) async fn load(
+    client: &Client,
+    cfg: &RequestCfg,
+    spec: &Spec,
+    salt: u64,
+    level: Level,
+    label: &str,
+) -> (Vec<run::Exchange>, LevelSummary) {
+    let sessions = spec.sessions(salt);
+    let turns = if spec.kind == Kind::Sessions {
+        spec.turns
+    } else {
+        1
+    };
+    let bar = progress(
+        (sessions.len() * turns) as u64,
+        &format!("{label} {}", level_name(level)),
+    );
+    let tick = || bar.inc(1);
+    let (ex, wall) = run::run_level(client, cfg, sessions, level, spec.seed, &tick).await;
+    bar.finish_and_clear();
+    let summary = run::summarize(level, &ex, wall);
+    (ex, summary)
+}
+
+/// Replays a level's answers on the reference into `summary.differential`; returns lines
+/// describing differences.
+pub(crate) async fn check(
+    reference: &run::Reference,
+    ex: &[run::Exchange],
+    summary: &mut LevelSummary,
+) -> Vec<String> {
+    let bar = progress(ex.len() as u64, "reference, one at a time");
+    let tick = || bar.inc(1);
+    let (d, why) = run::differential(reference, ex, &tick).await;
+    bar.finish_and_clear();
+    summary.differential = Some(d);
+    why
+}
+
+pub(crate) fn print_written(w: &report::Written) {
     for f in &w.files {
         println!("wrote {}", f.display());
     }
@@ -242,14 +272,14 @@ fn print_written(w: &report::Written) {
     }
 }
 
-fn level_name(level: Level) -> String {
+pub(crate) fn level_name(level: Level) -> String {
     match level {
         Level::Concurrency(c) => format!("concurrency {c}"),
         Level::Rate(r) => format!("rate {r}/s"),
     }
 }
 
-fn progress(total: u64, what: &str) -> ProgressBar {
+pub(crate) fn progress(total: u64, what: &str) -> ProgressBar {
     // Drawn only on a terminal (indicatif hides it otherwise).
     let bar = ProgressBar::new(total);
     bar.set_style(
@@ -289,6 +319,6 @@ fn line(level: Level, s: &crate::summary::LevelSummary) -> String {
 }
 
 /// The current UTC time as RFC 3339, to the second.
-fn now_rfc3339() -> String {
+pub(crate) fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }

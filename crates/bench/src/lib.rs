@@ -5,6 +5,7 @@
 pub mod chaos;
 pub mod cli;
 pub mod client;
+pub mod matrix;
 pub mod mesh;
 pub mod report;
 pub mod run;

@@ -3,6 +3,7 @@
 //! streamed and timed. Then the summary, and in differential mode the comparison of
 //! every answer with the same request run alone on a reference endpoint.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -218,13 +219,53 @@ pub fn summarize(level: Level, ex: &[Exchange], wall: f64) -> LevelSummary {
     }
 }
 
+/// The reference endpoint of differential mode, with the answers it already gave: it is
+/// greedy and computes each request alone, so the same request body always has the same
+/// answer, and a request seen before (a second configuration sending what the first did)
+/// is not replayed again.
+pub struct Reference {
+    client: Client,
+    answers: Mutex<HashMap<String, Answer>>,
+}
+
+impl Reference {
+    pub fn new(client: Client) -> Self {
+        Self {
+            client,
+            answers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The reference's answer to `body`, or the replay's error class.
+    async fn answer(&self, body: &Value, t0: Instant) -> Result<Answer, String> {
+        let key = body.to_string();
+        if let Some(a) = self.answers.lock().expect("answers lock").get(&key) {
+            return Ok(a.clone());
+        }
+        let (r, want) = self.client.chat(body.clone(), t0).await;
+        if let Some(why) = r.error {
+            return Err(why);
+        }
+        self.answers
+            .lock()
+            .expect("answers lock")
+            .insert(key, want.clone());
+        Ok(want)
+    }
+
+    /// Distinct requests answered so far.
+    pub fn known(&self) -> usize {
+        self.answers.lock().expect("answers lock").len()
+    }
+}
+
 /// Differential mode: replays every successful request, one at a time, on `reference`
 /// (meant to be a unified worker without a cache: each request computed alone) and
 /// compares the answers token for token (text, tool calls, finish reason, length).
 /// `tick` is called once per replayed request. Also returns up to ten lines describing
 /// differing answers and invalid tool calls.
 pub async fn differential(
-    reference: &Client,
+    reference: &Reference,
     ex: &[Exchange],
     tick: &(dyn Fn() + Sync),
 ) -> (Differential, Vec<String>) {
@@ -253,15 +294,18 @@ pub async fn differential(
             tick();
             continue;
         }
-        let (r, want) = reference.chat(e.body.clone(), t0).await;
+        let want = reference.answer(&e.body, t0).await;
         tick();
-        if let Some(why) = &r.error {
-            d.reference_errors += 1;
-            if diffs.len() < 10 {
-                diffs.push(format!("the reference failed a replay: {why}"));
+        let want = match want {
+            Ok(w) => w,
+            Err(why) => {
+                d.reference_errors += 1;
+                if diffs.len() < 10 {
+                    diffs.push(format!("the reference failed a replay: {why}"));
+                }
+                continue;
             }
-            continue;
-        }
+        };
         d.compared += 1;
         if e.answer != want {
             d.corrupted += 1;

@@ -69,6 +69,10 @@ pub struct Config {
     /// A host-mirror hit shorter than this many pages is recomputed rather than loaded.
     #[arg(long, env = "PDMESH_HOST_LOAD_MIN_PAGES", default_value_t = 1)]
     pub host_load_min_pages: usize,
+    /// Use the cache service only for prefill/decode hand-overs: never look up or store
+    /// prompt pages in its host mirror (the host tier of the KV cache is off).
+    #[arg(long, env = "PDMESH_NO_HOST_TIER")]
+    pub no_host_tier: bool,
     /// What this worker runs: `unified` (prompt and generation), or one side of
     /// prefill/decode disaggregation (`prefill`, `decode`; they need --cache-url).
     #[arg(long, env = "PDMESH_ROLE", value_enum, default_value_t = Role::Unified)]
@@ -142,6 +146,7 @@ impl Config {
             cache_write_policy: WritePolicyArg::WriteThrough,
             cache_write_hits: 2,
             host_load_min_pages: 1,
+            no_host_tier: false,
             role: Role::Unified,
             admission_timeout_ms: 30_000,
             transfer_timeout_ms: 60_000,
@@ -189,6 +194,12 @@ impl Config {
                     self.role.name()
                 )));
             }
+        }
+        if self.no_host_tier && self.cache_url.is_none() {
+            return Err(Error::Config(
+                "--no-host-tier turns off the cache service's host tier: it needs --cache-url"
+                    .into(),
+            ));
         }
         if self.cache_url.is_some() && self.disable_prefix_cache {
             return Err(Error::Config(
@@ -242,7 +253,7 @@ pub async fn run(
         .map_err(|e| {
             Error::Thread(std::io::Error::other(format!("model loader panicked: {e}")))
         })??;
-    if let Some(url) = &cfg.cache_url {
+    if let Some(url) = cfg.cache_url.as_ref().filter(|_| !cfg.no_host_tier) {
         let tier = pdmesh_cache::RemoteTier::start(
             tokio::runtime::Handle::current(),
             pdmesh_cache::TierConfig {
@@ -399,5 +410,32 @@ mod tests {
             ..Config::new("m.gguf")
         };
         assert!(good.engine_config().is_ok());
+    }
+
+    #[test]
+    fn no_host_tier_keeps_the_cache_service_for_hand_overs_only() {
+        let cli = Cli::try_parse_from([
+            "worker",
+            "--role",
+            "decode",
+            "--cache-url",
+            "http://127.0.0.1:50063",
+            "--no-host-tier",
+        ])
+        .unwrap();
+        assert!(cli.cfg.no_host_tier);
+        assert!(cli.cfg.engine_config().is_ok());
+        // Without a cache service there is no host tier to turn off.
+        let err = Config {
+            no_host_tier: true,
+            ..Config::new("m.gguf")
+        }
+        .engine_config()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("--no-host-tier") && err.contains("--cache-url"),
+            "{err}"
+        );
     }
 }
