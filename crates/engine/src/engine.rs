@@ -854,6 +854,23 @@ impl Engine {
                     continue;
                 }
                 if self.running[i].pages.len() < self.pool.pages_for_tokens(upto) {
+                    if let Some(mut r) = self.ready.pop_back() {
+                        // KV waiting for a batch slot gives way; it is recomputed when
+                        // its turn comes, as any preempted sequence.
+                        self.retire_pages(&mut r);
+                        r.computed = 0;
+                        self.preemptions += 1;
+                        self.waiting.push_front(r);
+                        continue;
+                    }
+                    if !self.parked.is_empty() {
+                        // The pool is not too small: pages are reserved for transfers
+                        // under way. They come back soon — the KV arrives (and that
+                        // sequence runs, and can give way) or the transfer's deadline
+                        // passes — so this one waits a step instead of ending short.
+                        i += 1;
+                        continue;
+                    }
                     // Alone and still unable to grow: the pool is smaller than its
                     // context. End it rather than livelock.
                     let mut s = self.running.remove(i);

@@ -334,3 +334,83 @@ fn reservations_are_bounded_by_pages_not_by_batch_slots() {
     assert_eq!((d.load_counts(), d.has_work()), ((0, 0), false));
     assert_eq!(available(&d), d_idle);
 }
+
+#[test]
+fn a_sequence_that_cannot_grow_waits_for_reserved_pages_instead_of_ending_short() {
+    // Eight pages of 16 tokens. A runs alone and must grow to four pages; B's reservation
+    // holds five while its KV travels. Ending A when the pool is full (finish "length"
+    // short of its max_tokens) would be a silently truncated answer: A must wait for B's
+    // KV, then one of them gives way and is recomputed, and both answers are the unified
+    // engine's.
+    let fx = fixture_prompts();
+    let tokens: Vec<u32> = fx.iter().flatten().copied().collect();
+    let req = |id: &str, len: usize, max: u32| GenRequest {
+        id: id.into(),
+        prompt: tokens.iter().cycle().take(len).copied().collect(),
+        params: SamplingParams {
+            ignore_eos: true,
+            max_tokens: Some(max),
+            ..SamplingParams::greedy(0)
+        },
+    };
+    let (a, b) = (req("a", 20, 40), req("b", 70, 4));
+    let want = unified(&[a.clone(), b.clone()]);
+    let mut p = engine(|_| {});
+    let mut d = engine(|c| c.kv_pages = 8);
+    let d_idle = available(&d);
+    for r in [&a, &b] {
+        d.submit_part(r.clone(), Part::Decode).unwrap();
+        p.submit_part(r.clone(), Part::Prefill).unwrap();
+    }
+    let exported: HashMap<String, (u32, Option<f32>)> = step_all(&mut p)
+        .into_iter()
+        .filter_map(|ev| match ev {
+            StepEvent::Exported {
+                id, token, logprob, ..
+            } => Some((id.to_string(), (token, logprob))),
+            _ => None,
+        })
+        .collect();
+    let mut import = |d: &mut Engine, id: &str, got: &mut HashMap<String, Seen>| {
+        let (token, logprob) = exported[id];
+        let kv: Vec<Vec<u8>> = p
+            .export(id, |src| src.iter().map(|b| b.to_vec()).collect())
+            .unwrap();
+        for ev in d
+            .import(id, token, logprob, 0, |dst| {
+                for (d, s) in dst.iter_mut().zip(&kv) {
+                    d.copy_from_slice(s);
+                }
+                Ok(())
+            })
+            .unwrap()
+        {
+            record(got, ev);
+        }
+    };
+    let reserved = d.step();
+    assert_eq!(reserved.len(), 2, "both reserved: {reserved:?}");
+    let mut got: HashMap<String, Seen> = HashMap::new();
+    import(&mut d, "a", &mut got);
+    // A runs until the pool is full, then waits (B still holds its reservation).
+    for _ in 0..200 {
+        for ev in d.step() {
+            record(&mut got, ev);
+        }
+    }
+    assert!(
+        got["a"].finished.is_none(),
+        "A must not end while pages are only reserved: {:?}",
+        got["a"]
+    );
+    import(&mut d, "b", &mut got);
+    while d.has_work() {
+        for ev in d.step() {
+            record(&mut got, ev);
+        }
+    }
+    assert_eq!(got["a"].tokens.len(), 40);
+    assert_eq!(without_cached(got), without_cached(want));
+    assert!(d.preemptions() > 0, "one of them gave way");
+    assert_eq!(available(&d), d_idle, "no page leaked");
+}
