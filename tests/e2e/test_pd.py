@@ -282,6 +282,10 @@ def test_a_stopped_cache_service_shows_as_a_rising_handover_age_that_falls_after
         assert oldest() == 0
     finally:
         services.kill("cache", signal.SIGCONT)
+    # Once it runs again the cache service expires the leases that missed their
+    # heartbeats, and each worker finds out and registers again at its next heartbeat:
+    # until then /health can still say ok while a room call would be refused.
+    time.sleep(1.5)
     services.wait_healthy()
     m = services.assert_baseline(timeout=60)
     deadline = time.monotonic() + 30
