@@ -122,6 +122,9 @@ pub struct Engine {
     /// Nothing running and the queue's head cannot be admitted: stepping is pointless
     /// until something changes.
     stalled: bool,
+    /// The running sequence cannot grow until pages reserved for transfers come back:
+    /// stepping is pointless until an import, abort or submit changes the pool.
+    blocked: bool,
     ids: HashSet<Arc<str>>,
     captured: std::collections::HashMap<Arc<str>, Vec<Vec<f32>>>,
     preemptions: u64,
@@ -233,6 +236,7 @@ impl Engine {
             exports: Default::default(),
             pending: Vec::new(),
             stalled: false,
+            blocked: false,
             ids: HashSet::new(),
             captured: Default::default(),
             preemptions: 0,
@@ -317,7 +321,7 @@ impl Engine {
     }
 
     pub fn has_work(&self) -> bool {
-        !self.running.is_empty()
+        (!self.running.is_empty() && !self.blocked)
             || !self.ready.is_empty()
             || !self.pending.is_empty()
             || (!self.waiting.is_empty() && !self.stalled)
@@ -420,6 +424,7 @@ impl Engine {
             constraint,
         });
         self.stalled = false;
+        self.blocked = false;
         Ok(())
     }
 
@@ -439,6 +444,7 @@ impl Engine {
         };
         self.release(pages);
         self.stalled = false;
+        self.blocked = false;
         Ok(out)
     }
 
@@ -448,6 +454,7 @@ impl Engine {
             Some(pages) => {
                 self.release(pages);
                 self.stalled = false;
+                self.blocked = false;
                 true
             }
             None => false,
@@ -503,6 +510,7 @@ impl Engine {
         let mut events = Vec::new();
         let finished = self.after_sample(&mut s, first_token, logprob, &mut events);
         self.stalled = false;
+        self.blocked = false;
         if finished {
             self.ids.remove(&s.id);
             self.retire_pages(&mut s);
@@ -538,6 +546,7 @@ impl Engine {
             return exported;
         }
         self.stalled = false;
+        self.blocked = false;
         if let Some(i) = self.parked.iter().position(|s| &*s.id == id) {
             // Its KV never arrived: nothing computed to keep.
             let s = self.parked.remove(i);
@@ -842,6 +851,7 @@ impl Engine {
         let mut plan: Vec<(usize, usize)> = Vec::new();
         let mut events = std::mem::take(&mut self.pending);
         self.stalled = self.running.is_empty() && !self.waiting.is_empty();
+        let mut blocked = false;
         let mut i = 0;
         while i < self.running.len() {
             let pending = self.running[i].tokens.len() - self.running[i].computed;
@@ -867,7 +877,8 @@ impl Engine {
                         // The pool is not too small: pages are reserved for transfers
                         // under way. They come back soon — the KV arrives (and that
                         // sequence runs, and can give way) or the transfer's deadline
-                        // passes — so this one waits a step instead of ending short.
+                        // passes — so this one waits instead of ending short.
+                        blocked = true;
                         i += 1;
                         continue;
                     }
@@ -913,6 +924,10 @@ impl Engine {
         }
         // Preemption may have shifted indices: drop entries that no longer exist.
         plan.retain(|&(i, _)| i < self.running.len());
+        // Nothing to compute while the only sequence waits for reserved pages: the caller
+        // stops stepping (no busy loop beside the prefill it waits for) until the pool
+        // changes.
+        self.blocked = blocked && plan.is_empty();
         if plan.is_empty() {
             return events;
         }

@@ -236,6 +236,44 @@ fn aborts_and_failed_imports_release_reservations_and_exports() {
     );
 }
 
+/// Runs a prefill engine to the end: each request's first token and logprob.
+fn prefill_all(p: &mut Engine) -> HashMap<String, (u32, Option<f32>)> {
+    step_all(p)
+        .into_iter()
+        .filter_map(|ev| match ev {
+            StepEvent::Exported {
+                id, token, logprob, ..
+            } => Some((id.to_string(), (token, logprob))),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Moves request `id`'s KV from prefill engine `p` into decode engine `d`'s reserved
+/// pages with its first token, recording the events the import produces.
+fn hand_over(
+    p: &mut Engine,
+    d: &mut Engine,
+    id: &str,
+    (token, logprob): (u32, Option<f32>),
+    got: &mut HashMap<String, Seen>,
+) {
+    let kv: Vec<Vec<u8>> = p
+        .export(id, |src| src.iter().map(|b| b.to_vec()).collect())
+        .unwrap();
+    for ev in d
+        .import(id, token, logprob, 0, |dst| {
+            for (d, s) in dst.iter_mut().zip(&kv) {
+                d.copy_from_slice(s);
+            }
+            Ok(())
+        })
+        .unwrap()
+    {
+        record(got, ev);
+    }
+}
+
 fn step_all(e: &mut Engine) -> Vec<StepEvent> {
     let mut out = Vec::new();
     let mut n = 0;
@@ -262,15 +300,7 @@ fn reservations_are_bounded_by_pages_not_by_batch_slots() {
         d.submit_part(r.clone(), Part::Decode).unwrap();
         p.submit_part(r.clone(), Part::Prefill).unwrap();
     }
-    let exported: HashMap<String, (u32, Option<f32>)> = step_all(&mut p)
-        .into_iter()
-        .filter_map(|ev| match ev {
-            StepEvent::Exported {
-                id, token, logprob, ..
-            } => Some((id.to_string(), (token, logprob))),
-            _ => None,
-        })
-        .collect();
+    let exported = prefill_all(&mut p);
     let reserved: Vec<String> = d
         .step()
         .into_iter()
@@ -282,21 +312,7 @@ fn reservations_are_bounded_by_pages_not_by_batch_slots() {
     assert_eq!(reserved.len(), 6, "every request holds its pages at once");
     let mut got: HashMap<String, Seen> = HashMap::new();
     for id in &reserved {
-        let (token, logprob) = exported[id];
-        let kv: Vec<Vec<u8>> = p
-            .export(id, |src| src.iter().map(|b| b.to_vec()).collect())
-            .unwrap();
-        for ev in d
-            .import(id, token, logprob, 0, |dst| {
-                for (d, s) in dst.iter_mut().zip(&kv) {
-                    d.copy_from_slice(s);
-                }
-                Ok(())
-            })
-            .unwrap()
-        {
-            record(&mut got, ev);
-        }
+        hand_over(&mut p, &mut d, id, exported[id], &mut got);
     }
     // Those not finished on their first token hold their KV, two of them running.
     let finished = got.values().filter(|s| s.finished.is_some()).count();
@@ -362,36 +378,11 @@ fn a_sequence_that_cannot_grow_waits_for_reserved_pages_instead_of_ending_short(
         d.submit_part(r.clone(), Part::Decode).unwrap();
         p.submit_part(r.clone(), Part::Prefill).unwrap();
     }
-    let exported: HashMap<String, (u32, Option<f32>)> = step_all(&mut p)
-        .into_iter()
-        .filter_map(|ev| match ev {
-            StepEvent::Exported {
-                id, token, logprob, ..
-            } => Some((id.to_string(), (token, logprob))),
-            _ => None,
-        })
-        .collect();
-    let mut import = |d: &mut Engine, id: &str, got: &mut HashMap<String, Seen>| {
-        let (token, logprob) = exported[id];
-        let kv: Vec<Vec<u8>> = p
-            .export(id, |src| src.iter().map(|b| b.to_vec()).collect())
-            .unwrap();
-        for ev in d
-            .import(id, token, logprob, 0, |dst| {
-                for (d, s) in dst.iter_mut().zip(&kv) {
-                    d.copy_from_slice(s);
-                }
-                Ok(())
-            })
-            .unwrap()
-        {
-            record(got, ev);
-        }
-    };
+    let exported = prefill_all(&mut p);
     let reserved = d.step();
     assert_eq!(reserved.len(), 2, "both reserved: {reserved:?}");
     let mut got: HashMap<String, Seen> = HashMap::new();
-    import(&mut d, "a", &mut got);
+    hand_over(&mut p, &mut d, "a", exported["a"], &mut got);
     // A runs until the pool is full, then waits (B still holds its reservation).
     for _ in 0..200 {
         for ev in d.step() {
@@ -403,7 +394,12 @@ fn a_sequence_that_cannot_grow_waits_for_reserved_pages_instead_of_ending_short(
         "A must not end while pages are only reserved: {:?}",
         got["a"]
     );
-    import(&mut d, "b", &mut got);
+    assert!(
+        !d.has_work(),
+        "waiting for reserved pages is not work: the loop must not spin"
+    );
+    hand_over(&mut p, &mut d, "b", exported["b"], &mut got);
+    assert!(d.has_work(), "the KV's arrival wakes it");
     while d.has_work() {
         for ev in d.step() {
             record(&mut got, ev);
