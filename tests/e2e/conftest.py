@@ -26,6 +26,17 @@ API_KEY = "e2e-secret-key"
 STARTUP_TIMEOUT_S = float(os.environ.get("PDMESH_E2E_STARTUP_TIMEOUT", "600"))
 
 
+# Short room and hand-over deadlines for the fault tests, so faults resolve within a test.
+ROOM_ARGS = [
+    "--lease-ttl-ms=2000",
+    "--room-bootstrap-ms=8000",
+    "--room-wait-ms=20000",
+    "--room-transfer-ms=3000",
+    "--room-success-ms=3000",
+]
+WORKER_ARGS = ["--transfer-timeout-ms=15000", "--threads=1"]
+
+
 def pdmesh_bin() -> Path:
     p = Path(os.environ.get("PDMESH_BIN", REPO / "target" / "release" / "pdmesh"))
     if not p.is_absolute():

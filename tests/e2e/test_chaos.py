@@ -14,17 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import API_KEY, alive, http, pdmesh_bin, start_up, stop_up
+from conftest import ROOM_ARGS, WORKER_ARGS, API_KEY, alive, http, pdmesh_bin, start_up, stop_up
 
-# Short deadlines (as in test_pd.py), so faults resolve within a test.
-ROOM_ARGS = [
-    "--lease-ttl-ms=2000",
-    "--room-bootstrap-ms=8000",
-    "--room-wait-ms=20000",
-    "--room-transfer-ms=3000",
-    "--room-success-ms=3000",
-]
-WORKER_ARGS = ["--transfer-timeout-ms=15000", "--threads=1"]
 # Small loads: each scenario stays well under a minute on two cores.
 LOAD = ["--requests", "6", "--input-len", "200", "--max-tokens", "16", "--deadline-s", "40", "--settle-s", "60"]
 

@@ -16,17 +16,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import API_KEY, free_port, http, metrics, pdmesh_bin, start_up, stop_up
+from conftest import ROOM_ARGS, WORKER_ARGS, API_KEY, free_port, http, metrics, pdmesh_bin, start_up, stop_up
 
-# Short deadlines, so faults resolve within a test.
-ROOM_ARGS = [
-    "--lease-ttl-ms=2000",
-    "--room-bootstrap-ms=8000",
-    "--room-wait-ms=20000",
-    "--room-transfer-ms=3000",
-    "--room-success-ms=3000",
-]
-WORKER_ARGS = ["--transfer-timeout-ms=15000", "--threads=1"]
 # Every request must end (answer or error) within this.
 REQUEST_DEADLINE_S = 40
 
