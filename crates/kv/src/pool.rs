@@ -33,6 +33,9 @@ pub struct PagePool {
     data: Vec<u64>,
     refs: Vec<u32>,
     free: Vec<PageId>,
+    /// Per page, how many times its bytes were handed out writable: a copy of the pool
+    /// elsewhere (a GPU's) knows a page is stale when its version moved.
+    versions: Vec<u64>,
 }
 
 impl std::fmt::Debug for PagePool {
@@ -57,6 +60,7 @@ impl PagePool {
             data,
             refs: vec![0; pages],
             free,
+            versions: vec![0; pages],
         }
     }
 
@@ -160,9 +164,22 @@ impl PagePool {
         Ok(&self.bytes()[r])
     }
 
+    /// How many times `page`'s bytes were handed out writable. Every writable accessor
+    /// bumps it, so equal versions mean equal bytes.
+    pub fn version(&self, page: PageId) -> u64 {
+        self.versions.get(page as usize).copied().unwrap_or(0)
+    }
+
+    /// The whole arena, for registering it with a device (pinned memory) and copying
+    /// pages from it. Page `p` starts at `p * layout.bytes_per_page()`.
+    pub fn arena(&self) -> &[u8] {
+        self.bytes()
+    }
+
     /// The raw bytes of a page, writable.
     pub fn page_mut(&mut self, page: PageId) -> Result<&mut [u8], KvError> {
         self.check(page)?;
+        self.versions[page as usize] += 1;
         let r = self.page_range(page);
         Ok(&mut self.bytes_mut()[r])
     }
@@ -172,6 +189,9 @@ impl PagePool {
         for (i, &p) in pages.iter().enumerate() {
             self.check(p)?;
             assert!(!pages[..i].contains(&p), "page {p} asked for twice");
+        }
+        for &p in pages {
+            self.versions[p as usize] += 1;
         }
         let pb = self.layout.bytes_per_page();
         let mut slots: Vec<Option<&mut [u8]>> = pages.iter().map(|_| None).collect();
@@ -202,6 +222,7 @@ impl PagePool {
         comp: usize,
     ) -> &mut [T] {
         let (start, len) = self.values_range(page, layer, comp);
+        self.versions[page as usize] += 1;
         bytemuck::cast_slice_mut(&mut self.bytes_mut()[start..start + len])
     }
 
@@ -284,6 +305,27 @@ mod tests {
         fn page_size_bytes_for_test(&self) -> usize {
             self.page_range(0).len()
         }
+    }
+
+    #[test]
+    fn every_writable_access_moves_the_page_version() {
+        let mut pool = PagePool::new(smol(16), 4);
+        let a = pool.alloc(3).unwrap();
+        assert!(a.iter().all(|&p| pool.version(p) == 0));
+        let _ = pool.page(a[0]).unwrap();
+        let _ = pool.values::<u8>(a[0], 0, 0);
+        assert_eq!(pool.version(a[0]), 0, "reads leave it");
+        pool.page_mut(a[0]).unwrap()[0] = 1;
+        assert_eq!(pool.version(a[0]), 1);
+        pool.values_mut::<u8>(a[1], 2, 1)[0] = 1;
+        assert_eq!(pool.version(a[1]), 1);
+        let _ = pool.pages_mut(&[a[2], a[0]]).unwrap();
+        assert_eq!((pool.version(a[0]), pool.version(a[2])), (2, 1));
+        let bytes = pool.page(a[1]).unwrap().to_vec();
+        pool.import_page(a[2], &bytes, &smol(16)).unwrap();
+        assert_eq!(pool.version(a[2]), 2);
+        assert_eq!(pool.version(3), 0, "an untouched page");
+        assert_eq!(pool.arena().len(), 4 * pool.layout().bytes_per_page());
     }
 
     #[test]
