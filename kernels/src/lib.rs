@@ -5,6 +5,14 @@
 //!
 //! Architecture Invariant: only this crate contains `unsafe` SIMD code; it is reached
 //! through safe functions that pick the implementation once per process.
+//!
+//! The GPU kernels live here too, as CUDA C sources (`kernels/cuda`, listed by
+//! [`cuda_src`]) under the same rule of fixed reduction orders; the `nvrtc` feature
+//! compiles them to PTX at run time (the `nvrtc` module).
+
+pub mod cuda_src;
+#[cfg(feature = "nvrtc")]
+pub mod nvrtc;
 
 mod attention;
 mod dot;
