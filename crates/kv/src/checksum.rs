@@ -38,6 +38,12 @@ const fn make_secret() -> [u8; SECRET_LEN] {
 
 static SECRET: [u8; SECRET_LEN] = make_secret();
 
+/// The XXH3 secret page checksums use, for implementations elsewhere (the GPU's
+/// `page_checksum_xxh3` kernel) that must give the same values.
+pub fn checksum_secret() -> &'static [u8] {
+    &SECRET
+}
+
 /// The checksum of a page's bytes.
 pub fn page_checksum(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64_with_secret(bytes, &SECRET)

@@ -14,7 +14,7 @@ mod layout;
 mod pool;
 mod radix;
 
-pub use checksum::{copy_and_checksum, copy_to_and_checksum, page_checksum};
+pub use checksum::{checksum_secret, copy_and_checksum, copy_to_and_checksum, page_checksum};
 pub use host::{HostLoad, HostPage, HostTier};
 pub use layout::{
     Component, DType, FP8_SCALE_BLOCK, IndexKDtype, KvLayout, LayoutError, MAX_PAGE_BYTES,
