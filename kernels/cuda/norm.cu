@@ -40,17 +40,17 @@ rms_norm(const float* x, const float* w, float* out, int dim, float eps) {
 // `l` rotates pairs l, l + blockDim.x, ...).
 // Rotates the adjacent pairs (x[2i], x[2i+1]) of head h of token t, at
 // x + t*row_stride + h*head_dim, by the angles of rope_table in crates/engine/src/model.rs
-// (llama.cpp's "normal" mode): theta starts at pos[t], theta_scale = base^(-2/head_dim),
-// pair i uses cos/sin of theta, then theta *= theta_scale, iteratively in f32 (each
+// (llama.cpp's "normal" mode): theta starts at pos[t], theta_scale = base^(-2/head_dim)
+// (computed by the host with the CPU's powf and passed in, so an ulp of difference in
+// powf cannot grow with the position), pair i uses cos/sin of theta, then theta *= theta_scale, iteratively in f32 (each
 // thread walks the recurrence from pair 0, so every pair sees the same theta the CPU does);
 // then apply_rope: x0' = x0*c - x1*s, x1' = x0*s + x1*c.
 extern "C" __global__ void rope_pairs(float* x, const int* pos, int heads, int head_dim,
-                                      int row_stride, float base) {
+                                      int row_stride, float theta_scale) {
     int t = blockIdx.x;
     int h = blockIdx.y;
     if (h >= heads) return;
     float* xh = x + (pd_i64)t * row_stride + (pd_i64)h * head_dim;
-    float theta_scale = powf(base, __fdiv_rn(-2.0f, (float)head_dim));
     float theta = (float)pos[t];
     int pairs = head_dim / 2;
     int l = threadIdx.x;

@@ -186,9 +186,9 @@ fn rope_cpu(x: &mut [f32], pos: usize, hd: usize, base: f32) {
 }
 
 /// Positions up to 8000, two head sizes and bases, a row stride wider than the rotated
-/// heads (the extra columns must stay untouched). Differences from the CPU: cosf/sinf/powf
-/// against Rust's; tolerance 1e-5 absolute on values in [-1, 1]. (A one-ulp difference in
-/// powf(base, -2/hd) would show up as an error growing with the position.)
+/// heads (the extra columns must stay untouched). The host computes theta_scale with the
+/// CPU's powf, as the forward pass does; differences from the CPU: cosf/sinf against
+/// Rust's; tolerance 1e-5 absolute on values in [-1, 1].
 #[test]
 fn rope_pairs_matches_the_cpu() {
     let g = gpu();
@@ -213,13 +213,14 @@ fn rope_pairs_matches_the_cpu() {
         let mut dx = up(s, &x);
         let dpos = up(s, &pos);
         let (hi, hdi, si) = (heads as i32, hd as i32, stride as i32);
+        let theta_scale = base.powf(-2.0 / hd as f32);
         let mut b = s.launch_builder(g.kernel("rope_pairs"));
         b.arg(&mut dx)
             .arg(&dpos)
             .arg(&hi)
             .arg(&hdi)
             .arg(&si)
-            .arg(&base);
+            .arg(&theta_scale);
         // SAFETY: rope_pairs(float*, const int*, int, int, int, float); x is t rows of
         // stride ≥ heads × hd, pos has t entries.
         unsafe { b.launch(grid((t as u32, heads as u32, 1), 32)) }.unwrap();
