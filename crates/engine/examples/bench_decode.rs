@@ -1,7 +1,7 @@
 //! Decode throughput of the engine on the default model: single-stream tokens/s and the
 //! aggregate tokens/s of N concurrent greedy streams (decode only: prefill is timed apart).
 //!
-//! `cargo run --release -p pdmesh-engine --example bench_decode -- [TOKENS] [CONCURRENCY] [THREADS]`
+//! `cargo run --release -p pdmesh-engine --example bench_decode -- [TOKENS] [CONCURRENCY] [THREADS] [--tp N]`
 //! The llama.cpp peer on the same file: `python3 scripts/bench/llama_cpp_decode.py`.
 
 use std::time::Instant;
@@ -48,16 +48,27 @@ fn run(e: &mut Engine, n: usize, tokens: u32) -> (f64, usize) {
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("number"))
-        .collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    // `--tp N`: tensor-parallel ranks (1, unsharded, by default).
+    let tp = match args.iter().position(|a| a == "--tp") {
+        Some(i) => {
+            let n = args
+                .get(i + 1)
+                .and_then(|a| a.parse().ok())
+                .expect("--tp N");
+            args.drain(i..i + 2);
+            n
+        }
+        None => 1,
+    };
+    let args: Vec<usize> = args.iter().map(|a| a.parse().expect("number")).collect();
     let tokens = *args.first().unwrap_or(&128) as u32;
     let conc = *args.get(1).unwrap_or(&16);
     let threads = *args.get(2).unwrap_or(&0);
     let mut cfg = EngineConfig::new(pdmesh_gguf::models::require_default_model());
     cfg.threads = threads;
     cfg.kv_pages = 1024;
+    cfg.tp = tp;
     let mut e = Engine::load(cfg).expect("load");
     run(&mut e, 1, 8); // warm up
     // This machine class is noisy: single-stream and concurrent runs alternate, so slow

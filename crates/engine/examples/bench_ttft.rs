@@ -2,7 +2,7 @@
 //! the same engine), host hit (a fresh engine whose prefix comes back from the cache
 //! service's shared-memory mirror).
 //!
-//! `cargo run --release -p pdmesh-engine --example bench_ttft -- [PROMPT_TOKENS] [ROUNDS]`
+//! `cargo run --release -p pdmesh-engine --example bench_ttft -- [PROMPT_TOKENS] [ROUNDS] [--tp N]`
 
 use std::time::{Duration, Instant};
 
@@ -38,10 +38,20 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("number"))
-        .collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    // `--tp N`: tensor-parallel ranks (1, unsharded, by default).
+    let tp = match args.iter().position(|a| a == "--tp") {
+        Some(i) => {
+            let n = args
+                .get(i + 1)
+                .and_then(|a| a.parse().ok())
+                .expect("--tp N");
+            args.drain(i..i + 2);
+            n
+        }
+        None => 1,
+    };
+    let args: Vec<usize> = args.iter().map(|a| a.parse().expect("number")).collect();
     let n = *args.first().unwrap_or(&2048);
     let rounds = *args.get(1).unwrap_or(&3);
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -60,6 +70,7 @@ fn main() {
         let mut cfg = EngineConfig::new(pdmesh_gguf::models::require_default_model());
         cfg.kv_pages = 512;
         cfg.prefill_chunk = 4096;
+        cfg.tp = tp;
         let mut e = Engine::load(cfg).expect("load");
         if tier {
             let t = RemoteTier::start(

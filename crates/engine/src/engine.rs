@@ -17,6 +17,7 @@ use crate::deepseek::DeepSeekModel;
 use crate::grammar::{Constraint, Grammars};
 use crate::model::{BatchToken, LlamaModel};
 use crate::sampler::Sampler;
+use crate::tp::TpLlama;
 use crate::vocab::{eog_tokens, token_bytes_table};
 use crate::{EngineError, FinishReason, GenRequest, ModelInfo, Part, SamplingParams, StepEvent};
 use pdmesh_kv::{IndexKDtype, KvLayout, MlaCacheDtype};
@@ -48,6 +49,10 @@ pub struct EngineConfig {
     pub kv_cache_dtype: MlaCacheDtype,
     /// DeepSeek models: how the indexer's key is cached (`--index-k-dtype`).
     pub index_k_dtype: IndexKDtype,
+    /// Tensor-parallel ranks (llama-family models): 1 runs the model unsharded; N >= 2
+    /// splits heads and matrix rows over N ranks that all-gather their results, with
+    /// outputs bit-identical to 1 (see `tp.rs`). At most the model's KV heads.
+    pub tp: usize,
 }
 
 impl EngineConfig {
@@ -65,6 +70,7 @@ impl EngineConfig {
             host_min_pages: 1,
             kv_cache_dtype: MlaCacheDtype::Bf16,
             index_k_dtype: IndexKDtype::Fp8,
+            tp: 1,
         }
     }
 }
@@ -180,6 +186,12 @@ impl Engine {
             return Err(EngineError::InvalidParam {
                 field: "engine config",
                 msg: "max_batch, page_size, kv_pages and prefill_chunk must be > 0".into(),
+            });
+        }
+        if cfg.tp == 0 {
+            return Err(EngineError::InvalidParam {
+                field: "tp",
+                msg: "tensor parallelism needs at least 1 rank (1 = unsharded)".into(),
             });
         }
         let (cfg_cache, page_size) = (cfg.prefix_cache, cfg.page_size);
@@ -958,8 +970,6 @@ impl Engine {
             .iter()
             .map(|&(i, _)| self.running[i].pages.as_slice())
             .collect();
-        // Run the whole pass on the compute pool, so its parallel loops do not hand work
-        // across threads and back for every matrix.
         let (model, pool, tp) = (&self.model, &mut self.pool, &self.tp);
         let logits = std::thread::scope(|scope| {
             let prep = (!masks.is_empty()).then(|| {
@@ -969,7 +979,7 @@ impl Engine {
                     }
                 })
             });
-            let logits = tp.install(|| model.forward(tp, pool, &seq_pages, &batch));
+            let logits = model.forward(tp, pool, &seq_pages, &batch);
             if let Some(h) = prep {
                 h.join().expect("grammar mask thread panicked");
             }
@@ -1140,6 +1150,8 @@ fn finish_check(
 /// The model families the engine runs.
 pub(crate) enum AnyModel {
     Llama(LlamaModel),
+    /// A llama-family model over `tp >= 2` tensor-parallel ranks.
+    LlamaTp(Box<TpLlama>),
     DeepSeek(Box<DeepSeekModel>),
 }
 
@@ -1159,13 +1171,26 @@ impl AnyModel {
         if !cfg.model_path.is_dir() {
             let gguf = Arc::new(GgufFile::open(&cfg.model_path)?);
             let model = LlamaModel::load(gguf.clone())?;
+            let (layout, context_length) =
+                (model.cfg.kv_layout(cfg.page_size), model.cfg.context_length);
+            let model = match cfg.tp {
+                1 => AnyModel::Llama(model),
+                n => AnyModel::LlamaTp(Box::new(TpLlama::new(model, n)?)),
+            };
             return Ok(Loaded {
-                layout: model.cfg.kv_layout(cfg.page_size),
-                context_length: model.cfg.context_length,
+                layout,
+                context_length,
                 token_bytes: token_bytes_table(&gguf)?,
                 eog: eog_tokens(&gguf)?,
-                model: AnyModel::Llama(model),
+                model,
             });
+        }
+        if cfg.tp != 1 {
+            return Err(EngineError::Unsupported(format!(
+                "tensor parallelism supports llama-family models; {} is a DeepSeek \
+                 checkpoint (run it with tp 1)",
+                cfg.model_path.display()
+            )));
         }
         let model = DeepSeekModel::load(&cfg.model_path)?;
         let tok = pdmesh_text::TextTokenizer::from_hf_dir(&cfg.model_path)
@@ -1190,10 +1215,15 @@ impl AnyModel {
     fn vocab(&self) -> usize {
         match self {
             AnyModel::Llama(m) => m.cfg.vocab,
+            AnyModel::LlamaTp(m) => m.model.cfg.vocab,
             AnyModel::DeepSeek(m) => m.cfg.vocab_size,
         }
     }
 
+    /// One forward pass. An unsharded model runs whole on the compute pool, so its
+    /// parallel loops do not hand work across threads and back for every matrix; the
+    /// ranks of a sharded one run on their own threads and each hands its kernels to the
+    /// pool (a rank waiting for the others must not hold a compute thread).
     fn forward(
         &self,
         tp: &rayon::ThreadPool,
@@ -1202,8 +1232,9 @@ impl AnyModel {
         tokens: &[BatchToken],
     ) -> Vec<Vec<f32>> {
         match self {
-            AnyModel::Llama(m) => m.forward(tp, pool, seq_pages, tokens),
-            AnyModel::DeepSeek(m) => m.forward(tp, pool, seq_pages, tokens),
+            AnyModel::Llama(m) => tp.install(|| m.forward(tp, pool, seq_pages, tokens)),
+            AnyModel::LlamaTp(m) => m.forward(tp, pool, seq_pages, tokens),
+            AnyModel::DeepSeek(m) => tp.install(|| m.forward(tp, pool, seq_pages, tokens)),
         }
     }
 }

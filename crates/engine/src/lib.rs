@@ -12,6 +12,7 @@ mod engine;
 mod grammar;
 mod model;
 mod sampler;
+pub mod tp;
 mod vocab;
 
 pub use api::{FinishReason, GenRequest, ModelInfo, Part, SamplingParams, StepEvent};

@@ -3,6 +3,7 @@
 //! mix of sequences and positions; every token goes through the same per-token code, so
 //! a token's logits do not depend on its batch or on how its prompt was chunked.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use half::f16;
@@ -13,6 +14,7 @@ use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
 use rayon::prelude::*;
 
 use crate::EngineError;
+use crate::tp::{Comm, KvAccess, RankShard};
 
 /// Hyper-parameters read from GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
@@ -187,6 +189,19 @@ impl LlamaModel {
         QMatrix::new(w.ty, &self.gguf.bytes()[w.range.clone()], w.rows, w.cols)
     }
 
+    /// Rows `rows` of `w`: rows are contiguous in GGUF block formats, so a row range is a
+    /// byte sub-range of the tensor.
+    fn rows(&self, w: &WRef, rows: Range<usize>) -> QMatrix<'_> {
+        let rb = w.ty.row_bytes(w.cols);
+        let start = w.range.start + rows.start * rb;
+        QMatrix::new(
+            w.ty,
+            &self.gguf.bytes()[start..start + rows.len() * rb],
+            rows.len(),
+            w.cols,
+        )
+    }
+
     /// Run `tokens` through the model. Writes each token's K and V into `pool` at its
     /// position in its sequence's pages, attends over positions `0..=pos`, and returns the
     /// logits of the tokens with `want_logits`, in batch order.
@@ -197,10 +212,36 @@ impl LlamaModel {
         seq_pages: &[&[PageId]],
         tokens: &[BatchToken],
     ) -> Vec<Vec<f32>> {
+        let whole = RankShard::whole(&self.cfg);
+        self.forward_rank(tp, pool, seq_pages, tokens, &whole, None)
+    }
+
+    /// One rank's share of [`Self::forward`] (see `tp.rs`): the q/k/v, K/V cache columns
+    /// and attention of its heads, its rows of `wo`, gate/up, `w_down` and the output head,
+    /// each followed by an all-gather so every rank holds the whole residual stream.
+    /// Without `comm` it is the whole model and nothing is gathered. Returns the logits on
+    /// rank 0 (nothing on the others).
+    pub(crate) fn forward_rank<P: KvAccess>(
+        &self,
+        tp: &rayon::ThreadPool,
+        mut pool: P,
+        seq_pages: &[&[PageId]],
+        tokens: &[BatchToken],
+        sh: &RankShard,
+        comm: Option<Comm<'_>>,
+    ) -> Vec<Vec<f32>> {
         let c = &self.cfg;
         let t = tokens.len();
         let (d, hd, kvd) = (c.dim, c.head_dim, c.kv_heads * c.head_dim);
-        let ps = pool.layout().page_size();
+        let ps = pool.read(|p| p.layout().page_size());
+        // This rank's widths: query and KV heads, dim rows, FFN rows.
+        let (qd, kd, dr, fr) = (
+            sh.q_heads.len() * hd,
+            sh.kv_heads.len() * hd,
+            sh.dim.len(),
+            sh.ffn.len(),
+        );
+        let kv_cols = sh.kv_heads.start * hd..sh.kv_heads.end * hd;
         let mut x = vec![0f32; t * d];
         for (i, tok) in tokens.iter().enumerate() {
             self.m(&self.embed)
@@ -212,93 +253,166 @@ impl LlamaModel {
             .collect();
         let (mut h, mut q, mut k, mut v) = (
             vec![0f32; t * d],
-            vec![0f32; t * d],
-            vec![0f32; t * kvd],
-            vec![0f32; t * kvd],
+            vec![0f32; t * qd],
+            vec![0f32; t * kd],
+            vec![0f32; t * kd],
         );
-        let mut att = vec![0f32; t * d];
-        let mut o = vec![0f32; t * d];
-        let (mut g, mut u) = (vec![0f32; t * c.ffn], vec![0f32; t * c.ffn]);
+        let mut att = vec![0f32; t * qd];
+        let mut o = vec![0f32; t * dr];
+        let (mut g, mut u) = (vec![0f32; t * fr], vec![0f32; t * fr]);
+        // Sharded: every rank's column counts per gathered quantity, and the gathered
+        // buffers (attention output, wo / w_down output, FFN activation).
+        let cols =
+            |f: fn(&RankShard) -> usize| comm.as_ref().map_or(Vec::new(), |m| m.plan.cols(f));
+        let (att_cols, dim_cols, ffn_cols) = (
+            cols(|s| s.q_heads.len()),
+            cols(|s| s.dim.len()),
+            cols(|s| s.ffn.len()),
+        );
+        let att_cols: Vec<usize> = att_cols.iter().map(|n| n * hd).collect();
+        let full = |n: usize| {
+            if comm.is_some() {
+                vec![0f32; t * n]
+            } else {
+                Vec::new()
+            }
+        };
+        let (mut att_all, mut o_all, mut g_all) = (full(d), full(d), full(c.ffn));
+        let q_rows = sh.q_heads.start * hd..sh.q_heads.end * hd;
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
-            let (wq, wk, wv) = (self.m(&layer.wq), self.m(&layer.wk), self.m(&layer.wv));
+            let (wq, wk, wv) = (
+                self.rows(&layer.wq, q_rows.clone()),
+                self.rows(&layer.wk, kv_cols.clone()),
+                self.rows(&layer.wv, kv_cols.clone()),
+            );
             matmul_many(tp, &[&wq, &wk, &wv], &h, t, &mut [&mut q, &mut k, &mut v]);
             for (i, (cos, sin)) in rope.iter().enumerate() {
-                for head in q[i * d..(i + 1) * d].chunks_exact_mut(hd) {
+                for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(hd) {
                     apply_rope(head, cos, sin);
                 }
-                for head in k[i * kvd..(i + 1) * kvd].chunks_exact_mut(hd) {
+                for head in k[i * kd..(i + 1) * kd].chunks_exact_mut(hd) {
                     apply_rope(head, cos, sin);
                 }
             }
-            for (i, tk) in tokens.iter().enumerate() {
-                let page = seq_pages[tk.seq][tk.pos / ps];
-                let slot = tk.pos % ps;
-                pool.values_mut::<f16>(page, li, 0)[slot * kvd..(slot + 1) * kvd]
-                    .convert_from_f32_slice(&k[i * kvd..(i + 1) * kvd]);
-                pool.values_mut::<f16>(page, li, 1)[slot * kvd..(slot + 1) * kvd]
-                    .convert_from_f32_slice(&v[i * kvd..(i + 1) * kvd]);
-            }
-            self.attention(tp, pool, seq_pages, tokens, li, &q, &mut att);
-            matmul(tp, &self.m(&layer.wo), &att, t, &mut o);
-            add_in_place(&mut x, &o);
+            pool.write(|pool| {
+                for (i, tk) in tokens.iter().enumerate() {
+                    let page = seq_pages[tk.seq][tk.pos / ps];
+                    let cols = tk.pos % ps * kvd + kv_cols.start..tk.pos % ps * kvd + kv_cols.end;
+                    pool.values_mut::<f16>(page, li, 0)[cols.clone()]
+                        .convert_from_f32_slice(&k[i * kd..(i + 1) * kd]);
+                    pool.values_mut::<f16>(page, li, 1)[cols]
+                        .convert_from_f32_slice(&v[i * kd..(i + 1) * kd]);
+                }
+            });
+            self.attention(tp, &pool, seq_pages, tokens, li, sh, &q, &mut att);
+            let att_in = gathered(&comm, &att, &mut att_all, &att_cols, t);
+            matmul(tp, &self.rows(&layer.wo, sh.dim.clone()), att_in, t, &mut o);
+            add_in_place(&mut x, gathered(&comm, &o, &mut o_all, &dim_cols, t));
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
-            let (wg, wu) = (self.m(&layer.w_gate), self.m(&layer.w_up));
+            let (wg, wu) = (
+                self.rows(&layer.w_gate, sh.ffn.clone()),
+                self.rows(&layer.w_up, sh.ffn.clone()),
+            );
             matmul_many(tp, &[&wg, &wu], &h, t, &mut [&mut g, &mut u]);
             for (gi, ui) in g.iter_mut().zip(&u) {
                 *gi = *gi / (1.0 + (-*gi).exp()) * ui;
             }
-            matmul(tp, &self.m(&layer.w_down), &g, t, &mut o);
-            add_in_place(&mut x, &o);
+            let g_in = gathered(&comm, &g, &mut g_all, &ffn_cols, t);
+            matmul(
+                tp,
+                &self.rows(&layer.w_down, sh.dim.clone()),
+                g_in,
+                t,
+                &mut o,
+            );
+            add_in_place(&mut x, gathered(&comm, &o, &mut o_all, &dim_cols, t));
         }
-        let head = (&self.out_norm[..], c.rms_eps, &self.m(&self.output));
-        output_logits(tp, &x, tokens, head)
+        let output = self.rows(&self.output, sh.vocab.clone());
+        let (n, local) = head_logits(tp, &x, tokens, (&self.out_norm[..], c.rms_eps, &output));
+        if n == 0 {
+            return Vec::new();
+        }
+        let Some(m) = &comm else {
+            return local.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect();
+        };
+        let mut all = vec![0f32; n * c.vocab];
+        m.coll
+            .all_gather(m.rank, &local, &m.plan.cols(|s| s.vocab.len()), n, &mut all);
+        if m.rank != 0 {
+            return Vec::new();
+        }
+        all.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect()
     }
 
-    /// Causal attention for every (token, KV head) pair in parallel.
+    /// Causal attention for every (token, KV head of `sh`) pair in parallel; `q` and `out`
+    /// hold the query heads of `sh`.
     #[allow(clippy::too_many_arguments)]
-    fn attention(
+    fn attention<P: KvAccess>(
         &self,
         tp: &rayon::ThreadPool,
-        pool: &PagePool,
+        pool: &P,
         seq_pages: &[&[PageId]],
         tokens: &[BatchToken],
         layer: usize,
+        sh: &RankShard,
         q: &[f32],
         out: &mut [f32],
     ) {
         let c = &self.cfg;
         let (hd, kvd) = (c.head_dim, c.kv_heads * c.head_dim);
         let rep = c.heads / c.kv_heads;
-        let ps = pool.layout().page_size();
+        let qd = sh.q_heads.len() * hd;
         let scale = 1.0 / (hd as f32).sqrt();
-        let groups = c.kv_heads;
+        let groups = sh.kv_heads.len();
+        let ps = pool.read(|p| p.layout().page_size());
         tp.install(|| {
             out.par_chunks_mut(rep * hd)
                 .enumerate()
                 .for_each(|(idx, o)| {
-                    let (i, gidx) = (idx / groups, idx % groups);
+                    let (i, local) = (idx / groups, idx % groups);
+                    let gidx = sh.kv_heads.start + local;
                     let tk = tokens[i];
                     let n = tk.pos + 1;
                     let pages = seq_pages[tk.seq];
-                    // This group's cached rows for positions 0..=pos, page by page.
-                    let mut keys: Vec<&[f16]> = Vec::with_capacity(n);
-                    let mut values: Vec<&[f16]> = Vec::with_capacity(n);
-                    for (pi, &page) in pages.iter().enumerate().take(n.div_ceil(ps)) {
-                        let (kp, vp) = (
-                            pool.values::<f16>(page, layer, 0),
-                            pool.values::<f16>(page, layer, 1),
-                        );
-                        for j in pi * ps..n.min((pi + 1) * ps) {
-                            let off = (j % ps) * kvd + gidx * hd;
-                            keys.push(&kp[off..off + hd]);
-                            values.push(&vp[off..off + hd]);
+                    let qg = &q[i * qd + local * rep * hd..i * qd + (local + 1) * rep * hd];
+                    pool.read(|pool| {
+                        // This group's cached rows for positions 0..=pos, page by page.
+                        let mut keys: Vec<&[f16]> = Vec::with_capacity(n);
+                        let mut values: Vec<&[f16]> = Vec::with_capacity(n);
+                        for (pi, &page) in pages.iter().enumerate().take(n.div_ceil(ps)) {
+                            let (kp, vp) = (
+                                pool.values::<f16>(page, layer, 0),
+                                pool.values::<f16>(page, layer, 1),
+                            );
+                            for j in pi * ps..n.min((pi + 1) * ps) {
+                                let off = (j % ps) * kvd + gidx * hd;
+                                keys.push(&kp[off..off + hd]);
+                                values.push(&vp[off..off + hd]);
+                            }
                         }
-                    }
-                    let qg = &q[i * c.dim + gidx * rep * hd..i * c.dim + (gidx + 1) * rep * hd];
-                    attend(qg, hd, &keys, &values, scale, o);
+                        attend(qg, hd, &keys, &values, scale, o);
+                    });
                 });
         });
+    }
+}
+
+/// `local` itself unsharded; sharded, every rank's `[rows][cols[r]]` block gathered into
+/// `full`.
+fn gathered<'b>(
+    comm: &Option<Comm<'_>>,
+    local: &'b [f32],
+    full: &'b mut [f32],
+    cols: &[usize],
+    rows: usize,
+) -> &'b [f32] {
+    match comm {
+        None => local,
+        Some(m) => {
+            m.coll.all_gather(m.rank, local, cols, rows, full);
+            full
+        }
     }
 }
 
@@ -311,13 +425,26 @@ pub(crate) fn output_logits(
     tokens: &[BatchToken],
     head: (&[f32], f32, &QMatrix<'_>),
 ) -> Vec<Vec<f32>> {
+    let rows = head.2.rows;
+    let (_, logits) = head_logits(tp, x, tokens, head);
+    logits.chunks_exact(rows).map(<[f32]>::to_vec).collect()
+}
+
+/// [`output_logits`] as one `[n][head.2.rows]` block, with `n`, the number of tokens with
+/// `want_logits` (empty when there are none).
+fn head_logits(
+    tp: &rayon::ThreadPool,
+    x: &[f32],
+    tokens: &[BatchToken],
+    head: (&[f32], f32, &QMatrix<'_>),
+) -> (usize, Vec<f32>) {
     let (norm, eps, output) = head;
     let d = norm.len();
     let sel: Vec<usize> = (0..tokens.len())
         .filter(|&i| tokens[i].want_logits)
         .collect();
     if sel.is_empty() {
-        return Vec::new();
+        return (0, Vec::new());
     }
     let mut xs = Vec::with_capacity(sel.len() * d);
     for &i in &sel {
@@ -327,10 +454,7 @@ pub(crate) fn output_logits(
     rms_norm(&xs, norm, eps, &mut hs);
     let mut logits = vec![0f32; sel.len() * output.rows];
     matmul(tp, output, &hs, sel.len(), &mut logits);
-    logits
-        .chunks_exact(output.rows)
-        .map(<[f32]>::to_vec)
-        .collect()
+    (sel.len(), logits)
 }
 
 pub(crate) fn add_in_place(x: &mut [f32], y: &[f32]) {

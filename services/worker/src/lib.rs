@@ -46,6 +46,11 @@ pub struct Config {
     /// Compute threads; 0 uses every core.
     #[arg(long, env = "PDMESH_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// Tensor-parallel ranks (llama-family models only): each rank computes its share of
+    /// the attention heads and matrix rows and the ranks all-gather their results, so
+    /// outputs are bit-identical to --tp 1 (unsharded). At most the model's KV heads.
+    #[arg(long, env = "PDMESH_TP", default_value_t = 1)]
+    pub tp: usize,
     /// Cap on the model's context length, in tokens.
     #[arg(long, env = "PDMESH_MAX_CONTEXT")]
     pub max_context: Option<usize>,
@@ -139,6 +144,7 @@ impl Config {
             page_size: 16,
             prefill_chunk: 512,
             threads: 0,
+            tp: 1,
             max_context: None,
             disable_prefix_cache: false,
             cache_url: None,
@@ -164,6 +170,7 @@ impl Config {
             ("kv-pages", self.kv_pages),
             ("page-size", self.page_size),
             ("prefill-chunk", self.prefill_chunk),
+            ("tp", self.tp),
         ] {
             if value == 0 {
                 return Err(Error::Config(format!("--{name} must be at least 1")));
@@ -223,6 +230,7 @@ impl Config {
             kv_pages: self.kv_pages,
             prefill_chunk: self.prefill_chunk,
             threads: self.threads,
+            tp: self.tp,
             max_context: self.max_context,
             capture_logits: false,
             prefix_cache: !self.disable_prefix_cache,
@@ -381,6 +389,17 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((cli.cfg.kv_pages, cli.cfg.max_context), (64, Some(256)));
+    }
+
+    #[test]
+    fn tp_reaches_the_engine_and_zero_is_refused() {
+        assert_eq!(Config::new("m.gguf").engine_config().unwrap().tp, 1);
+        let cli = Cli::try_parse_from(["worker", "--model", "m.gguf", "--tp", "3"]).unwrap();
+        assert_eq!(cli.cfg.tp, 3);
+        assert_eq!(cli.cfg.engine_config().unwrap().tp, 3);
+        let cli = Cli::try_parse_from(["worker", "--tp", "0"]).unwrap();
+        let err = cli.cfg.engine_config().unwrap_err().to_string();
+        assert!(err.contains("--tp"), "{err}");
     }
 
     #[test]

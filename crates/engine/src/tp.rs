@@ -1,0 +1,393 @@
+//! Tensor parallelism for the llama-family model, bit-identical to the unsharded forward
+//! for any number of ranks.
+//!
+//! Megatron-style TP shards a matrix by its input columns and all-reduces partial sums; the
+//! order of that sum depends on the number of ranks, so TP=2 would differ from TP=1 in the
+//! last bits. Here every matrix is sharded by its OUTPUT rows instead, and ranks exchange
+//! whole results with an all-gather: each rank owns a contiguous range of KV heads (and the
+//! query heads of those groups), rows of `wo`, of gate/up, of `w_down` and of the output
+//! head ([`ShardPlan`]). Every dot product is then computed whole, by the same kernel, on
+//! the same inputs as unsharded, so every rank's replicated residual stream — and the
+//! logits — carry exactly the bits of TP=1. Per layer a rank computes its q/k/v rows, RoPE,
+//! writes its heads' K/V columns into the shared pool and attends for its heads; then
+//! all-gather of the attention output → its `wo` rows → all-gather → `x +=`; RMSNorm
+//! (replicated) → its gate/up rows, SwiGLU → all-gather → its `w_down` rows → all-gather
+//! → `x +=`. The output head is sharded by vocabulary rows and all-gathered; rank 0
+//! returns the logits.
+//!
+//! On the CPU the ranks are scoped threads of one process ([`HostCollective`]) sharing the
+//! engine's compute pool; [`ShardPlan`] and [`Collective`] are what a device backend
+//! reuses.
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError, RwLock};
+
+use pdmesh_kv::{PageId, PagePool};
+
+use crate::EngineError;
+use crate::model::{BatchToken, LlamaConfig, LlamaModel};
+
+/// `[r*n/world, (r+1)*n/world)` for every rank `r`: contiguous, in order, covering `0..n`
+/// exactly once; sizes differ by at most one.
+pub fn split(n: usize, world: usize) -> Vec<Range<usize>> {
+    (0..world)
+        .map(|r| r * n / world..(r + 1) * n / world)
+        .collect()
+}
+
+/// What one rank computes, in units of the whole model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankShard {
+    /// KV heads (groups) whose q/k/v, cache columns and attention this rank computes.
+    pub kv_heads: Range<usize>,
+    /// The query heads of those groups.
+    pub q_heads: Range<usize>,
+    /// Output rows of `wo` and `w_down` (columns of the residual stream).
+    pub dim: Range<usize>,
+    /// Output rows of gate and up (columns of the FFN activation).
+    pub ffn: Range<usize>,
+    /// Rows of the output head (vocabulary entries).
+    pub vocab: Range<usize>,
+}
+
+impl RankShard {
+    /// Everything: the unsharded model as rank 0 of 1.
+    pub fn whole(cfg: &LlamaConfig) -> Self {
+        Self {
+            kv_heads: 0..cfg.kv_heads,
+            q_heads: 0..cfg.heads,
+            dim: 0..cfg.dim,
+            ffn: 0..cfg.ffn,
+            vocab: 0..cfg.vocab,
+        }
+    }
+}
+
+/// How a llama-family model is split over `world` ranks: rank `r` gets
+/// `split(n, world)[r]` of the KV heads, the dim rows, the FFN rows and the vocabulary, and
+/// the query heads of its KV groups.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardPlan {
+    pub world: usize,
+    pub head_dim: usize,
+    pub ranks: Vec<RankShard>,
+}
+
+impl ShardPlan {
+    /// Fails when `world` is 0 or exceeds the model's KV heads (every rank must own at
+    /// least one KV head).
+    pub fn new(cfg: &LlamaConfig, world: usize) -> Result<Self, EngineError> {
+        if world == 0 {
+            return Err(EngineError::InvalidParam {
+                field: "tp",
+                msg: "tensor parallelism needs at least 1 rank".into(),
+            });
+        }
+        if world > cfg.kv_heads {
+            return Err(EngineError::InvalidParam {
+                field: "tp",
+                msg: format!(
+                    "{world} tensor-parallel ranks, but this model has {} KV heads: every \
+                     rank needs at least one, so --tp can be at most {}",
+                    cfg.kv_heads, cfg.kv_heads
+                ),
+            });
+        }
+        let rep = cfg.heads / cfg.kv_heads;
+        let (kv, dim, ffn, vocab) = (
+            split(cfg.kv_heads, world),
+            split(cfg.dim, world),
+            split(cfg.ffn, world),
+            split(cfg.vocab, world),
+        );
+        let ranks = (0..world)
+            .map(|r| RankShard {
+                q_heads: kv[r].start * rep..kv[r].end * rep,
+                kv_heads: kv[r].clone(),
+                dim: dim[r].clone(),
+                ffn: ffn[r].clone(),
+                vocab: vocab[r].clone(),
+            })
+            .collect();
+        Ok(Self {
+            world,
+            head_dim: cfg.head_dim,
+            ranks,
+        })
+    }
+
+    /// Per rank, its columns of an all-gathered `[rows][sum]` block.
+    pub fn cols(&self, f: impl Fn(&RankShard) -> usize) -> Vec<usize> {
+        self.ranks.iter().map(f).collect()
+    }
+}
+
+impl fmt::Display for ShardPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (r, s) in self.ranks.iter().enumerate() {
+            if r > 0 {
+                f.write_str("; ")?;
+            }
+            write!(
+                f,
+                "rank {r}: kv heads {:?}, q heads {:?}, dim {:?}, ffn {:?}, vocab {:?}",
+                s.kv_heads, s.q_heads, s.dim, s.ffn, s.vocab
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Exchange between the ranks of one tensor-parallel group. Every rank calls each
+/// collective operation in the same order.
+pub trait Collective: Sync {
+    fn world(&self) -> usize;
+
+    /// Rank `rank` contributes `local`, a `[rows][cols[rank]]` block; `out` receives every
+    /// rank's block side by side in rank order, `[rows][cols.iter().sum()]`.
+    fn all_gather(&self, rank: usize, local: &[f32], cols: &[usize], rows: usize, out: &mut [f32]);
+}
+
+/// A reusable barrier (mutex and condition variable, as `std::sync::Barrier`) that a rank
+/// which panicked can break: everyone waiting then, or arriving later, panics too instead
+/// of waiting forever for it.
+struct Gate {
+    world: usize,
+    state: Mutex<GateState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct GateState {
+    arrived: usize,
+    generation: u64,
+    broken: bool,
+}
+
+const BROKEN: &str = "another tensor-parallel rank panicked";
+
+impl Gate {
+    fn new(world: usize) -> Self {
+        Self {
+            world,
+            state: Mutex::new(GateState::default()),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        // Nothing panics while holding the lock: its state is always whole.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn wait(&self) {
+        let mut s = self.lock();
+        let broken = if s.broken {
+            true
+        } else if s.arrived + 1 == self.world {
+            s.arrived = 0;
+            s.generation += 1;
+            self.cv.notify_all();
+            false
+        } else {
+            s.arrived += 1;
+            let generation = s.generation;
+            let s = self
+                .cv
+                .wait_while(s, |s| s.generation == generation && !s.broken)
+                .unwrap_or_else(PoisonError::into_inner);
+            s.generation == generation
+        };
+        assert!(!broken, "{BROKEN}");
+    }
+
+    fn break_all(&self) {
+        self.lock().broken = true;
+        self.cv.notify_all();
+    }
+}
+
+/// [`Collective`] for ranks that are threads of one process: each rank publishes its block
+/// in a shared buffer, a barrier, and everyone copies. Two sets of buffers alternate: a
+/// rank may write call `n + 2`'s block only after the barrier of call `n + 1`, which every
+/// rank reaches only once done reading call `n`, so one barrier per call is enough.
+///
+/// A rank thread should hold [`HostCollective::abort_on_panic`]'s guard: should it panic,
+/// the others are released (with a panic) instead of waiting for it forever.
+pub struct HostCollective {
+    world: usize,
+    gate: Gate,
+    /// `[parity][rank]`.
+    slots: [Vec<RwLock<Vec<f32>>>; 2],
+    /// Per rank, how many gathers it has made.
+    calls: Vec<AtomicUsize>,
+}
+
+impl HostCollective {
+    pub fn new(world: usize) -> Self {
+        assert!(world > 0, "a collective needs at least one rank");
+        let slots = || (0..world).map(|_| RwLock::new(Vec::new())).collect();
+        Self {
+            world,
+            gate: Gate::new(world),
+            slots: [slots(), slots()],
+            calls: (0..world).map(|_| AtomicUsize::new(0)).collect(),
+        }
+    }
+
+    /// A guard for a rank's thread: if the thread unwinds while holding it, every rank
+    /// waiting in (or later calling) [`Collective::all_gather`] panics instead of waiting
+    /// for it. The collective is then unusable.
+    pub fn abort_on_panic(&self) -> AbortOnPanic<'_> {
+        AbortOnPanic(self)
+    }
+}
+
+/// See [`HostCollective::abort_on_panic`].
+pub struct AbortOnPanic<'a>(&'a HostCollective);
+
+impl Drop for AbortOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.gate.break_all();
+        }
+    }
+}
+
+impl Collective for HostCollective {
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather(&self, rank: usize, local: &[f32], cols: &[usize], rows: usize, out: &mut [f32]) {
+        assert_eq!(cols.len(), self.world, "one column count per rank");
+        assert_eq!(
+            local.len(),
+            rows * cols[rank],
+            "local block is not rows x cols"
+        );
+        let total: usize = cols.iter().sum();
+        assert_eq!(out.len(), rows * total, "output is not rows x total cols");
+        // Only this rank's thread touches its counter; the barrier orders the rest.
+        let parity = self.calls[rank].fetch_add(1, Ordering::Relaxed) % 2;
+        let slots = &self.slots[parity];
+        {
+            let mut mine = slots[rank].write().expect("a rank panicked mid-gather");
+            mine.clear();
+            mine.extend_from_slice(local);
+        }
+        self.gate.wait();
+        let mut off = 0;
+        for (r, &c) in cols.iter().enumerate() {
+            if c > 0 {
+                let theirs = slots[r].read().expect("a rank panicked mid-gather");
+                for (row, src) in out.chunks_exact_mut(total).zip(theirs.chunks_exact(c)) {
+                    row[off..off + c].copy_from_slice(src);
+                }
+            }
+            off += c;
+        }
+    }
+}
+
+/// One rank's place in a tensor-parallel forward.
+pub(crate) struct Comm<'a> {
+    pub plan: &'a ShardPlan,
+    pub rank: usize,
+    pub coll: &'a dyn Collective,
+}
+
+/// The KV pool as one rank's forward sees it: the engine's pool itself (unsharded), or
+/// the pool shared by every rank's thread (each writes only its heads' columns and reads
+/// only those, so the lock only serializes access, never orders ranks).
+pub(crate) trait KvAccess: Sync {
+    fn read<R>(&self, f: impl FnOnce(&PagePool) -> R) -> R;
+    fn write<R>(&mut self, f: impl FnOnce(&mut PagePool) -> R) -> R;
+}
+
+impl KvAccess for &mut PagePool {
+    fn read<R>(&self, f: impl FnOnce(&PagePool) -> R) -> R {
+        f(self)
+    }
+    fn write<R>(&mut self, f: impl FnOnce(&mut PagePool) -> R) -> R {
+        f(self)
+    }
+}
+
+impl KvAccess for &RwLock<&mut PagePool> {
+    fn read<R>(&self, f: impl FnOnce(&PagePool) -> R) -> R {
+        f(&RwLock::read(self).expect("a rank panicked holding the KV pool"))
+    }
+    fn write<R>(&mut self, f: impl FnOnce(&mut PagePool) -> R) -> R {
+        f(&mut RwLock::write(self).expect("a rank panicked holding the KV pool"))
+    }
+}
+
+/// A llama-family model run as `plan.world` ranks on threads of this process.
+pub(crate) struct TpLlama {
+    pub model: LlamaModel,
+    plan: ShardPlan,
+    coll: HostCollective,
+}
+
+impl TpLlama {
+    pub fn new(model: LlamaModel, world: usize) -> Result<Self, EngineError> {
+        let plan = ShardPlan::new(&model.cfg, world)?;
+        tracing::info!(tp = world, plan = %plan, "tensor parallelism (all-gather, bit-identical to tp=1)");
+        Ok(Self {
+            model,
+            coll: HostCollective::new(world),
+            plan,
+        })
+    }
+
+    /// [`LlamaModel::forward`], computed by every rank at once: ranks 1.. on scoped threads,
+    /// rank 0 on the caller's. Their kernels run on `tp`; the caller must not be one of its
+    /// threads (a rank waiting at a barrier must not hold a compute thread).
+    pub fn forward(
+        &self,
+        tp: &rayon::ThreadPool,
+        pool: &mut PagePool,
+        seq_pages: &[&[PageId]],
+        tokens: &[BatchToken],
+    ) -> Vec<Vec<f32>> {
+        debug_assert!(
+            rayon::current_thread_index().is_none(),
+            "the sharded forward runs outside the compute pool"
+        );
+        let shared = RwLock::new(pool);
+        let rank = |r: usize| {
+            let _abort = self.coll.abort_on_panic();
+            let comm = Comm {
+                plan: &self.plan,
+                rank: r,
+                coll: &self.coll,
+            };
+            self.model.forward_rank(
+                tp,
+                &shared,
+                seq_pages,
+                tokens,
+                &self.plan.ranks[r],
+                Some(comm),
+            )
+        };
+        std::thread::scope(|s| {
+            let others: Vec<_> = (1..self.plan.world)
+                .map(|r| {
+                    std::thread::Builder::new()
+                        .name(format!("pdmesh-tp-rank-{r}"))
+                        .spawn_scoped(s, move || rank(r))
+                        .expect("spawn a tensor-parallel rank")
+                })
+                .collect();
+            let logits = rank(0);
+            for h in others {
+                h.join().expect("a tensor-parallel rank panicked");
+            }
+            logits
+        })
+    }
+}
