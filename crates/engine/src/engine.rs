@@ -53,6 +53,9 @@ pub struct EngineConfig {
     /// splits heads and matrix rows over N ranks that all-gather their results, with
     /// outputs bit-identical to 1 (see `tp.rs`). At most the model's KV heads.
     pub tp: usize,
+    /// Run the model on GPUs (the CUDA backend, cargo feature `cuda`); `None`: the CPU.
+    /// The GPUs are the tensor-parallel ranks, so `tp` must be 1 or their number.
+    pub gpu: Option<crate::GpuConfig>,
 }
 
 impl EngineConfig {
@@ -71,6 +74,7 @@ impl EngineConfig {
             kv_cache_dtype: MlaCacheDtype::Bf16,
             index_k_dtype: IndexKDtype::Fp8,
             tp: 1,
+            gpu: None,
         }
     }
 }
@@ -1153,6 +1157,9 @@ pub(crate) enum AnyModel {
     /// A llama-family model over `tp >= 2` tensor-parallel ranks.
     LlamaTp(Box<TpLlama>),
     DeepSeek(Box<DeepSeekModel>),
+    /// A llama-family model on GPUs.
+    #[cfg(feature = "cuda")]
+    Cuda(Box<crate::cuda::CudaLlama>),
 }
 
 /// A model with what the engine needs beside it.
@@ -1173,9 +1180,10 @@ impl AnyModel {
             let model = LlamaModel::load(gguf.clone())?;
             let (layout, context_length) =
                 (model.cfg.kv_layout(cfg.page_size), model.cfg.context_length);
-            let model = match cfg.tp {
-                1 => AnyModel::Llama(model),
-                n => AnyModel::LlamaTp(Box::new(TpLlama::new(model, n)?)),
+            let model = match (&cfg.gpu, cfg.tp) {
+                (Some(g), _) => gpu_model(cfg, g, &gguf, model, &layout)?,
+                (None, 1) => AnyModel::Llama(model),
+                (None, n) => AnyModel::LlamaTp(Box::new(TpLlama::new(model, n)?)),
             };
             return Ok(Loaded {
                 layout,
@@ -1189,6 +1197,13 @@ impl AnyModel {
             return Err(EngineError::Unsupported(format!(
                 "tensor parallelism supports llama-family models; {} is a DeepSeek \
                  checkpoint (run it with tp 1)",
+                cfg.model_path.display()
+            )));
+        }
+        if cfg.gpu.is_some() {
+            return Err(EngineError::Unsupported(format!(
+                "the CUDA backend runs llama-family models; {} is a DeepSeek checkpoint, \
+                 which runs on the CPU for now",
                 cfg.model_path.display()
             )));
         }
@@ -1217,6 +1232,8 @@ impl AnyModel {
             AnyModel::Llama(m) => m.cfg.vocab,
             AnyModel::LlamaTp(m) => m.model.cfg.vocab,
             AnyModel::DeepSeek(m) => m.cfg.vocab_size,
+            #[cfg(feature = "cuda")]
+            AnyModel::Cuda(m) => m.cfg.vocab,
         }
     }
 
@@ -1235,6 +1252,71 @@ impl AnyModel {
             AnyModel::Llama(m) => tp.install(|| m.forward(tp, pool, seq_pages, tokens)),
             AnyModel::LlamaTp(m) => m.forward(tp, pool, seq_pages, tokens),
             AnyModel::DeepSeek(m) => tp.install(|| m.forward(tp, pool, seq_pages, tokens)),
+            #[cfg(feature = "cuda")]
+            AnyModel::Cuda(m) => m.forward(pool, seq_pages, tokens),
         }
     }
+}
+
+/// The llama model on the GPUs `g` names (one tensor-parallel rank each).
+#[cfg(feature = "cuda")]
+fn gpu_model(
+    cfg: &EngineConfig,
+    g: &crate::GpuConfig,
+    gguf: &Arc<GgufFile>,
+    model: LlamaModel,
+    layout: &KvLayout,
+) -> Result<AnyModel, EngineError> {
+    check_gpu_world(cfg, g)?;
+    let opts = crate::cuda::CudaOptions {
+        devices: g.devices.clone(),
+        invariant: g.invariant,
+        build: crate::cuda::KernelBuild {
+            arch: g.arch.clone(),
+            cache_dir: g.kernel_cache.clone(),
+        },
+    };
+    let m = crate::cuda::CudaLlama::load(
+        gguf.clone(),
+        model.cfg.clone(),
+        Arc::new(layout.clone()),
+        cfg.kv_pages,
+        &opts,
+    )
+    .map_err(|e| EngineError::Unsupported(e.to_string()))?;
+    Ok(AnyModel::Cuda(Box::new(m)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_model(
+    cfg: &EngineConfig,
+    g: &crate::GpuConfig,
+    _: &Arc<GgufFile>,
+    _: LlamaModel,
+    _: &KvLayout,
+) -> Result<AnyModel, EngineError> {
+    check_gpu_world(cfg, g)?;
+    Err(EngineError::Unsupported(
+        "this build has no CUDA backend: build pdmesh with `--features cuda`".into(),
+    ))
+}
+
+fn check_gpu_world(cfg: &EngineConfig, g: &crate::GpuConfig) -> Result<(), EngineError> {
+    if g.devices.is_empty() {
+        return Err(EngineError::InvalidParam {
+            field: "gpu devices",
+            msg: "name at least one GPU".into(),
+        });
+    }
+    if cfg.tp != 1 && cfg.tp != g.devices.len() {
+        return Err(EngineError::InvalidParam {
+            field: "tp",
+            msg: format!(
+                "on GPUs each tensor-parallel rank is one device: tp {} with {} devices",
+                cfg.tp,
+                g.devices.len()
+            ),
+        });
+    }
+    Ok(())
 }

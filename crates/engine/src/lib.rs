@@ -6,9 +6,12 @@
 //! wraps it in an actix actor, tests drive it directly.
 
 mod api;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod deepseek;
 pub mod deepseek_synth;
 mod engine;
+mod gpu;
 mod grammar;
 mod model;
 mod sampler;
@@ -17,6 +20,7 @@ mod vocab;
 
 pub use api::{FinishReason, GenRequest, ModelInfo, Part, SamplingParams, StepEvent};
 pub use engine::{Engine, EngineConfig, HostStats, WritePolicy};
+pub use gpu::{CUDA_BUILT, GpuConfig};
 pub use model::BatchToken;
 
 /// Everything that can go wrong between a request and the engine.

@@ -51,6 +51,21 @@ pub struct Config {
     /// outputs are bit-identical to --tp 1 (unsharded). At most the model's KV heads.
     #[arg(long, env = "PDMESH_TP", default_value_t = 1)]
     pub tp: usize,
+    /// Where the model runs: `cpu`, or `cuda` (llama-family models, in a build with the
+    /// `cuda` feature; one GPU per tensor-parallel rank).
+    #[arg(long, env = "PDMESH_DEVICE", value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// With --device cuda: the GPUs, one per tensor-parallel rank (default: 0 to tp-1).
+    #[arg(long, env = "PDMESH_GPUS", value_delimiter = ',')]
+    pub gpus: Vec<usize>,
+    /// With --device cuda: the architecture NVRTC compiles the kernels for (`sm_90`,
+    /// `sm_120`, ...); default: each GPU's own.
+    #[arg(long, env = "PDMESH_GPU_ARCH")]
+    pub gpu_arch: Option<String>,
+    /// With --device cuda: cuBLAS matrix products, faster for large batches but not
+    /// batch-invariant (a token's logits then depend on what it was batched with).
+    #[arg(long, env = "PDMESH_GPU_FAST")]
+    pub gpu_fast: bool,
     /// Cap on the model's context length, in tokens.
     #[arg(long, env = "PDMESH_MAX_CONTEXT")]
     pub max_context: Option<usize>,
@@ -109,6 +124,13 @@ pub struct Config {
     pub index_k_dtype: IndexKDtypeArg,
 }
 
+/// `--device` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
 /// `--kv-cache-dtype` values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum KvCacheDtype {
@@ -145,6 +167,10 @@ impl Config {
             prefill_chunk: 512,
             threads: 0,
             tp: 1,
+            device: Device::Cpu,
+            gpus: Vec::new(),
+            gpu_arch: None,
+            gpu_fast: false,
             max_context: None,
             disable_prefix_cache: false,
             cache_url: None,
@@ -161,6 +187,57 @@ impl Config {
             kv_cache_dtype: KvCacheDtype::Bf16,
             index_k_dtype: IndexKDtypeArg::Fp8,
         }
+    }
+
+    /// The GPUs the engine runs on (`--device cuda`), checked.
+    fn gpu_config(&self) -> Result<Option<pdmesh_engine::GpuConfig>, Error> {
+        if self.device == Device::Cpu {
+            if !self.gpus.is_empty() || self.gpu_arch.is_some() || self.gpu_fast {
+                return Err(Error::Config(
+                    "--gpus, --gpu-arch and --gpu-fast need --device cuda".into(),
+                ));
+            }
+            return Ok(None);
+        }
+        if !pdmesh_engine::CUDA_BUILT {
+            return Err(Error::Config(
+                "--device cuda: this pdmesh was built without the CUDA backend (build it with `--features cuda`)".into(),
+            ));
+        }
+        let devices = if self.gpus.is_empty() {
+            (0..self.tp).collect()
+        } else {
+            self.gpus.clone()
+        };
+        if self.tp != 1 && self.tp != devices.len() {
+            return Err(Error::Config(format!(
+                "--tp {} with --gpus naming {} devices: each tensor-parallel rank is one GPU",
+                self.tp,
+                devices.len()
+            )));
+        }
+        let mut seen = devices.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != devices.len() {
+            return Err(Error::Config(format!(
+                "--gpus names a GPU twice: {devices:?}"
+            )));
+        }
+        if let Some(a) = &self.gpu_arch {
+            let digits = a.strip_prefix("sm_").unwrap_or("");
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(Error::Config(format!(
+                    "--gpu-arch {a:?} is not an architecture like sm_90 or sm_120"
+                )));
+            }
+        }
+        Ok(Some(pdmesh_engine::GpuConfig {
+            devices,
+            invariant: !self.gpu_fast,
+            arch: self.gpu_arch.clone(),
+            kernel_cache: None,
+        }))
     }
 
     /// Checks the values and converts them to the engine's configuration.
@@ -231,6 +308,7 @@ impl Config {
             prefill_chunk: self.prefill_chunk,
             threads: self.threads,
             tp: self.tp,
+            gpu: self.gpu_config()?,
             max_context: self.max_context,
             capture_logits: false,
             prefix_cache: !self.disable_prefix_cache,
@@ -389,6 +467,62 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((cli.cfg.kv_pages, cli.cfg.max_context), (64, Some(256)));
+    }
+
+    #[test]
+    fn gpu_flags_are_checked_and_reach_the_engine() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["worker", "--model", "m.gguf"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all).unwrap().cfg.engine_config()
+        };
+        assert_eq!(parse(&[]).unwrap().gpu, None);
+        for bad in [
+            &["--gpus", "0"][..],
+            &["--gpu-fast"],
+            &["--gpu-arch", "sm_90"],
+        ] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(err.contains("need --device cuda"), "{bad:?}: {err}");
+        }
+        let cuda = parse(&[
+            "--device",
+            "cuda",
+            "--tp",
+            "2",
+            "--gpu-arch",
+            "sm_120",
+            "--gpu-fast",
+        ]);
+        if !pdmesh_engine::CUDA_BUILT {
+            let err = cuda.unwrap_err().to_string();
+            assert!(err.contains("built without the CUDA backend"), "{err}");
+            return;
+        }
+        let g = cuda.unwrap().gpu.unwrap();
+        assert_eq!(
+            (g.devices, g.invariant, g.arch.as_deref()),
+            (vec![0, 1], false, Some("sm_120"))
+        );
+        let g = parse(&["--device", "cuda", "--gpus", "3,1"])
+            .unwrap()
+            .gpu
+            .unwrap();
+        assert_eq!((g.devices, g.invariant), (vec![3, 1], true));
+        for (bad, want) in [
+            (
+                &["--device", "cuda", "--tp", "2", "--gpus", "0,1,2"][..],
+                "each tensor-parallel rank is one GPU",
+            ),
+            (&["--device", "cuda", "--gpus", "1,1"], "names a GPU twice"),
+            (
+                &["--device", "cuda", "--gpu-arch", "90"],
+                "not an architecture",
+            ),
+        ] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(err.contains(want), "{bad:?}: {err}");
+        }
     }
 
     #[test]

@@ -1,0 +1,148 @@
+//! Prefill and decode throughput of one backend at several batch sizes, as JSON lines.
+//!
+//! `cargo run --release -p pdmesh-engine [--features cuda] --example bench_backend --
+//!  [--model PATH] [--device cpu|cuda] [--gpus 0,1] [--fast] [--batches 1,16,64]
+//!  [--prompt-len 128] [--tokens 64] [--threads N] [--tp N]`
+//!
+//! Prefill: B distinct prompts of `--prompt-len` tokens submitted at once, timed until
+//! every first token (prompt tokens per second). Decode: the following `--tokens` steps
+//! of the same B streams (generated tokens per second, all streams together).
+
+use std::time::Instant;
+
+use pdmesh_engine::{Engine, EngineConfig, GenRequest, GpuConfig, SamplingParams, StepEvent};
+
+struct Args {
+    model: Option<String>,
+    cuda: bool,
+    gpus: Vec<usize>,
+    fast: bool,
+    batches: Vec<usize>,
+    prompt_len: usize,
+    tokens: u32,
+    threads: usize,
+    tp: usize,
+}
+
+fn parse() -> Args {
+    let mut a = Args {
+        model: None,
+        cuda: false,
+        gpus: vec![0],
+        fast: false,
+        batches: vec![1, 16, 64],
+        prompt_len: 128,
+        tokens: 64,
+        threads: 0,
+        tp: 1,
+    };
+    let mut it = std::env::args().skip(1);
+    let list = |s: String| -> Vec<usize> {
+        s.split(',')
+            .map(|v| v.trim().parse().expect("a number"))
+            .collect()
+    };
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--model" => a.model = Some(val()),
+            "--device" => a.cuda = val() == "cuda",
+            "--gpus" => a.gpus = list(val()),
+            "--fast" => a.fast = true,
+            "--batches" => a.batches = list(val()),
+            "--prompt-len" => a.prompt_len = val().parse().expect("a number"),
+            "--tokens" => a.tokens = val().parse().expect("a number"),
+            "--threads" => a.threads = val().parse().expect("a number"),
+            "--tp" => a.tp = val().parse().expect("a number"),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+fn tokens_of(events: &[StepEvent]) -> usize {
+    events
+        .iter()
+        .filter(|ev| matches!(ev, StepEvent::Token { .. }))
+        .count()
+}
+
+/// (prompt tokens/s, generated tokens/s) for `batch` streams.
+fn run(e: &mut Engine, batch: usize, prompt_len: usize, tokens: u32, round: usize) -> (f64, f64) {
+    let vocab = e.info().vocab_size;
+    for i in 0..batch {
+        // Distinct prompts, so the prefix cache shares nothing between streams or rounds.
+        let prompt: Vec<u32> = (0..prompt_len)
+            .map(|j| ((i * 7919 + j * 104_729 + round * 15_485_863) as u32 + 3) % vocab)
+            .collect();
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(tokens)
+        };
+        e.submit(GenRequest {
+            id: format!("r{round}s{i}"),
+            prompt,
+            params,
+        })
+        .expect("valid request");
+    }
+    let t0 = Instant::now();
+    let mut first = 0;
+    while first < batch {
+        first += tokens_of(&e.step());
+    }
+    let prefill = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut generated = 0;
+    while e.has_work() {
+        generated += tokens_of(&e.step());
+    }
+    let decode = t1.elapsed().as_secs_f64();
+    (
+        (batch * prompt_len) as f64 / prefill,
+        generated as f64 / decode,
+    )
+}
+
+fn main() {
+    let a = parse();
+    let model = a.model.clone().map_or_else(
+        pdmesh_gguf::models::require_default_model,
+        std::path::PathBuf::from,
+    );
+    let biggest = a.batches.iter().copied().max().unwrap_or(1);
+    let mut cfg = EngineConfig::new(&model);
+    cfg.threads = a.threads;
+    cfg.tp = a.tp;
+    cfg.max_batch = biggest;
+    cfg.prefill_chunk = (biggest * a.prompt_len).max(512);
+    cfg.kv_pages = (biggest * (a.prompt_len + a.tokens as usize)).div_ceil(cfg.page_size) * 2 + 64;
+    cfg.prefix_cache = false;
+    if a.cuda {
+        cfg.gpu = Some(GpuConfig {
+            devices: a.gpus.clone(),
+            invariant: !a.fast,
+            ..GpuConfig::default()
+        });
+    }
+    let mut e = Engine::load(cfg).expect("engine loads");
+    run(&mut e, 1, 16, 4, 0); // warm-up: kernels loaded, buffers touched
+    for (round, &b) in a.batches.iter().enumerate() {
+        let (prefill, decode) = run(&mut e, b, a.prompt_len, a.tokens, round + 1);
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": model.file_name().and_then(|n| n.to_str()),
+                "device": if a.cuda { "cuda" } else { "cpu" },
+                "gpus": if a.cuda { a.gpus.len() } else { 0 },
+                "invariant": !a.fast,
+                "tp": a.tp,
+                "batch": b,
+                "prompt_len": a.prompt_len,
+                "tokens": a.tokens,
+                "prefill_tok_s": (prefill * 10.0).round() / 10.0,
+                "decode_tok_s": (decode * 10.0).round() / 10.0,
+            })
+        );
+    }
+}

@@ -1,0 +1,757 @@
+//! The llama-family forward pass on one GPU, for one tensor-parallel rank: the same
+//! all-gather sharding as the CPU's `tp` (a rank owns a range of KV heads and the query
+//! heads of those groups, and output-row ranges of `wo`, the MLP and nothing else), so
+//! every dot product is computed whole and a token's result does not depend on the
+//! number of ranks.
+//!
+//! Weights are dequantized from the GGUF to f32 on the host at load and kept on the
+//! device; the matrix products are `matmul_rows` (one warp per output, a fixed order:
+//! batch-invariant) or, in the fast mode, cuBLAS SGEMM (its algorithm depends on the
+//! batch, so it is not).
+//!
+//! The device holds a full copy of the engine's page pool. Before a forward, pages whose
+//! host version moved (imported from prefill, loaded from the host tier) are copied up on
+//! the load stream layer by layer, each layer's copy followed by an event that the compute
+//! stream waits on before it writes or reads that layer's KV. After the forward the rows of
+//! KV it wrote are gathered into one buffer and handed back, so the host pool stays the
+//! authoritative copy that exports and the host tier read.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::driver::{
+    CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg, sys,
+};
+use cudarc::nccl::{Comm, Id};
+use pdmesh_gguf::GgufFile;
+use pdmesh_kernels::QMatrix;
+use pdmesh_kv::KvLayout;
+
+use super::device::{Gpu, KernelBuild, grid};
+use super::{CudaError, cuda_err};
+use crate::model::LlamaConfig;
+use crate::tp::{RankShard, ShardPlan};
+
+/// What one rank owns, and what every rank owns (for the gathers).
+#[derive(Clone, Debug)]
+pub struct RankSpec {
+    pub ordinal: usize,
+    pub rank: usize,
+    /// The CPU's plan (`tp::ShardPlan`): the same split on every backend.
+    pub plan: Arc<ShardPlan>,
+    /// Batch-invariant matrix products (`matmul_rows`) instead of cuBLAS.
+    pub invariant: bool,
+    pub build: KernelBuild,
+}
+
+impl RankSpec {
+    fn world(&self) -> usize {
+        self.plan.world
+    }
+    fn mine(&self) -> &RankShard {
+        &self.plan.ranks[self.rank]
+    }
+    fn kv(&self, r: usize) -> Range<usize> {
+        self.plan.ranks[r].kv_heads.clone()
+    }
+    /// Columns of the attention output rank `r` produces (its query heads × head_dim).
+    fn att_cols(&self, r: usize) -> Range<usize> {
+        let (q, hd) = (&self.plan.ranks[r].q_heads, self.plan.head_dim);
+        q.start * hd..q.end * hd
+    }
+    fn dim_rows(&self, r: usize) -> Range<usize> {
+        self.plan.ranks[r].dim.clone()
+    }
+    fn ffn_rows(&self, r: usize) -> Range<usize> {
+        self.plan.ranks[r].ffn.clone()
+    }
+}
+
+struct RankLayer {
+    attn_norm: CudaSlice<f32>,
+    ffn_norm: CudaSlice<f32>,
+    wq: CudaSlice<f32>,
+    wk: CudaSlice<f32>,
+    wv: CudaSlice<f32>,
+    wo: CudaSlice<f32>,
+    wg: CudaSlice<f32>,
+    wu: CudaSlice<f32>,
+    wd: CudaSlice<f32>,
+}
+
+/// The host arena of the engine's pool, lent to the ranks for the duration of one forward
+/// (the engine thread blocks until every rank has answered).
+#[derive(Clone, Copy, Debug)]
+pub struct HostArena {
+    pub ptr: *const u8,
+    pub len: usize,
+}
+
+// SAFETY: the pointer is only read, by rank threads, while the engine thread that owns the
+// pool waits for all of them to finish (see `CudaLlama::forward`).
+unsafe impl Send for HostArena {}
+unsafe impl Sync for HostArena {}
+
+impl HostArena {
+    /// # Safety
+    /// The arena must still be alive and unchanged (see the type's docs).
+    unsafe fn bytes(&self, r: Range<usize>) -> &[u8] {
+        assert!(r.end <= self.len);
+        // SAFETY: in bounds (checked) and alive (the caller's contract).
+        unsafe { std::slice::from_raw_parts(self.ptr.add(r.start), r.len()) }
+    }
+}
+
+/// One forward's inputs, shared by every rank.
+#[derive(Debug)]
+pub struct Job {
+    pub tokens: Vec<u32>,
+    pub pos: Vec<i32>,
+    pub seq: Vec<i32>,
+    /// Every sequence's pages, concatenated; `page_table_start[s]` is where `s` begins.
+    pub page_table: Vec<i32>,
+    pub page_table_start: Vec<i32>,
+    /// Per token, the byte offset of its slot in the pool: `page·bytes_per_page +
+    /// slot·row_bytes` (llama layouts put a layer's slots of one component side by side).
+    pub tok_off: Vec<i64>,
+    /// Batch indices of the tokens whose logits are wanted, in order.
+    pub want: Vec<u32>,
+    /// Positions attended at most (max pos + 1).
+    pub max_len: usize,
+    /// Pages whose host bytes the device lacks.
+    pub uploads: Vec<u32>,
+    pub host: HostArena,
+}
+
+/// What a rank hands back: rank 0 the logits (`want.len() × vocab`), every rank the KV rows
+/// it wrote, ordered token, layer, K then V, each its own heads' columns.
+#[derive(Debug, Default)]
+pub struct RankOut {
+    pub logits: Vec<f32>,
+    pub kv_rows: Vec<u8>,
+    /// Bytes per KV row in `kv_rows` and the byte offset of the rank's columns in a slot.
+    pub row_bytes: usize,
+    pub col_byte0: usize,
+}
+
+/// One rank: its device, its shard of the weights, its copy of the pool.
+pub struct LlamaRank {
+    gpu: Gpu,
+    cfg: LlamaConfig,
+    spec: RankSpec,
+    layout: Arc<KvLayout>,
+    layers: Vec<RankLayer>,
+    embed: CudaSlice<f32>,
+    out_norm: CudaSlice<f32>,
+    /// The output matrix on rank 0 (`None` when tied to the embeddings).
+    output: Option<CudaSlice<f32>>,
+    pool: CudaSlice<u8>,
+    comm: Option<Comm>,
+    /// The host arena registered as pinned memory (rank 0 registers it, portable).
+    registered: Option<HostArena>,
+}
+
+fn dense(
+    g: &GgufFile,
+    name: &str,
+    shape: (usize, usize),
+    rows: Range<usize>,
+) -> Result<Vec<f32>, CudaError> {
+    let (all_rows, cols) = shape;
+    let t = g.tensor(name).map_err(|e| CudaError(e.to_string()))?;
+    if t.row_len() != cols || t.rows() != all_rows {
+        return Err(CudaError(format!(
+            "tensor {name} is {:?}, expected {cols}x{all_rows}",
+            t.dims
+        )));
+    }
+    let range = g.tensor_range(name).map_err(|e| CudaError(e.to_string()))?;
+    let m = QMatrix::new(t.ty, &g.bytes()[range], all_rows, cols);
+    let mut out = vec![0f32; rows.len() * cols];
+    for (i, r) in rows.enumerate() {
+        m.dequantize_row(r, &mut out[i * cols..(i + 1) * cols]);
+    }
+    Ok(out)
+}
+
+impl LlamaRank {
+    /// Open the device, upload this rank's weights and allocate its pool copy. With
+    /// `world > 1`, joins the NCCL communicator `nccl` (blocks until every rank has).
+    pub fn load(
+        spec: RankSpec,
+        gguf: &GgufFile,
+        cfg: &LlamaConfig,
+        layout: Arc<KvLayout>,
+        pages: usize,
+        nccl: Option<Id>,
+    ) -> Result<Self, CudaError> {
+        let gpu = Gpu::open(spec.ordinal, &spec.build)?;
+        let s = gpu.compute.clone();
+        let up = |v: Vec<f32>| s.clone_htod(&v).map_err(cuda_err);
+        let c = cfg;
+        let (d, hd) = (c.dim, c.head_dim);
+        let rep = c.heads / c.kv_heads;
+        let kv = spec.mine().kv_heads.clone();
+        let (dr, fr) = (spec.mine().dim.clone(), spec.mine().ffn.clone());
+        let kvd = c.kv_heads * hd;
+        let mut layers = Vec::with_capacity(c.layers);
+        for l in 0..c.layers {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let q_rows = kv.start * rep * hd..kv.end * rep * hd;
+            let kv_rows = kv.start * hd..kv.end * hd;
+            layers.push(RankLayer {
+                attn_norm: up(tensor_f32(gguf, &n("attn_norm"))?)?,
+                ffn_norm: up(tensor_f32(gguf, &n("ffn_norm"))?)?,
+                wq: up(dense(gguf, &n("attn_q"), (d, d), q_rows)?)?,
+                wk: up(dense(gguf, &n("attn_k"), (kvd, d), kv_rows.clone())?)?,
+                wv: up(dense(gguf, &n("attn_v"), (kvd, d), kv_rows)?)?,
+                wo: up(dense(gguf, &n("attn_output"), (d, d), dr.clone())?)?,
+                wg: up(dense(gguf, &n("ffn_gate"), (c.ffn, d), fr.clone())?)?,
+                wu: up(dense(gguf, &n("ffn_up"), (c.ffn, d), fr.clone())?)?,
+                wd: up(dense(gguf, &n("ffn_down"), (d, c.ffn), dr.clone())?)?,
+            });
+        }
+        let embed = up(dense(gguf, "token_embd.weight", (c.vocab, d), 0..c.vocab)?)?;
+        let output = if spec.rank == 0 && gguf.tensors.contains_key("output.weight") {
+            Some(up(dense(gguf, "output.weight", (c.vocab, d), 0..c.vocab)?)?)
+        } else {
+            None
+        };
+        let out_norm = up(tensor_f32(gguf, "output_norm.weight")?)?;
+        let pool = s
+            .alloc_zeros::<u8>(layout.bytes_per_pool(pages))
+            .map_err(cuda_err)?;
+        let comm = match nccl {
+            Some(id) if spec.world() > 1 => Some(
+                Comm::from_rank(s.clone(), spec.rank, spec.world(), id)
+                    .map_err(|e| CudaError(format!("NCCL init, rank {}: {e:?}", spec.rank)))?,
+            ),
+            _ => None,
+        };
+        s.synchronize().map_err(cuda_err)?;
+        Ok(Self {
+            gpu,
+            cfg: cfg.clone(),
+            spec,
+            layout,
+            layers,
+            embed,
+            out_norm,
+            output,
+            pool,
+            comm,
+            registered: None,
+        })
+    }
+
+    /// Register the host arena as pinned memory, once (rank 0; portable, so every
+    /// context's copies from it are DMA).
+    fn register(&mut self, host: HostArena) -> Result<(), CudaError> {
+        if self.spec.rank != 0 || self.registered.is_some() {
+            return Ok(());
+        }
+        // SAFETY: the arena is alive for the engine's life (unregistered in Drop, which
+        // runs before the engine drops its pool: the model is dropped first).
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(
+                host.ptr as *mut _,
+                host.len,
+                sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // Still correct, only slower: pageable copies.
+            tracing::warn!(?r, "could not pin the KV pool's host memory");
+            return Ok(());
+        }
+        self.registered = Some(host);
+        Ok(())
+    }
+
+    /// Copy the job's stale pages up, layer by layer; one event per layer (none when
+    /// there is nothing to copy).
+    fn upload(&mut self, job: &Job) -> Result<Vec<CudaEvent>, CudaError> {
+        if job.uploads.is_empty() {
+            return Ok(Vec::new());
+        }
+        let l = &self.layout;
+        let bpp = l.bytes_per_page();
+        let load = self.gpu.load.clone();
+        let (base, _sync) = self.pool.device_ptr_mut(&load);
+        let mut events = Vec::with_capacity(l.layers());
+        for layer in 0..l.layers() {
+            let start = if layer == 0 {
+                0
+            } else {
+                l.value_offset(layer, 0, 0)
+            };
+            let end = if layer + 1 < l.layers() {
+                l.value_offset(layer + 1, 0, 0)
+            } else {
+                bpp
+            };
+            for &p in &job.uploads {
+                let off = p as usize * bpp;
+                // SAFETY: the engine thread keeps the arena alive and unchanged until
+                // this forward returns; the range is inside the page.
+                let src = unsafe { job.host.bytes(off + start..off + end) };
+                // SAFETY: `base + off + start .. + len` lies inside the device pool (same
+                // layout and page count as the host pool).
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        base + (off + start) as u64,
+                        src,
+                        load.cu_stream(),
+                    )
+                }
+                .map_err(cuda_err)?;
+            }
+            events.push(load.record_event(None).map_err(cuda_err)?);
+        }
+        Ok(events)
+    }
+
+    /// Run one forward for this rank. See the module docs.
+    pub fn forward(&mut self, job: &Job) -> Result<RankOut, CudaError> {
+        self.register(job.host)?;
+        let events = self.upload(job)?;
+        let gpu = &self.gpu;
+        let s = gpu.compute.clone();
+        let c = self.cfg.clone();
+        let spec = self.spec.clone();
+        let t = job.tokens.len();
+        let (d, hd) = (c.dim, c.head_dim);
+        let rep = c.heads / c.kv_heads;
+        let kv = spec.kv(spec.rank);
+        let (qh, kvh) = (kv.len() * rep, kv.len());
+        let (dr, fr) = (spec.dim_rows(spec.rank), spec.ffn_rows(spec.rank));
+        let h2d_i32 = |v: &[i32]| s.clone_htod(v).map_err(cuda_err);
+        let tokens = s.clone_htod(&job.tokens).map_err(cuda_err)?;
+        let pos = h2d_i32(&job.pos)?;
+        let seq = h2d_i32(&job.seq)?;
+        let pt = h2d_i32(&job.page_table)?;
+        let pts = h2d_i32(&job.page_table_start)?;
+        let tok_off = s.clone_htod(&job.tok_off).map_err(cuda_err)?;
+        let z = |n: usize| s.alloc_zeros::<f32>(n.max(1)).map_err(cuda_err);
+        let (mut x, mut h) = (z(t * d)?, z(t * d)?);
+        let (mut q, mut k, mut v) = (z(t * qh * hd)?, z(t * kvh * hd)?, z(t * kvh * hd)?);
+        let (mut att_l, mut att) = (z(t * qh * hd)?, z(t * d)?);
+        let (mut o_l, mut o) = (z(t * dr.len())?, z(t * d)?);
+        let (mut g, mut u, mut gf) = (z(t * fr.len())?, z(t * fr.len())?, z(t * c.ffn)?);
+        let mut scratch = z(t * qh * job.max_len)?;
+        let (di, ti) = (d as i32, t as i32);
+        {
+            let mut b = s.launch_builder(gpu.kernel("embed_gather"));
+            b.arg(&self.embed)
+                .arg(&tokens)
+                .arg(&mut x)
+                .arg(&di)
+                .arg(&ti);
+            // SAFETY: argument list matches the kernel's signature (kernels/cuda).
+            unsafe { b.launch(grid((t as u32, 1, 1), 256)) }.map_err(cuda_err)?;
+        }
+        let kvd = c.kv_heads * hd;
+        let bpp = self.layout.bytes_per_page() as i64;
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm(gpu, &s, &x, &layer.attn_norm, &mut h, t, d, c.rms_eps)?;
+            let mm = |w: &CudaSlice<f32>,
+                      rows,
+                      cols,
+                      x: &CudaSlice<f32>,
+                      out: &mut CudaSlice<f32>,
+                      stride,
+                      col0| {
+                matmul(
+                    gpu,
+                    &s,
+                    spec.invariant,
+                    w,
+                    rows,
+                    cols,
+                    x,
+                    t,
+                    out,
+                    stride,
+                    col0,
+                )
+            };
+            mm(&layer.wq, qh * hd, d, &h, &mut q, qh * hd, 0)?;
+            mm(&layer.wk, kvh * hd, d, &h, &mut k, kvh * hd, 0)?;
+            mm(&layer.wv, kvh * hd, d, &h, &mut v, kvh * hd, 0)?;
+            rope(gpu, &s, &mut q, &pos, t, qh, hd, c.rope_base)?;
+            rope(gpu, &s, &mut k, &pos, t, kvh, hd, c.rope_base)?;
+            if let Some(ev) = events.get(li) {
+                s.wait(ev).map_err(cuda_err)?;
+            }
+            for (comp, src) in [(0usize, &k), (1, &v)] {
+                let comp_off = self.layout.value_offset(li, comp, 0) as i64;
+                let (stride, col0, cols, n) = (
+                    (kvh * hd) as i32,
+                    (kv.start * hd) as i32,
+                    (kvh * hd) as i32,
+                    t as i32,
+                );
+                let mut b = s.launch_builder(gpu.kernel("kv_write_f16"));
+                b.arg(src)
+                    .arg(&stride)
+                    .arg(&mut self.pool)
+                    .arg(&tok_off)
+                    .arg(&comp_off)
+                    .arg(&col0)
+                    .arg(&cols)
+                    .arg(&n);
+                // SAFETY: matches kv_write_f16's signature; offsets lie inside the pool.
+                unsafe { b.launch(grid((t as u32, 1, 1), 128)) }.map_err(cuda_err)?;
+            }
+            {
+                let (qs, os, ss) = ((qh * hd) as i32, (qh * hd) as i32, job.max_len as i32);
+                let (k_off, v_off) = (
+                    self.layout.value_offset(li, 0, 0) as i64,
+                    self.layout.value_offset(li, 1, 0) as i64,
+                );
+                let (kre, hdi, repi, kv0, psz) = (
+                    kvd as i32,
+                    hd as i32,
+                    rep as i32,
+                    kv.start as i32,
+                    self.layout.page_size() as i32,
+                );
+                let scale = 1.0f32 / (hd as f32).sqrt();
+                let mut b = s.launch_builder(gpu.kernel("paged_attention_f16"));
+                b.arg(&q)
+                    .arg(&qs)
+                    .arg(&mut att_l)
+                    .arg(&os)
+                    .arg(&mut scratch)
+                    .arg(&ss)
+                    .arg(&self.pool)
+                    .arg(&seq)
+                    .arg(&pos)
+                    .arg(&pt)
+                    .arg(&pts)
+                    .arg(&bpp)
+                    .arg(&k_off)
+                    .arg(&v_off)
+                    .arg(&kre)
+                    .arg(&hdi)
+                    .arg(&repi)
+                    .arg(&kv0)
+                    .arg(&psz)
+                    .arg(&scale);
+                // SAFETY: matches paged_attention_f16's signature; scratch holds
+                // t·qh·max_len floats.
+                unsafe { b.launch(grid((t as u32, qh as u32, 1), 128)) }.map_err(cuda_err)?;
+            }
+            self.gather(&s, &att_l, &mut att, t, |r| spec.att_cols(r))?;
+            mm(&layer.wo, dr.len(), d, &att, &mut o_l, dr.len(), 0)?;
+            self.gather(&s, &o_l, &mut o, t, |r| spec.dim_rows(r))?;
+            add_in_place(gpu, &s, &mut x, &o, t * d)?;
+            rms_norm(gpu, &s, &x, &layer.ffn_norm, &mut h, t, d, c.rms_eps)?;
+            mm(&layer.wg, fr.len(), d, &h, &mut g, fr.len(), 0)?;
+            mm(&layer.wu, fr.len(), d, &h, &mut u, fr.len(), 0)?;
+            swiglu(gpu, &s, &mut g, &u, t * fr.len())?;
+            self.gather(&s, &g, &mut gf, t, |r| spec.ffn_rows(r))?;
+            mm(&layer.wd, dr.len(), c.ffn, &gf, &mut o_l, dr.len(), 0)?;
+            self.gather(&s, &o_l, &mut o, t, |r| spec.dim_rows(r))?;
+            add_in_place(gpu, &s, &mut x, &o, t * d)?;
+        }
+        let logits = if spec.rank == 0 && !job.want.is_empty() {
+            self.logits(&s, &x, &job.want)?
+        } else {
+            Vec::new()
+        };
+        let (kv_rows, row_bytes, col_byte0) = self.kv_rows(&s, job, &tok_off, kv.clone())?;
+        Ok(RankOut {
+            logits,
+            kv_rows,
+            row_bytes,
+            col_byte0,
+        })
+    }
+
+    /// All-gather `local` (`t × cols_r` for this rank) into `full` (`t × Σ cols`, each
+    /// rank's columns at their offset). One rank: a plain copy.
+    fn gather(
+        &self,
+        s: &Arc<CudaStream>,
+        local: &CudaSlice<f32>,
+        full: &mut CudaSlice<f32>,
+        t: usize,
+        cols: impl Fn(usize) -> Range<usize>,
+    ) -> Result<(), CudaError> {
+        let world = self.spec.world();
+        let total = cols(world - 1).end;
+        let Some(comm) = &self.comm else {
+            s.memcpy_dtod(&local.slice(..t * total), &mut full.slice_mut(..t * total))
+                .map_err(cuda_err)?;
+            return Ok(());
+        };
+        let width = (0..world).map(|r| cols(r).len()).max().unwrap_or(0);
+        // NCCL gathers equal counts: each rank sends a padded block of t × width.
+        let mut send = s.alloc_zeros::<f32>(t * width).map_err(cuda_err)?;
+        let mine = cols(self.spec.rank).len();
+        s.memcpy_dtod(&local.slice(..t * mine), &mut send.slice_mut(..t * mine))
+            .map_err(cuda_err)?;
+        let mut recv = s.alloc_zeros::<f32>(world * t * width).map_err(cuda_err)?;
+        comm.all_gather(&send, &mut recv)
+            .map_err(|e| CudaError(format!("NCCL all-gather: {e:?}")))?;
+        let (src, _a) = recv.device_ptr(s);
+        let (dst, _b) = full.device_ptr_mut(s);
+        for r in 0..world {
+            let cr = cols(r);
+            // Rank r's block is t rows of cr.len() values (packed), at r·t·width.
+            let copy = sys::CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                srcHost: std::ptr::null(),
+                srcDevice: src + (r * t * width * 4) as u64,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: cr.len() * 4,
+                dstXInBytes: cr.start * 4,
+                dstY: 0,
+                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: dst,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: total * 4,
+                WidthInBytes: cr.len() * 4,
+                Height: t,
+            };
+            if cr.is_empty() || t == 0 {
+                continue;
+            }
+            // SAFETY: both regions lie inside their allocations (t rows of the stated
+            // pitches), on this stream.
+            unsafe { sys::cuMemcpy2DAsync_v2(&copy, s.cu_stream()) }
+                .result()
+                .map_err(cuda_err)?;
+        }
+        Ok(())
+    }
+
+    /// Rank 0: the final norm and output matrix for the wanted tokens, to the host.
+    fn logits(
+        &self,
+        s: &Arc<CudaStream>,
+        x: &CudaSlice<f32>,
+        want: &[u32],
+    ) -> Result<Vec<f32>, CudaError> {
+        let (c, gpu) = (&self.cfg, &self.gpu);
+        let (n, d) = (want.len(), c.dim);
+        let offs: Vec<i64> = want.iter().map(|&i| (i as usize * d * 4) as i64).collect();
+        let offs = s.clone_htod(&offs).map_err(cuda_err)?;
+        let mut xs = s.alloc_zeros::<f32>(n * d).map_err(cuda_err)?;
+        {
+            let (rb, ni) = ((d * 4) as i32, n as i32);
+            // SAFETY: f32 buffers viewed as bytes for a row copy.
+            let mut xs_b = unsafe { xs.transmute_mut::<u8>(n * d * 4) }.expect("size");
+            let x_b = unsafe { x.transmute::<u8>(x.len() * 4) }.expect("size");
+            let mut b = s.launch_builder(gpu.kernel("gather_rows"));
+            b.arg(&x_b).arg(&offs).arg(&mut xs_b).arg(&rb).arg(&ni);
+            // SAFETY: matches gather_rows; offsets are rows of x.
+            unsafe { b.launch(grid((n as u32, 1, 1), 256)) }.map_err(cuda_err)?;
+        }
+        let mut hs = s.alloc_zeros::<f32>(n * d).map_err(cuda_err)?;
+        rms_norm(gpu, s, &xs, &self.out_norm, &mut hs, n, d, c.rms_eps)?;
+        let w = self.output.as_ref().unwrap_or(&self.embed);
+        let mut logits = s.alloc_zeros::<f32>(n * c.vocab).map_err(cuda_err)?;
+        matmul(
+            gpu,
+            s,
+            self.spec.invariant,
+            w,
+            c.vocab,
+            d,
+            &hs,
+            n,
+            &mut logits,
+            c.vocab,
+            0,
+        )?;
+        s.clone_dtoh(&logits).map_err(cuda_err)
+    }
+
+    /// The KV rows this forward wrote (this rank's heads), gathered and copied down.
+    fn kv_rows(
+        &self,
+        s: &Arc<CudaStream>,
+        job: &Job,
+        tok_off: &CudaSlice<i64>,
+        kv: Range<usize>,
+    ) -> Result<(Vec<u8>, usize, usize), CudaError> {
+        let _ = tok_off;
+        let hd = self.cfg.head_dim;
+        let (row_bytes, col_byte0) = (kv.len() * hd * 2, kv.start * hd * 2);
+        let layers = self.layout.layers();
+        let mut offs = Vec::with_capacity(job.tok_off.len() * layers * 2);
+        for &to in &job.tok_off {
+            for l in 0..layers {
+                for comp in 0..2 {
+                    offs.push(to + (self.layout.value_offset(l, comp, 0) + col_byte0) as i64);
+                }
+            }
+        }
+        if offs.is_empty() {
+            return Ok((Vec::new(), row_bytes, col_byte0));
+        }
+        let n = offs.len();
+        let offs = s.clone_htod(&offs).map_err(cuda_err)?;
+        let mut staging = s.alloc_zeros::<u8>(n * row_bytes).map_err(cuda_err)?;
+        let (rb, ni) = (row_bytes as i32, n as i32);
+        let mut b = s.launch_builder(self.gpu.kernel("gather_rows"));
+        b.arg(&self.pool)
+            .arg(&offs)
+            .arg(&mut staging)
+            .arg(&rb)
+            .arg(&ni);
+        // SAFETY: matches gather_rows; every offset is a slot row inside the pool.
+        unsafe { b.launch(grid((n as u32, 1, 1), 256)) }.map_err(cuda_err)?;
+        let rows = s.clone_dtoh(&staging).map_err(cuda_err)?;
+        Ok((rows, row_bytes, col_byte0))
+    }
+}
+
+impl Drop for LlamaRank {
+    fn drop(&mut self) {
+        if let Some(h) = self.registered.take() {
+            let _ = self.gpu.ctx.bind_to_thread();
+            // SAFETY: registered by `register` with this pointer.
+            let _ = unsafe { sys::cuMemHostUnregister(h.ptr as *mut _) };
+        }
+    }
+}
+
+fn tensor_f32(g: &GgufFile, name: &str) -> Result<Vec<f32>, CudaError> {
+    g.tensor_f32(name).map_err(|e| CudaError(e.to_string()))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rms_norm(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    rows: usize,
+    dim: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let di = dim as i32;
+    let mut b = s.launch_builder(gpu.kernel("rms_norm"));
+    b.arg(x).arg(w).arg(out).arg(&di).arg(&eps);
+    // SAFETY: matches rms_norm's signature; x and out hold rows × dim.
+    unsafe { b.launch(grid((rows as u32, 1, 1), 256)) }.map_err(cuda_err)?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rope(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    x: &mut CudaSlice<f32>,
+    pos: &CudaSlice<i32>,
+    t: usize,
+    heads: usize,
+    hd: usize,
+    base: f32,
+) -> Result<(), CudaError> {
+    if t == 0 || heads == 0 {
+        return Ok(());
+    }
+    let (hi, hdi, stride) = (heads as i32, hd as i32, (heads * hd) as i32);
+    // The CPU's powf, as rope_table computes it: the kernel takes the scale.
+    let theta_scale = base.powf(-2.0 / hd as f32);
+    let mut b = s.launch_builder(gpu.kernel("rope_pairs"));
+    b.arg(x)
+        .arg(pos)
+        .arg(&hi)
+        .arg(&hdi)
+        .arg(&stride)
+        .arg(&theta_scale);
+    // SAFETY: matches rope_pairs; x holds t × heads × hd.
+    unsafe { b.launch(grid((t as u32, heads as u32, 1), 32)) }.map_err(cuda_err)?;
+    Ok(())
+}
+
+fn add_in_place(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    x: &mut CudaSlice<f32>,
+    y: &CudaSlice<f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    let ni = n as i32;
+    let mut b = s.launch_builder(gpu.kernel("add_in_place"));
+    b.arg(x).arg(y).arg(&ni);
+    // SAFETY: matches add_in_place; both hold n values.
+    unsafe { b.launch(grid((n.div_ceil(256) as u32, 1, 1), 256)) }.map_err(cuda_err)?;
+    Ok(())
+}
+
+fn swiglu(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    g: &mut CudaSlice<f32>,
+    u: &CudaSlice<f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    let ni = n as i32;
+    let mut b = s.launch_builder(gpu.kernel("swiglu"));
+    b.arg(g).arg(u).arg(&ni);
+    // SAFETY: matches swiglu; both hold n values.
+    unsafe { b.launch(grid((n.div_ceil(256) as u32, 1, 1), 256)) }.map_err(cuda_err)?;
+    Ok(())
+}
+
+/// `out[t·stride + col0 + r] = w[r] · x[t]` for `rows` rows of `cols` and `t` tokens.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    invariant: bool,
+    w: &CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+    x: &CudaSlice<f32>,
+    t: usize,
+    out: &mut CudaSlice<f32>,
+    out_stride: usize,
+    out_col0: usize,
+) -> Result<(), CudaError> {
+    if t == 0 || rows == 0 {
+        return Ok(());
+    }
+    if invariant {
+        let (ri, ci, si, c0) = (rows as i32, cols as i32, out_stride as i32, out_col0 as i32);
+        let mut b = s.launch_builder(gpu.kernel("matmul_rows"));
+        b.arg(w).arg(x).arg(out).arg(&ri).arg(&ci).arg(&si).arg(&c0);
+        // SAFETY: matches matmul_rows; w is rows × cols, x is t × cols, out has t rows
+        // of out_stride.
+        unsafe { b.launch(grid((rows.div_ceil(8) as u32, t as u32, 1), 256)) }.map_err(cuda_err)?;
+        return Ok(());
+    }
+    // Column-major view: out (rows × t, ld out_stride) = wᵀ (rows × cols) · x (cols × t).
+    let cfg = GemmConfig {
+        transa: cublasOperation_t::CUBLAS_OP_T,
+        transb: cublasOperation_t::CUBLAS_OP_N,
+        m: rows as i32,
+        n: t as i32,
+        k: cols as i32,
+        alpha: 1.0f32,
+        lda: cols as i32,
+        ldb: cols as i32,
+        beta: 0.0f32,
+        ldc: out_stride as i32,
+    };
+    let _ = s;
+    let mut c = out.slice_mut(out_col0..);
+    // SAFETY: the shapes above fit the buffers (w rows × cols, x t × cols, out t rows of
+    // out_stride from out_col0).
+    unsafe { gpu.blas.gemm(cfg, w, x, &mut c) }.map_err(|e| CudaError(format!("cuBLAS: {e}")))?;
+    Ok(())
+}

@@ -1,0 +1,351 @@
+//! The CUDA backend (cargo feature `cuda`): llama-family models on one or more GPUs.
+//!
+//! Each GPU is driven by one actix actor on its own OS thread (a `SyncArbiter` of one),
+//! which creates and binds the device's context in `started()` and owns everything on
+//! that device: kernels, weights, the device copy of the KV pool, the NCCL communicator.
+//! The actor is a thin shell over [`llama::LlamaRank`], a plain struct.
+//!
+//! [`CudaLlama`] is what the engine holds: for each forward it works out which pages the
+//! devices lack, sends every rank the same [`llama::Job`], waits for all of them, writes
+//! the KV rows they computed back into the host pool and returns rank 0's logits.
+
+pub mod device;
+pub mod llama;
+
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
+use pdmesh_gguf::GgufFile;
+use pdmesh_kv::{KvLayout, PageId, PagePool};
+
+pub use device::KernelBuild;
+use llama::{HostArena, Job, LlamaRank, RankOut, RankSpec};
+
+use crate::model::{BatchToken, LlamaConfig};
+use crate::tp::ShardPlan;
+
+/// A CUDA failure, with what was being done.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("CUDA: {0}")]
+pub struct CudaError(pub String);
+
+pub(crate) fn cuda_err(e: impl std::fmt::Display) -> CudaError {
+    CudaError(e.to_string())
+}
+
+/// Which GPUs and how.
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// Device ordinals, one per tensor-parallel rank (rank `i` on `devices[i]`).
+    pub devices: Vec<usize>,
+    /// Batch-invariant matrix products (the default). Off: cuBLAS SGEMM, faster at large
+    /// batches, but a token's logits then depend on what it was batched with.
+    pub invariant: bool,
+    pub build: KernelBuild,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            devices: vec![0],
+            invariant: true,
+            build: KernelBuild::default(),
+        }
+    }
+}
+
+type Init = Box<dyn FnOnce() -> Result<LlamaRank, CudaError> + Send>;
+type Ready = mpsc::Sender<(usize, Result<(), CudaError>)>;
+/// A rank's start-up work, taken once by its actor's factory.
+type InitSlot = Arc<Mutex<Option<(Init, Ready)>>>;
+
+/// The device actor: one per GPU.
+struct DeviceActor {
+    init: Option<Init>,
+    ready: Option<Ready>,
+    index: usize,
+    rank: Option<LlamaRank>,
+}
+
+impl Actor for DeviceActor {
+    type Context = SyncContext<Self>;
+
+    /// Runs on the actor's own thread: creates and binds the context, loads the weights.
+    fn started(&mut self, _: &mut Self::Context) {
+        let Some(init) = self.init.take() else { return };
+        let res = init().map(|r| self.rank = Some(r));
+        if let Some(tx) = self.ready.take() {
+            let _ = tx.send((self.index, res));
+        }
+    }
+}
+
+struct Forward {
+    job: Arc<Job>,
+    reply: mpsc::Sender<(usize, Result<RankOut, CudaError>)>,
+}
+
+impl Message for Forward {
+    type Result = ();
+}
+
+impl Handler<Forward> for DeviceActor {
+    type Result = ();
+    fn handle(&mut self, msg: Forward, _: &mut Self::Context) {
+        let out = match self.rank.as_mut() {
+            Some(r) => r.forward(&msg.job),
+            None => Err(CudaError("the device failed to start".into())),
+        };
+        let _ = msg.reply.send((self.index, out));
+    }
+}
+
+/// The llama model on GPUs, as the engine holds it.
+pub struct CudaLlama {
+    pub cfg: LlamaConfig,
+    layout: Arc<KvLayout>,
+    ranks: Vec<Addr<DeviceActor>>,
+    system: actix::System,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// Per page, the host pool version the devices hold.
+    mirror: Mutex<Vec<u64>>,
+}
+
+impl std::fmt::Debug for CudaLlama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaLlama")
+            .field("ranks", &self.ranks.len())
+            .finish()
+    }
+}
+
+impl CudaLlama {
+    /// Start one device actor per entry of `opts.devices` and load every rank.
+    pub fn load(
+        gguf: Arc<GgufFile>,
+        cfg: LlamaConfig,
+        layout: Arc<KvLayout>,
+        pages: usize,
+        opts: &CudaOptions,
+    ) -> Result<Self, CudaError> {
+        let world = opts.devices.len();
+        if world == 0 {
+            return Err(CudaError("no devices given".into()));
+        }
+        let plan = Arc::new(ShardPlan::new(&cfg, world).map_err(cuda_err)?);
+        let nccl = if world > 1 {
+            Some(
+                device::catch_missing_library(cudarc::nccl::Id::new)?.map_err(|e| {
+                    CudaError(format!(
+                        "NCCL unique id: {e:?} (is libnccl.so on LD_LIBRARY_PATH?)"
+                    ))
+                })?,
+            )
+        } else {
+            None
+        };
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let mut inits: Vec<InitSlot> = Vec::new();
+        for (rank, &ordinal) in opts.devices.iter().enumerate() {
+            let spec = RankSpec {
+                ordinal,
+                rank,
+                plan: plan.clone(),
+                invariant: opts.invariant,
+                build: opts.build.clone(),
+            };
+            let (g, c, l) = (gguf.clone(), cfg.clone(), layout.clone());
+            let init: Init = Box::new(move || LlamaRank::load(spec, &g, &c, l, pages, nccl));
+            inits.push(Arc::new(Mutex::new(Some((init, ready_tx.clone())))));
+        }
+        drop(ready_tx);
+        let (addr_tx, addr_rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("pdmesh-gpu-system".into())
+            .spawn(move || {
+                let runner = actix::System::new();
+                let addrs: Vec<Addr<DeviceActor>> = runner.block_on(async move {
+                    inits
+                        .into_iter()
+                        .enumerate()
+                        .map(|(index, slot)| {
+                            // SyncArbiter wants a factory it could call again; the rank
+                            // exists once, so a restarted actor has no device.
+                            SyncArbiter::start(1, move || {
+                                let taken = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+                                let (init, ready) = match taken {
+                                    Some((i, r)) => (Some(i), Some(r)),
+                                    None => (None, None),
+                                };
+                                DeviceActor {
+                                    init,
+                                    ready,
+                                    index,
+                                    rank: None,
+                                }
+                            })
+                        })
+                        .collect()
+                });
+                if addr_tx.send((addrs, actix::System::current())).is_err() {
+                    return;
+                }
+                if let Err(e) = runner.run() {
+                    tracing::error!(error = %e, "GPU actor system failed");
+                }
+            })
+            .map_err(|e| CudaError(format!("starting the GPU actor thread: {e}")))?;
+        let (ranks, system) = addr_rx
+            .recv()
+            .map_err(|_| CudaError("the GPU actor system did not start".into()))?;
+        let mut me = Self {
+            cfg,
+            layout: layout.clone(),
+            ranks,
+            system,
+            thread: Some(thread),
+            mirror: Mutex::new(vec![0; pages]),
+        };
+        let mut first_err = None;
+        for _ in 0..world {
+            match ready_rx.recv() {
+                Ok((_, Ok(()))) => {}
+                Ok((i, Err(e))) => {
+                    first_err.get_or_insert(CudaError(format!("GPU {}: {}", opts.devices[i], e.0)));
+                }
+                Err(_) => {
+                    first_err
+                        .get_or_insert(CudaError("a device actor stopped while loading".into()));
+                    break;
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            me.stop();
+            return Err(e);
+        }
+        tracing::info!(devices = ?opts.devices, invariant = opts.invariant, "llama model on GPU");
+        Ok(me)
+    }
+
+    fn stop(&mut self) {
+        self.ranks.clear();
+        self.system.stop();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    /// The forward pass: the same contract as `LlamaModel::forward`. A device failure
+    /// here panics (the engine cannot go on without its device); it names the device.
+    pub fn forward(
+        &self,
+        pool: &mut PagePool,
+        seq_pages: &[&[PageId]],
+        tokens: &[BatchToken],
+    ) -> Vec<Vec<f32>> {
+        let layout = &self.layout;
+        let bpp = layout.bytes_per_page();
+        let ps = layout.page_size();
+        let slot_bytes = layout.value_offset(0, 0, 1) - layout.value_offset(0, 0, 0);
+        let mut mirror = self.mirror.lock().unwrap_or_else(|e| e.into_inner());
+        let mut page_table = Vec::new();
+        let mut page_table_start = Vec::with_capacity(seq_pages.len());
+        let mut uploads = Vec::new();
+        for pages in seq_pages {
+            page_table_start.push(page_table.len() as i32);
+            for &p in *pages {
+                page_table.push(p as i32);
+                let v = pool.version(p);
+                if mirror[p as usize] != v {
+                    mirror[p as usize] = v;
+                    uploads.push(p);
+                }
+            }
+        }
+        uploads.sort_unstable();
+        uploads.dedup();
+        let page_of = |tk: &BatchToken| seq_pages[tk.seq][tk.pos / ps];
+        let tok_off: Vec<i64> = tokens
+            .iter()
+            .map(|tk| (page_of(tk) as usize * bpp + (tk.pos % ps) * slot_bytes) as i64)
+            .collect();
+        let arena = pool.arena();
+        let job = Arc::new(Job {
+            tokens: tokens.iter().map(|t| t.token).collect(),
+            pos: tokens.iter().map(|t| t.pos as i32).collect(),
+            seq: tokens.iter().map(|t| t.seq as i32).collect(),
+            page_table,
+            page_table_start,
+            tok_off,
+            want: (0..tokens.len() as u32)
+                .filter(|&i| tokens[i as usize].want_logits)
+                .collect(),
+            max_len: tokens.iter().map(|t| t.pos + 1).max().unwrap_or(1),
+            uploads,
+            host: HostArena {
+                ptr: arena.as_ptr(),
+                len: arena.len(),
+            },
+        });
+        let (tx, rx) = mpsc::channel();
+        for addr in &self.ranks {
+            addr.do_send(Forward {
+                job: job.clone(),
+                reply: tx.clone(),
+            });
+        }
+        drop(tx);
+        // Wait for every rank before touching the pool again: they read its arena.
+        let mut outs: Vec<Option<RankOut>> = (0..self.ranks.len()).map(|_| None).collect();
+        let mut failure = None;
+        for _ in 0..self.ranks.len() {
+            match rx.recv() {
+                Ok((i, Ok(out))) => outs[i] = Some(out),
+                Ok((i, Err(e))) => failure = Some(format!("rank {i}: {}", e.0)),
+                Err(_) => {
+                    failure.get_or_insert("a device actor stopped during a forward".into());
+                    break;
+                }
+            }
+        }
+        if let Some(f) = failure {
+            panic!("CUDA forward failed: {f}");
+        }
+        let layers = layout.layers();
+        let mut logits = Vec::new();
+        for (r, out) in outs.into_iter().enumerate() {
+            let out = out.expect("every rank answered");
+            if r == 0 {
+                logits = out.logits;
+            }
+            let mut rows = out.kv_rows.chunks_exact(out.row_bytes.max(1));
+            for tk in tokens {
+                let page = page_of(tk);
+                let at = (tk.pos % ps) * slot_bytes + out.col_byte0;
+                for l in 0..layers {
+                    for comp in 0..2 {
+                        let row = rows
+                            .next()
+                            .expect("a KV row per token, layer and component");
+                        pool.values_mut::<u8>(page, l, comp)[at..at + out.row_bytes]
+                            .copy_from_slice(row);
+                    }
+                }
+            }
+        }
+        for tk in tokens {
+            let p = page_of(tk);
+            mirror[p as usize] = pool.version(p);
+        }
+        let vocab = self.cfg.vocab;
+        logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
+    }
+}
+
+impl Drop for CudaLlama {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

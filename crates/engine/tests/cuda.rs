@@ -1,0 +1,178 @@
+//! The CUDA backend end to end, on a GPU machine only (the file is empty without the
+//! `cuda` feature): `cargo nextest run --release -p pdmesh-engine --features cuda --test cuda`.
+//! `PDMESH_TEST_GPU` picks the device (default 0).
+//!
+//! - SmolLM2's greedy output on the GPU equals the CPU backend's for five prompts.
+//! - The GPU's own oracle: a token's logits are bit-identical whatever it was batched with
+//!   and however its prompt was chunked (batch-invariant matrix products).
+//! - Load-back: pages imported into a GPU engine (a prefill/decode hand-over, written into
+//!   the pinned host pool and copied up layer by layer) give the same bits as the GPU
+//!   computing them itself.
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{Outcome, bits, engine, fixture_prompts, greedy, run_all};
+use pdmesh_engine::{Engine, GpuConfig, Part, StepEvent};
+
+fn gpu() -> GpuConfig {
+    let ordinal = std::env::var("PDMESH_TEST_GPU").ok().map_or(0, |v| {
+        v.parse().expect("PDMESH_TEST_GPU is a device ordinal")
+    });
+    GpuConfig {
+        devices: vec![ordinal],
+        ..GpuConfig::default()
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    let fx = fixture_prompts();
+    assert!(fx.len() >= 5, "the fixtures hold at least five prompts");
+    fx.into_iter().take(5).collect()
+}
+
+const NEW: u32 = 24;
+
+fn outcomes(e: &mut Engine) -> HashMap<String, Outcome> {
+    let reqs = prompts()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| greedy(&format!("p{i}"), p, NEW))
+        .collect();
+    run_all(e, reqs)
+}
+
+#[test]
+fn smollm2_greedy_output_equals_the_cpu_backend() {
+    let cpu = outcomes(&mut engine(|_| {}));
+    let on_gpu = outcomes(&mut engine(|c| c.gpu = Some(gpu())));
+    let mut worst = 0f32;
+    for (id, want) in &cpu {
+        let got = &on_gpu[id];
+        assert_eq!(
+            got.tokens, want.tokens,
+            "{id}: GPU tokens differ from the CPU's"
+        );
+        assert_eq!(got.tokens.len(), NEW as usize);
+        for (a, b) in got.logits.iter().zip(&want.logits) {
+            for (x, y) in a.iter().zip(b) {
+                worst = worst.max((x - y).abs());
+            }
+        }
+    }
+    // The CPU quantizes activations to 8 bits for its integer products; the GPU multiplies
+    // f32 by dequantized f32 weights. Report how far apart their logits are.
+    println!("largest |GPU - CPU| logit difference: {worst}");
+    assert!(worst.is_finite());
+}
+
+#[test]
+fn gpu_logits_do_not_depend_on_batch_or_chunking() {
+    let mut together = engine(|c| c.gpu = Some(gpu()));
+    let all = outcomes(&mut together);
+    let mut alone = engine(|c| {
+        c.gpu = Some(gpu());
+        c.prefill_chunk = 7;
+        c.max_batch = 1;
+    });
+    for (i, p) in prompts().iter().enumerate() {
+        let id = format!("p{i}");
+        let one = run_all(&mut alone, vec![greedy(&id, p, NEW)]);
+        let (a, b) = (&one[&id], &all[&id]);
+        assert_eq!(a.tokens, b.tokens, "{id}");
+        assert_eq!(a.logits.len(), b.logits.len(), "{id}");
+        for (x, y) in a.logits.iter().zip(&b.logits) {
+            assert_eq!(
+                bits(x),
+                bits(y),
+                "{id}: logits changed with batch and chunking"
+            );
+        }
+    }
+}
+
+fn step_all(e: &mut Engine) -> Vec<StepEvent> {
+    let mut out = Vec::new();
+    let mut n = 0;
+    while e.has_work() {
+        n += 1;
+        assert!(n < 100_000, "no progress");
+        out.extend(e.step());
+    }
+    out
+}
+
+#[test]
+fn pages_handed_over_into_a_gpu_engine_give_the_gpus_own_bits() {
+    let unified = outcomes(&mut engine(|c| c.gpu = Some(gpu())));
+    let mut p = engine(|c| c.gpu = Some(gpu()));
+    let mut d = engine(|c| c.gpu = Some(gpu()));
+    let mut got: HashMap<String, Vec<u32>> = HashMap::new();
+    let mut logits: HashMap<String, Vec<Vec<f32>>> = HashMap::new();
+    for (i, prompt) in prompts().iter().enumerate() {
+        let id = format!("p{i}");
+        p.submit_part(greedy(&id, prompt, NEW), Part::Prefill)
+            .unwrap();
+        d.submit_part(greedy(&id, prompt, NEW), Part::Decode)
+            .unwrap();
+    }
+    let firsts: HashMap<String, (u32, Option<f32>)> = step_all(&mut p)
+        .into_iter()
+        .filter_map(|ev| match ev {
+            StepEvent::Exported {
+                id, token, logprob, ..
+            } => Some((id.to_string(), (token, logprob))),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(firsts.len(), 5, "every prompt was prefilled and exported");
+    // The decode engine reserves its pages first.
+    let reserved = d
+        .step()
+        .into_iter()
+        .filter(|ev| matches!(ev, StepEvent::Reserved { .. }))
+        .count();
+    assert_eq!(reserved, 5);
+    for (id, &(token, logprob)) in &firsts {
+        let kv: Vec<Vec<u8>> = p
+            .export(id, |src| src.iter().map(|b| b.to_vec()).collect())
+            .unwrap();
+        for ev in d
+            .import(id, token, logprob, 0, |dst| {
+                for (dd, s) in dst.iter_mut().zip(&kv) {
+                    dd.copy_from_slice(s);
+                }
+                Ok(())
+            })
+            .unwrap()
+        {
+            if let StepEvent::Token { id, token, .. } = ev {
+                got.entry(id.to_string()).or_default().push(token);
+            }
+        }
+    }
+    for ev in step_all(&mut d) {
+        if let StepEvent::Token { id, token, .. } = ev {
+            got.entry(id.to_string()).or_default().push(token);
+        }
+    }
+    for id in firsts.keys() {
+        logits.insert(id.clone(), d.take_logits(id).unwrap_or_default());
+    }
+    for (id, want) in &unified {
+        assert_eq!(got[id], want.tokens, "{id}: decode after hand-over");
+        // Decode's logits are the unified run's after its first token.
+        assert_eq!(
+            logits[id].len(),
+            NEW as usize - 1,
+            "{id}: decode captured its logits"
+        );
+        let tail = &want.logits[want.logits.len() - logits[id].len()..];
+        for (x, y) in logits[id].iter().zip(tail) {
+            assert_eq!(bits(x), bits(y), "{id}: loaded pages changed the logits");
+        }
+    }
+}
