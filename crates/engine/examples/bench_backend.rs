@@ -2,11 +2,14 @@
 //!
 //! `cargo run --release -p pdmesh-engine [--features cuda] --example bench_backend --
 //!  [--model PATH] [--device cpu|cuda] [--gpus 0,1] [--fast] [--batches 1,16,64]
-//!  [--prompt-len 128] [--tokens 64] [--threads N] [--tp N]`
+//!  [--prompt-len 128] [--tokens 64] [--threads N] [--tp N] [--load-back PAGES]`
 //!
 //! Prefill: B distinct prompts of `--prompt-len` tokens submitted at once, timed until
 //! every first token (prompt tokens per second). Decode: the following `--tokens` steps
 //! of the same B streams (generated tokens per second, all streams together).
+//! `--load-back PAGES` (cuda builds, `--device cuda`): host → device copy bandwidth of that
+//! many of the model's KV pages, as the engine copies them (per page and layer, pinned)
+//! beside one cudaMemcpy of the same bytes, pinned and pageable.
 
 use std::time::Instant;
 
@@ -22,6 +25,7 @@ struct Args {
     tokens: u32,
     threads: usize,
     tp: usize,
+    load_back: usize,
 }
 
 fn parse() -> Args {
@@ -35,6 +39,7 @@ fn parse() -> Args {
         tokens: 64,
         threads: 0,
         tp: 1,
+        load_back: 0,
     };
     let mut it = std::env::args().skip(1);
     let list = |s: String| -> Vec<usize> {
@@ -54,6 +59,7 @@ fn parse() -> Args {
             "--tokens" => a.tokens = val().parse().expect("a number"),
             "--threads" => a.threads = val().parse().expect("a number"),
             "--tp" => a.tp = val().parse().expect("a number"),
+            "--load-back" => a.load_back = val().parse().expect("a number"),
             other => panic!("unknown flag {other}"),
         }
     }
@@ -110,6 +116,9 @@ fn main() {
         pdmesh_gguf::models::require_default_model,
         std::path::PathBuf::from,
     );
+    if a.load_back > 0 {
+        load_back(&a, &model);
+    }
     let biggest = a.batches.iter().copied().max().unwrap_or(1);
     let mut cfg = EngineConfig::new(&model);
     cfg.threads = a.threads;
@@ -145,4 +154,23 @@ fn main() {
             })
         );
     }
+}
+
+#[cfg(feature = "cuda")]
+fn load_back(a: &Args, model: &std::path::Path) {
+    let gguf = pdmesh_gguf::GgufFile::open(model).expect("a GGUF model");
+    let layout = pdmesh_engine::LlamaConfig::from_gguf(&gguf)
+        .expect("a llama model")
+        .kv_layout(16);
+    let r = pdmesh_engine::cuda::measure_load_back(a.gpus[0], &layout, a.load_back, 5)
+        .expect("load-back measurement");
+    println!(
+        "{}",
+        serde_json::json!({ "load_back": r, "pages": a.load_back, "page_bytes": layout.bytes_per_page() })
+    );
+}
+
+#[cfg(not(feature = "cuda"))]
+fn load_back(_: &Args, _: &std::path::Path) {
+    panic!("--load-back needs a build with --features cuda");
 }

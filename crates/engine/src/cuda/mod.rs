@@ -349,3 +349,101 @@ impl Drop for CudaLlama {
         self.stop();
     }
 }
+
+/// Host → device load-back bandwidth, measured the way the forward pass copies pages (one
+/// async copy per page and layer, from the pinned host pool, on the load stream) beside
+/// one `cuMemcpyHtoD` of the same bytes, pinned and pageable.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct LoadBack {
+    pub bytes: usize,
+    /// The engine's copies: per page and layer, pinned source.
+    pub per_layer_gb_s: f64,
+    /// One copy of all bytes, pinned source.
+    pub bulk_pinned_gb_s: f64,
+    /// One copy of all bytes, pageable source.
+    pub bulk_pageable_gb_s: f64,
+}
+
+/// Measure [`LoadBack`] on device `ordinal` for `pages` pages of `layout`, best of `reps`.
+pub fn measure_load_back(
+    ordinal: usize,
+    layout: &KvLayout,
+    pages: usize,
+    reps: usize,
+) -> Result<LoadBack, CudaError> {
+    use cudarc::driver::{DevicePtrMut, sys};
+    let ctx = device::catch_missing_library(|| cudarc::driver::CudaContext::new(ordinal))?
+        .map_err(cuda_err)?;
+    ctx.bind_to_thread().map_err(cuda_err)?;
+    let load = ctx.new_stream().map_err(cuda_err)?;
+    let bpp = layout.bytes_per_page();
+    let bytes = bpp * pages;
+    let host = vec![7u8; bytes];
+    let mut dev = load.alloc_zeros::<u8>(bytes).map_err(cuda_err)?;
+    let time = |f: &mut dyn FnMut() -> Result<(), CudaError>| -> Result<f64, CudaError> {
+        let mut best = f64::INFINITY;
+        for _ in 0..reps.max(1) {
+            load.synchronize().map_err(cuda_err)?;
+            let t = std::time::Instant::now();
+            f()?;
+            load.synchronize().map_err(cuda_err)?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(bytes as f64 / best / 1e9)
+    };
+    let (base, _sync) = dev.device_ptr_mut(&load);
+    let bulk = |src: &[u8]| -> Result<(), CudaError> {
+        // SAFETY: `base` holds `bytes` bytes, as does `src`.
+        unsafe { cudarc::driver::result::memcpy_htod_async(base, src, load.cu_stream()) }
+            .map_err(cuda_err)
+    };
+    let bulk_pageable_gb_s = time(&mut || bulk(&host))?;
+    // SAFETY: `host` outlives the registration (unregistered below before it drops).
+    let r = unsafe {
+        sys::cuMemHostRegister_v2(
+            host.as_ptr() as *mut _,
+            bytes,
+            sys::CU_MEMHOSTREGISTER_PORTABLE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(CudaError(format!("cuMemHostRegister: {r:?}")));
+    }
+    let bulk_pinned_gb_s = time(&mut || bulk(&host))?;
+    let per_layer_gb_s = time(&mut || {
+        for layer in 0..layout.layers() {
+            let start = if layer == 0 {
+                0
+            } else {
+                layout.value_offset(layer, 0, 0)
+            };
+            let end = if layer + 1 < layout.layers() {
+                layout.value_offset(layer + 1, 0, 0)
+            } else {
+                bpp
+            };
+            for p in 0..pages {
+                let off = p * bpp;
+                // SAFETY: in bounds of both buffers.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        base + (off + start) as u64,
+                        &host[off + start..off + end],
+                        load.cu_stream(),
+                    )
+                }
+                .map_err(cuda_err)?;
+            }
+            load.record_event(None).map_err(cuda_err)?;
+        }
+        Ok(())
+    })?;
+    // SAFETY: registered above with this pointer.
+    unsafe { sys::cuMemHostUnregister(host.as_ptr() as *mut _) };
+    Ok(LoadBack {
+        bytes,
+        per_layer_gb_s,
+        bulk_pinned_gb_s,
+        bulk_pageable_gb_s,
+    })
+}
