@@ -44,6 +44,13 @@ impl Gpu {
     pub fn open(ordinal: usize, build: &KernelBuild) -> Result<Self, CudaError> {
         let ctx = catch_missing_library(|| CudaContext::new(ordinal))?.map_err(cuda_err)?;
         ctx.bind_to_thread().map_err(cuda_err)?;
+        // SAFETY: streams are ordered by hand (before any allocation): every buffer is
+        // allocated, used and freed on the compute stream, except the pool, which the load
+        // stream also writes — whole layers of stale pages, each followed by an event that
+        // compute waits on before it touches that layer, and the forward ends with a
+        // synchronous copy on compute, after every wait. Without this, cudarc's per-buffer
+        // events would make compute wait for the whole upload before layer 0.
+        unsafe { ctx.disable_event_tracking() };
         let arch = match &build.arch {
             Some(a) => a.clone(),
             None => {
@@ -67,7 +74,8 @@ impl Gpu {
         }
         let compute = ctx.new_stream().map_err(cuda_err)?;
         let load = ctx.new_stream().map_err(cuda_err)?;
-        let blas = CudaBlas::new(compute.clone()).map_err(|e| CudaError(format!("cuBLAS: {e}")))?;
+        let blas = catch_library("cuBLAS (libcublas)", || CudaBlas::new(compute.clone()))?
+            .map_err(|e| CudaError(format!("cuBLAS: {e}")))?;
         tracing::info!(ordinal, %arch, kernels = kernels.len(), name = ?ctx.name().ok(), "GPU ready");
         Ok(Self {
             ctx,
@@ -99,14 +107,22 @@ pub fn grid(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
 /// cudarc panics when a CUDA library cannot be loaded; turn that into an error naming the
 /// library, so a machine without a driver gets a clear message instead of a crash.
 pub fn catch_missing_library<T>(f: impl FnOnce() -> T) -> Result<T, CudaError> {
+    catch_library("the CUDA driver", f).map_err(|e| {
+        CudaError(format!(
+            "{}; is this a GPU machine with the NVIDIA driver (libcuda.so.1) installed?",
+            e.0
+        ))
+    })
+}
+
+/// [`catch_missing_library`] for any library, named by `what`.
+pub fn catch_library<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, CudaError> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
         let msg = p
             .downcast_ref::<String>()
             .cloned()
             .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
             .unwrap_or_else(|| "unknown panic".into());
-        CudaError(format!(
-            "the CUDA driver could not be used ({msg}); is this a GPU machine with the NVIDIA driver (libcuda.so.1) installed?"
-        ))
+        CudaError(format!("{what} could not be used ({msg})"))
     })
 }

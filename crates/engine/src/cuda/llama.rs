@@ -224,8 +224,10 @@ impl LlamaRank {
             .map_err(cuda_err)?;
         let comm = match nccl {
             Some(id) if spec.world() > 1 => Some(
-                Comm::from_rank(s.clone(), spec.rank, spec.world(), id)
-                    .map_err(|e| CudaError(format!("NCCL init, rank {}: {e:?}", spec.rank)))?,
+                super::device::catch_library("NCCL (libnccl.so)", || {
+                    Comm::from_rank(s.clone(), spec.rank, spec.world(), id)
+                })?
+                .map_err(|e| CudaError(format!("NCCL init, rank {}: {e:?}", spec.rank)))?,
             ),
             _ => None,
         };

@@ -136,7 +136,11 @@ impl CudaLlama {
         let plan = Arc::new(ShardPlan::new(&cfg, world).map_err(cuda_err)?);
         let nccl = if world > 1 {
             Some(
-                device::catch_missing_library(cudarc::nccl::Id::new)?.map_err(|e| {
+                device::catch_library(
+                    "NCCL (libnccl.so on LD_LIBRARY_PATH)",
+                    cudarc::nccl::Id::new,
+                )?
+                .map_err(|e| {
                     CudaError(format!(
                         "NCCL unique id: {e:?} (is libnccl.so on LD_LIBRARY_PATH?)"
                     ))
