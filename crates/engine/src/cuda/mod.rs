@@ -101,6 +101,22 @@ impl Handler<Forward> for DeviceActor {
     }
 }
 
+/// Drop the rank (its device memory, and rank 0's registration of the host pool) now, on
+/// the actor's thread, and say when done: the engine frees the host pool right after.
+struct Release(mpsc::Sender<()>);
+
+impl Message for Release {
+    type Result = ();
+}
+
+impl Handler<Release> for DeviceActor {
+    type Result = ();
+    fn handle(&mut self, msg: Release, _: &mut Self::Context) {
+        self.rank = None;
+        let _ = msg.0.send(());
+    }
+}
+
 /// The llama model on GPUs, as the engine holds it.
 pub struct CudaLlama {
     pub cfg: LlamaConfig,
@@ -234,6 +250,13 @@ impl CudaLlama {
     }
 
     fn stop(&mut self) {
+        let (tx, rx) = mpsc::channel();
+        for addr in &self.ranks {
+            addr.do_send(Release(tx.clone()));
+        }
+        drop(tx);
+        // Every rank answers, or its actor is gone (then so is what it held).
+        while rx.recv().is_ok() {}
         self.ranks.clear();
         self.system.stop();
         if let Some(t) = self.thread.take() {
