@@ -7,6 +7,8 @@
 //! Prefill: B distinct prompts of `--prompt-len` tokens submitted at once, timed until
 //! every first token (prompt tokens per second). Decode: the following `--tokens` steps
 //! of the same B streams (generated tokens per second, all streams together).
+//! `--model dsa-tiny` writes the seeded DeepSeek V3.2 tiny checkpoint (random weights, the
+//! default model's tokenizer) to a temporary directory and measures that.
 //! `--load-back PAGES` (cuda builds, `--device cuda`): host → device copy bandwidth of that
 //! many of the model's KV pages, as the engine copies them (per page and layer, pinned)
 //! beside one cudaMemcpy of the same bytes, pinned and pageable.
@@ -112,13 +114,38 @@ fn run(e: &mut Engine, batch: usize, prompt_len: usize, tokens: u32, round: usiz
 
 fn main() {
     let a = parse();
-    let model = a.model.clone().map_or_else(
-        pdmesh_gguf::models::require_default_model,
-        std::path::PathBuf::from,
-    );
+    let _tiny; // keeps a synthesized checkpoint's directory alive
+    let model = match a.model.as_deref() {
+        None => pdmesh_gguf::models::require_default_model(),
+        Some("dsa-tiny") => {
+            let dir = tempfile::tempdir().expect("a temporary directory");
+            let tok =
+                pdmesh_text::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+                    .expect("the default model's tokenizer");
+            pdmesh_engine::deepseek_synth::write(
+                dir.path(),
+                &pdmesh_engine::deepseek_synth::tiny_config(),
+                7,
+                Some(&tok),
+            )
+            .expect("write the tiny checkpoint");
+            let path = dir.path().to_path_buf();
+            _tiny = dir;
+            path
+        }
+        Some(p) => std::path::PathBuf::from(p),
+    };
     if a.load_back > 0 {
         load_back(&a, &model);
     }
+    let label = match a.model.as_deref() {
+        Some("dsa-tiny") => "dsa-tiny".to_string(),
+        _ => model
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("model")
+            .to_string(),
+    };
     let biggest = a.batches.iter().copied().max().unwrap_or(1);
     let mut cfg = EngineConfig::new(&model);
     cfg.threads = a.threads;
@@ -141,7 +168,7 @@ fn main() {
         println!(
             "{}",
             serde_json::json!({
-                "model": model.file_name().and_then(|n| n.to_str()),
+                "model": label,
                 "device": if a.cuda { "cuda" } else { "cpu" },
                 "gpus": if a.cuda { a.gpus.len() } else { 0 },
                 "invariant": !a.fast,
