@@ -176,6 +176,72 @@ pub fn compile_source_ptx(name: &str, code: &str, arch: &str) -> Result<String, 
     }
 }
 
+/// Compiles one CUDA C source, exactly as given, to a CUBIN (machine code, an ELF image)
+/// for the real architecture `arch`. A driver older than the NVRTC cannot JIT the newer
+/// NVRTC's PTX (CUDA's minor-version compatibility covers machine code only); a CUBIN for
+/// the device's own architecture needs no JIT.
+pub fn compile_source_cubin(name: &str, code: &str, arch: &str) -> Result<Vec<u8>, NvrtcError> {
+    use cudarc::nvrtc::{result, sys};
+    virtual_arch(arch)?;
+    nvrtc_version()?;
+    let fail = |detail: String| NvrtcError::Nvrtc {
+        module: name.to_owned(),
+        detail,
+    };
+    let src =
+        std::ffi::CString::new(code).map_err(|_| fail("the source contains a NUL byte".into()))?;
+    let cname = std::ffi::CString::new(format!("{name}.cu")).expect("no NUL in a module name");
+    let prog = result::create_program(&src, Some(&cname)).map_err(|e| fail(format!("{e:?}")))?;
+    let mut opts = options(arch);
+    opts[0] = format!("--gpu-architecture={arch}");
+    // SAFETY: `prog` was created above and is destroyed once, below.
+    let out = unsafe {
+        match result::compile_program(prog, &opts) {
+            Err(_) => {
+                let log = result::get_program_log(prog)
+                    .map(|l| {
+                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).collect();
+                        String::from_utf8_lossy(&bytes)
+                            .trim_end_matches('\0')
+                            .to_owned()
+                    })
+                    .unwrap_or_default();
+                Err(NvrtcError::Compile {
+                    module: name.to_owned(),
+                    arch: arch.to_owned(),
+                    options: opts.clone(),
+                    log,
+                })
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| fail(format!("nvrtcGetCUBINSize: {e:?}")))
+                    .and_then(|()| {
+                        let mut buf = vec![0u8; size];
+                        sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast())
+                            .result()
+                            .map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}")))
+                            .map(|()| buf)
+                    })
+            }
+        }
+    };
+    // SAFETY: created above, not yet destroyed.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
+
+/// Every kernel source as a CUBIN for `arch` (no cache: machine code for one device, built
+/// when the driver cannot take the PTX).
+pub fn compile_cubins(arch: &str) -> Result<Vec<(&'static KernelSource, Vec<u8>)>, NvrtcError> {
+    sources()
+        .par_iter()
+        .map(|s| Ok((s, compile_source_cubin(s.name, &s.full_source(), arch)?)))
+        .collect()
+}
+
 fn compile_module(src: &'static KernelSource, arch: &str) -> Result<CompiledModule, NvrtcError> {
     Ok(CompiledModule {
         name: src.name,

@@ -186,3 +186,33 @@ fn a_missing_library_is_an_error_not_a_panic() {
         "the child did not run the check:\n{stdout}"
     );
 }
+
+#[test]
+fn cubins_for_the_devices_own_architecture_are_elf_images() {
+    let all =
+        pdmesh_kernels::nvrtc::compile_cubins("sm_90").expect("every source builds as a CUBIN");
+    assert_eq!(all.len(), sources().len());
+    for (src, cubin) in &all {
+        assert!(
+            cubin.starts_with(b"\x7fELF"),
+            "{}: not an ELF image",
+            src.name
+        );
+        // Kernel names are unmangled symbols of the image.
+        for k in src.kernels {
+            assert!(
+                cubin.windows(k.len()).any(|w| w == k.as_bytes()),
+                "{}: kernel {k} missing from the CUBIN",
+                src.name
+            );
+        }
+    }
+    let err = pdmesh_kernels::nvrtc::compile_source_cubin(
+        "broken",
+        "extern \"C\" __global__ void f() { nope; }",
+        "sm_120",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("nope"), "the log names the error: {err}");
+}
