@@ -70,6 +70,25 @@ static SOURCES: &[KernelSource] = &[
         code: include_str!("../cuda/checksum.cu"),
         kernels: &["page_checksum_xxh3"],
     },
+    KernelSource {
+        name: "deepseek",
+        // deepseek.cu uses fp8.cu's e4m3 helpers: the module is fp8.cu's text, then its own.
+        code: concat!(
+            include_str!("../cuda/fp8.cu"),
+            "\n// ---- deepseek.cu ----\n",
+            include_str!("../cuda/deepseek.cu")
+        ),
+        kernels: &[
+            "ds_rms_norm_inplace",
+            "ds_rope_interleaved",
+            "ds_index_prep",
+            "ds_scale",
+            "ds_write_entry",
+            "ds_index_scores_paged",
+            "ds_mla_attention",
+            "ds_moe_combine",
+        ],
+    },
 ];
 
 /// Every kernel source, in a fixed order.
@@ -129,6 +148,14 @@ mod tests {
         "dsa_index_scores",
         "topk_indices",
         "page_checksum_xxh3",
+        "ds_rms_norm_inplace",
+        "ds_rope_interleaved",
+        "ds_index_prep",
+        "ds_scale",
+        "ds_write_entry",
+        "ds_index_scores_paged",
+        "ds_mla_attention",
+        "ds_moe_combine",
     ];
 
     #[test]

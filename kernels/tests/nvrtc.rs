@@ -30,6 +30,14 @@ const KERNELS: &[&str] = &[
     "dsa_index_scores",
     "topk_indices",
     "page_checksum_xxh3",
+    "ds_rms_norm_inplace",
+    "ds_rope_interleaved",
+    "ds_index_prep",
+    "ds_scale",
+    "ds_write_entry",
+    "ds_index_scores_paged",
+    "ds_mla_attention",
+    "ds_moe_combine",
 ];
 
 #[test]

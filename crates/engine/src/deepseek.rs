@@ -252,10 +252,10 @@ impl DsConfig {
 }
 
 /// A weight matrix dequantized to f32, used through the matmul kernels.
-struct Lin {
-    w: Vec<f32>,
-    rows: usize,
-    cols: usize,
+pub(crate) struct Lin {
+    pub(crate) w: Vec<f32>,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
 }
 
 impl Lin {
@@ -272,13 +272,13 @@ impl Lin {
     }
 }
 
-struct Mlp {
-    gate: Lin,
-    up: Lin,
-    down: Lin,
+pub(crate) struct Mlp {
+    pub(crate) gate: Lin,
+    pub(crate) up: Lin,
+    pub(crate) down: Lin,
 }
 
-enum Ffn {
+pub(crate) enum Ffn {
     Dense(Mlp),
     Moe {
         /// Router: experts × hidden.
@@ -289,27 +289,27 @@ enum Ffn {
     },
 }
 
-struct Indexer {
-    wq_b: Lin,
-    wk: Lin,
-    k_norm_w: Vec<f32>,
-    k_norm_b: Vec<f32>,
-    weights_proj: Lin,
+pub(crate) struct Indexer {
+    pub(crate) wq_b: Lin,
+    pub(crate) wk: Lin,
+    pub(crate) k_norm_w: Vec<f32>,
+    pub(crate) k_norm_b: Vec<f32>,
+    pub(crate) weights_proj: Lin,
 }
 
-struct Layer {
-    in_norm: Vec<f32>,
-    post_norm: Vec<f32>,
-    q_a: Lin,
-    q_a_norm: Vec<f32>,
-    q_b: Lin,
-    kv_a: Lin,
-    kv_a_norm: Vec<f32>,
+pub(crate) struct Layer {
+    pub(crate) in_norm: Vec<f32>,
+    pub(crate) post_norm: Vec<f32>,
+    pub(crate) q_a: Lin,
+    pub(crate) q_a_norm: Vec<f32>,
+    pub(crate) q_b: Lin,
+    pub(crate) kv_a: Lin,
+    pub(crate) kv_a_norm: Vec<f32>,
     /// kv_b_proj: heads × (nope + v) rows of kv_lora_rank.
-    kv_b: Lin,
-    o: Lin,
-    idx: Indexer,
-    ffn: Ffn,
+    pub(crate) kv_b: Lin,
+    pub(crate) o: Lin,
+    pub(crate) idx: Indexer,
+    pub(crate) ffn: Ffn,
 }
 
 /// The tensors of a checkpoint: every safetensors file of the directory, read whole.
@@ -472,12 +472,12 @@ impl CacheComps {
 /// The model, weights dequantized to f32.
 pub struct DeepSeekModel {
     pub cfg: DsConfig,
-    embed: Vec<f32>,
-    layers: Vec<Layer>,
-    norm: Vec<f32>,
-    lm_head: Lin,
+    pub(crate) embed: Vec<f32>,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: Vec<f32>,
+    pub(crate) lm_head: Lin,
     freqs: Vec<f32>,
-    scale: f32,
+    pub(crate) scale: f32,
     /// Attend to every cached token, ignoring the indexer's choice (for benchmarks and
     /// tests comparing sparse with dense attention over the same cache).
     pub dense: bool,
@@ -862,14 +862,25 @@ impl DeepSeekModel {
     }
 
     fn rope_at(&self, pos: usize) -> (Vec<f32>, Vec<f32>) {
-        self.freqs
-            .iter()
-            .map(|&f| {
-                let a = pos as f32 * f;
-                (a.cos(), a.sin())
-            })
-            .unzip()
+        rope_at(&self.freqs, pos)
     }
+
+    /// The rope frequency of each rotated pair, as the forward pass uses them.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn freqs(&self) -> &[f32] {
+        &self.freqs
+    }
+}
+
+/// cos and sin of `pos × freq` for each rotated pair (the GPU backend's tables too).
+pub(crate) fn rope_at(freqs: &[f32], pos: usize) -> (Vec<f32>, Vec<f32>) {
+    freqs
+        .iter()
+        .map(|&f| {
+            let a = pos as f32 * f;
+            (a.cos(), a.sin())
+        })
+        .unzip()
 }
 
 /// DeepSeek's router for one token: sigmoid scores; the correction bias only for choosing;

@@ -1157,9 +1157,9 @@ pub(crate) enum AnyModel {
     /// A llama-family model over `tp >= 2` tensor-parallel ranks.
     LlamaTp(Box<TpLlama>),
     DeepSeek(Box<DeepSeekModel>),
-    /// A llama-family model on GPUs.
+    /// A llama-family model on GPUs, or DeepSeek on one.
     #[cfg(feature = "cuda")]
-    Cuda(Box<crate::cuda::CudaLlama>),
+    Cuda(Box<crate::cuda::CudaModel>),
 }
 
 /// A model with what the engine needs beside it.
@@ -1200,12 +1200,18 @@ impl AnyModel {
                 cfg.model_path.display()
             )));
         }
-        if cfg.gpu.is_some() {
-            return Err(EngineError::Unsupported(format!(
-                "the CUDA backend runs llama-family models; {} is a DeepSeek checkpoint, \
-                 which runs on the CPU for now",
-                cfg.model_path.display()
-            )));
+        if let Some(g) = &cfg.gpu {
+            check_gpu_world(cfg, g)?;
+            if g.devices.len() != 1 {
+                return Err(EngineError::Unsupported(format!(
+                    "tensor parallelism supports llama-family models; {} is a DeepSeek \
+                     checkpoint (run it on one GPU)",
+                    cfg.model_path.display()
+                )));
+            }
+            if !cfg!(feature = "cuda") {
+                return Err(EngineError::Unsupported(NO_CUDA.into()));
+            }
         }
         let model = DeepSeekModel::load(&cfg.model_path)?;
         let tok = pdmesh_text::TextTokenizer::from_hf_dir(&cfg.model_path)
@@ -1216,14 +1222,20 @@ impl AnyModel {
         eog.extend(tok.eos_token_ids());
         eog.sort_unstable();
         eog.dedup();
+        let layout = model
+            .cfg
+            .kv_layout(cfg.kv_cache_dtype, cfg.index_k_dtype, cfg.page_size)?;
+        let context_length = model.cfg.max_position_embeddings;
+        let model = match &cfg.gpu {
+            Some(g) => deepseek_gpu_model(cfg, g, model, &layout)?,
+            None => AnyModel::DeepSeek(Box::new(model)),
+        };
         Ok(Loaded {
-            layout: model
-                .cfg
-                .kv_layout(cfg.kv_cache_dtype, cfg.index_k_dtype, cfg.page_size)?,
-            context_length: model.cfg.max_position_embeddings,
+            layout,
+            context_length,
             token_bytes,
             eog,
-            model: AnyModel::DeepSeek(Box::new(model)),
+            model,
         })
     }
 
@@ -1233,7 +1245,7 @@ impl AnyModel {
             AnyModel::LlamaTp(m) => m.model.cfg.vocab,
             AnyModel::DeepSeek(m) => m.cfg.vocab_size,
             #[cfg(feature = "cuda")]
-            AnyModel::Cuda(m) => m.cfg.vocab,
+            AnyModel::Cuda(m) => m.vocab,
         }
     }
 
@@ -1268,15 +1280,8 @@ fn gpu_model(
     layout: &KvLayout,
 ) -> Result<AnyModel, EngineError> {
     check_gpu_world(cfg, g)?;
-    let opts = crate::cuda::CudaOptions {
-        devices: g.devices.clone(),
-        invariant: g.invariant,
-        build: crate::cuda::KernelBuild {
-            arch: g.arch.clone(),
-            cache_dir: g.kernel_cache.clone(),
-        },
-    };
-    let m = crate::cuda::CudaLlama::load(
+    let opts = cuda_options(g);
+    let m = crate::cuda::CudaModel::load(
         gguf.clone(),
         model.cfg.clone(),
         Arc::new(layout.clone()),
@@ -1287,6 +1292,45 @@ fn gpu_model(
     Ok(AnyModel::Cuda(Box::new(m)))
 }
 
+#[cfg(feature = "cuda")]
+fn cuda_options(g: &crate::GpuConfig) -> crate::cuda::CudaOptions {
+    crate::cuda::CudaOptions {
+        devices: g.devices.clone(),
+        invariant: g.invariant,
+        build: crate::cuda::KernelBuild {
+            arch: g.arch.clone(),
+            cache_dir: g.kernel_cache.clone(),
+        },
+    }
+}
+
+/// DeepSeek on the one GPU `g` names.
+#[cfg(feature = "cuda")]
+fn deepseek_gpu_model(
+    cfg: &EngineConfig,
+    g: &crate::GpuConfig,
+    model: DeepSeekModel,
+    layout: &KvLayout,
+) -> Result<AnyModel, EngineError> {
+    let opts = cuda_options(g);
+    let m =
+        crate::cuda::CudaModel::load_deepseek(model, Arc::new(layout.clone()), cfg.kv_pages, &opts)
+            .map_err(|e| EngineError::Unsupported(e.to_string()))?;
+    Ok(AnyModel::Cuda(Box::new(m)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn deepseek_gpu_model(
+    _: &EngineConfig,
+    _: &crate::GpuConfig,
+    _: DeepSeekModel,
+    _: &KvLayout,
+) -> Result<AnyModel, EngineError> {
+    Err(EngineError::Unsupported(NO_CUDA.into()))
+}
+
+const NO_CUDA: &str = "this build has no CUDA backend: build pdmesh with `--features cuda`";
+
 #[cfg(not(feature = "cuda"))]
 fn gpu_model(
     cfg: &EngineConfig,
@@ -1296,9 +1340,7 @@ fn gpu_model(
     _: &KvLayout,
 ) -> Result<AnyModel, EngineError> {
     check_gpu_world(cfg, g)?;
-    Err(EngineError::Unsupported(
-        "this build has no CUDA backend: build pdmesh with `--features cuda`".into(),
-    ))
+    Err(EngineError::Unsupported(NO_CUDA.into()))
 }
 
 fn check_gpu_world(cfg: &EngineConfig, g: &crate::GpuConfig) -> Result<(), EngineError> {

@@ -3,6 +3,8 @@
 //! `PDMESH_TEST_GPU` picks the device (default 0).
 //!
 //! - SmolLM2's greedy output on the GPU equals the CPU backend's for five prompts.
+//! - DeepSeek V3.2 (the tiny checkpoint, every latent and index-K cache form): greedy
+//!   output equal to the CPU backend's, and bit-identical logits alone or batched.
 //! - The GPU's own oracle: a token's logits are bit-identical whatever it was batched with
 //!   and however its prompt was chunked (batch-invariant matrix products).
 //! - Load-back: pages imported into a GPU engine (a prefill/decode hand-over, written into
@@ -17,6 +19,7 @@ use std::collections::HashMap;
 
 use common::{Outcome, bits, engine, fixture_prompts, greedy, run_all};
 use pdmesh_engine::{Engine, GpuConfig, Part, StepEvent};
+use pdmesh_kv::{IndexKDtype, MlaCacheDtype};
 
 fn gpu() -> GpuConfig {
     let ordinal = std::env::var("PDMESH_TEST_GPU").ok().map_or(0, |v| {
@@ -173,6 +176,99 @@ fn pages_handed_over_into_a_gpu_engine_give_the_gpus_own_bits() {
         let tail = &want.logits[want.logits.len() - logits[id].len()..];
         for (x, y) in logits[id].iter().zip(tail) {
             assert_eq!(bits(x), bits(y), "{id}: loaded pages changed the logits");
+        }
+    }
+}
+
+// ---- DeepSeek V3.2 (the tiny synthetic checkpoint) ----
+
+const DS_FORMS: [(MlaCacheDtype, IndexKDtype); 4] = [
+    (MlaCacheDtype::Bf16, IndexKDtype::Fp8),
+    (MlaCacheDtype::Bf16, IndexKDtype::Bf16),
+    (MlaCacheDtype::Fp8, IndexKDtype::Fp8),
+    (MlaCacheDtype::Fp8, IndexKDtype::Bf16),
+];
+
+const DS_NEW: u32 = 16;
+
+/// Five fixture prompts, repeated to 40, 60, ..., 120 tokens: the tiny model's indexer
+/// keeps 64 positions, so some prompts attend densely at first and sparsely later, the
+/// others sparsely from their prefill on.
+fn ds_prompts() -> Vec<Vec<u32>> {
+    prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| p.iter().copied().cycle().take(40 + 20 * i).collect())
+        .collect()
+}
+
+fn ds_outcomes(e: &mut Engine) -> HashMap<String, Outcome> {
+    let reqs = ds_prompts()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| greedy(&format!("p{i}"), p, DS_NEW))
+        .collect();
+    run_all(e, reqs)
+}
+
+#[test]
+fn dsa_tiny_greedy_output_equals_the_cpu_backend() {
+    for (mla, ik) in DS_FORMS {
+        let form = |c: &mut pdmesh_engine::EngineConfig| {
+            c.kv_cache_dtype = mla;
+            c.index_k_dtype = ik;
+        };
+        let cpu = ds_outcomes(&mut common::tiny_engine(form));
+        let on_gpu = ds_outcomes(&mut common::tiny_engine(|c| {
+            form(c);
+            c.gpu = Some(gpu());
+        }));
+        let mut worst = 0f32;
+        for (id, want) in &cpu {
+            let got = &on_gpu[id];
+            assert_eq!(
+                got.tokens, want.tokens,
+                "{id} ({mla:?}, {ik:?}): GPU tokens differ from the CPU's"
+            );
+            assert_eq!(got.tokens.len(), DS_NEW as usize);
+            for (a, b) in got.logits.iter().zip(&want.logits) {
+                for (x, y) in a.iter().zip(b) {
+                    worst = worst.max((x - y).abs());
+                }
+            }
+        }
+        println!("{mla:?}/{ik:?}: largest |GPU - CPU| logit difference: {worst}");
+        assert!(worst.is_finite());
+    }
+}
+
+#[test]
+fn dsa_tiny_gpu_logits_do_not_depend_on_batch_or_chunking() {
+    for (mla, ik) in DS_FORMS {
+        let form = |c: &mut pdmesh_engine::EngineConfig| {
+            c.kv_cache_dtype = mla;
+            c.index_k_dtype = ik;
+            c.gpu = Some(gpu());
+        };
+        let all = ds_outcomes(&mut common::tiny_engine(form));
+        let mut alone = common::tiny_engine(|c| {
+            form(c);
+            c.prefill_chunk = 7;
+            c.max_batch = 1;
+        });
+        for (i, p) in ds_prompts().iter().enumerate() {
+            let id = format!("p{i}");
+            let one = run_all(&mut alone, vec![greedy(&id, p, DS_NEW)]);
+            let (a, b) = (&one[&id], &all[&id]);
+            assert_eq!(a.tokens, b.tokens, "{id} ({mla:?}, {ik:?})");
+            assert_eq!(a.logits.len(), b.logits.len(), "{id}");
+            for (x, y) in a.logits.iter().zip(&b.logits) {
+                assert_eq!(
+                    bits(x),
+                    bits(y),
+                    "{id} ({mla:?}, {ik:?}): logits changed with batch and chunking"
+                );
+            }
         }
     }
 }

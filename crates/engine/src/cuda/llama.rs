@@ -96,7 +96,7 @@ unsafe impl Sync for HostArena {}
 impl HostArena {
     /// # Safety
     /// The arena must still be alive and unchanged (see the type's docs).
-    unsafe fn bytes(&self, r: Range<usize>) -> &[u8] {
+    pub(crate) unsafe fn bytes(&self, r: Range<usize>) -> &[u8] {
         assert!(r.end <= self.len);
         // SAFETY: in bounds (checked) and alive (the caller's contract).
         unsafe { std::slice::from_raw_parts(self.ptr.add(r.start), r.len()) }
@@ -124,15 +124,23 @@ pub struct Job {
     pub host: HostArena,
 }
 
-/// What a rank hands back: rank 0 the logits (`want.len() × vocab`), every rank the KV rows
-/// it wrote, ordered token, layer, K then V, each its own heads' columns.
+/// A run of pool bytes a forward wrote: `len` bytes at byte `at` of the pool's arena
+/// (`page · bytes_per_page + offset in the page`; a span never crosses a page).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvSpan {
+    pub at: usize,
+    pub len: usize,
+}
+
+/// What a rank hands back: rank 0 the logits (`want.len() × vocab`), every rank the KV
+/// bytes it wrote: `kv` is the concatenation of `spans`' bytes, in `spans`' order (llama:
+/// token, layer, K then V, each its own heads' columns; DeepSeek: each component's values
+/// and scales of each token and layer).
 #[derive(Debug, Default)]
 pub struct RankOut {
     pub logits: Vec<f32>,
-    pub kv_rows: Vec<u8>,
-    /// Bytes per KV row in `kv_rows` and the byte offset of the rank's columns in a slot.
-    pub row_bytes: usize,
-    pub col_byte0: usize,
+    pub kv: Vec<u8>,
+    pub spans: Vec<KvSpan>,
 }
 
 /// One rank: its device, its shard of the weights, its copy of the pool.
@@ -463,13 +471,8 @@ impl LlamaRank {
         } else {
             Vec::new()
         };
-        let (kv_rows, row_bytes, col_byte0) = self.kv_rows(&s, job, &tok_off, kv.clone())?;
-        Ok(RankOut {
-            logits,
-            kv_rows,
-            row_bytes,
-            col_byte0,
-        })
+        let (spans, kv) = self.kv_rows(&s, job, &tok_off, kv.clone())?;
+        Ok(RankOut { logits, kv, spans })
     }
 
     /// All-gather `local` (`t × cols_r` for this rank) into `full` (`t × Σ cols`, each
@@ -582,7 +585,7 @@ impl LlamaRank {
         job: &Job,
         tok_off: &CudaSlice<i64>,
         kv: Range<usize>,
-    ) -> Result<(Vec<u8>, usize, usize), CudaError> {
+    ) -> Result<(Vec<KvSpan>, Vec<u8>), CudaError> {
         let _ = tok_off;
         let hd = self.cfg.head_dim;
         let (row_bytes, col_byte0) = (kv.len() * hd * 2, kv.start * hd * 2);
@@ -595,8 +598,15 @@ impl LlamaRank {
                 }
             }
         }
+        let spans = offs
+            .iter()
+            .map(|&at| KvSpan {
+                at: at as usize,
+                len: row_bytes,
+            })
+            .collect();
         if offs.is_empty() {
-            return Ok((Vec::new(), row_bytes, col_byte0));
+            return Ok((spans, Vec::new()));
         }
         let n = offs.len();
         let offs = s.clone_htod(&offs).map_err(cuda_err)?;
@@ -611,7 +621,7 @@ impl LlamaRank {
         // SAFETY: matches gather_rows; every offset is a slot row inside the pool.
         unsafe { b.launch(grid((n as u32, 1, 1), 256)) }.map_err(cuda_err)?;
         let rows = s.clone_dtoh(&staging).map_err(cuda_err)?;
-        Ok((rows, row_bytes, col_byte0))
+        Ok((spans, rows))
     }
 }
 
@@ -630,7 +640,7 @@ fn tensor_f32(g: &GgufFile, name: &str) -> Result<Vec<f32>, CudaError> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn rms_norm(
+pub(crate) fn rms_norm(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
     x: &CudaSlice<f32>,
@@ -680,7 +690,7 @@ fn rope(
     Ok(())
 }
 
-fn add_in_place(
+pub(crate) fn add_in_place(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
     x: &mut CudaSlice<f32>,
@@ -695,7 +705,7 @@ fn add_in_place(
     Ok(())
 }
 
-fn swiglu(
+pub(crate) fn swiglu(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
     g: &mut CudaSlice<f32>,

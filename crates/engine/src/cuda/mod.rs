@@ -1,14 +1,17 @@
-//! The CUDA backend (cargo feature `cuda`): llama-family models on one or more GPUs.
+//! The CUDA backend (cargo feature `cuda`): llama-family models on one or more GPUs,
+//! DeepSeek V3.2 on one.
 //!
 //! Each GPU is driven by one actix actor on its own OS thread (a `SyncArbiter` of one),
 //! which creates and binds the device's context in `started()` and owns everything on
 //! that device: kernels, weights, the device copy of the KV pool, the NCCL communicator.
-//! The actor is a thin shell over [`llama::LlamaRank`], a plain struct.
+//! The actor is a thin shell over a [`Rank`]: [`llama::LlamaRank`] or
+//! [`deepseek::DsRank`], plain structs.
 //!
-//! [`CudaLlama`] is what the engine holds: for each forward it works out which pages the
+//! [`CudaModel`] is what the engine holds: for each forward it works out which pages the
 //! devices lack, sends every rank the same [`llama::Job`], waits for all of them, writes
-//! the KV rows they computed back into the host pool and returns rank 0's logits.
+//! the KV bytes they computed back into the host pool and returns rank 0's logits.
 
+pub mod deepseek;
 pub mod device;
 pub mod llama;
 
@@ -22,6 +25,7 @@ use pdmesh_kv::{KvLayout, PageId, PagePool};
 pub use device::KernelBuild;
 use llama::{HostArena, Job, LlamaRank, RankOut, RankSpec};
 
+use crate::deepseek::DeepSeekModel;
 use crate::model::{BatchToken, LlamaConfig};
 use crate::tp::ShardPlan;
 
@@ -55,7 +59,22 @@ impl Default for CudaOptions {
     }
 }
 
-type Init = Box<dyn FnOnce() -> Result<LlamaRank, CudaError> + Send>;
+/// What a device actor drives: one rank of either model family.
+pub enum Rank {
+    Llama(Box<LlamaRank>),
+    DeepSeek(Box<deepseek::DsRank>),
+}
+
+impl Rank {
+    fn forward(&mut self, job: &Job) -> Result<RankOut, CudaError> {
+        match self {
+            Rank::Llama(r) => r.forward(job),
+            Rank::DeepSeek(r) => r.forward(job),
+        }
+    }
+}
+
+type Init = Box<dyn FnOnce() -> Result<Rank, CudaError> + Send>;
 type Ready = mpsc::Sender<(usize, Result<(), CudaError>)>;
 /// A rank's start-up work, taken once by its actor's factory.
 type InitSlot = Arc<Mutex<Option<(Init, Ready)>>>;
@@ -65,7 +84,7 @@ struct DeviceActor {
     init: Option<Init>,
     ready: Option<Ready>,
     index: usize,
-    rank: Option<LlamaRank>,
+    rank: Option<Rank>,
 }
 
 impl Actor for DeviceActor {
@@ -117,9 +136,9 @@ impl Handler<Release> for DeviceActor {
     }
 }
 
-/// The llama model on GPUs, as the engine holds it.
-pub struct CudaLlama {
-    pub cfg: LlamaConfig,
+/// A model on GPUs, as the engine holds it.
+pub struct CudaModel {
+    pub vocab: usize,
     layout: Arc<KvLayout>,
     ranks: Vec<Addr<DeviceActor>>,
     system: actix::System,
@@ -128,16 +147,17 @@ pub struct CudaLlama {
     mirror: Mutex<Vec<u64>>,
 }
 
-impl std::fmt::Debug for CudaLlama {
+impl std::fmt::Debug for CudaModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaLlama")
+        f.debug_struct("CudaModel")
             .field("ranks", &self.ranks.len())
             .finish()
     }
 }
 
-impl CudaLlama {
-    /// Start one device actor per entry of `opts.devices` and load every rank.
+impl CudaModel {
+    /// A llama-family model: start one device actor per entry of `opts.devices` and load
+    /// every rank.
     pub fn load(
         gguf: Arc<GgufFile>,
         cfg: LlamaConfig,
@@ -165,8 +185,7 @@ impl CudaLlama {
         } else {
             None
         };
-        let (ready_tx, ready_rx) = mpsc::channel();
-        let mut inits: Vec<InitSlot> = Vec::new();
+        let mut inits: Vec<Init> = Vec::new();
         for (rank, &ordinal) in opts.devices.iter().enumerate() {
             let spec = RankSpec {
                 ordinal,
@@ -176,9 +195,54 @@ impl CudaLlama {
                 build: opts.build.clone(),
             };
             let (g, c, l) = (gguf.clone(), cfg.clone(), layout.clone());
-            let init: Init = Box::new(move || LlamaRank::load(spec, &g, &c, l, pages, nccl));
-            inits.push(Arc::new(Mutex::new(Some((init, ready_tx.clone())))));
+            let init: Init = Box::new(move || {
+                LlamaRank::load(spec, &g, &c, l, pages, nccl).map(|r| Rank::Llama(Box::new(r)))
+            });
+            inits.push(init);
         }
+        Self::start(inits, cfg.vocab, layout, pages, opts, "llama")
+    }
+
+    /// DeepSeek V3.2 on one GPU (`opts.devices` holds exactly one): the rank uploads the
+    /// CPU model's weights and `model` is dropped once it has.
+    pub fn load_deepseek(
+        model: DeepSeekModel,
+        layout: Arc<KvLayout>,
+        pages: usize,
+        opts: &CudaOptions,
+    ) -> Result<Self, CudaError> {
+        let &[ordinal] = opts.devices.as_slice() else {
+            return Err(CudaError(format!(
+                "DeepSeek runs on one GPU; {} devices given",
+                opts.devices.len()
+            )));
+        };
+        let vocab = model.cfg.vocab_size;
+        let (build, invariant, l) = (opts.build.clone(), opts.invariant, layout.clone());
+        let model = Arc::new(model);
+        let init: Init = Box::new(move || {
+            deepseek::DsRank::load(ordinal, &build, invariant, model, l, pages)
+                .map(|r| Rank::DeepSeek(Box::new(r)))
+        });
+        Self::start(vec![init], vocab, layout, pages, opts, "DeepSeek")
+    }
+
+    /// Start one device actor per init (rank `i` on `opts.devices[i]`) and wait until
+    /// every rank has loaded.
+    fn start(
+        inits: Vec<Init>,
+        vocab: usize,
+        layout: Arc<KvLayout>,
+        pages: usize,
+        opts: &CudaOptions,
+        family: &str,
+    ) -> Result<Self, CudaError> {
+        let world = inits.len();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let inits: Vec<InitSlot> = inits
+            .into_iter()
+            .map(|i| Arc::new(Mutex::new(Some((i, ready_tx.clone())))))
+            .collect();
         drop(ready_tx);
         let (addr_tx, addr_rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -220,7 +284,7 @@ impl CudaLlama {
             .recv()
             .map_err(|_| CudaError("the GPU actor system did not start".into()))?;
         let mut me = Self {
-            cfg,
+            vocab,
             layout: layout.clone(),
             ranks,
             system,
@@ -245,7 +309,7 @@ impl CudaLlama {
             me.stop();
             return Err(e);
         }
-        tracing::info!(devices = ?opts.devices, invariant = opts.invariant, "llama model on GPU");
+        tracing::info!(devices = ?opts.devices, invariant = opts.invariant, family, "model on GPU");
         Ok(me)
     }
 
@@ -340,38 +404,33 @@ impl CudaLlama {
         if let Some(f) = failure {
             panic!("CUDA forward failed: {f}");
         }
-        let layers = layout.layers();
         let mut logits = Vec::new();
         for (r, out) in outs.into_iter().enumerate() {
             let out = out.expect("every rank answered");
             if r == 0 {
                 logits = out.logits;
             }
-            let mut rows = out.kv_rows.chunks_exact(out.row_bytes.max(1));
-            for tk in tokens {
-                let page = page_of(tk);
-                let at = (tk.pos % ps) * slot_bytes + out.col_byte0;
-                for l in 0..layers {
-                    for comp in 0..2 {
-                        let row = rows
-                            .next()
-                            .expect("a KV row per token, layer and component");
-                        pool.values_mut::<u8>(page, l, comp)[at..at + out.row_bytes]
-                            .copy_from_slice(row);
-                    }
-                }
+            // Each span's bytes into its page (spans never cross a page).
+            let mut at = 0;
+            for sp in &out.spans {
+                let (page, off) = ((sp.at / bpp) as PageId, sp.at % bpp);
+                let src = &out.kv[at..at + sp.len];
+                at += sp.len;
+                pool.page_mut(page).expect("a page of the batch")[off..off + sp.len]
+                    .copy_from_slice(src);
             }
+            assert_eq!(at, out.kv.len(), "the KV bytes match their spans");
         }
         for tk in tokens {
             let p = page_of(tk);
             mirror[p as usize] = pool.version(p);
         }
-        let vocab = self.cfg.vocab;
+        let vocab = self.vocab;
         logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
     }
 }
 
-impl Drop for CudaLlama {
+impl Drop for CudaModel {
     fn drop(&mut self) {
         self.stop();
     }
