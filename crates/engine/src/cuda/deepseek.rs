@@ -394,13 +394,13 @@ impl DsRank {
         let (mut att, mut o) = (z(t * h * dv)?, z(t * d)?);
         let mut iscores = z(if any_sparse { t * max_len } else { 1 })?;
         let mut scratch = z(t * h * cap)?;
-        let (ti, di_i, eps) = (t as i32, d as i32, c.rms_norm_eps);
+        let (ti, d_i, eps) = (t as i32, d as i32, c.rms_norm_eps);
         if t > 0 {
             let mut b = s.launch_builder(gpu.kernel("embed_gather"));
             b.arg(&self.embed)
                 .arg(&tokens)
                 .arg(&mut x)
-                .arg(&di_i)
+                .arg(&d_i)
                 .arg(&ti);
             // SAFETY: matches embed_gather; x holds t × d.
             unsafe { b.launch(grid((t as u32, 1, 1), 256)) }.map_err(cuda_err)?;
