@@ -58,14 +58,12 @@ impl Gpu {
                 arch_for(maj, min)
             }
         };
-        let modules = pdmesh_kernels::nvrtc::compile_ptx_cached(&arch, build.cache_dir.as_deref())
-            .map_err(|e| CudaError(format!("compiling kernels for {arch}: {e}")))?;
         let mut kernels = HashMap::new();
-        for m in modules {
+        for (name, image, names) in kernel_images(&arch, build)? {
             let module = ctx
-                .load_module(Ptx::from_src(m.ptx))
-                .map_err(|e| CudaError(format!("loading module {}: {e}", m.name)))?;
-            for &k in m.kernels {
+                .load_module(image)
+                .map_err(|e| CudaError(format!("loading module {name}: {e}")))?;
+            for &k in names {
                 let f = module
                     .load_function(k)
                     .map_err(|e| CudaError(format!("kernel {k}: {e}")))?;
@@ -93,6 +91,36 @@ impl Gpu {
             .get(name)
             .unwrap_or_else(|| panic!("kernel {name} is not in kernels/cuda"))
     }
+}
+
+/// The kernels as images the driver loads: PTX from the disk cache, or, when the driver is
+/// older than NVRTC (it could not JIT the newer PTX), CUBINs for `arch` itself.
+#[allow(clippy::type_complexity)]
+fn kernel_images(
+    arch: &str,
+    build: &KernelBuild,
+) -> Result<Vec<(&'static str, Ptx, &'static [&'static str])>, CudaError> {
+    use pdmesh_kernels::nvrtc;
+    let what = |e: nvrtc::NvrtcError| CudaError(format!("compiling kernels for {arch}: {e}"));
+    let (major, minor) = nvrtc::nvrtc_version().map_err(what)?;
+    let mut driver = 0i32;
+    // SAFETY: one valid out-pointer; the driver is loaded (a context exists).
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) }
+        .result()
+        .map_err(cuda_err)?;
+    if driver < major * 1000 + minor * 10 {
+        tracing::info!(driver, nvrtc = ?(major, minor), %arch, "driver older than NVRTC: loading CUBINs");
+        return Ok(nvrtc::compile_cubins(arch)
+            .map_err(what)?
+            .into_iter()
+            .map(|(src, cubin)| (src.name, Ptx::from_binary(cubin), src.kernels))
+            .collect());
+    }
+    Ok(nvrtc::compile_ptx_cached(arch, build.cache_dir.as_deref())
+        .map_err(what)?
+        .into_iter()
+        .map(|m| (m.name, Ptx::from_src(m.ptx), m.kernels))
+        .collect())
 }
 
 /// A launch of `grid` blocks of `block` threads, no dynamic shared memory.
