@@ -51,8 +51,8 @@ pub struct Config {
     /// outputs are bit-identical to --tp 1 (unsharded). At most the model's KV heads.
     #[arg(long, env = "PDMESH_TP", default_value_t = 1)]
     pub tp: usize,
-    /// Where the model runs: `cpu`, or `cuda` (llama-family models, in a build with the
-    /// `cuda` feature; one GPU per tensor-parallel rank).
+    /// Where the model runs: `cpu`, or `cuda` (in a build with the `cuda` feature; one GPU
+    /// per tensor-parallel rank; DeepSeek checkpoints on one GPU).
     #[arg(long, env = "PDMESH_DEVICE", value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
     /// With --device cuda: the GPUs, one per tensor-parallel rank (default: 0 to tp-1).

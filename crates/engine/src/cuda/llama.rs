@@ -89,7 +89,7 @@ pub struct HostArena {
 }
 
 // SAFETY: the pointer is only read, by rank threads, while the engine thread that owns the
-// pool waits for all of them to finish (see `CudaLlama::forward`).
+// pool waits for all of them to finish (see `CudaModel::forward`).
 unsafe impl Send for HostArena {}
 unsafe impl Sync for HostArena {}
 
