@@ -860,3 +860,400 @@ fn paged_attention_f16_matches_attend() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// deepseek.cu
+
+#[allow(clippy::type_complexity)]
+type DsWriteFn = unsafe extern "C" fn(
+    *const f32,
+    i32,
+    *const f32,
+    i32,
+    *mut u8,
+    *const i64,
+    *const i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i32,
+    i64,
+    i64,
+    i64,
+    i64,
+);
+#[allow(clippy::type_complexity)]
+type DsScoresFn = unsafe extern "C" fn(
+    *const f32,
+    i32,
+    *const f32,
+    i32,
+    i32,
+    *const u8,
+    *const i32,
+    *const i32,
+    *const i32,
+    *const i32,
+    *const i32,
+    i64,
+    i32,
+    i32,
+    i64,
+    i64,
+    i64,
+    i64,
+    *mut f32,
+    i32,
+);
+#[allow(clippy::type_complexity)]
+type DsMlaFn = unsafe extern "C" fn(
+    *const f32,
+    *const f32,
+    *mut f32,
+    *mut f32,
+    *const i32,
+    *const i32,
+    i32,
+    *const u8,
+    *const i32,
+    *const i32,
+    *const i32,
+    i64,
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    f32,
+    i32,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+);
+
+/// deepseek.rs's `dot` (and common.cuh's pd_dot8): eight lanes, summed pairwise, then
+/// the tail in order.
+fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    let n8 = a.len() / 8 * 8;
+    let mut l = [0f32; 8];
+    for c in (0..n8).step_by(8) {
+        for i in 0..8 {
+            l[i] += a[c + i] * b[c + i];
+        }
+    }
+    let mut s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+    for i in n8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+fn put_bf16(dst: &mut [u8], v: &[f32]) -> Vec<f32> {
+    for (j, x) in v.iter().enumerate() {
+        dst[2 * j..2 * j + 2].copy_from_slice(&half::bf16::from_f32(*x).to_bits().to_le_bytes());
+    }
+    v.iter()
+        .map(|x| half::bf16::from_f32(*x).to_f32())
+        .collect()
+}
+
+/// fp8 codes at `at` and per-128 ue8m0 scales at `sc_at` (bytes of `pool`); the decoded values.
+fn put_fp8(pool: &mut [u8], at: usize, sc_at: usize, v: &[f32]) -> Vec<f32> {
+    let mut dec = vec![0f32; v.len()];
+    for (b, (blk, d)) in v.chunks(128).zip(dec.chunks_mut(128)).enumerate() {
+        let mut q = vec![0u8; blk.len()];
+        let s = fp8::quantize_block(blk, &mut q, ScaleRule::Ue8m0);
+        pool[at + 128 * b..at + 128 * b + blk.len()].copy_from_slice(&q);
+        pool[sc_at + 4 * b..sc_at + 4 * b + 4].copy_from_slice(&s.to_le_bytes());
+        fp8::dequantize_block(&q, s, d);
+    }
+    dec
+}
+
+#[test]
+fn deepseek_cache_entry_index_scores_and_mla_attention() {
+    use pdmesh_kv::{IndexKDtype, MlaCacheDtype, MlaDims};
+    let e = emu();
+    let write: DsWriteFn = e.kernel("ds_write_entry");
+    let scores: DsScoresFn = e.kernel("ds_index_scores_paged");
+    let mla: DsMlaFn = e.kernel("ds_mla_attention");
+    let (r, dr, di, hi, heads, dn, dv) = (
+        256usize, 32usize, 128usize, 2usize, 2usize, 32usize, 32usize,
+    );
+    let (ps, n, layer) = (4usize, 13usize, 1usize);
+    let pages_of_seq = [2i32, 0, 3, 1];
+    let pts = [0i32];
+    let mut rg = rng(10);
+    for mla_fp8 in [false, true] {
+        for ik_fp8 in [false, true] {
+            let what = format!("mla fp8 {mla_fp8} index-k fp8 {ik_fp8}");
+            let dims = MlaDims {
+                kv_lora_rank: r,
+                rope_dim: dr,
+                index_head_dim: di,
+            };
+            let layout = KvLayout::deepseek_v32(
+                2,
+                dims,
+                if mla_fp8 {
+                    MlaCacheDtype::Fp8
+                } else {
+                    MlaCacheDtype::Bf16
+                },
+                if ik_fp8 {
+                    IndexKDtype::Fp8
+                } else {
+                    IndexKDtype::Bf16
+                },
+                ps,
+            )
+            .unwrap();
+            let bpp = layout.bytes_per_page();
+            let comp = |name: &str| layout.component_index(name).unwrap();
+            let val = |cn: usize, slot: usize| layout.value_offset(layer, cn, slot);
+            let scl = |cn: usize, slot: usize| layout.scale_offset(layer, cn, slot).unwrap();
+            let (lat_c, ik_c) = (
+                comp(if mla_fp8 { "mla_nope" } else { "mla_latent" }),
+                comp("index_k"),
+            );
+            let lat_off = val(lat_c, 0) as i64;
+            let lat_st = (val(lat_c, 1) - val(lat_c, 0)) as i64;
+            let (lat_sc_off, lat_sc_st, rope_off, rope_st) = if mla_fp8 {
+                let rc = comp("mla_rope");
+                (
+                    scl(lat_c, 0) as i64,
+                    (scl(lat_c, 1) - scl(lat_c, 0)) as i64,
+                    val(rc, 0) as i64,
+                    (val(rc, 1) - val(rc, 0)) as i64,
+                )
+            } else {
+                (0, 0, 0, 0)
+            };
+            let ik_off = val(ik_c, 0) as i64;
+            let ik_st = (val(ik_c, 1) - val(ik_c, 0)) as i64;
+            let (ik_sc_off, ik_sc_st) = if ik_fp8 {
+                (scl(ik_c, 0) as i64, (scl(ik_c, 1) - scl(ik_c, 0)) as i64)
+            } else {
+                (0, 0)
+            };
+
+            // 1. ds_write_entry: the cache bytes, exactly as the CPU's fp8 / bf16 write them.
+            let lat_stride = r + dr + 3;
+            let lat = randv(&mut rg, n * lat_stride, 1.0);
+            let ik = randv(&mut rg, n * di, 1.0);
+            let base: Vec<i64> = (0..n)
+                .map(|p| pages_of_seq[p / ps] as i64 * bpp as i64)
+                .collect();
+            let slot: Vec<i32> = (0..n).map(|p| (p % ps) as i32).collect();
+            let mut pool = vec![0u8; layout.bytes_per_pool(4)];
+            let (pl, pik, pp, pb, psl) = (c(&lat), c(&ik), m(&mut pool), c(&base), c(&slot));
+            e.launch((n as u32, 1), 128, || unsafe {
+                write(
+                    pl.p(),
+                    lat_stride as i32,
+                    pik.p(),
+                    di as i32,
+                    pp.p(),
+                    pb.p(),
+                    psl.p(),
+                    n as i32,
+                    r as i32,
+                    dr as i32,
+                    di as i32,
+                    mla_fp8 as i32,
+                    lat_off,
+                    lat_st,
+                    lat_sc_off,
+                    lat_sc_st,
+                    rope_off,
+                    rope_st,
+                    ik_fp8 as i32,
+                    ik_off,
+                    ik_st,
+                    ik_sc_off,
+                    ik_sc_st,
+                )
+            });
+            let mut want = vec![0u8; pool.len()];
+            let mut dlat = Vec::new(); // decoded latents: r + dr values per position
+            let mut dik = Vec::new(); // decoded index keys
+            for p in 0..n {
+                let (pg, s) = (base[p] as usize, p % ps);
+                let l = &lat[p * lat_stride..p * lat_stride + r + dr];
+                let k = &ik[p * di..(p + 1) * di];
+                let at = |off: i64, st: i64| pg + (off + s as i64 * st) as usize;
+                if mla_fp8 {
+                    let mut d = put_fp8(
+                        &mut want,
+                        at(lat_off, lat_st),
+                        at(lat_sc_off, lat_sc_st),
+                        &l[..r],
+                    );
+                    let ro = at(rope_off, rope_st);
+                    d.extend(put_bf16(&mut want[ro..], &l[r..]));
+                    dlat.push(d);
+                } else {
+                    let lo = at(lat_off, lat_st);
+                    dlat.push(put_bf16(&mut want[lo..], l));
+                }
+                if ik_fp8 {
+                    dik.push(put_fp8(
+                        &mut want,
+                        at(ik_off, ik_st),
+                        at(ik_sc_off, ik_sc_st),
+                        k,
+                    ));
+                } else {
+                    let io = at(ik_off, ik_st);
+                    dik.push(put_bf16(&mut want[io..], k));
+                }
+            }
+            assert!(pool == want, "{what}: ds_write_entry cache bytes differ");
+
+            // 2. ds_index_scores_paged: index_score over the keys read back from the cache.
+            let pos = [12i32, 5];
+            let seq = [0i32, 0];
+            let has = [1i32, 1];
+            let tt = pos.len();
+            let q_stride = hi * di + 4;
+            let qi = randv(&mut rg, tt * q_stride, 1.0);
+            let wi = randv(&mut rg, tt * hi, 1.0);
+            let out_stride = n;
+            let mut sc = vec![-7f32; tt * out_stride];
+            let (pq, pw, ppool, ppt, ppts) = (c(&qi), c(&wi), c(&pool), c(&pages_of_seq), c(&pts));
+            let (pseq, ppos, phas, psc) = (c(&seq), c(&pos), c(&has), m(&mut sc));
+            e.launch((tt as u32, 1), 128, || unsafe {
+                scores(
+                    pq.p(),
+                    q_stride as i32,
+                    pw.p(),
+                    hi as i32,
+                    di as i32,
+                    ppool.p(),
+                    ppt.p(),
+                    ppts.p(),
+                    pseq.p(),
+                    ppos.p(),
+                    phas.p(),
+                    bpp as i64,
+                    ps as i32,
+                    ik_fp8 as i32,
+                    ik_off,
+                    ik_st,
+                    ik_sc_off,
+                    ik_sc_st,
+                    psc.p(),
+                    out_stride as i32,
+                )
+            });
+            for t in 0..tt {
+                for j in 0..n {
+                    let got = sc[t * out_stride + j];
+                    if j as i32 > pos[t] {
+                        assert_eq!(got, -7.0, "{what}: score past the position written");
+                        continue;
+                    }
+                    let want = pdmesh_engine::deepseek::index_score(
+                        &qi[t * q_stride..t * q_stride + hi * di],
+                        &wi[t * hi..(t + 1) * hi],
+                        &dik[j],
+                    );
+                    assert_eq!(got.to_bits(), want.to_bits(), "{what}: score t {t} j {j}");
+                }
+            }
+
+            // 3. ds_mla_attention over selected positions, against the documented absorbed
+            // MLA (deepseek.rs `attention`'s order), transcribed.
+            let cap = 8usize;
+            let mut sel = vec![-1i32; tt * cap];
+            sel[..cap].copy_from_slice(&[0, 2, 3, 5, 7, 8, 11, 12]);
+            sel[cap..cap + 6].copy_from_slice(&[0, 1, 2, 3, 4, 5]);
+            let sel_n = [8i32, 6];
+            let q = randv(&mut rg, tt * heads * (dn + dr), 1.0);
+            let kvb = randv(&mut rg, heads * (dn + dv) * r, 0.2);
+            let scale = 0.125f32;
+            let mut out = vec![0f32; tt * heads * dv];
+            let mut scratch = vec![0f32; tt * heads * cap];
+            let (pq, pkvb, po, pscr) = (c(&q), c(&kvb), m(&mut out), m(&mut scratch));
+            let (psel, pseln) = (c(&sel), c(&sel_n));
+            e.launch((tt as u32, heads as u32), 128, || unsafe {
+                mla(
+                    pq.p(),
+                    pkvb.p(),
+                    po.p(),
+                    pscr.p(),
+                    psel.p(),
+                    pseln.p(),
+                    cap as i32,
+                    ppool.p(),
+                    ppt.p(),
+                    ppts.p(),
+                    pseq.p(),
+                    bpp as i64,
+                    ps as i32,
+                    heads as i32,
+                    r as i32,
+                    dr as i32,
+                    dn as i32,
+                    dv as i32,
+                    scale,
+                    mla_fp8 as i32,
+                    lat_off,
+                    lat_st,
+                    lat_sc_off,
+                    lat_sc_st,
+                    rope_off,
+                    rope_st,
+                )
+            });
+            for t in 0..tt {
+                for h in 0..heads {
+                    let qh = &q[(t * heads + h) * (dn + dr)..(t * heads + h + 1) * (dn + dr)];
+                    let wb = &kvb[h * (dn + dv) * r..(h + 1) * (dn + dv) * r];
+                    let qabs: Vec<f32> = (0..r)
+                        .map(|a| (0..dn).fold(0f32, |acc, dd| acc + qh[dd] * wb[dd * r + a]))
+                        .collect();
+                    let picks: Vec<&Vec<f32>> = sel[t * cap..t * cap + sel_n[t] as usize]
+                        .iter()
+                        .map(|&p| &dlat[p as usize])
+                        .collect();
+                    let s: Vec<f32> = picks
+                        .iter()
+                        .map(|e| scale * (dot8(&qabs, &e[..r]) + dot8(&qh[dn..], &e[r..])))
+                        .collect();
+                    let mx = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                    let ex: Vec<f32> = s.iter().map(|v| (v - mx).exp()).collect();
+                    let sum = ex.iter().fold(0f32, |a, &b| a + b);
+                    let olat: Vec<f32> = (0..r)
+                        .map(|a| {
+                            ex.iter()
+                                .zip(&picks)
+                                .fold(0f32, |acc, (x, e)| acc + (x / sum) * e[a])
+                        })
+                        .collect();
+                    for dd in 0..dv {
+                        let want = dot8(&olat, &wb[(dn + dd) * r..(dn + dd + 1) * r]);
+                        let got = out[(t * heads + h) * dv + dd];
+                        // exp: the host libm here (CUDA's expf on a GPU); 1e-5 relative.
+                        assert!(
+                            (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                            "{what}: mla t {t} h {h} [{dd}]: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
