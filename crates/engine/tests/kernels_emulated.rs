@@ -538,11 +538,68 @@ fn matmul_rows_reference_and_batch_invariance() {
     assert_bits_eq("add_in_place", &a, &want);
 }
 
+type SwigluFn = unsafe extern "C" fn(*mut f32, *const f32, i32);
+
+#[test]
+fn swiglu_matches_cpu() {
+    let e = emu();
+    let kern: SwigluFn = e.kernel("swiglu");
+    let mut r = rng(11);
+    // n not a multiple of the block; a tail past n that must stay as it was.
+    let (n, tail, sentinel) = (1000usize, 30usize, 4242.0f32);
+    let mut g: Vec<f32> = (0..n + tail)
+        .map(|_| r.random_range(-20.0f32..20.0))
+        .collect();
+    g[..4].copy_from_slice(&[0.0, -0.0, -100.0, 100.0]);
+    g[n..].fill(sentinel);
+    let u = randv(&mut r, n + tail, 3.0);
+    // deepseek.rs / model.rs: silu(gate) * up, g / (1 + exp(-g)) * u.
+    let want: Vec<f32> = (0..n)
+        .map(|i| g[i] / (1.0 + (-g[i]).exp()) * u[i])
+        .collect();
+    let (pg, pu) = (m(&mut g), c(&u));
+    e.launch((n.div_ceil(256) as u32, 1), 256, || unsafe {
+        kern(pg.p(), pu.p(), n as i32)
+    });
+    for i in 0..n {
+        // expf: the host libm here (CUDA's on a GPU); 1e-6 relative.
+        assert!(
+            (g[i] - want[i]).abs() <= 1e-6 * want[i].abs() + f32::MIN_POSITIVE,
+            "swiglu [{i}] (u {}): kernel {} vs CPU {}",
+            u[i],
+            g[i],
+            want[i]
+        );
+    }
+    assert!(g[n..].iter().all(|&v| v == sentinel), "swiglu wrote past n");
+}
+
 // ---------------------------------------------------------------------------------------
 // norm.cu
 
 type RmsFn = unsafe extern "C" fn(*const f32, *const f32, *mut f32, i32, f32);
 type EmbedFn = unsafe extern "C" fn(*const f32, *const u32, *mut f32, i32, i32);
+type RopePairsFn = unsafe extern "C" fn(*mut f32, *const i32, i32, i32, i32, f32);
+
+/// The rms scale of row `xr` two ways: (the 256-thread kernels' documented order:
+/// thread-strided f64 sums, then a fixed tree; model.rs's rms_norm: a sequential f64 sum).
+fn rms_scales(xr: &[f32], eps: f32) -> (f32, f32) {
+    let dim = xr.len();
+    let mut buf = [0f64; 256];
+    for (j, v) in xr.iter().enumerate() {
+        buf[j % 256] += (v * v) as f64;
+    }
+    let mut s = 128;
+    while s > 0 {
+        for t in 0..s {
+            buf[t] += buf[t + s];
+        }
+        s /= 2;
+    }
+    let tree = 1.0 / ((buf[0] / dim as f64) as f32 + eps).sqrt();
+    let seq: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
+    (tree, 1.0 / ((seq / dim as f64) as f32 + eps).sqrt())
+}
 
 #[test]
 fn rms_norm_matches_cpu() {
@@ -559,22 +616,9 @@ fn rms_norm_matches_cpu() {
     });
     for row in 0..rows {
         let xr = &x[row * dim..(row + 1) * dim];
-        // The kernel's documented order: thread-strided f64 sums, then a fixed tree.
-        let mut buf = [0f64; 256];
-        for (j, v) in xr.iter().enumerate() {
-            buf[j % 256] += (v * v) as f64;
-        }
-        let mut s = 128;
-        while s > 0 {
-            for t in 0..s {
-                buf[t] += buf[t + s];
-            }
-            s /= 2;
-        }
-        let scale = 1.0 / ((buf[0] / dim as f64) as f32 + eps).sqrt();
-        // model.rs's rms_norm (sequential f64 sum): the same up to the sum's rounding.
-        let seq: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
-        let cpu_scale = 1.0 / ((seq / dim as f64) as f32 + eps).sqrt();
+        // The kernel's documented order; model.rs's rms_norm (sequential f64 sum): the
+        // same up to the sum's rounding.
+        let (scale, cpu_scale) = rms_scales(xr, eps);
         for j in 0..dim {
             let got = out[row * dim + j];
             let exact = xr[j] * scale * w[j];
@@ -600,6 +644,76 @@ fn rms_norm_matches_cpu() {
             &emb[i * 300..(i + 1) * 300],
             &table[t * 300..(t + 1) * 300],
         );
+    }
+}
+
+/// model.rs's rope_table + apply_rope (private there), line for line: theta from `pos`,
+/// times theta_scale per pair, iteratively in f32.
+fn rope_pairs_cpu(x: &mut [f32], pos: usize, theta_scale: f32) {
+    let mut theta = pos as f32;
+    for i in 0..x.len() / 2 {
+        let (c, s) = (theta.cos(), theta.sin());
+        let (x0, x1) = (x[2 * i], x[2 * i + 1]);
+        x[2 * i] = x0 * c - x1 * s;
+        x[2 * i + 1] = x0 * s + x1 * c;
+        theta *= theta_scale;
+    }
+}
+
+#[test]
+fn rope_pairs_matches_cpu() {
+    let e = emu();
+    let kern: RopePairsFn = e.kernel("rope_pairs");
+    let mut r = rng(12);
+    // hd 128: 64 pairs over 32 threads; a row stride wider than the heads (the extra
+    // columns must stay as they were).
+    for (heads, hd, base, extra) in [(2usize, 128usize, 10000f32, 5usize), (3, 16, 500000.0, 0)] {
+        let t = 5usize;
+        let stride = heads * hd + extra;
+        let pos = [0i32, 1, 8000, 7999, 37];
+        let x = randv(&mut r, t * stride, 1.0);
+        // The host's theta_scale (crates/engine/src/cuda/llama.rs): the CPU's powf.
+        let theta_scale = base.powf(-2.0 / hd as f32);
+        let mut want = x.clone();
+        for (ti, &p) in pos.iter().enumerate() {
+            for h in 0..heads {
+                let at = ti * stride + h * hd;
+                rope_pairs_cpu(&mut want[at..at + hd], p as usize, theta_scale);
+            }
+        }
+        let mut got = x.clone();
+        let (pg, pp) = (m(&mut got), c(&pos));
+        e.launch((t as u32, heads as u32), 32, || unsafe {
+            kern(
+                pg.p(),
+                pp.p(),
+                heads as i32,
+                hd as i32,
+                stride as i32,
+                theta_scale,
+            )
+        });
+        for (ti, p) in pos.iter().enumerate() {
+            for cc in 0..stride {
+                let i = ti * stride + cc;
+                if cc >= heads * hd {
+                    assert_eq!(
+                        got[i].to_bits(),
+                        x[i].to_bits(),
+                        "rope wrote past the heads"
+                    );
+                    continue;
+                }
+                // cosf / sinf: the host libm here (CUDA's on a GPU); 1e-6 absolute on
+                // values of magnitude <= sqrt(2).
+                assert!(
+                    (got[i] - want[i]).abs() <= 1e-6,
+                    "rope hd {hd} token {ti} (pos {p}) [{cc}]: kernel {} vs CPU {}",
+                    got[i],
+                    want[i]
+                );
+            }
+        }
     }
 }
 
@@ -640,6 +754,60 @@ fn argmax_rows_exact() {
             }
         }
         assert_eq!(out[row], best as u32, "row {row}");
+    }
+}
+
+type LogSoftmaxFn = unsafe extern "C" fn(*const f32, *mut f32, i32);
+
+#[test]
+fn log_softmax_rows_matches_cpu() {
+    let e = emu();
+    let kern: LogSoftmaxFn = e.kernel("log_softmax_rows");
+    let mut r = rng(13);
+    // Fewer logits than threads, exactly one per thread, several per thread.
+    for vocab in [3usize, 256, 1000] {
+        let mut rows: Vec<Vec<f32>> = vec![randv(&mut r, vocab, 20.0)];
+        let mut neg = randv(&mut r, vocab, 5.0);
+        for v in neg.iter_mut().step_by(3) {
+            *v = f32::NEG_INFINITY;
+        }
+        rows.push(neg);
+        let mut peak = randv(&mut r, vocab, 1.0);
+        peak[vocab / 2] = 1000.0;
+        rows.push(peak);
+        rows.push(vec![0.25; vocab]);
+        let mut nan = randv(&mut r, vocab, 1.0);
+        nan[vocab - 1] = f32::NAN;
+        rows.push(nan);
+        let flat = rows.concat();
+        let mut out = vec![0f32; flat.len()];
+        let (pl, po) = (c(&flat), m(&mut out));
+        e.launch((rows.len() as u32, 1), 256, || unsafe {
+            kern(pl.p(), po.p(), vocab as i32)
+        });
+        for (ri, row) in rows.iter().enumerate() {
+            // sampler.rs's log_softmax_at (private there) for every token.
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let sum: f64 = row.iter().map(|&l| (l - max).exp() as f64).sum();
+            for (j, &l) in row.iter().enumerate() {
+                let want = (l - max) - sum.ln() as f32;
+                let got = out[ri * vocab + j];
+                // expf (the host libm here, CUDA's on a GPU) and the f64 sum's order
+                // (strided, then a tree, against sequential): 1e-5 · max(1, |value|);
+                // infinities exactly, NaN where the CPU gives NaN.
+                let ok = if want.is_nan() {
+                    got.is_nan()
+                } else if want.is_infinite() {
+                    got == want
+                } else {
+                    (got - want).abs() <= 1e-5 * want.abs().max(1.0)
+                };
+                assert!(
+                    ok,
+                    "vocab {vocab} row {ri} [{j}]: kernel {got} vs CPU {want}"
+                );
+            }
+        }
     }
 }
 
@@ -1256,4 +1424,263 @@ fn deepseek_cache_entry_index_scores_and_mla_attention() {
             }
         }
     }
+}
+
+type DsRmsInplaceFn = unsafe extern "C" fn(*mut f32, i32, *const f32, i32, f32);
+type DsRopeInterleavedFn =
+    unsafe extern "C" fn(*mut f32, i32, i32, i32, *const f32, *const f32, i32);
+#[allow(clippy::type_complexity)]
+type DsIndexPrepFn = unsafe extern "C" fn(
+    *mut f32,
+    i32,
+    i32,
+    i32,
+    *const f32,
+    *const f32,
+    i32,
+    *const f32,
+    *const f32,
+    f32,
+    i32,
+);
+type DsScaleFn = unsafe extern "C" fn(*mut f32, i32, f32);
+type DsMoeCombineFn = unsafe extern "C" fn(*mut f32, *const f32, *const i32, *const f32, i32, i32);
+
+/// The host's rope tables (deepseek.rs `rope_at`, private there): per token, cos and sin
+/// of pos × freq for each of `pairs` pairs, frequencies base^(-2i / (2 pairs)); t × pairs.
+fn rope_tables(pos: &[i32], pairs: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
+    let freqs: Vec<f32> = (0..pairs)
+        .map(|i| base.powf(-2.0 * i as f32 / (2 * pairs) as f32))
+        .collect();
+    pos.iter()
+        .flat_map(|&p| {
+            freqs.iter().map(move |&f| {
+                let a = p as f32 * f;
+                (a.cos(), a.sin())
+            })
+        })
+        .unzip()
+}
+
+/// deepseek.rs's round_like_index_k (private there): 1 through bf16, 2 through fp8 (one
+/// ue8m0 scale per 128 values, quantized then dequantized).
+fn round_like_index_k(v: &mut [f32], mode: i32) {
+    match mode {
+        1 => v
+            .iter_mut()
+            .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+        2 => {
+            for blk in v.chunks_mut(128) {
+                let mut q = vec![0u8; blk.len()];
+                let s = fp8::quantize_block(blk, &mut q, ScaleRule::Ue8m0);
+                fp8::dequantize_block(&q, s, blk);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[test]
+fn deepseek_rms_norm_inplace_bit_exact() {
+    let e = emu();
+    let kern: DsRmsInplaceFn = e.kernel("ds_rms_norm_inplace");
+    let mut r = rng(14);
+    let eps = 1e-6f32;
+    // The latent rows of kv (r + dr values): the norm on the first r, the rope values
+    // after them (and a little more stride) untouched.
+    for (dim, dr) in [(512usize, 64usize), (100, 8)] {
+        let (t, stride) = (3usize, dim + dr + 3);
+        let x = randv(&mut r, t * stride, 3.0);
+        let w = randv(&mut r, dim, 1.5);
+        let mut got = x.clone();
+        let (pg, pw) = (m(&mut got), c(&w));
+        e.launch((t as u32, 1), 256, || unsafe {
+            kern(pg.p(), stride as i32, pw.p(), dim as i32, eps)
+        });
+        for ti in 0..t {
+            let xr = &x[ti * stride..ti * stride + dim];
+            let (scale, cpu_scale) = rms_scales(xr, eps);
+            for j in 0..stride {
+                let g = got[ti * stride + j];
+                if j >= dim {
+                    assert_eq!(g.to_bits(), x[ti * stride + j].to_bits(), "wrote past dim");
+                    continue;
+                }
+                // The documented order bit for bit; model.rs's rms_norm within 2 ulps.
+                let exact = xr[j] * scale * w[j];
+                assert_eq!(g.to_bits(), exact.to_bits(), "dim {dim} row {ti} [{j}]");
+                let cpu = xr[j] * cpu_scale * w[j];
+                assert!(
+                    ulps(g, cpu) <= 2,
+                    "dim {dim} row {ti} [{j}]: {g} vs CPU {cpu}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn deepseek_rope_interleaved_bit_exact() {
+    let e = emu();
+    let kern: DsRopeInterleavedFn = e.kernel("ds_rope_interleaved");
+    let mut r = rng(15);
+    let pos = [0i32, 5, 4000, 17];
+    let t = pos.len();
+    let (dn, dr, rank) = (16usize, 80usize, 40usize); // 40 pairs over 32 threads
+    let pairs = dr / 2;
+    let (cos, sin) = rope_tables(&pos, pairs, 10000.0);
+    // The host's two uses: each query head's last dr values (heads, head stride dn + dr,
+    // offset dn; here with 3 spare columns per row), and the latent's rope values (one
+    // "head" at offset r).
+    for (heads, row_stride, head_stride, offset) in [
+        (3usize, 3 * (dn + dr) + 3, dn + dr, dn),
+        (1, rank + dr, 0, rank),
+    ] {
+        let x = randv(&mut r, t * row_stride, 2.0);
+        let mut want = x.clone();
+        for ti in 0..t {
+            for h in 0..heads {
+                let at = ti * row_stride + h * head_stride + offset;
+                pdmesh_engine::deepseek::rope_interleaved(
+                    &mut want[at..at + dr],
+                    &cos[ti * pairs..(ti + 1) * pairs],
+                    &sin[ti * pairs..(ti + 1) * pairs],
+                );
+            }
+        }
+        let mut got = x.clone();
+        let (pg, pc, ps) = (m(&mut got), c(&cos), c(&sin));
+        e.launch((t as u32, heads as u32), 32, || unsafe {
+            kern(
+                pg.p(),
+                row_stride as i32,
+                head_stride as i32,
+                offset as i32,
+                pc.p(),
+                ps.p(),
+                pairs as i32,
+            )
+        });
+        // The tables are inputs: no transcendental in the kernel, so exact.
+        assert_bits_eq(&format!("ds_rope_interleaved heads {heads}"), &got, &want);
+    }
+}
+
+#[test]
+fn deepseek_index_prep_bit_exact() {
+    let e = emu();
+    let kern: DsIndexPrepFn = e.kernel("ds_index_prep");
+    let mut r = rng(16);
+    let pos = [3i32, 0, 2500];
+    let t = pos.len();
+    let eps = 1e-6f32;
+    // dim: less than the block, the real 128, the largest (1024); rope_dim/2 pairs each.
+    for (dim, rope_dim) in [(64usize, 16usize), (128, 64), (1024, 64)] {
+        let (cos, sin) = rope_tables(&pos, rope_dim / 2, 10000.0);
+        let ln_w: Vec<f32> = randv(&mut r, dim, 0.5).iter().map(|v| 1.0 + v).collect();
+        let ln_b = randv(&mut r, dim, 0.1);
+        // The host's two uses: the index key (one vector, LayerNorm, no rounding) and the
+        // index queries (several heads, no LayerNorm, rounded like the stored keys).
+        for (vecs, has_ln, round) in [(1usize, 1i32, 0i32), (3, 0, 1), (3, 0, 2)] {
+            let what = format!("dim {dim} rope {rope_dim} vecs {vecs} ln {has_ln} round {round}");
+            // A row stride 5 past the vectors: those values must stay as they were.
+            let row_stride = vecs * dim + 5;
+            let x: Vec<f32> = randv(&mut r, t * row_stride, 2.0)
+                .iter()
+                .map(|v| v + 0.3)
+                .collect();
+            let mut want = x.clone();
+            for ti in 0..t {
+                let (cs, sn) = (
+                    &cos[ti * rope_dim / 2..(ti + 1) * rope_dim / 2],
+                    &sin[ti * rope_dim / 2..(ti + 1) * rope_dim / 2],
+                );
+                for v in 0..vecs {
+                    let at = ti * row_stride + v * dim;
+                    let xv = &mut want[at..at + dim];
+                    if has_ln == 1 {
+                        pdmesh_engine::deepseek::layer_norm(xv, &ln_w, &ln_b, eps);
+                    }
+                    pdmesh_engine::deepseek::rope_half(&mut xv[..rope_dim], cs, sn);
+                    pdmesh_engine::deepseek::hadamard(xv);
+                    round_like_index_k(xv, round);
+                }
+            }
+            let mut got = x.clone();
+            let (pg, pc, ps, pw, pb) = (m(&mut got), c(&cos), c(&sin), c(&ln_w), c(&ln_b));
+            e.launch((t as u32, vecs as u32), 128, || unsafe {
+                kern(
+                    pg.p(),
+                    row_stride as i32,
+                    dim as i32,
+                    rope_dim as i32,
+                    pc.p(),
+                    ps.p(),
+                    has_ln,
+                    pw.p(),
+                    pb.p(),
+                    eps,
+                    round,
+                )
+            });
+            // The CPU's operation order throughout (f64 LayerNorm statistics in index
+            // order, the same butterflies, the same roundings): exact.
+            assert_bits_eq(&what, &got, &want);
+        }
+    }
+}
+
+#[test]
+fn deepseek_scale_and_moe_combine_bit_exact() {
+    let e = emu();
+    let mut r = rng(17);
+
+    // ds_scale: the indexer weights times iscale; nothing past n.
+    let scale: DsScaleFn = e.kernel("ds_scale");
+    let (n, tail, sentinel) = (1000usize, 20usize, -4242.0f32);
+    let mut x = randv(&mut r, n + tail, 5.0);
+    x[n..].fill(sentinel);
+    let s = 1.0 / (4f32.sqrt() * 128f32.sqrt());
+    let mut want: Vec<f32> = x.iter().map(|v| v * s).collect();
+    want[n..].fill(sentinel);
+    let px = m(&mut x);
+    e.launch((n.div_ceil(256) as u32, 1), 256, || unsafe {
+        scale(px.p(), n as i32, s)
+    });
+    assert_bits_eq("ds_scale", &x, &want);
+
+    // ds_moe_combine: each token's k expert outputs (rows of y, in the host's expert-major
+    // order, so not the token's) weighted and summed in routing order, then added to the
+    // shared expert's output.
+    let combine: DsMoeCombineFn = e.kernel("ds_moe_combine");
+    let (t, k, d) = (4usize, 3usize, 300usize);
+    let total = t * k;
+    let y = randv(&mut r, total * d, 2.0);
+    let mut rows: Vec<i32> = (0..total as i32).collect();
+    for i in (1..total).rev() {
+        rows.swap(i, r.random_range(0..=i));
+    }
+    let wts: Vec<f32> = (0..total).map(|_| r.random_range(0.0f32..2.5)).collect();
+    let out0 = randv(&mut r, t * d, 1.0);
+    // deepseek.rs `ffn` (private there): acc from 0, acc += w * y per route, then
+    // add_in_place(out, acc).
+    let mut want = out0.clone();
+    for i in 0..t {
+        let mut acc = vec![0f32; d];
+        for s in 0..k {
+            let (w, row) = (wts[i * k + s], rows[i * k + s] as usize);
+            for (a, &yv) in acc.iter_mut().zip(&y[row * d..(row + 1) * d]) {
+                *a += w * yv;
+            }
+        }
+        for (o, a) in want[i * d..(i + 1) * d].iter_mut().zip(&acc) {
+            *o += a;
+        }
+    }
+    let mut out = out0.clone();
+    let (po, py, pr, pw) = (m(&mut out), c(&y), c(&rows), c(&wts));
+    e.launch((t as u32, 1), 256, || unsafe {
+        combine(po.p(), py.p(), pr.p(), pw.p(), k as i32, d as i32)
+    });
+    assert_bits_eq("ds_moe_combine", &out, &want);
 }
