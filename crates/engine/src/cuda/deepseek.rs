@@ -21,11 +21,12 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut, PushKernelArg, sys};
+use cudarc::driver::{CudaSlice, CudaStream, PushKernelArg};
 use pdmesh_kv::{IndexKDtype, KvLayout, MlaCacheDtype};
 
 use super::device::{Gpu, KernelBuild, grid};
-use super::llama::{HostArena, Job, KvSpan, RankOut, add_in_place, matmul, rms_norm, swiglu};
+use super::host::{PinnedHost, upload_layers};
+use super::llama::{Job, KvSpan, RankOut, add_in_place, matmul, rms_norm, swiglu};
 use super::{CudaError, cuda_err};
 use crate::deepseek::{DeepSeekModel, DsConfig, Ffn, Lin, Mlp};
 
@@ -154,7 +155,7 @@ pub struct DsRank {
     norm: CudaSlice<f32>,
     lm_head: DLin,
     pool: CudaSlice<u8>,
-    registered: Option<HostArena>,
+    pinned: PinnedHost,
 }
 
 impl DsRank {
@@ -234,6 +235,7 @@ impl DsRank {
             .alloc_zeros::<u8>(layout.bytes_per_pool(pages))
             .map_err(cuda_err)?;
         s.synchronize().map_err(cuda_err)?;
+        let pinned = PinnedHost::new(gpu.ctx.clone());
         Ok(Self {
             gpu,
             cfg: model.cfg.clone(),
@@ -248,73 +250,14 @@ impl DsRank {
             norm,
             lm_head,
             pool,
-            registered: None,
+            pinned,
         })
-    }
-
-    /// Register the host arena as pinned memory, once (as `LlamaRank::register`).
-    fn register(&mut self, host: HostArena) {
-        if self.registered.is_some() {
-            return;
-        }
-        // SAFETY: the arena is alive for the engine's life (unregistered in Drop, which
-        // runs before the engine drops its pool).
-        let r = unsafe {
-            sys::cuMemHostRegister_v2(
-                host.ptr as *mut _,
-                host.len,
-                sys::CU_MEMHOSTREGISTER_PORTABLE,
-            )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            tracing::warn!(?r, "could not pin the KV pool's host memory");
-            return;
-        }
-        self.registered = Some(host);
-    }
-
-    /// Copy the job's stale pages up layer by layer, one event per layer (as
-    /// `LlamaRank::upload`).
-    fn upload(&mut self, job: &Job) -> Result<Vec<CudaEvent>, CudaError> {
-        if job.uploads.is_empty() {
-            return Ok(Vec::new());
-        }
-        let l = &self.layout;
-        let bpp = l.bytes_per_page();
-        let load = self.gpu.load.clone();
-        let (base, _sync) = self.pool.device_ptr_mut(&load);
-        let mut events = Vec::with_capacity(l.layers());
-        for layer in 0..l.layers() {
-            let start = l.region_offset(layer, 0);
-            let end = if layer + 1 < l.layers() {
-                l.region_offset(layer + 1, 0)
-            } else {
-                bpp
-            };
-            for &p in &job.uploads {
-                let off = p as usize * bpp;
-                // SAFETY: the engine thread keeps the arena alive and unchanged until
-                // this forward returns; the range is inside the page.
-                let src = unsafe { job.host.bytes(off + start..off + end) };
-                // SAFETY: inside the device pool (same layout and page count).
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(
-                        base + (off + start) as u64,
-                        src,
-                        load.cu_stream(),
-                    )
-                }
-                .map_err(cuda_err)?;
-            }
-            events.push(load.record_event(None).map_err(cuda_err)?);
-        }
-        Ok(events)
     }
 
     /// One forward pass; see the module docs.
     pub fn forward(&mut self, job: &Job) -> Result<RankOut, CudaError> {
-        self.register(job.host);
-        let events = self.upload(job)?;
+        self.pinned.register(job.host);
+        let events = upload_layers(&self.gpu.load, &mut self.pool, &self.layout, job)?;
         let c = self.cfg.clone();
         let t = job.tokens.len();
         let layout = self.layout.clone();
@@ -669,16 +612,6 @@ impl DsRank {
             0,
         )?;
         s.clone_dtoh(&logits).map_err(cuda_err)
-    }
-}
-
-impl Drop for DsRank {
-    fn drop(&mut self) {
-        if let Some(h) = self.registered.take() {
-            let _ = self.gpu.ctx.bind_to_thread();
-            // SAFETY: registered by `register` with this pointer.
-            let _ = unsafe { sys::cuMemHostUnregister(h.ptr as *mut _) };
-        }
     }
 }
 

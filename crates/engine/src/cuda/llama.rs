@@ -20,15 +20,14 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
-use cudarc::driver::{
-    CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg, sys,
-};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg, sys};
 use cudarc::nccl::{Comm, Id};
 use pdmesh_gguf::GgufFile;
 use pdmesh_kernels::QMatrix;
 use pdmesh_kv::KvLayout;
 
 use super::device::{Gpu, KernelBuild, grid};
+use super::host::{PinnedHost, upload_layers};
 use super::{CudaError, cuda_err};
 use crate::model::LlamaConfig;
 use crate::tp::{RankShard, ShardPlan};
@@ -156,8 +155,8 @@ pub struct LlamaRank {
     output: Option<CudaSlice<f32>>,
     pool: CudaSlice<u8>,
     comm: Option<Comm>,
-    /// The host arena registered as pinned memory (rank 0 registers it, portable).
-    registered: Option<HostArena>,
+    /// The host arena pinned (rank 0 pins it; portable, so every rank's copies are DMA).
+    pinned: PinnedHost,
 }
 
 fn dense(
@@ -240,6 +239,7 @@ impl LlamaRank {
             _ => None,
         };
         s.synchronize().map_err(cuda_err)?;
+        let pinned = PinnedHost::new(gpu.ctx.clone());
         Ok(Self {
             gpu,
             cfg: cfg.clone(),
@@ -251,81 +251,16 @@ impl LlamaRank {
             output,
             pool,
             comm,
-            registered: None,
+            pinned,
         })
-    }
-
-    /// Register the host arena as pinned memory, once (rank 0; portable, so every
-    /// context's copies from it are DMA).
-    fn register(&mut self, host: HostArena) -> Result<(), CudaError> {
-        if self.spec.rank != 0 || self.registered.is_some() {
-            return Ok(());
-        }
-        // SAFETY: the arena is alive for the engine's life (unregistered in Drop, which
-        // runs before the engine drops its pool: the model is dropped first).
-        let r = unsafe {
-            sys::cuMemHostRegister_v2(
-                host.ptr as *mut _,
-                host.len,
-                sys::CU_MEMHOSTREGISTER_PORTABLE,
-            )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            // Still correct, only slower: pageable copies.
-            tracing::warn!(?r, "could not pin the KV pool's host memory");
-            return Ok(());
-        }
-        self.registered = Some(host);
-        Ok(())
-    }
-
-    /// Copy the job's stale pages up, layer by layer; one event per layer (none when
-    /// there is nothing to copy).
-    fn upload(&mut self, job: &Job) -> Result<Vec<CudaEvent>, CudaError> {
-        if job.uploads.is_empty() {
-            return Ok(Vec::new());
-        }
-        let l = &self.layout;
-        let bpp = l.bytes_per_page();
-        let load = self.gpu.load.clone();
-        let (base, _sync) = self.pool.device_ptr_mut(&load);
-        let mut events = Vec::with_capacity(l.layers());
-        for layer in 0..l.layers() {
-            let start = if layer == 0 {
-                0
-            } else {
-                l.value_offset(layer, 0, 0)
-            };
-            let end = if layer + 1 < l.layers() {
-                l.value_offset(layer + 1, 0, 0)
-            } else {
-                bpp
-            };
-            for &p in &job.uploads {
-                let off = p as usize * bpp;
-                // SAFETY: the engine thread keeps the arena alive and unchanged until
-                // this forward returns; the range is inside the page.
-                let src = unsafe { job.host.bytes(off + start..off + end) };
-                // SAFETY: `base + off + start .. + len` lies inside the device pool (same
-                // layout and page count as the host pool).
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(
-                        base + (off + start) as u64,
-                        src,
-                        load.cu_stream(),
-                    )
-                }
-                .map_err(cuda_err)?;
-            }
-            events.push(load.record_event(None).map_err(cuda_err)?);
-        }
-        Ok(events)
     }
 
     /// Run one forward for this rank. See the module docs.
     pub fn forward(&mut self, job: &Job) -> Result<RankOut, CudaError> {
-        self.register(job.host)?;
-        let events = self.upload(job)?;
+        if self.spec.rank == 0 {
+            self.pinned.register(job.host);
+        }
+        let events = upload_layers(&self.gpu.load, &mut self.pool, &self.layout, job)?;
         let gpu = &self.gpu;
         let s = gpu.compute.clone();
         let c = self.cfg.clone();
@@ -622,16 +557,6 @@ impl LlamaRank {
         unsafe { b.launch(grid((n as u32, 1, 1), 256)) }.map_err(cuda_err)?;
         let rows = s.clone_dtoh(&staging).map_err(cuda_err)?;
         Ok((spans, rows))
-    }
-}
-
-impl Drop for LlamaRank {
-    fn drop(&mut self) {
-        if let Some(h) = self.registered.take() {
-            let _ = self.gpu.ctx.bind_to_thread();
-            // SAFETY: registered by `register` with this pointer.
-            let _ = unsafe { sys::cuMemHostUnregister(h.ptr as *mut _) };
-        }
     }
 }
 

@@ -13,6 +13,7 @@
 
 pub mod deepseek;
 pub mod device;
+mod host;
 pub mod llama;
 
 use std::sync::mpsc;
@@ -418,12 +419,10 @@ impl CudaModel {
                 at += sp.len;
                 pool.page_mut(page).expect("a page of the batch")[off..off + sp.len]
                     .copy_from_slice(src);
+                // The device wrote these bytes itself: its copy of the page is current.
+                mirror[page as usize] = pool.version(page);
             }
             assert_eq!(at, out.kv.len(), "the KV bytes match their spans");
-        }
-        for tk in tokens {
-            let p = page_of(tk);
-            mirror[p as usize] = pool.version(p);
         }
         let vocab = self.vocab;
         logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
