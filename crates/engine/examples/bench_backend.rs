@@ -53,7 +53,13 @@ fn parse() -> Args {
         let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
             "--model" => a.model = Some(val()),
-            "--device" => a.cuda = val() == "cuda",
+            "--device" => {
+                a.cuda = match val().as_str() {
+                    "cpu" => false,
+                    "cuda" => true,
+                    other => panic!("--device {other:?}: expected cpu or cuda"),
+                }
+            }
             "--gpus" => a.gpus = list(val()),
             "--fast" => a.fast = true,
             "--batches" => a.batches = list(val()),
