@@ -2,8 +2,10 @@
 //! `state.rs` ties them to mirror slots and leases; `grpc.rs` serves them.
 //!
 //! A room moves Bootstrapping → WaitingForInput → Transferring → Success, or to Failed
-//! from any state that is not final; never backwards. Every state has a deadline; either
-//! side may abort; losing a side's lease fails its rooms. A failed room refuses every
+//! from any state that is not final; never backwards (a room that succeeded fails only
+//! when nobody takes its pages: its receiver's lease is lost, or the hard watchdog gives
+//! up on it). Every state has a deadline; either side may abort; losing a side's lease
+//! fails its rooms. A failed room refuses every
 //! later call, so a late commit from its sender is rejected. The mirror slots a room held
 //! while its sender could still be writing are not reused until that sender's lease lets
 //! go of them (they are quarantined), so a late write through shared memory cannot land
@@ -460,13 +462,26 @@ impl Rooms {
         Some(Self::fail(r, format!("aborted: {reason}"), by_sender, now))
     }
 
-    /// Fails `room` whoever asks (the watchdog). None if it is unknown or final.
+    /// Fails `room` whoever asks (the watchdog). A room that succeeded and whose receiver
+    /// has not taken its pages fails too, giving its slots back at once (nobody writes
+    /// them any more). None if it is unknown or failed.
     pub fn abort_any(&mut self, room: u64, reason: &str, now: Instant) -> Option<Released> {
         let r = self.rooms.get_mut(&room)?;
-        if r.state.is_final() {
-            return None;
+        match r.state {
+            RoomState::Failed => None,
+            RoomState::Success => {
+                r.state = RoomState::Failed;
+                r.entered = now;
+                r.stalled = false;
+                r.reason = Some(reason.to_owned());
+                r.pages.clear();
+                Some(Released {
+                    free_now: std::mem::take(&mut r.slots),
+                    quarantined: Vec::new(),
+                })
+            }
+            _ => Some(Self::fail(r, reason.to_owned(), false, now)),
         }
-        Some(Self::fail(r, reason.to_owned(), false, now))
     }
 
     /// Fails every room past its state's deadline; a Success room whose receiver never
@@ -727,6 +742,45 @@ mod tests {
             None,
             "final states stay final"
         );
+    }
+
+    #[test]
+    fn the_watchdog_sees_each_stuck_room_once_per_state_and_may_fail_even_a_succeeded_one() {
+        let (mut rooms, t) = (Rooms::new(D), Instant::now());
+        rooms.open(1, Side::Receiver, DEC, t).unwrap(); // bootstrapping: 1 s
+        rooms.open(2, Side::Receiver, DEC, t).unwrap();
+        rooms.open(2, Side::Sender, P, t).unwrap();
+        rooms.start_transfer(2, P, vec![5], t).unwrap();
+        rooms.commit(2, P, vec![], aux(2), t).unwrap(); // success: 4 s
+        rooms.describe(1, "req-1", "trace-1");
+        let half = |s| t + Duration::from_millis(s);
+        assert!(rooms.stuck(half(499), 0.5).is_empty());
+        let stuck = rooms.stuck(half(500), 0.5);
+        assert_eq!(stuck.len(), 1);
+        assert_eq!(
+            (
+                stuck[0].room,
+                stuck[0].state,
+                &*stuck[0].request_id,
+                &*stuck[0].trace_id
+            ),
+            (1, Bootstrapping, "req-1", "trace-1")
+        );
+        assert!(rooms.stuck(half(900), 0.5).is_empty(), "reported once");
+        let stuck = rooms.stuck(half(2000), 0.5);
+        assert_eq!(stuck.iter().map(|s| s.room).collect::<Vec<_>>(), [2]);
+        // Nobody took the pages: failing the room frees its slots at once.
+        let rel = rooms.abort_any(2, "watchdog: stuck", half(2000)).unwrap();
+        assert_eq!(rel.free_now, vec![5]);
+        assert!(rel.quarantined.is_empty());
+        assert_eq!(
+            rooms.result(2, DEC),
+            Err(RoomError::Failed {
+                room: 2,
+                reason: "watchdog: stuck".into()
+            })
+        );
+        assert_eq!(rooms.abort_any(2, "again", half(2000)), None);
     }
 
     #[test]
