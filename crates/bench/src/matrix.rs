@@ -4,7 +4,8 @@
 //! stops it, and replays every answer alone on a unified worker without any cache (one
 //! reference mesh per model and cache form, kept up while its configurations run). The
 //! table gives each configuration's corruption rate, tool-call validity, TTFT and
-//! throughput.
+//! throughput; `index.html` shows it above one bar chart per metric with a labelled bar per
+//! configuration.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -435,7 +436,6 @@ pub async fn run(a: MatrixArgs) -> Result<(), BenchError> {
         rows: Vec::new(),
     };
     let mut diffs = Vec::new();
-    let mut reports = Vec::new();
     let http = reqwest::Client::new();
     let mut i = 0;
     while i < cells.len() {
@@ -510,7 +510,6 @@ pub async fn run(a: MatrixArgs) -> Result<(), BenchError> {
                 levels: vec![summary.clone()],
             };
             crate::report::write(&dir, std::slice::from_ref(&report))?;
-            reports.push(report);
             let row = Row {
                 cell,
                 name,
@@ -528,8 +527,8 @@ pub async fn run(a: MatrixArgs) -> Result<(), BenchError> {
         );
         ref_up.stop().await;
     }
-    // Every configuration as a series of one report: charts side by side.
-    cli::print_written(&crate::report::write(&a.out, &reports)?);
+    // The table and a bar per configuration in each chart, side by side.
+    cli::print_written(&crate::report::write_bars(&a.out, &page(&matrix))?);
     let md = table(&matrix);
     println!("\n{md}");
     write(&a.out.join("matrix.md"), md.as_bytes())?;
@@ -639,50 +638,211 @@ fn calls(d: &Differential) -> String {
     out
 }
 
+/// The table's columns, in the seed's terms.
+const COLUMNS: [&str; 14] = [
+    "model",
+    "index-K",
+    "host mirror",
+    "mode",
+    "requests",
+    "errors",
+    "corrupted",
+    "corruption",
+    "tool calls valid",
+    "TTFT p50",
+    "TTFT p99",
+    "output tok/s",
+    "cached",
+    "pages back",
+];
+
+/// One table row per configuration, a cell per column of [`COLUMNS`].
+fn table_rows(m: &Matrix) -> Vec<Vec<String>> {
+    m.rows
+        .iter()
+        .map(|r| {
+            let d = r.summary.differential.clone().unwrap_or_default();
+            let c = r.cell;
+            vec![
+                format!(
+                    "{}{}",
+                    match c.model {
+                        Family::Dsa => "DeepSeek V3.2 tiny",
+                        Family::Smol => "SmolLM2-135M",
+                    },
+                    if r.fault.is_some() {
+                        " (fault injected)"
+                    } else {
+                        ""
+                    }
+                ),
+                match c.index_k {
+                    Some(IndexK::Fp8) => "fp8",
+                    Some(IndexK::Bf16) => "bf16",
+                    None => "-",
+                }
+                .to_owned(),
+                match c.mirror {
+                    Mirror::On => "on",
+                    Mirror::Off => "off",
+                }
+                .to_owned(),
+                match c.mode {
+                    Mode::Pd => "PD",
+                    Mode::Unified => "unified",
+                }
+                .to_owned(),
+                r.summary.requests.to_string(),
+                r.summary.errors.to_string(),
+                format!("{}/{}", d.corrupted, d.compared),
+                pct(d.corruption_rate()),
+                calls(&d),
+                format!("{:.0} ms", r.summary.ttft.p50 * 1e3),
+                format!("{:.0} ms", r.summary.ttft.p99 * 1e3),
+                format!("{:.1}", r.summary.output_tokens_per_s),
+                pct(r.summary.cached_share),
+                if r.leaked.is_some() { "NO" } else { "yes" }.to_owned(),
+            ]
+        })
+        .collect()
+}
+
 /// The table in the seed's terms, as Markdown.
 pub fn table(m: &Matrix) -> String {
     let mut out = format!("workload: {}\n\n", m.workload);
-    out.push_str(
-        "| model | index-K | host mirror | mode | requests | errors | corrupted | corruption | tool calls valid | TTFT p50 | TTFT p99 | output tok/s | cached | pages back |\n",
-    );
-    out.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for r in &m.rows {
-        let d = r.summary.differential.clone().unwrap_or_default();
-        let c = r.cell;
-        out.push_str(&format!(
-            "| {}{} | {} | {} | {} | {} | {} | {}/{} | {} | {} | {:.0} ms | {:.0} ms | {:.1} | {} | {} |\n",
-            match c.model {
-                Family::Dsa => "DeepSeek V3.2 tiny",
-                Family::Smol => "SmolLM2-135M",
-            },
-            if r.fault.is_some() { " (fault injected)" } else { "" },
-            match c.index_k {
-                Some(IndexK::Fp8) => "fp8",
-                Some(IndexK::Bf16) => "bf16",
-                None => "-",
-            },
-            match c.mirror {
-                Mirror::On => "on",
-                Mirror::Off => "off",
-            },
-            match c.mode {
-                Mode::Pd => "PD",
-                Mode::Unified => "unified",
-            },
-            r.summary.requests,
-            r.summary.errors,
-            d.corrupted,
-            d.compared,
-            pct(d.corruption_rate()),
-            calls(&d),
-            r.summary.ttft.p50 * 1e3,
-            r.summary.ttft.p99 * 1e3,
-            r.summary.output_tokens_per_s,
-            pct(r.summary.cached_share),
-            if r.leaked.is_some() { "NO" } else { "yes" },
-        ));
+    out.push_str(&format!("| {} |\n", COLUMNS.join(" | ")));
+    out.push_str(&format!("|{}\n", "---|".repeat(COLUMNS.len())));
+    for row in table_rows(m) {
+        out.push_str(&format!("| {} |\n", row.join(" | ")));
     }
     out
+}
+
+/// A configuration as its bars are labelled: every part of its cell, in words.
+fn bar_label(c: &Cell) -> String {
+    let mut parts = vec![match c.model {
+        Family::Dsa => "DeepSeek",
+        Family::Smol => "SmolLM2",
+    }];
+    parts.push(match c.index_k {
+        Some(IndexK::Fp8) => "index-K fp8",
+        Some(IndexK::Bf16) => "index-K bf16",
+        None => "",
+    });
+    parts.push(match c.mirror {
+        Mirror::On => "mirror on",
+        Mirror::Off => "mirror off",
+    });
+    parts.push(match c.mode {
+        Mode::Pd => "PD",
+        Mode::Unified => "unified",
+    });
+    parts.retain(|p| !p.is_empty());
+    parts.join(" · ")
+}
+
+/// The bar colours: mode and host mirror, the same four in every chart and every run.
+const BAR_KEYS: [&str; 4] = [
+    "PD, mirror on",
+    "PD, mirror off",
+    "unified, mirror on",
+    "unified, mirror off",
+];
+
+fn bar_key(c: &Cell) -> usize {
+    match (c.mode, c.mirror) {
+        (Mode::Pd, Mirror::On) => 0,
+        (Mode::Pd, Mirror::Off) => 1,
+        (Mode::Unified, Mirror::On) => 2,
+        (Mode::Unified, Mirror::Off) => 3,
+    }
+}
+
+/// The matrix page: the table, and one bar chart per metric (corruption, TTFT p50 and
+/// p99, output throughput) with a labelled bar per configuration, grouped by model and
+/// index-K form.
+pub fn page(m: &Matrix) -> crate::report::BarPage {
+    use crate::report::{Bar, BarChart};
+    let fault = if m.rows.iter().any(|r| r.fault.is_some()) {
+        " (fault injected)"
+    } else {
+        ""
+    };
+    type Value = fn(&Row) -> (f64, String);
+    let metrics: [(&str, &str, &str, Value); 4] = [
+        (
+            "corruption",
+            "Answers differing from the reference",
+            "corrupted answers (% of those compared)",
+            |r| match &r.summary.differential {
+                Some(d) => (
+                    d.corruption_rate() * 100.0,
+                    format!(
+                        "{} ({}/{})",
+                        pct(d.corruption_rate()),
+                        d.corrupted,
+                        d.compared
+                    ),
+                ),
+                None => (f64::NAN, "not checked".to_owned()),
+            },
+        ),
+        (
+            "ttft_p50",
+            "Time to first token, p50",
+            "TTFT p50 (ms)",
+            |r| {
+                let ms = r.summary.ttft.p50 * 1e3;
+                (ms, format!("{ms:.0} ms"))
+            },
+        ),
+        (
+            "ttft_p99",
+            "Time to first token, p99",
+            "TTFT p99 (ms)",
+            |r| {
+                let ms = r.summary.ttft.p99 * 1e3;
+                (ms, format!("{ms:.0} ms"))
+            },
+        ),
+        ("throughput", "Output throughput", "output tokens/s", |r| {
+            let t = r.summary.output_tokens_per_s;
+            (t, format!("{t:.1} tok/s"))
+        }),
+    ];
+    let charts = metrics
+        .into_iter()
+        .map(|(stem, title, value_desc, value)| BarChart {
+            stem: stem.to_owned(),
+            title: format!("{title}{fault}"),
+            value_desc: value_desc.to_owned(),
+            keys: BAR_KEYS.map(str::to_owned).to_vec(),
+            bars: m
+                .rows
+                .iter()
+                .map(|r| {
+                    let (value, text) = value(r);
+                    Bar {
+                        group: format!("{:?} {:?}", r.cell.model, r.cell.index_k),
+                        label: bar_label(&r.cell),
+                        key: bar_key(&r.cell),
+                        value,
+                        text,
+                    }
+                })
+                .collect(),
+        })
+        .collect();
+    crate::report::BarPage {
+        title: format!("pdmesh bench matrix{fault}"),
+        params: vec![
+            ("Workload".to_owned(), m.workload.clone()),
+            ("Started".to_owned(), m.started.clone()),
+        ],
+        header: COLUMNS.map(str::to_owned).to_vec(),
+        rows: table_rows(m),
+        charts,
+    }
 }
 
 #[cfg(test)]
@@ -847,5 +1007,193 @@ mod tests {
         // matrix.json round-trips.
         let back: Matrix = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
         assert_eq!(back, m);
+    }
+
+    /// The default twelve configurations with made-up, different results; the bf16
+    /// disaggregated ones corrupted.
+    fn fabricated() -> Matrix {
+        let rows = cells(&parse(&[]))
+            .into_iter()
+            .enumerate()
+            .map(|(i, cell)| {
+                let i = i as f64;
+                let corrupted = if cell.index_k == Some(IndexK::Bf16) && cell.mode == Mode::Pd {
+                    7 + i as u32
+                } else {
+                    0
+                };
+                let mut summary = LevelSummary {
+                    concurrency: Some(80),
+                    requests: 160,
+                    output_tokens_per_s: 37.5 + 11.0 * i,
+                    differential: Some(Differential {
+                        compared: 160,
+                        corrupted,
+                        ..Differential::default()
+                    }),
+                    ..LevelSummary::default()
+                };
+                summary.ttft.p50 = 0.073517 * (1.0 + i);
+                summary.ttft.p99 = 0.84449 * (1.0 + i / 3.0);
+                Row {
+                    name: cell.name(),
+                    cell,
+                    fault: None,
+                    leaked: None,
+                    prompt_sources: Default::default(),
+                    summary,
+                }
+            })
+            .collect();
+        Matrix {
+            started: "2025-01-02T03:04:05Z".into(),
+            workload: "sessions".into(),
+            rows,
+        }
+    }
+
+    /// `<text>` elements of an SVG: (x, y, content).
+    fn svg_texts(svg: &str) -> Vec<(f64, f64, String)> {
+        let attr = |tag: &str, name: &str| -> f64 {
+            let at = tag.find(&format!(" {name}=\"")).unwrap() + name.len() + 3;
+            tag[at..at + tag[at..].find('"').unwrap()].parse().unwrap()
+        };
+        svg.split("<text")
+            .skip(1)
+            .map(|t| {
+                let (tag, rest) = t.split_once('>').unwrap();
+                let content = rest.split("</text>").next().unwrap().trim();
+                let content = content
+                    .replace("&amp;", "&")
+                    .replace("&lt;", "<")
+                    .replace("&gt;", ">");
+                (attr(tag, "x"), attr(tag, "y"), content)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_chart_names_every_configuration_with_round_ticks_and_the_legend_apart() {
+        let m = fabricated();
+        let dir = tempfile::TempDir::new().unwrap();
+        let written = crate::report::write_bars(dir.path(), &page(&m)).unwrap();
+        let files: Vec<String> = written
+            .files
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            files,
+            [
+                "corruption.png",
+                "ttft_p50.png",
+                "ttft_p99.png",
+                "throughput.png",
+                "index.html"
+            ]
+        );
+        for f in &written.files[..4] {
+            let png = std::fs::read(f).unwrap();
+            assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "{}", f.display());
+        }
+        let labels = [
+            "DeepSeek · index-K fp8 · mirror on · PD",
+            "DeepSeek · index-K fp8 · mirror on · unified",
+            "DeepSeek · index-K fp8 · mirror off · PD",
+            "DeepSeek · index-K fp8 · mirror off · unified",
+            "DeepSeek · index-K bf16 · mirror on · PD",
+            "DeepSeek · index-K bf16 · mirror on · unified",
+            "DeepSeek · index-K bf16 · mirror off · PD",
+            "DeepSeek · index-K bf16 · mirror off · unified",
+            "SmolLM2 · mirror on · PD",
+            "SmolLM2 · mirror on · unified",
+            "SmolLM2 · mirror off · PD",
+            "SmolLM2 · mirror off · unified",
+        ];
+        let html = std::fs::read_to_string(dir.path().join("index.html")).unwrap();
+        // The table, one row per configuration, before the charts.
+        assert_eq!(html.matches("<tr><td").count(), 12, "{html}");
+        assert!(html.contains(
+            "<tr><td class=\"text\">DeepSeek V3.2 tiny</td><td class=\"text\">bf16</td>\
+             <td class=\"text\">on</td><td class=\"text\">PD</td><td>160</td><td>0</td>\
+             <td>11/160</td><td>6.9%</td>"
+        ));
+        let figures: Vec<&str> = html.split("<figure id=\"chart-").skip(1).collect();
+        let stems: Vec<&str> = figures
+            .iter()
+            .map(|f| f.split('"').next().unwrap())
+            .collect();
+        assert_eq!(stems, ["corruption", "ttft_p50", "ttft_p99", "throughput"]);
+        for (stem, fig) in stems.iter().zip(&figures) {
+            let svg = &fig[fig.find("<svg").unwrap()..fig.find("</svg>").unwrap()];
+            let texts = svg_texts(svg);
+            let find = |s: &str| texts.iter().filter(|t| t.2 == s).collect::<Vec<_>>();
+            // Every configuration named once, on its own line, in the matrix's order.
+            let mut rows = Vec::new();
+            for label in labels {
+                let hits = find(label);
+                assert_eq!(hits.len(), 1, "{stem}: {label:?} in {texts:?}");
+                rows.push(hits[0].1);
+            }
+            assert!(
+                rows.windows(2).all(|w| w[1] - w[0] >= 24.0),
+                "{stem}: rows {rows:?}"
+            );
+            // The legend (mode and mirror) sits above the first bar, not over the data.
+            for key in BAR_KEYS {
+                let hits = find(key);
+                assert_eq!(hits.len(), 1, "{stem}: legend {key:?}");
+                assert!(
+                    hits[0].1 + 24.0 < rows[0],
+                    "{stem}: legend {key:?} at {}",
+                    hits[0].1
+                );
+            }
+            // Ticks: the bare numbers, at round values from 0 (at most two significant
+            // digits, evenly spaced) up past the largest value; no log-axis leftovers.
+            let ticks: Vec<f64> = texts.iter().filter_map(|t| t.2.parse().ok()).collect();
+            assert!(
+                ticks.len() >= 3 && ticks[0] == 0.0,
+                "{stem}: ticks {ticks:?}"
+            );
+            let step = ticks[1];
+            for (i, t) in ticks.iter().enumerate() {
+                assert!(
+                    (t - step * i as f64).abs() < 1e-9 * step.max(1.0),
+                    "{stem}: {ticks:?}"
+                );
+                let digits = format!("{:e}", t)
+                    .split('e')
+                    .next()
+                    .unwrap()
+                    .replace(['.', '-'], "");
+                assert!(
+                    digits.len() <= 2,
+                    "{stem}: tick {t} is not round: {ticks:?}"
+                );
+            }
+            let max = m
+                .rows
+                .iter()
+                .map(|r| match *stem {
+                    "corruption" => {
+                        r.summary.differential.as_ref().unwrap().corruption_rate() * 100.0
+                    }
+                    "ttft_p50" => r.summary.ttft.p50 * 1e3,
+                    "ttft_p99" => r.summary.ttft.p99 * 1e3,
+                    _ => r.summary.output_tokens_per_s,
+                })
+                .fold(0.0, f64::max);
+            assert!(
+                *ticks.last().unwrap() >= max,
+                "{stem}: {ticks:?} below {max}"
+            );
+        }
+        // Each bar carries its value: the corrupted bf16 PD rows, the slowest TTFT p50,
+        // the highest throughput.
+        let corruption = figures[0];
+        assert!(corruption.contains("6.9% (11/160)") && corruption.contains("8.1% (13/160)"));
+        assert_eq!(corruption.matches("0.0% (0/160)").count(), 10);
+        assert!(figures[1].contains("882 ms") && figures[3].contains("158.5 tok/s"));
     }
 }
