@@ -11,6 +11,8 @@
 //! request's behalf carries it ([`request`], [`inject`]), and a gRPC server opens a span
 //! ([`grpc_server_span`]) only for calls that carry it, so heartbeats, health checks and
 //! scrapes never start traces of their own.
+//!
+//! [`labels`] holds the closed sets of metric label values the services share.
 
 use std::borrow::Cow;
 use std::io::IsTerminal;
@@ -28,6 +30,8 @@ use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
 pub use opentelemetry::KeyValue;
+
+pub mod labels;
 
 /// Whether this process exports traces.
 static ENABLED: AtomicBool = AtomicBool::new(false);

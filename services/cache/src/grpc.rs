@@ -302,12 +302,12 @@ impl pb::cache_server::Cache for CacheService {
             room_timeouts: rooms
                 .timeouts
                 .iter()
-                .map(|(k, v)| ((*k).to_owned(), *v))
+                .map(|(k, v)| (k.name().to_owned(), *v))
                 .collect(),
             room_aborts: rooms
                 .aborts
                 .iter()
-                .map(|(k, v)| ((*k).to_owned(), *v))
+                .map(|(k, v)| (k.name().to_owned(), *v))
                 .collect(),
             rooms_finished: rooms.finished,
             transfer_pages: rooms.transfer_pages,

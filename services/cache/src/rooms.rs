@@ -14,6 +14,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use pdmesh_telemetry::labels;
+
 /// Where a room is. The numbering follows SGLang's transfer states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RoomState {
@@ -33,15 +35,20 @@ impl RoomState {
         RoomState::Success,
     ];
 
-    /// The metric label.
-    pub fn name(self) -> &'static str {
+    /// The metric label (from the set the gateway creates its room series from).
+    pub fn label(self) -> labels::RoomState {
         match self {
-            Self::Failed => "failed",
-            Self::Bootstrapping => "bootstrapping",
-            Self::WaitingForInput => "waiting_for_input",
-            Self::Transferring => "transferring",
-            Self::Success => "success",
+            Self::Failed => labels::RoomState::Failed,
+            Self::Bootstrapping => labels::RoomState::Bootstrapping,
+            Self::WaitingForInput => labels::RoomState::WaitingForInput,
+            Self::Transferring => labels::RoomState::Transferring,
+            Self::Success => labels::RoomState::Success,
         }
+    }
+
+    /// The metric label's value.
+    pub fn name(self) -> &'static str {
+        self.label().name()
     }
 
     pub fn is_final(self) -> bool {
@@ -580,6 +587,12 @@ mod tests {
     };
     const P: u64 = 7; // prefill's lease
     const DEC: u64 = 9; // decode's lease
+
+    #[test]
+    fn every_state_has_its_own_label_and_every_label_a_state() {
+        let labels: Vec<_> = RoomState::ALL.iter().map(|s| s.label()).collect();
+        assert_eq!(labels, labels::RoomState::ALL);
+    }
 
     fn aux(room: u64) -> Aux {
         Aux {

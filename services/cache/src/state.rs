@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdmesh_kv::KvLayout;
+use pdmesh_telemetry::labels::RoomAbort;
 
 use crate::mirror::Mirror;
 use crate::rooms::{
@@ -137,9 +138,9 @@ pub struct RoomStats {
     /// Rooms under way longer than each of `rooms::AGE_THRESHOLDS` in their state.
     pub older_than: Vec<(f64, usize)>,
     /// Rooms failed by a deadline, by the state they were stuck in.
-    pub timeouts: HashMap<&'static str, u64>,
-    /// Rooms aborted, by who or what: "sender", "receiver", "lease_lost", "watchdog".
-    pub aborts: HashMap<&'static str, u64>,
+    pub timeouts: HashMap<RoomState, u64>,
+    /// Rooms aborted, by who or what.
+    pub aborts: HashMap<RoomAbort, u64>,
     pub finished: u64,
     pub transfer_pages: u64,
     pub transfer_bytes: u64,
@@ -586,7 +587,11 @@ impl State {
                 self.free_slot(slot);
             }
             let lost = self.rooms.lease_lost(id, now);
-            *self.room_stats.aborts.entry("lease_lost").or_default() += lost.len() as u64;
+            *self
+                .room_stats
+                .aborts
+                .entry(RoomAbort::LeaseLost)
+                .or_default() += lost.len() as u64;
             for (_, rel) in lost {
                 self.give_back(rel);
             }
@@ -603,7 +608,7 @@ impl State {
         }
         for (room, stuck_in, rel) in expired {
             if stuck_in != RoomState::Success {
-                *self.room_stats.timeouts.entry(stuck_in.name()).or_default() += 1;
+                *self.room_stats.timeouts.entry(stuck_in).or_default() += 1;
                 tracing::warn!(
                     room,
                     state = stuck_in.name(),
@@ -826,16 +831,16 @@ impl State {
     ) -> Result<(), CacheError> {
         self.lease_mut(lease)?;
         let who = if self.rooms.sender(room) == Some(lease) {
-            "sender"
+            RoomAbort::Sender
         } else {
-            "receiver"
+            RoomAbort::Receiver
         };
         if let Some(rel) = self.rooms.abort(room, lease, reason, now) {
             *self.room_stats.aborts.entry(who).or_default() += 1;
-            tracing::info!(room, by = who, reason, "room aborted");
+            tracing::info!(room, by = who.name(), reason, "room aborted");
             self.give_back(rel);
         }
-        if who == "sender" {
+        if who == RoomAbort::Sender {
             self.free_quarantined(|q, l| q == room && l == lease);
         }
         self.rooms_version += 1;
@@ -850,7 +855,11 @@ impl State {
         if abort {
             for s in &stuck {
                 if let Some(rel) = self.rooms.abort_any(s.room, "watchdog: stuck", now) {
-                    *self.room_stats.aborts.entry("watchdog").or_default() += 1;
+                    *self
+                        .room_stats
+                        .aborts
+                        .entry(RoomAbort::Watchdog)
+                        .or_default() += 1;
                     self.give_back(rel);
                     self.rooms_version += 1;
                 }

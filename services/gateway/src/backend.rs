@@ -15,6 +15,7 @@ use tonic::transport::{Channel, Endpoint};
 use wk::worker_client::WorkerClient;
 
 use crate::error::{ApiError, Error};
+use crate::metrics::Stage;
 use crate::tools::{OutputFormat, ToolFormat};
 
 /// Connected (lazily) clients for both backends. Cheap to clone: channels are shared.
@@ -171,7 +172,7 @@ pub(crate) struct Finish {
     pub host_cached_tokens: u32,
     pub transferred_tokens: u32,
     /// Seconds in each worker stage (queue, prefill, transfer, decode), 0 when skipped.
-    pub stages: [(&'static str, f64); 4],
+    pub stages: [(Stage, f64); 4],
 }
 
 /// One message of the worker's Generate stream.
@@ -548,10 +549,10 @@ fn convert_generate(msg: wk::GenerateResponse) -> Result<WorkerEvent, ApiError> 
                 stages: {
                     let t = f.stages.unwrap_or_default();
                     [
-                        ("queue", t.queue_seconds),
-                        ("prefill", t.prefill_seconds),
-                        ("transfer", t.transfer_seconds),
-                        ("decode", t.decode_seconds),
+                        (Stage::Queue, t.queue_seconds),
+                        (Stage::Prefill, t.prefill_seconds),
+                        (Stage::Transfer, t.transfer_seconds),
+                        (Stage::Decode, t.decode_seconds),
                     ]
                 },
             }))

@@ -32,14 +32,32 @@ pub(crate) struct ApiError {
     pub code: Option<&'static str>,
     pub param: Option<String>,
     pub message: String,
-    /// Closed set of metric labels (`mesh_errors_total{error_type}`).
-    pub error_type: &'static str,
+    /// The metric label (`mesh_errors_total{error_type}`).
+    pub error_type: ErrorType,
+}
+
+pdmesh_telemetry::label_set! {
+    /// Classes of request errors (`mesh_errors_total{error_type}`).
+    pub(crate) enum ErrorType {
+        InvalidRequest => "invalid_request",
+        ContextLengthExceeded => "context_length_exceeded",
+        ModelNotFound => "model_not_found",
+        NotFound => "not_found",
+        Authentication => "authentication",
+        PayloadTooLarge => "payload_too_large",
+        BackendUnavailable => "backend_unavailable",
+        BackendError => "backend_error",
+        UnparsableOutput => "unparsable_output",
+        Aborted => "aborted",
+        Overloaded => "overloaded",
+        Timeout => "timeout",
+    }
 }
 
 /// Marker put in the extensions of an error response so the metrics middleware can count
 /// it by class without parsing the body.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct ErrorClass(pub &'static str);
+pub(crate) struct ErrorClass(pub ErrorType);
 
 impl ApiError {
     /// A 400 about the request as a whole or about `param`.
@@ -50,7 +68,7 @@ impl ApiError {
             code: None,
             param: param.map(str::to_owned),
             message: message.into(),
-            error_type: "invalid_request",
+            error_type: ErrorType::InvalidRequest,
         }
     }
 
@@ -73,7 +91,7 @@ impl ApiError {
     pub fn context_length(message: impl Into<String>, param: Option<&str>) -> Self {
         Self {
             code: Some("context_length_exceeded"),
-            error_type: "context_length_exceeded",
+            error_type: ErrorType::ContextLengthExceeded,
             ..Self::invalid_request(message, param)
         }
     }
@@ -85,7 +103,7 @@ impl ApiError {
             code: Some("model_not_found"),
             param: Some("model".into()),
             message: format!("The model `{model}` does not exist."),
-            error_type: "model_not_found",
+            error_type: ErrorType::ModelNotFound,
         }
     }
 
@@ -96,7 +114,7 @@ impl ApiError {
             code: Some("not_found"),
             param: None,
             message: message.into(),
-            error_type: "not_found",
+            error_type: ErrorType::NotFound,
         }
     }
 
@@ -107,7 +125,7 @@ impl ApiError {
             code: Some("method_not_allowed"),
             param: None,
             message: "method not allowed for this endpoint".into(),
-            error_type: "invalid_request",
+            error_type: ErrorType::InvalidRequest,
         }
     }
 
@@ -118,7 +136,7 @@ impl ApiError {
             code: Some("invalid_api_key"),
             param: None,
             message: message.into(),
-            error_type: "authentication",
+            error_type: ErrorType::Authentication,
         }
     }
 
@@ -129,7 +147,7 @@ impl ApiError {
             code: Some("request_too_large"),
             param: None,
             message: format!("the request body is larger than the limit of {limit} bytes"),
-            error_type: "payload_too_large",
+            error_type: ErrorType::PayloadTooLarge,
         }
     }
 
@@ -141,7 +159,7 @@ impl ApiError {
             code: Some("service_unavailable"),
             param: None,
             message: message.into(),
-            error_type: "backend_unavailable",
+            error_type: ErrorType::BackendUnavailable,
         }
     }
 
@@ -153,7 +171,7 @@ impl ApiError {
             code: None,
             param: None,
             message: message.into(),
-            error_type: "backend_error",
+            error_type: ErrorType::BackendError,
         }
     }
 
@@ -166,14 +184,14 @@ impl ApiError {
             code: Some("model_output_unparsable"),
             param: None,
             message: format!("the model's output failed to parse as {parser} ({reason}): {detail}"),
-            error_type: "unparsable_output",
+            error_type: ErrorType::UnparsableOutput,
         }
     }
 
     /// The worker aborted the request (for example while shutting down).
     pub fn aborted() -> Self {
         Self {
-            error_type: "aborted",
+            error_type: ErrorType::Aborted,
             code: Some("aborted"),
             ..Self::unavailable("the request was aborted by the worker before it finished")
         }
@@ -224,11 +242,11 @@ impl From<tonic::Status> for ApiError {
                 code: Some("overloaded"),
                 param: None,
                 message: msg,
-                error_type: "overloaded",
+                error_type: ErrorType::Overloaded,
             },
             Code::DeadlineExceeded => Self {
                 status: StatusCode::GATEWAY_TIMEOUT,
-                error_type: "timeout",
+                error_type: ErrorType::Timeout,
                 ..Self::backend(format!("backend timed out: {msg}"))
             },
             Code::NotFound => Self::not_found(msg),

@@ -13,6 +13,7 @@ use crate::backend::{
     Backends, FinishReason, GenParams, Parsed, Parsing, ToolCallDelta, WorkerEvent,
 };
 use crate::error::ApiError;
+use crate::metrics::Stage;
 use crate::state::AppState;
 use crate::stop::StopFilter;
 
@@ -218,7 +219,7 @@ pub(crate) async fn start(
                     st.metrics.prompt_sources(usage.prompt_tokens - cached, cached - host, host, f.transferred_tokens);
                     for (stage, secs) in f.stages {
                         // A unified worker's requests have no transfer stage.
-                        if stage != "transfer" || f.transferred_tokens > 0 {
+                        if stage != Stage::Transfer || f.transferred_tokens > 0 {
                             st.metrics.stage(stage, secs);
                         }
                     }
@@ -241,7 +242,7 @@ pub(crate) async fn start(
 
 /// Marks a request's span failed, with the error's class.
 pub(crate) fn record_error(span: &tracing::Span, e: &ApiError) {
-    span.record("error.type", e.error_type);
+    span.record("error.type", e.error_type.name());
     span.record("otel.status_code", "ERROR");
 }
 

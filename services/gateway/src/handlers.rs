@@ -15,13 +15,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
+use pdmesh_telemetry::labels::RoomState;
 use serde_json::{Value, json};
 use tracing::Instrument as _;
 
 use crate::backend::{GenParams, Parsing, WorkerInfo};
 use crate::error::{ApiError, ErrorClass};
 use crate::generate::{self, GenEvent, GenStream};
-use crate::metrics::endpoint_label;
+use crate::metrics::{Endpoint, ROOM_AGE_THRESHOLDS, Stage, endpoint_label};
 use crate::openai::{
     self, ChatRequest, CompletionRequest, PromptInput, ResponseMeta, SamplingFields,
 };
@@ -53,7 +54,7 @@ async fn observe(State(st): State<AppState>, req: Request, next: Next) -> Respon
     let endpoint = req
         .extensions()
         .get::<MatchedPath>()
-        .map_or("other", |p| endpoint_label(p.as_str()));
+        .map_or(Endpoint::Other, |p| endpoint_label(p.as_str()));
     let resp = next.run(req).await;
     st.metrics.observe_request(
         endpoint,
@@ -61,7 +62,7 @@ async fn observe(State(st): State<AppState>, req: Request, next: Next) -> Respon
         start.elapsed().as_secs_f64(),
     );
     if let Some(ErrorClass(class)) = resp.extensions().get::<ErrorClass>() {
-        st.metrics.error(class);
+        st.metrics.error(*class);
     }
     resp
 }
@@ -224,18 +225,23 @@ async fn metrics(State(st): State<AppState>) -> Response {
         m.host_mirror_commit_rejections
             .observe("host", c.checksum_failures as f64);
         let pd = &m.pd;
+        // Only the service's own states become label values.
+        let known = |state: &str| RoomState::from_name(state).map(RoomState::name);
         for (state, n) in &c.rooms {
-            pd.rooms.with_label_values(&[state]).set(i64::from(*n));
+            if let Some(state) = known(state) {
+                pd.rooms.with_label_values(&[state]).set(i64::from(*n));
+            }
         }
         for (secs, n) in &c.rooms_older_than {
             // Only the service's own thresholds become label values.
-            if ["1", "5", "30", "120"].contains(&secs.as_str()) {
+            if ROOM_AGE_THRESHOLDS.contains(&secs.as_str()) {
                 pd.rooms_older_than
                     .with_label_values(&[secs.as_str()])
                     .set(i64::from(*n));
             }
         }
         for (state, secs) in &c.oldest_room_seconds {
+            let Some(state) = known(state) else { continue };
             pd.room_oldest_seconds
                 .with_label_values(&[state])
                 .set(*secs);
@@ -556,7 +562,8 @@ async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respo
         .backends
         .apply_chat_template(messages, plan.render, thinking)
         .await?;
-    st.metrics.stage("tokenize", t0.elapsed().as_secs_f64());
+    st.metrics
+        .stage(Stage::Tokenize, t0.elapsed().as_secs_f64());
     check_context(&info, ids.len(), params.max_tokens, "messages")?;
     let stream = req.stream.unwrap_or(false);
     respond(
@@ -643,7 +650,8 @@ async fn completion(
         PromptInput::Text(text) => {
             let t0 = Instant::now();
             let ids = st.backends.tokenize(text).await?;
-            st.metrics.stage("tokenize", t0.elapsed().as_secs_f64());
+            st.metrics
+                .stage(Stage::Tokenize, t0.elapsed().as_secs_f64());
             ids
         }
         PromptInput::Ids(ids) => {

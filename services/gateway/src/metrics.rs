@@ -1,10 +1,84 @@
 //! The gateway's Prometheus metrics, in a registry of their own (so several gateways can
-//! live in one test process). Label values come from closed sets only.
+//! live in one test process). Label values come from closed sets only, and every series
+//! of a closed set exists (at 0) from the start, so a counter's first event is an
+//! increase a dashboard or an `increase(...) > 0` alert sees, not a new series. Only the
+//! router's per-worker gauges are open: they appear with their worker.
 
+use pdmesh_telemetry::label_set;
+use pdmesh_telemetry::labels::{RoomAbort, RoomState, TransferFailure};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
     Registry,
 };
+
+use crate::error::ErrorType;
+
+label_set! {
+    /// Routes, as metric labels (`mesh_requests_total{endpoint}`).
+    pub(crate) enum Endpoint {
+        ChatCompletions => "chat_completions",
+        Completions => "completions",
+        Models => "models",
+        Health => "health",
+        Metrics => "metrics",
+        FlushCache => "flush_cache",
+        Other => "other",
+    }
+}
+
+label_set! {
+    /// HTTP status codes, as metric labels: the codes the gateway answers, and a class
+    /// for any other.
+    pub(crate) enum StatusLabel {
+        Ok => "200",
+        BadRequest => "400",
+        Unauthorized => "401",
+        NotFound => "404",
+        MethodNotAllowed => "405",
+        PayloadTooLarge => "413",
+        TooManyRequests => "429",
+        Internal => "500",
+        Unavailable => "503",
+        GatewayTimeout => "504",
+        Other2xx => "2xx",
+        Other4xx => "4xx",
+        Other5xx => "5xx",
+    }
+}
+
+label_set! {
+    /// Request stages (`mesh_request_stage_seconds{stage}`): tokenize (here), queue,
+    /// prefill, transfer, decode (the workers' report).
+    pub(crate) enum Stage {
+        Tokenize => "tokenize",
+        Queue => "queue",
+        Prefill => "prefill",
+        Transfer => "transfer",
+        Decode => "decode",
+    }
+}
+
+label_set! {
+    /// Where a prompt token's KV came from (`mesh_prompt_token_sources_total{source}`).
+    enum PromptSource {
+        Computed => "computed",
+        Device => "device",
+        Host => "host",
+        Transferred => "transferred",
+    }
+}
+
+/// Cache tiers (`tier` labels).
+const DEVICE_AND_HOST: &[&str] = &["device", "host"];
+const HOST: &[&str] = &["host"];
+/// Counters summed over every worker (`side` labels).
+const ALL_SIDES: &[&str] = &["all"];
+/// Both ends of a KV hand-over.
+const PREFILL_AND_DECODE: &[&str] = &["prefill", "decode"];
+/// The cache service's room-age thresholds, in seconds (`mesh_rooms_older_than`).
+pub(crate) const ROOM_AGE_THRESHOLDS: &[&str] = &["1", "5", "30", "120"];
+/// The label value of a worker's total under a name outside its family's closed set.
+const OTHER: &str = "other";
 
 /// Every metric the gateway exports.
 pub(crate) struct Metrics {
@@ -82,9 +156,15 @@ pub(crate) struct PdMetrics {
 
 impl PdMetrics {
     fn new(r: &Registry) -> Result<Self, prometheus::Error> {
-        let gauge_vec = |name: &str, help: &str, label: &str| {
+        let gauge_vec = |name: &str,
+                         help: &str,
+                         label: &str,
+                         values: &mut dyn Iterator<Item = &'static str>| {
             let g = prometheus::IntGaugeVec::new(Opts::new(name, help), &[label])?;
             r.register(Box::new(g.clone()))?;
+            for v in values {
+                g.with_label_values(&[v]);
+            }
             Ok::<_, prometheus::Error>(g)
         };
         let oldest = prometheus::GaugeVec::new(
@@ -95,6 +175,9 @@ impl PdMetrics {
             &["state"],
         )?;
         r.register(Box::new(oldest.clone()))?;
+        for state in RoomState::names() {
+            oldest.with_label_values(&[state]);
+        }
         let handover_oldest_seconds = prometheus::GaugeVec::new(
             Opts::new(
                 "mesh_handover_oldest_seconds",
@@ -103,6 +186,9 @@ impl PdMetrics {
             &["side"],
         )?;
         r.register(Box::new(handover_oldest_seconds.clone()))?;
+        for side in PREFILL_AND_DECODE {
+            handover_oldest_seconds.with_label_values(&[side]);
+        }
         let reserved_pages = IntGauge::new(
             "mesh_kv_reserved_pages",
             "Decode pages reserved for prompts whose KV is still travelling.",
@@ -113,6 +199,7 @@ impl PdMetrics {
                 "mesh_rooms",
                 "Rooms at the cache service, by state.",
                 "state",
+                &mut RoomState::names(),
             )?,
             room_oldest_seconds: oldest,
             room_timeouts: WorkerTotals::labeled(
@@ -120,137 +207,176 @@ impl PdMetrics {
                 "mesh_room_timeouts_total",
                 "Rooms failed by a deadline, by the state they were stuck in.",
                 "stage",
+                RoomState::names(),
             )?,
             room_aborts: WorkerTotals::labeled(
                 r,
                 "mesh_room_aborts_total",
                 "Rooms aborted, by who: sender, receiver, lease_lost, watchdog.",
                 "reason",
+                RoomAbort::names(),
             )?,
             room_stalls: WorkerTotals::labeled(
                 r,
                 "mesh_stalls_total",
                 "Stalls the watchdogs saw: rooms past half their deadline, engine loops with work and no step.",
                 "component",
+                ["room", "engine"],
             )?,
             late_writes_rejected: WorkerTotals::labeled(
                 r,
                 "mesh_room_late_writes_rejected_total",
                 "Commits refused because their room had already failed.",
                 "tier",
+                HOST.iter().copied(),
             )?,
             room_slots: gauge_vec(
                 "mesh_room_slots",
                 "Host-mirror slots held by rooms: transferring, or quarantined after a failure.",
                 "state",
+                &mut ["transferring", "quarantined"].into_iter(),
             )?,
             transfer_bytes: WorkerTotals::labeled(
                 r,
                 "mesh_kv_transfer_bytes_total",
                 "KV bytes handed from prefill to decode workers, by side.",
                 "side",
+                ALL_SIDES.iter().copied(),
             )?,
             transfer_seconds: WorkerTotals::labeled(
                 r,
                 "mesh_kv_transfer_seconds_total",
                 "Time spent copying transferred KV pages, checksums included, by side.",
                 "side",
+                ALL_SIDES.iter().copied(),
             )?,
             transfer_failures: WorkerTotals::labeled(
                 r,
                 "mesh_kv_transfer_failures_total",
                 "Requests that failed in transfer, by reason.",
                 "reason",
+                TransferFailure::names(),
             )?,
             transfers: WorkerTotals::labeled(
                 r,
                 "mesh_kv_transfers_total",
                 "KV hand-overs as the decode side ended them: ok (pages verified) or failed.",
                 "outcome",
+                ["ok", "failed"],
             )?,
             handovers: gauge_vec(
                 "mesh_handovers",
                 "KV hand-overs under way, by side (prefill: until its commit; decode: until its pages are verified).",
                 "side",
+                &mut PREFILL_AND_DECODE.iter().copied(),
             )?,
             handover_oldest_seconds,
             rooms_older_than: gauge_vec(
                 "mesh_rooms_older_than",
                 "Rooms under way longer than N seconds in their state (N = 1, 5, 30, 120; cumulative).",
                 "seconds",
+                &mut ROOM_AGE_THRESHOLDS.iter().copied(),
             )?,
             admission_timeouts: WorkerTotals::labeled(
                 r,
                 "mesh_admission_timeouts_total",
                 "Requests refused because no KV pages became free before the admission deadline.",
                 "side",
+                ALL_SIDES.iter().copied(),
             )?,
             engine_stalls: WorkerTotals::labeled(
                 r,
                 "mesh_engine_stalls_total",
                 "Times an engine loop had work but made no step past the watchdog threshold.",
                 "side",
+                ALL_SIDES.iter().copied(),
             )?,
             watchdog_aborts: WorkerTotals::labeled(
                 r,
                 "mesh_watchdog_aborts_total",
                 "Requests a hard-mode watchdog ended because their engine loop stalled.",
                 "component",
+                ["engine"],
             )?,
             requests: gauge_vec(
                 "mesh_worker_requests",
                 "Requests in the workers now: waiting, reserved (decode, KV in flight), running.",
                 "state",
+                &mut ["waiting", "reserved", "running"].into_iter(),
             )?,
             reserved_pages,
             router_cached_pages: gauge_vec(
                 "mesh_router_cached_pages",
                 "Pages each prefill worker's device cache holds, as the gateway knows from its KV events.",
                 "worker",
+                // An open set: each worker's series appears at the first scrape.
+                &mut std::iter::empty(),
             )?,
             route_prefill: WorkerTotals::labeled(
                 r,
                 "mesh_route_prefill_total",
                 "Prefill workers chosen: for the longest cached prefix, or by load alone.",
                 "reason",
+                ["prefix", "load"],
             )?,
         })
     }
 }
 
-/// A counter mirroring a total the worker keeps since it started, by cache tier: each
-/// scrape adds the difference from the last total seen. A total lower than the last means
-/// the worker restarted, so all of it is new.
+/// A counter mirroring a total the worker keeps since it started, by a label from a
+/// closed set (cache tier, reason, ...): each scrape adds the difference from the last
+/// total seen. A total lower than the last means the worker restarted, so all of it is
+/// new. Every value of the set has its series from the start; a name outside the set
+/// (from a newer worker) is counted as `other`.
 pub(crate) struct WorkerTotals {
     counter: prometheus::CounterVec,
+    values: Vec<&'static str>,
     seen: std::sync::Mutex<std::collections::HashMap<String, f64>>,
 }
 
 impl WorkerTotals {
-    fn new(registry: &Registry, name: &str, help: &str) -> Result<Self, prometheus::Error> {
-        Self::labeled(registry, name, help, "tier")
+    /// By cache tier, one of `tiers`.
+    fn new(
+        registry: &Registry,
+        name: &str,
+        help: &str,
+        tiers: &[&'static str],
+    ) -> Result<Self, prometheus::Error> {
+        Self::labeled(registry, name, help, "tier", tiers.iter().copied())
     }
 
-    /// Label values must come from closed sets (the services' own names).
+    /// By `label`, whose closed set is `values`.
     fn labeled(
         registry: &Registry,
         name: &str,
         help: &str,
         label: &str,
+        values: impl IntoIterator<Item = &'static str>,
     ) -> Result<Self, prometheus::Error> {
         let counter = prometheus::CounterVec::new(Opts::new(name, help), &[label])?;
         registry.register(Box::new(counter.clone()))?;
+        let values: Vec<_> = values.into_iter().collect();
+        for v in &values {
+            counter.with_label_values(&[v]);
+        }
         Ok(Self {
             counter,
+            values,
             seen: Default::default(),
         })
     }
 
-    pub fn observe(&self, tier: &str, total: f64) {
+    pub fn observe(&self, value: &str, total: f64) {
+        let label = self
+            .values
+            .iter()
+            .copied()
+            .find(|v| *v == value)
+            .unwrap_or(OTHER);
         let mut seen = self.seen.lock().expect("metrics lock");
-        let last = seen.insert(tier.to_owned(), total).unwrap_or(0.0);
+        let last = seen.insert(value.to_owned(), total).unwrap_or(0.0);
         let new = if total >= last { total - last } else { total };
-        self.counter.with_label_values(&[tier]).inc_by(new);
+        self.counter.with_label_values(&[label]).inc_by(new);
     }
 
     #[cfg(test)]
@@ -260,34 +386,34 @@ impl WorkerTotals {
 }
 
 /// Routes, as metric labels.
-pub(crate) fn endpoint_label(path: &str) -> &'static str {
+pub(crate) fn endpoint_label(path: &str) -> Endpoint {
     match path {
-        "/v1/chat/completions" => "chat_completions",
-        "/v1/completions" => "completions",
-        "/v1/models" | "/v1/models/{model}" => "models",
-        "/health" => "health",
-        "/metrics" => "metrics",
-        "/flush_cache" => "flush_cache",
-        _ => "other",
+        "/v1/chat/completions" => Endpoint::ChatCompletions,
+        "/v1/completions" => Endpoint::Completions,
+        "/v1/models" | "/v1/models/{model}" => Endpoint::Models,
+        "/health" => Endpoint::Health,
+        "/metrics" => Endpoint::Metrics,
+        "/flush_cache" => Endpoint::FlushCache,
+        _ => Endpoint::Other,
     }
 }
 
 /// HTTP status codes, as metric labels (the set of codes the gateway can answer).
-pub(crate) fn status_label(code: u16) -> &'static str {
+pub(crate) fn status_label(code: u16) -> StatusLabel {
     match code {
-        200 => "200",
-        400 => "400",
-        401 => "401",
-        404 => "404",
-        405 => "405",
-        413 => "413",
-        429 => "429",
-        500 => "500",
-        503 => "503",
-        504 => "504",
-        c if c < 300 => "2xx",
-        c if c < 500 => "4xx",
-        _ => "5xx",
+        200 => StatusLabel::Ok,
+        400 => StatusLabel::BadRequest,
+        401 => StatusLabel::Unauthorized,
+        404 => StatusLabel::NotFound,
+        405 => StatusLabel::MethodNotAllowed,
+        413 => StatusLabel::PayloadTooLarge,
+        429 => StatusLabel::TooManyRequests,
+        500 => StatusLabel::Internal,
+        503 => StatusLabel::Unavailable,
+        504 => StatusLabel::GatewayTimeout,
+        c if c < 300 => StatusLabel::Other2xx,
+        c if c < 500 => StatusLabel::Other4xx,
+        _ => StatusLabel::Other5xx,
     }
 }
 
@@ -371,26 +497,31 @@ impl Metrics {
             &registry,
             "mesh_kv_cache_evictions_total",
             "Cached KV pages evicted to make room, by cache tier.",
+            DEVICE_AND_HOST,
         )?;
         let kv_hit_tokens = WorkerTotals::new(
             &registry,
             "mesh_kv_cache_hit_tokens_total",
             "Prompt tokens served from a KV cache tier instead of computed, by tier.",
+            DEVICE_AND_HOST,
         )?;
         let kv_load_back_bytes = WorkerTotals::new(
             &registry,
             "mesh_kv_cache_load_back_bytes_total",
             "KV bytes loaded from the host tier into the device pool.",
+            HOST,
         )?;
         let kv_load_back_seconds = WorkerTotals::new(
             &registry,
             "mesh_kv_cache_load_back_seconds_total",
             "Time spent loading KV pages from the host tier, checksums included.",
+            HOST,
         )?;
         let kv_write_back_bytes = WorkerTotals::new(
             &registry,
             "mesh_kv_cache_write_back_bytes_total",
             "KV bytes written from the device pool to the host tier.",
+            HOST,
         )?;
         let host_mirror_pages = prometheus::IntGaugeVec::new(
             Opts::new(
@@ -409,27 +540,32 @@ impl Metrics {
             &registry,
             "mesh_host_mirror_expired_leases_total",
             "Leases of workers that stopped heartbeating (their pins and reservations were freed).",
+            HOST,
         )?;
         let host_mirror_commit_rejections = WorkerTotals::new(
             &registry,
             "mesh_host_mirror_commit_rejections_total",
             "Pages the cache service refused at commit because their bytes failed the checksum.",
+            HOST,
         )?;
         let kv_checksum_failures = WorkerTotals::new(
             &registry,
             "mesh_kv_cache_checksum_failures_total",
             "Host-tier pages whose bytes failed their checksum on load (recomputed, never served).",
+            HOST,
         )?;
         let kv_write_back_seconds = WorkerTotals::new(
             &registry,
             "mesh_kv_cache_write_back_seconds_total",
             "Time spent writing KV pages to the host tier, checksums included.",
+            HOST,
         )?;
         let engine_steps = WorkerTotals::labeled(
             &registry,
             "mesh_engine_steps_total",
             "Engine loop steps, summed over workers (the watchdogs' progress counter).",
             "side",
+            ALL_SIDES.iter().copied(),
         )?;
         let engine_idle_seconds = prometheus::Gauge::new(
             "mesh_engine_idle_seconds",
@@ -499,6 +635,30 @@ impl Metrics {
         registry.register(Box::new(kv_pages_capacity.clone()))?;
         registry.register(Box::new(workers_read.clone()))?;
         registry.register(Box::new(kv_pages_cached.clone()))?;
+        // Every series of each closed label set, at 0, before the first event.
+        for endpoint in Endpoint::names() {
+            for status in StatusLabel::names() {
+                requests.with_label_values(&[endpoint, status]);
+            }
+            duration.with_label_values(&[endpoint]);
+        }
+        for error_type in ErrorType::names() {
+            errors.with_label_values(&[error_type]);
+        }
+        for parser in pdmesh_chat::PARSERS.into_iter().chain([OTHER]) {
+            for reason in pdmesh_chat::FAILURE_REASONS.into_iter().chain([OTHER]) {
+                parse_failures.with_label_values(&[parser, reason]);
+            }
+        }
+        for stage in Stage::names() {
+            stage_seconds.with_label_values(&[stage]);
+        }
+        for source in PromptSource::names() {
+            prompt_token_sources.with_label_values(&[source]);
+        }
+        for state in ["total", "used", "pinned"] {
+            host_mirror_pages.with_label_values(&[state]);
+        }
         Ok(Self {
             registry,
             requests,
@@ -535,47 +695,46 @@ impl Metrics {
         })
     }
 
-    pub fn observe_request(&self, endpoint: &'static str, status: u16, seconds: f64) {
+    pub fn observe_request(&self, endpoint: Endpoint, status: u16, seconds: f64) {
         self.requests
-            .with_label_values(&[endpoint, status_label(status)])
+            .with_label_values(&[endpoint.name(), status_label(status).name()])
             .inc();
         self.duration
-            .with_label_values(&[endpoint])
+            .with_label_values(&[endpoint.name()])
             .observe(seconds);
     }
 
-    /// One request stage's duration (`stage` from the closed set in the help text).
-    pub fn stage(&self, stage: &'static str, seconds: f64) {
+    /// One request stage's duration.
+    pub fn stage(&self, stage: Stage, seconds: f64) {
         self.stage_seconds
-            .with_label_values(&[stage])
+            .with_label_values(&[stage.name()])
             .observe(seconds);
     }
 
     /// A finished request's prompt tokens by source.
     pub fn prompt_sources(&self, computed: u32, device: u32, host: u32, transferred: u32) {
         for (source, n) in [
-            ("computed", computed),
-            ("device", device),
-            ("host", host),
-            ("transferred", transferred),
+            (PromptSource::Computed, computed),
+            (PromptSource::Device, device),
+            (PromptSource::Host, host),
+            (PromptSource::Transferred, transferred),
         ] {
             self.prompt_token_sources
-                .with_label_values(&[source])
+                .with_label_values(&[source.name()])
                 .inc_by(u64::from(n));
         }
     }
 
-    /// `error_type` is an [`crate::error::ApiError::error_type`] (a closed set).
-    pub fn error(&self, error_type: &'static str) {
-        self.errors.with_label_values(&[error_type]).inc();
+    /// One request that ended in an error of this class.
+    pub fn error(&self, error_type: ErrorType) {
+        self.errors.with_label_values(&[error_type.name()]).inc();
     }
 
     /// One output that failed to parse; labels outside the parsers' closed sets read
     /// `other`.
     pub fn parse_failure(&self, parser: &str, reason: &str) {
-        let known = |s: &str, set: &[&'static str]| {
-            set.iter().copied().find(|k| *k == s).unwrap_or("other")
-        };
+        let known =
+            |s: &str, set: &[&'static str]| set.iter().copied().find(|k| *k == s).unwrap_or(OTHER);
         let labels = [
             known(parser, &pdmesh_chat::PARSERS),
             known(reason, &pdmesh_chat::FAILURE_REASONS),
@@ -601,8 +760,8 @@ mod tests {
     #[test]
     fn exposition_has_the_documented_names_and_labels() {
         let m = Metrics::new().unwrap();
-        m.observe_request("chat_completions", 200, 0.1);
-        m.error("invalid_request");
+        m.observe_request(Endpoint::ChatCompletions, 200, 0.1);
+        m.error(ErrorType::InvalidRequest);
         m.generated_tokens.inc_by(5);
         let text = m.render();
         assert!(
@@ -638,8 +797,99 @@ mod tests {
 
     #[test]
     fn unknown_paths_and_codes_fall_into_closed_buckets() {
-        assert_eq!(endpoint_label("/admin/secret/123"), "other");
-        assert_eq!(status_label(418), "4xx");
-        assert_eq!(status_label(502), "5xx");
+        assert_eq!(endpoint_label("/admin/secret/123"), Endpoint::Other);
+        assert_eq!(status_label(418), StatusLabel::Other4xx);
+        assert_eq!(status_label(502), StatusLabel::Other5xx);
+    }
+
+    /// `name{label="value"} 0` is in `text`.
+    fn at_zero(text: &str, name: &str, labels: &[(&str, &str)]) -> bool {
+        let labels: Vec<_> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+        text.contains(&format!("{name}{{{}}} 0\n", labels.join(",")))
+    }
+
+    #[test]
+    fn every_value_of_every_closed_label_set_is_at_zero_before_any_event() {
+        let text = Metrics::new().unwrap().render();
+        let mut missing = Vec::new();
+        let mut check = |name: &str, labels: &[(&str, &str)]| {
+            if !at_zero(&text, name, labels) {
+                missing.push(format!("{name}{labels:?}"));
+            }
+        };
+        for e in Endpoint::names() {
+            for s in StatusLabel::names() {
+                check("mesh_requests_total", &[("endpoint", e), ("status", s)]);
+            }
+            check("mesh_request_duration_seconds_count", &[("endpoint", e)]);
+        }
+        for e in ErrorType::names() {
+            check("mesh_errors_total", &[("error_type", e)]);
+        }
+        for p in pdmesh_chat::PARSERS {
+            for r in pdmesh_chat::FAILURE_REASONS {
+                check(
+                    "mesh_tool_call_parse_failures_total",
+                    &[("parser", p), ("reason", r)],
+                );
+            }
+        }
+        for r in TransferFailure::names() {
+            check("mesh_kv_transfer_failures_total", &[("reason", r)]);
+        }
+        for r in RoomAbort::names() {
+            check("mesh_room_aborts_total", &[("reason", r)]);
+        }
+        for st in RoomState::names() {
+            check("mesh_room_timeouts_total", &[("stage", st)]);
+            check("mesh_rooms", &[("state", st)]);
+            check("mesh_room_oldest_seconds", &[("state", st)]);
+        }
+        for st in Stage::names() {
+            check("mesh_request_stage_seconds_count", &[("stage", st)]);
+        }
+        for src in PromptSource::names() {
+            check("mesh_prompt_token_sources_total", &[("source", src)]);
+        }
+        for t in DEVICE_AND_HOST {
+            check("mesh_kv_cache_evictions_total", &[("tier", t)]);
+            check("mesh_kv_cache_hit_tokens_total", &[("tier", t)]);
+        }
+        check("mesh_kv_transfers_total", &[("outcome", "failed")]);
+        check("mesh_route_prefill_total", &[("reason", "prefix")]);
+        check("mesh_stalls_total", &[("component", "room")]);
+        check("mesh_handovers", &[("side", "decode")]);
+        check("mesh_rooms_older_than", &[("seconds", "120")]);
+        assert!(
+            missing.is_empty(),
+            "not at 0 from the start: {missing:?}\n{text}"
+        );
+        // An open set: no worker is known yet.
+        assert!(!text.contains("mesh_router_cached_pages{"), "{text}");
+    }
+
+    #[test]
+    fn a_reason_a_newer_worker_sends_counts_as_other() {
+        let m = Metrics::new().unwrap();
+        m.pd.transfer_failures.observe("deadline", 2.0);
+        m.pd.transfer_failures.observe("cosmic_ray", 3.0);
+        m.pd.room_aborts.observe("gremlin", 1.0);
+        let text = m.render();
+        assert!(
+            text.contains(r#"mesh_kv_transfer_failures_total{reason="deadline"} 2"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"mesh_kv_transfer_failures_total{reason="other"} 3"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"mesh_room_aborts_total{reason="other"} 1"#),
+            "{text}"
+        );
+        assert!(
+            !text.contains("cosmic_ray") && !text.contains("gremlin"),
+            "{text}"
+        );
     }
 }

@@ -179,7 +179,7 @@ fn model_info(info: ModelInfo, pool: PoolNow, w: &WorkerService) -> pb::ModelInf
         transfer_failures: pd
             .failures
             .iter()
-            .map(|(k, v)| ((*k).to_owned(), *v))
+            .map(|(k, v)| (k.name().to_owned(), *v))
             .collect(),
         admission_timeouts: pd.admission_timeouts,
         engine_steps: progress.steps.load(std::sync::atomic::Ordering::Relaxed),

@@ -15,6 +15,7 @@ use pdmesh_engine::{GenRequest, Part};
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_telemetry::KeyValue;
+use pdmesh_telemetry::labels::TransferFailure;
 use tokio::sync::mpsc;
 use tonic::Status;
 use tracing::Instrument as _;
@@ -50,7 +51,7 @@ pub(crate) struct PdStats {
     pub bytes: u64,
     pub seconds: f64,
     /// Requests that failed in transfer, by reason.
-    pub failures: HashMap<&'static str, u64>,
+    pub failures: HashMap<TransferFailure, u64>,
     pub admission_timeouts: u64,
     /// Hand-overs completed.
     pub transfers: u64,
@@ -290,15 +291,15 @@ fn transfer_event(name: &'static str, pages: usize, page_bytes: usize, seconds: 
     pdmesh_telemetry::event(&tracing::Span::current(), name, attrs);
 }
 
-fn reason_of(s: &Status) -> &'static str {
+fn reason_of(s: &Status) -> TransferFailure {
     match s.code() {
-        tonic::Code::Aborted => "room_failed",
-        tonic::Code::DeadlineExceeded => "deadline",
-        tonic::Code::Unavailable => "cache_unavailable",
-        tonic::Code::DataLoss => "checksum",
-        tonic::Code::Cancelled => "caller_left",
-        tonic::Code::ResourceExhausted => "admission",
-        _ => "other",
+        tonic::Code::Aborted => TransferFailure::RoomFailed,
+        tonic::Code::DeadlineExceeded => TransferFailure::Deadline,
+        tonic::Code::Unavailable => TransferFailure::CacheUnavailable,
+        tonic::Code::DataLoss => TransferFailure::Checksum,
+        tonic::Code::Cancelled => TransferFailure::CallerLeft,
+        tonic::Code::ResourceExhausted => TransferFailure::Admission,
+        _ => TransferFailure::Other,
     }
 }
 
@@ -486,7 +487,7 @@ impl Pd {
                 &span,
                 "kv_cache_transfer_failed",
                 vec![
-                    KeyValue::new("error.type", reason_of(&s)),
+                    KeyValue::new("error.type", reason_of(&s).name()),
                     KeyValue::new("pdmesh.error", s.message().to_owned()),
                 ],
             );
