@@ -8,12 +8,13 @@ no cache at all answering one request at a time. And the seed's bug, forced on p
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import subprocess
 
 import openai
 import pytest
 
-from conftest import pdmesh_bin, start_up, stop_up
+from conftest import http, pdmesh_bin, start_up, stop_up
 
 SESSIONS = 80
 TURNS = 2
@@ -44,13 +45,33 @@ def converse(client, model: str, s: int) -> list[tuple[list[dict], str, str]]:
     return out
 
 
-def disaggregated(tmp, tiny, mla: str, index_k: str, env=None):
-    """Every session's transcript from a PD mesh with the host mirror, all at once."""
+# Every variable the worker's fault hooks once read from the environment, set the way a
+# user who exported the wrong ones would. The default binary must ignore all of them.
+EVERY_FAULT_VARIABLE = {
+    "PDMESH_FAULT_WRITE_DELAY_MS": "6000",
+    "PDMESH_FAULT_COUNT": "1",
+    "PDMESH_FAULT_STALL_STEP": "3:5000",
+    "PDMESH_FAULT_MISSIZE_INDEX_K": "0",
+}
+
+
+def fault_injection(mesh) -> tuple[bool, list[str], float]:
+    """What the gateway says of fault injection: /health's flag and list, and the gauge."""
+    status, body = http("GET", mesh.base + "/health")
+    assert status == 200, body
+    health = json.loads(body)
+    return health["fault_injection"], health["faults"], mesh.metrics()["mesh_fault_injection_enabled"]
+
+
+def disaggregated(tmp, tiny, mla: str, index_k: str, env=None, extra=(), faults=()):
+    """Every session's transcript from a PD mesh with the host mirror, all at once.
+    `faults`: the test-only faults the workers must report (none by default)."""
     forms = [f"--worker-arg=--kv-cache-dtype={mla}", f"--worker-arg=--index-k-dtype={index_k}"]
     tmp.mkdir()
-    mesh = start_up(tmp, ["--model", str(tiny), "--no-smoke-test", *forms], env=env)
+    mesh = start_up(tmp, ["--model", str(tiny), "--no-smoke-test", *forms, *extra], env=env)
     try:
         assert mesh.ports["mode"] == "pd"
+        assert fault_injection(mesh) == (bool(faults), list(faults), float(bool(faults)))
         client = mesh.client()
         with cf.ThreadPoolExecutor(SESSIONS) as pool:
             transcripts = list(pool.map(lambda s: converse(client, mesh.model, s), range(SESSIONS)))
@@ -85,17 +106,35 @@ def differences(transcripts, ref) -> int:
     return sum(a != b for a, b in zip(got, ref))
 
 
-@pytest.mark.parametrize("mla,index_k", [("bf16", "fp8"), ("bf16", "bf16"), ("fp8", "fp8"), ("fp8", "bf16")])
-def test_pd_with_host_mirror_is_bit_identical_to_unified_no_cache(tmp_path, tiny, mla, index_k):
-    pd = disaggregated(tmp_path / "pd", tiny, mla, index_k)
+@pytest.mark.parametrize(
+    "mla,index_k,env",
+    [
+        ("bf16", "fp8", None),
+        # The form the seed's bug corrupts, with every old fault variable exported: the
+        # default binary ignores them and answers as a clean mesh does.
+        ("bf16", "bf16", EVERY_FAULT_VARIABLE),
+        ("fp8", "fp8", None),
+        ("fp8", "bf16", None),
+    ],
+    ids=["bf16-fp8", "bf16-bf16-fault-variables-set", "fp8-fp8", "fp8-bf16"],
+)
+def test_pd_with_host_mirror_is_bit_identical_to_unified_no_cache(tmp_path, tiny, mla, index_k, env):
+    pd = disaggregated(tmp_path / "pd", tiny, mla, index_k, env=env)
     ref = reference(tmp_path / "ref", tiny, mla, index_k, pd)
     assert differences(pd, ref) == 0
+    if env:
+        log = (tmp_path / "pd" / "up.log").read_text(errors="replace")
+        assert "PDMESH_FAULT_* variables are ignored" in log, log[-4000:]
+        assert "FAULT INJECTION IS ON" not in log
 
 
 def test_the_seeds_bug_forced_on_purpose_is_caught_by_the_differential(tmp_path, tiny):
     """bf16 index-K pages sent through a buffer sized for fp8 index-K: checksums pass (they
-    are computed after the loss, as in the seed), the answers change."""
-    pd = disaggregated(tmp_path / "pd", tiny, "bf16", "bf16", env={"PDMESH_FAULT_MISSIZE_INDEX_K": "1"})
+    are computed after the loss, as in the seed), the answers change. The fault is on only
+    through the worker's explicit test flag, and the mesh says so loudly."""
+    pd = disaggregated(tmp_path / "pd", tiny, "bf16", "bf16", extra=["--worker-arg=--fault-missize-index-k"], faults=["missize-index-k"])
+    log = (tmp_path / "pd" / "up.log").read_text(errors="replace")
+    assert "FAULT INJECTION IS ON" in log and "missize-index-k" in log, log[-4000:]
     ref = reference(tmp_path / "ref", tiny, "bf16", "bf16", pd)
     assert differences(pd, ref) > 0
 

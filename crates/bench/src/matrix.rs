@@ -126,10 +126,10 @@ pub enum Fault {
 }
 
 impl Fault {
-    /// The environment variable that turns the fault on in a worker.
-    fn env(self) -> &'static str {
+    /// The worker flag that turns the fault on (the worker's test-only `--fault-*`).
+    fn worker_flag(self) -> &'static str {
         match self {
-            Self::MissizeIndexK => "PDMESH_FAULT_MISSIZE_INDEX_K",
+            Self::MissizeIndexK => "--fault-missize-index-k",
         }
     }
 }
@@ -302,7 +302,6 @@ impl Up {
     async fn start(
         exe: &Path,
         args: &[String],
-        env: Option<&str>,
         api_key: Option<&str>,
         dir: &Path,
         timeout: Duration,
@@ -332,9 +331,6 @@ impl Up {
             .stdout(log)
             .stderr(err_log)
             .kill_on_drop(true);
-        if let Some(var) = env {
-            cmd.env(var, "1");
-        }
         if let Some(key) = api_key {
             cmd.env("PDMESH_API_KEY", key);
         }
@@ -454,20 +450,22 @@ pub async fn run(a: MatrixArgs) -> Result<(), BenchError> {
         eprintln!("starting the reference for {}", group[0].name());
         let key = a.api_key.as_deref();
         let mut ref_up =
-            Up::start(&exe, &ref_args, None, key, &a.out.join(&ref_name), startup).await?;
+            Up::start(&exe, &ref_args, key, &a.out.join(&ref_name), startup).await?;
         let reference = Reference::new(Client::new(&ref_up.file().url, a.api_key.clone(), timeout));
         for cell in group {
             let name = cell.name();
             let mut args = model_args.clone();
             args.extend(cell.up_args());
             args.extend(worker_args(&a.worker_args));
+            if let Some(fault) = a.fault {
+                args.extend(worker_args(&[fault.worker_flag().to_owned()]));
+            }
             if !(cell.mirror == Mirror::Off && cell.mode == Mode::Unified) {
                 args.extend(a.cache_args.iter().map(|c| format!("--cache-arg={c}")));
             }
             let dir = a.out.join(&name);
             eprintln!("{name}: starting `pdmesh up {}`", args.join(" "));
-            let mut up =
-                Up::start(&exe, &args, a.fault.map(Fault::env), key, &dir, startup).await?;
+            let mut up = Up::start(&exe, &args, key, &dir, startup).await?;
             let mesh = up.file().clone();
             let client = Client::new(&mesh.url, a.api_key.clone(), timeout);
             let cfg = RequestCfg {

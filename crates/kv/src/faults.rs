@@ -1,5 +1,6 @@
 //! Faults injected on purpose, for tests that prove the differential check catches the
-//! corruption it exists for. Nothing in production calls these.
+//! corruption it exists for. The worker calls them only when started with its hidden,
+//! test-only `--fault-*` flags (its `faults` module), which it announces loudly.
 
 use crate::{Component, DType, KvLayout, ScalePlacement};
 

@@ -43,6 +43,8 @@ pub(crate) struct WorkerInfo {
     pub device_hit_tokens: u64,
     pub host: HostTotals,
     pub pd: PdTotals,
+    /// Test-only faults any worker was started with (`--fault-*`), sorted, no repeats.
+    pub faults: Vec<String>,
 }
 
 /// Disaggregation and engine-loop counters, summed over workers.
@@ -246,7 +248,9 @@ impl Backends {
     }
 
     /// Whether each backend answers its Health call in time: `(tokenizer, worker)`.
-    pub async fn health(&self) -> (bool, bool) {
+    /// Whether the tokenizer and every worker answer Health, and the test-only faults
+    /// (`--fault-*`) any worker reports, sorted, no repeats.
+    pub async fn health(&self) -> (bool, bool, Vec<String>) {
         let mut tok = self.tokenizer.clone();
         let t = tokio::time::timeout(
             crate::BACKEND_PROBE_TIMEOUT,
@@ -257,15 +261,22 @@ impl Backends {
             let mut c = c.clone();
             async move {
                 let call = c.health(wk::HealthRequest {});
-                matches!(
-                    tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await,
-                    Ok(Ok(r)) if r.get_ref().ok
-                )
+                match tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await {
+                    Ok(Ok(r)) => {
+                        let r = r.into_inner();
+                        (r.ok, r.faults)
+                    }
+                    _ => (false, Vec::new()),
+                }
             }
         }));
         let (t, w) = tokio::join!(t, w);
         let ok_t = matches!(t, Ok(Ok(r)) if r.get_ref().ok);
-        (ok_t, w.iter().all(|&ok| ok))
+        let ok_w = w.iter().all(|(ok, _)| *ok);
+        let mut faults: Vec<String> = w.into_iter().flat_map(|(_, f)| f).collect();
+        faults.sort();
+        faults.dedup();
+        (ok_t, ok_w, faults)
     }
 
     /// The model's identity from the first worker, with pool and cache counters summed
@@ -300,7 +311,10 @@ impl Backends {
             total.host.written_seconds += w.host.written_seconds;
             total.host.checksum_failures += w.host.checksum_failures;
             total.pd.add(&w.pd);
+            total.faults.extend(w.faults);
         }
+        total.faults.sort();
+        total.faults.dedup();
         Ok(total)
     }
 
@@ -349,6 +363,7 @@ impl Backends {
                 },
                 engine_idle_seconds: r.engine_idle_seconds,
             },
+            faults: r.faults,
         }
     }
 
@@ -699,6 +714,15 @@ impl Detokenizer {
         };
         drop(tx);
         let mut rest = Parsed::default();
+        if truncated {
+            let last = tk::DetokenizeRequest {
+                truncated,
+                ..Default::default()
+            };
+            tx.send(last)
+                .await
+                .map_err(|_| ApiError::backend("the tokenizer closed the detokenize stream"))?;
+        }
         while let Some(r) = rx.message().await? {
             let p = parsed(r);
             rest.text.push_str(&p.text);

@@ -118,10 +118,17 @@ async fn method_not_allowed() -> ApiError {
 
 /// 200 when both backends answer their Health call, else 503 naming the one that does not.
 async fn health(State(st): State<AppState>) -> Response {
-    let (tok, worker) = st.backends.health().await;
+    let (tok, worker, faults) = st.backends.health().await;
     let word = |ok: bool| if ok { "ok" } else { "unavailable" };
-    let body =
-        json!({ "status": word(tok && worker), "tokenizer": word(tok), "worker": word(worker) });
+    // `fault_injection` is true only for a worker started with test-only `--fault-*`
+    // flags, which break requests on purpose.
+    let body = json!({
+        "status": word(tok && worker),
+        "tokenizer": word(tok),
+        "worker": word(worker),
+        "fault_injection": !faults.is_empty(),
+        "faults": faults,
+    });
     let status = if tok && worker {
         StatusCode::OK
     } else {
@@ -135,6 +142,9 @@ async fn metrics(State(st): State<AppState>) -> Response {
     match st.backends.model_info().await {
         Ok(info) => {
             st.metrics.workers_read.set(1);
+            st.metrics
+                .fault_injection_enabled
+                .set(i64::from(!info.faults.is_empty()));
             st.metrics.kv_pages_free.set(i64::from(info.free_pages));
             st.metrics
                 .kv_pages_capacity
@@ -708,6 +718,7 @@ mod tests {
             device_hit_tokens: 0,
             host: Default::default(),
             pd: Default::default(),
+            faults: Vec::new(),
         }
     }
 

@@ -95,6 +95,8 @@ pub(crate) struct Metrics {
     /// 1 when this scrape read every worker's state, else 0 (the worker gauges are then
     /// from an earlier scrape).
     pub workers_read: IntGauge,
+    /// 1 when a worker runs test-only fault injection (`--fault-*`), else 0.
+    pub fault_injection_enabled: IntGauge,
     pub kv_pages_cached: IntGauge,
     /// Cache counters the worker keeps since it started, mirrored at each scrape.
     pub kv_evictions: WorkerTotals,
@@ -489,6 +491,10 @@ impl Metrics {
             "mesh_workers_read",
             "1 when this scrape read every worker's state; 0 when one did not answer (the worker gauges are then stale).",
         )?;
+        let fault_injection_enabled = IntGauge::new(
+            "mesh_fault_injection_enabled",
+            "1 when a worker was started with test-only fault injection (--fault-* flags), which breaks requests on purpose; 0 otherwise (read at scrape).",
+        )?;
         let kv_pages_cached = IntGauge::new(
             "mesh_kv_pages_cached",
             "KV pages only the worker's prefix cache holds, evictable (read at scrape).",
@@ -634,6 +640,7 @@ impl Metrics {
         registry.register(Box::new(kv_pages_free.clone()))?;
         registry.register(Box::new(kv_pages_capacity.clone()))?;
         registry.register(Box::new(workers_read.clone()))?;
+        registry.register(Box::new(fault_injection_enabled.clone()))?;
         registry.register(Box::new(kv_pages_cached.clone()))?;
         // Every series of each closed label set, at 0, before the first event.
         for endpoint in Endpoint::names() {
@@ -671,6 +678,7 @@ impl Metrics {
             kv_pages_free,
             kv_pages_capacity,
             workers_read,
+            fault_injection_enabled,
             kv_pages_cached,
             kv_evictions,
             kv_hit_tokens,

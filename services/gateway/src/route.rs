@@ -468,7 +468,10 @@ mod tests {
             &self,
             _r: tonic::Request<wk::HealthRequest>,
         ) -> Result<tonic::Response<wk::HealthResponse>, Status> {
-            Ok(tonic::Response::new(wk::HealthResponse { ok: true }))
+            Ok(tonic::Response::new(wk::HealthResponse {
+                ok: true,
+                ..Default::default()
+            }))
         }
         async fn model_info(
             &self,

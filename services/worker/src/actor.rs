@@ -320,15 +320,12 @@ impl Drop for EngineThread {
 
 /// Starts the actor system on a dedicated thread and moves `engine` into a `SyncArbiter`
 /// of one. Returns the handle the gRPC side uses and the thread to stop at shutdown.
-pub(crate) fn start(mut engine: Engine) -> std::io::Result<(EngineHandle, EngineThread)> {
-    // Fault injection for the watchdog test, never set in production: "STEP:MS".
-    let stall_fault = std::env::var("PDMESH_FAULT_STALL_STEP").ok().and_then(|v| {
-        let (at, ms) = v.split_once(':')?;
-        Some((
-            at.parse().ok()?,
-            std::time::Duration::from_millis(ms.parse().ok()?),
-        ))
-    });
+pub(crate) fn start(
+    mut engine: Engine,
+    stall: Option<crate::faults::StallStep>,
+) -> std::io::Result<(EngineHandle, EngineThread)> {
+    // Fault injection for the watchdog test, only from `--fault-stall-step`.
+    let stall_fault = stall.map(|s| (s.step, s.pause));
     engine.record_cache_events();
     let kv = broadcast::channel(KV_BACKLOG).0;
     let (released_tx, released) = oneshot::channel();

@@ -23,6 +23,8 @@ pub(crate) struct WorkerService {
     engine: EngineHandle,
     pd: Arc<Pd>,
     watch: Arc<EngineWatch>,
+    /// The test-only faults switched on (`--fault-*`), reported in Health and ModelInfo.
+    faults: Vec<String>,
     /// Ends the KV event streams, which would otherwise hold a graceful shutdown forever.
     shutdown: tokio_util::sync::CancellationToken,
 }
@@ -32,12 +34,14 @@ impl WorkerService {
         engine: EngineHandle,
         pd: Arc<Pd>,
         watch: Arc<EngineWatch>,
+        faults: Vec<String>,
         shutdown: tokio_util::sync::CancellationToken,
     ) -> Self {
         Self {
             engine,
             pd,
             watch,
+            faults,
             shutdown,
         }
     }
@@ -189,6 +193,7 @@ fn model_info(info: ModelInfo, pool: PoolNow, w: &WorkerService) -> pb::ModelInf
         transfers: pd.transfers,
         handovers: u32::try_from(pd.handovers).unwrap_or(u32::MAX),
         handover_oldest_seconds: pd.handover_oldest_seconds,
+        faults: w.faults.clone(),
     }
 }
 
@@ -320,6 +325,7 @@ impl pb::worker_server::Worker for WorkerService {
                 && self.pd.ready()
                 && !self.watch.refusing()
                 && self.engine.info().await.is_ok(),
+            faults: self.faults.clone(),
         }))
     }
 

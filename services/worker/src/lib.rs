@@ -8,6 +8,7 @@ mod actor;
 mod bundle;
 mod engine_core;
 mod error;
+mod faults;
 mod grpc;
 mod pd;
 mod sglang;
@@ -22,6 +23,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub use error::Error;
+pub use faults::{FaultArgs, StallStep};
 pub use pd::Role;
 
 /// Configuration of the worker service.
@@ -122,6 +124,9 @@ pub struct Config {
     /// or bf16 (256 B).
     #[arg(long, env = "PDMESH_INDEX_K_DTYPE", value_enum, default_value_t = IndexKDtypeArg::Fp8)]
     pub index_k_dtype: IndexKDtypeArg,
+    /// Test-only fault injection (`--fault-*`, hidden; no environment variables).
+    #[command(flatten)]
+    pub faults: FaultArgs,
 }
 
 /// `--device` values.
@@ -186,6 +191,7 @@ impl Config {
             watchdog: Watchdog::Soft,
             kv_cache_dtype: KvCacheDtype::Bf16,
             index_k_dtype: IndexKDtypeArg::Fp8,
+            faults: FaultArgs::default(),
         }
     }
 
@@ -334,6 +340,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let engine_cfg = cfg.engine_config()?;
+    cfg.faults.announce();
     let mut engine = tokio::task::spawn_blocking(move || pdmesh_engine::Engine::load(engine_cfg))
         .await
         .map_err(|e| {
@@ -368,16 +375,13 @@ pub async fn run(
         pd::PdTimes {
             admission: std::time::Duration::from_millis(cfg.admission_timeout_ms),
             transfer: std::time::Duration::from_millis(cfg.transfer_timeout_ms),
-            // Fault injection for the late-write test; never set in production.
-            write_delay: std::env::var("PDMESH_FAULT_WRITE_DELAY_MS")
-                .ok()
-                .and_then(|v| v.parse().ok())
+            // Fault injection, only from explicit --fault-* flags (see `faults`).
+            write_delay: cfg
+                .faults
+                .write_delay_ms
                 .map(std::time::Duration::from_millis),
-            fault_count: std::env::var("PDMESH_FAULT_COUNT")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(u64::MAX),
-            missize_index_k: std::env::var_os("PDMESH_FAULT_MISSIZE_INDEX_K").is_some(),
+            fault_count: cfg.faults.count.unwrap_or(u64::MAX),
+            missize_index_k: cfg.faults.missize_index_k,
         },
         engine.info().eos_token_ids,
     ));
@@ -393,7 +397,7 @@ pub async fn run(
         "worker listening"
     );
 
-    let (handle, engine_thread) = actor::start(engine).map_err(Error::Thread)?;
+    let (handle, engine_thread) = actor::start(engine, cfg.faults.stall_step).map_err(Error::Thread)?;
     // Graceful shutdown waits for open streams: end them by aborting what is running.
     let aborter = {
         let handle = handle.clone();
@@ -415,6 +419,7 @@ pub async fn run(
         handle,
         pd,
         watch,
+        cfg.faults.active(),
         shutdown.clone(),
     ));
     let sglang = sglang::SglangService::new(worker.clone(), cfg.model.clone(), cfg.role);
