@@ -1,8 +1,10 @@
 """The Grafana dashboards (dashboards/) and Prometheus alert rules (deploy/prometheus/rules/)
 against the code and a real scrape: the committed JSON is what dashboards/generate.py
-writes; the gateway's /metrics passes `promtool check metrics`; every metric a panel or a
-rule queries exists in the scrape; the rules pass `promtool check rules` and their unit
-tests; every expression is valid PromQL.
+writes; the gateway's /metrics passes `promtool check metrics`; every series a panel or a
+rule selects exists in the first scrape of a mesh that has answered no request yet (a
+labelled counter is there at 0 before its first event, so `increase(...) > 0` sees that
+event); the rules pass `promtool check rules` and their unit tests; every expression is
+valid PromQL.
 
 promtool comes from $PROMTOOL, else `promtool` on PATH, else target/tools/promtool (which
 tests/run-all fetches from the Debian package `prometheus`). Without it these tests fail.
@@ -22,7 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import REPO, http
+from conftest import REPO, http, start_up, stop_up
 
 DASHBOARDS = REPO / "dashboards"
 GENERATE = DASHBOARDS / "generate.py"
@@ -32,18 +34,15 @@ RULE_TESTS = RULES_DIR / "pdmesh.rules.test.yml"
 METRICS_RS = REPO / "services" / "gateway" / "src" / "metrics.rs"
 DASHBOARD_FILES = ["overview.json", "latency.json", "cache-tiers.json", "transfers.json", "wedges.json"]
 
-# Labelled families the gateway creates only when their first label value is seen: the
-# Rust prometheus crate writes no `# HELP`/`# TYPE` for a vector without children, so a
-# healthy mesh's scrape lacks them until the first such event, which a plain e2e run
-# cannot cause without injecting faults (tests/e2e/test_pd.py does). Each must still be
-# registered in metrics.rs with this label. Family -> its label.
-LAZY_FAMILIES = {
-    # The worker reports a failure reason only after its first failed transfer.
-    "mesh_kv_transfer_failures_total": "reason",
-    # The cache service reports a stage only after its first room timeout.
-    "mesh_room_timeouts_total": "stage",
-    # ... and a reason only after its first room abort.
-    "mesh_room_aborts_total": "reason",
+# Labelled counters whose every series must be in a fresh scrape at 0: family -> its
+# label names. Their label sets are closed (error classes, failure reasons, parsers, room
+# states), so the gateway creates each series when it starts.
+ZERO_AT_START = {
+    "mesh_errors_total": {"error_type"},
+    "mesh_kv_transfer_failures_total": {"reason"},
+    "mesh_room_aborts_total": {"reason"},
+    "mesh_room_timeouts_total": {"stage"},
+    "mesh_tool_call_parse_failures_total": {"parser", "reason"},
 }
 
 # Lint problems `promtool check metrics` reports today that only a change to the Rust
@@ -56,7 +55,6 @@ KNOWN_LINT: set[str] = set()
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "15s"}
 # Labels Prometheus adds at scrape, and the histogram bucket label.
 SCRAPE_LABELS = {"instance", "job", "le"}
-METRIC = re.compile(r"\bmesh_[a-z0-9_]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
@@ -141,7 +139,114 @@ def as_promql(expr: str) -> str:
     return expr
 
 
+# Words of PromQL that are never metric names: aggregation operators (which may be followed
+# by `by (...)` instead of their parenthesis), keywords and the float literals.
+PROMQL_AGGREGATIONS = {
+    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values",
+    "bottomk", "topk", "quantile", "limitk", "limit_ratio",
+}
+PROMQL_LABEL_LISTS = {"by", "without", "on", "ignoring", "group_left", "group_right"}
+PROMQL_WORDS = {"bool", "and", "or", "unless", "offset", "inf", "nan"}
+PROMQL_TOKEN = re.compile(
+    r"""(?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|`[^`]*`)
+      | (?P<range>\[[^\]]*\])
+      | (?P<number>\.?[0-9][\w.]*)
+      | (?P<ident>[a-zA-Z_:][\w:]*)
+      | (?P<op>=~|!~|!=|==|>=|<=|[-+*/%^=<>,@(){}])
+      | (?P<space>\s+)""",
+    re.X,
+)
+
+
+def promql_tokens(expr: str) -> list[tuple[str, str]]:
+    """(kind, text) of every token but blanks; fails on anything PromQL cannot hold."""
+    out, pos = [], 0
+    while pos < len(expr):
+        m = PROMQL_TOKEN.match(expr, pos)
+        assert m, f"cannot read PromQL at {expr[pos:]!r} in {expr!r}"
+        if m.lastgroup != "space":
+            out.append((m.lastgroup, m.group()))
+        pos = m.end()
+    return out
+
+
+def unquote(s: str) -> str:
+    """A PromQL string literal's value."""
+    if s[0] == "`":
+        return s[1:-1]
+    body = s[1:-1]
+    if s[0] == "'":
+        body = body.replace("\\'", "'").replace('"', '\\"')
+    return json.loads('"' + body + '"')
+
+
+def selectors(expr: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """Every vector selector of a PromQL expression: (metric name, [(label, op, value)]).
+    Names come from identifiers that are not functions, aggregations, keywords or label
+    lists of `by`/`without`/`on`/`ignoring`/`group_*`, or from a `__name__` matcher;
+    strings, ranges and numbers are skipped whole."""
+    toks = promql_tokens(as_promql(expr))
+
+    def matchers(i: int) -> tuple[list[tuple[str, str, str]], int]:
+        assert toks[i][1] == "{"
+        out, i = [], i + 1
+        while toks[i][1] != "}":
+            (k1, label), (k2, op), (k3, value) = toks[i : i + 3]
+            assert k1 == "ident" and op in ("=", "!=", "=~", "!~") and k3 == "string", (expr, toks[i : i + 3])
+            out.append((label, op, unquote(value)))
+            i += 3
+            if toks[i][1] == ",":
+                i += 1
+        return out, i + 1
+
+    out, i = [], 0
+    while i < len(toks):
+        kind, text = toks[i]
+        after = toks[i + 1][1] if i + 1 < len(toks) else ""
+        if kind == "ident" and text in PROMQL_LABEL_LISTS:
+            i += 1
+            if after == "(":
+                while toks[i][1] != ")":
+                    i += 1
+                i += 1
+        elif kind == "ident" and (after == "(" or text in PROMQL_AGGREGATIONS or text in PROMQL_WORDS):
+            i += 1
+        elif kind == "ident":
+            found, i = [], i + 1
+            if after == "{":
+                found, i = matchers(i)
+            out.append((text, found))
+        elif text == "{":
+            found, i = matchers(i)
+            names = [v for label, op, v in found if label == "__name__" and op == "="]
+            assert names, f"a selector without a metric name in {expr!r}"
+            out.append((names[0], [m for m in found if m[0] != "__name__"]))
+        else:
+            i += 1
+    return out
+
+
+def rule_names() -> set[str]:
+    """Series the rules file records (a query may select them instead of a mesh_ metric)."""
+    return set(re.findall(r"^\s*-\s*record:\s*(\S+)", RULES.read_text(), re.M))
+
+
 # --- without a mesh -----------------------------------------------------------------------
+
+def test_the_promql_reader_finds_every_selector_and_nothing_else():
+    got = selectors(
+        'histogram_quantile(0.99, sum by (le, endpoint) (rate(mesh_a_bucket{endpoint=~"x|y", le!="+Inf"}'
+        '[$__rate_interval]))) / on(instance) group_left(job) sum without (tier) (mesh_b offset 5m)'
+        ' > bool 1e3 or {__name__="mesh_c", side=\'all\'} unless count(mesh_d[5m:1m] @ end())'
+        ' or vector(0) + max_over_time(mesh_e{reason="a,b}"}[1h])'
+    )
+    assert got == [
+        ("mesh_a_bucket", [("endpoint", "=~", "x|y"), ("le", "!=", "+Inf")]),
+        ("mesh_b", []),
+        ("mesh_c", [("side", "=", "all")]),
+        ("mesh_d", []),
+        ("mesh_e", [("reason", "=", "a,b}")]),
+    ], got
 
 def test_committed_dashboards_are_what_the_generator_writes():
     r = subprocess.run([sys.executable, str(GENERATE), "--check"], capture_output=True, text=True, timeout=60)
@@ -203,9 +308,28 @@ def test_every_dashboard_and_rule_expression_is_valid_promql(tmp_path):
 # --- against a real scrape -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def scrape(mesh) -> str:
-    """/metrics after real traffic: chat and completions, a stream, an error, and an
-    output whose tool-call markup fails to parse."""
+def fresh_mesh(tmp_path_factory):
+    """A mesh of this module's own, started without `pdmesh up`'s smoke test, so its first
+    scrape comes before any API request."""
+    m = start_up(tmp_path_factory.mktemp("dashboards"), ["--no-smoke-test"])
+    yield m
+    code = stop_up(m)
+    assert code == 0, f"pdmesh up exited with {code} on SIGTERM:\n{m.log()}"
+
+
+@pytest.fixture(scope="module")
+def fresh_scrape(fresh_mesh) -> str:
+    """The first /metrics of `fresh_mesh`: only health checks came before it."""
+    status, body = http("GET", fresh_mesh.base + "/metrics")
+    assert status == 200, body
+    return body.decode()
+
+
+@pytest.fixture(scope="module")
+def scrape(fresh_mesh, fresh_scrape) -> str:
+    """/metrics after real traffic (on the same mesh, after `fresh_scrape`): chat and
+    completions, a stream, an error, and an output whose tool-call markup fails to parse."""
+    mesh = fresh_mesh
     client = mesh.client()
     ask = [{"role": "user", "content": "Name a colour."}]
     client.chat.completions.create(model=mesh.model, messages=ask, max_tokens=8, temperature=0)
@@ -228,25 +352,44 @@ def scrape(mesh) -> str:
     return body.decode()
 
 
-def families(text: str) -> dict[str, str]:
-    """{family: type} from the `# TYPE` lines."""
-    return {m.group(1): m.group(2) for m in re.finditer(r"^# TYPE (\S+) (\S+)$", text, re.M)}
+def series(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(sample name, labels, value) of every sample line."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$", line)
+        assert m, f"unparsable sample line: {line!r}"
+        pairs = re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or "")
+        out.append((m.group(1), {k: json.loads(f'"{v}"') for k, v in pairs}, float(m.group(3))))
+    return out
 
 
 def samples(text: str) -> dict[str, set[str]]:
     """{sample name: label names seen on it}."""
     out: dict[str, set[str]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s", line)
-        assert m, f"unparsable sample line: {line!r}"
-        out.setdefault(m.group(1), set()).update(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="', m.group(2) or ""))
+    for name, labels, _ in series(text):
+        out.setdefault(name, set()).update(labels)
     return out
 
 
-def test_the_scrape_passes_promtool_check_metrics(scrape):
-    r = run_promtool("check", "metrics", stdin=scrape)
+def selects(labels: dict[str, str], matchers: list[tuple[str, str, str]]) -> bool:
+    """Whether a series with `labels` matches every matcher (PromQL regexes are anchored)."""
+    for label, op, want in matchers:
+        have = labels.get(label, "")
+        if op in ("=", "!="):
+            ok = (have == want) == (op == "=")
+        else:
+            ok = (re.fullmatch(want, have) is not None) == (op == "=~")
+        if not ok:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("which", ["fresh_scrape", "scrape"])
+def test_the_scrape_passes_promtool_check_metrics(which, request):
+    text = request.getfixturevalue(which)
+    r = run_promtool("check", "metrics", stdin=text)
     problems = {l.strip() for l in (r.stdout + r.stderr).splitlines() if l.strip()}
     unknown = problems - KNOWN_LINT
     assert not unknown, f"promtool check metrics (exit {r.returncode}):\n" + "\n".join(sorted(problems))
@@ -256,49 +399,71 @@ def test_the_scrape_passes_promtool_check_metrics(scrape):
     assert not fixed, f"no longer reported, remove from KNOWN_LINT: {fixed}"
 
 
-def test_every_queried_metric_and_label_exists_in_the_scrape(scrape):
-    types, seen = families(scrape), samples(scrape)
-    source = METRICS_RS.read_text()
-    registered_label = dict(re.findall(r'"(mesh_[a-z0-9_]+)",\s*"[^"]*",\s*"([a-z_]+)"', source))
-
-    def labels_of(name: str) -> set[str] | None:
-        """The label names a queried metric carries, or None if it is not exported."""
-        if name in seen:
-            return seen[name] | SCRAPE_LABELS
-        for suffix in HISTOGRAM_SUFFIXES:
-            base = name[: -len(suffix)]
-            if name.endswith(suffix) and types.get(base) == "histogram":
-                return set().union(*(v for k, v in seen.items() if k.startswith(base))) | SCRAPE_LABELS
-        if name in types:  # a family with no sample yet
-            return None if types[name] == "histogram" else SCRAPE_LABELS
-        if name in LAZY_FAMILIES:
-            assert f'"{name}"' in source, f"{name} is listed as lazy but not defined in metrics.rs"
-            assert registered_label.get(name) == LAZY_FAMILIES[name], (name, registered_label.get(name))
-            return {LAZY_FAMILIES[name]} | SCRAPE_LABELS
-        return None
-
+def test_every_queried_series_and_label_exists_in_a_fresh_scrape(fresh_scrape):
+    """Before any request, each selector of each panel and rule selects a series (so no
+    panel shows "No data" and no `increase(...)` misses a first event), and every label a
+    query groups by or a legend shows is carried by a metric the query selects."""
+    have, seen, recorded = series(fresh_scrape), samples(fresh_scrape), rule_names()
     missing, bad_labels = [], []
     for where, legend, expr in all_exprs():
-        names = set(METRIC.findall(expr))
-        assert names, f"{where}: queries no mesh_ metric: {expr}"
-        carried: set[str] = set()
-        for name in sorted(names):
-            labels = labels_of(name)
-            if labels is None:
+        found = selectors(expr)
+        assert found, f"{where}: selects no series: {expr}"
+        carried = set(SCRAPE_LABELS)
+        for name, matchers in found:
+            if name in recorded:
+                continue
+            if not name.startswith("mesh_"):
+                missing.append(f"{where}: {name} is no pdmesh metric")
+                continue
+            if name not in seen:
                 missing.append(f"{where}: {name}")
                 continue
-            carried |= labels
-            # Selectors name labels of their own metric.
-            for sel in re.findall(rf"\b{name}\{{([^}}]*)\}}", expr):
-                for label in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)", sel):
-                    if label not in labels:
-                        bad_labels.append(f"{where}: {name} has no label {label}")
+            carried |= seen[name]
+            for label, _, _ in matchers:
+                if label not in seen[name] | SCRAPE_LABELS:
+                    bad_labels.append(f"{where}: {name} has no label {label}")
+            # Prometheus adds `instance` and `job` at scrape; the rest must match as scraped.
+            own = [m for m in matchers if m[0] not in ("instance", "job")]
+            if not any(selects(labels, own) for n, labels, _ in have if n == name):
+                shown = ", ".join(f"{l}{op}{v!r}" for l, op, v in own)
+                missing.append(f"{where}: {name}{{{shown}}}")
         # Grouping and legends name labels some queried metric carries.
         grouped = [l.strip() for g in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr) for l in g.split(",")]
         for label in [l for l in grouped if l] + re.findall(r"\{\{\s*(\w+)\s*\}\}", legend):
             if label not in carried:
                 bad_labels.append(f"{where}: no queried metric has label {label}")
     assert not (missing or bad_labels), (
-        "metrics queried but absent from the scrape:\n" + "\n".join(missing)
-        + "\nlabels queried but absent:\n" + "\n".join(bad_labels)
+        "series queried but absent from a fresh scrape:\n" + "\n".join(sorted(set(missing)))
+        + "\nlabels queried but absent:\n" + "\n".join(sorted(set(bad_labels)))
     )
+
+
+def test_closed_label_sets_exist_at_zero_before_their_first_event(fresh_scrape, scrape):
+    """The labelled counters of closed sets have their series at 0 in a fresh scrape, and
+    traffic (an error, a failed tool-call parse, ...) creates no series that was not
+    already there: a counter's first event is an increase from 0, not a new series."""
+    fresh = series(fresh_scrape)
+    for family, label_names in ZERO_AT_START.items():
+        got = [(labels, v) for name, labels, v in fresh if name == family]
+        assert got, f"{family} has no series in a fresh scrape"
+        for labels, value in got:
+            assert set(labels) == label_names and value == 0, (family, labels, value)
+    before = {(name, tuple(sorted(labels.items()))) for name, labels, _ in fresh}
+    after = {(name, tuple(sorted(labels.items()))) for name, labels, _ in series(scrape)}
+    new = sorted(f"{name}{dict(labels)}" for name, labels in after - before)
+    assert not new, "series that appeared only after their first event:\n" + "\n".join(new)
+    # The traffic did count its error and its parse failure, on those series.
+    counted = {name for name, _, v in series(scrape) if v > 0}
+    assert {"mesh_errors_total", "mesh_tool_call_parse_failures_total"} <= counted, counted
+
+
+def test_every_registered_family_has_a_series_in_a_fresh_scrape(fresh_scrape):
+    """No metric the gateway defines waits for an event to appear."""
+    source = re.split(r"#\[cfg\(test\)\]\s*mod tests", METRICS_RS.read_text())[0]
+    defined = set(re.findall(r'"(mesh_[a-z0-9_]+)"', source))
+    assert len(defined) > 30, defined
+    seen = samples(fresh_scrape)
+    absent = sorted(
+        name for name in defined if not any(name + suffix in seen for suffix in ("", *HISTOGRAM_SUFFIXES))
+    )
+    assert not absent, "defined in metrics.rs but without a series in a fresh scrape:\n" + "\n".join(absent)

@@ -153,6 +153,107 @@ def test_json_schema_output_validates(client, mesh):
         assert r.choices[0].message.content.startswith("{")
 
 
+def closed(schema):
+    """`schema` with `additionalProperties: false` on every object that names properties."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def no_whitespace_between_tokens(text):
+    """True when the JSON `text` has no whitespace outside its strings."""
+    import re
+
+    return not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', '""', text))
+
+
+def test_a_json_schema_without_additional_properties_gets_only_its_properties(client, mesh):
+    # The schema does not say `additionalProperties`: as with OpenAI's, vLLM's and
+    # SGLang's strict default, the answer holds the named properties and nothing else, so
+    # the model cannot wander off into keys it invents until the length limit.
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "country": {"type": "string"},
+            "population_millions": {"type": "number"},
+        },
+        "required": ["name", "country", "population_millions"],
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    msgs = [{"role": "user", "content": "JSON for the city of Cairo with its population."}]
+    r = chat(client, mesh, messages=msgs, response_format=rf, max_tokens=120)
+    c = r.choices[0]
+    assert c.finish_reason == "stop", c
+    out = json.loads(c.message.content)
+    jsonschema.validate(out, closed(schema))
+    assert set(out) == {"name", "country", "population_millions"}, out
+    assert no_whitespace_between_tokens(c.message.content), c.message.content
+
+
+BOOK = {
+    "type": "function",
+    "function": {
+        "name": "book_flight",
+        "description": "Book a flight for one passenger",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "passenger": {"$ref": "#/$defs/person"},
+                "legs": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"from": {"type": "string"}, "to": {"type": "string"}},
+                        "required": ["from", "to"],
+                    },
+                    "minItems": 1,
+                    "maxItems": 2,
+                },
+            },
+            "required": ["passenger", "legs"],
+            "$defs": {
+                "person": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                    "required": ["name", "age"],
+                }
+            },
+        },
+    },
+}
+
+
+def inlined(tool):
+    """`tool` with its parameters' `$defs` written in place."""
+    t = json.loads(json.dumps(tool))
+    params = t["function"]["parameters"]
+    params["properties"]["passenger"] = params.pop("$defs")["person"]
+    return t
+
+
+@pytest.mark.parametrize("defs", [True, False], ids=["defs", "inline"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book_flight"}}])
+def test_a_forced_calls_arguments_hold_only_the_declared_parameters(client, mesh, choice, defs):
+    tool = BOOK if defs else inlined(BOOK)
+    msgs = [{"role": "user", "content": "Book a flight from Paris to Rome for Ann, who is 34."}]
+    r = chat(client, mesh, messages=msgs, tools=[tool], tool_choice=choice, parallel_tool_calls=False, max_tokens=160)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    [tc] = c.message.tool_calls
+    assert tc.function.name == "book_flight"
+    args = json.loads(tc.function.arguments)
+    jsonschema.validate(args, closed(tool["function"]["parameters"]))
+    assert set(args) == {"passenger", "legs"}, args
+    assert set(args["passenger"]) == {"name", "age"}, args
+    assert all(set(leg) == {"from", "to"} for leg in args["legs"]), args
+
+
 def test_a_conversation_with_tool_results_continues(client, mesh):
     first = chat(client, mesh, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     call = first.choices[0].message.tool_calls[0]
