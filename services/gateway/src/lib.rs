@@ -14,6 +14,7 @@ mod openai;
 mod route;
 mod state;
 mod stop;
+mod strict;
 mod tools;
 
 use std::time::Duration;

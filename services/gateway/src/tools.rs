@@ -7,6 +7,7 @@
 use serde_json::{Map, Value, json};
 
 use crate::error::ApiError;
+use crate::strict::strict;
 
 /// The tool-call markup a model writes (the tokenizer's `Info.tool_format`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -270,10 +271,11 @@ pub(crate) fn plan(
     Ok(plan)
 }
 
-/// `%json{…}` for `schema`, with compact, fixed whitespace (a small model given free
-/// whitespace may write spaces forever).
+/// `%json{…}` for `schema`, strict (an object that names its properties and says nothing
+/// of others takes only those, see [`strict`]) and with compact, fixed whitespace (`,` and
+/// `:` alone: a small model given free whitespace may write spaces forever).
 fn json_rule(schema: &Value) -> String {
-    let mut s = schema.clone();
+    let mut s = strict(schema);
     if let Value::Object(m) = &mut s
         && !m.contains_key("x-guidance")
     {
@@ -282,18 +284,19 @@ fn json_rule(schema: &Value) -> String {
     format!("%json{s}")
 }
 
-/// The arguments' schema as the grammar uses it: an object with declared properties and
-/// no word on others takes only those (as OpenAI's strict mode does), so a small model
-/// cannot wander into keys no tool reads.
-fn closed(parameters: &Value) -> Value {
-    let mut p = parameters.clone();
-    if let Value::Object(m) = &mut p
-        && m.contains_key("properties")
-        && !m.contains_key("additionalProperties")
-    {
-        m.insert("additionalProperties".into(), Value::Bool(false));
+/// `schema` (a part of the tool's `parameters`) made a document of its own: `$ref`s resolve
+/// against the root, so the parameters' `$defs` and `definitions` move to it.
+fn with_definitions(mut schema: Value, parameters: &Value) -> Value {
+    if let Value::Object(m) = &mut schema {
+        for key in ["$defs", "definitions"] {
+            if let Some(d) = parameters.get(key)
+                && !m.contains_key(key)
+            {
+                m.insert(key.into(), d.clone());
+            }
+        }
     }
-    p
+    schema
 }
 
 /// A Lark string literal.
@@ -314,12 +317,20 @@ fn calls_grammar(format: ToolFormat, tools: &[&Tool], many: bool) -> String {
                 alts.join(" | ")
             ));
             for (i, t) in tools.iter().enumerate() {
-                let schema = json!({
-                    "type": "object",
-                    "properties": {"name": {"const": t.name}, "arguments": closed(&t.parameters)},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": false,
-                });
+                let mut arguments = t.parameters.clone();
+                if let Value::Object(a) = &mut arguments {
+                    a.remove("$defs");
+                    a.remove("definitions");
+                }
+                let schema = with_definitions(
+                    json!({
+                        "type": "object",
+                        "properties": {"name": {"const": t.name}, "arguments": arguments},
+                        "required": ["name", "arguments"],
+                        "additionalProperties": false,
+                    }),
+                    &t.parameters,
+                );
                 g.push_str(&format!("call{i}: {}\n", json_rule(&schema)));
             }
         }
@@ -338,7 +349,7 @@ fn calls_grammar(format: ToolFormat, tools: &[&Tool], many: bool) -> String {
                 g.push_str(&format!(
                     "call{i}: \"<｜tool▁call▁begin｜>{before}\" {} \"{between}\" {} \"{after}<｜tool▁call▁end｜>\"\n",
                     lit(&t.name),
-                    json_rule(&closed(&t.parameters))
+                    json_rule(&t.parameters)
                 ));
             }
         }
@@ -369,7 +380,7 @@ fn calls_grammar(format: ToolFormat, tools: &[&Tool], many: bool) -> String {
                             .collect::<Vec<_>>()
                             .join(" | "),
                         _ if is_string => "/[^<]*/".to_owned(),
-                        _ => json_rule(schema),
+                        _ => json_rule(&with_definitions(schema.clone(), &t.parameters)),
                     };
                     g.push_str(&format!(
                         "{rule}: {} ({value}) {}\n",
@@ -728,7 +739,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             g,
-            "start: %json{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},\"x-guidance\":{\"whitespace_flexible\":false}}\n"
+            "start: %json{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},\"additionalProperties\":false,\"x-guidance\":{\"whitespace_flexible\":false}}\n"
         );
         let e = plan(
             &weather(),
@@ -741,5 +752,122 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("response_format"));
+    }
+
+    /// A schema silent on other properties gets only its own, in compact JSON; one that
+    /// allows others keeps them (the free-form `json_object` too).
+    #[test]
+    fn response_schemas_are_strict_and_compact() {
+        use crate::strict::tests::lark_accepts;
+        let out = OutputFormat {
+            tools: ToolFormat::Hermes,
+            reasoning: false,
+        };
+        let grammar = |schema: Value| {
+            plan(&[], None, &ToolChoice::None, true, Some(schema), out, false)
+                .unwrap()
+                .grammar
+                .unwrap()
+        };
+        let city = json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "country": {"type": "string"},
+                "population_millions": {"type": "number"},
+            },
+            "required": ["name", "country", "population_millions"],
+        });
+        let answer = r#"{"name":"Cairo","country":"Egypt","population_millions":22"#;
+        let g = grammar(city.clone());
+        assert!(lark_accepts(&g, &format!("{answer}}}")), "{g}");
+        assert!(
+            !lark_accepts(&g, &format!(r#"{answer},"population_thousands":1}}"#)),
+            "{g}"
+        );
+        assert!(!lark_accepts(&g, &format!("{answer} }}")), "compact: {g}");
+        assert!(!lark_accepts(
+            &g,
+            r#"{"name": "Cairo","country":"Egypt","population_millions":22}"#
+        ));
+
+        let mut open = city;
+        open["additionalProperties"] = json!(true);
+        let g = grammar(open);
+        assert!(
+            lark_accepts(&g, &format!(r#"{answer},"population_thousands":1}}"#)),
+            "{g}"
+        );
+        let g = grammar(
+            response_schema(Some(&json!({"type": "json_object"})))
+                .unwrap()
+                .unwrap(),
+        );
+        assert!(lark_accepts(&g, r#"{"anything":[1,{"x":null}]}"#), "{g}");
+    }
+
+    /// A forced call's arguments hold only the declared parameters, nested ones too, and
+    /// `$ref`s into the parameters' `$defs` resolve in every format's grammar.
+    #[test]
+    fn forced_calls_take_only_declared_parameters() {
+        use crate::strict::tests::lark_accepts;
+        let tools = parse_tools(Some(&json!([{
+            "type": "function",
+            "function": {
+                "name": "book",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"who": {"$ref": "#/$defs/person"}},
+                    "required": ["who"],
+                    "$defs": {"person": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+                },
+            },
+        }])))
+        .unwrap();
+        let grammar = |tools_format| {
+            let out = OutputFormat {
+                tools: tools_format,
+                reasoning: false,
+            };
+            plan(&tools, None, &ToolChoice::Required, false, None, out, false)
+                .unwrap()
+                .grammar
+                .unwrap()
+        };
+        let g = grammar(ToolFormat::Hermes);
+        let call = |args: &str| {
+            format!("<tool_call>\n{{\"name\":\"book\",\"arguments\":{args}}}\n</tool_call>")
+        };
+        assert!(lark_accepts(&g, &call(r#"{"who":{"name":"Ann"}}"#)), "{g}");
+        assert!(
+            !lark_accepts(&g, &call(r#"{"who":{"name":"Ann","age":3}}"#)),
+            "{g}"
+        );
+        assert!(
+            !lark_accepts(&g, &call(r#"{"who":{"name":"Ann"},"when":"now"}"#)),
+            "{g}"
+        );
+
+        let g = grammar(ToolFormat::DeepSeekV31);
+        let call = |args: &str| {
+            format!(
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>book<｜tool▁sep｜>{args}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+            )
+        };
+        assert!(lark_accepts(&g, &call(r#"{"who":{"name":"Ann"}}"#)), "{g}");
+        assert!(
+            !lark_accepts(&g, &call(r#"{"who":{"name":"Ann","age":3}}"#)),
+            "{g}"
+        );
+
+        let g = grammar(ToolFormat::Dsml);
+        let d = "｜DSML｜";
+        let call = |who: &str| {
+            format!(
+                "<{d}function_calls>\n<{d}invoke name=\"book\">\n<{d}parameter name=\"who\" string=\"false\">{who}</{d}parameter>\n</{d}invoke>\n</{d}function_calls>"
+            )
+        };
+        assert!(lark_accepts(&g, &call(r#"{"name":"Ann"}"#)), "{g}");
+        assert!(!lark_accepts(&g, &call(r#"{"name":"Ann","age":3}"#)), "{g}");
     }
 }
