@@ -288,7 +288,7 @@ impl Workers {
     }
 
     /// Starts `req`: on the unified worker, or on a prefill and a decode worker meeting in
-    /// a fresh room. The stream is decode's; prefill's error, if it fails first, ends it.
+    /// a fresh room. The stream is decode's, behind prefill's first token (see [`merge`]).
     pub async fn generate(&self, mut req: wk::GenerateRequest) -> Result<GenStream, Status> {
         if let Some(t) = self.unified.first() {
             let guard = Inflight::new(&t.inflight);
@@ -329,84 +329,88 @@ impl Workers {
             pdmesh_telemetry::request(req),
         );
         let (ps, ds) = tokio::join!(pc.generate(preq), dc.generate(req));
-        let (mut ps, ds) = (ps?.into_inner(), ds?.into_inner());
-        // From prefill's own stream: its first token, which it sends before the hand-over
-        // (shown at once; decode's copy of it is then checked and dropped), and its error
-        // if it fails: then the request fails now rather than at decode's room deadline.
-        let (first_tx, first_rx) = tokio::sync::oneshot::channel::<wk::TokenChunk>();
-        let (fail_tx, fail_rx) = tokio::sync::oneshot::channel::<Status>();
-        // Dropped with the decode stream: prefill's call ends too (it aborts what it
-        // still holds), so a request that failed or left at decode costs no more compute.
-        let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _p = guards.0;
-            let mut first_tx = Some(first_tx);
-            loop {
-                tokio::select! {
-                    m = ps.message() => match m {
-                        Ok(Some(wk::GenerateResponse {
-                            kind: Some(wk::generate_response::Kind::Chunk(c)),
-                        })) if !c.token_ids.is_empty() => {
-                            if let Some(tx) = first_tx.take() {
-                                let _ = tx.send(c);
-                            }
+        let (ps, ds) = (ps?.into_inner(), ds?.into_inner());
+        Ok(merge(ps, ds, guards))
+    }
+}
+
+/// A disaggregated request's two streams as the one its client sees. Prefill streams the
+/// first token before the hand-over, so it is shown first; decode streams it again, and
+/// its copy is checked against prefill's and dropped (a mismatch means decode got other
+/// KV: the request fails with DATA_LOSS). Decode's messages that reach the gateway before
+/// prefill's first token wait for it, so the check and what the client sees are the same
+/// whichever stream's token comes first. Prefill's error, if it fails first, ends the
+/// request at once rather than at decode's room deadline; so does decode's. Dropping the
+/// stream ends prefill's call too (it aborts what it still holds), so a request that
+/// failed or left at decode costs no more compute.
+fn merge<P, D>(prefill: P, decode: D, (pguard, dguard): (Inflight, Inflight)) -> GenStream
+where
+    P: Stream<Item = Result<wk::GenerateResponse, Status>> + Send + 'static,
+    D: Stream<Item = Result<wk::GenerateResponse, Status>> + Send + 'static,
+{
+    // From prefill's own stream: its first token, and its error if it fails.
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel::<wk::TokenChunk>();
+    let (fail_tx, fail_rx) = tokio::sync::oneshot::channel::<Status>();
+    let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _p = pguard;
+        let mut ps = Box::pin(prefill);
+        let mut first_tx = Some(first_tx);
+        loop {
+            tokio::select! {
+                m = ps.next() => match m {
+                    Some(Ok(wk::GenerateResponse {
+                        kind: Some(wk::generate_response::Kind::Chunk(c)),
+                    })) if !c.token_ids.is_empty() => {
+                        if let Some(tx) = first_tx.take() {
+                            let _ = tx.send(c);
                         }
-                        Ok(Some(_)) => {}
-                        Ok(None) => return,
-                        Err(s) => {
-                            let _ = fail_tx.send(s);
-                            return;
-                        }
-                    },
-                    _ = &mut done_rx => return,
-                }
+                    }
+                    Some(Ok(_)) => {}
+                    None => return,
+                    // Sent before `first_tx` drops: a first token that never comes because
+                    // prefill failed finds the failure already there.
+                    Some(Err(s)) => {
+                        let _ = fail_tx.send(s);
+                        return;
+                    }
+                },
+                _ = &mut done_rx => return,
             }
-        });
-        let dguard = guards.1;
-        let stream = async_stream::stream! {
-            let _d = dguard;
-            let _done = done_tx;
-            let mut ds = ds;
-            let mut fail_rx = Some(fail_rx);
-            let mut first_rx = Some(first_rx);
-            // The first token shown from prefill, until decode's copy of it arrives.
-            let mut shown: Option<u32> = None;
-            loop {
+        }
+    });
+    let stream = async_stream::stream! {
+        let _d = dguard;
+        let _done = done_tx;
+        let mut ds = Box::pin(decode);
+        let mut fail_rx = Some(fail_rx);
+        let mut first_rx = Some(first_rx);
+        // Prefill's first token once known (`Some(None)`: prefill ended without one, as
+        // it does when that token ends the generation).
+        let mut first: Option<Option<u32>> = None;
+        // Decode's messages (`None`: its end) that came before prefill's first token.
+        let mut held = std::collections::VecDeque::new();
+        let mut decode_open = true;
+        let mut checked = false;
+        loop {
+            let m = if first.is_some() && let Some(m) = held.pop_front() {
+                m
+            } else {
                 tokio::select! {
-                    m = ds.message() => match m {
-                        Ok(Some(mut m)) => {
-                            // Decode is first with tokens from now on.
-                            first_rx = None;
-                            if let (Some(t), Some(wk::generate_response::Kind::Chunk(c))) =
-                                (shown, m.kind.as_mut())
-                            {
-                                shown = None;
-                                if c.token_ids.first() != Some(&t) {
-                                    yield Err(Status::data_loss(format!(
-                                        "prefill sent first token {t} but decode {:?}: the KV hand-over is corrupt",
-                                        c.token_ids.first()
-                                    )));
-                                    break;
-                                }
-                                c.token_ids.remove(0);
-                                if c.token_ids.is_empty() {
-                                    continue;
-                                }
-                            }
-                            yield Ok(m)
+                    // Decode before prefill's failure: when decode refused the request
+                    // (its pool is full), prefill's failure is only the consequence.
+                    biased;
+                    m = ds.next(), if decode_open => {
+                        let m = match m {
+                            Some(Ok(m)) => Some(m),
+                            Some(Err(s)) => { yield Err(s); break; }
+                            None => { decode_open = false; None }
+                        };
+                        if first.is_none() {
+                            held.push_back(m);
+                            continue;
                         }
-                        Ok(None) => break,
-                        Err(s) => { yield Err(s); break; }
-                    },
-                    c = async { first_rx.as_mut().expect("polled while present").await },
-                        if first_rx.is_some() => {
-                        first_rx = None;
-                        if let Ok(c) = c {
-                            shown = c.token_ids.first().copied();
-                            yield Ok(wk::GenerateResponse {
-                                kind: Some(wk::generate_response::Kind::Chunk(c)),
-                            });
-                        }
+                        m
                     },
                     f = async { fail_rx.as_mut().expect("polled while present").await },
                         if fail_rx.is_some() => match f {
@@ -415,24 +419,61 @@ impl Workers {
                             break;
                         }
                         // Prefill finished normally: only decode matters now.
-                        Err(_) => fail_rx = None,
+                        Err(_) => { fail_rx = None; continue; }
                     },
+                    c = async { first_rx.as_mut().expect("polled while present").await },
+                        if first_rx.is_some() => {
+                        first_rx = None;
+                        match c {
+                            Ok(c) => {
+                                first = Some(c.token_ids.first().copied());
+                                yield Ok(wk::GenerateResponse {
+                                    kind: Some(wk::generate_response::Kind::Chunk(c)),
+                                });
+                            }
+                            Err(_) => {
+                                if let Some(Ok(s)) = fail_rx.as_mut().map(|r| r.try_recv()) {
+                                    yield Err(Status::new(s.code(), format!("prefill: {}", s.message())));
+                                    break;
+                                }
+                                first = Some(None);
+                            }
+                        }
+                        continue;
+                    },
+                    else => break,
+                }
+            };
+            let Some(mut m) = m else { break };
+            if !checked && let Some(wk::generate_response::Kind::Chunk(c)) = m.kind.as_mut() {
+                checked = true;
+                if let Some(Some(t)) = first {
+                    if c.token_ids.first() != Some(&t) {
+                        yield Err(Status::data_loss(format!(
+                            "prefill sent first token {t} but decode {:?}: the KV hand-over is corrupt",
+                            c.token_ids.first()
+                        )));
+                        break;
+                    }
+                    c.token_ids.remove(0);
+                    if c.token_ids.is_empty() {
+                        continue;
+                    }
                 }
             }
-        };
-        Ok(Box::pin(stream))
-    }
+            yield Ok(m);
+        }
+    };
+    Box::pin(stream)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A worker whose Generate streams `script` (token chunks; `None` ends with Finished),
-    /// the first message after `delay`.
+    /// A worker whose Generate streams `script` (token chunks), then Finished.
     struct Scripted {
         script: Vec<Vec<u32>>,
-        delay: Duration,
     }
 
     #[tonic::async_trait]
@@ -442,20 +483,12 @@ mod tests {
             &self,
             _r: tonic::Request<wk::GenerateRequest>,
         ) -> Result<tonic::Response<GenStream>, Status> {
-            let (script, delay) = (self.script.clone(), self.delay);
+            let script = self.script.clone();
             Ok(tonic::Response::new(Box::pin(async_stream::stream! {
-                tokio::time::sleep(delay).await;
                 for ids in script {
-                    yield Ok(wk::GenerateResponse {
-                        kind: Some(wk::generate_response::Kind::Chunk(wk::TokenChunk {
-                            token_ids: ids,
-                            logprob: None,
-                        })),
-                    });
+                    yield Ok(chunk(&ids));
                 }
-                yield Ok(wk::GenerateResponse {
-                    kind: Some(wk::generate_response::Kind::Finished(wk::Finished::default())),
-                });
+                yield Ok(finished());
             })))
         }
         async fn abort(
@@ -522,39 +555,187 @@ mod tests {
         Ok(ids)
     }
 
+    fn chunk(ids: &[u32]) -> wk::GenerateResponse {
+        wk::GenerateResponse {
+            kind: Some(wk::generate_response::Kind::Chunk(wk::TokenChunk {
+                token_ids: ids.to_vec(),
+                logprob: None,
+            })),
+        }
+    }
+
+    fn finished() -> wk::GenerateResponse {
+        wk::GenerateResponse {
+            kind: Some(wk::generate_response::Kind::Finished(
+                wk::Finished::default(),
+            )),
+        }
+    }
+
     #[tokio::test]
-    async fn prefills_first_token_is_shown_first_and_decodes_copy_is_checked_then_dropped() {
-        let ms = Duration::from_millis;
-        let p = |first: u32| Scripted {
-            script: vec![vec![first]],
-            delay: ms(0),
-        };
-        let d = |script: Vec<Vec<u32>>| Scripted {
-            script,
-            delay: ms(200),
-        };
-        // Shown once, though both sides stream it (in one chunk with more, or alone).
+    async fn a_pd_request_shows_prefills_first_token_once_and_fails_when_decode_disagrees() {
+        let s = |script: Vec<Vec<u32>>| Scripted { script };
         assert_eq!(
-            merged(p(5), d(vec![vec![5], vec![7]])).await.unwrap(),
+            merged(s(vec![vec![5]]), s(vec![vec![5], vec![7]]))
+                .await
+                .unwrap(),
             [5, 7]
         );
-        assert_eq!(
-            merged(p(5), d(vec![vec![5, 7, 9]])).await.unwrap(),
-            [5, 7, 9]
-        );
-        // A decode side that disagrees got other KV: the request fails, never shows it.
-        let e = merged(p(5), d(vec![vec![6], vec![7]])).await.unwrap_err();
+        let e = merged(s(vec![vec![5]]), s(vec![vec![6], vec![7]]))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), tonic::Code::DataLoss, "{e:?}");
-        // Decode first (prefill's token late): decode's stream alone.
-        let late = Scripted {
-            script: vec![vec![5]],
-            delay: ms(400),
-        };
-        let early = Scripted {
-            script: vec![vec![5], vec![7]],
-            delay: ms(0),
-        };
-        assert_eq!(merged(late, early).await.unwrap(), [5, 7]);
+    }
+
+    type Msg = Result<wk::GenerateResponse, Status>;
+
+    /// One side of a merge, fed by the test: `send` returns once the merge has taken the
+    /// message (false if it ended first), so the test decides which side it hears first.
+    struct Feed(tokio::sync::mpsc::UnboundedSender<(Msg, tokio::sync::oneshot::Sender<()>)>);
+
+    impl Feed {
+        fn new() -> (Self, impl Stream<Item = Msg> + Send + 'static) {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let s = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(
+                |(m, taken): (Msg, tokio::sync::oneshot::Sender<()>)| {
+                    let _ = taken.send(());
+                    m
+                },
+            );
+            (Self(tx), s)
+        }
+
+        async fn send(&self, m: Msg) -> bool {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            self.0.send((m, tx)).is_ok() && rx.await.is_ok()
+        }
+    }
+
+    /// What a merge's client sees, each message as it comes; closed when the stream ends.
+    fn watch(mut s: GenStream) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(m) = s.next().await {
+                let shown = match m {
+                    Ok(wk::GenerateResponse {
+                        kind: Some(wk::generate_response::Kind::Chunk(c)),
+                    }) => format!("{:?}", c.token_ids),
+                    Ok(wk::GenerateResponse {
+                        kind: Some(wk::generate_response::Kind::Finished(_)),
+                    }) => "finished".into(),
+                    Ok(_) => "empty".into(),
+                    Err(s) => format!("{:?}: {}", s.code(), s.message()),
+                };
+                let _ = tx.send(shown);
+            }
+        });
+        rx
+    }
+
+    /// The rest of what `out` shows, until its stream ends (bounded, so a merge that waits
+    /// forever fails the test instead of hanging it).
+    async fn rest(mut out: tokio::sync::mpsc::UnboundedReceiver<String>) -> Vec<String> {
+        let mut seen = Vec::new();
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while let Some(m) = out.recv().await {
+                seen.push(m);
+            }
+        })
+        .await
+        .expect("the merged stream ends");
+        seen
+    }
+
+    fn merge_of(
+        prefill: impl Stream<Item = Msg> + Send + 'static,
+        decode: impl Stream<Item = Msg> + Send + 'static,
+    ) -> GenStream {
+        let n = Arc::default();
+        merge(prefill, decode, (Inflight::new(&n), Inflight::new(&n)))
+    }
+
+    /// What the client of a PD request sees when prefill's first token is `first` and
+    /// decode streams `decoded`, the merge hearing prefill's token first or decode's.
+    async fn in_order(first: u32, decoded: &[&[u32]], prefill_first: bool) -> Vec<String> {
+        let ((p, ps), (d, ds)) = (Feed::new(), Feed::new());
+        let mut out = watch(merge_of(ps, ds));
+        let mut seen = Vec::new();
+        if prefill_first {
+            assert!(p.send(Ok(chunk(&[first]))).await);
+            // Shown at once, before decode has sent anything.
+            seen.push(out.recv().await.expect("prefill's token is shown"));
+        }
+        for ids in decoded {
+            d.send(Ok(chunk(ids))).await;
+        }
+        d.send(Ok(finished())).await;
+        drop(d);
+        if !prefill_first {
+            // Decode's messages are taken, and wait for prefill's token.
+            assert!(
+                out.try_recv().is_err(),
+                "decode's tokens went out before prefill's"
+            );
+            assert!(p.send(Ok(chunk(&[first]))).await);
+        }
+        p.send(Ok(finished())).await;
+        drop(p);
+        seen.extend(rest(out).await);
+        seen
+    }
+
+    #[tokio::test]
+    async fn the_first_token_check_holds_whichever_streams_token_arrives_first() {
+        for prefill_first in [true, false] {
+            // Shown once, though both sides stream it (alone, or in one chunk with more).
+            assert_eq!(
+                in_order(5, &[&[5], &[7]], prefill_first).await,
+                ["[5]", "[7]", "finished"],
+                "prefill first: {prefill_first}"
+            );
+            assert_eq!(
+                in_order(5, &[&[5, 7, 9]], prefill_first).await,
+                ["[5]", "[7, 9]", "finished"],
+                "prefill first: {prefill_first}"
+            );
+            // A decode side that disagrees got other KV: the request fails, and none of
+            // decode's tokens is shown.
+            let seen = in_order(6, &[&[5], &[7]], prefill_first).await;
+            assert_eq!(seen.len(), 2, "prefill first: {prefill_first}: {seen:?}");
+            assert_eq!(seen[0], "[6]");
+            assert!(
+                seen[1].starts_with("DataLoss: prefill sent first token 6 but decode Some(5)"),
+                "prefill first: {prefill_first}: {seen:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn decode_alone_goes_through_when_prefills_first_token_ended_the_generation() {
+        // Prefill sends no token that ends the generation, and decode does not stream it:
+        // decode's end waits for prefill's, and nothing is checked.
+        let ((p, ps), (d, ds)) = (Feed::new(), Feed::new());
+        let out = watch(merge_of(ps, ds));
+        assert!(d.send(Ok(finished())).await);
+        drop(d);
+        assert!(p.send(Ok(finished())).await);
+        drop(p);
+        assert_eq!(rest(out).await, ["finished"]);
+    }
+
+    #[tokio::test]
+    async fn either_sides_error_ends_the_request_before_prefills_first_token() {
+        // Decode refused it (its pool is full): the client hears so at once, although
+        // prefill is still computing.
+        let ((_p, ps), (d, ds)) = (Feed::new(), Feed::new());
+        let out = watch(merge_of(ps, ds));
+        assert!(d.send(Err(Status::resource_exhausted("no KV pages"))).await);
+        assert_eq!(rest(out).await, ["ResourceExhausted: no KV pages"]);
+        // Prefill failed: so did the request, not at decode's room deadline.
+        let ((p, ps), (_d, ds)) = (Feed::new(), Feed::new());
+        let out = watch(merge_of(ps, ds));
+        assert!(p.send(Err(Status::aborted("the room failed"))).await);
+        assert_eq!(rest(out).await, ["Aborted: prefill: the room failed"]);
     }
 
     fn workers(n: usize) -> Workers {
