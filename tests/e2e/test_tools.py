@@ -336,3 +336,34 @@ def test_a_schema_the_grammar_cannot_compile_is_400(client, mesh):
     assert "grammar" in e.value.message
     # The worker is fine afterwards.
     assert chat(client, mesh, messages=ASK, max_tokens=2).choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("max_tokens", [29, 32, 45])
+def test_calls_cut_off_by_max_tokens_keep_the_complete_ones_and_end_with_length(client, mesh, max_tokens):
+    # With parallel calls allowed SmolLM2 writes a call and goes on to another; these
+    # limits stop it inside the second call's opening marker (`\n<` at 29 tokens,
+    # `\n<tool_call` at 32) and inside its JSON (45). The answer is the complete call with
+    # "length", nothing of the unfinished one: no 500, no markup as content, no arguments
+    # that do not parse, whole or streamed, and no parse failure counted.
+    def failures():
+        return sum(v for k, v in mesh.metrics().items() if k.startswith("mesh_tool_call_parse_failures_total"))
+
+    before = failures()
+    kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=True, max_tokens=max_tokens)
+    r = chat(client, mesh, **kw)
+    c = r.choices[0]
+    assert c.finish_reason == "length", (max_tokens, c)
+    assert r.usage.completion_tokens == max_tokens
+    assert not c.message.content, f"max_tokens {max_tokens}: content {c.message.content!r}"
+    calls = [(tc.function.name, tc.function.arguments) for tc in c.message.tool_calls or []]
+    assert len(calls) == 1, f"max_tokens {max_tokens}: the complete call is kept, only it: {calls}"
+    for name, args in calls:
+        check_call(name, args, WEATHER if name == "get_weather" else TIME)
+
+    content, scalls, finish, _ = stream_chat(client, mesh, **kw)
+    assert finish == "length", max_tokens
+    assert content == "", f"max_tokens {max_tokens}: markup leaked into content: {content!r}"
+    assert [(n, json.loads(a)) for _, n, a in (scalls[i] for i in sorted(scalls))] == [
+        (n, json.loads(a)) for n, a in calls
+    ], f"max_tokens {max_tokens}: streamed, the same complete calls and only those"
+    assert failures() == before, "a cut is not a parse failure"

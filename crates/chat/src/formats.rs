@@ -144,6 +144,29 @@ impl Format {
         })
     }
 
+    /// The complete calls of a block cut short (canonical text, from its opening tag), as
+    /// a closed block: the text up to its last call's end with the block's closing tag
+    /// added. `None` when no call in it ended, or the format has one call per block.
+    pub(crate) fn closed_prefix(self, block: &str) -> Option<String> {
+        let (call_end, close) = match self {
+            Format::Dsml => {
+                let wrapper = ["function_calls", "tool_calls"]
+                    .into_iter()
+                    .find(|w| block.starts_with(&format!("<{D}{w}>")))?;
+                (format!("</{D}invoke>"), format!("\n</{D}{wrapper}>"))
+            }
+            Format::DeepSeekV3 | Format::DeepSeekV31 => {
+                if !block.starts_with(V3_BEGIN) {
+                    return None;
+                }
+                (V3_CALL_END.to_owned(), V3_END.to_owned())
+            }
+            Format::Hermes => return None,
+        };
+        let end = block.rfind(&call_end)? + call_end.len();
+        Some(format!("{}{close}", &block[..end]))
+    }
+
     /// Parses one whole block (canonical text, from its opening tag to its closing tag).
     pub(crate) fn parse(self, block: &str) -> Result<Vec<Call>, ParseError> {
         match self {

@@ -4,7 +4,10 @@
 //!
 //! Every parser is a state machine that holds back any tail that could still become
 //! markup, so no byte of markup is ever emitted as content, and **fails closed**: a
-//! malformed block becomes a [`ParseError`] with a reason, never content.
+//! malformed block becomes a [`ParseError`] with a reason, never content. A call is
+//! emitted only once its markup is complete, so a generation cut off by its length limit
+//! ([`OutputParser::finish_truncated`]) keeps its complete calls and drops the unfinished
+//! one whole: no client ever holds the arguments of a call that never ended.
 
 mod formats;
 mod reasoning;
@@ -102,12 +105,23 @@ impl OutputParser {
                     .collect()
             }
         };
-        self.route(first, false)
+        self.route(first, None)
     }
 
-    /// The end of the generation: whatever was held back, and an error for unfinished
-    /// markup.
+    /// The end of a generation the model ended itself: whatever was held back, and an
+    /// error for unfinished markup.
     pub fn finish(&mut self) -> Vec<Delta> {
+        self.end(false)
+    }
+
+    /// The end of a generation cut off by its length limit: whatever was held back, the
+    /// calls completed so far, and no trace of the markup left unfinished (see
+    /// [`ToolParser::finish_truncated`]).
+    pub fn finish_truncated(&mut self) -> Vec<Delta> {
+        self.end(true)
+    }
+
+    fn end(&mut self, cut: bool) -> Vec<Delta> {
         let first = match &mut self.reasoning {
             Some(r) => r.finish(),
             None => {
@@ -118,10 +132,11 @@ impl OutputParser {
                     .collect()
             }
         };
-        self.route(first, true)
+        self.route(first, Some(cut))
     }
 
-    fn route(&mut self, deltas: Vec<Delta>, end: bool) -> Vec<Delta> {
+    /// `end`: the generation ended here (`Some(cut)`).
+    fn route(&mut self, deltas: Vec<Delta>, end: Option<bool>) -> Vec<Delta> {
         let Some(tools) = &mut self.tools else {
             return deltas;
         };
@@ -132,8 +147,10 @@ impl OutputParser {
                 other => out.push(other),
             }
         }
-        if end {
-            out.extend(tools.finish());
+        match end {
+            Some(false) => out.extend(tools.finish()),
+            Some(true) => out.extend(tools.finish_truncated()),
+            None => {}
         }
         out
     }

@@ -1,6 +1,8 @@
 //! The streaming tool-call parser: content until a block starts, the block until it
 //! closes (then its calls, or one error), then nothing but whitespace, an end-of-sequence
-//! marker or another block.
+//! marker or another block. The end of a generation cut off by its length limit keeps
+//! the calls that completed (a DSML or DeepSeek block holds several: those whose call
+//! ended) and drops the rest unseen.
 
 use crate::formats::Format;
 use crate::utf8::Utf8Assembler;
@@ -73,7 +75,21 @@ impl ToolParser {
         out
     }
 
+    /// The end of a generation the model ended itself (end of sequence, a stop): a block
+    /// or marker left open is an error.
     pub fn finish(&mut self) -> Vec<Delta> {
+        self.end(false)
+    }
+
+    /// The end of a generation cut off by its length limit: the calls completed so far
+    /// stand (those of a block cut short too), and the unfinished markup after them, down
+    /// to a lone `<` that might have begun a marker, is dropped, neither content nor an
+    /// error. Markup that is complete but malformed is still an error.
+    pub fn finish_truncated(&mut self) -> Vec<Delta> {
+        self.end(true)
+    }
+
+    fn end(&mut self, cut: bool) -> Vec<Delta> {
         let mut out = Vec::new();
         let rest = self.utf8.finish();
         if !rest.is_empty() && self.state != State::Failed {
@@ -82,19 +98,32 @@ impl ToolParser {
         }
         let buf = std::mem::take(&mut self.buf);
         match self.state {
-            State::Content => {
+            State::Content => match self.hold_from(&buf) {
+                Some(p) if cut => emit_content(&mut out, buf[..p].trim_end()),
                 // A held tail that began a marker is a block cut short.
-                if let Some(p) = self.hold_from(&buf)
-                    && buf[p..].chars().count() >= MARKUP_AT_END
-                {
+                Some(p) if buf[p..].chars().count() >= MARKUP_AT_END => {
                     emit_content(&mut out, buf[..p].trim_end());
                     self.fail(
                         &mut out,
                         "unterminated",
                         format!("output ends inside {:?}", &buf[p..]),
                     );
-                } else {
-                    emit_content(&mut out, &buf);
+                }
+                _ => emit_content(&mut out, &buf),
+            },
+            State::Block if cut => {
+                // The calls of the block that did end; the one cut short is dropped.
+                let norm = self.format.normalize(&buf);
+                if self.opened
+                    && let Some(closed) = self.format.closed_prefix(&norm)
+                {
+                    match self.format.parse(&closed) {
+                        Ok(calls) => self.emit_calls(&mut out, calls),
+                        Err(e) => {
+                            self.state = State::Failed;
+                            out.push(Delta::Error(e));
+                        }
+                    }
                 }
             }
             State::Block => {
@@ -105,16 +134,52 @@ impl ToolParser {
                     format!("a block that never closed: {head:?}"),
                 );
             }
-            State::After if !self.format.is_trailer(&buf) => {
+            State::After if self.format.is_trailer(&buf) => {}
+            // Cut inside the next block's opening marker or an end-of-sequence marker.
+            State::After
+                if cut
+                    && (could_be_trailer(&buf)
+                        || self
+                            .hold_from(&buf)
+                            .is_some_and(|p| self.format.is_trailer(&buf[..p]))) => {}
+            State::After => {
                 self.fail(
                     &mut out,
                     "trailing_text",
                     format!("text after the calls: {buf:?}"),
                 );
             }
-            State::After | State::Failed => {}
+            State::Failed => {}
         }
         out
+    }
+
+    /// Emits whole calls (name and id, then the arguments' JSON in one fragment); a call
+    /// to a tool the request did not offer fails the block instead.
+    fn emit_calls(&mut self, out: &mut Vec<Delta>, calls: Vec<crate::Call>) {
+        if let Some(allowed) = &self.allowed
+            && let Some(c) = calls.iter().find(|c| !allowed.contains(&c.name))
+        {
+            let detail = format!("{:?} is not one of the request's tools", c.name);
+            self.fail(out, "unknown_tool", detail);
+            return;
+        }
+        for c in calls {
+            let index = self.calls;
+            self.calls += 1;
+            out.push(Delta::ToolCall {
+                index,
+                id: Some(format!("{}{index}", self.id_prefix)),
+                name: Some(c.name),
+                arguments: String::new(),
+            });
+            out.push(Delta::ToolCall {
+                index,
+                id: None,
+                name: None,
+                arguments: serde_json::Value::Object(c.arguments).to_string(),
+            });
+        }
     }
 
     fn enter_block(&mut self) {
@@ -223,29 +288,9 @@ impl ToolParser {
                     let rest = self.buf[end..].to_owned();
                     match self.format.parse(&norm) {
                         Ok(calls) => {
-                            if let Some(allowed) = &self.allowed
-                                && let Some(c) = calls.iter().find(|c| !allowed.contains(&c.name))
-                            {
-                                let detail =
-                                    format!("{:?} is not one of the request's tools", c.name);
-                                self.fail(out, "unknown_tool", detail);
+                            self.emit_calls(out, calls);
+                            if self.state == State::Failed {
                                 return;
-                            }
-                            for c in calls {
-                                let index = self.calls;
-                                self.calls += 1;
-                                out.push(Delta::ToolCall {
-                                    index,
-                                    id: Some(format!("{}{index}", self.id_prefix)),
-                                    name: Some(c.name),
-                                    arguments: String::new(),
-                                });
-                                out.push(Delta::ToolCall {
-                                    index,
-                                    id: None,
-                                    name: None,
-                                    arguments: serde_json::Value::Object(c.arguments).to_string(),
-                                });
                             }
                             self.buf = rest;
                             self.state = State::After;

@@ -678,6 +678,7 @@ impl Detokenizer {
             ids,
             skip_special_tokens: true,
             parsing,
+            truncated: false,
         };
         let rx = match &mut self.session {
             Some((tx, rx)) => {
@@ -706,14 +707,13 @@ impl Detokenizer {
         }
     }
 
-    /// Ends the stream and returns whatever the tokenizer still held back (an open
-    /// block that never closed is a failure here).
-    pub async fn finish(&mut self) -> Result<Parsed, ApiError> {
+    /// Ends the stream and returns whatever the tokenizer still held back. `truncated`:
+    /// the generation stopped at its length limit, so unfinished markup is dropped and
+    /// the calls before it kept; otherwise an open block that never closed is a failure.
+    pub async fn finish(&mut self, truncated: bool) -> Result<Parsed, ApiError> {
         let Some((tx, mut rx)) = self.session.take() else {
             return Ok(Parsed::default());
         };
-        drop(tx);
-        let mut rest = Parsed::default();
         if truncated {
             let last = tk::DetokenizeRequest {
                 truncated,
@@ -723,6 +723,8 @@ impl Detokenizer {
                 .await
                 .map_err(|_| ApiError::backend("the tokenizer closed the detokenize stream"))?;
         }
+        drop(tx);
+        let mut rest = Parsed::default();
         while let Some(r) = rx.message().await? {
             let p = parsed(r);
             rest.text.push_str(&p.text);

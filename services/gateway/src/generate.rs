@@ -176,15 +176,17 @@ pub(crate) async fn start(
                         return;
                     }
                     if !filter.stopped() {
-                        // A block cut off by max_tokens is not the model's error: the
-                        // answer ends with "length" (its markup still never shown).
+                        // A call cut off by max_tokens is not the model's error: the
+                        // answer keeps the calls that completed and ends with "length";
+                        // the unfinished one is dropped whole (never streamed, since a
+                        // call is sent only once its markup is complete, and never shown
+                        // as content).
                         let cut = f.reason == FinishReason::Length;
-                        match detok.finish().await.and_then(|mut p| {
-                            if cut {
-                                p.failures.retain(|f| !f.reason.starts_with("unterminated"));
-                            }
-                            split(&st, p, &mut filter, true)
-                        }) {
+                        match detok
+                            .finish(cut)
+                            .await
+                            .and_then(|p| split(&st, p, &mut filter, true))
+                        {
                             Ok(events) => {
                                 for ev in events {
                                     calls += usize::from(matches!(ev, GenEvent::ToolCall(ref c) if !c.name.is_empty()));

@@ -258,6 +258,7 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
             let vocab = tok.vocab_size();
             let mut detok = None;
             let mut parser: Option<OutputParser> = None;
+            let mut truncated = false;
             loop {
                 let msg = match inbound.message().await {
                     Ok(Some(msg)) => msg,
@@ -276,6 +277,7 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
                         }
                     }
                 }
+                truncated |= msg.truncated;
                 let d = detok.get_or_insert_with(|| tok.detokenizer(msg.skip_special_tokens));
                 let answer = check_ids(&msg.ids, vocab, "ids")
                     .and_then(|()| d.push(&msg.ids).map_err(Error::Text))
@@ -295,7 +297,13 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
                     None => plain(text),
                     Some(p) => {
                         let mut deltas = p.push(text.as_bytes());
-                        deltas.extend(p.finish());
+                        // Cut off by the length limit, unfinished markup is not the model's
+                        // error: it is dropped, and the calls before it stand.
+                        deltas.extend(if truncated {
+                            p.finish_truncated()
+                        } else {
+                            p.finish()
+                        });
                         response(deltas)
                     }
                 };

@@ -100,6 +100,7 @@ async fn detokenize(
             ids,
             skip_special_tokens: false,
             parsing: None,
+            truncated: false,
         })
         .collect();
     let mut stream = client
@@ -553,6 +554,7 @@ async fn parse_stream(
             ids: vec![id],
             skip_special_tokens: false,
             parsing: (i == 0).then(|| parsing.clone()),
+            truncated: false,
         })
         .collect();
     let mut stream = client
@@ -626,6 +628,91 @@ async fn detokenize_splits_reasoning_content_and_tool_calls_and_never_leaks_mark
 }
 
 #[tokio::test]
+async fn a_stream_cut_off_by_the_length_limit_keeps_its_calls_and_drops_the_unfinished_one() {
+    let mut s = start().await;
+    // One call, then the start of another, as a generation stopped at max_tokens ends;
+    // with the failure the same text is when the model ended it there itself, and the
+    // calls that still come out then (a DSML block holds both calls and never closed).
+    let d = "｜DSML｜";
+    let cases = [
+        (
+            pb::ToolFormat::Hermes,
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call".to_owned(),
+            "trailing_text",
+            true,
+        ),
+        (
+            pb::ToolFormat::Dsml,
+            format!(
+                "<{d}function_calls>\n<{d}invoke name=\"get_weather\">\n<{d}parameter name=\"city\" string=\"true\">Paris</{d}parameter>\n</{d}invoke>\n<{d}invoke name=\"get_wea"
+            ),
+            "unterminated",
+            false,
+        ),
+    ];
+    for (format, text, ended_failure, ended_keeps_call) in cases {
+        let ids = tokenize(&mut s.client, text.as_bytes(), false)
+            .await
+            .unwrap();
+        let parsing = pb::OutputParsing {
+            tool_format: format as i32,
+            tool_names: vec!["get_weather".into()],
+            call_id_prefix: "call_".into(),
+            ..Default::default()
+        };
+        for truncated in [true, false] {
+            let what = format!("{format:?}, truncated: {truncated}");
+            let mut requests: Vec<_> = ids
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| pb::DetokenizeRequest {
+                    ids: vec![id],
+                    skip_special_tokens: false,
+                    parsing: (i == 0).then(|| parsing.clone()),
+                    truncated: false,
+                })
+                .collect();
+            requests.push(pb::DetokenizeRequest {
+                truncated,
+                ..Default::default()
+            });
+            let mut stream = s
+                .client
+                .detokenize(tokio_stream::iter(requests))
+                .await
+                .unwrap()
+                .into_inner();
+            let mut out = Vec::new();
+            while let Some(resp) = stream.message().await.unwrap() {
+                out.push(resp);
+            }
+            let content: String = out.iter().map(|r| r.text.as_str()).collect();
+            let calls: Vec<(&str, &str)> = out
+                .iter()
+                .flat_map(|r| &r.tool_calls)
+                .map(|c| (c.name.as_str(), c.arguments.as_str()))
+                .collect();
+            let failures: Vec<&str> = out
+                .iter()
+                .flat_map(|r| &r.failures)
+                .map(|f| f.reason.as_str())
+                .collect();
+            assert_eq!(content, "", "{what}");
+            let call = [("get_weather", ""), ("", r#"{"city":"Paris"}"#)];
+            let want_calls: &[(&str, &str)] = if truncated || ended_keeps_call {
+                &call
+            } else {
+                &[]
+            };
+            assert_eq!(calls, want_calls, "{what}");
+            // Ended by the model itself, the unfinished markup is the model's error.
+            let want: &[&str] = if truncated { &[] } else { &[ended_failure] };
+            assert_eq!(failures, want, "{what}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn an_unknown_tool_format_is_invalid_argument() {
     let mut s = start().await;
     let req = pb::DetokenizeRequest {
@@ -635,6 +722,7 @@ async fn an_unknown_tool_format_is_invalid_argument() {
             tool_format: 99,
             ..Default::default()
         }),
+        truncated: false,
     };
     let mut stream = s
         .client
