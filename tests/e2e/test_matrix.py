@@ -8,8 +8,10 @@ the same table as corruption, and fail the command."""
 
 from __future__ import annotations
 
+import html as htmllib
 import json
 import os
+import re
 import struct
 import subprocess
 
@@ -33,6 +35,36 @@ def png_ok(path) -> None:
     assert data.startswith(PNG_SIGNATURE), path
     width, height = struct.unpack(">II", data[16:24])
     assert width >= 200 and height >= 150, (path, width, height)
+
+
+CHARTS = ("corruption", "ttft_p50", "ttft_p99", "throughput")
+
+
+def bar_label(cell: dict) -> str:
+    """How a configuration is named next to its bar: model, index-K form, mirror, mode."""
+    parts = [{"dsa": "DeepSeek", "smol": "SmolLM2"}[cell["model"]]]
+    if cell["index_k"]:
+        parts.append(f"index-K {cell['index_k']}")
+    parts.append(f"mirror {cell['mirror']}")
+    parts.append({"pd": "PD", "unified": "unified"}[cell["mode"]])
+    return " · ".join(parts)
+
+
+def charts_name_every_configuration(out, rows: list[dict]) -> None:
+    """Each metric's PNG exists, and its SVG in index.html writes every measured
+    configuration next to its bar, once, with value-axis ticks at round numbers only."""
+    page = (out / "index.html").read_text()
+    for stem in CHARTS:
+        png_ok(out / f"{stem}.png")
+        figure = page.split(f'<figure id="chart-{stem}">', 1)[1].split("</figure>", 1)[0]
+        texts = [htmllib.unescape(t.strip()) for t in re.findall(r"<text[^>]*>(.*?)</text>", figure, re.S)]
+        for row in rows:
+            assert texts.count(bar_label(row["cell"])) == 1, (stem, bar_label(row["cell"]), texts)
+        ticks = [float(t) for t in texts if re.fullmatch(r"\d+(\.\d+)?", t)]
+        assert len(ticks) >= 3 and ticks[0] == 0, (stem, ticks)
+        for t in ticks:
+            digits = f"{t:e}".split("e")[0].rstrip("0").replace(".", "")
+            assert len(digits) <= 2, (stem, t, ticks)
 
 
 def test_the_short_matrix_is_all_zero_corruption_with_valid_calls_and_no_leaks(tmp_path):
@@ -82,10 +114,9 @@ def test_the_short_matrix_is_all_zero_corruption_with_valid_calls_and_no_leaks(t
     assert "corruption" in lines[0] and "tool calls valid" in lines[0] and "TTFT p50" in lines[0]
     assert sum("| 0/12 | 0.0% |" in ln for ln in lines) == 12, md
     assert md in r.stdout, "the table is printed too"
-    # All configurations side by side.
-    png_ok(out / "ttft.png")
-    html = (out / "index.html").read_text()
-    assert "<svg" in html and all(n in html for n in names)
+    # All configurations side by side: the table, and a labelled bar for each in each chart.
+    charts_name_every_configuration(out, m["rows"])
+    assert "<table id=\"results\">" in (out / "index.html").read_text()
     # The reference mesh ran once per model and index-K form, and each configuration's
     # mesh was stopped with nothing left behind (stop_up-like: `up` exited 0 on SIGTERM).
     assert sorted(p.name for p in out.iterdir() if p.name.endswith("-reference")) == [
@@ -107,6 +138,7 @@ def test_the_seeds_bug_forced_on_shows_as_corruption_and_fails_the_matrix(tmp_pa
     assert all(row["fault"] == "missize-index-k" for row in rows.values())
     md = (out / "matrix.md").read_text()
     assert "(fault injected)" in md
+    charts_name_every_configuration(out, list(rows.values()))
 
 
 def test_bad_matrix_arguments_are_clear_errors(tmp_path):

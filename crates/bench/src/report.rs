@@ -839,10 +839,11 @@ fn bar_html(page: &BarPage, charts: &[&BarChart], svgs: &[String]) -> String {
     if page.rows.is_empty() {
         h.push_str("<p class=\"note\" id=\"no-data\">No data: nothing was measured.</p>\n");
     } else {
-        // Columns of words (no cell starting with a digit) read better aligned left.
+        // Only columns of numbers (every cell starting with a digit) align right; words,
+        // and columns mixing words and numbers, read better aligned left.
         let words: Vec<bool> = (0..page.header.len())
             .map(|j| {
-                !page.rows.iter().any(|r| {
+                !page.rows.iter().all(|r| {
                     r.get(j)
                         .and_then(|c| c.chars().next())
                         .is_some_and(|c| c.is_ascii_digit())
