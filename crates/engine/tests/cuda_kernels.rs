@@ -288,9 +288,9 @@ fn f16_corner_values() -> Vec<f32> {
 }
 
 /// Through a real llama layout and pool, as the forward writes K and V: token offsets
-/// `page·bytes_per_page + slot·row_bytes`, the component offset of a layer, a rank's column
-/// range. Exact: every pool byte equals what `f16::from_f32` written through
-/// `PagePool::values_mut` gives, and no other byte changed.
+/// from `KvLayout::slot_offset`, the component offset of a layer, a rank's column range.
+/// Exact: every pool byte equals what `f16::from_f32` written at the layout's offsets
+/// gives, and no other byte changed.
 #[test]
 fn kv_write_f16_matches_half_exactly_and_touches_nothing_else() {
     let g = gpu();
@@ -303,10 +303,6 @@ fn kv_write_f16_matches_half_exactly_and_touches_nothing_else() {
     for &p in &ids {
         r.fill(pool.page_mut(p).unwrap());
     }
-    let bpp = layout.bytes_per_page();
-    let row_elems = kv_heads * hd;
-    let slot_bytes = layout.value_offset(0, 0, 1) - layout.value_offset(0, 0, 0);
-    assert_eq!(slot_bytes, row_elems * 2);
     // 20 tokens in distinct (page, slot) places.
     let mut places: Vec<(PageId, usize)> = ids
         .iter()
@@ -320,7 +316,7 @@ fn kv_write_f16_matches_half_exactly_and_touches_nothing_else() {
     let src_stride = cols + 3;
     let tok_off: Vec<i64> = places
         .iter()
-        .map(|&(p, sl)| (p as usize * bpp + sl * slot_bytes) as i64)
+        .map(|&(p, sl)| layout.slot_offset(p as usize, sl).unwrap() as i64)
         .collect();
     let corners = f16_corner_values();
     let mut dpool = up(s, pool.arena());
@@ -354,11 +350,13 @@ fn kv_write_f16_matches_half_exactly_and_touches_nothing_else() {
         // long, int, int, int); src is n rows of src_stride ≥ cols; every slot's row lies
         // inside the pool.
         unsafe { b.launch(grid((n as u32, 1, 1), 128)) }.unwrap();
+        // Where the layout puts each slot's values of the rank's columns.
+        let within = layout.value_bytes(comp, col0..col0 + cols);
         for (i, &(p, sl)) in places.iter().enumerate() {
-            let row =
-                &mut pool.values_mut::<u16>(p, layer, comp)[sl * row_elems..(sl + 1) * row_elems];
-            for c in 0..cols {
-                row[col0 + c] = f16::from_f32(src[i * src_stride + c]).to_bits();
+            let at = layout.value_offset(layer, comp, sl);
+            let row = &mut pool.page_mut(p).unwrap()[at + within.start..at + within.end];
+            for (c, out) in row.chunks_exact_mut(size_of::<f16>()).enumerate() {
+                out.copy_from_slice(&f16::from_f32(src[i * src_stride + c]).to_le_bytes());
             }
         }
     }

@@ -210,9 +210,9 @@ fn a_byte_flipped_in_the_mirror_is_caught_recomputed_and_counted() {
     // Flip one byte in every slot of the mirror file.
     let path = cache.file();
     let mut bytes = std::fs::read(&path).unwrap();
-    let page = writer.pool().layout().bytes_per_page();
-    for slot in 0..bytes.len() / page {
-        bytes[slot * page + 4321] ^= 0x04;
+    let layout = writer.pool().layout().clone();
+    for slot in 0..bytes.len() / layout.bytes_per_page() {
+        bytes[layout.page_offset(slot) + 4321] ^= 0x04;
     }
     std::fs::write(&path, &bytes).unwrap();
 

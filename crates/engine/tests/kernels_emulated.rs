@@ -1192,27 +1192,28 @@ fn deepseek_cache_entry_index_scores_and_mla_attention() {
             let comp = |name: &str| layout.component_index(name).unwrap();
             let val = |cn: usize, slot: usize| layout.value_offset(layer, cn, slot);
             let scl = |cn: usize, slot: usize| layout.scale_offset(layer, cn, slot).unwrap();
+            let stride = |cn: usize| layout.token_stride(cn) as i64;
+            let sc_stride = |cn: usize| layout.scale_stride(cn).unwrap() as i64;
             let (lat_c, ik_c) = (
                 comp(if mla_fp8 { "mla_nope" } else { "mla_latent" }),
                 comp("index_k"),
             );
+            let rope_c = mla_fp8.then(|| comp("mla_rope"));
             let lat_off = val(lat_c, 0) as i64;
-            let lat_st = (val(lat_c, 1) - val(lat_c, 0)) as i64;
-            let (lat_sc_off, lat_sc_st, rope_off, rope_st) = if mla_fp8 {
-                let rc = comp("mla_rope");
-                (
+            let lat_st = stride(lat_c);
+            let (lat_sc_off, lat_sc_st, rope_off, rope_st) = match rope_c {
+                Some(rc) => (
                     scl(lat_c, 0) as i64,
-                    (scl(lat_c, 1) - scl(lat_c, 0)) as i64,
+                    sc_stride(lat_c),
                     val(rc, 0) as i64,
-                    (val(rc, 1) - val(rc, 0)) as i64,
-                )
-            } else {
-                (0, 0, 0, 0)
+                    stride(rc),
+                ),
+                None => (0, 0, 0, 0),
             };
             let ik_off = val(ik_c, 0) as i64;
-            let ik_st = (val(ik_c, 1) - val(ik_c, 0)) as i64;
+            let ik_st = stride(ik_c);
             let (ik_sc_off, ik_sc_st) = if ik_fp8 {
-                (scl(ik_c, 0) as i64, (scl(ik_c, 1) - scl(ik_c, 0)) as i64)
+                (scl(ik_c, 0) as i64, sc_stride(ik_c))
             } else {
                 (0, 0)
             };
@@ -1222,7 +1223,7 @@ fn deepseek_cache_entry_index_scores_and_mla_attention() {
             let lat = randv(&mut rg, n * lat_stride, 1.0);
             let ik = randv(&mut rg, n * di, 1.0);
             let base: Vec<i64> = (0..n)
-                .map(|p| pages_of_seq[p / ps] as i64 * bpp as i64)
+                .map(|p| layout.page_offset(pages_of_seq[p / ps] as usize) as i64)
                 .collect();
             let slot: Vec<i32> = (0..n).map(|p| (p % ps) as i32).collect();
             let mut pool = vec![0u8; layout.bytes_per_pool(4)];
@@ -1261,31 +1262,20 @@ fn deepseek_cache_entry_index_scores_and_mla_attention() {
                 let (pg, s) = (base[p] as usize, p % ps);
                 let l = &lat[p * lat_stride..p * lat_stride + r + dr];
                 let k = &ik[p * di..(p + 1) * di];
-                let at = |off: i64, st: i64| pg + (off + s as i64 * st) as usize;
-                if mla_fp8 {
-                    let mut d = put_fp8(
-                        &mut want,
-                        at(lat_off, lat_st),
-                        at(lat_sc_off, lat_sc_st),
-                        &l[..r],
-                    );
-                    let ro = at(rope_off, rope_st);
-                    d.extend(put_bf16(&mut want[ro..], &l[r..]));
+                // Where the layout itself puts slot `s`'s values and scales.
+                let v_at = |cn: usize| pg + val(cn, s);
+                let s_at = |cn: usize| pg + scl(cn, s);
+                if let Some(rc) = rope_c {
+                    let mut d = put_fp8(&mut want, v_at(lat_c), s_at(lat_c), &l[..r]);
+                    d.extend(put_bf16(&mut want[v_at(rc)..], &l[r..]));
                     dlat.push(d);
                 } else {
-                    let lo = at(lat_off, lat_st);
-                    dlat.push(put_bf16(&mut want[lo..], l));
+                    dlat.push(put_bf16(&mut want[v_at(lat_c)..], l));
                 }
                 if ik_fp8 {
-                    dik.push(put_fp8(
-                        &mut want,
-                        at(ik_off, ik_st),
-                        at(ik_sc_off, ik_sc_st),
-                        k,
-                    ));
+                    dik.push(put_fp8(&mut want, v_at(ik_c), s_at(ik_c), k));
                 } else {
-                    let io = at(ik_off, ik_st);
-                    dik.push(put_bf16(&mut want[io..], k));
+                    dik.push(put_bf16(&mut want[v_at(ik_c)..], k));
                 }
             }
             assert!(pool == want, "{what}: ds_write_entry cache bytes differ");

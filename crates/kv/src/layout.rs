@@ -2,6 +2,7 @@
 //! derived size (bytes per token, per page, per pool) plus a stable fingerprint.
 
 use std::fmt;
+use std::ops::Range;
 
 /// Element type of a KV component or of its scales.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -382,12 +383,7 @@ impl KvLayout {
 
     /// Offset within a page of the values of token `slot` (0-based within the page).
     pub fn value_offset(&self, layer: usize, comp: usize, slot: usize) -> usize {
-        let c = &self.components[comp];
-        let stride = match c.scale.map(|s| s.placement) {
-            Some(ScalePlacement::BesideToken) => c.bytes_per_token(),
-            _ => c.value_bytes_per_token(),
-        };
-        self.region_offset(layer, comp) + slot * stride
+        self.region_offset(layer, comp) + slot * self.token_stride(comp)
     }
 
     /// Offset within a page of the scales of token `slot`, if the component has scales.
@@ -395,14 +391,75 @@ impl KvLayout {
         let c = &self.components[comp];
         let s = c.scale?;
         let base = self.region_offset(layer, comp);
+        let stride = self.scale_stride(comp)?;
         Some(match s.placement {
-            ScalePlacement::BesideToken => {
-                base + slot * c.bytes_per_token() + c.value_bytes_per_token()
-            }
+            ScalePlacement::BesideToken => base + slot * stride + c.value_bytes_per_token(),
             ScalePlacement::PageTail => {
-                base + self.page_size * c.value_bytes_per_token() + slot * c.scale_bytes_per_token()
+                base + self.page_size * c.value_bytes_per_token() + slot * stride
             }
         })
+    }
+
+    /// Bytes from one token's values of `comp` to the next token's, within a page: the
+    /// values alone, or values and scales when the scales sit beside each token.
+    pub fn token_stride(&self, comp: usize) -> usize {
+        let c = &self.components[comp];
+        match c.scale.map(|s| s.placement) {
+            Some(ScalePlacement::BesideToken) => c.bytes_per_token(),
+            _ => c.value_bytes_per_token(),
+        }
+    }
+
+    /// Bytes from one token's scales of `comp` to the next token's, if it has scales.
+    pub fn scale_stride(&self, comp: usize) -> Option<usize> {
+        let c = &self.components[comp];
+        Some(match c.scale?.placement {
+            ScalePlacement::BesideToken => c.bytes_per_token(),
+            ScalePlacement::PageTail => c.scale_bytes_per_token(),
+        })
+    }
+
+    /// The bytes, within one token's values of `comp`, holding its values `elems` (say
+    /// one rank's heads of a K row). Panics past the component's values.
+    pub fn value_bytes(&self, comp: usize, elems: Range<usize>) -> Range<usize> {
+        let c = &self.components[comp];
+        assert!(
+            elems.start <= elems.end && elems.end <= c.elems_per_token,
+            "values {elems:?} of component {:?}, which has {} per token",
+            c.name,
+            c.elems_per_token
+        );
+        let size = c.dtype.size_bytes();
+        elems.start * size..elems.end * size
+    }
+
+    /// Where page `page` starts in a pool (or any run of whole pages) of this layout.
+    pub fn page_offset(&self, page: usize) -> usize {
+        page * self.bytes_per_page()
+    }
+
+    /// The page a byte offset of a pool falls in, and the offset within that page.
+    pub fn locate(&self, at: usize) -> (usize, usize) {
+        let bpp = self.bytes_per_page();
+        (at / bpp, at % bpp)
+    }
+
+    /// The bytes of a page that hold layer `layer` (every component).
+    pub fn layer_range(&self, layer: usize) -> Range<usize> {
+        let start = self.region_offset(layer, 0);
+        start..start + self.layer_bytes_per_page()
+    }
+
+    /// Where token `slot` of page `page` sits in a pool, as an offset every component's
+    /// slot-0 offset adds to: `slot_offset(page, slot) + value_offset(layer, comp, 0)` is
+    /// `page_offset(page) + value_offset(layer, comp, slot)` for every layer and component.
+    /// `None` when the components' token strides differ, so that no one offset fits all
+    /// (DeepSeek's cache).
+    pub fn slot_offset(&self, page: usize, slot: usize) -> Option<usize> {
+        let stride = self.token_stride(0);
+        (1..self.components.len())
+            .all(|c| self.token_stride(c) == stride)
+            .then(|| self.page_offset(page) + slot * stride)
     }
 
     /// Human-readable description, used in error messages naming both sides.
@@ -540,6 +597,81 @@ mod tests {
         prints.sort_unstable();
         prints.dedup();
         assert_eq!(prints.len(), 4);
+    }
+
+    /// The strides, page and layer ranges and pool offsets that backends ask for agree
+    /// with the per-slot offsets, for every layout the models use.
+    #[test]
+    fn strides_and_pool_offsets_agree_with_the_slot_offsets() {
+        let v32 = |mla, ik| KvLayout::deepseek_v32(3, MlaDims::V32, mla, ik, 64).unwrap();
+        let smol = KvLayout::llama(3, 3, 64, DType::F16, 16);
+        let fp8 = v32(MlaCacheDtype::Fp8, IndexKDtype::Fp8);
+        let layouts = [
+            smol.clone(),
+            fp8.clone(),
+            v32(MlaCacheDtype::Bf16, IndexKDtype::Bf16),
+            v32(MlaCacheDtype::Fp8, IndexKDtype::Bf16),
+            dsa_index_k_fp8(64),
+        ];
+        for l in &layouts {
+            let last = l.page_size() - 1;
+            for layer in 0..l.layers() {
+                let r = l.layer_range(layer);
+                assert_eq!(r.len(), l.layer_bytes_per_page(), "{l}");
+                assert_eq!(r.start, l.region_offset(layer, 0), "{l}");
+                for comp in 0..l.components().len() {
+                    let c = &l.components()[comp];
+                    for slot in [0, 1, last - 1] {
+                        let step = l.value_offset(layer, comp, slot + 1);
+                        assert_eq!(
+                            step - l.value_offset(layer, comp, slot),
+                            l.token_stride(comp)
+                        );
+                        let sc = l
+                            .scale_offset(layer, comp, slot + 1)
+                            .zip(l.scale_offset(layer, comp, slot))
+                            .map(|(b, a)| b - a);
+                        assert_eq!(sc, l.scale_stride(comp), "{l} {}", c.name);
+                    }
+                    let end = l.value_offset(layer, comp, last) + c.value_bytes_per_token();
+                    assert!(r.contains(&l.value_offset(layer, comp, 0)) && end <= r.end);
+                    if let Some(s) = l.scale_offset(layer, comp, last) {
+                        assert!(s + c.scale_bytes_per_token() <= r.end, "{l}");
+                    }
+                }
+            }
+            for (page, at) in [(0, 0), (5, 17), (7, l.bytes_per_page() - 1)] {
+                assert_eq!(l.page_offset(page), page * l.bytes_per_page());
+                assert_eq!(l.locate(l.page_offset(page) + at), (page, at));
+            }
+        }
+        // K and V share a token stride: one offset per token serves both, in every layer.
+        assert_eq!(smol.token_stride(0), 3 * 64 * 2);
+        for (page, slot) in [(0, 0), (4, 9)] {
+            let at = smol.slot_offset(page, slot).unwrap();
+            for (layer, comp) in [(0, 0), (2, 1)] {
+                assert_eq!(
+                    at + smol.value_offset(layer, comp, 0),
+                    smol.page_offset(page) + smol.value_offset(layer, comp, slot)
+                );
+            }
+        }
+        // DeepSeek's components differ: no such offset. One component always has one.
+        assert_eq!(fp8.slot_offset(1, 2), None);
+        assert_eq!(dsa_index_k_fp8(64).slot_offset(1, 2), Some(8448 + 2 * 128));
+        // fp8 record: 512 fp8 values and their 4 f32 scales per token; index-K's scales
+        // sit at the page tail, 4 bytes apart.
+        let (nope, ik) = (0, fp8.component_index("index_k").unwrap());
+        assert_eq!(
+            (fp8.token_stride(nope), fp8.scale_stride(nope)),
+            (528, Some(528))
+        );
+        assert_eq!((fp8.token_stride(ik), fp8.scale_stride(ik)), (128, Some(4)));
+        assert_eq!(fp8.scale_stride(1), None, "mla_rope has no scales");
+        // A rank's heads 1..3 of a K row: bytes 128..384 of the f16 row.
+        assert_eq!(smol.value_bytes(0, 64..192), 128..384);
+        assert_eq!(smol.value_bytes(1, 0..192), 0..smol.token_stride(1));
+        assert!(std::panic::catch_unwind(|| smol.value_bytes(0, 0..193)).is_err());
     }
 
     #[test]

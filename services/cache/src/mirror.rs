@@ -101,6 +101,8 @@ impl Mirror {
             self.pages
         );
         // SAFETY: slot < pages, so the offset stays inside the mapping of pages × page_bytes.
+        // layout-arithmetic: the file is an array of whole pages of the registered layout's
+        // bytes_per_page; the mirror never places a byte inside a page.
         unsafe { self.map.as_mut_ptr().add(slot as usize * self.page_bytes) }
     }
 

@@ -196,7 +196,7 @@ async fn a_byte_flipped_in_the_mirror_is_caught_on_load_on_both_planes_and_disca
             .unwrap();
         // Corrupt the seventh page behind the service's back.
         let mut bytes = std::fs::read(&path).unwrap();
-        bytes[refs[6].slot as usize * layout().bytes_per_page() + 1234] ^= 0x10;
+        bytes[layout().page_offset(refs[6].slot as usize) + 1234] ^= 0x10;
         std::fs::write(&path, &bytes).unwrap();
 
         let mut r = client(&s, "reader", plane).await;

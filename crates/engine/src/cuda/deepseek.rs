@@ -73,7 +73,8 @@ struct DLayer {
 }
 
 /// Where one cache component of one layer sits in a page: values of slot `s` at
-/// `off + s·stride`, scales (fp8) at `sc_off + s·sc_stride`. From `KvLayout`'s offsets.
+/// `off + s·stride`, scales (fp8) at `sc_off + s·sc_stride`. From `KvLayout`'s offsets
+/// and strides.
 #[derive(Clone, Copy, Debug, Default)]
 struct CompAt {
     off: i64,
@@ -84,18 +85,13 @@ struct CompAt {
 
 impl CompAt {
     fn of(l: &KvLayout, layer: usize, comp: usize) -> Self {
-        let v0 = l.value_offset(layer, comp, 0) as i64;
-        let v1 = l.value_offset(layer, comp, 1) as i64;
-        let (sc_off, sc_stride) = match (
-            l.scale_offset(layer, comp, 0),
-            l.scale_offset(layer, comp, 1),
-        ) {
-            (Some(a), Some(b)) => (a as i64, b as i64 - a as i64),
-            _ => (0, 0),
-        };
+        let (sc_off, sc_stride) = l
+            .scale_offset(layer, comp, 0)
+            .zip(l.scale_stride(comp))
+            .map_or((0, 0), |(at, stride)| (at as i64, stride as i64));
         Self {
-            off: v0,
-            stride: v1 - v0,
+            off: l.value_offset(layer, comp, 0) as i64,
+            stride: l.token_stride(comp) as i64,
             sc_off,
             sc_stride,
         }
@@ -279,7 +275,7 @@ impl DsRank {
         for i in 0..t {
             let (sq, pos) = (job.seq[i] as usize, job.pos[i] as usize);
             let page = job.page_table[job.page_table_start[sq] as usize + pos / ps] as usize;
-            tok_base.push((page * bpp) as i64);
+            tok_base.push(layout.page_offset(page) as i64);
             tok_slot.push((pos % ps) as i32);
             let (co, si) = crate::deepseek::rope_at(&self.freqs, pos);
             cos.extend_from_slice(&co);

@@ -65,26 +65,21 @@ pub(crate) fn upload_layers(
     if job.uploads.is_empty() {
         return Ok(Vec::new());
     }
-    let bpp = layout.bytes_per_page();
     let (base, _sync) = pool.device_ptr_mut(load);
     let mut events = Vec::with_capacity(layout.layers());
     for layer in 0..layout.layers() {
-        let start = layout.region_offset(layer, 0);
-        let end = if layer + 1 < layout.layers() {
-            layout.region_offset(layer + 1, 0)
-        } else {
-            bpp
-        };
+        let within = layout.layer_range(layer);
         for &p in &job.uploads {
-            let off = p as usize * bpp;
+            let off = layout.page_offset(p as usize);
+            let (start, end) = (off + within.start, off + within.end);
             // SAFETY: the engine thread keeps the arena alive and unchanged until this
             // forward returns; the range is inside the page.
-            let src = unsafe { job.host.bytes(off + start..off + end) };
-            // SAFETY: `base + off + start .. + len` lies inside the device pool (same
-            // layout and page count as the host pool).
+            let src = unsafe { job.host.bytes(start..end) };
+            // SAFETY: `base + start .. + len` lies inside the device pool (same layout
+            // and page count as the host pool).
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
-                    base + (off + start) as u64,
+                    base + start as u64,
                     src,
                     load.cu_stream(),
                 )

@@ -24,7 +24,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelA
 use cudarc::nccl::{Comm, Id};
 use pdmesh_gguf::GgufFile;
 use pdmesh_kernels::QMatrix;
-use pdmesh_kv::KvLayout;
+use pdmesh_kv::{DType, KvLayout};
 
 use super::device::{Gpu, KernelBuild, grid};
 use super::host::{PinnedHost, upload_layers};
@@ -111,8 +111,9 @@ pub struct Job {
     /// Every sequence's pages, concatenated; `page_table_start[s]` is where `s` begins.
     pub page_table: Vec<i32>,
     pub page_table_start: Vec<i32>,
-    /// Per token, the byte offset of its slot in the pool: `page·bytes_per_page +
-    /// slot·row_bytes` (llama layouts put a layer's slots of one component side by side).
+    /// Per token, the byte offset of its slot in the pool that each component's offset in
+    /// a layer adds to (`KvLayout::slot_offset`). Empty for a layout whose components
+    /// differ in token stride (DeepSeek's rank places each component itself).
     pub tok_off: Vec<i64>,
     /// Batch indices of the tokens whose logits are wanted, in order.
     pub want: Vec<u32>,
@@ -124,7 +125,7 @@ pub struct Job {
 }
 
 /// A run of pool bytes a forward wrote: `len` bytes at byte `at` of the pool's arena
-/// (`page · bytes_per_page + offset in the page`; a span never crosses a page).
+/// (`KvLayout::locate` gives the page and the offset in it; a span never crosses a page).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvSpan {
     pub at: usize,
@@ -193,6 +194,20 @@ impl LlamaRank {
         pages: usize,
         nccl: Option<Id>,
     ) -> Result<Self, CudaError> {
+        // The kernels read and write f16 K and V rows of `kv_heads × head_dim` values:
+        // only the llama layout of this model places them where the kernels look.
+        let want = KvLayout::llama(
+            cfg.layers,
+            cfg.kv_heads,
+            cfg.head_dim,
+            DType::F16,
+            layout.page_size(),
+        );
+        if want.fingerprint() != layout.fingerprint() {
+            return Err(CudaError(format!(
+                "the KV layout {layout} is not this model's, {want}"
+            )));
+        }
         let gpu = Gpu::open(spec.ordinal, &spec.build)?;
         let s = gpu.compute.clone();
         let up = |v: Vec<f32>| s.clone_htod(&v).map_err(cuda_err);
@@ -523,13 +538,16 @@ impl LlamaRank {
     ) -> Result<(Vec<KvSpan>, Vec<u8>), CudaError> {
         let _ = tok_off;
         let hd = self.cfg.head_dim;
-        let (row_bytes, col_byte0) = (kv.len() * hd * 2, kv.start * hd * 2);
+        // This rank's heads' columns of a K and of a V row, in bytes (the same for both).
+        let cols = self.layout.value_bytes(0, kv.start * hd..kv.end * hd);
+        debug_assert_eq!(cols, self.layout.value_bytes(1, kv.start * hd..kv.end * hd));
+        let row_bytes = cols.len();
         let layers = self.layout.layers();
         let mut offs = Vec::with_capacity(job.tok_off.len() * layers * 2);
         for &to in &job.tok_off {
             for l in 0..layers {
                 for comp in 0..2 {
-                    offs.push(to + (self.layout.value_offset(l, comp, 0) + col_byte0) as i64);
+                    offs.push(to + (self.layout.value_offset(l, comp, 0) + cols.start) as i64);
                 }
             }
         }

@@ -338,9 +338,7 @@ impl CudaModel {
         tokens: &[BatchToken],
     ) -> Vec<Vec<f32>> {
         let layout = &self.layout;
-        let bpp = layout.bytes_per_page();
         let ps = layout.page_size();
-        let slot_bytes = layout.value_offset(0, 0, 1) - layout.value_offset(0, 0, 0);
         let mut mirror = self.mirror.lock().unwrap_or_else(|e| e.into_inner());
         let mut page_table = Vec::new();
         let mut page_table_start = Vec::with_capacity(seq_pages.len());
@@ -358,10 +356,13 @@ impl CudaModel {
         }
         uploads.sort_unstable();
         uploads.dedup();
-        let page_of = |tk: &BatchToken| seq_pages[tk.seq][tk.pos / ps];
+        let page_of = |tk: &BatchToken| seq_pages[tk.seq][tk.pos / ps] as usize;
+        // None for every token when the layout's components differ in token stride
+        // (DeepSeek's): then the list stays empty and the rank places each component.
         let tok_off: Vec<i64> = tokens
             .iter()
-            .map(|tk| (page_of(tk) as usize * bpp + (tk.pos % ps) * slot_bytes) as i64)
+            .map_while(|tk| layout.slot_offset(page_of(tk), tk.pos % ps))
+            .map(|at| at as i64)
             .collect();
         let arena = pool.arena();
         let job = Arc::new(Job {
@@ -414,7 +415,8 @@ impl CudaModel {
             // Each span's bytes into its page (spans never cross a page).
             let mut at = 0;
             for sp in &out.spans {
-                let (page, off) = ((sp.at / bpp) as PageId, sp.at % bpp);
+                let (page, off) = layout.locate(sp.at);
+                let page = page as PageId;
                 let src = &out.kv[at..at + sp.len];
                 at += sp.len;
                 pool.page_mut(page).expect("a page of the batch")[off..off + sp.len]
@@ -461,8 +463,7 @@ pub fn measure_load_back(
         .map_err(cuda_err)?;
     ctx.bind_to_thread().map_err(cuda_err)?;
     let load = ctx.new_stream().map_err(cuda_err)?;
-    let bpp = layout.bytes_per_page();
-    let bytes = bpp * pages;
+    let bytes = layout.bytes_per_pool(pages);
     let host = vec![7u8; bytes];
     let mut dev = load.alloc_zeros::<u8>(bytes).map_err(cuda_err)?;
     let time = |f: &mut dyn FnMut() -> Result<(), CudaError>| -> Result<f64, CudaError> {
@@ -497,23 +498,15 @@ pub fn measure_load_back(
     let bulk_pinned_gb_s = time(&mut || bulk(&host))?;
     let per_layer_gb_s = time(&mut || {
         for layer in 0..layout.layers() {
-            let start = if layer == 0 {
-                0
-            } else {
-                layout.value_offset(layer, 0, 0)
-            };
-            let end = if layer + 1 < layout.layers() {
-                layout.value_offset(layer + 1, 0, 0)
-            } else {
-                bpp
-            };
+            let within = layout.layer_range(layer);
             for p in 0..pages {
-                let off = p * bpp;
+                let off = layout.page_offset(p);
+                let (start, end) = (off + within.start, off + within.end);
                 // SAFETY: in bounds of both buffers.
                 unsafe {
                     cudarc::driver::result::memcpy_htod_async(
-                        base + (off + start) as u64,
-                        &host[off + start..off + end],
+                        base + start as u64,
+                        &host[start..end],
                         load.cu_stream(),
                     )
                 }
