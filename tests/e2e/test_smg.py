@@ -95,6 +95,28 @@ def answers(client: openai.OpenAI, model: str) -> list:
     return out
 
 
+CITY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "country": {"type": "string"},
+        "population_millions": {"type": "number"},
+    },
+    "required": ["name", "country", "population_millions"],
+}
+
+
+def city(client: openai.OpenAI, model: str) -> tuple:
+    """(finish_reason, content) for a json_schema answer; the schema names three properties
+    and says nothing of others."""
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "JSON for the city of Cairo with its population."}],
+        max_tokens=120, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},
+    )
+    return r.choices[0].finish_reason, r.choices[0].message.content
+
+
 def pages_in_use(mesh) -> float:
     m = mesh.metrics()
     assert m["mesh_workers_read"] == 1
@@ -127,6 +149,13 @@ def test_smg_drives_a_unified_worker_like_pdmeshs_gateway(tmp_path):
         ours = answers(mesh.client(), mesh.model)
         theirs = answers(smg.client(), mesh.model)
         assert theirs == ours
+        # smg's json_schema reaches the worker as SGLang's json_schema constraint, strict
+        # as SGLang's own: the answer holds the schema's properties only, as through
+        # pdmesh's gateway, instead of invented keys up to the length limit.
+        finish, content = city(smg.client(), mesh.model)
+        assert finish == "stop", content
+        assert set(json.loads(content)) == set(CITY["properties"]), content
+        assert (finish, content) == city(mesh.client(), mesh.model)
         # smg follows the worker's KV events (SGLang blocks with their token ids) and
         # routes by them: its cache-aware policy found the prompts' pages there.
         assert "does not implement SubscribeKvEvents" not in smg.log_path.read_text()

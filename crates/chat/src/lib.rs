@@ -11,6 +11,7 @@
 
 mod formats;
 mod reasoning;
+pub mod schema;
 mod tools;
 mod utf8;
 

@@ -14,7 +14,6 @@ mod openai;
 mod route;
 mod state;
 mod stop;
-mod strict;
 mod tools;
 
 use std::time::Duration;

@@ -6,8 +6,9 @@
 
 use serde_json::{Map, Value, json};
 
+use pdmesh_chat::schema::json_rule;
+
 use crate::error::ApiError;
-use crate::strict::strict;
 
 /// The tool-call markup a model writes (the tokenizer's `Info.tool_format`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -269,19 +270,6 @@ pub(crate) fn plan(
         }
     });
     Ok(plan)
-}
-
-/// `%json{…}` for `schema`, strict (an object that names its properties and says nothing
-/// of others takes only those, see [`strict`]) and with compact, fixed whitespace (`,` and
-/// `:` alone: a small model given free whitespace may write spaces forever).
-fn json_rule(schema: &Value) -> String {
-    let mut s = strict(schema);
-    if let Value::Object(m) = &mut s
-        && !m.contains_key("x-guidance")
-    {
-        m.insert("x-guidance".into(), json!({"whitespace_flexible": false}));
-    }
-    format!("%json{s}")
 }
 
 /// `schema` (a part of the tool's `parameters`) made a document of its own: `$ref`s resolve
@@ -610,24 +598,42 @@ mod tests {
         );
     }
 
-    /// Decodes `grammar` over a byte vocabulary (256 one-byte tokens and an end token),
-    /// taking at each step the first allowed byte of `prefer` (an order that closes
-    /// strings and blocks soon in that format), else the lowest: a short text of the
-    /// grammar's shape.
-    fn shortest_text(grammar: &str, prefer: &[u8]) -> String {
+    /// A matcher for `grammar` over a byte vocabulary: 256 one-byte tokens and an end
+    /// token (256).
+    fn byte_matcher(grammar: &str) -> llguidance::Matcher {
         use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
         let words: Vec<Vec<u8>> = (0..=255u8)
             .map(|b| vec![b])
             .chain([vec![0xff, b'E']])
             .collect();
-        let eos = 256;
-        let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, eos), &words);
+        let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, 256), &words);
         let env: TokEnv = std::sync::Arc::new(ApproximateTokEnv::new(trie));
         let factory = llguidance::ParserFactory::new_simple(&env).unwrap();
         let parser = factory
             .create_parser(llguidance::api::TopLevelGrammar::from_lark(grammar.into()))
             .unwrap_or_else(|e| panic!("{e}\n{grammar}"));
-        let mut m = llguidance::Matcher::new(Ok(parser));
+        llguidance::Matcher::new(Ok(parser))
+    }
+
+    /// Whether the Lark `grammar` accepts exactly `text`.
+    fn lark_accepts(grammar: &str, text: &str) -> bool {
+        let mut m = byte_matcher(grammar);
+        for b in text.bytes() {
+            // Stopped: the grammar is complete and allows nothing more.
+            if m.is_stopped() || !m.compute_mask().unwrap().is_allowed(u32::from(b)) {
+                return false;
+            }
+            m.consume_token(u32::from(b)).unwrap();
+        }
+        m.is_stopped() || m.is_accepting().unwrap()
+    }
+
+    /// Decodes `grammar` over a byte vocabulary, taking at each step the first allowed
+    /// byte of `prefer` (an order that closes strings and blocks soon in that format),
+    /// else the lowest: a short text of the grammar's shape.
+    fn shortest_text(grammar: &str, prefer: &[u8]) -> String {
+        let eos = 256;
+        let mut m = byte_matcher(grammar);
         let mut out = Vec::new();
         for _ in 0..4000 {
             if m.is_stopped() {
@@ -758,7 +764,6 @@ mod tests {
     /// allows others keeps them (the free-form `json_object` too).
     #[test]
     fn response_schemas_are_strict_and_compact() {
-        use crate::strict::tests::lark_accepts;
         let out = OutputFormat {
             tools: ToolFormat::Hermes,
             reasoning: false,
@@ -810,7 +815,6 @@ mod tests {
     /// `$ref`s into the parameters' `$defs` resolve in every format's grammar.
     #[test]
     fn forced_calls_take_only_declared_parameters() {
-        use crate::strict::tests::lark_accepts;
         let tools = parse_tools(Some(&json!([{
             "type": "function",
             "function": {

@@ -98,19 +98,13 @@ fn invalid(field: &str, msg: impl std::fmt::Display) -> Status {
     Status::invalid_argument(format!("{field}: {msg}"))
 }
 
-/// A Lark grammar for a JSON schema (compact separators, as pdmesh's gateway asks).
+/// A Lark grammar for a JSON schema, as pdmesh's gateway builds one: strict (an object
+/// schema silent on `additionalProperties` takes only the properties it names, SGLang's
+/// default too) and compact.
 fn json_schema_grammar(schema: &str) -> Result<String, Status> {
-    let mut v: serde_json::Value = serde_json::from_str(schema)
+    let v: serde_json::Value = serde_json::from_str(schema)
         .map_err(|e| invalid("sampling_params.json_schema", format!("not JSON: {e}")))?;
-    if let serde_json::Value::Object(m) = &mut v
-        && !m.contains_key("x-guidance")
-    {
-        m.insert(
-            "x-guidance".into(),
-            serde_json::json!({"whitespace_flexible": false}),
-        );
-    }
-    Ok(format!("start: %json{v}\n"))
+    Ok(format!("start: {}\n", pdmesh_chat::schema::json_rule(&v)))
 }
 
 /// SGLang sampling parameters → pdmesh's. `None` means the proto's zero values.
@@ -820,6 +814,24 @@ mod tests {
         assert_eq!(
             p.grammar,
             "start: %json{\"type\":\"object\",\"x-guidance\":{\"whitespace_flexible\":false}}\n"
+        );
+        // Strict, as SGLang's default: properties the schema does not name are not
+        // generated unless it says so.
+        let grammar = |schema: &str| {
+            sampling(Some(s::SamplingParams {
+                constraint: Some(s::sampling_params::Constraint::JsonSchema(schema.into())),
+                ..Default::default()
+            }))
+            .unwrap()
+            .grammar
+        };
+        assert_eq!(
+            grammar(r#"{"type":"object","properties":{"a":{"type":"integer"}}}"#),
+            "start: %json{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},\"additionalProperties\":false,\"x-guidance\":{\"whitespace_flexible\":false}}\n"
+        );
+        assert_eq!(
+            grammar(r#"{"properties":{"a":{}},"additionalProperties":true}"#),
+            "start: %json{\"properties\":{\"a\":{}},\"additionalProperties\":true,\"x-guidance\":{\"whitespace_flexible\":false}}\n"
         );
         let p = sampling(Some(s::SamplingParams {
             constraint: Some(s::sampling_params::Constraint::Regex("a/b+".into())),

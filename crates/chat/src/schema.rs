@@ -1,11 +1,18 @@
-//! Strict JSON schemas for constrained decoding: an object schema that names its
-//! properties and says nothing about others takes only those, as OpenAI's strict mode and
-//! vLLM's and SGLang's default grammars do. Without this a small model given a schema may
-//! invent keys (`"population_thousands_per_year…"`) until the length limit.
+//! JSON schemas as constrained-decoding grammars, strict and compact.
 //!
-//! The rewrite adds `additionalProperties: false` where a schema is silent; a schema that
-//! says `additionalProperties` or `unevaluatedProperties` itself keeps what it says, and
-//! an object with no named properties (`{"type": "object"}`) stays free-form.
+//! Strict: an object schema that names its properties and says nothing of others takes
+//! only those, as OpenAI's strict mode and vLLM's and SGLang's default grammars do.
+//! Without this a small model given a schema may invent keys
+//! (`"population_thousands_per_year…"`) until the length limit. The rewrite adds
+//! `additionalProperties: false` where a schema is silent; a schema that says
+//! `additionalProperties` or `unevaluatedProperties` itself keeps what it says, and an
+//! object with no named properties (`{"type": "object"}`) stays free-form.
+//!
+//! Compact: `,` and `:` with no whitespace between tokens (a small model given free
+//! whitespace may write spaces forever).
+//!
+//! The gateway builds its `json_schema` and forced-call grammars with [`json_rule`], and
+//! a worker the grammar of an SGLang `json_schema` constraint.
 
 use std::collections::HashSet;
 
@@ -17,7 +24,7 @@ use serde_json::{Map, Value};
 /// Parts that are combined in place (the branches of an `allOf`, or a `$ref`, `anyOf` or
 /// `oneOf` next to the schema's own properties) each see only part of the object, so they
 /// stay open and the combining schema is closed instead, to the union of their names.
-pub(crate) fn strict(schema: &Value) -> Value {
+pub fn strict(schema: &Value) -> Value {
     // Local `$ref` targets used as parts, as JSON pointers. A part's own `$ref`s are parts
     // too, so the set grows until it is stable.
     let mut parts = HashSet::new();
@@ -31,6 +38,24 @@ pub(crate) fn strict(schema: &Value) -> Value {
     let mut out = schema.clone();
     close(&mut out, schema, String::new(), false, &parts);
     out
+}
+
+/// The llguidance Lark rule `%json{…}` for `schema`: [`strict`], with compact, fixed
+/// whitespace unless the schema sets its own `x-guidance` options.
+pub fn json_rule(schema: &Value) -> String {
+    let mut s = strict(schema);
+    if let Value::Object(m) = &mut s
+        && !m.contains_key("x-guidance")
+    {
+        m.insert(
+            "x-guidance".into(),
+            Value::Object(Map::from_iter([(
+                "whitespace_flexible".to_owned(),
+                Value::Bool(false),
+            )])),
+        );
+    }
+    format!("%json{s}")
 }
 
 /// The most `$ref`s followed while collecting a combination's property names (cycles).
@@ -191,13 +216,13 @@ fn part_names(root: &Value, m: &Map<String, Value>, depth: usize) -> Option<Vec<
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
     use serde_json::json;
 
     /// Whether the Lark `grammar` accepts exactly `text`, over a byte vocabulary (256
     /// one-byte tokens and an end token).
-    pub(crate) fn lark_accepts(grammar: &str, text: &str) -> bool {
+    fn lark_accepts(grammar: &str, text: &str) -> bool {
         use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
         let words: Vec<Vec<u8>> = (0..=255u8)
             .map(|b| vec![b])
@@ -253,6 +278,25 @@ pub(crate) mod tests {
             accepts(&city(), &format!(r#"{answer},"population_thousands":1}}"#)),
             "the schema as written allows other keys"
         );
+    }
+
+    #[test]
+    fn the_rule_is_strict_and_compact() {
+        let rule = |schema: &Value| format!("start: {}", json_rule(schema));
+        let answer = r#"{"name":"Cairo","country":"Egypt","population_millions":22.1"#;
+        let g = rule(&city());
+        assert!(lark_accepts(&g, &format!("{answer}}}")), "{g}");
+        assert!(!lark_accepts(&g, &format!(r#"{answer},"population_thousands":1}}"#)));
+        assert!(!lark_accepts(&g, &format!("{answer} }}")), "compact: {g}");
+        assert!(!lark_accepts(
+            &g,
+            r#"{"name": "Cairo","country":"Egypt","population_millions":22.1}"#
+        ));
+
+        // Options the schema gives llguidance itself are its own.
+        let mut own = city();
+        own["x-guidance"] = json!({"whitespace_flexible": true});
+        assert!(lark_accepts(&rule(&own), &format!("{answer} }}")));
     }
 
     #[test]
