@@ -13,6 +13,14 @@ use pdmesh_engine::{
 use pdmesh_kv::{CacheEvent, PrefixCacheStats};
 use tokio::sync::mpsc::UnboundedSender;
 
+/// The clock stage times are read from: the system's; in unit tests, one the test moves.
+#[cfg(not(test))]
+fn now() -> Instant {
+    Instant::now()
+}
+#[cfg(test)]
+use tests::clock::now;
+
 /// What the engine does for [`EngineCore`]; implemented by [`pdmesh_engine::Engine`].
 pub(crate) trait Backend {
     fn info(&self) -> ModelInfo;
@@ -304,7 +312,7 @@ impl<B: Backend> EngineCore<B> {
                 prompt_tokens,
                 completion_tokens: 0,
                 host_cached: 0,
-                submitted: Instant::now(),
+                submitted: now(),
                 admitted: None,
                 first: None,
             },
@@ -334,7 +342,7 @@ impl<B: Backend> EngineCore<B> {
             cached_tokens: 0,
             host_cached_tokens: 0,
             transferred_tokens: 0,
-            stages: entry.stages(Instant::now()),
+            stages: entry.stages(now()),
         }));
         true
     }
@@ -412,7 +420,7 @@ impl<B: Backend> EngineCore<B> {
                     return;
                 };
                 entry.completion_tokens += 1;
-                entry.first.get_or_insert_with(Instant::now);
+                entry.first.get_or_insert_with(now);
                 if entry.tx.send(Event::Token { token, logprob }).is_err() {
                     self.client_left(&id);
                 }
@@ -436,7 +444,7 @@ impl<B: Backend> EngineCore<B> {
                         cached_tokens,
                         host_cached_tokens: entry.host_cached.min(cached_tokens),
                         transferred_tokens: 0,
-                        stages: entry.stages(Instant::now()),
+                        stages: entry.stages(now()),
                     }));
                 }
             }
@@ -448,15 +456,15 @@ impl<B: Backend> EngineCore<B> {
                 cached,
             } => {
                 let sent = self.requests.get_mut(&*id).is_some_and(|entry| {
-                    let now = Instant::now();
-                    entry.first.get_or_insert(now);
+                    let at = now();
+                    entry.first.get_or_insert(at);
                     let ev = Event::Exported {
                         token,
                         logprob,
                         pages,
                         cached,
                         host_cached: (entry.host_cached as usize).min(cached),
-                        stages: entry.stages(now),
+                        stages: entry.stages(at),
                     };
                     entry.tx.send(ev).is_ok()
                 });
@@ -480,7 +488,7 @@ impl<B: Backend> EngineCore<B> {
                 let Some(entry) = self.requests.get_mut(&*id) else {
                     return;
                 };
-                entry.admitted = Some(Instant::now());
+                entry.admitted = Some(now());
                 if entry.tx.send(Event::Reserved { pages }).is_err() {
                     self.client_left(&id);
                 }
@@ -536,18 +544,41 @@ pub(crate) struct PoolNow {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
     use super::*;
 
+    /// The clock of [`super::now`] in unit tests: it stands still until a test (or the
+    /// fake engine) moves it, so stage times come out exact.
+    pub(super) mod clock {
+        use std::cell::Cell;
+        use std::time::{Duration, Instant};
+
+        thread_local! {
+            static BASE: Instant = Instant::now();
+            static MOVED: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+        }
+
+        pub(crate) fn now() -> Instant {
+            BASE.with(|b| *b) + MOVED.with(Cell::get)
+        }
+
+        pub(crate) fn advance(by: Duration) {
+            MOVED.with(|m| m.set(m.get() + by));
+        }
+    }
+
     /// A fake engine: each running request produces token 7 per step until `max` tokens,
-    /// and holds one "page" while running.
+    /// and holds one "page" while running. Admitting a request takes `prefill` on the
+    /// clock, before its first token.
     #[derive(Default)]
     struct Fake {
         running: Vec<(String, u32, u32)>, // id, produced, max
         aborted: Vec<String>,
         panic_on_step: bool,
+        prefill: Duration,
     }
 
     const PAGES: usize = 10;
@@ -593,8 +624,9 @@ mod tests {
                         id: id.clone(),
                         device_cached: 16,
                         host_cached: 16,
-                        at: Instant::now(),
+                        at: clock::now(),
                     });
+                    clock::advance(self.prefill);
                 }
                 r.1 += 1;
                 out.push(StepEvent::Token {
@@ -664,15 +696,20 @@ mod tests {
         );
     }
 
+    /// The stages split where the engine says: the queue ends when the engine admitted
+    /// the request (not when the core heard of it, after the step), prefill runs from
+    /// there to the first token, decode from the first token to the end.
     #[test]
     fn finished_reports_stage_times_and_host_hits_from_admission() {
-        let pause = std::time::Duration::from_millis(30);
-        let mut core = EngineCore::new(Fake::default());
+        let mut core = EngineCore::new(Fake {
+            prefill: Duration::from_millis(500),
+            ..Fake::default()
+        });
         let (tx, mut rx) = unbounded_channel();
         core.submit(req("a", 2), Part::Whole, 1, tx).unwrap();
-        std::thread::sleep(pause); // waiting in the queue
-        core.step(); // admitted and the first token
-        std::thread::sleep(pause); // decoding
+        clock::advance(Duration::from_secs(2)); // waiting in the queue
+        core.step(); // admitted, 0.5 s of prefill, the first token
+        clock::advance(Duration::from_secs(3)); // decoding
         core.step();
         let Some(Event::Finished(f)) = drain(&mut rx).pop() else {
             panic!("no Finished");
@@ -680,9 +717,7 @@ mod tests {
         assert_eq!((f.cached_tokens, f.host_cached_tokens), (32, 16));
         assert_eq!(f.transferred_tokens, 0);
         let s = f.stages;
-        assert!(s.queue >= pause.as_secs_f64(), "{s:?}");
-        assert!(s.prefill < pause.as_secs_f64(), "{s:?}");
-        assert!(s.decode >= pause.as_secs_f64(), "{s:?}");
+        assert_eq!((s.queue, s.prefill, s.decode), (2.0, 0.5, 3.0), "{s:?}");
         assert_eq!(s.transfer, 0.0);
     }
 
