@@ -412,7 +412,7 @@ def test_decode_pool_exhausted_by_80_long_requests(services):
     assert ask(client, "Which box is blue? Answer briefly.") == ref
 
 
-@pytest.mark.parametrize("services", [{"prefill_env": {"PDMESH_FAULT_WRITE_DELAY_MS": "6000", "PDMESH_FAULT_COUNT": "1"}}], indirect=True)
+@pytest.mark.parametrize("services", [{"prefill_args": ["--fault-write-delay-ms=6000", "--fault-count=1"]}], indirect=True)
 def test_a_late_write_is_rejected_and_reused_pages_are_untouched(services):
     client = services.client()
     # A fresh prompt, so the first (delayed) request really transfers.
@@ -495,9 +495,8 @@ STALL_S = 10
 @pytest.mark.parametrize(
     "services",
     [{
-        "decode_args": ["--watchdog=hard", "--watchdog-stall-ms=1000"],
         # The decode engine loop sleeps before its 30th step, mid-generation.
-        "decode_env": {"PDMESH_FAULT_STALL_STEP": f"30:{STALL_S * 1000}"},
+        "decode_args": ["--watchdog=hard", "--watchdog-stall-ms=1000", f"--fault-stall-step=30:{STALL_S * 1000}"],
     }],
     indirect=True,
 )
