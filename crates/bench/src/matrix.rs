@@ -449,8 +449,7 @@ pub async fn run(a: MatrixArgs) -> Result<(), BenchError> {
         let ref_name = format!("{}-reference", group[0].name());
         eprintln!("starting the reference for {}", group[0].name());
         let key = a.api_key.as_deref();
-        let mut ref_up =
-            Up::start(&exe, &ref_args, key, &a.out.join(&ref_name), startup).await?;
+        let mut ref_up = Up::start(&exe, &ref_args, key, &a.out.join(&ref_name), startup).await?;
         let reference = Reference::new(Client::new(&ref_up.file().url, a.api_key.clone(), timeout));
         for cell in group {
             let name = cell.name();

@@ -286,7 +286,10 @@ mod tests {
         let answer = r#"{"name":"Cairo","country":"Egypt","population_millions":22.1"#;
         let g = rule(&city());
         assert!(lark_accepts(&g, &format!("{answer}}}")), "{g}");
-        assert!(!lark_accepts(&g, &format!(r#"{answer},"population_thousands":1}}"#)));
+        assert!(!lark_accepts(
+            &g,
+            &format!(r#"{answer},"population_thousands":1}}"#)
+        ));
         assert!(!lark_accepts(&g, &format!("{answer} }}")), "compact: {g}");
         assert!(!lark_accepts(
             &g,

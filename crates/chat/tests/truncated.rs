@@ -93,7 +93,12 @@ fn cases() -> Vec<Case> {
         };
         let hermes: Vec<String> = calls()
             .iter()
-            .map(|(n, a)| format!("<tool_call>\n{}\n</tool_call>", json!({"name": n, "arguments": a})))
+            .map(|(n, a)| {
+                format!(
+                    "<tool_call>\n{}\n</tool_call>",
+                    json!({"name": n, "arguments": a})
+                )
+            })
             .collect();
         add(Format::Hermes, hermes.join("\n"), "</tool_call>", None);
 
@@ -161,12 +166,20 @@ fn parse_all_ways(format: Format, text: &str, cut: bool) -> Vec<(&'static str, O
 
     let mut p = ToolParser::new(format, allowed.clone(), "call_");
     let mut d = p.push(b);
-    d.extend(if cut { p.finish_truncated() } else { p.finish() });
+    d.extend(if cut {
+        p.finish_truncated()
+    } else {
+        p.finish()
+    });
     out.push(("whole", outcome(d)));
 
     let mut p = ToolParser::new(format, allowed.clone(), "call_");
     let mut d: Vec<Delta> = b.iter().flat_map(|byte| p.push(&[*byte])).collect();
-    d.extend(if cut { p.finish_truncated() } else { p.finish() });
+    d.extend(if cut {
+        p.finish_truncated()
+    } else {
+        p.finish()
+    });
     out.push(("streamed a byte at a time", outcome(d)));
 
     let mut p = OutputParser::new(
@@ -174,7 +187,11 @@ fn parse_all_ways(format: Format, text: &str, cut: bool) -> Vec<(&'static str, O
         Some(ToolParser::new(format, allowed, "call_")),
     );
     let mut d: Vec<Delta> = b.chunks(3).flat_map(|c| p.push(c)).collect();
-    d.extend(if cut { p.finish_truncated() } else { p.finish() });
+    d.extend(if cut {
+        p.finish_truncated()
+    } else {
+        p.finish()
+    });
     out.push(("through the reasoning pipeline", outcome(d)));
     out
 }
@@ -202,9 +219,7 @@ fn cut_at_every_character_the_complete_calls_come_back_and_the_rest_is_dropped()
                 case.prefix
             } else {
                 // A tail that may begin a marker (`<`) goes, with the blank line before it.
-                cut_text
-                    .strip_suffix('<')
-                    .map_or(cut_text, str::trim_end)
+                cut_text.strip_suffix('<').map_or(cut_text, str::trim_end)
             };
             for (how, o) in parse_all_ways(case.format, cut_text, true) {
                 let what = format!("{:?} cut at {c} ({how}): {cut_text:?}", case.format);

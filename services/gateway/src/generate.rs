@@ -370,7 +370,10 @@ mod tests {
             &self,
             _r: Request<wk::HealthRequest>,
         ) -> Result<Response<wk::HealthResponse>, Status> {
-            Ok(Response::new(wk::HealthResponse { ok: true, ..Default::default() }))
+            Ok(Response::new(wk::HealthResponse {
+                ok: true,
+                ..Default::default()
+            }))
         }
         async fn model_info(
             &self,

@@ -397,7 +397,8 @@ pub async fn run(
         "worker listening"
     );
 
-    let (handle, engine_thread) = actor::start(engine, cfg.faults.stall_step).map_err(Error::Thread)?;
+    let (handle, engine_thread) =
+        actor::start(engine, cfg.faults.stall_step).map_err(Error::Thread)?;
     // Graceful shutdown waits for open streams: end them by aborting what is running.
     let aborter = {
         let handle = handle.clone();
