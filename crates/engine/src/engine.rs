@@ -17,7 +17,7 @@ use crate::deepseek::DeepSeekModel;
 use crate::grammar::{Constraint, Grammars};
 use crate::model::{BatchToken, LlamaModel};
 use crate::sampler::Sampler;
-use crate::tp::TpLlama;
+use crate::tp::{RankWork, TpLlama};
 use crate::vocab::{eog_tokens, token_bytes_table};
 use crate::{EngineError, FinishReason, GenRequest, ModelInfo, Part, SamplingParams, StepEvent};
 use pdmesh_kv::{IndexKDtype, KvLayout, MlaCacheDtype};
@@ -346,6 +346,17 @@ impl Engine {
     /// Sequences preempted (and recomputed later) because the pool was full.
     pub fn preemptions(&self) -> u64 {
         self.preemptions
+    }
+
+    /// What each tensor-parallel rank of the CPU llama forward has computed so far, in
+    /// rank order (at `tp` 1, one rank owning the whole model); empty for the models that
+    /// do not count it (DeepSeek, the CUDA backend).
+    pub fn rank_work(&self) -> Vec<RankWork> {
+        match &self.model {
+            AnyModel::Llama(m) => vec![m.work()],
+            AnyModel::LlamaTp(m) => m.work(),
+            _ => Vec::new(),
+        }
     }
 
     /// Requests waiting for admission (or, with their KV, for a batch slot) and running.
@@ -1153,7 +1164,7 @@ fn finish_check(
 
 /// The model families the engine runs.
 pub(crate) enum AnyModel {
-    Llama(LlamaModel),
+    Llama(Box<LlamaModel>),
     /// A llama-family model over `tp >= 2` tensor-parallel ranks.
     LlamaTp(Box<TpLlama>),
     DeepSeek(Box<DeepSeekModel>),
@@ -1182,7 +1193,7 @@ impl AnyModel {
                 (model.cfg.kv_layout(cfg.page_size), model.cfg.context_length);
             let model = match (&cfg.gpu, cfg.tp) {
                 (Some(g), _) => gpu_model(cfg, g, &gguf, model, &layout)?,
-                (None, 1) => AnyModel::Llama(model),
+                (None, 1) => AnyModel::Llama(Box::new(model)),
                 (None, n) => AnyModel::LlamaTp(Box::new(TpLlama::new(model, n)?)),
             };
             return Ok(Loaded {

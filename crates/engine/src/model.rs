@@ -4,7 +4,7 @@
 //! a token's logits do not depend on its batch or on how its prompt was chunked.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -14,7 +14,7 @@ use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
 use rayon::prelude::*;
 
 use crate::EngineError;
-use crate::tp::{Comm, KvAccess, RankShard};
+use crate::tp::{Comm, KvAccess, RankShard, RankWork, WorkKind, lock_work};
 
 /// Hyper-parameters read from GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
@@ -130,6 +130,8 @@ pub struct LlamaModel {
     output: WRef,
     out_norm: Vec<f32>,
     gguf: Arc<GgufFile>,
+    /// What [`Self::forward`] computed so far (one rank owning everything).
+    work: Mutex<RankWork>,
 }
 
 fn qmatrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<WRef, EngineError> {
@@ -182,7 +184,13 @@ impl LlamaModel {
             output,
             out_norm,
             gguf,
+            work: Mutex::default(),
         })
+    }
+
+    /// What [`Self::forward`] computed so far, as one rank owning the whole model.
+    pub fn work(&self) -> RankWork {
+        lock_work(&self.work).clone()
     }
 
     fn m(&self, w: &WRef) -> QMatrix<'_> {
@@ -213,14 +221,16 @@ impl LlamaModel {
         tokens: &[BatchToken],
     ) -> Vec<Vec<f32>> {
         let whole = RankShard::whole(&self.cfg);
-        self.forward_rank(tp, pool, seq_pages, tokens, &whole, None)
+        let (logits, work) = self.forward_rank(tp, pool, seq_pages, tokens, &whole, None);
+        lock_work(&self.work).merge(work);
+        logits
     }
 
     /// One rank's share of [`Self::forward`] (see `tp.rs`): the q/k/v, K/V cache columns
     /// and attention of its heads, its rows of `wo`, gate/up, `w_down` and the output head,
     /// each followed by an all-gather so every rank holds the whole residual stream.
     /// Without `comm` it is the whole model and nothing is gathered. Returns the logits on
-    /// rank 0 (nothing on the others).
+    /// rank 0 (nothing on the others), and on every rank what it computed.
     pub(crate) fn forward_rank<P: KvAccess>(
         &self,
         tp: &rayon::ThreadPool,
@@ -229,9 +239,14 @@ impl LlamaModel {
         tokens: &[BatchToken],
         sh: &RankShard,
         comm: Option<Comm<'_>>,
-    ) -> Vec<Vec<f32>> {
+    ) -> (Vec<Vec<f32>>, RankWork) {
         let c = &self.cfg;
         let t = tokens.len();
+        // What this forward hands the kernels, returned beside the logits.
+        let mut work = RankWork {
+            tokens: t as u64,
+            ..RankWork::default()
+        };
         let (d, hd, kvd) = (c.dim, c.head_dim, c.kv_heads * c.head_dim);
         let ps = pool.read(|p| p.layout().page_size());
         // This rank's widths: query and KV heads, dim rows, FFN rows.
@@ -287,6 +302,9 @@ impl LlamaModel {
                 self.rows(&layer.wv, kv_cols.clone()),
             );
             matmul_many(tp, &[&wq, &wk, &wv], &h, t, &mut [&mut q, &mut k, &mut v]);
+            work.add(WorkKind::Q, q_rows.clone(), t);
+            work.add(WorkKind::K, kv_cols.clone(), t);
+            work.add(WorkKind::V, kv_cols.clone(), t);
             for (i, (cos, sin)) in rope.iter().enumerate() {
                 for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(hd) {
                     apply_rope(head, cos, sin);
@@ -305,9 +323,12 @@ impl LlamaModel {
                         .convert_from_f32_slice(&v[i * kd..(i + 1) * kd]);
                 }
             });
+            work.add(WorkKind::KvWrite, kv_cols.clone(), t);
             self.attention(tp, &pool, seq_pages, tokens, li, sh, &q, &mut att);
+            work.add(WorkKind::Attention, sh.kv_heads.clone(), t);
             let att_in = gathered(&comm, &att, &mut att_all, &att_cols, t);
             matmul(tp, &self.rows(&layer.wo, sh.dim.clone()), att_in, t, &mut o);
+            work.add(WorkKind::Wo, sh.dim.clone(), t);
             add_in_place(&mut x, gathered(&comm, &o, &mut o_all, &dim_cols, t));
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
             let (wg, wu) = (
@@ -315,6 +336,8 @@ impl LlamaModel {
                 self.rows(&layer.w_up, sh.ffn.clone()),
             );
             matmul_many(tp, &[&wg, &wu], &h, t, &mut [&mut g, &mut u]);
+            work.add(WorkKind::Gate, sh.ffn.clone(), t);
+            work.add(WorkKind::Up, sh.ffn.clone(), t);
             for (gi, ui) in g.iter_mut().zip(&u) {
                 *gi = *gi / (1.0 + (-*gi).exp()) * ui;
             }
@@ -326,23 +349,28 @@ impl LlamaModel {
                 t,
                 &mut o,
             );
+            work.add(WorkKind::Down, sh.dim.clone(), t);
             add_in_place(&mut x, gathered(&comm, &o, &mut o_all, &dim_cols, t));
         }
         let output = self.rows(&self.output, sh.vocab.clone());
         let (n, local) = head_logits(tp, &x, tokens, (&self.out_norm[..], c.rms_eps, &output));
-        if n == 0 {
-            return Vec::new();
-        }
-        let Some(m) = &comm else {
-            return local.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect();
+        work.add(WorkKind::Head, sh.vocab.clone(), n);
+        let logits = 'logits: {
+            if n == 0 {
+                break 'logits Vec::new();
+            }
+            let Some(m) = &comm else {
+                break 'logits local.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect();
+            };
+            let mut all = vec![0f32; n * c.vocab];
+            m.coll
+                .all_gather(m.rank, &local, &m.plan.cols(|s| s.vocab.len()), n, &mut all);
+            if m.rank != 0 {
+                break 'logits Vec::new();
+            }
+            all.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect()
         };
-        let mut all = vec![0f32; n * c.vocab];
-        m.coll
-            .all_gather(m.rank, &local, &m.plan.cols(|s| s.vocab.len()), n, &mut all);
-        if m.rank != 0 {
-            return Vec::new();
-        }
-        all.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect()
+        (logits, work)
     }
 
     /// Causal attention for every (token, KV head of `sh`) pair in parallel; `q` and `out`

@@ -17,8 +17,11 @@
 //!
 //! On the CPU the ranks are scoped threads of one process ([`HostCollective`]) sharing the
 //! engine's compute pool; [`ShardPlan`] and [`Collective`] are what a device backend
-//! reuses.
+//! reuses. Each rank counts what its kernels were handed ([`RankWork`], read by
+//! `Engine::rank_work`), which is how the tests see that the work was split and not
+//! repeated.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -137,6 +140,120 @@ impl fmt::Display for ShardPlan {
             )?;
         }
         Ok(())
+    }
+}
+
+/// A piece of the llama forward that a [`ShardPlan`] splits, in units of the whole model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum WorkKind {
+    /// Output rows of `wq` (`heads × head_dim`).
+    Q,
+    /// Output rows of `wk` (`kv_heads × head_dim`).
+    K,
+    /// Output rows of `wv` (`kv_heads × head_dim`).
+    V,
+    /// Columns of the K and V cache rows written (`kv_heads × head_dim`).
+    KvWrite,
+    /// KV heads attended for.
+    Attention,
+    /// Output rows of `wo` (`dim`).
+    Wo,
+    /// Output rows of the FFN gate (`ffn`).
+    Gate,
+    /// Output rows of the FFN up projection (`ffn`).
+    Up,
+    /// Output rows of `w_down` (`dim`).
+    Down,
+    /// Rows of the output head (`vocab`), for the tokens whose logits are wanted.
+    Head,
+}
+
+impl WorkKind {
+    pub const ALL: [WorkKind; 10] = [
+        WorkKind::Q,
+        WorkKind::K,
+        WorkKind::V,
+        WorkKind::KvWrite,
+        WorkKind::Attention,
+        WorkKind::Wo,
+        WorkKind::Gate,
+        WorkKind::Up,
+        WorkKind::Down,
+        WorkKind::Head,
+    ];
+
+    /// The units of this kind a rank owns under `s` (`RankShard::whole`: all of them).
+    pub fn units(self, s: &RankShard, head_dim: usize) -> Range<usize> {
+        let heads = |r: &Range<usize>| r.start * head_dim..r.end * head_dim;
+        match self {
+            WorkKind::Q => heads(&s.q_heads),
+            WorkKind::K | WorkKind::V | WorkKind::KvWrite => heads(&s.kv_heads),
+            WorkKind::Attention => s.kv_heads.clone(),
+            WorkKind::Wo | WorkKind::Down => s.dim.clone(),
+            WorkKind::Gate | WorkKind::Up => s.ffn.clone(),
+            WorkKind::Head => s.vocab.clone(),
+        }
+    }
+}
+
+/// What one rank computed of one [`WorkKind`], over every forward so far.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Share {
+    /// From the lowest unit (row, column, head) it was handed to past the highest; `None`
+    /// before any.
+    pub units: Option<Range<usize>>,
+    /// Units computed, summed over every token and layer: `units.len()` per token and
+    /// layer when every call was handed all of `units`.
+    pub computed: u64,
+}
+
+/// What one tensor-parallel rank computed over every forward so far, counted where its
+/// kernels are handed the work. A model run whole reports one rank owning everything.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankWork {
+    /// Batch tokens through this rank's forwards (every rank runs the whole batch).
+    pub tokens: u64,
+    pub shares: BTreeMap<WorkKind, Share>,
+}
+
+impl RankWork {
+    /// The rank's share of `kind` (empty if it computed none).
+    pub fn share(&self, kind: WorkKind) -> Share {
+        self.shares.get(&kind).cloned().unwrap_or_default()
+    }
+
+    /// Counts `units` computed for each of `times` tokens.
+    pub(crate) fn add(&mut self, kind: WorkKind, units: Range<usize>, times: usize) {
+        if units.is_empty() || times == 0 {
+            return;
+        }
+        self.shares
+            .entry(kind)
+            .or_default()
+            .count(units.clone(), (units.len() * times) as u64);
+    }
+
+    /// Adds what `other` (one more forward of the same rank) computed.
+    pub(crate) fn merge(&mut self, other: RankWork) {
+        self.tokens += other.tokens;
+        for (kind, s) in other.shares {
+            if let Some(units) = s.units {
+                self.shares
+                    .entry(kind)
+                    .or_default()
+                    .count(units, s.computed);
+            }
+        }
+    }
+}
+
+impl Share {
+    fn count(&mut self, units: Range<usize>, computed: u64) {
+        self.computed += computed;
+        self.units = Some(match self.units.take() {
+            None => units,
+            Some(r) => r.start.min(units.start)..r.end.max(units.end),
+        });
     }
 }
 
@@ -330,6 +447,8 @@ pub(crate) struct TpLlama {
     pub model: LlamaModel,
     plan: ShardPlan,
     coll: HostCollective,
+    /// Per rank, what it computed (each rank's thread adds once per forward).
+    work: Vec<Mutex<RankWork>>,
 }
 
 impl TpLlama {
@@ -339,8 +458,14 @@ impl TpLlama {
         Ok(Self {
             model,
             coll: HostCollective::new(world),
+            work: (0..world).map(|_| Mutex::default()).collect(),
             plan,
         })
+    }
+
+    /// Per rank, what it computed so far.
+    pub fn work(&self) -> Vec<RankWork> {
+        self.work.iter().map(|w| lock_work(w).clone()).collect()
     }
 
     /// [`LlamaModel::forward`], computed by every rank at once: ranks 1.. on scoped threads,
@@ -365,14 +490,16 @@ impl TpLlama {
                 rank: r,
                 coll: &self.coll,
             };
-            self.model.forward_rank(
+            let (logits, work) = self.model.forward_rank(
                 tp,
                 &shared,
                 seq_pages,
                 tokens,
                 &self.plan.ranks[r],
                 Some(comm),
-            )
+            );
+            lock_work(&self.work[r]).merge(work);
+            logits
         };
         std::thread::scope(|s| {
             let others: Vec<_> = (1..self.plan.world)
@@ -390,4 +517,9 @@ impl TpLlama {
             logits
         })
     }
+}
+
+/// A rank's work counts (whole even if a holder panicked: it only adds numbers).
+pub(crate) fn lock_work(w: &Mutex<RankWork>) -> MutexGuard<'_, RankWork> {
+    w.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -1,7 +1,8 @@
 //! Tensor parallelism (`EngineConfig::tp`): the same requests under 2 and 3 ranks give
 //! the tokens and the bit-identical logits of the unsharded model — greedy and seeded
-//! sampling, a mixed batch, chunked prefill, prefix-cache reuse. Also the shard plan, the
-//! host all-gather, and the values refused at load.
+//! sampling, a mixed batch, chunked prefill, prefix-cache reuse — while each rank computes
+//! only its share of every matrix, cache write and attention (`Engine::rank_work`). Also
+//! the shard plan, the host all-gather, and the values refused at load.
 
 mod common;
 
@@ -9,7 +10,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::{Outcome, assert_same_turns, cached_tokens, fixture_prompts, greedy, run_all};
-use pdmesh_engine::tp::{Collective, HostCollective, ShardPlan, split};
+use pdmesh_engine::tp::{
+    Collective, HostCollective, RankShard, RankWork, ShardPlan, WorkKind, split,
+};
 use pdmesh_engine::{Engine, EngineConfig, EngineError, GenRequest, LlamaConfig, SamplingParams};
 
 const PAGES: usize = 128;
@@ -36,8 +39,9 @@ fn cat(parts: &[&[u32]]) -> Vec<u32> {
 
 /// Two rounds on one engine: a batch of five requests of mixed lengths (greedy and
 /// seeded sampling) prefilled 7 tokens per step beside the others' decodes, then two
-/// requests extending earlier prompts, which start from the prefix cache.
-fn workload(tp: usize) -> Vec<HashMap<String, Outcome>> {
+/// requests extending earlier prompts, which start from the prefix cache. Returns both
+/// rounds' outcomes and what each rank computed.
+fn workload(tp: usize) -> (Vec<HashMap<String, Outcome>>, Vec<RankWork>) {
     let mut e = common::engine(|c| {
         c.tp = tp;
         c.prefill_chunk = 7;
@@ -76,15 +80,77 @@ fn workload(tp: usize) -> Vec<HashMap<String, Outcome>> {
         assert_eq!(o.logits.len(), want, "tp={tp} {id}: a logits row per token");
     }
     assert_eq!(common::available(&e), PAGES, "tp={tp}: every page returned");
-    vec![first, second]
+    (vec![first, second], e.rank_work())
 }
 
 #[test]
-fn tp2_and_tp3_are_bit_identical_to_tp1() {
-    let one = workload(1);
-    for tp in [2, 3] {
-        assert_same_turns(&one, &workload(tp), &format!("tp={tp} vs tp=1"));
+fn tp2_and_tp3_are_bit_identical_to_tp1_and_each_rank_computes_only_its_share() {
+    let cfg = default_config();
+    let (one, whole) = workload(1);
+    assert_eq!(whole.len(), 1, "tp=1 is one rank");
+    let whole = &whole[0];
+    assert!(whole.tokens > 0);
+    for kind in WorkKind::ALL {
+        let all = kind.units(&RankShard::whole(&cfg), cfg.head_dim);
+        let s = whole.share(kind);
+        assert_eq!(s.units, Some(all.clone()), "tp=1 computes all of {kind:?}");
+        assert!(
+            s.computed > 0 && s.computed % all.len() as u64 == 0,
+            "{kind:?}"
+        );
     }
+    for tp in [2, 3] {
+        let (turns, ranks) = workload(tp);
+        assert_same_turns(&one, &turns, &format!("tp={tp} vs tp=1"));
+        assert_sharded(&cfg, tp, whole, &ranks);
+    }
+}
+
+/// `ranks` split every piece of `whole`'s work: rank `r` was handed exactly the units
+/// (rows, cache columns, KV heads) of its shard in the plan, those cover the whole model
+/// once and in order, and it computed them for every token `whole` did, so together the
+/// ranks did tp=1's work once, none of it twice.
+fn assert_sharded(cfg: &LlamaConfig, tp: usize, whole: &RankWork, ranks: &[RankWork]) {
+    let plan = ShardPlan::new(cfg, tp).unwrap();
+    assert_eq!(ranks.len(), tp, "tp={tp}: one count per rank");
+    for (r, w) in ranks.iter().enumerate() {
+        assert_eq!(w.tokens, whole.tokens, "tp={tp} rank {r}: the same batches");
+    }
+    for kind in WorkKind::ALL {
+        let all = whole.share(kind);
+        let total = all.units.clone().unwrap().len() as u64;
+        let mut next = 0;
+        let mut sum = 0;
+        for (r, w) in ranks.iter().enumerate() {
+            let got = w.share(kind);
+            let units = got.units.clone().unwrap_or_else(|| {
+                panic!("tp={tp} rank {r} computed no {kind:?}");
+            });
+            let what = format!("tp={tp} rank {r} {kind:?}: {got:?} of {all:?}");
+            assert_eq!(units, kind.units(&plan.ranks[r], cfg.head_dim), "{what}");
+            assert_eq!(units.start, next, "{what}: after the previous rank's");
+            assert!((units.len() as u64) < total, "{what}: not the whole");
+            assert_eq!(
+                got.computed * total,
+                all.computed * units.len() as u64,
+                "{what}: its units for every token tp=1 computed"
+            );
+            next = units.end;
+            sum += got.computed;
+        }
+        assert_eq!(
+            next as u64, total,
+            "tp={tp} {kind:?}: the shares cover the model"
+        );
+        assert_eq!(sum, all.computed, "tp={tp} {kind:?}: tp=1's work, once");
+    }
+}
+
+/// The default model's hyper-parameters, as the engine reads them.
+fn default_config() -> LlamaConfig {
+    let path = pdmesh_gguf::models::require_default_model();
+    let gguf = pdmesh_gguf::GgufFile::open(&path).expect("the default model opens");
+    LlamaConfig::from_gguf(&gguf).expect("a llama-family model")
 }
 
 fn load(f: impl FnOnce(&mut EngineConfig)) -> EngineError {
