@@ -140,17 +140,30 @@ def test_the_seeds_bug_forced_on_purpose_is_caught_by_the_differential(tmp_path,
 
 
 def test_thinking_is_chosen_per_request_and_checked(tmp_path, tiny):
-    """`chat_template_kwargs.thinking` reaches the DeepSeek V3.2 encoding; a non-boolean is
-    a 400 naming the field."""
+    """`chat_template_kwargs.thinking` (or `enable_thinking`) reaches the DeepSeek V3.2
+    encoding: a thinking prompt opens `<think>`, so what the model writes is reasoning; a
+    plain one closes it, so the same model writes content. A non-boolean is a 400 naming
+    the field."""
     mesh = start_up(tmp_path, ["--model", str(tiny), "--no-smoke-test", "--unified", "--no-host-cache"])
     try:
         client = mesh.client()
         ask = lambda kw: client.chat.completions.create(
-            model=mesh.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+            model=mesh.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0,
             extra_body={"chat_template_kwargs": kw},
         )
-        for kw in ({"thinking": True}, {"thinking": False}, {"enable_thinking": True}, {}):
-            assert ask(kw).choices[0].finish_reason in ("stop", "length")
+        think, plain = ask({"thinking": True}), ask({"thinking": False})
+        # The output fields differ: reasoning only, or content only ...
+        t, p = think.choices[0].message, plain.choices[0].message
+        assert t.model_extra.get("reasoning_content") and not t.content, t
+        assert p.content and not p.model_extra.get("reasoning_content"), p
+        # ... and so do the prompts (`<think>` against `</think>` after the assistant tag):
+        # greedy on one prompt would write the same text, whatever field it landed in.
+        assert t.model_extra["reasoning_content"] != p.content, (t, p)
+        # `enable_thinking` is the same switch; no switch is a plain prompt.
+        for kw, same in (({"enable_thinking": True}, think), ({"enable_thinking": False}, plain), ({}, plain)):
+            r = ask(kw)
+            assert r.usage.prompt_tokens == same.usage.prompt_tokens, (kw, r.usage)
+            assert r.choices[0].message == same.choices[0].message, (kw, r.choices[0].message)
         with pytest.raises(openai.BadRequestError) as e:
             ask({"thinking": "yes"})
         assert "chat_template_kwargs.thinking" in str(e.value.body), e.value.body

@@ -117,16 +117,44 @@ impl Backoff {
 }
 
 /// Free loopback ports, each held until the picker is dropped, so one `up` never hands
-/// the same port to two services (a released port can come back from the next bind).
-#[derive(Default)]
-struct Ports(Vec<std::net::TcpListener>);
+/// the same port to two services (a released port can come back from the next bind),
+/// and never one the user asked for by number (`--port`): that port may be free at
+/// pick time and still be the kernel's next answer to a bind of port 0.
+struct Ports {
+    held: Vec<std::net::TcpListener>,
+    reserved: Vec<u16>,
+    /// Binds one loopback port the kernel chooses (a test may choose for it).
+    bind: Box<dyn FnMut() -> std::io::Result<std::net::TcpListener>>,
+}
+
+impl Default for Ports {
+    fn default() -> Self {
+        Self::avoiding(&[])
+    }
+}
 
 impl Ports {
+    /// A picker that never returns any of `reserved`.
+    fn avoiding(reserved: &[u16]) -> Self {
+        Self {
+            held: Vec::new(),
+            reserved: reserved.to_vec(),
+            bind: Box::new(|| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))),
+        }
+    }
+
     fn pick(&mut self) -> Result<u16, UpError> {
-        let l = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(UpError::Port)?;
-        let port = l.local_addr().map_err(UpError::Port)?.port();
-        self.0.push(l);
-        Ok(port)
+        // Each refused port stays held, so the next bind gets another; a handful of
+        // reserved ports cannot exhaust the tries.
+        for _ in 0..=self.reserved.len() {
+            let l = (self.bind)().map_err(UpError::Port)?;
+            let port = l.local_addr().map_err(UpError::Port)?.port();
+            self.held.push(l);
+            if !self.reserved.contains(&port) {
+                return Ok(port);
+            }
+        }
+        Err(UpError::Port(std::io::Error::other("every picked port was reserved")))
     }
 }
 
@@ -458,7 +486,8 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     if pd && (args.prefill == 0 || args.decode == 0) {
         return Err(UpError::NoWorkers);
     }
-    let mut ports = Ports::default();
+    let explicit: Vec<u16> = [args.port].into_iter().filter(|&p| p != 0).collect();
+    let mut ports = Ports::avoiding(&explicit);
     let mut local = || Ok::<_, UpError>(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), ports.pick()?));
     let tok_addr = local()?;
     // (name, role subcommand, address, extra flags): the decode worker (or the unified
@@ -803,5 +832,28 @@ mod tests {
         assert!(!picked.contains(&0));
         drop(ports);
         std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, picked[0])).expect("free again");
+    }
+
+    #[test]
+    fn a_port_the_user_named_is_never_picked_even_when_the_kernel_offers_it() {
+        // The kernel may answer a bind of port 0 with the very port the user named for
+        // the gateway (free until the gateway binds it): once it gave it to the cache.
+        let named = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut ports = Ports::avoiding(&[named]);
+        let mut offers = 0;
+        ports.bind = Box::new(move || {
+            offers += 1;
+            let port = if offers == 1 { named } else { 0 };
+            std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port))
+        });
+        let picked = ports.pick().unwrap();
+        assert_ne!(picked, named);
+        assert_ne!(picked, 0);
+        drop(ports);
+        std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, named)).expect("the named port is free again");
     }
 }
