@@ -154,7 +154,9 @@ impl Ports {
                 return Ok(port);
             }
         }
-        Err(UpError::Port(std::io::Error::other("every picked port was reserved")))
+        Err(UpError::Port(std::io::Error::other(
+            "every picked port was reserved",
+        )))
     }
 }
 
@@ -854,6 +856,7 @@ mod tests {
         assert_ne!(picked, named);
         assert_ne!(picked, 0);
         drop(ports);
-        std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, named)).expect("the named port is free again");
+        std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, named))
+            .expect("the named port is free again");
     }
 }
