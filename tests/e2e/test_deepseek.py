@@ -19,11 +19,12 @@ from conftest import http, pdmesh_bin, start_up, stop_up
 SESSIONS = 80
 TURNS = 2
 MAX_TOKENS = 6
-# Long enough that every prompt passes the indexer's top-k (64): attention is sparse.
+# The tiny model's indexer keeps this many keys per query (`index_topk`).
+INDEX_TOPK = 64
+# Long enough that every prompt passes the indexer's top-k: attention is sparse.
 SYSTEM = "You are the archivist. " + " ".join(
-    f"Shelf {i} holds {['maps', 'letters', 'ledgers', 'seeds'][i % 4]} from year {1900 + 7 * i}." for i in range(14)
+    f"Shelf {i} holds {['maps', 'letters', 'ledgers', 'seeds'][i % 4]} from year {1900 + 7 * i}." for i in range(6)
 )
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -32,15 +33,17 @@ def tiny(tmp_path_factory):
     return d
 
 
-def converse(client, model: str, s: int) -> list[tuple[list[dict], str, str]]:
-    """One session: its requests (message lists) and each answer and finish reason."""
+def converse(client, model: str, s: int) -> list[tuple[str, str]]:
+    """One session: each turn's answer and finish reason (the next turn's history holds
+    this session's own answers, so one differing answer changes every later request)."""
     history = [{"role": "system", "content": SYSTEM}]
     out = []
     for turn in range(TURNS):
         history.append({"role": "user", "content": f"Session {s}, turn {turn}: which shelf holds {['maps', 'seeds'][(s + turn) % 2]}?"})
         r = client.chat.completions.create(model=model, messages=list(history), max_tokens=MAX_TOKENS, temperature=0)
+        assert r.usage.prompt_tokens > INDEX_TOPK, "the prompt must make attention sparse"
         text = r.choices[0].message.content
-        out.append((list(history), text, r.choices[0].finish_reason))
+        out.append((text, r.choices[0].finish_reason))
         history.append({"role": "assistant", "content": text})
     return out
 
@@ -82,28 +85,31 @@ def disaggregated(tmp, tiny, mla: str, index_k: str, env=None, extra=(), faults=
     return transcripts
 
 
-def reference(tmp, tiny, mla: str, index_k: str, transcripts) -> list[tuple[str, str]]:
-    """The same requests, one at a time, on a unified worker with no cache at all."""
-    args = ["--unified", "--no-host-cache", "--worker-arg=--disable-prefix-cache", "--worker-arg=--max-batch=1",
-            f"--worker-arg=--kv-cache-dtype={mla}", f"--worker-arg=--index-k-dtype={index_k}"]
-    tmp.mkdir()
-    mesh = start_up(tmp, ["--model", str(tiny), "--no-smoke-test", *args])
-    try:
-        client = mesh.client()
-        out = []
-        for session in transcripts:
-            for messages, _, _ in session:
-                r = client.chat.completions.create(model=mesh.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
-                out.append((r.choices[0].message.content, r.choices[0].finish_reason))
-    finally:
-        stop_up(mesh)
-    return out
+# One reference per cache form for the whole module: it does not depend on the mesh it
+# is compared with.
+REFERENCES: dict[tuple[str, str], list[list[tuple[str, str]]]] = {}
+
+
+def reference(tmp_path_factory, tiny, mla: str, index_k: str) -> list[list[tuple[str, str]]]:
+    """Every session's answers from a unified worker with no cache at all, answering one
+    request at a time."""
+    if (mla, index_k) not in REFERENCES:
+        args = ["--unified", "--no-host-cache", "--worker-arg=--disable-prefix-cache", "--worker-arg=--max-batch=1",
+                f"--worker-arg=--kv-cache-dtype={mla}", f"--worker-arg=--index-k-dtype={index_k}"]
+        mesh = start_up(tmp_path_factory.mktemp(f"reference-{mla}-{index_k}"), ["--model", str(tiny), "--no-smoke-test", *args])
+        try:
+            client = mesh.client()
+            REFERENCES[mla, index_k] = [converse(client, mesh.model, s) for s in range(SESSIONS)]
+        finally:
+            stop_up(mesh)
+    return REFERENCES[mla, index_k]
 
 
 def differences(transcripts, ref) -> int:
-    got = [(text, reason) for session in transcripts for _, text, reason in session]
-    assert len(got) == len(ref) == SESSIONS * TURNS
-    return sum(a != b for a, b in zip(got, ref))
+    got = [answer for session in transcripts for answer in session]
+    want = [answer for session in ref for answer in session]
+    assert len(got) == len(want) == SESSIONS * TURNS
+    return sum(a != b for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize(
@@ -118,25 +124,23 @@ def differences(transcripts, ref) -> int:
     ],
     ids=["bf16-fp8", "bf16-bf16-fault-variables-set", "fp8-fp8", "fp8-bf16"],
 )
-def test_pd_with_host_mirror_is_bit_identical_to_unified_no_cache(tmp_path, tiny, mla, index_k, env):
+def test_pd_with_host_mirror_is_bit_identical_to_unified_no_cache(tmp_path, tmp_path_factory, tiny, mla, index_k, env):
     pd = disaggregated(tmp_path / "pd", tiny, mla, index_k, env=env)
-    ref = reference(tmp_path / "ref", tiny, mla, index_k, pd)
-    assert differences(pd, ref) == 0
+    assert differences(pd, reference(tmp_path_factory, tiny, mla, index_k)) == 0
     if env:
         log = (tmp_path / "pd" / "up.log").read_text(errors="replace")
         assert "PDMESH_FAULT_* variables are ignored" in log, log[-4000:]
         assert "FAULT INJECTION IS ON" not in log
 
 
-def test_the_seeds_bug_forced_on_purpose_is_caught_by_the_differential(tmp_path, tiny):
+def test_the_seeds_bug_forced_on_purpose_is_caught_by_the_differential(tmp_path, tmp_path_factory, tiny):
     """bf16 index-K pages sent through a buffer sized for fp8 index-K: checksums pass (they
     are computed after the loss, as in the seed), the answers change. The fault is on only
     through the worker's explicit test flag, and the mesh says so loudly."""
     pd = disaggregated(tmp_path / "pd", tiny, "bf16", "bf16", extra=["--worker-arg=--fault-missize-index-k"], faults=["missize-index-k"])
     log = (tmp_path / "pd" / "up.log").read_text(errors="replace")
     assert "FAULT INJECTION IS ON" in log and "missize-index-k" in log, log[-4000:]
-    ref = reference(tmp_path / "ref", tiny, "bf16", "bf16", pd)
-    assert differences(pd, ref) > 0
+    assert differences(pd, reference(tmp_path_factory, tiny, "bf16", "bf16")) > 0
 
 
 def test_thinking_is_chosen_per_request_and_checked(tmp_path, tiny):
