@@ -3,11 +3,9 @@
 //! usage adds up, context limits are 400s, and a client that disconnects mid-stream gets
 //! its KV pages freed on the worker. Needs the engine and the default model.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{Mesh, Options, get, metric, post_json, start};
+use crate::common::{Mesh, Options, get, metric, post_json, start};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

@@ -2,9 +2,7 @@
 //! client: every RPC a gateway calls, the same tokens as `pdmesh.worker.v1`, and invalid
 //! requests answered with gRPC codes.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use pdmesh_proto::sglang::grpc::scheduler as s;
 use pdmesh_proto::smg::grpc::common as c;
 use s::sglang_scheduler_client::SglangSchedulerClient;

@@ -2,11 +2,9 @@
 //! started on 127.0.0.1:0 with a small KV pool and spoken to through the generated
 //! tonic client.
 
-mod common;
-
 use pdmesh_proto::cache::v1::kv_event::Kind as KvKind;
 
-use common::*;
+use crate::common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_info_describes_the_configured_pool() {
