@@ -10,15 +10,14 @@
 //! (`pdmesh_kv::page_checksum`, XXH3-64),
 //! checked at commit and by every consumer.
 //!
-//! [`client`] is the worker side of the protocol.
+//! The worker side of the protocol (client, wire forms, mirror file, host-tier adapter)
+//! is the `pdmesh-cache-client` crate; it is re-exported here for the server's tests.
 
-pub mod client;
 mod grpc;
-pub mod mirror;
 pub mod rooms;
 mod state;
-mod tier;
-pub mod wire;
+
+pub use pdmesh_cache_client::{Watchdog, client, mirror, wire};
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -26,8 +25,8 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+pub use pdmesh_cache_client::{RemoteTier, TierConfig};
 pub use state::{CacheError, MirrorSize};
-pub use tier::{RemoteTier, TierConfig};
 
 /// Configuration of the cache service.
 #[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
@@ -61,14 +60,6 @@ pub struct Config {
     /// table of them and counts stalls; `hard` also fails them, releasing their slots.
     #[arg(long, env = "PDMESH_WATCHDOG", value_enum, default_value_t = Watchdog::Soft)]
     pub watchdog: Watchdog,
-}
-
-/// See [`Config::watchdog`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Watchdog {
-    Off,
-    Soft,
-    Hard,
 }
 
 impl Config {

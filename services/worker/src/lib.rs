@@ -16,8 +16,8 @@ mod watchdog;
 
 use std::path::PathBuf;
 
-use pdmesh_cache::Watchdog;
-use pdmesh_cache::client::DataPlane;
+use pdmesh_cache_client::Watchdog;
+use pdmesh_cache_client::client::DataPlane;
 use pdmesh_engine::{EngineConfig, WritePolicy};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -347,9 +347,9 @@ pub async fn run(
             Error::Thread(std::io::Error::other(format!("model loader panicked: {e}")))
         })??;
     if let Some(url) = cfg.cache_url.as_ref().filter(|_| !cfg.no_host_tier) {
-        let tier = pdmesh_cache::RemoteTier::start(
+        let tier = pdmesh_cache_client::RemoteTier::start(
             tokio::runtime::Handle::current(),
-            pdmesh_cache::TierConfig {
+            pdmesh_cache_client::TierConfig {
                 url: url.clone(),
                 worker_id: format!("worker-{}", std::process::id()),
                 plane: cfg.cache_data_plane,
@@ -456,6 +456,24 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         cfg: Config,
+    }
+
+    #[test]
+    fn the_worker_links_the_cache_client_never_the_cache_server() {
+        // A worker runs on any host and talks to that host's cache service; linking the
+        // server would let it reach into the server's state. Only the client crate.
+        let manifest = include_str!("../Cargo.toml");
+        let deps = manifest
+            .split("\n[")
+            .find(|s| s.starts_with("dependencies]"))
+            .expect("a [dependencies] table");
+        let names: Vec<&str> = deps
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split(['.', ' ', '=']).next())
+            .filter(|n| n.starts_with("pdmesh-cache"))
+            .collect();
+        assert_eq!(names, ["pdmesh-cache-client"], "{deps}");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use pdmesh_cache::client::{DataPlane, HostClient};
+use pdmesh_cache_client::client::{DataPlane, HostClient};
 use pdmesh_engine::{GenRequest, Part};
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as cpb;

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use pdmesh_cache::Watchdog;
+use pdmesh_cache_client::Watchdog;
 use tokio::sync::watch;
 use tonic::Status;
 

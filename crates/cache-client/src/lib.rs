@@ -1,0 +1,25 @@
+//! The worker's side of the cache service (`services/cache`), in a crate of its own so
+//! that workers never depend on the server.
+//!
+//! [`client`] speaks the cache protocol (`pdmesh.cache.v1`): register with a `KvLayout`,
+//! keep the lease alive, look pages up, load and store them, and take part in hand-over
+//! rooms; page bytes move over the shared-memory mirror file ([`mirror`]) or inside gRPC
+//! messages. [`wire`] converts layouts to and from their protobuf form. [`RemoteTier`]
+//! adapts the client to the engine's synchronous `HostTier`.
+
+pub mod client;
+pub mod mirror;
+mod tier;
+pub mod wire;
+
+pub use tier::{RemoteTier, TierConfig};
+
+/// What a watchdog does with work stuck past half its deadline: `soft` logs a table of
+/// it and counts stalls; `hard` also fails it. The cache service's rooms and a worker's
+/// engine loop share the setting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Watchdog {
+    Off,
+    Soft,
+    Hard,
+}
