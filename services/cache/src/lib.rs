@@ -16,6 +16,7 @@
 mod grpc;
 pub mod rooms;
 mod state;
+pub mod transfer;
 
 pub use pdmesh_cache_client::{Watchdog, client, mirror, wire};
 

@@ -1,0 +1,709 @@
+//! Moving KV pages between hosts' cache services: the `tcp` transport.
+//!
+//! A connection starts with a layout handshake: the sender names its `KvLayout`
+//! (fingerprint, page size in bytes, and a description with each component's bytes per
+//! token); the receiver refuses another fingerprint, naming both layouts, so no page ever
+//! crosses between different layouts. Then the sender streams batches of whole pages
+//! (large frames, no per-page round trip), keeping up to `window` batches unacknowledged;
+//! the receiver checks every page's checksum as it arrives, before its sink sees the page,
+//! and acknowledges each batch. Every read and write has a deadline, so a peer that stops
+//! reading, stops writing or vanishes fails the transfer in bounded time instead of
+//! wedging it.
+//!
+//! Frames (integers little-endian):
+//! - hello: `PDKV` | version u16 | fingerprint u64 | page bytes u64 | description (u32 len + UTF-8)
+//! - hello reply: status u8 (0 accepted, 1 refused) | text (u32 len + UTF-8)
+//! - batch: room u64 | sequence u32 | pages u32 | per page: index u32 | checksum u64 | bytes
+//! - ack: sequence u32 | status u8 (0 ok, 2 checksum, 3 refused) | page index u32 | text
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use pdmesh_kv::{KvLayout, page_checksum};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+const MAGIC: [u8; 4] = *b"PDKV";
+const VERSION: u16 = 1;
+/// Longest text a peer may send in a hello or an ack.
+const MAX_TEXT: u32 = 64 << 10;
+
+const ACK_OK: u8 = 0;
+const ACK_CHECKSUM: u8 = 2;
+const ACK_REFUSED: u8 = 3;
+
+/// One page to send: the room's page index, its checksum and its bytes (one whole page of
+/// the layout).
+#[derive(Clone, Copy, Debug)]
+pub struct OutPage<'a> {
+    pub index: u32,
+    pub checksum: u64,
+    pub bytes: &'a [u8],
+}
+
+/// What one `send` moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sent {
+    pub pages: u64,
+    pub bytes: u64,
+    pub batches: u64,
+}
+
+/// The sending side of a transport: moves a room's pages to the host that holds the room.
+/// Rooms and the engine see only this; a transport over RDMA (NIXL, say) would be another
+/// implementation with its own handshake.
+pub trait Transport {
+    fn send(
+        &mut self,
+        room: u64,
+        pages: &[OutPage<'_>],
+    ) -> impl Future<Output = Result<Sent, TransferError>> + Send;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    #[error("connecting to {peer}: {source}")]
+    Connect { peer: String, source: io::Error },
+    #[error("{peer} refused the layout: {reason}")]
+    LayoutRefused { peer: String, reason: String },
+    #[error("{what} with {peer} passed its {timeout:?} deadline")]
+    Deadline {
+        peer: String,
+        what: &'static str,
+        timeout: Duration,
+    },
+    #[error("the link to {peer} failed: {source}")]
+    Io { peer: String, source: io::Error },
+    #[error("page {index} of room {room} failed its checksum on arrival at {peer}")]
+    Checksum { peer: String, room: u64, index: u32 },
+    #[error("page {index} of room {room} was refused by {peer}: {reason}")]
+    Refused {
+        peer: String,
+        room: u64,
+        index: u32,
+        reason: String,
+    },
+    #[error("page {index} has {got} bytes; the layout's pages have {want}")]
+    PageSize { index: u32, got: usize, want: usize },
+    #[error("{peer} broke the protocol: {what}")]
+    Protocol { peer: String, what: String },
+}
+
+/// Tuning of the tcp transport.
+#[derive(Clone, Copy, Debug)]
+pub struct TcpOptions {
+    /// Deadline of every read and write of a frame (and of connecting).
+    pub io_timeout: Duration,
+    /// How long a receiver waits for the next batch before closing an idle connection.
+    pub idle_timeout: Duration,
+    /// Bytes of pages per batch (at least one page).
+    pub batch_bytes: usize,
+    /// Batches sent before the first acknowledgement must arrive.
+    pub window: usize,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        Self {
+            io_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
+            batch_bytes: 4 << 20,
+            window: 4,
+        }
+    }
+}
+
+/// A layout as the handshake names it: its display form and each component's bytes per
+/// token (per layer), the figures a mismatch is explained by.
+pub fn describe(layout: &KvLayout) -> String {
+    let parts: Vec<String> = layout
+        .components()
+        .iter()
+        .map(|c| format!("{} {} B/token", c.name, c.bytes_per_token()))
+        .collect();
+    format!("{layout}; per layer {}", parts.join(", "))
+}
+
+async fn deadline<T>(
+    peer: &str,
+    what: &'static str,
+    timeout: Duration,
+    fut: impl Future<Output = io::Result<T>>,
+) -> Result<T, TransferError> {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(source)) => Err(TransferError::Io {
+            peer: peer.to_owned(),
+            source,
+        }),
+        Err(_) => Err(TransferError::Deadline {
+            peer: peer.to_owned(),
+            what,
+            timeout,
+        }),
+    }
+}
+
+async fn read_text<R: AsyncReadExt + Unpin>(r: &mut R) -> io::Result<String> {
+    let len = r.read_u32_le().await?;
+    if len > MAX_TEXT {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "text too long"));
+    }
+    let mut buf = vec![0; len as usize];
+    r.read_exact(&mut buf).await?;
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}
+
+fn put_text(out: &mut Vec<u8>, s: &str) {
+    let s = &s.as_bytes()[..s.len().min(MAX_TEXT as usize)];
+    out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    out.extend_from_slice(s);
+}
+
+/// The sending end of one tcp connection to a peer cache service.
+pub struct TcpSender {
+    peer: String,
+    rd: BufReader<OwnedReadHalf>,
+    wr: BufWriter<OwnedWriteHalf>,
+    page_bytes: usize,
+    opts: TcpOptions,
+    seq: u32,
+}
+
+impl TcpSender {
+    /// Connects and performs the layout handshake.
+    pub async fn connect(
+        addr: SocketAddr,
+        layout: &KvLayout,
+        opts: TcpOptions,
+    ) -> Result<Self, TransferError> {
+        let peer = addr.to_string();
+        let stream = match tokio::time::timeout(opts.io_timeout, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(source)) => return Err(TransferError::Connect { peer, source }),
+            Err(_) => {
+                return Err(TransferError::Deadline {
+                    peer,
+                    what: "connecting",
+                    timeout: opts.io_timeout,
+                });
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (rd, wr) = stream.into_split();
+        let mut s = Self {
+            rd: BufReader::new(rd),
+            wr: BufWriter::with_capacity(1 << 20, wr),
+            page_bytes: layout.bytes_per_page(),
+            peer,
+            opts,
+            seq: 0,
+        };
+        let mut hello = Vec::new();
+        hello.extend_from_slice(&MAGIC);
+        hello.extend_from_slice(&VERSION.to_le_bytes());
+        hello.extend_from_slice(&layout.fingerprint().to_le_bytes());
+        hello.extend_from_slice(&(s.page_bytes as u64).to_le_bytes());
+        put_text(&mut hello, &describe(layout));
+        let (peer, t) = (s.peer.clone(), s.opts.io_timeout);
+        deadline(&peer, "the hello", t, async {
+            s.wr.write_all(&hello).await?;
+            s.wr.flush().await
+        })
+        .await?;
+        let (status, text) = deadline(&peer, "the hello reply", t, async {
+            let status = s.rd.read_u8().await?;
+            Ok((status, read_text(&mut s.rd).await?))
+        })
+        .await?;
+        match status {
+            0 => Ok(s),
+            1 => Err(TransferError::LayoutRefused { peer, reason: text }),
+            other => Err(TransferError::Protocol {
+                peer,
+                what: format!("hello reply status {other}"),
+            }),
+        }
+    }
+
+    async fn read_ack(&mut self, room: u64, want: u32) -> Result<(), TransferError> {
+        let (peer, t) = (self.peer.clone(), self.opts.io_timeout);
+        let rd = &mut self.rd;
+        let (seq, status, index, text) = deadline(&peer, "an acknowledgement", t, async {
+            let seq = rd.read_u32_le().await?;
+            let status = rd.read_u8().await?;
+            let index = rd.read_u32_le().await?;
+            Ok((seq, status, index, read_text(rd).await?))
+        })
+        .await?;
+        if seq != want {
+            return Err(TransferError::Protocol {
+                peer,
+                what: format!("acknowledged batch {seq}, expected {want}"),
+            });
+        }
+        match status {
+            ACK_OK => Ok(()),
+            ACK_CHECKSUM => Err(TransferError::Checksum { peer, room, index }),
+            ACK_REFUSED => Err(TransferError::Refused {
+                peer,
+                room,
+                index,
+                reason: text,
+            }),
+            other => Err(TransferError::Protocol {
+                peer,
+                what: format!("acknowledgement status {other}"),
+            }),
+        }
+    }
+}
+
+impl Transport for TcpSender {
+    async fn send(&mut self, room: u64, pages: &[OutPage<'_>]) -> Result<Sent, TransferError> {
+        if let Some(p) = pages.iter().find(|p| p.bytes.len() != self.page_bytes) {
+            return Err(TransferError::PageSize {
+                index: p.index,
+                got: p.bytes.len(),
+                want: self.page_bytes,
+            });
+        }
+        let per_batch = (self.opts.batch_bytes / self.page_bytes.max(1)).max(1);
+        let window = self.opts.window.max(1);
+        let mut sent = Sent::default();
+        let mut unacked = VecDeque::new();
+        for batch in pages.chunks(per_batch) {
+            let seq = self.seq;
+            self.seq = self.seq.wrapping_add(1);
+            let (peer, t) = (self.peer.clone(), self.opts.io_timeout);
+            let wr = &mut self.wr;
+            deadline(&peer, "writing a batch", t, async {
+                let mut head = [0u8; 16];
+                head[..8].copy_from_slice(&room.to_le_bytes());
+                head[8..12].copy_from_slice(&seq.to_le_bytes());
+                head[12..].copy_from_slice(&(batch.len() as u32).to_le_bytes());
+                wr.write_all(&head).await?;
+                for p in batch {
+                    let mut ph = [0u8; 12];
+                    ph[..4].copy_from_slice(&p.index.to_le_bytes());
+                    ph[4..].copy_from_slice(&p.checksum.to_le_bytes());
+                    wr.write_all(&ph).await?;
+                    wr.write_all(p.bytes).await?;
+                }
+                wr.flush().await
+            })
+            .await?;
+            sent.batches += 1;
+            sent.pages += batch.len() as u64;
+            sent.bytes += (batch.len() * self.page_bytes) as u64;
+            unacked.push_back(seq);
+            if unacked.len() >= window {
+                let want = unacked.pop_front().expect("not empty");
+                self.read_ack(room, want).await?;
+            }
+        }
+        while let Some(want) = unacked.pop_front() {
+            self.read_ack(room, want).await?;
+        }
+        Ok(sent)
+    }
+}
+
+/// One page as the receiver hands it to its sink: its checksum already verified.
+#[derive(Debug)]
+pub struct InPage {
+    pub room: u64,
+    pub index: u32,
+    pub checksum: u64,
+    pub bytes: Vec<u8>,
+}
+
+/// What a receiving connection did before it ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Received {
+    pub pages: u64,
+    pub batches: u64,
+    pub checksum_failures: u64,
+}
+
+/// Serves one incoming connection for a cache service whose layout is `layout`: the
+/// handshake, then batches until the sender closes or stays idle past `idle_timeout`.
+/// `sink` gets each page whose checksum matched, in order; an error from it refuses the
+/// page (and the rest of its batch) with that reason. A page with a bad checksum never
+/// reaches the sink. Returns when the connection ends; an error says why it ended early.
+pub async fn serve_connection(
+    stream: TcpStream,
+    layout: &KvLayout,
+    opts: TcpOptions,
+    mut sink: impl FnMut(InPage) -> Result<(), String>,
+) -> Result<Received, TransferError> {
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "?".to_owned(), |a| a.to_string());
+    let _ = stream.set_nodelay(true);
+    let (rd, wr) = stream.into_split();
+    let mut rd = BufReader::with_capacity(1 << 20, rd);
+    let mut wr = BufWriter::new(wr);
+    let t = opts.io_timeout;
+    let (magic, version, fingerprint, page_bytes, theirs) =
+        deadline(&peer, "the hello", t, async {
+            let mut magic = [0u8; 4];
+            rd.read_exact(&mut magic).await?;
+            let version = rd.read_u16_le().await?;
+            let fingerprint = rd.read_u64_le().await?;
+            let page_bytes = rd.read_u64_le().await?;
+            Ok((
+                magic,
+                version,
+                fingerprint,
+                page_bytes,
+                read_text(&mut rd).await?,
+            ))
+        })
+        .await?;
+    if magic != MAGIC || version != VERSION {
+        return Err(TransferError::Protocol {
+            peer,
+            what: format!("hello {magic:?} version {version}"),
+        });
+    }
+    let ours = describe(layout);
+    let accepted =
+        fingerprint == layout.fingerprint() && page_bytes == layout.bytes_per_page() as u64;
+    let mut reply = vec![u8::from(!accepted)];
+    if accepted {
+        put_text(&mut reply, &ours);
+    } else {
+        put_text(
+            &mut reply,
+            &format!("KV layouts differ: this host has {ours}; the sender has {theirs}"),
+        );
+    }
+    deadline(&peer, "the hello reply", t, async {
+        wr.write_all(&reply).await?;
+        wr.flush().await
+    })
+    .await?;
+    if !accepted {
+        return Err(TransferError::LayoutRefused {
+            peer,
+            reason: format!("this host has {ours}; the sender has {theirs}"),
+        });
+    }
+
+    let page_bytes = layout.bytes_per_page();
+    let mut got = Received::default();
+    loop {
+        // Between batches the connection may idle; inside one every read has a deadline.
+        let mut head = [0u8; 16];
+        match tokio::time::timeout(opts.idle_timeout, rd.read_exact(&mut head[..1])).await {
+            Err(_) => return Ok(got),
+            Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(got),
+            Ok(Err(source)) => return Err(TransferError::Io { peer, source }),
+            Ok(Ok(_)) => {}
+        }
+        deadline(&peer, "a batch header", t, rd.read_exact(&mut head[1..])).await?;
+        let room = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+        let seq = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
+        let count = u32::from_le_bytes(head[12..].try_into().expect("4 bytes"));
+        let (mut status, mut bad_index, mut text) = (ACK_OK, 0u32, String::new());
+        for _ in 0..count {
+            let mut bytes = vec![0u8; page_bytes];
+            let (index, checksum) = deadline(&peer, "a page", t, async {
+                let index = rd.read_u32_le().await?;
+                let checksum = rd.read_u64_le().await?;
+                rd.read_exact(&mut bytes).await?;
+                Ok((index, checksum))
+            })
+            .await?;
+            if status != ACK_OK {
+                continue; // the batch already failed: read on to keep the framing
+            }
+            if page_checksum(&bytes) != checksum {
+                got.checksum_failures += 1;
+                (status, bad_index) = (ACK_CHECKSUM, index);
+                continue;
+            }
+            let page = InPage {
+                room,
+                index,
+                checksum,
+                bytes,
+            };
+            match sink(page) {
+                Ok(()) => got.pages += 1,
+                Err(reason) => (status, bad_index, text) = (ACK_REFUSED, index, reason),
+            }
+        }
+        got.batches += 1;
+        let mut ack = Vec::with_capacity(16 + text.len());
+        ack.extend_from_slice(&seq.to_le_bytes());
+        ack.push(status);
+        ack.extend_from_slice(&bad_index.to_le_bytes());
+        put_text(&mut ack, &text);
+        deadline(&peer, "an acknowledgement", t, async {
+            wr.write_all(&ack).await?;
+            wr.flush().await
+        })
+        .await?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use pdmesh_kv::{Component, DType};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    fn layout(dtype: DType) -> KvLayout {
+        KvLayout::new(
+            "test-kv",
+            2,
+            16,
+            vec![
+                Component::plain("k", dtype, 64),
+                Component::plain("v", dtype, 64),
+            ],
+        )
+        .unwrap()
+    }
+
+    fn pages(layout: &KvLayout, n: usize) -> Vec<Vec<u8>> {
+        (0..n)
+            .map(|i| {
+                (0..layout.bytes_per_page())
+                    .map(|b| (b * 31 + i * 7) as u8)
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn out(pages: &[Vec<u8>]) -> Vec<OutPage<'_>> {
+        pages
+            .iter()
+            .enumerate()
+            .map(|(i, b)| OutPage {
+                index: i as u32,
+                checksum: page_checksum(b),
+                bytes: b,
+            })
+            .collect()
+    }
+
+    fn quick() -> TcpOptions {
+        TcpOptions {
+            io_timeout: Duration::from_millis(500),
+            idle_timeout: Duration::from_secs(5),
+            batch_bytes: 3 * layout(DType::F16).bytes_per_page(),
+            window: 2,
+        }
+    }
+
+    type Delivered = Arc<Mutex<Vec<InPage>>>;
+
+    /// A receiver for one connection on loopback; its result and the pages it delivered.
+    async fn receiver(
+        layout: KvLayout,
+        refuse_index: Option<u32>,
+    ) -> (
+        SocketAddr,
+        tokio::task::JoinHandle<Result<Received, TransferError>>,
+        Delivered,
+    ) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let delivered = Delivered::default();
+        let d = delivered.clone();
+        let task = tokio::spawn(async move {
+            let (s, _) = l.accept().await.unwrap();
+            serve_connection(s, &layout, quick(), |p| {
+                if Some(p.index) == refuse_index {
+                    return Err("room failed".into());
+                }
+                d.lock().unwrap().push(p);
+                Ok(())
+            })
+            .await
+        });
+        (addr, task, delivered)
+    }
+
+    #[tokio::test]
+    async fn pages_arrive_whole_in_order_in_batches_with_several_in_flight() {
+        let l = layout(DType::F16);
+        let (addr, task, delivered) = receiver(l.clone(), None).await;
+        let data = pages(&l, 64);
+        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let sent = tx.send(9, &out(&data)).await.unwrap();
+        assert_eq!(
+            sent,
+            Sent {
+                pages: 64,
+                bytes: (64 * l.bytes_per_page()) as u64,
+                batches: 22
+            }
+        );
+        // The connection carries the next room too.
+        tx.send(10, &out(&data[..2])).await.unwrap();
+        drop(tx);
+        let got = task.await.unwrap().unwrap();
+        assert_eq!((got.pages, got.batches, got.checksum_failures), (66, 23, 0));
+        let d = delivered.lock().unwrap();
+        for (i, p) in d[..64].iter().enumerate() {
+            assert_eq!((p.room, p.index as usize), (9, i));
+            assert_eq!(p.bytes, data[i]);
+        }
+        assert_eq!((d[64].room, d[65].index), (10, 1));
+    }
+
+    #[tokio::test]
+    async fn another_layout_is_refused_naming_both_and_no_page_crosses() {
+        let (addr, task, delivered) = receiver(layout(DType::F16), None).await;
+        let theirs = layout(DType::Bf16);
+        let err = match TcpSender::connect(addr, &theirs, quick()).await {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a bf16 sender was accepted by an f16 host"),
+        };
+        assert!(err.contains("KV layouts differ"), "{err}");
+        assert!(err.contains("k:f16") && err.contains("k:bf16"), "{err}");
+        assert!(err.contains("k 128 B/token"), "{err}");
+        assert!(matches!(
+            task.await.unwrap(),
+            Err(TransferError::LayoutRefused { .. })
+        ));
+        assert!(delivered.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_page_whose_bytes_changed_on_the_way_never_reaches_the_sink() {
+        let l = layout(DType::F16);
+        let (addr, task, delivered) = receiver(l.clone(), None).await;
+        let data = pages(&l, 6);
+        let mut pages = out(&data);
+        pages[4].checksum ^= 1; // as if a byte flipped after the checksum was taken
+        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let err = tx.send(3, &pages).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransferError::Checksum {
+                    room: 3,
+                    index: 4,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        drop(tx);
+        let got = task.await.unwrap().unwrap();
+        assert_eq!(got.checksum_failures, 1);
+        // Batches of three: the first batch went through; of the second, only the page
+        // before the bad one.
+        let idx: Vec<u32> = delivered.lock().unwrap().iter().map(|p| p.index).collect();
+        assert_eq!(idx, [0, 1, 2, 3]);
+    }
+
+    #[tokio::test]
+    async fn a_refusal_by_the_receiver_names_the_page_and_its_reason() {
+        let l = layout(DType::F16);
+        let (addr, _task, _) = receiver(l.clone(), Some(1)).await;
+        let data = pages(&l, 2);
+        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let err = tx.send(5, &out(&data)).await.unwrap_err();
+        assert!(
+            matches!(&err, TransferError::Refused { room: 5, index: 1, reason, .. } if reason == "room failed"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_stops_reading_fails_the_send_by_its_deadline() {
+        let l = layout(DType::F16);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let layout2 = l.clone();
+        // Answers the hello, then never reads again (a SIGSTOPped cache service).
+        let stalled = tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            let (rd, mut wr) = s.into_split();
+            let mut rd = BufReader::new(rd);
+            let mut hello = vec![0u8; 4 + 2 + 8 + 8];
+            rd.read_exact(&mut hello).await.unwrap();
+            read_text(&mut rd).await.unwrap();
+            let mut reply = vec![0u8];
+            put_text(&mut reply, &describe(&layout2));
+            wr.write_all(&reply).await.unwrap();
+            std::future::pending::<()>().await;
+            drop((rd, wr));
+        });
+        let data = pages(&l, 64); // more than the socket buffers hold
+        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let big: Vec<OutPage<'_>> = (0..40).flat_map(|_| out(&data)).collect();
+        let err = tx.send(1, &big).await.unwrap_err();
+        assert!(matches!(err, TransferError::Deadline { .. }), "{err}");
+        stalled.abort();
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_vanishes_mid_transfer_is_an_error_not_a_hang() {
+        let l = layout(DType::F16);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let layout2 = l.clone();
+        // Answers the hello, takes part of the first batch, and is gone (killed).
+        tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            let (rd, mut wr) = s.into_split();
+            let mut rd = BufReader::new(rd);
+            let mut hello = vec![0u8; 4 + 2 + 8 + 8];
+            rd.read_exact(&mut hello).await.unwrap();
+            read_text(&mut rd).await.unwrap();
+            let mut reply = vec![0u8];
+            put_text(&mut reply, &describe(&layout2));
+            wr.write_all(&reply).await.unwrap();
+            let mut part = vec![0u8; 5000];
+            rd.read_exact(&mut part).await.unwrap();
+        });
+        let data = pages(&l, 64);
+        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let err = tx.send(1, &out(&data)).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransferError::Io { .. } | TransferError::Deadline { .. }
+            ),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_page_of_the_wrong_size_is_refused_before_anything_is_sent() {
+        let l = layout(DType::F16);
+        let (addr, _task, delivered) = receiver(l.clone(), None).await;
+        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let short = vec![0u8; 10];
+        let err = tx
+            .send(
+                1,
+                &[OutPage {
+                    index: 0,
+                    checksum: page_checksum(&short),
+                    bytes: &short,
+                }],
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, TransferError::PageSize { got: 10, .. }),
+            "{err}"
+        );
+        assert!(delivered.lock().unwrap().is_empty());
+    }
+}
