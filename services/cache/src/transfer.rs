@@ -91,6 +91,10 @@ pub enum TransferError {
     PageSize { index: u32, got: usize, want: usize },
     #[error("{peer} broke the protocol: {what}")]
     Protocol { peer: String, what: String },
+    /// An earlier send on this connection failed; its framing cannot be trusted, so it
+    /// carries nothing more (connect again).
+    #[error("the connection to {peer} failed earlier ({first}); connect again")]
+    Broken { peer: String, first: String },
 }
 
 /// Tuning of the tcp transport.
@@ -172,6 +176,9 @@ pub struct TcpSender {
     page_bytes: usize,
     opts: TcpOptions,
     seq: u32,
+    /// Why an earlier send failed: batches may still be unacknowledged, so the connection
+    /// is never used again.
+    broken: Option<String>,
 }
 
 impl TcpSender {
@@ -182,17 +189,17 @@ impl TcpSender {
         opts: TcpOptions,
     ) -> Result<Self, TransferError> {
         let peer = addr.to_string();
-        let stream = match tokio::time::timeout(opts.io_timeout, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(source)) => return Err(TransferError::Connect { peer, source }),
-            Err(_) => {
-                return Err(TransferError::Deadline {
-                    peer,
-                    what: "connecting",
-                    timeout: opts.io_timeout,
-                });
-            }
-        };
+        let stream = deadline(
+            &peer,
+            "connecting",
+            opts.io_timeout,
+            TcpStream::connect(addr),
+        )
+        .await
+        .map_err(|e| match e {
+            TransferError::Io { peer, source } => TransferError::Connect { peer, source },
+            other => other,
+        })?;
         let _ = stream.set_nodelay(true);
         let (rd, wr) = stream.into_split();
         let mut s = Self {
@@ -202,6 +209,7 @@ impl TcpSender {
             peer,
             opts,
             seq: 0,
+            broken: None,
         };
         let mut hello = Vec::new();
         hello.extend_from_slice(&MAGIC);
@@ -265,6 +273,28 @@ impl TcpSender {
 
 impl Transport for TcpSender {
     async fn send(&mut self, room: u64, pages: &[OutPage<'_>]) -> Result<Sent, TransferError> {
+        if let Some(first) = &self.broken {
+            return Err(TransferError::Broken {
+                peer: self.peer.clone(),
+                first: first.clone(),
+            });
+        }
+        let r = self.send_batches(room, pages).await;
+        if let Err(e) = &r
+            && !matches!(e, TransferError::PageSize { .. })
+        {
+            self.broken = Some(e.to_string());
+        }
+        r
+    }
+}
+
+impl TcpSender {
+    async fn send_batches(
+        &mut self,
+        room: u64,
+        pages: &[OutPage<'_>],
+    ) -> Result<Sent, TransferError> {
         if let Some(p) = pages.iter().find(|p| p.bytes.len() != self.page_bytes) {
             return Err(TransferError::PageSize {
                 index: p.index,
@@ -601,6 +631,9 @@ mod tests {
             ),
             "{err}"
         );
+        // Its framing may hold unacknowledged batches: the connection carries no more.
+        let again = tx.send(4, &out(&data[..1])).await.unwrap_err();
+        assert!(matches!(again, TransferError::Broken { .. }), "{again}");
         drop(tx);
         let got = task.await.unwrap().unwrap();
         assert_eq!(got.checksum_failures, 1);
@@ -623,6 +656,23 @@ mod tests {
         );
     }
 
+    /// A peer that answers the hello by hand and then does what the test says.
+    async fn fake_peer(
+        listener: TcpListener,
+        layout: &KvLayout,
+    ) -> (BufReader<OwnedReadHalf>, OwnedWriteHalf) {
+        let (s, _) = listener.accept().await.unwrap();
+        let (rd, mut wr) = s.into_split();
+        let mut rd = BufReader::new(rd);
+        let mut hello = vec![0u8; 4 + 2 + 8 + 8];
+        rd.read_exact(&mut hello).await.unwrap();
+        read_text(&mut rd).await.unwrap();
+        let mut reply = vec![0u8];
+        put_text(&mut reply, &describe(layout));
+        wr.write_all(&reply).await.unwrap();
+        (rd, wr)
+    }
+
     #[tokio::test]
     async fn a_peer_that_stops_reading_fails_the_send_by_its_deadline() {
         let l = layout(DType::F16);
@@ -631,17 +681,8 @@ mod tests {
         let layout2 = l.clone();
         // Answers the hello, then never reads again (a SIGSTOPped cache service).
         let stalled = tokio::spawn(async move {
-            let (s, _) = listener.accept().await.unwrap();
-            let (rd, mut wr) = s.into_split();
-            let mut rd = BufReader::new(rd);
-            let mut hello = vec![0u8; 4 + 2 + 8 + 8];
-            rd.read_exact(&mut hello).await.unwrap();
-            read_text(&mut rd).await.unwrap();
-            let mut reply = vec![0u8];
-            put_text(&mut reply, &describe(&layout2));
-            wr.write_all(&reply).await.unwrap();
+            let _held = fake_peer(listener, &layout2).await;
             std::future::pending::<()>().await;
-            drop((rd, wr));
         });
         let data = pages(&l, 64); // more than the socket buffers hold
         let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
@@ -659,28 +700,15 @@ mod tests {
         let layout2 = l.clone();
         // Answers the hello, takes part of the first batch, and is gone (killed).
         tokio::spawn(async move {
-            let (s, _) = listener.accept().await.unwrap();
-            let (rd, mut wr) = s.into_split();
-            let mut rd = BufReader::new(rd);
-            let mut hello = vec![0u8; 4 + 2 + 8 + 8];
-            rd.read_exact(&mut hello).await.unwrap();
-            read_text(&mut rd).await.unwrap();
-            let mut reply = vec![0u8];
-            put_text(&mut reply, &describe(&layout2));
-            wr.write_all(&reply).await.unwrap();
+            let (mut rd, _wr) = fake_peer(listener, &layout2).await;
             let mut part = vec![0u8; 5000];
             rd.read_exact(&mut part).await.unwrap();
         });
         let data = pages(&l, 64);
         let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
         let err = tx.send(1, &out(&data)).await.unwrap_err();
-        assert!(
-            matches!(
-                err,
-                TransferError::Io { .. } | TransferError::Deadline { .. }
-            ),
-            "{err}"
-        );
+        // The reset arrives long before any deadline.
+        assert!(matches!(err, TransferError::Io { .. }), "{err}");
     }
 
     #[tokio::test]
@@ -705,5 +733,38 @@ mod tests {
             "{err}"
         );
         assert!(delivered.lock().unwrap().is_empty());
+        // Nothing was written, so the connection still carries whole pages.
+        let data = pages(&l, 1);
+        tx.send(2, &out(&data)).await.unwrap();
+        assert_eq!(delivered.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_stranger_or_a_bogus_length_is_refused_and_delivers_nothing() {
+        let l = layout(DType::F16);
+        for hello in [
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+            // Our magic and version, then a description claiming 4 GiB.
+            [
+                &MAGIC[..],
+                &VERSION.to_le_bytes(),
+                &[0; 16],
+                &u32::MAX.to_le_bytes(),
+            ]
+            .concat(),
+        ] {
+            let (addr, task, delivered) = receiver(l.clone(), None).await;
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            s.write_all(&hello).await.unwrap();
+            let err = task.await.unwrap().unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    TransferError::Protocol { .. } | TransferError::Io { .. }
+                ),
+                "{err}"
+            );
+            assert!(delivered.lock().unwrap().is_empty());
+        }
     }
 }
