@@ -36,6 +36,15 @@ pub enum ClientError {
     WrongSize { want: usize, got: usize },
 }
 
+/// Where a room lives and what its receiver holds (see `RoomOpenRequest`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RoomOpen<'a> {
+    /// The receiver's host's cache service, when it is not this one (senders only).
+    pub home: &'a str,
+    /// Leading prompt pages the receiver holds already (receivers only).
+    pub held_pages: u32,
+}
+
 /// A page the mirror holds, pinned for this worker until loaded.
 pub type PageRef = pb::PageRef;
 
@@ -386,6 +395,20 @@ impl HostClient {
         request_id: &str,
         trace_id: &str,
     ) -> Result<pb::RoomStatus, tonic::Status> {
+        self.room_open_with(room, side, request_id, trace_id, RoomOpen::default())
+            .await
+    }
+
+    /// [`Self::room_open`] with a room on another host (a sender's `home`) or the pages a
+    /// receiver holds already.
+    pub async fn room_open_with(
+        &self,
+        room: u64,
+        side: pb::RoomSide,
+        request_id: &str,
+        trace_id: &str,
+        how: RoomOpen<'_>,
+    ) -> Result<pb::RoomStatus, tonic::Status> {
         Ok(self
             .rpc
             .clone()
@@ -395,6 +418,8 @@ impl HostClient {
                 side: side.into(),
                 request_id: request_id.to_owned(),
                 trace_id: trace_id.to_owned(),
+                home: how.home.to_owned(),
+                held_pages: how.held_pages,
             }))
             .await?
             .into_inner())

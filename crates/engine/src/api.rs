@@ -166,8 +166,13 @@ pub enum StepEvent {
         /// Prompt tokens found in the caches instead of computed.
         cached: usize,
     },
-    /// A decode-side request holds `pages` pages for its prompt's KV.
-    Reserved { id: Arc<str>, pages: usize },
+    /// A decode-side request holds `pages` pages for its prompt's KV, of which the first
+    /// `held` came from this engine's prefix cache: `import` fills only the rest.
+    Reserved {
+        id: Arc<str>,
+        pages: usize,
+        held: usize,
+    },
     /// A request left the waiting queue for the first time (later re-admissions after a
     /// preemption are not reported): of its prompt, `device_cached` tokens came from the
     /// device prefix cache and `host_cached` from the host tier; the rest is computed.

@@ -98,6 +98,9 @@ struct Seq {
     part: Part,
     /// The request's grammar (constrained decoding), if it has one.
     constraint: Option<Box<Constraint>>,
+    /// Decode side: leading pages of the prompt this engine's prefix cache already held
+    /// when it reserved; their KV does not travel.
+    held: usize,
 }
 
 impl Seq {
@@ -449,6 +452,7 @@ impl Engine {
             logits: Vec::new(),
             part,
             constraint,
+            held: 0,
         });
         self.stalled = false;
         self.blocked = false;
@@ -489,7 +493,8 @@ impl Engine {
     }
 
     /// Gives decode-side request `id` its prompt's KV and first token: `fill` writes the
-    /// pages reserved for it (in prompt order) and says whether the bytes arrived intact.
+    /// pages reserved for it after the `held` ones its prefix cache had (in prompt order)
+    /// and says whether the bytes arrived intact.
     /// The request then generates from its second token, exactly as a unified engine
     /// would have. Returns the events for the first token (it may already finish).
     pub fn import(
@@ -518,9 +523,10 @@ impl Engine {
             })?;
         }
         let filled = {
+            let held = self.parked[i].held;
             let mut bufs = self
                 .pool
-                .pages_mut(&self.parked[i].pages)
+                .pages_mut(&self.parked[i].pages[held..])
                 .expect("reserved pages are allocated");
             fill(&mut bufs)
         };
@@ -755,7 +761,16 @@ impl Engine {
                 // pages bound reservations (as a decode server preallocates for every
                 // transfer memory allows), so a request waiting for a batch slot is not
                 // also waiting to be told it has pages.
-                let need = self.pool.pages_for_tokens(front.tokens.len());
+                // Whole pages this engine's prefix cache holds already (never the
+                // prompt's last token's page, as on a prefill) stay here: only the rest
+                // travel.
+                let len = front.tokens.len();
+                let hit = match &mut self.cache {
+                    Some(c) => c.match_prefix(&mut self.pool, &front.tokens, len - 1),
+                    None => Vec::new(),
+                };
+                let total = self.pool.pages_for_tokens(len);
+                let need = total - hit.len();
                 let (free, headroom) = (
                     self.pool.free_pages(),
                     self.running.len() + self.ready.len(),
@@ -764,16 +779,21 @@ impl Engine {
                     && !self.running.is_empty()
                     && free + self.cached_pages() < need + headroom
                 {
+                    self.release(hit);
                     break;
                 }
                 let Ok(pages) = self.alloc(need) else {
+                    self.release(hit);
                     break;
                 };
                 let mut s = self.waiting.pop_front().expect("front exists");
-                s.pages = pages;
+                s.held = hit.len();
+                s.pages = hit;
+                s.pages.extend(pages);
                 self.pending.push(StepEvent::Reserved {
                     id: s.id.clone(),
-                    pages: need,
+                    pages: total,
+                    held: s.held,
                 });
                 self.parked.push(s);
                 continue;

@@ -11,17 +11,20 @@ use tokio::sync::broadcast;
 use tokio_stream::StreamExt as _;
 use tonic::{Request, Response, Status};
 
+use crate::peers::{Link, Peers};
 use crate::rooms::{Aux, RoomError, RoomPage, RoomState, Side};
 use crate::state::{CacheError, CommitPage, Event, State};
+use crate::transfer::OutPage;
 use crate::wire::layout_from_pb;
 
 impl From<CacheError> for Status {
     fn from(e: CacheError) -> Self {
         let msg = e.to_string();
         match e {
-            CacheError::LayoutMismatch { .. } | CacheError::TooSmall { .. } => {
-                Status::failed_precondition(msg)
-            }
+            CacheError::LayoutMismatch { .. }
+            | CacheError::PeerLayoutMismatch { .. }
+            | CacheError::TooSmall { .. } => Status::failed_precondition(msg),
+            CacheError::NoLayoutYet => Status::unavailable(msg),
             CacheError::BadLayout(_)
             | CacheError::WrongSize { .. }
             | CacheError::DuplicateSlot(_) => Status::invalid_argument(msg),
@@ -98,11 +101,136 @@ pub(crate) struct CacheService {
     shared: Shared,
     /// Ends the event streams, which would otherwise hold a graceful shutdown forever.
     shutdown: tokio_util::sync::CancellationToken,
+    /// Links to the homes of rooms relayed from here.
+    peers: Arc<Peers>,
+    /// The tcp page transport's port, told to peers that register.
+    peer_port: u16,
 }
 
 impl CacheService {
-    pub fn new(shared: Shared, shutdown: tokio_util::sync::CancellationToken) -> Self {
-        Self { shared, shutdown }
+    pub fn new(
+        shared: Shared,
+        shutdown: tokio_util::sync::CancellationToken,
+        peers: Arc<Peers>,
+        peer_port: u16,
+    ) -> Self {
+        Self {
+            shared,
+            shutdown,
+            peers,
+            peer_port,
+        }
+    }
+
+    /// The link to the home of relayed `room`, if it is relayed from here.
+    async fn relay(&self, room: u64) -> Result<Option<Arc<Link>>, Status> {
+        let Some((home, layout)) = self.shared.with(|s| {
+            let home = s.relay_home(room)?.to_owned();
+            Some((home, s.layout()?.clone()))
+        }) else {
+            return Ok(None);
+        };
+        self.peers.link(&home, &layout).await.map(Some)
+    }
+
+    /// Ends relayed `room` here and tells its home (bounded, in the background).
+    fn end_relay(&self, link: Option<Arc<Link>>, room: u64, sender_done: bool, reason: String) {
+        self.shared.with(|s| s.relay_end(room, sender_done));
+        if let Some(link) = link {
+            tokio::spawn(async move {
+                if let Err(e) = link.room_abort(room, &reason).await {
+                    tracing::debug!(room, error = %e.message(), "telling the room's home it failed");
+                }
+            });
+        }
+    }
+
+    async fn relayed_commit(
+        &self,
+        link: Arc<Link>,
+        lease: u64,
+        r: pb::RoomCommitRequest,
+    ) -> Result<Response<pb::RoomStatus>, Status> {
+        let room = r.room;
+        let pages: Vec<RoomPage> = r
+            .pages
+            .iter()
+            .map(|p| RoomPage {
+                slot: p.slot,
+                checksum: p.checksum,
+            })
+            .collect();
+        let plan = match self.shared.with(|s| s.relay_commit(lease, room, &pages)) {
+            Ok(p) => p,
+            Err(e @ CacheError::Room(RoomError::Unknown(_))) => {
+                // The relay failed here already: a late commit, refused.
+                self.shared.with(|s| s.relay_sender_done(lease, room, true));
+                return Err(e.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let t0 = Instant::now();
+        let page_bytes = plan.mirror.page_bytes();
+        // The sender finished writing these slots; they stay ours until the relay ends.
+        let mut bytes = vec![0u8; page_bytes * plan.slots.len()];
+        for (dst, &slot) in bytes.chunks_exact_mut(page_bytes).zip(&plan.slots) {
+            plan.mirror.read(slot, dst);
+        }
+        let out: Vec<OutPage<'_>> = bytes
+            .chunks_exact(page_bytes)
+            .zip(&pages)
+            .enumerate()
+            .map(|(i, (b, p))| OutPage {
+                index: i as u32,
+                checksum: p.checksum,
+                bytes: b,
+            })
+            .collect();
+        let sent = link.send(room, &out).await;
+        drop(out);
+        drop(bytes);
+        let done = match sent {
+            Err(e) => {
+                if matches!(e, crate::transfer::TransferError::LayoutRefused { .. }) {
+                    self.shared.with(|s| s.count_peer_layout_refusal());
+                }
+                Err(e.status())
+            }
+            Ok(sent) => {
+                let remote: Vec<pb::RoomPage> = plan
+                    .remote_slots
+                    .iter()
+                    .zip(&pages)
+                    .map(|(&slot, p)| pb::RoomPage {
+                        slot,
+                        checksum: p.checksum,
+                    })
+                    .collect();
+                link.room_commit(room, remote, r.aux)
+                    .await
+                    .map(|st| (st, sent))
+            }
+        };
+        match done {
+            Ok((st, sent)) => {
+                self.shared.with(|s| {
+                    s.relay_end(room, true);
+                    s.count_peer_sent(sent.pages, sent.bytes);
+                });
+                tracing::debug!(room, pages = sent.pages, bytes = sent.bytes, secs = t0.elapsed().as_secs_f64(), home = %link.url, "pages moved to the room's home");
+                Ok(Response::new(st))
+            }
+            Err(e) => {
+                self.shared.with(|s| s.count_peer_failure());
+                tracing::warn!(room, home = %link.url, error = %e.message(), "moving a room's pages to its home failed");
+                let reason = format!(
+                    "the sender's host could not move the pages: {}",
+                    e.message()
+                );
+                self.end_relay(Some(link), room, true, reason);
+                Err(e)
+            }
+        }
     }
 }
 
@@ -124,9 +252,13 @@ impl pb::cache_server::Cache for CacheService {
         if r.worker_id.is_empty() {
             return Err(Status::invalid_argument("worker_id is required"));
         }
-        let reg = self
-            .shared
-            .with(|s| s.register(&r.worker_id, layout, Instant::now()))?;
+        let reg = if r.data_plane == pb::DataPlane::Peer as i32 {
+            self.shared
+                .with(|s| s.register_peer(&r.worker_id, &layout, Instant::now()))?
+        } else {
+            self.shared
+                .with(|s| s.register(&r.worker_id, layout, Instant::now()))?
+        };
         Ok(Response::new(pb::RegisterResponse {
             lease: reg.lease,
             lease_ttl_ms: reg.lease_ttl.as_millis() as u32,
@@ -134,6 +266,7 @@ impl pb::cache_server::Cache for CacheService {
             page_bytes: reg.page_bytes as u64,
             total_pages: reg.total_pages as u32,
             layout_fingerprint: reg.layout.fingerprint_hex(),
+            peer_port: u32::from(self.peer_port),
         }))
     }
 
@@ -316,6 +449,13 @@ impl pb::cache_server::Cache for CacheService {
             quarantined_slots: rooms.quarantined_slots as u32,
             room_stalls: rooms.stalls,
             late_writes_rejected: rooms.late_writes_rejected,
+            peer_layout_refusals: rooms.peer.layout_refusals,
+            peer_pages_received: rooms.peer.pages_received,
+            peer_bytes_received: rooms.peer.bytes_received,
+            peer_pages_sent: rooms.peer.pages_sent,
+            peer_bytes_sent: rooms.peer.bytes_sent,
+            peer_transfer_failures: rooms.peer.transfer_failures,
+            held_pages_skipped: rooms.peer.held_pages_skipped,
         }))
     }
 
@@ -331,18 +471,50 @@ impl pb::cache_server::Cache for CacheService {
         };
         let span = traced(r.room, None);
         span.record("pdmesh.request_id", r.request_id.as_str());
-        let st = self.shared.with(|s| {
-            s.room_open(
+        if !r.home.is_empty() {
+            if side != Side::Sender {
+                return Err(Status::invalid_argument(
+                    "only a sender names a room's home: a receiver opens it on its own host",
+                ));
+            }
+            let layout = self.shared.with(|s| {
+                s.relay_open(r.lease, r.room, &r.home, Instant::now())?;
+                Ok::<_, CacheError>(s.layout().cloned().expect("a lease implies a layout"))
+            })?;
+            let opened = async {
+                let link = self.peers.link(&r.home, &layout).await?;
+                link.room_open(r.room, &r.request_id, &r.trace_id).await
+            }
+            .await;
+            return match opened {
+                Ok(st) => {
+                    if st.state == pb::RoomState::Failed as i32 {
+                        self.shared.with(|s| s.relay_end(r.room, true));
+                    }
+                    Ok(Response::new(st))
+                }
+                Err(e) => {
+                    if e.code() == tonic::Code::FailedPrecondition {
+                        tracing::warn!(room = r.room, home = %r.home, error = %e.message(), "the room's home refused this host");
+                    }
+                    self.shared.with(|s| s.relay_end(r.room, true));
+                    Err(e)
+                }
+            };
+        }
+        let (st, held) = self.shared.with(|s| {
+            let st = s.room_open(
                 r.lease,
                 r.room,
                 side,
-                &r.request_id,
-                &r.trace_id,
+                (&r.request_id, &r.trace_id),
+                r.held_pages,
                 Instant::now(),
-            )
+            )?;
+            Ok::<_, CacheError>((st, s.room_held(r.room)))
         })?;
         traced(r.room, Some(st));
-        Ok(Response::new(status(st, None)))
+        Ok(Response::new(status(st, None).held(held)))
     }
 
     async fn room_wait(
@@ -352,14 +524,24 @@ impl pb::cache_server::Cache for CacheService {
         let r = request.into_inner();
         let until = room_state_from_pb(r.until)
             .ok_or_else(|| Status::invalid_argument("until must be a room state"))?;
+        if let Some(link) = self.relay(r.room).await? {
+            self.shared.with(|s| s.heartbeat(r.lease, Instant::now()))?;
+            let st = link.room_wait(r.room, r.until, r.timeout_ms).await;
+            if let Ok(st) = &st
+                && st.state == pb::RoomState::Failed as i32
+            {
+                self.shared.with(|s| s.relay_end(r.room, true));
+            }
+            return st.map(Response::new);
+        }
         // Long polls are bounded so a vanished caller never holds a task for long.
         let deadline = tokio::time::Instant::now()
             + std::time::Duration::from_millis(u64::from(r.timeout_ms.min(60_000)));
         let mut changed = self.shared.rooms.subscribe();
         loop {
-            let now = self.shared.with(|s| {
+            let (now, held) = self.shared.with(|s| {
                 s.heartbeat(r.lease, Instant::now())?;
-                Ok::<_, CacheError>(s.room_state(r.room))
+                Ok::<_, CacheError>((s.room_state(r.room), s.room_held(r.room)))
             })?;
             let Some((st, why)) = now else {
                 return Err(CacheError::Room(RoomError::Unknown(r.room)).into());
@@ -368,14 +550,14 @@ impl pb::cache_server::Cache for CacheService {
             // ending in it.
             traced(r.room, Some(st));
             if st == RoomState::Failed || st as i32 >= until as i32 {
-                return Ok(Response::new(status(st, why)));
+                return Ok(Response::new(status(st, why).held(held)));
             }
             tokio::select! {
                 c = changed.changed() => if c.is_err() {
                     return Err(Status::unavailable("the cache service is stopping"));
                 },
                 _ = tokio::time::sleep_until(deadline) => {
-                    return Ok(Response::new(status(st, why)));
+                    return Ok(Response::new(status(st, why).held(held)));
                 }
                 _ = self.shutdown.cancelled() => {
                     return Err(Status::unavailable("the cache service is stopping"));
@@ -390,6 +572,40 @@ impl pb::cache_server::Cache for CacheService {
     ) -> Result<Response<pb::RoomStartResponse>, Status> {
         let r = request.into_inner();
         traced(r.room, None);
+        if let Some(link) = self.relay(r.room).await? {
+            // Slots here first: a full mirror here leaves the home's room waiting.
+            let slots = self
+                .shared
+                .with(|s| s.relay_take_slots(r.lease, r.room, r.pages as usize))?;
+            let remote = link.room_start(r.room, r.pages).await;
+            return match remote {
+                Ok(remote) if remote.len() == slots.len() => {
+                    if self
+                        .shared
+                        .with(|s| s.relay_started(r.room, slots.clone(), remote, Instant::now()))
+                    {
+                        traced(r.room, Some(RoomState::Transferring));
+                        Ok(Response::new(pb::RoomStartResponse { slots }))
+                    } else {
+                        Err(CacheError::Room(RoomError::Unknown(r.room)).into())
+                    }
+                }
+                Ok(remote) => {
+                    self.shared.with(|s| s.relay_unstart(&slots));
+                    let msg = format!(
+                        "the room's home granted {} slots for {} pages",
+                        remote.len(),
+                        slots.len()
+                    );
+                    self.end_relay(Some(link), r.room, true, msg.clone());
+                    Err(Status::internal(msg))
+                }
+                Err(e) => {
+                    self.shared.with(|s| s.relay_unstart(&slots));
+                    Err(e)
+                }
+            };
+        }
         let slots = self
             .shared
             .with(|s| s.room_start(r.lease, r.room, r.pages as usize, Instant::now()))?;
@@ -402,6 +618,15 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomCommitRequest>,
     ) -> Result<Response<pb::RoomStatus>, Status> {
         let r = request.into_inner();
+        if r.aux.as_ref().is_none_or(|a| a.room != r.room) {
+            return Err(Status::invalid_argument(
+                "aux is required and must name the room",
+            ));
+        }
+        if let Some(link) = self.relay(r.room).await? {
+            let lease = r.lease;
+            return self.relayed_commit(link, lease, r).await;
+        }
         let aux = r
             .aux
             .ok_or_else(|| Status::invalid_argument("aux is required"))?;
@@ -437,6 +662,7 @@ impl pb::cache_server::Cache for CacheService {
     ) -> Result<Response<pb::RoomResultResponse>, Status> {
         let r = request.into_inner();
         traced(r.room, None);
+        self.not_relayed(r.room)?;
         let (pages, aux) = self.shared.with(|s| s.room_result(r.lease, r.room))?;
         Ok(Response::new(pb::RoomResultResponse {
             pages: pages
@@ -466,6 +692,7 @@ impl pb::cache_server::Cache for CacheService {
     ) -> Result<Response<pb::RoomStatus>, Status> {
         let r = request.into_inner();
         traced(r.room, None);
+        self.not_relayed(r.room)?;
         self.shared.with(|s| s.room_finish(r.lease, r.room))?;
         Ok(Response::new(status(RoomState::Success, None)))
     }
@@ -481,12 +708,45 @@ impl pb::cache_server::Cache for CacheService {
         } else {
             &r.reason
         };
+        let relayed = self.shared.with(|s| {
+            s.relay_home(r.room).map(str::to_owned).or_else(|| {
+                // A relayed room that failed here already: its sender is done now.
+                s.relay_sender_done(r.lease, r.room, false);
+                None
+            })
+        });
+        if let Some(home) = relayed {
+            let mine = self.shared.with(|s| s.relay_owner(r.room) == Some(r.lease));
+            if !mine {
+                return Err(Status::permission_denied(format!(
+                    "lease {} is not the sender of room {}",
+                    r.lease, r.room
+                )));
+            }
+            let link = self.peers.existing(&home).await;
+            self.end_relay(link, r.room, true, format!("aborted: {reason}"));
+            return Ok(Response::new(status(
+                RoomState::Failed,
+                Some(reason.to_owned()),
+            )));
+        }
         let st = self.shared.with(|s| {
             s.room_abort(r.lease, r.room, reason, Instant::now())?;
             Ok::<_, CacheError>(s.room_state(r.room))
         })?;
         let (st, why) = st.unwrap_or((RoomState::Failed, None));
         Ok(Response::new(status(st, why)))
+    }
+}
+
+impl CacheService {
+    fn not_relayed(&self, room: u64) -> Result<(), Status> {
+        match self.shared.with(|s| s.relay_home(room).is_some()) {
+            true => Err(Status::invalid_argument(format!(
+                "room {room} lives on another host: its receiver takes its pages there"
+            ))),
+            false => Ok(()),
+        }
     }
 }
 
@@ -510,10 +770,23 @@ fn room_state_from_pb(v: i32) -> Option<RoomState> {
     })
 }
 
+trait Held {
+    fn held(self, pages: u32) -> Self;
+}
+
+impl Held for pb::RoomStatus {
+    /// With the receiver's held pages.
+    fn held(mut self, pages: u32) -> Self {
+        self.held_pages = pages;
+        self
+    }
+}
+
 fn status(st: RoomState, why: Option<String>) -> pb::RoomStatus {
     pb::RoomStatus {
         state: room_state_pb(st).into(),
         reason: why.unwrap_or_default(),
+        held_pages: 0,
     }
 }
 

@@ -14,6 +14,7 @@
 //! is the `pdmesh-cache-client` crate; it is re-exported here for the server's tests.
 
 mod grpc;
+mod peers;
 pub mod rooms;
 mod state;
 pub mod transfer;
@@ -61,6 +62,15 @@ pub struct Config {
     /// table of them and counts stalls; `hard` also fails them, releasing their slots.
     #[arg(long, env = "PDMESH_WATCHDOG", value_enum, default_value_t = Watchdog::Soft)]
     pub watchdog: Watchdog,
+    /// Where the tcp page transport listens for pages from other hosts' cache services
+    /// (default: the gRPC address's IP, any free port; peers learn the port when they
+    /// register).
+    #[arg(long, env = "PDMESH_PEER_LISTEN")]
+    pub peer_listen: Option<std::net::SocketAddr>,
+    /// Deadline of every call to another host's cache service and of every read and
+    /// write of the page transport.
+    #[arg(long, env = "PDMESH_PEER_IO_TIMEOUT_MS", default_value_t = 5_000)]
+    pub peer_io_timeout_ms: u64,
 }
 
 impl Config {
@@ -74,6 +84,8 @@ impl Config {
             room_transfer_ms: 30_000,
             room_success_ms: 30_000,
             watchdog: Watchdog::Soft,
+            peer_listen: None,
+            peer_io_timeout_ms: 5_000,
         }
     }
 
@@ -109,6 +121,7 @@ pub async fn run(
         ("room-wait-ms", cfg.room_wait_ms),
         ("room-transfer-ms", cfg.room_transfer_ms),
         ("room-success-ms", cfg.room_success_ms),
+        ("peer-io-timeout-ms", cfg.peer_io_timeout_ms),
     ] {
         if v == 0 {
             return Err(Error::Config(format!("--{flag} must be at least 1")));
@@ -129,10 +142,39 @@ pub async fn run(
         ttl,
         cfg.room_deadlines(),
     ));
+    let addr = listener.local_addr().ok();
+    let opts = transfer::TcpOptions {
+        io_timeout: Duration::from_millis(cfg.peer_io_timeout_ms),
+        ..transfer::TcpOptions::default()
+    };
+    let peer_at = cfg.peer_listen.unwrap_or_else(|| {
+        let ip = addr.map_or(std::net::Ipv4Addr::LOCALHOST.into(), |a| a.ip());
+        std::net::SocketAddr::new(ip, 0)
+    });
+    let peer_listener = TcpListener::bind(peer_at).await.map_err(|e| {
+        Error::Config(format!(
+            "the page transport cannot listen on {peer_at}: {e}"
+        ))
+    })?;
+    let peer_port = peer_listener.local_addr().map_or(0, |a| a.port());
+    let receiver = tokio::spawn(receive_pages(
+        peer_listener,
+        shared.clone(),
+        opts,
+        shutdown.clone(),
+    ));
+    let peers = std::sync::Arc::new(peers::Peers::new(
+        format!(
+            "cache service at {}",
+            addr.map_or("?".into(), |a| a.to_string())
+        ),
+        opts,
+    ));
     let watchdog = cfg.watchdog;
     let reaper = {
         let shared = shared.clone();
         let shutdown = shutdown.clone();
+        let peers = peers.clone();
         tokio::spawn(async move {
             // Fine enough for room deadlines of a fraction of a second.
             let every = (ttl / 4).clamp(Duration::from_millis(5), Duration::from_millis(50));
@@ -153,17 +195,26 @@ pub async fn run(
                         if !stuck.is_empty() {
                             log_stuck(&stuck, watchdog);
                         }
+                        for d in shared.with(|s| s.take_dropped_relays()) {
+                            let peers = peers.clone();
+                            tokio::spawn(async move {
+                                if let Some(link) = peers.existing(&d.home).await
+                                    && let Err(e) = link.room_abort(d.room, &d.reason).await
+                                {
+                                    tracing::debug!(room = d.room, error = %e.message(), "telling the room's home it failed");
+                                }
+                            });
+                        }
                     }
                 }
             }
         })
     };
-    let addr = listener.local_addr().ok();
-    tracing::info!(?addr, size = ?cfg.host_mirror_size, "cache service listening");
+    tracing::info!(?addr, peer_port, size = ?cfg.host_mirror_size, "cache service listening");
     let served = tonic::transport::Server::builder()
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(pdmesh_proto::cache::v1::cache_server::CacheServer::new(
-            grpc::CacheService::new(shared.clone(), shutdown.clone()),
+            grpc::CacheService::new(shared.clone(), shutdown.clone(), peers, peer_port),
         ))
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
@@ -173,8 +224,54 @@ pub async fn run(
         .await;
     reaper.abort();
     let _ = reaper.await;
+    receiver.abort();
+    let _ = receiver.await;
     tracing::info!(?addr, "cache service stopped");
     served.map_err(Error::from)
+}
+
+/// Accepts page transport connections from other hosts' cache services until `stop`;
+/// each page lands in its room's slot only if the room is transferring from a peer.
+async fn receive_pages(
+    listener: TcpListener,
+    shared: grpc::Shared,
+    opts: transfer::TcpOptions,
+    stop: CancellationToken,
+) {
+    loop {
+        let stream = tokio::select! {
+            () = stop.cancelled() => return,
+            a = listener.accept() => match a {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a page transport connection");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Some(layout) = shared.with(|s| s.layout().cloned()) else {
+            tracing::warn!("a peer connected before any worker registered here: closed");
+            continue;
+        };
+        let (shared, stop) = (shared.clone(), stop.clone());
+        tokio::spawn(async move {
+            let sink =
+                |p: transfer::InPage| shared.with(|s| s.peer_write(p.room, p.index, &p.bytes));
+            let served = tokio::select! {
+                () = stop.cancelled() => return,
+                r = transfer::serve_connection(stream, &layout, opts, sink) => r,
+            };
+            match served {
+                Ok(_) => {}
+                Err(transfer::TransferError::LayoutRefused { peer, reason }) => {
+                    shared.with(|s| s.count_peer_layout_refusal());
+                    tracing::warn!(%peer, %reason, "page transport refused a peer's layout");
+                }
+                Err(e) => tracing::warn!(error = %e, "page transport connection failed"),
+            }
+        });
+    }
 }
 
 /// One warning with a table of the rooms the watchdog found stuck.

@@ -180,6 +180,8 @@ struct Room {
     trace_id: String,
     /// The watchdog already reported this room in its current state.
     stalled: bool,
+    /// Leading pages the receiver holds already: they do not travel.
+    held: u32,
 }
 
 /// A room the watchdog found stuck.
@@ -206,6 +208,10 @@ impl Rooms {
             rooms: HashMap::new(),
             deadlines,
         }
+    }
+
+    pub fn deadlines(&self) -> &RoomDeadlines {
+        &self.deadlines
     }
 
     pub fn state(&self, room: u64) -> Option<(RoomState, Option<&str>)> {
@@ -258,6 +264,7 @@ impl Rooms {
                 request_id: String::new(),
                 trace_id: String::new(),
                 stalled: false,
+                held: 0,
             }),
         };
         let slot = match side {
@@ -332,6 +339,18 @@ impl Rooms {
         r.aux = Some(aux);
         Self::advance(r, RoomState::Success, now);
         Ok(())
+    }
+
+    /// Leading pages the receiver of `room` said it holds.
+    pub fn held(&self, room: u64) -> u32 {
+        self.rooms.get(&room).map_or(0, |r| r.held)
+    }
+
+    /// The receiver of `room` holds its first `held` pages already.
+    pub fn set_held(&mut self, room: u64, held: u32) {
+        if let Some(r) = self.rooms.get_mut(&room) {
+            r.held = held;
+        }
     }
 
     /// The sender of `room`, if it has one.

@@ -82,6 +82,14 @@ pub enum CacheError {
     MirrorFull { want: usize, free: usize },
     #[error("invalid room call: {0}")]
     BadRoomCall(String),
+    #[error(
+        "KV layout mismatch between hosts: this host's mirror holds {ours}; the sender's host has {theirs}"
+    )]
+    PeerLayoutMismatch { ours: String, theirs: String },
+    #[error(
+        "no worker has registered on this host yet, so it has no KV layout to receive pages in"
+    )]
+    NoLayoutYet,
 }
 
 /// What a worker needs to use the mirror.
@@ -148,6 +156,52 @@ pub struct RoomStats {
     pub quarantined_slots: usize,
     pub stalls: u64,
     pub late_writes_rejected: u64,
+    pub peer: PeerStats,
+}
+
+/// Traffic with other hosts' cache services, since the service started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerStats {
+    /// Peers refused for another KV layout (registration or transport handshake).
+    pub layout_refusals: u64,
+    pub pages_received: u64,
+    pub bytes_received: u64,
+    pub pages_sent: u64,
+    pub bytes_sent: u64,
+    pub transfer_failures: u64,
+    /// Pages receivers held already, so they did not travel.
+    pub held_pages_skipped: u64,
+}
+
+/// A room whose home is another host: this service relays its calls there and lends its
+/// sender slots of this mirror to write into until the pages have crossed.
+#[derive(Debug)]
+struct Relay {
+    lease: u64,
+    home: String,
+    /// This mirror's slots the sender writes (empty until it starts).
+    slots: Vec<u32>,
+    /// The home host's slots for the same pages, in order.
+    remote_slots: Vec<u32>,
+    /// When the relay was opened, or started transferring.
+    since: Instant,
+}
+
+/// A relayed room this service gave up on (its deadline, or its sender's lease ended):
+/// the home host must hear of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DroppedRelay {
+    pub room: u64,
+    pub home: String,
+    pub reason: String,
+}
+
+/// What a relayed room's commit needs: the pages' bytes are read from `mirror`.
+#[derive(Debug)]
+pub struct RelayCommit {
+    pub mirror: Arc<Mirror>,
+    pub slots: Vec<u32>,
+    pub remote_slots: Vec<u32>,
 }
 
 #[derive(Debug)]
@@ -182,6 +236,9 @@ struct Lease {
     /// Pins per slot (a lease may pin a page more than once).
     pins: HashMap<u32, u32>,
     reserved: HashSet<u32>,
+    /// Another host's cache service: this service writes its pages itself, checking
+    /// the room under the lock, so a late write from it can never land.
+    peer: bool,
 }
 
 /// See the module docs.
@@ -209,6 +266,10 @@ pub struct State {
     room_stats: RoomStats,
     /// Bumped whenever a room changes, so waiters look again.
     rooms_version: u64,
+    relays: HashMap<u64, Relay>,
+    dropped_relays: Vec<DroppedRelay>,
+    /// Pages a peer wrote into each room transferring from it: its commit must cover all.
+    peer_pages: HashMap<u64, usize>,
 }
 
 impl State {
@@ -241,6 +302,9 @@ impl State {
             rooms: Rooms::new(deadlines),
             room_stats: RoomStats::default(),
             rooms_version: 0,
+            relays: HashMap::new(),
+            dropped_relays: Vec::new(),
+            peer_pages: HashMap::new(),
         }
     }
 
@@ -309,6 +373,7 @@ impl State {
                 expires: now + self.ttl,
                 pins: HashMap::new(),
                 reserved: HashSet::new(),
+                peer: false,
             },
         );
         let mirror = self.mirror.as_ref().expect("created above");
@@ -327,6 +392,106 @@ impl State {
         self.leases
             .get_mut(&lease)
             .ok_or(CacheError::UnknownLease(lease))
+    }
+
+    /// Admits another host's cache service, which sends rooms' pages here. It must bring
+    /// this mirror's layout (a mismatch is refused naming both, with each component's
+    /// bytes per token, and counted) and never fixes it: a host with no worker yet
+    /// refuses it.
+    pub fn register_peer(
+        &mut self,
+        peer: &str,
+        layout: &KvLayout,
+        now: Instant,
+    ) -> Result<Registration, CacheError> {
+        let Some(ours) = self.layout.clone() else {
+            return Err(CacheError::NoLayoutYet);
+        };
+        if ours.fingerprint() != layout.fingerprint() {
+            self.room_stats.peer.layout_refusals += 1;
+            tracing::warn!(peer, ours = %ours, theirs = %layout, "peer refused: another KV layout");
+            return Err(CacheError::PeerLayoutMismatch {
+                ours: crate::transfer::describe(&ours),
+                theirs: crate::transfer::describe(layout),
+            });
+        }
+        let lease = self.next_lease;
+        self.next_lease += 1;
+        self.leases.insert(
+            lease,
+            Lease {
+                worker: peer.to_owned(),
+                expires: now + self.ttl,
+                pins: HashMap::new(),
+                reserved: HashSet::new(),
+                peer: true,
+            },
+        );
+        let mirror = self.mirror.as_ref().expect("a layout implies a mirror");
+        tracing::info!(peer, lease, "peer cache service registered");
+        Ok(Registration {
+            lease,
+            lease_ttl: self.ttl,
+            shm_path: mirror.path().to_owned(),
+            page_bytes: mirror.page_bytes(),
+            total_pages: mirror.pages(),
+            layout: ours,
+        })
+    }
+
+    /// Counts a peer refused for its layout in the page transport's handshake.
+    pub fn count_peer_layout_refusal(&mut self) {
+        self.room_stats.peer.layout_refusals += 1;
+    }
+
+    /// One page of a room from a peer, its checksum already verified by the transport:
+    /// written into the room's `index`th slot if the room is transferring with a peer as
+    /// its sender. Checked and written under the state lock, so a page that arrives after
+    /// its room failed is refused and never lands in a slot someone else now uses.
+    pub fn peer_write(&mut self, room: u64, index: u32, bytes: &[u8]) -> Result<(), String> {
+        let refuse = |why: String| {
+            tracing::warn!(room, index, "page from a peer refused: {why}");
+            why
+        };
+        match self.rooms.state(room) {
+            Some((RoomState::Transferring, _)) => {}
+            Some((st, why)) => {
+                self.room_stats.late_writes_rejected += 1;
+                let why = why.map(|w| format!(": {w}")).unwrap_or_default();
+                return Err(refuse(format!("room {room} is {}{why}", st.name())));
+            }
+            None => {
+                self.room_stats.late_writes_rejected += 1;
+                return Err(refuse(format!("room {room} does not exist")));
+            }
+        }
+        let from_peer = self
+            .rooms
+            .sender(room)
+            .and_then(|l| self.leases.get(&l))
+            .is_some_and(|l| l.peer);
+        if !from_peer {
+            return Err(refuse(format!("room {room}'s sender is not a peer host")));
+        }
+        let Some(&slot) = self.rooms.slots(room).get(index as usize) else {
+            return Err(refuse(format!(
+                "room {room} has {} pages; page {index} is not one",
+                self.rooms.slots(room).len()
+            )));
+        };
+        let mirror = self.mirror.as_ref().expect("a room implies a mirror");
+        if bytes.len() != mirror.page_bytes() {
+            return Err(refuse(format!(
+                "a page is {} bytes, got {}",
+                mirror.page_bytes(),
+                bytes.len()
+            )));
+        }
+        mirror.write(slot, bytes);
+        *self.peer_pages.entry(room).or_default() += 1;
+        self.room_stats.peer.pages_received += 1;
+        self.room_stats.peer.bytes_received += bytes.len() as u64;
+        Ok(())
     }
 
     pub fn heartbeat(&mut self, lease: u64, now: Instant) -> Result<(), CacheError> {
@@ -597,11 +762,47 @@ impl State {
             }
             // Slots quarantined for this sender: it writes no more.
             self.free_quarantined(|_, lease| lease == id);
+            let gone: Vec<u64> = self
+                .relays
+                .iter()
+                .filter(|(_, r)| r.lease == id)
+                .map(|(&room, _)| room)
+                .collect();
+            for room in gone {
+                self.drop_relay(room, true, format!("sender lease {id} lost"));
+            }
             self.rooms_version += 1;
             self.stats.expired_leases += 1;
             tracing::warn!(worker = %l.worker, lease = id, "lease expired: its pins and reservations are released");
             workers.push(l.worker);
         }
+        let late: Vec<(u64, bool)> = self
+            .relays
+            .iter()
+            .filter_map(|(&room, r)| {
+                let limit = if r.slots.is_empty() {
+                    self.rooms.deadlines().bootstrapping + self.rooms.deadlines().waiting_for_input
+                } else {
+                    self.rooms.deadlines().transferring
+                };
+                (now.duration_since(r.since) >= limit).then_some((room, !r.slots.is_empty()))
+            })
+            .collect();
+        for (room, writing) in late {
+            *self
+                .room_stats
+                .timeouts
+                .entry(if writing {
+                    RoomState::Transferring
+                } else {
+                    RoomState::WaitingForInput
+                })
+                .or_default() += 1;
+            self.drop_relay(room, false, "deadline passed on the sender's host".into());
+        }
+        let rooms = &self.rooms;
+        self.peer_pages
+            .retain(|&room, _| matches!(rooms.state(room), Some((RoomState::Transferring, _))));
         let expired = self.rooms.expire(now);
         if !expired.is_empty() {
             self.rooms_version += 1;
@@ -647,7 +848,8 @@ impl State {
         }
         for (slot, lease) in rel.quarantined {
             if let Slot::Room { room } = self.slots[slot as usize] {
-                if self.leases.contains_key(&lease) {
+                // A peer writes through this process only (see `peer_write`).
+                if self.leases.get(&lease).is_some_and(|l| !l.peer) {
                     self.slots[slot as usize] = Slot::Quarantined { room, lease };
                 } else {
                     self.free_slot(slot);
@@ -678,17 +880,30 @@ impl State {
         lease: u64,
         room: u64,
         side: Side,
-        request_id: &str,
-        trace_id: &str,
+        (request_id, trace_id): (&str, &str),
+        held: u32,
         now: Instant,
     ) -> Result<RoomState, CacheError> {
         self.lease_mut(lease)?;
         if room == 0 {
             return Err(CacheError::BadRoomCall("room 0 is not a room".into()));
         }
+        if held > 0 && side != Side::Receiver {
+            return Err(CacheError::BadRoomCall(
+                "only a receiver says which pages it holds".into(),
+            ));
+        }
         let r = self.rooms.open(room, side, lease, now);
+        if r.is_ok() && side == Side::Receiver {
+            self.rooms.set_held(room, held);
+        }
         self.rooms.describe(room, request_id, trace_id);
         self.room_call(r)
+    }
+
+    /// Leading pages `room`'s receiver holds already.
+    pub fn room_held(&self, room: u64) -> u32 {
+        self.rooms.held(room)
     }
 
     /// Where `room` is, and why it failed.
@@ -721,6 +936,22 @@ impl State {
             let r = self.rooms.start_transfer(room, lease, Vec::new(), now);
             return self.room_call(r.map(|()| Vec::new()));
         }
+        let slots = self.take_slots(room, pages)?;
+        let r = self.rooms.start_transfer(room, lease, slots.clone(), now);
+        if r.is_ok() {
+            self.room_stats.peer.held_pages_skipped += u64::from(self.rooms.held(room));
+        }
+        if r.is_err() {
+            for &s in &slots {
+                self.free_slot(s);
+            }
+        }
+        self.room_call(r.map(|()| slots))
+    }
+
+    /// `pages` slots for `room`'s transfer, all or none, evicting least recently used
+    /// unpinned pages for them.
+    fn take_slots(&mut self, room: u64, pages: usize) -> Result<Vec<u32>, CacheError> {
         let spare = self.free.len() + self.lru.len();
         if spare < pages {
             return Err(CacheError::MirrorFull {
@@ -750,13 +981,7 @@ impl State {
         if !removed.is_empty() {
             self.events.push(Event::Removed { hashes: removed });
         }
-        let r = self.rooms.start_transfer(room, lease, slots.clone(), now);
-        if r.is_err() {
-            for &s in &slots {
-                self.free_slot(s);
-            }
-        }
-        self.room_call(r.map(|()| slots))
+        Ok(slots)
     }
 
     /// The sender hands over its pages: exactly the room's slots, in order.
@@ -786,7 +1011,19 @@ impl State {
                 "a commit must list exactly the room's slots, in order".into(),
             ));
         }
+        let from_peer = self.leases.get(&lease).is_some_and(|l| l.peer);
+        if from_peer
+            && matches!(self.rooms.state(room), Some((RoomState::Transferring, _)))
+            && self.peer_pages.get(&room).copied().unwrap_or(0) < pages.len()
+        {
+            return Err(CacheError::BadRoomCall(format!(
+                "a peer committed {} pages of room {room} but sent {}",
+                pages.len(),
+                self.peer_pages.get(&room).copied().unwrap_or(0)
+            )));
+        }
         let r = self.rooms.commit(room, lease, pages, aux, now);
+        self.peer_pages.remove(&room);
         if let Err(RoomError::Failed { .. } | RoomError::Unknown(_)) = &r {
             // A late write: refused. Its sender is done, so its held slots are free now.
             self.room_stats.late_writes_rejected += 1;
@@ -845,6 +1082,213 @@ impl State {
         }
         self.rooms_version += 1;
         Ok(())
+    }
+
+    /// `lease` (a local sender) opens `room`, whose home is the cache service at `home`.
+    pub fn relay_open(
+        &mut self,
+        lease: u64,
+        room: u64,
+        home: &str,
+        now: Instant,
+    ) -> Result<(), CacheError> {
+        self.lease_mut(lease)?;
+        if room == 0 {
+            return Err(CacheError::BadRoomCall("room 0 is not a room".into()));
+        }
+        if self.rooms.state(room).is_some() {
+            return Err(CacheError::BadRoomCall(format!(
+                "room {room} lives on this host; it has no other home"
+            )));
+        }
+        match self.relays.get(&room) {
+            Some(r) if r.lease != lease => Err(CacheError::Room(RoomError::SideTaken {
+                room,
+                side: Side::Sender,
+                holder: r.lease,
+            })),
+            Some(_) => Ok(()),
+            None => {
+                self.relays.insert(
+                    room,
+                    Relay {
+                        lease,
+                        home: home.to_owned(),
+                        slots: Vec::new(),
+                        remote_slots: Vec::new(),
+                        since: now,
+                    },
+                );
+                self.rooms_version += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// The local sender of relayed `room`.
+    pub fn relay_owner(&self, room: u64) -> Option<u64> {
+        self.relays.get(&room).map(|r| r.lease)
+    }
+
+    /// The home of `room` if it is relayed from here.
+    pub fn relay_home(&self, room: u64) -> Option<&str> {
+        self.relays.get(&room).map(|r| r.home.as_str())
+    }
+
+    fn relay_mut(&mut self, lease: u64, room: u64) -> Result<&mut Relay, CacheError> {
+        self.lease_mut(lease)?;
+        match self.relays.get_mut(&room) {
+            Some(r) if r.lease == lease => Ok(r),
+            Some(_) => Err(CacheError::Room(RoomError::NotYours {
+                room,
+                side: Side::Sender,
+                lease,
+            })),
+            None => Err(CacheError::Room(RoomError::Unknown(room))),
+        }
+    }
+
+    /// This mirror's slots for the sender of relayed `room` to write `pages` pages into.
+    pub fn relay_take_slots(
+        &mut self,
+        lease: u64,
+        room: u64,
+        pages: usize,
+    ) -> Result<Vec<u32>, CacheError> {
+        let r = self.relay_mut(lease, room)?;
+        if !r.slots.is_empty() {
+            return Err(CacheError::Room(RoomError::WrongState {
+                room,
+                state: RoomState::Transferring,
+                need: RoomState::WaitingForInput,
+            }));
+        }
+        if pages == 0 || pages > self.slots.len() {
+            return Err(CacheError::BadRoomCall(format!(
+                "a transfer of {pages} pages (the mirror has {})",
+                self.slots.len()
+            )));
+        }
+        self.take_slots(room, pages)
+    }
+
+    /// The home host granted its slots: the relayed room transfers with `slots` here.
+    /// False (and the slots are freed) if the relay ended meanwhile.
+    pub fn relay_started(
+        &mut self,
+        room: u64,
+        slots: Vec<u32>,
+        remote_slots: Vec<u32>,
+        now: Instant,
+    ) -> bool {
+        match self.relays.get_mut(&room) {
+            Some(r) if r.slots.is_empty() => {
+                r.slots = slots;
+                r.remote_slots = remote_slots;
+                r.since = now;
+                true
+            }
+            _ => {
+                for s in slots {
+                    self.free_slot(s);
+                }
+                false
+            }
+        }
+    }
+
+    /// Frees slots taken for a relayed room whose start the home host refused.
+    pub fn relay_unstart(&mut self, slots: &[u32]) {
+        for &s in slots {
+            if matches!(self.slots[s as usize], Slot::Room { .. }) {
+                self.free_slot(s);
+            }
+        }
+    }
+
+    /// What the commit of relayed `room` sends: `pages` must be exactly its slots here,
+    /// in order.
+    pub fn relay_commit(
+        &mut self,
+        lease: u64,
+        room: u64,
+        pages: &[RoomPage],
+    ) -> Result<RelayCommit, CacheError> {
+        let r = self.relay_mut(lease, room)?;
+        if r.slots.is_empty() {
+            return Err(CacheError::Room(RoomError::WrongState {
+                room,
+                state: RoomState::WaitingForInput,
+                need: RoomState::Transferring,
+            }));
+        }
+        if !pages.iter().map(|p| p.slot).eq(r.slots.iter().copied()) {
+            return Err(CacheError::BadRoomCall(
+                "a commit must list exactly the room's slots, in order".into(),
+            ));
+        }
+        let (slots, remote_slots) = (r.slots.clone(), r.remote_slots.clone());
+        Ok(RelayCommit {
+            mirror: self.mirror.clone().expect("a lease implies a mirror"),
+            slots,
+            remote_slots,
+        })
+    }
+
+    /// Ends relayed `room` here: its slots are freed, or held back from reuse while its
+    /// sender might still write them (`sender_done` false while it is transferring).
+    /// Returns whether it was relayed.
+    pub fn relay_end(&mut self, room: u64, sender_done: bool) -> bool {
+        let Some(r) = self.relays.remove(&room) else {
+            return false;
+        };
+        self.rooms_version += 1;
+        let writing = !sender_done && !r.slots.is_empty() && self.leases.contains_key(&r.lease);
+        for s in r.slots {
+            if writing {
+                self.slots[s as usize] = Slot::Quarantined {
+                    room,
+                    lease: r.lease,
+                };
+            } else {
+                self.free_slot(s);
+            }
+        }
+        true
+    }
+
+    fn drop_relay(&mut self, room: u64, sender_done: bool, reason: String) {
+        let home = self.relays.get(&room).map(|r| r.home.clone());
+        if let Some(home) = home {
+            tracing::warn!(room, %home, %reason, "relayed room failed on the sender's host");
+            self.relay_end(room, sender_done);
+            self.dropped_relays
+                .push(DroppedRelay { room, home, reason });
+        }
+    }
+
+    /// The sender of a relayed room that failed here came back (a late commit or its
+    /// abort): it writes no more, so the slots held back for it are free.
+    pub fn relay_sender_done(&mut self, lease: u64, room: u64, late: bool) {
+        if late {
+            self.room_stats.late_writes_rejected += 1;
+        }
+        self.free_quarantined(|q, l| q == room && l == lease);
+    }
+
+    /// Relayed rooms given up on since the last call: their homes must be told.
+    pub fn take_dropped_relays(&mut self) -> Vec<DroppedRelay> {
+        std::mem::take(&mut self.dropped_relays)
+    }
+
+    /// Counts pages sent to a peer, or a failed transfer.
+    pub fn count_peer_sent(&mut self, pages: u64, bytes: u64) {
+        self.room_stats.peer.pages_sent += pages;
+        self.room_stats.peer.bytes_sent += bytes;
+    }
+
+    pub fn count_peer_failure(&mut self) {
+        self.room_stats.peer.transfer_failures += 1;
     }
 
     /// Rooms stuck past `fraction` of their state's deadline, each reported once per
@@ -1105,8 +1549,9 @@ mod tests {
     /// Opens `room` on both sides and starts a transfer of `pages` pages.
     fn transferring(s: &mut State, room: u64, p: u64, d: u64, pages: usize) -> Vec<u32> {
         let t = Instant::now();
-        s.room_open(d, room, Side::Receiver, "r", "", t).unwrap();
-        s.room_open(p, room, Side::Sender, "r", "", t).unwrap();
+        s.room_open(d, room, Side::Receiver, ("r", ""), 0, t)
+            .unwrap();
+        s.room_open(p, room, Side::Sender, ("r", ""), 0, t).unwrap();
         s.room_start(p, room, pages, t).unwrap()
     }
 
@@ -1172,15 +1617,15 @@ mod tests {
         let p = s.register("prefill", layout(), t).unwrap().lease;
         let d = s.register("decode", layout(), t).unwrap().lease;
         assert!(matches!(
-            s.room_open(p, 0, Side::Sender, "", "", t),
+            s.room_open(p, 0, Side::Sender, ("", ""), 0, t),
             Err(CacheError::BadRoomCall(_))
         ));
         assert!(matches!(
-            s.room_open(999, 5, Side::Sender, "", "", t),
+            s.room_open(999, 5, Side::Sender, ("", ""), 0, t),
             Err(CacheError::UnknownLease(999))
         ));
-        s.room_open(d, 5, Side::Receiver, "", "", t).unwrap();
-        s.room_open(p, 5, Side::Sender, "", "", t).unwrap();
+        s.room_open(d, 5, Side::Receiver, ("", ""), 0, t).unwrap();
+        s.room_open(p, 5, Side::Sender, ("", ""), 0, t).unwrap();
         for pages in [0, 5, usize::MAX] {
             assert!(matches!(
                 s.room_start(p, 5, pages, t),

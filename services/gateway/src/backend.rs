@@ -22,7 +22,8 @@ use crate::tools::{OutputFormat, ToolFormat};
 #[derive(Clone)]
 pub(crate) struct Backends {
     tokenizer: TokenizerClient<Channel>,
-    cache: Option<CacheClient<Channel>>,
+    /// The cache service of every host.
+    caches: Vec<CacheClient<Channel>>,
     /// Every worker, and how requests are spread over them.
     pub(crate) workers: std::sync::Arc<crate::route::Workers>,
 }
@@ -226,25 +227,41 @@ impl Backends {
         };
         Ok(Self {
             tokenizer: TokenizerClient::new(endpoint(tokenizer_url)?.connect_lazy()),
-            cache: None,
+            caches: Vec::new(),
             workers: std::sync::Arc::new(workers),
         })
     }
 
     /// Also read the cache service's state (for `/metrics`).
     pub fn with_cache(mut self, cache_url: &str) -> Result<Self, Error> {
-        self.cache = Some(CacheClient::new(endpoint(cache_url)?.connect_lazy()));
+        self.caches
+            .push(CacheClient::new(endpoint(cache_url)?.connect_lazy()));
         Ok(self)
     }
 
-    /// The cache service's host-mirror state, if one is configured and answers in time.
-    pub async fn cache_stats(&self) -> Option<pdmesh_proto::cache::v1::StatsResponse> {
-        let mut c = self.cache.clone()?;
-        let call = c.stats(pdmesh_proto::cache::v1::StatsRequest {});
-        match tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await {
-            Ok(Ok(r)) => Some(r.into_inner()),
-            _ => None,
+    /// Every host's cache service state summed (the oldest room ages are the oldest of
+    /// any host), and whether every one of them answered in time. None without caches.
+    pub async fn cache_stats(&self) -> Option<(pdmesh_proto::cache::v1::StatsResponse, bool)> {
+        if self.caches.is_empty() {
+            return None;
         }
+        let calls = self.caches.iter().map(|c| {
+            let mut c = c.clone();
+            async move {
+                let call = c.stats(pdmesh_proto::cache::v1::StatsRequest {});
+                match tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await {
+                    Ok(Ok(r)) => Some(r.into_inner()),
+                    _ => None,
+                }
+            }
+        });
+        let got = futures::future::join_all(calls).await;
+        let all = got.iter().all(Option::is_some);
+        let mut sum = pdmesh_proto::cache::v1::StatsResponse::default();
+        for s in got.into_iter().flatten() {
+            add_stats(&mut sum, s);
+        }
+        Some((sum, all))
     }
 
     /// Whether each backend answers its Health call in time: `(tokenizer, worker)`.
@@ -467,6 +484,7 @@ impl Backends {
             sampling: Some(sampling),
             room: 0,
             trace_id: String::new(),
+            kv_home: String::new(),
         };
         let stream = self.workers.generate(req).await?;
         Ok(Box::pin(stream.map(|item| match item {
@@ -734,4 +752,51 @@ impl Detokenizer {
         }
         Ok(rest)
     }
+}
+
+/// Adds one host's cache state to `sum`.
+fn add_stats(
+    sum: &mut pdmesh_proto::cache::v1::StatsResponse,
+    s: pdmesh_proto::cache::v1::StatsResponse,
+) {
+    fn add<K: Ord + std::hash::Hash + Eq, V: std::ops::AddAssign + Default>(
+        into: &mut std::collections::HashMap<K, V>,
+        from: std::collections::HashMap<K, V>,
+    ) {
+        for (k, v) in from {
+            *into.entry(k).or_default() += v;
+        }
+    }
+    sum.total_pages += s.total_pages;
+    sum.used_pages += s.used_pages;
+    sum.pinned_pages += s.pinned_pages;
+    sum.leases += s.leases;
+    sum.evicted_pages += s.evicted_pages;
+    sum.checksum_failures += s.checksum_failures;
+    sum.expired_leases += s.expired_leases;
+    if sum.layout.is_empty() {
+        sum.layout = s.layout;
+    }
+    add(&mut sum.rooms, s.rooms);
+    for (k, v) in s.oldest_room_seconds {
+        let e = sum.oldest_room_seconds.entry(k).or_default();
+        *e = e.max(v);
+    }
+    add(&mut sum.room_timeouts, s.room_timeouts);
+    add(&mut sum.room_aborts, s.room_aborts);
+    sum.rooms_finished += s.rooms_finished;
+    sum.transfer_pages += s.transfer_pages;
+    sum.transfer_bytes += s.transfer_bytes;
+    sum.room_slots += s.room_slots;
+    sum.quarantined_slots += s.quarantined_slots;
+    sum.room_stalls += s.room_stalls;
+    sum.late_writes_rejected += s.late_writes_rejected;
+    add(&mut sum.rooms_older_than, s.rooms_older_than);
+    sum.peer_layout_refusals += s.peer_layout_refusals;
+    sum.peer_pages_received += s.peer_pages_received;
+    sum.peer_bytes_received += s.peer_bytes_received;
+    sum.peer_pages_sent += s.peer_pages_sent;
+    sum.peer_bytes_sent += s.peer_bytes_sent;
+    sum.peer_transfer_failures += s.peer_transfer_failures;
+    sum.held_pages_skipped += s.held_pages_skipped;
 }

@@ -217,8 +217,21 @@ async fn metrics(State(st): State<AppState>) -> Response {
         pd.route_prefill
             .observe("load", w.counts.load.load(Ordering::Relaxed) as f64);
     }
-    if let Some(c) = st.backends.cache_stats().await {
+    if let Some((c, all)) = st.backends.cache_stats().await {
         let m = &st.metrics;
+        m.caches_read.set(i64::from(all));
+        m.pd.peer_pages.observe("sent", c.peer_pages_sent as f64);
+        m.pd.peer_pages
+            .observe("received", c.peer_pages_received as f64);
+        m.pd.peer_bytes.observe("sent", c.peer_bytes_sent as f64);
+        m.pd.peer_bytes
+            .observe("received", c.peer_bytes_received as f64);
+        m.pd.peer_layout_refusals
+            .observe("host", c.peer_layout_refusals as f64);
+        m.pd.peer_transfer_failures
+            .observe("host", c.peer_transfer_failures as f64);
+        m.pd.held_pages_skipped
+            .observe("host", c.held_pages_skipped as f64);
         for (state, n) in [
             ("total", c.total_pages),
             ("used", c.used_pages),

@@ -47,9 +47,11 @@ pub struct Config {
     /// Decode workers (repeat the flag or separate with commas).
     #[arg(long, env = "PDMESH_DECODE_URL", value_delimiter = ',')]
     pub decode_url: Vec<String>,
-    /// gRPC address of the cache service, whose host-mirror state `/metrics` reports.
-    #[arg(long, env = "PDMESH_CACHE_URL")]
-    pub cache_url: Option<String>,
+    /// gRPC address of the cache service, whose host-mirror state `/metrics` reports;
+    /// one per host when the mesh spans hosts (repeat the flag or separate with commas:
+    /// `/metrics` sums them).
+    #[arg(long, env = "PDMESH_CACHE_URL", value_delimiter = ',')]
+    pub cache_url: Vec<String>,
     /// The model name clients must send; default: the model id the worker reports.
     #[arg(long, env = "PDMESH_MODEL_NAME")]
     pub model_name: Option<String>,
@@ -69,7 +71,7 @@ impl Config {
             worker_url: worker_url.into(),
             prefill_url: Vec::new(),
             decode_url: Vec::new(),
-            cache_url: None,
+            cache_url: Vec::new(),
             model_name: None,
             api_key: None,
             max_body_bytes: 4 * 1024 * 1024,
@@ -115,7 +117,7 @@ pub async fn run(
         &cfg.prefill_url,
         &cfg.decode_url,
     )?;
-    if let Some(url) = &cfg.cache_url {
+    for url in &cfg.cache_url {
         backends = backends.with_cache(url)?;
     }
     backends.workers.watch_caches(shutdown.child_token());

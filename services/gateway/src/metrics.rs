@@ -95,6 +95,8 @@ pub(crate) struct Metrics {
     /// 1 when this scrape read every worker's state, else 0 (the worker gauges are then
     /// from an earlier scrape).
     pub workers_read: IntGauge,
+    /// 1 when this scrape read every host's cache service.
+    pub caches_read: IntGauge,
     /// 1 when a worker runs test-only fault injection (`--fault-*`), else 0.
     pub fault_injection_enabled: IntGauge,
     pub kv_pages_cached: IntGauge,
@@ -138,6 +140,11 @@ pub(crate) struct PdMetrics {
     pub room_aborts: WorkerTotals,
     pub room_stalls: WorkerTotals,
     pub late_writes_rejected: WorkerTotals,
+    pub peer_pages: WorkerTotals,
+    pub peer_bytes: WorkerTotals,
+    pub peer_layout_refusals: WorkerTotals,
+    pub peer_transfer_failures: WorkerTotals,
+    pub held_pages_skipped: WorkerTotals,
     pub room_slots: prometheus::IntGaugeVec,
     pub transfer_bytes: WorkerTotals,
     pub transfer_seconds: WorkerTotals,
@@ -231,6 +238,38 @@ impl PdMetrics {
                 "Commits refused because their room had already failed.",
                 "tier",
                 HOST.iter().copied(),
+            )?,
+            peer_pages: WorkerTotals::labeled(
+                r,
+                "mesh_kv_peer_pages_total",
+                "KV pages moved between hosts' cache services, by direction (summed over hosts).",
+                "direction",
+                ["sent", "received"],
+            )?,
+            peer_bytes: WorkerTotals::labeled(
+                r,
+                "mesh_kv_peer_bytes_total",
+                "KV bytes moved between hosts' cache services, by direction (summed over hosts).",
+                "direction",
+                ["sent", "received"],
+            )?,
+            peer_layout_refusals: WorkerTotals::new(
+                r,
+                "mesh_kv_peer_layout_refusals_total",
+                "Peer hosts refused because their KV layout differs from this host's.",
+                HOST,
+            )?,
+            peer_transfer_failures: WorkerTotals::new(
+                r,
+                "mesh_kv_peer_transfer_failures_total",
+                "Rooms whose pages could not be moved to their home host.",
+                HOST,
+            )?,
+            held_pages_skipped: WorkerTotals::new(
+                r,
+                "mesh_kv_held_pages_skipped_total",
+                "Prompt pages a receiver already held, so they did not cross between hosts.",
+                HOST,
             )?,
             room_slots: gauge_vec(
                 "mesh_room_slots",
@@ -491,6 +530,11 @@ impl Metrics {
             "mesh_workers_read",
             "1 when this scrape read every worker's state; 0 when one did not answer (the worker gauges are then stale).",
         )?;
+        let caches_read = IntGauge::new(
+            "mesh_caches_read",
+            "1 when this scrape read every host's cache service; 0 when one did not answer (the cache gauges then leave it out).",
+        )?;
+        registry.register(Box::new(caches_read.clone()))?;
         let fault_injection_enabled = IntGauge::new(
             "mesh_fault_injection_enabled",
             "1 when a worker was started with test-only fault injection (--fault-* flags), which breaks requests on purpose; 0 otherwise (read at scrape).",
@@ -678,6 +722,7 @@ impl Metrics {
             kv_pages_free,
             kv_pages_capacity,
             workers_read,
+            caches_read,
             fault_injection_enabled,
             kv_pages_cached,
             kv_evictions,

@@ -65,6 +65,9 @@ struct Target {
     client: WorkerClient<Channel>,
     /// Requests routed here and not yet finished.
     inflight: std::sync::Arc<AtomicUsize>,
+    /// Its host's cache service as other hosts reach it (ModelInfo's cache_url), asked
+    /// once: which host it is on, and the home of the rooms it receives in.
+    home: tokio::sync::OnceCell<String>,
 }
 
 impl Target {
@@ -73,7 +76,35 @@ impl Target {
             url,
             client,
             inflight: Default::default(),
+            home: tokio::sync::OnceCell::new(),
         }
+    }
+
+    async fn home(&self) -> Result<&str, Status> {
+        let home = self
+            .home
+            .get_or_try_init(|| async {
+                let mut c = self.client.clone();
+                match tokio::time::timeout(
+                    crate::BACKEND_PROBE_TIMEOUT,
+                    c.model_info(wk::ModelInfoRequest {}),
+                )
+                .await
+                {
+                    Ok(Ok(r)) => Ok(r.into_inner().cache_url),
+                    Ok(Err(s)) => Err(Status::unavailable(format!(
+                        "worker {}: {}",
+                        self.url,
+                        s.message()
+                    ))),
+                    Err(_) => Err(Status::unavailable(format!(
+                        "worker {} did not say which host it is on in time",
+                        self.url
+                    ))),
+                }
+            })
+            .await?;
+        Ok(home)
     }
 }
 
@@ -322,7 +353,12 @@ impl Workers {
         tracing::debug!(request_id = %req.request_id, room = req.room, prefill = %pt.url, decode = %dt.url, "routed");
         let guards = (Inflight::new(&pt.inflight), Inflight::new(&dt.inflight));
         let (mut pc, mut dc) = (pt.client.clone(), dt.client.clone());
-        let preq = req.clone();
+        let mut preq = req.clone();
+        // The room lives at decode's host; a prefill worker on another host is told where.
+        let (phome, dhome) = (pt.home().await?, dt.home().await?);
+        if phome != dhome {
+            preq.kv_home = dhome.to_owned();
+        }
         // Both at once: decode reserves its pages while prefill computes.
         let (preq, req) = (
             pdmesh_telemetry::request(preq),
@@ -471,9 +507,13 @@ where
 mod tests {
     use super::*;
 
-    /// A worker whose Generate streams `script` (token chunks), then Finished.
+    /// A worker whose Generate streams `script` (token chunks), then Finished; it says it
+    /// is on the host whose cache service is `home`, and records the room homes it is told.
+    #[derive(Default)]
     struct Scripted {
         script: Vec<Vec<u32>>,
+        home: &'static str,
+        told: Arc<Mutex<Vec<String>>>,
     }
 
     #[tonic::async_trait]
@@ -481,8 +521,9 @@ mod tests {
         type GenerateStream = GenStream;
         async fn generate(
             &self,
-            _r: tonic::Request<wk::GenerateRequest>,
+            r: tonic::Request<wk::GenerateRequest>,
         ) -> Result<tonic::Response<GenStream>, Status> {
+            self.told.lock().unwrap().push(r.into_inner().kv_home);
             let script = self.script.clone();
             Ok(tonic::Response::new(Box::pin(async_stream::stream! {
                 for ids in script {
@@ -510,7 +551,10 @@ mod tests {
             &self,
             _r: tonic::Request<wk::ModelInfoRequest>,
         ) -> Result<tonic::Response<wk::ModelInfoResponse>, Status> {
-            Err(Status::unimplemented("scripted"))
+            Ok(tonic::Response::new(wk::ModelInfoResponse {
+                cache_url: self.home.into(),
+                ..Default::default()
+            }))
         }
         async fn flush_cache(
             &self,
@@ -574,7 +618,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_pd_request_shows_prefills_first_token_once_and_fails_when_decode_disagrees() {
-        let s = |script: Vec<Vec<u32>>| Scripted { script };
+        let s = |script: Vec<Vec<u32>>| Scripted {
+            script,
+            ..Scripted::default()
+        };
         assert_eq!(
             merged(s(vec![vec![5]]), s(vec![vec![5], vec![7]]))
                 .await
@@ -585,6 +632,33 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::DataLoss, "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn a_prefill_worker_on_another_host_is_told_the_decode_hosts_cache_as_the_rooms_home() {
+        for (phome, dhome, want) in [
+            (
+                "http://10.0.0.2:7100",
+                "http://10.0.0.3:7100",
+                "http://10.0.0.3:7100",
+            ),
+            ("http://10.0.0.3:7100", "http://10.0.0.3:7100", ""),
+        ] {
+            let (ptold, dtold) = (Arc::default(), Arc::default());
+            let p = Scripted {
+                script: vec![vec![5]],
+                home: phome,
+                told: Arc::clone(&ptold),
+            };
+            let d = Scripted {
+                script: vec![vec![5], vec![7]],
+                home: dhome,
+                told: Arc::clone(&dtold),
+            };
+            assert_eq!(merged(p, d).await.unwrap(), [5, 7]);
+            assert_eq!(*ptold.lock().unwrap(), [want], "{phome} → {dhome}");
+            assert_eq!(*dtold.lock().unwrap(), [""], "decode's rooms are at home");
+        }
     }
 
     type Msg = Result<wk::GenerateResponse, Status>;

@@ -211,9 +211,11 @@ pub enum Event {
         /// Queue and prefill times so far.
         stages: Stages,
     },
-    /// Decode: `pages` pages are reserved for the prompt's KV.
+    /// Decode: `pages` pages are reserved for the prompt's KV; the first `held` were in
+    /// this worker's prefix cache, so only the rest travel.
     Reserved {
         pages: usize,
+        held: usize,
     },
 }
 
@@ -484,12 +486,12 @@ impl<B: Backend> EngineCore<B> {
                     entry.host_cached = u32::try_from(host_cached).unwrap_or(u32::MAX);
                 }
             }
-            StepEvent::Reserved { id, pages } => {
+            StepEvent::Reserved { id, pages, held } => {
                 let Some(entry) = self.requests.get_mut(&*id) else {
                     return;
                 };
                 entry.admitted = Some(now());
-                if entry.tx.send(Event::Reserved { pages }).is_err() {
+                if entry.tx.send(Event::Reserved { pages, held }).is_err() {
                     self.client_left(&id);
                 }
             }

@@ -194,6 +194,7 @@ fn model_info(info: ModelInfo, pool: PoolNow, w: &WorkerService) -> pb::ModelInf
         handovers: u32::try_from(pd.handovers).unwrap_or(u32::MAX),
         handover_oldest_seconds: pd.handover_oldest_seconds,
         faults: w.faults.clone(),
+        cache_url: w.pd.home().to_owned(),
     }
 }
 
@@ -283,7 +284,7 @@ impl pb::worker_server::Worker for WorkerService {
             (_, room) => {
                 let rx = self
                     .pd
-                    .generate(&self.engine, gen_req, room, req.trace_id)
+                    .generate(&self.engine, gen_req, room, req.trace_id, req.kv_home)
                     .await?;
                 let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
                     .filter_map(|item| async move { item.map(response).transpose() });

@@ -79,6 +79,11 @@ pub struct Config {
     /// `http://127.0.0.1:50063`); without it the worker uses its device tier only.
     #[arg(long, env = "PDMESH_CACHE_URL")]
     pub cache_url: Option<String>,
+    /// The same cache service as other hosts reach it (default: --cache-url), reported in
+    /// ModelInfo: the gateway names it to prefill workers on other hosts as the home of
+    /// this decode worker's rooms, and routes by it.
+    #[arg(long, env = "PDMESH_CACHE_ADVERTISE_URL")]
+    pub cache_advertise_url: Option<String>,
     /// How KV pages travel to and from the host mirror.
     #[arg(long, env = "PDMESH_CACHE_DATA_PLANE", value_enum, default_value_t = DataPlane::Shm)]
     pub cache_data_plane: DataPlane,
@@ -179,6 +184,7 @@ impl Config {
             max_context: None,
             disable_prefix_cache: false,
             cache_url: None,
+            cache_advertise_url: None,
             cache_data_plane: DataPlane::Shm,
             cache_write_policy: WritePolicyArg::WriteThrough,
             cache_write_hits: 2,
@@ -371,6 +377,9 @@ pub async fn run(
     let pd = std::sync::Arc::new(pd::Pd::new(
         cfg.role,
         cfg.cache_url.as_deref(),
+        cfg.cache_advertise_url
+            .as_deref()
+            .or(cfg.cache_url.as_deref()),
         engine.pool().layout(),
         pd::PdTimes {
             admission: std::time::Duration::from_millis(cfg.admission_timeout_ms),

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use pdmesh_cache_client::client::{DataPlane, HostClient};
+use pdmesh_cache_client::client::{DataPlane, HostClient, RoomOpen};
 use pdmesh_engine::{GenRequest, Part};
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as cpb;
@@ -148,6 +148,8 @@ pub(crate) struct PdTimes {
 pub(crate) struct Pd {
     role: Role,
     link: Option<RoomLink>,
+    /// This host's cache service as other hosts reach it (ModelInfo's cache_url).
+    home: String,
     times: PdTimes,
     stats: Mutex<PdStats>,
     faults: std::sync::atomic::AtomicU64,
@@ -254,7 +256,7 @@ async fn wait_room(
     room: u64,
     until: cpb::RoomState,
     deadline: tokio::time::Instant,
-) -> Result<(), Status> {
+) -> Result<cpb::RoomStatus, Status> {
     loop {
         let st = by(
             deadline,
@@ -264,7 +266,7 @@ async fn wait_room(
         .await?;
         match cpb::RoomState::try_from(st.state).unwrap_or(cpb::RoomState::Failed) {
             cpb::RoomState::Failed => return Err(failed(&st.reason)),
-            s if s as i32 >= until as i32 => return Ok(()),
+            s if s as i32 >= until as i32 => return Ok(st),
             _ => {}
         }
     }
@@ -307,6 +309,7 @@ impl Pd {
     pub(crate) fn new(
         role: Role,
         cache_url: Option<&str>,
+        advertised: Option<&str>,
         layout: &KvLayout,
         times: PdTimes,
         eos: Vec<u32>,
@@ -322,6 +325,7 @@ impl Pd {
         Self {
             role,
             link,
+            home: advertised.unwrap_or_default().to_owned(),
             times,
             stats: Mutex::default(),
             faults: Default::default(),
@@ -344,6 +348,11 @@ impl Pd {
             pd: self.clone(),
             key,
         }
+    }
+
+    /// This host's cache service as other hosts reach it (empty: none).
+    pub(crate) fn home(&self) -> &str {
+        &self.home
     }
 
     pub(crate) fn role(&self) -> Role {
@@ -396,6 +405,7 @@ impl Pd {
         req: GenRequest,
         room: u64,
         trace_id: String,
+        kv_home: String,
     ) -> Result<mpsc::Receiver<Item>, Status> {
         let handover = self.handover();
         let client = self.client()?;
@@ -421,9 +431,24 @@ impl Pd {
                 let st = by(
                     tokio::time::Instant::now() + self.times.transfer,
                     "room open",
-                    client.room_open(room, cpb::RoomSide::Sender, &req.id, &trace_id),
+                    client.room_open_with(
+                        room,
+                        cpb::RoomSide::Sender,
+                        &req.id,
+                        &trace_id,
+                        RoomOpen {
+                            // This host's own service is no other home.
+                            home: if kv_home == self.home { "" } else { &kv_home },
+                            held_pages: 0,
+                        },
+                    ),
                 )
-                .await?;
+                .await
+                .map_err(|s| match s.code() {
+                    // The mesh's hosts disagree (another KV layout): not the client's fault.
+                    tonic::Code::FailedPrecondition => Status::internal(s.message().to_owned()),
+                    _ => s,
+                })?;
                 if st.state == cpb::RoomState::Failed as i32 {
                     return Err(failed(&st.reason));
                 }
@@ -542,9 +567,17 @@ impl Pd {
         }
         let exported = Instant::now();
         let deadline = tokio::time::Instant::now() + self.times.transfer;
-        // Decode joins once it has reserved pages for this prompt.
-        wait_room(&client, room, cpb::RoomState::WaitingForInput, deadline).await?;
+        // Decode joins once it has reserved pages for this prompt, saying how many of
+        // its leading pages it holds already: only the rest travel.
+        let st = wait_room(&client, room, cpb::RoomState::WaitingForInput, deadline).await?;
         room_event("waiting_for_input");
+        let held = st.held_pages as usize;
+        if held >= pages {
+            return Err(Status::internal(format!(
+                "decode says it holds {held} of the prompt's {pages} pages; the last one always travels"
+            )));
+        }
+        let pages = pages - held;
         let slots = loop {
             match by(
                 deadline,
@@ -590,7 +623,8 @@ impl Pd {
                 .export(
                     id,
                     Box::new(move |src: &[&[u8]]| {
-                        src.iter()
+                        src[held..]
+                            .iter()
                             .zip(&write_slots)
                             .map(|(page, &slot)| match &missize {
                                 None => mirror.write_checked(slot, page),
@@ -680,7 +714,7 @@ impl Pd {
         let reserved = tokio::time::timeout(self.times.admission, async {
             loop {
                 match generation.next().await {
-                    Some(Ok(Event::Reserved { pages })) => return Ok(pages),
+                    Some(Ok(Event::Reserved { pages, held })) => return Ok((pages, held)),
                     Some(Ok(_)) => {}
                     Some(Err(e)) => return Err(Status::from(crate::Error::from(e))),
                     None => return Err(Status::unavailable("the engine went away")),
@@ -694,7 +728,7 @@ impl Pd {
             reason: "decode ended before it took its pages",
             armed: true,
         };
-        let pages = match reserved {
+        let (pages, held) = match reserved {
             Ok(r) => r?,
             Err(_) => {
                 guard.reason = "decode pool exhausted";
@@ -709,7 +743,16 @@ impl Pd {
         by(
             deadline,
             "room open",
-            client.room_open(room, cpb::RoomSide::Receiver, &req.id, &trace_id),
+            client.room_open_with(
+                room,
+                cpb::RoomSide::Receiver,
+                &req.id,
+                &trace_id,
+                RoomOpen {
+                    home: "",
+                    held_pages: held as u32,
+                },
+            ),
         )
         .await?;
         room_event("receiver_joined");
@@ -728,6 +771,8 @@ impl Pd {
                 req.prompt.len()
             )));
         }
+        // The pages it held stayed here; the rest arrived.
+        let pages = pages - held;
         if got.pages.len() != pages {
             return Err(Status::data_loss(format!(
                 "{} pages arrived for {pages} reserved",
@@ -787,12 +832,16 @@ impl Pd {
             decode: 0.0,
         };
         let host_cached = aux.host_cached_tokens;
+        let page_size = self.layout.page_size();
         while let Some(item) = generation.next().await {
             let item = item
                 .map(|ev| match ev {
                     Event::Finished(f) => Event::Finished(Finish {
                         host_cached_tokens: host_cached.min(f.cached_tokens),
-                        transferred_tokens: f.prompt_tokens,
+                        // Pages decode held already were not handed over.
+                        transferred_tokens: f
+                            .prompt_tokens
+                            .saturating_sub((held * page_size) as u32),
                         stages: Stages {
                             decode: f.stages.decode,
                             ..prefill_stages

@@ -220,6 +220,7 @@ fn generate_request(r: s::GenerateRequest, role: Role) -> Result<pb::GenerateReq
         sampling: Some(sampling),
         room,
         trace_id: String::new(),
+        kv_home: String::new(),
     })
 }
 

@@ -1,0 +1,350 @@
+//! Links from this cache service to other hosts' cache services, for rooms whose receiver
+//! is on another host (their "home"). A link registers here as a peer at the home host
+//! (which checks the KV layout, refusing another one naming both), keeps that lease
+//! alive, relays the room calls over gRPC and moves pages over the tcp page transport
+//! ([`crate::transfer`]). Every call has a deadline, so a home host that vanishes, stops
+//! or loses its link fails the call in bounded time; the room's own deadlines do the rest
+//! on both sides.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use pb::cache_client::CacheClient;
+use pdmesh_kv::KvLayout;
+use pdmesh_proto::cache::v1 as pb;
+use tonic::Status;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::transfer::{OutPage, Sent, TcpOptions, TcpSender, TransferError, Transport};
+use crate::wire::layout_to_pb;
+
+/// Every link of this service, by the home's URL.
+pub(crate) struct Peers {
+    links: tokio::sync::Mutex<HashMap<String, Arc<Link>>>,
+    pub opts: TcpOptions,
+    /// How this service names itself when it registers at a peer.
+    name: String,
+}
+
+impl Peers {
+    pub fn new(name: String, opts: TcpOptions) -> Self {
+        Self {
+            links: Default::default(),
+            opts,
+            name,
+        }
+    }
+
+    /// The link to `url`, connecting (and registering with `layout`) if there is none or
+    /// the last one lost its lease.
+    pub async fn link(&self, url: &str, layout: &Arc<KvLayout>) -> Result<Arc<Link>, Status> {
+        let mut links = self.links.lock().await;
+        if let Some(l) = links.get(url)
+            && l.alive.load(Ordering::Relaxed)
+            && l.layout.fingerprint() == layout.fingerprint()
+        {
+            return Ok(l.clone());
+        }
+        let link = Arc::new(Link::connect(url, &self.name, layout.clone(), self.opts).await?);
+        links.insert(url.to_owned(), link.clone());
+        Ok(link)
+    }
+
+    /// The link to `url` if one is up (for telling a home that a room failed here).
+    pub async fn existing(&self, url: &str) -> Option<Arc<Link>> {
+        self.links.lock().await.get(url).cloned()
+    }
+}
+
+/// One registered link to a home host.
+pub(crate) struct Link {
+    pub url: String,
+    rpc: CacheClient<Channel>,
+    /// This service's lease at the home host.
+    pub lease: u64,
+    /// The home host's tcp page transport.
+    data: SocketAddr,
+    alive: Arc<AtomicBool>,
+    heartbeat: tokio::task::JoinHandle<()>,
+    /// Idle transport connections, reused by later transfers.
+    senders: std::sync::Mutex<Vec<TcpSender>>,
+    layout: Arc<KvLayout>,
+    opts: TcpOptions,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.heartbeat.abort();
+    }
+}
+
+/// `fut` within `t`, or DEADLINE_EXCEEDED naming the peer and the call.
+async fn bounded<T>(
+    url: &str,
+    what: &str,
+    t: Duration,
+    fut: impl Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    match tokio::time::timeout(t, fut).await {
+        Ok(r) => r.map_err(|s| {
+            // Keep the code; say where it came from.
+            Status::new(s.code(), format!("{what} at {url}: {}", s.message()))
+        }),
+        Err(_) => Err(Status::deadline_exceeded(format!(
+            "{what} at {url} passed its {t:?} deadline"
+        ))),
+    }
+}
+
+fn request<T>(msg: T, t: Duration) -> tonic::Request<T> {
+    let mut r = pdmesh_telemetry::request(msg);
+    r.set_timeout(t);
+    r
+}
+
+impl TransferError {
+    /// The status a sender sees for a failed transfer.
+    pub fn status(&self) -> Status {
+        let msg = self.to_string();
+        match self {
+            Self::LayoutRefused { .. } => Status::failed_precondition(msg),
+            Self::Checksum { .. } => Status::data_loss(msg),
+            Self::Refused { .. } => Status::aborted(msg),
+            Self::Deadline { .. } => Status::deadline_exceeded(msg),
+            Self::Connect { .. } | Self::Io { .. } | Self::Broken { .. } => {
+                Status::unavailable(msg)
+            }
+            Self::PageSize { .. } | Self::Protocol { .. } => Status::internal(msg),
+        }
+    }
+}
+
+impl Link {
+    async fn connect(
+        url: &str,
+        name: &str,
+        layout: Arc<KvLayout>,
+        opts: TcpOptions,
+    ) -> Result<Self, Status> {
+        let t = opts.io_timeout;
+        let endpoint = Endpoint::from_shared(url.to_owned())
+            .map_err(|e| Status::invalid_argument(format!("room home {url:?}: {e}")))?
+            .connect_timeout(t)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(t)
+            .keep_alive_timeout(t);
+        let channel = bounded(url, "connecting", t, async {
+            endpoint
+                .connect()
+                .await
+                .map_err(|e| Status::unavailable(format!("{e}")))
+        })
+        .await?;
+        let mut rpc = CacheClient::new(channel).max_decoding_message_size(64 << 20);
+        let reg = bounded(url, "registering as a peer", t, async {
+            Ok(rpc
+                .register(request(
+                    pb::RegisterRequest {
+                        worker_id: name.to_owned(),
+                        layout: Some(layout_to_pb(&layout)),
+                        data_plane: pb::DataPlane::Peer.into(),
+                    },
+                    t,
+                ))
+                .await?
+                .into_inner())
+        })
+        .await?;
+        if reg.page_bytes as usize != layout.bytes_per_page() || reg.peer_port == 0 {
+            return Err(Status::failed_precondition(format!(
+                "{url} answered a peer registration with {} B pages and page port {}",
+                reg.page_bytes, reg.peer_port
+            )));
+        }
+        let host = url
+            .parse::<http::Uri>()
+            .ok()
+            .and_then(|u| u.host().map(|h| h.trim_matches(['[', ']']).to_owned()))
+            .ok_or_else(|| Status::invalid_argument(format!("room home {url:?} has no host")))?;
+        let data = tokio::net::lookup_host((host.as_str(), reg.peer_port as u16))
+            .await
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| Status::unavailable(format!("{host} does not resolve")))?;
+        let alive = Arc::new(AtomicBool::new(true));
+        let heartbeat = {
+            let (mut rpc, alive, lease, url) =
+                (rpc.clone(), alive.clone(), reg.lease, url.to_owned());
+            let every = Duration::from_millis(u64::from(reg.lease_ttl_ms) / 3)
+                .max(Duration::from_millis(1));
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                loop {
+                    tick.tick().await;
+                    let beat = rpc.heartbeat(request(pb::HeartbeatRequest { lease }, every));
+                    match tokio::time::timeout(every, beat).await {
+                        Ok(Err(s)) if s.code() == tonic::Code::NotFound => {
+                            tracing::warn!(peer = %url, lease, "peer lease expired; the next room registers again");
+                            alive.store(false, Ordering::Relaxed);
+                            return;
+                        }
+                        // Unreachable for now: the lease runs out there if it stays so.
+                        _ => {}
+                    }
+                }
+            })
+        };
+        tracing::info!(peer = url, lease = reg.lease, %data, "linked to a peer cache service");
+        Ok(Self {
+            url: url.to_owned(),
+            rpc,
+            lease: reg.lease,
+            data,
+            alive,
+            heartbeat,
+            senders: Default::default(),
+            layout,
+            opts,
+        })
+    }
+
+    fn t(&self) -> Duration {
+        self.opts.io_timeout
+    }
+
+    pub async fn room_open(
+        &self,
+        room: u64,
+        request_id: &str,
+        trace_id: &str,
+    ) -> Result<pb::RoomStatus, Status> {
+        let msg = pb::RoomOpenRequest {
+            lease: self.lease,
+            room,
+            side: pb::RoomSide::Sender.into(),
+            request_id: request_id.to_owned(),
+            trace_id: trace_id.to_owned(),
+            home: String::new(),
+            held_pages: 0,
+        };
+        let t = self.t();
+        bounded(&self.url, "room open", t, async {
+            Ok(self
+                .rpc
+                .clone()
+                .room_open(request(msg, t))
+                .await?
+                .into_inner())
+        })
+        .await
+    }
+
+    /// A long poll: bounded by its own timeout plus the I/O deadline.
+    pub async fn room_wait(
+        &self,
+        room: u64,
+        until: i32,
+        timeout_ms: u32,
+    ) -> Result<pb::RoomStatus, Status> {
+        let msg = pb::RoomWaitRequest {
+            lease: self.lease,
+            room,
+            until,
+            timeout_ms,
+        };
+        let t = Duration::from_millis(u64::from(timeout_ms.min(60_000))) + self.t();
+        bounded(&self.url, "room wait", t, async {
+            Ok(self
+                .rpc
+                .clone()
+                .room_wait(request(msg, t))
+                .await?
+                .into_inner())
+        })
+        .await
+    }
+
+    pub async fn room_start(&self, room: u64, pages: u32) -> Result<Vec<u32>, Status> {
+        let msg = pb::RoomStartRequest {
+            lease: self.lease,
+            room,
+            pages,
+        };
+        let t = self.t();
+        bounded(&self.url, "room start", t, async {
+            Ok(self
+                .rpc
+                .clone()
+                .room_start(request(msg, t))
+                .await?
+                .into_inner()
+                .slots)
+        })
+        .await
+    }
+
+    pub async fn room_commit(
+        &self,
+        room: u64,
+        pages: Vec<pb::RoomPage>,
+        aux: Option<pb::RoomAux>,
+    ) -> Result<pb::RoomStatus, Status> {
+        let msg = pb::RoomCommitRequest {
+            lease: self.lease,
+            room,
+            pages,
+            aux,
+        };
+        let t = self.t();
+        bounded(&self.url, "room commit", t, async {
+            Ok(self
+                .rpc
+                .clone()
+                .room_commit(request(msg, t))
+                .await?
+                .into_inner())
+        })
+        .await
+    }
+
+    pub async fn room_abort(&self, room: u64, reason: &str) -> Result<(), Status> {
+        let msg = pb::RoomAbortRequest {
+            lease: self.lease,
+            room,
+            reason: reason.to_owned(),
+        };
+        let t = self.t();
+        bounded(&self.url, "room abort", t, async {
+            self.rpc.clone().room_abort(request(msg, t)).await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Moves `pages` of `room` to the home host over an idle transport connection (or a
+    /// new one); a connection whose send failed is dropped.
+    pub async fn send(&self, room: u64, pages: &[OutPage<'_>]) -> Result<Sent, TransferError> {
+        let idle = self.senders.lock().expect("senders lock").pop();
+        let reused = idle.is_some();
+        let mut sender = match idle {
+            Some(s) => s,
+            None => TcpSender::connect(self.data, &self.layout, self.opts).await?,
+        };
+        let sent = match sender.send(room, pages).await {
+            Ok(sent) => sent,
+            // An idle connection the home closed meanwhile: once more on a fresh one
+            // (pages land by index, so sending one again writes the same bytes).
+            Err(TransferError::Io { .. }) if reused => {
+                sender = TcpSender::connect(self.data, &self.layout, self.opts).await?;
+                sender.send(room, pages).await?
+            }
+            Err(e) => return Err(e),
+        };
+        self.senders.lock().expect("senders lock").push(sender);
+        Ok(sent)
+    }
+}

@@ -1,0 +1,361 @@
+//! Rooms across hosts: two cache services (each with its own mirror, as on two machines)
+//! over real gRPC and the tcp page transport on loopback. A sender on host A names the
+//! receiver's host B as the room's home: A relays the room there, lends the sender its own
+//! slots and moves the pages at commit. Pages arrive bit for bit; another layout is
+//! refused naming both; a receiver's abort, a lost sender and a vanished host each fail
+//! the room on the surviving side in bounded time with every slot given back.
+//! (Across network namespaces, with real workers: tests/e2e/test_hosts.py.)
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use pb::cache_client::CacheClient;
+use pdmesh_cache::client::{DataPlane, HostClient, RoomOpen};
+use pdmesh_cache::{Config, MirrorSize};
+use pdmesh_kv::{DType, KvLayout};
+use pdmesh_proto::cache::v1 as pb;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+struct Host {
+    addr: SocketAddr,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), pdmesh_cache::Error>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Host {
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    async fn stats(&self) -> pb::StatsResponse {
+        let mut c = CacheClient::connect(self.url()).await.unwrap();
+        c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+const PAGES: usize = 64;
+
+async fn host(layout: &KvLayout, lease_ttl_ms: u64, transfer_ms: u64) -> Host {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = Config::new(MirrorSize::Bytes(
+        (2 * PAGES * layout.bytes_per_page()) as u64,
+    ));
+    cfg.shm_dir = Some(dir.path().to_owned());
+    cfg.lease_ttl_ms = lease_ttl_ms;
+    cfg.room_transfer_ms = transfer_ms;
+    cfg.peer_io_timeout_ms = 1_000;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(pdmesh_cache::run(cfg, listener, shutdown.clone()));
+    Host {
+        addr,
+        shutdown,
+        task,
+        _dir: dir,
+    }
+}
+
+/// SmolLM2's KV layout with 16-token pages.
+fn smol() -> KvLayout {
+    KvLayout::llama(30, 3, 64, DType::F16, 16)
+}
+
+async fn worker(h: &Host, name: &str, layout: &KvLayout) -> HostClient {
+    HostClient::connect(&h.url(), name, layout, DataPlane::Shm)
+        .await
+        .unwrap()
+}
+
+fn page(i: usize, bytes: usize) -> Vec<u8> {
+    let mut x = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (0..bytes)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn aux(room: u64) -> pb::RoomAux {
+    pb::RoomAux {
+        room,
+        first_token: 7,
+        first_logprob: -0.25,
+        prompt_tokens: (PAGES * 16) as u32,
+        ..Default::default()
+    }
+}
+
+/// Sender on `a` (home `b`) and receiver on `b`, up to the sender's slots.
+async fn open_pair(a: &HostClient, b: &HostClient, home: &str, room: u64) -> Vec<u32> {
+    let st = b
+        .room_open(room, pb::RoomSide::Receiver, "req", "trace")
+        .await
+        .unwrap();
+    assert_eq!(st.state, pb::RoomState::Bootstrapping as i32);
+    let how = RoomOpen {
+        home,
+        held_pages: 0,
+    };
+    let st = a
+        .room_open_with(room, pb::RoomSide::Sender, "req", "trace", how)
+        .await
+        .unwrap();
+    assert_eq!(st.state, pb::RoomState::WaitingForInput as i32, "{st:?}");
+    let st = a
+        .room_wait(room, pb::RoomState::WaitingForInput, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(st.state, pb::RoomState::WaitingForInput as i32);
+    a.room_start(room, PAGES as u32).await.unwrap()
+}
+
+/// Writes the pages into the sender's slots; returns their checksums.
+fn write(a: &HostClient, slots: &[u32]) -> Vec<pb::RoomPage> {
+    let m = a.shared_mirror().unwrap();
+    slots
+        .iter()
+        .enumerate()
+        .map(|(i, &slot)| pb::RoomPage {
+            slot,
+            checksum: m.write_checked(slot, &page(i, m.page_bytes())),
+        })
+        .collect()
+}
+
+/// Polls `f` until it holds, for at most `limit`.
+async fn eventually<F, Fut>(limit: Duration, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let until = Instant::now() + limit;
+    while !f().await {
+        assert!(Instant::now() < until, "not within {limit:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Nothing held for rooms on either host.
+async fn at_baseline(h: &Host) -> bool {
+    let s = h.stats().await;
+    s.room_slots == 0 && s.quarantined_slots == 0 && s.used_pages == 0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_cross_to_the_receivers_host_bit_for_bit_and_every_slot_comes_back() {
+    let (a, b) = (
+        host(&smol(), 10_000, 30_000).await,
+        host(&smol(), 10_000, 30_000).await,
+    );
+    let (pa, db) = (
+        worker(&a, "prefill", &smol()).await,
+        worker(&b, "decode", &smol()).await,
+    );
+    for room in [11, 12] {
+        let slots = open_pair(&pa, &db, &b.url(), room).await;
+        let pages = write(&pa, &slots);
+        pa.room_commit(room, pages.clone(), aux(room))
+            .await
+            .unwrap();
+        let st = db
+            .room_wait(room, pb::RoomState::Success, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(st.state, pb::RoomState::Success as i32);
+        let got = db.room_result(room).await.unwrap();
+        assert_eq!(got.aux, Some(aux(room)));
+        let m = db.shared_mirror().unwrap();
+        for (i, p) in got.pages.iter().enumerate() {
+            let mut buf = vec![0u8; m.page_bytes()];
+            assert_eq!(m.read_checked(p.slot, &mut buf), pages[i].checksum);
+            assert!(buf == page(i, m.page_bytes()), "page {i} differs");
+        }
+        db.room_finish(room).await.unwrap();
+    }
+    let (sa, sb) = (a.stats().await, b.stats().await);
+    let bytes = (2 * PAGES * smol().bytes_per_page()) as u64;
+    assert_eq!(
+        (sa.peer_pages_sent, sa.peer_bytes_sent),
+        (2 * PAGES as u64, bytes)
+    );
+    assert_eq!(
+        (sb.peer_pages_received, sb.peer_bytes_received),
+        (2 * PAGES as u64, bytes)
+    );
+    assert_eq!(sb.rooms_finished, 2);
+    assert!(at_baseline(&a).await && at_baseline(&b).await);
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_home_with_another_layout_is_refused_naming_both_and_nothing_moves() {
+    use pdmesh_kv::{IndexKDtype, MlaCacheDtype, MlaDims};
+    let dims = MlaDims {
+        kv_lora_rank: 128,
+        rope_dim: 32,
+        index_head_dim: 128,
+    };
+    // The seed's mismatch: fp8 index-K on the receiver's host, bf16 on the sender's.
+    let form = |ik| KvLayout::deepseek_v32(4, dims, MlaCacheDtype::Bf16, ik, 16).unwrap();
+    let (fp8, bf16) = (form(IndexKDtype::Fp8), form(IndexKDtype::Bf16));
+    let (a, b) = (
+        host(&bf16, 10_000, 30_000).await,
+        host(&fp8, 10_000, 30_000).await,
+    );
+    let (pa, db) = (
+        worker(&a, "prefill", &bf16).await,
+        worker(&b, "decode", &fp8).await,
+    );
+    db.room_open(5, pb::RoomSide::Receiver, "req", "trace")
+        .await
+        .unwrap();
+    let how = RoomOpen {
+        home: &b.url(),
+        held_pages: 0,
+    };
+    let err = pa
+        .room_open_with(5, pb::RoomSide::Sender, "req", "trace", how)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    let msg = err.message();
+    for want in [fp8.to_string(), bf16.to_string()] {
+        assert!(msg.contains(&want), "{msg} should name {want}");
+    }
+    assert!(msg.contains("B/token"), "{msg}");
+    let (sa, sb) = (a.stats().await, b.stats().await);
+    assert_eq!(sb.peer_layout_refusals, 1);
+    assert_eq!((sa.peer_pages_sent, sb.peer_pages_received), (0, 0));
+    assert!(at_baseline(&a).await);
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receivers_abort_reaches_the_sender_and_its_late_commit_is_refused() {
+    let (a, b) = (
+        host(&smol(), 10_000, 30_000).await,
+        host(&smol(), 10_000, 30_000).await,
+    );
+    let (pa, db) = (
+        worker(&a, "prefill", &smol()).await,
+        worker(&b, "decode", &smol()).await,
+    );
+    let slots = open_pair(&pa, &db, &b.url(), 21).await;
+    db.room_abort(21, "client disconnected").await.unwrap();
+    let st = pa
+        .room_wait(21, pb::RoomState::Success, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(st.state, pb::RoomState::Failed as i32);
+    assert!(st.reason.contains("client disconnected"), "{st:?}");
+    let pages = write(&pa, &slots);
+    let err = pa.room_commit(21, pages, aux(21)).await.unwrap_err();
+    assert!(
+        matches!(err.code(), tonic::Code::Aborted | tonic::Code::NotFound),
+        "{err:?}"
+    );
+    let sb = b.stats().await;
+    assert_eq!(sb.peer_pages_received, 0, "no page lands in a failed room");
+    eventually(Duration::from_secs(5), "both hosts at baseline", || async {
+        at_baseline(&a).await && at_baseline(&b).await
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_home_that_vanishes_mid_transfer_fails_the_commit_in_bounded_time_and_frees_its_slots() {
+    let (a, b) = (
+        host(&smol(), 10_000, 30_000).await,
+        host(&smol(), 10_000, 30_000).await,
+    );
+    let (pa, db) = (
+        worker(&a, "prefill", &smol()).await,
+        worker(&b, "decode", &smol()).await,
+    );
+    let slots = open_pair(&pa, &db, &b.url(), 31).await;
+    let pages = write(&pa, &slots);
+    drop(db);
+    b.stop().await;
+    let t0 = Instant::now();
+    let err = pa.room_commit(31, pages, aux(31)).await.unwrap_err();
+    assert!(
+        matches!(
+            err.code(),
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+        ),
+        "{err:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let sa = a.stats().await;
+    assert_eq!(sa.peer_transfer_failures, 1);
+    assert!(at_baseline(&a).await);
+    a.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_host_that_vanishes_fails_its_rooms_at_the_home_by_the_peer_lease() {
+    let (a, b) = (
+        host(&smol(), 500, 30_000).await,
+        host(&smol(), 500, 30_000).await,
+    );
+    let (pa, db) = (
+        worker(&a, "prefill", &smol()).await,
+        worker(&b, "decode", &smol()).await,
+    );
+    let _slots = open_pair(&pa, &db, &b.url(), 41).await;
+    assert_eq!(b.stats().await.room_slots, PAGES as u32);
+    drop(pa);
+    a.stop().await;
+    let st = db
+        .room_wait(41, pb::RoomState::Success, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(st.state, pb::RoomState::Failed as i32);
+    assert!(st.reason.contains("lost"), "{st:?}");
+    eventually(Duration::from_secs(5), "the home at baseline", || async {
+        at_baseline(&b).await
+    })
+    .await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_that_gives_up_fails_the_room_at_its_home() {
+    let (a, b) = (
+        host(&smol(), 10_000, 30_000).await,
+        host(&smol(), 10_000, 30_000).await,
+    );
+    let (pa, db) = (
+        worker(&a, "prefill", &smol()).await,
+        worker(&b, "decode", &smol()).await,
+    );
+    let _slots = open_pair(&pa, &db, &b.url(), 51).await;
+    pa.room_abort(51, "prefill failed").await.unwrap();
+    let st = db
+        .room_wait(51, pb::RoomState::Success, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(st.state, pb::RoomState::Failed as i32);
+    assert!(st.reason.contains("prefill failed"), "{st:?}");
+    eventually(Duration::from_secs(5), "both hosts at baseline", || async {
+        at_baseline(&a).await && at_baseline(&b).await
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+}

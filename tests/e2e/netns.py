@@ -1,0 +1,111 @@
+"""Hosts of our own for multi-host tests: one Linux network namespace per host, each with
+its own address on a private subnet, joined by veth pairs to a bridge that lives in a
+namespace of its own (the "switch"). Nothing touches the machine's own namespace, and
+`Net.remove` deletes everything (namespaces take their veths and processes' sockets
+with them). Needs root and iproute2 (`ip`, `tc`)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import os
+import shutil
+import subprocess
+
+import pytest
+
+SUBNET = "10.77.0"
+
+
+def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, check=check, capture_output=True, text=True)
+
+
+def require() -> None:
+    """Fails (never skips) when the machine cannot make namespaces: CI runs as root."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        pytest.fail("multi-host tests need root and iproute2 (ip, tc); .ci/run installs them", pytrace=False)
+
+
+CLONE_NEWNET = 0x40000000
+_made = 0  # Nets made by this process: each gets names of its own
+
+
+def enter(ns: str) -> None:
+    """Moves the calling thread into network namespace `ns` (sockets it opens live there)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns {ns}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+class Net:
+    """Hosts `names` at 10.77.0.1, .2, ... in that order."""
+
+    def __init__(self, names: list[str]):
+        require()
+        global _made
+        _made += 1
+        tag = f"{os.getpid() % 100000}-{_made}"
+        self.switch = f"pdm-sw-{tag}"
+        self.ns = {n: f"pdm-{n}-{tag}" for n in names}
+        self.addr = {n: f"{SUBNET}.{i + 1}" for i, n in enumerate(names)}
+        self.port = {n: f"p{i}" for i, n in enumerate(names)}
+        try:
+            sh("ip", "netns", "add", self.switch)
+            sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for n in names:
+                ns = self.ns[n]
+                sh("ip", "netns", "add", ns)
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+                sh("ip", "-n", self.switch, "link", "add", self.port[n], "type", "veth", "peer", "name", "eth0", "netns", ns)
+                sh("ip", "-n", self.switch, "link", "set", self.port[n], "master", "br0", "up")
+                sh("ip", "-n", ns, "addr", "add", f"{self.addr[n]}/24", "dev", "eth0")
+                sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        except subprocess.CalledProcessError as e:
+            self.remove()
+            pytest.fail(f"creating the test hosts: {e.cmd}: {e.stderr}", pytrace=False)
+
+    def exec_argv(self, host: str, argv: list[str]) -> list[str]:
+        """`argv` run inside `host`'s namespace (`ip netns exec` execs it: same pid)."""
+        return ["ip", "netns", "exec", self.ns[host], *argv]
+
+    def threads(self, host: str, n: int) -> cf.ThreadPoolExecutor:
+        """A thread pool whose threads are inside `host`: a client there, for real."""
+        return cf.ThreadPoolExecutor(n, initializer=enter, initargs=(self.ns[host],))
+
+    def link(self, host: str, up: bool) -> None:
+        """Takes `host`'s only link down (or back up), at its switch port."""
+        sh("ip", "-n", self.switch, "link", "set", self.port[host], "up" if up else "down")
+
+    def impair(self, host: str, delay_ms: int, loss_pct: int) -> str:
+        """Delay and loss on everything `host` sends, with tc netem; where the kernel has no
+        netem qdisc, the loss alone, dropped by nftables at random in the kernel (there is
+        no other in-kernel delay). Returns what was applied."""
+        ns = self.ns[host]
+        r = sh("tc", "-n", ns, "qdisc", "replace", "dev", "eth0", "root", "netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%", check=False)
+        if r.returncode == 0:
+            return f"netem delay {delay_ms}ms loss {loss_pct}%"
+        if "unknown" not in r.stderr.lower() or not shutil.which("nft"):
+            pytest.fail(f"impairing {host}'s link: {r.stderr}", pytrace=False)
+        for cmd in (
+            "add table inet pdm_impair",
+            "add chain inet pdm_impair out { type filter hook output priority 0 ; }",
+            f"add rule inet pdm_impair out oifname eth0 numgen random mod 100 < {loss_pct} drop",
+        ):
+            sh("ip", "netns", "exec", ns, "nft", *cmd.split())
+        return f"nftables loss {loss_pct}% (this kernel has no netem: no delay)"
+
+    def clear(self, host: str) -> None:
+        ns = self.ns[host]
+        sh("tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root", check=False)
+        sh("ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "pdm_impair", check=False)
+
+    def remove(self) -> None:
+        for ns in [*self.ns.values(), self.switch]:
+            sh("ip", "netns", "del", ns, check=False)

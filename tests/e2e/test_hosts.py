@@ -1,0 +1,356 @@
+"""The mesh across hosts: a gateway host (gateway + tokenizer), a prefill host (cache
+service + prefill worker) and a decode host (cache service + decode worker), each in its
+own network namespace with its own address, real processes talking real TCP across veth
+links (nothing between hosts goes over 127.0.0.1). The KV of every request crosses from
+the prefill host's cache service to the decode host's over the tcp page transport.
+
+Answers equal a unified worker's with no cache; another KV layout on the decode host is
+refused naming both; killing the prefill host, taking its link down, 50 ms delay with 5%
+loss, and a stopped remote cache service each end every request within its deadline with
+an answer or a clean error, leave nothing held on any host, and leave a mesh that serves
+again with the same answers."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import API_KEY, ROOM_ARGS, WORKER_ARGS, http, metrics, pdmesh_bin, start_up, stop_up
+from netns import Net
+
+REQUEST_DEADLINE_S = 40
+MODEL = "SmolLM2-135M-Instruct"
+PEER_ARGS = ["--peer-io-timeout-ms=2000"]
+
+
+class Hosts:
+    """Three hosts and their services, each process killable, stoppable and restartable."""
+
+    PORTS = {"cache": 7100, "worker": 7200, "tokenizer": 7300, "gateway": 8080}
+
+    def __init__(self, tmp: Path, decode_args=(), prefill_args=(), short_deadlines=True):
+        """`short_deadlines`: the fault tests' room and hand-over deadlines (conftest's), so
+        faults resolve within a test; otherwise the services' defaults."""
+        room_args = [*ROOM_ARGS, *PEER_ARGS] if short_deadlines else []
+        worker_args = WORKER_ARGS if short_deadlines else []
+        self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.net = Net(["gw", "prefill", "decode"])
+        self.procs: dict[str, subprocess.Popen] = {}
+        a = self.net.addr
+        url = lambda host, svc: f"http://{a[host]}:{self.PORTS[svc]}"
+        self.cache_urls = [url("prefill", "cache"), url("decode", "cache")]
+        # name: (host, argv)
+        self.argv = {
+            "prefill-cache": ("prefill", ["cache", "--listen", f"{a['prefill']}:7100", *room_args]),
+            "decode-cache": ("decode", ["cache", "--listen", f"{a['decode']}:7100", *room_args]),
+            "prefill": ("prefill", ["prefill", "--listen", f"{a['prefill']}:7200", "--cache-url", url("prefill", "cache"), *worker_args, *prefill_args]),
+            "decode": ("decode", ["decode", "--listen", f"{a['decode']}:7200", "--cache-url", url("decode", "cache"), *worker_args, *decode_args]),
+            # The tokenizer shares the gateway's host, so it may stay on that host's loopback.
+            "tokenizer": ("gw", ["tokenizer", "--listen", "127.0.0.1:7300"]),
+            "gateway": ("gw", [
+                "gateway", "--listen", f"{a['gw']}:8080",
+                "--tokenizer-url", "http://127.0.0.1:7300",
+                "--prefill-url", url("prefill", "worker"),
+                "--decode-url", url("decode", "worker"),
+                "--cache-url", ",".join(self.cache_urls),
+            ]),
+        }
+        self.base = f"http://{a['gw']}:8080"
+        self.client = self.net.threads("gw", 128)
+        try:
+            for name in self.argv:
+                self.start(name)
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start(self, name: str) -> None:
+        host, argv = self.argv[name]
+        log = open(self.tmp / f"{name}.log", "ab")
+        env = dict(os.environ, PDMESH_API_KEY=API_KEY)
+        cmd = self.net.exec_argv(host, [str(pdmesh_bin()), *argv])
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def http(self, method: str, path: str, body: dict | None = None, timeout: float = 60) -> tuple[int, bytes]:
+        """One request to the gateway from a thread inside the gateway's host."""
+        return self.client.submit(http, method, self.base + path, json.dumps(body).encode() if body else None,
+                                  {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}, timeout).result()
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                assert p.poll() is None, f"{name} exited with {p.returncode}:\n{self.logs()}"
+            try:
+                status, _ = self.http("GET", "/health", timeout=5)
+                if status == 200:
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.3)
+        pytest.fail(f"the mesh did not become healthy:\n{self.logs()}", pytrace=False)
+
+    def kill(self, name: str, sig=signal.SIGKILL) -> None:
+        self.procs[name].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.procs[name].wait(timeout=30)
+
+    def metrics(self) -> dict[str, float]:
+        status, body = self.http("GET", "/metrics")
+        assert status == 200, body
+        out = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def chat(self, messages: list[dict], **kw) -> tuple[str, object]:
+        """('ok', response JSON) or ('error', HTTP status), from inside the gateway host."""
+        status, body = self.http("POST", "/v1/chat/completions", {"model": MODEL, "messages": messages, **kw}, timeout=REQUEST_DEADLINE_S)
+        if status == 200:
+            return "ok", json.loads(body)
+        err = json.loads(body)
+        assert err["error"]["message"], "an error says what happened"
+        return "error", status
+
+    def assert_baseline(self, timeout: float = 30) -> dict[str, float]:
+        """Nothing held on any host: no request in a worker, no reserved page, no open
+        room, no mirror slot held by a room on either cache service."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            held = {
+                k: v for k, v in m.items()
+                if (k.startswith("mesh_worker_requests") or k.startswith("mesh_room_slots") or k == "mesh_kv_reserved_pages"
+                    or (k.startswith("mesh_rooms{") and 'state="failed"' not in k))
+                and v != 0
+            }
+            pages = m["mesh_kv_pages_free"] + m["mesh_kv_pages_cached"]
+            if m["mesh_workers_read"] == 1 and m["mesh_caches_read"] == 1 and not held and pages == m["mesh_kv_pages_capacity"]:
+                return m
+            if time.monotonic() > deadline:
+                pytest.fail(f"not back to baseline: held {held}, caches read {m['mesh_caches_read']}\n{self.logs()}", pytrace=False)
+            time.sleep(0.25)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.client.shutdown()
+        self.net.remove()
+
+
+LONG = " ".join(f"item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(120))
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up.",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+    },
+}]
+
+
+def session(chat, s: int) -> list[str]:
+    """Two turns of an agentic session. Every fourth session is forced to call a tool on
+    its first turn (whose arguments must parse) and answers the tool's result on its
+    second; the others talk."""
+    history = [{"role": "system", "content": "You are a terse assistant."}]
+    out = []
+    kw = {"temperature": 0} if s % 3 else {"temperature": 0.9, "seed": s, "top_p": 0.95}
+    topic = ["fruit", "color", "city", "animal"][s % 4]
+    if s % 4 == 0:
+        history.append({"role": "user", "content": f"Session {s}: look up the word {topic}."})
+        # Greedy: a sampled argument may run past max_tokens inside its JSON string.
+        kind, r = chat(history, max_tokens=80, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0)
+        assert kind == "ok", r
+        msg = r["choices"][0]["message"]
+        calls = msg.get("tool_calls") or []
+        assert calls, f"tool_choice=required gave no call: {msg}"
+        for c in calls:
+            assert c["function"]["name"] == "lookup"
+            assert isinstance(json.loads(c["function"]["arguments"]).get("word"), str), c
+        out.append(json.dumps([c["function"] for c in calls], sort_keys=True))
+        # Ids are random per answer: the history names them the same way on both meshes.
+        calls = [{**c, "id": f"call_{s}_{i}"} for i, c in enumerate(calls)]
+        history.append({"role": "assistant", "content": None, "tool_calls": calls})
+        history.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": "a common word"})
+    else:
+        history.append({"role": "user", "content": f"Session {s}, turn 0: name a {topic}."})
+        kind, r = chat(history, max_tokens=6, **kw)
+        assert kind == "ok", r
+        text = r["choices"][0]["message"]["content"]
+        out.append(f"{r['choices'][0]['finish_reason']}:{text}")
+        history.append({"role": "assistant", "content": text})
+        history.append({"role": "user", "content": "And another one?"})
+    kind, r = chat(history, max_tokens=6, **kw)
+    assert kind == "ok", r
+    out.append(f"{r['choices'][0]['finish_reason']}:{r['choices'][0]['message']['content']}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    h = Hosts(tmp_path_factory.mktemp("hosts"))
+    yield h
+    h.stop()
+
+
+def test_80_sessions_across_hosts_are_bit_identical_to_unified_and_nothing_is_left_held(tmp_path):
+    # The services' own deadlines, as the one-host session test runs with.
+    hosts = Hosts(tmp_path / "hosts", short_deadlines=False)
+    unified = start_up(tmp_path, ["--unified", "--no-host-cache", "--no-smoke-test"])
+    try:
+        client = unified.client()
+
+        def unified_chat(messages, **kw):
+            r = client.chat.completions.create(model=unified.model, messages=messages, **kw)
+            return "ok", r.model_dump(exclude_none=True)
+
+        with cf.ThreadPoolExecutor(80) as pool:
+            across = list(pool.map(lambda s: session(hosts.chat, s), range(80)))
+        with cf.ThreadPoolExecutor(80) as pool:
+            ref = list(pool.map(lambda s: session(unified_chat, s), range(80)))
+        diff = [(s, a, b) for s, (a, b) in enumerate(zip(across, ref)) if a != b]
+        assert not diff, f"{len(diff)} sessions differ, e.g. {diff[:3]}"
+        m = hosts.assert_baseline()
+        sent, received = m['mesh_kv_peer_bytes_total{direction="sent"}'], m['mesh_kv_peer_bytes_total{direction="received"}']
+        assert sent > 0 and sent == received, (sent, received)
+        assert m['mesh_kv_peer_transfer_failures_total{tier="host"}'] == 0
+    finally:
+        assert stop_up(unified) == 0
+        hosts.stop()
+
+
+def ask_all(hosts: Hosts, n: int, fault=None, max_tokens=16):
+    """n concurrent long-prompt requests; `fault` runs once they are handing their KV over
+    between the hosts. Returns their outcomes; each must end within the deadline with an
+    answer or a clean error."""
+    def one(i):
+        t0 = time.monotonic()
+        kind, r = hosts.chat([{"role": "user", "content": f"{LONG} Question {i}: which box is blue?"}], max_tokens=max_tokens, temperature=0)
+        secs = time.monotonic() - t0
+        assert secs < REQUEST_DEADLINE_S + 5, f"a request took {secs:.1f}s"
+        return (kind, r["choices"][0]["message"]["content"] if kind == "ok" else r)
+
+    with cf.ThreadPoolExecutor(n) as pool:
+        futs = [pool.submit(one, i) for i in range(n)]
+        if fault is not None:
+            deadline = time.monotonic() + 60
+            while not any(k.startswith("mesh_handovers") and v > 0 for k, v in hosts.metrics().items()):
+                assert time.monotonic() < deadline, "the requests never reached a hand-over"
+                time.sleep(0.05)
+            fault()
+        results = [f.result(timeout=REQUEST_DEADLINE_S + 60) for f in futs]
+    for kind, what in results:
+        assert kind == "ok" or what in (429, 500, 502, 503, 504), (kind, what)
+    return results
+
+
+N = 8
+
+
+@pytest.fixture(scope="module")
+def reference(hosts):
+    # One request first puts the long shared prefix in the prefill worker's cache (as in
+    # any agentic workload), so N at once compute only their own questions.
+    warm = ask_all(hosts, 1)
+    assert warm[0][0] == "ok", warm
+    ref = ask_all(hosts, N)
+    assert all(k == "ok" for k, _ in ref), ref
+    hosts.assert_baseline()
+    return ref
+
+
+def check_after(hosts: Hosts, reference, results) -> None:
+    for i, (kind, text) in enumerate(results):
+        if kind == "ok":
+            assert text == reference[i][1], f"request {i}: a successful answer differs from the reference"
+    # Workers whose cache lease ran out meanwhile register again before they say healthy.
+    hosts.wait_healthy()
+    hosts.assert_baseline()
+    # A restarted prefill worker has an empty prefix cache: warm it as the reference was.
+    assert ask_all(hosts, 1)[0] == reference[0], "the mesh serves the same answer again"
+    again = ask_all(hosts, N)
+    assert again == reference, "the mesh serves the same answers again"
+
+
+def test_killing_the_prefill_host_mid_transfer(hosts, reference):
+    def fault():
+        hosts.kill("prefill")
+        hosts.kill("prefill-cache")
+    results = ask_all(hosts, N, fault)
+    assert any(k == "error" for k, _ in results), "the kill hit requests in flight"
+    hosts.start("prefill-cache")
+    hosts.start("prefill")
+    hosts.wait_healthy()
+    check_after(hosts, reference, results)
+
+
+def test_the_prefill_hosts_link_down_mid_transfer_then_up(hosts, reference):
+    def fault():
+        hosts.net.link("prefill", up=False)
+        time.sleep(3)  # the outage itself: how long the link stays down
+        hosts.net.link("prefill", up=True)
+    results = ask_all(hosts, N, fault)
+    check_after(hosts, reference, results)
+
+
+def test_50ms_delay_and_5_percent_loss_between_hosts(hosts, reference):
+    applied = [hosts.net.impair(h, 50, 5) for h in ("prefill", "decode")]
+    print("impaired:", applied)
+    try:
+        results = ask_all(hosts, N, None)
+        m = hosts.metrics()
+        assert m['mesh_kv_peer_bytes_total{direction="received"}'] > 0, "KV crossed the impaired links"
+    finally:
+        for h in ("prefill", "decode"):
+            hosts.net.clear(h)
+    check_after(hosts, reference, results)
+
+
+def test_the_remote_cache_service_stopped_past_the_deadline(hosts, reference):
+    def fault():
+        hosts.kill("decode-cache", signal.SIGSTOP)
+        time.sleep(6)  # past the room and peer deadlines (ROOM_ARGS, PEER_ARGS)
+        hosts.kill("decode-cache", signal.SIGCONT)
+    results = ask_all(hosts, N, fault)
+    check_after(hosts, reference, results)
+
+
+def test_a_decode_host_with_another_kv_layout_is_refused_naming_both(tmp_path):
+    h = Hosts(tmp_path, decode_args=["--page-size=32"])
+    try:
+        kind, status = h.chat([{"role": "user", "content": "Hello there, how are you today?"}], max_tokens=4)
+        assert kind == "error" and status == 500, (kind, status)
+        _, body = h.http("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        msg = json.loads(body)["error"]["message"]
+        print("refusal:", msg)
+        # Both hosts' layouts, each with its components' bytes per token.
+        assert "KV layout mismatch between hosts" in msg and msg.count("B/token") >= 4, msg
+        m = h.assert_baseline()
+        assert m['mesh_kv_peer_layout_refusals_total{tier="host"}'] >= 1
+        assert m['mesh_kv_peer_pages_total{direction="received"}'] == 0, "nothing moved"
+    finally:
+        h.stop()
