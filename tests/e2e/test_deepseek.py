@@ -2,8 +2,11 @@
 safetensors files) through the whole mesh. In each of the four cache forms (MLA latent
 bf16/fp8 x index-K fp8/bf16), prefill/decode disaggregation with the host mirror under 80
 concurrent sessions sharing a long prefix answers bit-identically to a unified worker with
-no cache at all answering one request at a time. And the seed's bug, forced on purpose
-(bf16 index-K sent through a buffer sized for fp8), is caught by the same comparison."""
+no cache at all answering one request at a time (bf16-fp8 with prefill and decode on two
+hosts, network namespaces, the KV crossing between their cache services; the others on
+one host; bf16-bf16 both ways). And the seed's bug, forced on purpose (bf16 index-K sent
+through a buffer sized for fp8), is caught by the same comparison, on one host and
+across hosts."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import subprocess
 import openai
 import pytest
 
+from hosts import Hosts
 from conftest import http, pdmesh_bin, start_up, stop_up
 
 SESSIONS = 80
@@ -115,14 +119,14 @@ def differences(transcripts, ref) -> int:
 @pytest.mark.parametrize(
     "mla,index_k,env",
     [
-        ("bf16", "fp8", None),
+        # bf16-fp8 runs across hosts below (test_across_hosts_...), on this path too.
         # The form the seed's bug corrupts, with every old fault variable exported: the
         # default binary ignores them and answers as a clean mesh does.
         ("bf16", "bf16", EVERY_FAULT_VARIABLE),
         ("fp8", "fp8", None),
         ("fp8", "bf16", None),
     ],
-    ids=["bf16-fp8", "bf16-bf16-fault-variables-set", "fp8-fp8", "fp8-bf16"],
+    ids=["bf16-bf16-fault-variables-set", "fp8-fp8", "fp8-bf16"],
 )
 def test_pd_with_host_mirror_is_bit_identical_to_unified_no_cache(tmp_path, tmp_path_factory, tiny, mla, index_k, env):
     pd = disaggregated(tmp_path / "pd", tiny, mla, index_k, env=env)
@@ -140,6 +144,35 @@ def test_the_seeds_bug_forced_on_purpose_is_caught_by_the_differential(tmp_path,
     pd = disaggregated(tmp_path / "pd", tiny, "bf16", "bf16", extra=["--worker-arg=--fault-missize-index-k"], faults=["missize-index-k"])
     log = (tmp_path / "pd" / "up.log").read_text(errors="replace")
     assert "FAULT INJECTION IS ON" in log and "missize-index-k" in log, log[-4000:]
+    assert differences(pd, reference(tmp_path_factory, tiny, "bf16", "bf16")) > 0
+
+
+def across_hosts(tmp, tiny, index_k: str, prefill_args=()) -> list[list[tuple[str, str]]]:
+    """Every session's transcript from the mesh over three hosts (network namespaces),
+    all at once; the KV crossed between the hosts' cache services."""
+    h = Hosts(tmp, model=tiny, short_deadlines=False, prefill_args=prefill_args,
+              worker_args=["--kv-cache-dtype=bf16", f"--index-k-dtype={index_k}"])
+    try:
+        client = h.openai()
+        model = h.client.submit(lambda: client.models.list().data[0].id).result()
+        futs = [h.client.submit(converse, client, model, s) for s in range(SESSIONS)]
+        transcripts = [f.result() for f in futs]
+        m = h.assert_baseline()
+        assert m['mesh_kv_peer_bytes_total{direction="received"}'] > 0, "the KV crossed between the hosts"
+    finally:
+        h.stop()
+    return transcripts
+
+
+@pytest.mark.parametrize("index_k", ["bf16", "fp8"])
+def test_across_hosts_is_bit_identical_to_unified_no_cache(tmp_path, tmp_path_factory, tiny, index_k):
+    assert differences(across_hosts(tmp_path / "hosts", tiny, index_k), reference(tmp_path_factory, tiny, "bf16", index_k)) == 0
+
+
+def test_the_seeds_bug_on_the_prefill_host_is_caught_across_hosts(tmp_path, tmp_path_factory, tiny):
+    """The seed's mis-sized index-K copy, switched on in the prefill host's worker only."""
+    pd = across_hosts(tmp_path / "hosts", tiny, "bf16", prefill_args=["--fault-missize-index-k"])
+    assert "FAULT INJECTION IS ON" in (tmp_path / "hosts" / "prefill.log").read_text(errors="replace")
     assert differences(pd, reference(tmp_path_factory, tiny, "bf16", "bf16")) > 0
 
 

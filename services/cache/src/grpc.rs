@@ -172,7 +172,7 @@ impl CacheService {
         let t0 = Instant::now();
         let page_bytes = plan.mirror.page_bytes();
         // The sender finished writing these slots; they stay ours until the relay ends.
-        let mut bytes = vec![0u8; page_bytes * plan.slots.len()];
+        let mut bytes = link.buffer(page_bytes * plan.slots.len());
         for (dst, &slot) in bytes.chunks_exact_mut(page_bytes).zip(&plan.slots) {
             plan.mirror.read(slot, dst);
         }
@@ -188,7 +188,7 @@ impl CacheService {
             .collect();
         let sent = link.send(room, &out).await;
         drop(out);
-        drop(bytes);
+        link.give_back(bytes);
         let done = match sent {
             Err(e) => {
                 if matches!(e, crate::transfer::TransferError::LayoutRefused { .. }) {

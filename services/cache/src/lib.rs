@@ -257,7 +257,7 @@ async fn receive_pages(
         let (shared, stop) = (shared.clone(), stop.clone());
         tokio::spawn(async move {
             let sink =
-                |p: transfer::InPage| shared.with(|s| s.peer_write(p.room, p.index, &p.bytes));
+                |p: transfer::InPage<'_>| shared.with(|s| s.peer_write(p.room, p.index, p.bytes));
             let served = tokio::select! {
                 () = stop.cancelled() => return,
                 r = transfer::serve_connection(stream, &layout, opts, sink) => r,

@@ -72,6 +72,9 @@ pub(crate) struct Link {
     heartbeat: tokio::task::JoinHandle<()>,
     /// Idle transport connections, reused by later transfers.
     senders: std::sync::Mutex<Vec<TcpSender>>,
+    /// Buffers the pages are read into before they are sent, reused (memory already
+    /// faulted in).
+    buffers: std::sync::Mutex<Vec<Vec<u8>>>,
     layout: Arc<KvLayout>,
     opts: TcpOptions,
 }
@@ -207,6 +210,7 @@ impl Link {
             alive,
             heartbeat,
             senders: Default::default(),
+            buffers: Default::default(),
             layout,
             opts,
         })
@@ -323,6 +327,26 @@ impl Link {
             Ok(())
         })
         .await
+    }
+
+    /// A buffer of `len` bytes (its contents are whatever was there).
+    pub fn buffer(&self, len: usize) -> Vec<u8> {
+        let mut b = self
+            .buffers
+            .lock()
+            .expect("buffers lock")
+            .pop()
+            .unwrap_or_default();
+        b.resize(len, 0);
+        b
+    }
+
+    /// Returns a buffer from [`Self::buffer`] for reuse; a few are kept.
+    pub fn give_back(&self, b: Vec<u8>) {
+        let mut bs = self.buffers.lock().expect("buffers lock");
+        if bs.len() < 4 {
+            bs.push(b);
+        }
     }
 
     /// Moves `pages` of `room` to the home host over an idle transport connection (or a

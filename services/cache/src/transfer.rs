@@ -29,6 +29,16 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 const MAGIC: [u8; 4] = *b"PDKV";
 const VERSION: u16 = 1;
+/// The socket buffers' size for pages of `page_bytes`: reads and writes of at least a
+/// buffer's size bypass it, so big pages go straight between the socket and the page
+/// (no copy through the buffer), while small ones gather (a few syscalls per batch).
+fn io_buffer(page_bytes: usize) -> usize {
+    if page_bytes >= 128 << 10 {
+        16 << 10
+    } else {
+        1 << 20
+    }
+}
 /// Longest text a peer may send in a hello or an ack.
 const MAX_TEXT: u32 = 64 << 10;
 
@@ -204,7 +214,9 @@ impl TcpSender {
         let (rd, wr) = stream.into_split();
         let mut s = Self {
             rd: BufReader::new(rd),
-            wr: BufWriter::with_capacity(1 << 20, wr),
+            // Small: headers gather here, while a page at least this big goes straight to
+            // the socket instead of being copied through the buffer first.
+            wr: BufWriter::with_capacity(io_buffer(layout.bytes_per_page()), wr),
             page_bytes: layout.bytes_per_page(),
             peer,
             opts,
@@ -343,13 +355,14 @@ impl TcpSender {
     }
 }
 
-/// One page as the receiver hands it to its sink: its checksum already verified.
+/// One page as the receiver hands it to its sink: its checksum already verified. The
+/// bytes are the receiver's buffer, reused for the next page.
 #[derive(Debug)]
-pub struct InPage {
+pub struct InPage<'a> {
     pub room: u64,
     pub index: u32,
     pub checksum: u64,
-    pub bytes: Vec<u8>,
+    pub bytes: &'a [u8],
 }
 
 /// What a receiving connection did before it ended.
@@ -369,14 +382,15 @@ pub async fn serve_connection(
     stream: TcpStream,
     layout: &KvLayout,
     opts: TcpOptions,
-    mut sink: impl FnMut(InPage) -> Result<(), String>,
+    mut sink: impl FnMut(InPage<'_>) -> Result<(), String>,
 ) -> Result<Received, TransferError> {
     let peer = stream
         .peer_addr()
         .map_or_else(|_| "?".to_owned(), |a| a.to_string());
     let _ = stream.set_nodelay(true);
     let (rd, wr) = stream.into_split();
-    let mut rd = BufReader::with_capacity(1 << 20, rd);
+    // Small, so a page's bytes are read straight into the page buffer (see `io_buffer`).
+    let mut rd = BufReader::with_capacity(io_buffer(layout.bytes_per_page()), rd);
     let mut wr = BufWriter::new(wr);
     let t = opts.io_timeout;
     let (magic, version, fingerprint, page_bytes, theirs) =
@@ -427,6 +441,8 @@ pub async fn serve_connection(
 
     let page_bytes = layout.bytes_per_page();
     let mut got = Received::default();
+    // One buffer for every page: no allocation (nor fresh memory to fault in) per page.
+    let mut bytes = vec![0u8; page_bytes];
     loop {
         // Between batches the connection may idle; inside one every read has a deadline.
         let mut head = [0u8; 16];
@@ -442,7 +458,6 @@ pub async fn serve_connection(
         let count = u32::from_le_bytes(head[12..].try_into().expect("4 bytes"));
         let (mut status, mut bad_index, mut text) = (ACK_OK, 0u32, String::new());
         for _ in 0..count {
-            let mut bytes = vec![0u8; page_bytes];
             let (index, checksum) = deadline(&peer, "a page", t, async {
                 let index = rd.read_u32_le().await?;
                 let checksum = rd.read_u64_le().await?;
@@ -462,7 +477,7 @@ pub async fn serve_connection(
                 room,
                 index,
                 checksum,
-                bytes,
+                bytes: &bytes,
             };
             match sink(page) {
                 Ok(()) => got.pages += 1,
@@ -536,7 +551,16 @@ mod tests {
         }
     }
 
-    type Delivered = Arc<Mutex<Vec<InPage>>>;
+    /// A delivered page, kept.
+    #[derive(Debug)]
+    struct Kept {
+        room: u64,
+        index: u32,
+        checksum: u64,
+        bytes: Vec<u8>,
+    }
+
+    type Delivered = Arc<Mutex<Vec<Kept>>>;
 
     /// A receiver for one connection on loopback; its result and the pages it delivered.
     async fn receiver(
@@ -557,7 +581,12 @@ mod tests {
                 if Some(p.index) == refuse_index {
                     return Err("room failed".into());
                 }
-                d.lock().unwrap().push(p);
+                d.lock().unwrap().push(Kept {
+                    room: p.room,
+                    index: p.index,
+                    checksum: p.checksum,
+                    bytes: p.bytes.to_vec(),
+                });
                 Ok(())
             })
             .await
@@ -589,6 +618,7 @@ mod tests {
         for (i, p) in d[..64].iter().enumerate() {
             assert_eq!((p.room, p.index as usize), (9, i));
             assert_eq!(p.bytes, data[i]);
+            assert_eq!(p.checksum, page_checksum(&data[i]));
         }
         assert_eq!((d[64].room, d[65].index), (10, 1));
     }

@@ -1,0 +1,159 @@
+"""The mesh over three hosts of our own (network namespaces, see `netns`): a gateway host
+(gateway + tokenizer), a prefill host (cache service + prefill worker) and a decode host
+(cache service + decode worker), each service a real process listening on its host's own
+address. Clients run on threads inside the gateway's host."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import API_KEY, ROOM_ARGS, WORKER_ARGS, http, pdmesh_bin
+from netns import Net
+
+REQUEST_DEADLINE_S = 40
+MODEL = "SmolLM2-135M-Instruct"
+PEER_ARGS = ["--peer-io-timeout-ms=2000"]
+
+
+class Hosts:
+    """Three hosts and their services, each process killable, stoppable and restartable."""
+
+    PORTS = {"cache": 7100, "worker": 7200, "tokenizer": 7300, "gateway": 8080}
+
+    def __init__(self, tmp: Path, decode_args=(), prefill_args=(), short_deadlines=True, model: Path | None = None, worker_args=()):
+        """`short_deadlines`: the fault tests' room and hand-over deadlines (conftest's), so
+        faults resolve within a test; otherwise the services' defaults."""
+        room_args = [*ROOM_ARGS, *PEER_ARGS] if short_deadlines else []
+        worker_args = [*(WORKER_ARGS if short_deadlines else []), *worker_args]
+        model_args = ["--model", str(model)] if model else []
+        self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.net = Net(["gw", "prefill", "decode"])
+        self.procs: dict[str, subprocess.Popen] = {}
+        a = self.net.addr
+        url = lambda host, svc: f"http://{a[host]}:{self.PORTS[svc]}"
+        self.cache_urls = [url("prefill", "cache"), url("decode", "cache")]
+        # name: (host, argv)
+        self.argv = {
+            "prefill-cache": ("prefill", ["cache", "--listen", f"{a['prefill']}:7100", *room_args]),
+            "decode-cache": ("decode", ["cache", "--listen", f"{a['decode']}:7100", *room_args]),
+            "prefill": ("prefill", ["prefill", "--listen", f"{a['prefill']}:7200", "--cache-url", url("prefill", "cache"), *model_args, *worker_args, *prefill_args]),
+            "decode": ("decode", ["decode", "--listen", f"{a['decode']}:7200", "--cache-url", url("decode", "cache"), *model_args, *worker_args, *decode_args]),
+            # The tokenizer shares the gateway's host, so it may stay on that host's loopback.
+            "tokenizer": ("gw", ["tokenizer", "--listen", "127.0.0.1:7300", *model_args]),
+            "gateway": ("gw", [
+                "gateway", "--listen", f"{a['gw']}:8080",
+                "--tokenizer-url", "http://127.0.0.1:7300",
+                "--prefill-url", url("prefill", "worker"),
+                "--decode-url", url("decode", "worker"),
+                "--cache-url", ",".join(self.cache_urls),
+            ]),
+        }
+        self.base = f"http://{a['gw']}:8080"
+        self.client = self.net.threads("gw", 128)
+        try:
+            for name in self.argv:
+                self.start(name)
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start(self, name: str) -> None:
+        host, argv = self.argv[name]
+        log = open(self.tmp / f"{name}.log", "ab")
+        env = dict(os.environ, PDMESH_API_KEY=API_KEY)
+        cmd = self.net.exec_argv(host, [str(pdmesh_bin()), *argv])
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def http(self, method: str, path: str, body: dict | None = None, timeout: float = 60) -> tuple[int, bytes]:
+        """One request to the gateway from a thread inside the gateway's host."""
+        return self.client.submit(http, method, self.base + path, json.dumps(body).encode() if body else None,
+                                  {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}, timeout).result()
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                assert p.poll() is None, f"{name} exited with {p.returncode}:\n{self.logs()}"
+            try:
+                status, _ = self.http("GET", "/health", timeout=5)
+                if status == 200:
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.3)
+        pytest.fail(f"the mesh did not become healthy:\n{self.logs()}", pytrace=False)
+
+    def openai(self) -> openai.OpenAI:
+        """An openai client for the gateway; call it only from `self.client`'s threads."""
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+    def kill(self, name: str, sig=signal.SIGKILL) -> None:
+        self.procs[name].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.procs[name].wait(timeout=30)
+
+    def metrics(self) -> dict[str, float]:
+        status, body = self.http("GET", "/metrics")
+        assert status == 200, body
+        out = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def chat(self, messages: list[dict], **kw) -> tuple[str, object]:
+        """('ok', response JSON) or ('error', HTTP status), from inside the gateway host."""
+        body = {"model": MODEL, "messages": messages, **kw}
+        status, body = self.http("POST", "/v1/chat/completions", body, timeout=REQUEST_DEADLINE_S)
+        if status == 200:
+            return "ok", json.loads(body)
+        err = json.loads(body)
+        assert err["error"]["message"], "an error says what happened"
+        return "error", status
+
+    def assert_baseline(self, timeout: float = 30) -> dict[str, float]:
+        """Nothing held on any host: no request in a worker, no reserved page, no open
+        room, no mirror slot held by a room on either cache service."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            held = {
+                k: v for k, v in m.items()
+                if (k.startswith("mesh_worker_requests") or k.startswith("mesh_room_slots") or k == "mesh_kv_reserved_pages"
+                    or (k.startswith("mesh_rooms{") and 'state="failed"' not in k))
+                and v != 0
+            }
+            pages = m["mesh_kv_pages_free"] + m["mesh_kv_pages_cached"]
+            if m["mesh_workers_read"] == 1 and m["mesh_caches_read"] == 1 and not held and pages == m["mesh_kv_pages_capacity"]:
+                return m
+            if time.monotonic() > deadline:
+                pytest.fail(f"not back to baseline: held {held}, caches read {m['mesh_caches_read']}\n{self.logs()}", pytrace=False)
+            time.sleep(0.25)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.client.shutdown()
+        self.net.remove()
