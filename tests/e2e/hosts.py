@@ -28,7 +28,7 @@ class Hosts:
 
     PORTS = {"cache": 7100, "worker": 7200, "tokenizer": 7300, "gateway": 8080}
 
-    def __init__(self, tmp: Path, decode_args=(), prefill_args=(), short_deadlines=True, model: Path | None = None, worker_args=()):
+    def __init__(self, tmp: Path, decode_args=(), prefill_args=(), short_deadlines=True, model: Path | None = None, worker_args=(), prefill_on_decode_host=False):
         """`short_deadlines`: the fault tests' room and hand-over deadlines (conftest's), so
         faults resolve within a test; otherwise the services' defaults."""
         room_args = [*ROOM_ARGS, *PEER_ARGS] if short_deadlines else []
@@ -59,6 +59,11 @@ class Hosts:
         }
         self.base = f"http://{a['gw']}:8080"
         self.client = self.net.threads("gw", 128)
+        if prefill_on_decode_host:
+            # A second prefill worker, beside decode, sharing that host's cache service.
+            self.argv["prefill2"] = ("decode", ["prefill", "--listen", f"{a['decode']}:7201", "--cache-url", url("decode", "cache"), *model_args, *worker_args])
+            gw = self.argv["gateway"][1]
+            gw[gw.index("--prefill-url") + 1] += f",http://{a['decode']}:7201"
         try:
             for name in self.argv:
                 self.start(name)

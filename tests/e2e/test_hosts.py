@@ -247,3 +247,18 @@ def test_a_second_turn_moves_only_the_pages_decode_does_not_hold(hosts, referenc
     assert held >= 60 and held_cold == 0, (held, held_cold)
     assert moved_cold - moved == held * page_bytes, (moved, moved_cold, held)
     hosts.assert_baseline()
+
+
+def test_with_a_prefill_worker_on_the_decode_host_the_kv_stays_on_that_host(tmp_path):
+    """Of two idle prefill workers, the one on decode's host takes a prompt nobody has
+    cached: its KV goes through that host's shared memory, none crosses between hosts."""
+    h = Hosts(tmp_path, prefill_on_decode_host=True)
+    try:
+        for i in range(4):
+            kind, r = h.chat([{"role": "user", "content": f"Fresh prompt {i}: {'abc ' * (40 + i)}"}], max_tokens=4, temperature=0)
+            assert kind == "ok", r
+        m = h.assert_baseline()
+        assert m['mesh_kv_transfer_bytes_total{side="all"}'] > 0, "the KV went through rooms"
+        assert m['mesh_kv_peer_bytes_total{direction="received"}'] == 0, "no KV crossed between hosts"
+    finally:
+        h.stop()

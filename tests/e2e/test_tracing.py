@@ -134,11 +134,12 @@ def check_trace(spans: list[dict], usage, response_id: str) -> None:
         end = dict(r["events"])["kv_cache_transfer_end"]
         assert end["pdmesh.pages"] > 0 and end["pdmesh.bytes"] > 0 and end["pdmesh.seconds"] >= 0
         assert dict(r["events"])["kv_cache_transfer_start"]["pdmesh.bytes"] == end["pdmesh.bytes"]
-        moved[side] = (end["pdmesh.pages"], end["pdmesh.bytes"])
+        moved[side] = (end["pdmesh.pages"], end["pdmesh.pages_held"], end["pdmesh.bytes"])
         assert "room_state" in events
     assert moved["prefill"] == moved["decode"], moved
-    pages, size = moved["decode"]
-    assert pages == -(-usage.prompt_tokens // 16) and size % pages == 0, (moved, usage.prompt_tokens)
+    # The prompt's pages: those decode's prefix cache held already stayed, the rest moved.
+    pages, held, size = moved["decode"]
+    assert pages + held == -(-usage.prompt_tokens // 16) and size % pages == 0, (moved, usage.prompt_tokens)
 
     # The cache service's room calls carry the room and the state they left it in.
     cache = by_service["pdmesh-cache"]

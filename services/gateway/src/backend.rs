@@ -22,8 +22,8 @@ use crate::tools::{OutputFormat, ToolFormat};
 #[derive(Clone)]
 pub(crate) struct Backends {
     tokenizer: TokenizerClient<Channel>,
-    /// The cache service of every host.
-    caches: Vec<CacheClient<Channel>>,
+    /// The cache service of every host, by URL.
+    caches: Vec<(String, CacheClient<Channel>)>,
     /// Every worker, and how requests are spread over them.
     pub(crate) workers: std::sync::Arc<crate::route::Workers>,
 }
@@ -234,9 +234,16 @@ impl Backends {
 
     /// Also read the cache service's state (for `/metrics`).
     pub fn with_cache(mut self, cache_url: &str) -> Result<Self, Error> {
-        self.caches
-            .push(CacheClient::new(endpoint(cache_url)?.connect_lazy()));
+        self.caches.push((
+            cache_url.to_owned(),
+            CacheClient::new(endpoint(cache_url)?.connect_lazy()),
+        ));
         Ok(self)
+    }
+
+    /// Every host's cache service, by URL.
+    pub fn caches(&self) -> Vec<(String, CacheClient<Channel>)> {
+        self.caches.clone()
     }
 
     /// Every host's cache service state summed (the oldest room ages are the oldest of
@@ -245,7 +252,7 @@ impl Backends {
         if self.caches.is_empty() {
             return None;
         }
-        let calls = self.caches.iter().map(|c| {
+        let calls = self.caches.iter().map(|(_, c)| {
             let mut c = c.clone();
             async move {
                 let call = c.stats(pdmesh_proto::cache::v1::StatsRequest {});

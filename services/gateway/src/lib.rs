@@ -121,6 +121,10 @@ pub async fn run(
         backends = backends.with_cache(url)?;
     }
     backends.workers.watch_caches(shutdown.child_token());
+    backends
+        .workers
+        .watch_hosts(backends.caches(), shutdown.child_token());
+    backends.workers.learn_homes(shutdown.child_token());
     let state = state::AppState::new(cfg, backends, shutdown.child_token())?;
     tokio::spawn(watch_event_loop(state.clone(), shutdown.child_token()));
     let app = handlers::router(state);

@@ -10,12 +10,32 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cpb::cache_client::CacheClient;
 use futures::{Stream, StreamExt};
 use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_proto::worker::v1 as wk;
 use tonic::Status;
 use tonic::transport::Channel;
 use wk::worker_client::WorkerClient;
+
+/// Subscribes to one host's cache service's KV events (its host tier) and applies them to
+/// `view` until the stream ends; returns why it ended.
+async fn follow_host(mut client: CacheClient<Channel>, view: &Mutex<CacheView>) -> Status {
+    let mut stream = match client
+        .subscribe_events(cpb::SubscribeEventsRequest {})
+        .await
+    {
+        Ok(r) => r.into_inner(),
+        Err(s) => return s,
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(e)) => view.lock().expect("view lock").apply(&e),
+            Ok(None) => return Status::unavailable("the cache service ended the stream"),
+            Err(s) => return s,
+        }
+    }
+}
 
 /// Subscribes to one worker's KV events and applies them to `view` until the stream ends;
 /// returns why it ended.
@@ -186,6 +206,8 @@ pub(crate) struct Workers {
     decode: Vec<Target>,
     /// One per prefill worker.
     views: Vec<Arc<Mutex<CacheView>>>,
+    /// Each host's host tier, by its cache service's URL, as its KV events tell it.
+    hosts: Mutex<std::collections::HashMap<String, Arc<Mutex<CacheView>>>>,
     pub counts: RouteCounts,
 }
 
@@ -202,6 +224,7 @@ impl Workers {
             prefill: Vec::new(),
             decode: Vec::new(),
             views: Vec::new(),
+            hosts: Mutex::default(),
             counts: RouteCounts::default(),
         }
     }
@@ -216,7 +239,61 @@ impl Workers {
             prefill: prefill.into_iter().map(Target::new).collect(),
             decode: decode.into_iter().map(Target::new).collect(),
             views: (0..n).map(|_| Arc::default()).collect(),
+            hosts: Mutex::default(),
             counts: RouteCounts::default(),
+        }
+    }
+
+    /// Follows every host's cache service's KV events (its host tier) until `stop`, and
+    /// asks every worker which host it is on.
+    pub fn watch_hosts(
+        &self,
+        caches: Vec<(String, CacheClient<Channel>)>,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        for (url, client) in caches {
+            let view: Arc<Mutex<CacheView>> = Arc::default();
+            self.hosts
+                .lock()
+                .expect("hosts lock")
+                .insert(url.clone(), view.clone());
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                loop {
+                    let followed = follow_host(client.clone(), &view);
+                    let err = tokio::select! {
+                        e = followed => e,
+                        _ = stop.cancelled() => return,
+                    };
+                    tracing::debug!(cache = %url, error = %err.message(), "host KV event stream ended; subscribing again");
+                    view.lock().expect("view lock").pages.clear();
+                    tokio::select! {
+                        _ = tokio::time::sleep(RESUBSCRIBE) => {}
+                        _ = stop.cancelled() => return,
+                    }
+                }
+            });
+        }
+    }
+
+    /// Asks every prefill and decode worker which host it is on, in the background, so
+    /// routing knows before the first request.
+    pub fn learn_homes(self: &Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        for i in 0..self.prefill.len() + self.decode.len() {
+            let (w, stop) = (self.clone(), stop.clone());
+            tokio::spawn(async move {
+                let t = if i < w.prefill.len() {
+                    &w.prefill[i]
+                } else {
+                    &w.decode[i - w.prefill.len()]
+                };
+                while t.home().await.is_err() {
+                    tokio::select! {
+                        _ = tokio::time::sleep(RESUBSCRIBE) => {}
+                        _ = stop.cancelled() => return,
+                    }
+                }
+            });
         }
     }
 
@@ -276,20 +353,37 @@ impl Workers {
     /// of those), unless it is much busier than the least loaded worker or holds less than
     /// half of the prompt: then the least loaded takes it (of equally loaded workers, the
     /// one whose cache holds the fewest pages).
-    fn pick_prefill(&self, ids: &[u32]) -> usize {
+    fn pick_prefill(&self, ids: &[u32], decode_home: Option<&str>) -> usize {
         let load = |i: usize| self.prefill[i].inflight.load(Ordering::Relaxed);
+        let home = |i: usize| self.prefill[i].home.get().map(String::as_str);
+        let hosts = self.hosts.lock().expect("hosts lock");
         let mut named = Vec::new();
-        let (matched, held): (Vec<usize>, Vec<usize>) = self
+        let (matched, (held, device)): (Vec<usize>, (Vec<usize>, Vec<usize>)) = self
             .views
             .iter()
-            .map(|v| {
+            .enumerate()
+            .map(|(i, v)| {
                 let v = v.lock().expect("view lock");
-                (v.matched(ids, &mut named), v.pages.len())
+                let device = v.matched(ids, &mut named);
+                // What its host's tier holds loads from shared memory instead of being
+                // computed: as good as its own device cache for routing.
+                let host = match (v.naming, home(i).and_then(|h| hosts.get(h))) {
+                    (Some(naming), Some(hv)) => {
+                        let mut hv = hv.lock().expect("view lock");
+                        hv.naming = Some(naming);
+                        hv.matched(ids, &mut named)
+                    }
+                    _ => 0,
+                };
+                (device.max(host), (v.pages.len(), device))
             })
             .unzip();
-        // Among the least loaded, the emptiest cache: new prefixes spread over workers.
+        drop(hosts);
+        // Among the least loaded, one on decode's host (its KV then stays on the host),
+        // then the emptiest cache: new prefixes spread over workers.
+        let elsewhere = |i: usize| decode_home.is_some() && home(i) != decode_home;
         let idle = (0..self.prefill.len())
-            .min_by_key(|&i| (load(i), held[i]))
+            .min_by_key(|&i| (load(i), elsewhere(i), held[i]))
             .expect("at least one prefill worker");
         let best = matched.iter().copied().max().unwrap_or(0);
         let pages = self
@@ -300,7 +394,8 @@ impl Workers {
         let cached = (best > 0 && best as f64 >= MIN_MATCH * pages as f64).then(|| {
             (0..self.prefill.len())
                 .filter(|&i| matched[i] == best)
-                .min_by_key(|&i| load(i))
+                // Its own device cache first (nothing to load), then load, then host.
+                .min_by_key(|&i| (std::cmp::Reverse(device[i]), load(i), elsewhere(i)))
                 .expect("a best match exists")
         });
         match cached {
@@ -334,8 +429,9 @@ impl Workers {
                 m
             })));
         }
-        let p = self.pick_prefill(&req.input_ids);
         let d = least_loaded(&self.decode);
+        let dhome = self.decode[d].home().await?.to_owned();
+        let p = self.pick_prefill(&req.input_ids, Some(&dhome));
         req.room = loop {
             let r = uuid::Uuid::new_v4().as_u64_pair().0;
             if r != 0 {
@@ -856,21 +952,21 @@ mod tests {
         let _busy: Vec<_> = (0..5)
             .map(|_| Inflight::new(&w.prefill[2].inflight))
             .collect();
-        assert_eq!(w.pick_prefill(&ask), 2);
+        assert_eq!(w.pick_prefill(&ask, None), 2);
         assert_eq!(w.counts.prefix.load(Ordering::Relaxed), 1);
         // A prompt nobody holds goes to the least loaded: 0 (1 is as idle, but holds more).
-        assert_eq!(w.pick_prefill(&(500..600).collect::<Vec<_>>()), 0);
+        assert_eq!(w.pick_prefill(&(500..600).collect::<Vec<_>>(), None), 0);
         let _one = Inflight::new(&w.prefill[0].inflight);
-        assert_eq!(w.pick_prefill(&(500..600).collect::<Vec<_>>()), 1);
+        assert_eq!(w.pick_prefill(&(500..600).collect::<Vec<_>>(), None), 1);
         drop(_one);
         // Worker 1 holds 2 of this prompt's 6 pages: too little to decide.
         let thin: Vec<u32> = system[..32].iter().copied().chain(700..764).collect();
-        assert_eq!(w.pick_prefill(&thin), 0);
+        assert_eq!(w.pick_prefill(&thin, None), 0);
         // Far busier than the least loaded: the cache is not worth the queue.
         let _more: Vec<_> = (0..BALANCE_ABS)
             .map(|_| Inflight::new(&w.prefill[2].inflight))
             .collect();
-        assert_eq!(w.pick_prefill(&ask), 0);
+        assert_eq!(w.pick_prefill(&ask, None), 0);
         assert_eq!(w.counts.load.load(Ordering::Relaxed), 4);
         // Removed pages stop counting; `cleared` forgets everything.
         let mut v = w.views[1].lock().unwrap();
@@ -893,6 +989,37 @@ mod tests {
             2,
             "a hole ends the prefix"
         );
+    }
+
+    #[tokio::test]
+    async fn prefill_prefers_a_host_whose_tier_holds_the_prefix_then_the_decode_host() {
+        let w = workers(2);
+        for (i, home) in ["http://a", "http://b"].into_iter().enumerate() {
+            holds(&w, i, &[]);
+            w.prefill[i].home.set(home.into()).unwrap();
+        }
+        let ask: Vec<u32> = (0..100).collect();
+        // Nothing cached anywhere: of two idle workers, the one on decode's host.
+        assert_eq!(w.pick_prefill(&ask, Some("http://a")), 0);
+        assert_eq!(w.pick_prefill(&ask, Some("http://b")), 1);
+        // Host b's tier holds the prompt (its device caches are empty): b, wherever decode is.
+        let hv: Arc<Mutex<CacheView>> = Arc::default();
+        hv.lock().unwrap().apply(&cpb::KvEvent {
+            seq: 1,
+            kind: Some(cpb::kv_event::Kind::Stored(cpb::PagesStored {
+                parent_hash: 0,
+                hashes: pdmesh_kv::page_hashes(SEED, &ask, 16),
+                token_ids: Vec::new(),
+            })),
+        });
+        w.hosts.lock().unwrap().insert("http://b".into(), hv);
+        assert_eq!(w.pick_prefill(&ask, Some("http://a")), 1);
+        assert_eq!(w.counts.prefix.load(Ordering::Relaxed), 1);
+        // Much busier than the worker on decode's host: load wins again.
+        let _busy: Vec<_> = (0..BALANCE_ABS + 1)
+            .map(|_| Inflight::new(&w.prefill[1].inflight))
+            .collect();
+        assert_eq!(w.pick_prefill(&ask, Some("http://a")), 0);
     }
 
     #[tokio::test]

@@ -282,9 +282,16 @@ fn room_event(state: &'static str) {
 }
 
 /// A transfer started or ended: its pages and bytes, and at the end the copy's seconds.
-fn transfer_event(name: &'static str, pages: usize, page_bytes: usize, seconds: Option<f64>) {
+/// `held`: the prompt's leading pages decode held already, which did not move.
+fn transfer_event(
+    name: &'static str,
+    (pages, held): (usize, usize),
+    page_bytes: usize,
+    seconds: Option<f64>,
+) {
     let mut attrs = vec![
         KeyValue::new("pdmesh.pages", pages as i64),
+        KeyValue::new("pdmesh.pages_held", held as i64),
         KeyValue::new("pdmesh.bytes", (pages * page_bytes) as i64),
     ];
     if let Some(s) = seconds {
@@ -600,7 +607,12 @@ impl Pd {
                 slots.len()
             )));
         }
-        transfer_event("kv_cache_transfer_start", pages, client.page_bytes(), None);
+        transfer_event(
+            "kv_cache_transfer_start",
+            (pages, held),
+            client.page_bytes(),
+            None,
+        );
         let mirror = client
             .shared_mirror()
             .ok_or_else(|| Status::failed_precondition("rooms need the shm data plane"))?;
@@ -678,7 +690,7 @@ impl Pd {
         self.count(pages, pages * client.page_bytes(), secs);
         transfer_event(
             "kv_cache_transfer_end",
-            pages,
+            (pages, held),
             client.page_bytes(),
             Some(secs),
         );
@@ -782,7 +794,12 @@ impl Pd {
         let mirror = client
             .shared_mirror()
             .ok_or_else(|| Status::failed_precondition("rooms need the shm data plane"))?;
-        transfer_event("kv_cache_transfer_start", pages, client.page_bytes(), None);
+        transfer_event(
+            "kv_cache_transfer_start",
+            (pages, held),
+            client.page_bytes(),
+            None,
+        );
         let t0 = Instant::now();
         let sent = got.pages;
         let logprob = (!aux.first_logprob.is_nan()).then_some(aux.first_logprob);
@@ -818,7 +835,7 @@ impl Pd {
         self.count(pages, pages * client.page_bytes(), secs);
         transfer_event(
             "kv_cache_transfer_end",
-            pages,
+            (pages, held),
             client.page_bytes(),
             Some(secs),
         );
