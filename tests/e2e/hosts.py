@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -162,3 +163,7 @@ class Hosts:
                 p.wait()
         self.client.shutdown()
         self.net.remove()
+        # A cache service killed with SIGKILL leaves its mirror file behind.
+        for log in self.tmp.glob("*cache.log"):
+            for path in re.findall(r"host mirror created path=(\S+)", log.read_text(errors="replace")):
+                Path(path).unlink(missing_ok=True)
