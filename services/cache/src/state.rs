@@ -364,28 +364,33 @@ impl State {
                 self.layout = Some(Arc::new(layout));
             }
         }
+        tracing::info!(worker, "worker registered");
+        Ok(self.admit(worker, false, now))
+    }
+
+    /// A new lease for `name` (a worker, or a peer host's cache service) on the mirror.
+    fn admit(&mut self, name: &str, peer: bool, now: Instant) -> Registration {
         let lease = self.next_lease;
         self.next_lease += 1;
         self.leases.insert(
             lease,
             Lease {
-                worker: worker.to_owned(),
+                worker: name.to_owned(),
                 expires: now + self.ttl,
                 pins: HashMap::new(),
                 reserved: HashSet::new(),
-                peer: false,
+                peer,
             },
         );
-        let mirror = self.mirror.as_ref().expect("created above");
-        tracing::info!(worker, lease, "worker registered");
-        Ok(Registration {
+        let mirror = self.mirror.as_ref().expect("a layout implies a mirror");
+        Registration {
             lease,
             lease_ttl: self.ttl,
             shm_path: mirror.path().to_owned(),
             page_bytes: mirror.page_bytes(),
             total_pages: mirror.pages(),
-            layout: self.layout.clone().expect("set above"),
-        })
+            layout: self.layout.clone().expect("a mirror implies a layout"),
+        }
     }
 
     fn lease_mut(&mut self, lease: u64) -> Result<&mut Lease, CacheError> {
@@ -415,28 +420,8 @@ impl State {
                 theirs: crate::transfer::describe(layout),
             });
         }
-        let lease = self.next_lease;
-        self.next_lease += 1;
-        self.leases.insert(
-            lease,
-            Lease {
-                worker: peer.to_owned(),
-                expires: now + self.ttl,
-                pins: HashMap::new(),
-                reserved: HashSet::new(),
-                peer: true,
-            },
-        );
-        let mirror = self.mirror.as_ref().expect("a layout implies a mirror");
-        tracing::info!(peer, lease, "peer cache service registered");
-        Ok(Registration {
-            lease,
-            lease_ttl: self.ttl,
-            shm_path: mirror.path().to_owned(),
-            page_bytes: mirror.page_bytes(),
-            total_pages: mirror.pages(),
-            layout: ours,
-        })
+        tracing::info!(peer, "peer cache service registered");
+        Ok(self.admit(peer, true, now))
     }
 
     /// Counts a peer refused for its layout in the page transport's handshake.
@@ -1647,5 +1632,58 @@ mod tests {
         // A lease that dies fails its rooms and frees what they held.
         s.expire(t + TTL * 2);
         assert_eq!(s.stats().used_pages, 0);
+    }
+
+    #[test]
+    fn a_peers_page_lands_only_in_a_room_transferring_from_that_peer_and_never_late() {
+        let (mut s, _dir) = state(4);
+        let t = Instant::now();
+        assert!(matches!(
+            s.register_peer("peer", &layout(), t),
+            Err(CacheError::NoLayoutYet)
+        ));
+        let d = s.register("decode", layout(), t).unwrap().lease;
+        let local = s.register("prefill", layout(), t).unwrap().lease;
+        let other = KvLayout::llama(2, 1, 4, DType::F16, 8);
+        assert!(matches!(
+            s.register_peer("peer", &other, t),
+            Err(CacheError::PeerLayoutMismatch { .. })
+        ));
+        let peer = s.register_peer("peer", &layout(), t).unwrap().lease;
+        // A room whose sender is a local worker takes no page from the transport.
+        s.room_open(d, 1, Side::Receiver, ("", ""), 0, t).unwrap();
+        s.room_open(local, 1, Side::Sender, ("", ""), 0, t).unwrap();
+        s.room_start(local, 1, 1, t).unwrap();
+        assert!(s.peer_write(1, 0, &page(3)).is_err());
+        // From the peer: a wrong index or size is refused; the right page lands.
+        s.room_open(d, 2, Side::Receiver, ("", ""), 0, t).unwrap();
+        s.room_open(peer, 2, Side::Sender, ("", ""), 0, t).unwrap();
+        let slots = s.room_start(peer, 2, 2, t).unwrap();
+        assert!(s.peer_write(2, 2, &page(5)).is_err());
+        assert!(s.peer_write(2, 0, &page(5)[..64]).is_err());
+        s.peer_write(2, 0, &page(5)).unwrap();
+        let mirror = s.mirror().unwrap();
+        let mut got = vec![0u8; 128];
+        mirror.read(slots[0], &mut got);
+        assert_eq!(got, page(5));
+        // It must send every page before it commits.
+        let pages: Vec<RoomPage> = slots
+            .iter()
+            .map(|&slot| RoomPage { slot, checksum: 0 })
+            .collect();
+        assert!(matches!(
+            s.room_commit(peer, 2, pages, aux(2), t),
+            Err(CacheError::BadRoomCall(_))
+        ));
+        // The receiver gives up: its slots are free at once (the peer writes through this
+        // process only), and a page that arrives now is refused and written nowhere.
+        s.room_abort(d, 2, "client left", t).unwrap();
+        assert_eq!(s.room_stats(t).quarantined_slots, 0);
+        let before = s.stats().used_pages;
+        assert!(s.peer_write(2, 1, &page(7)).is_err());
+        mirror.read(slots[1], &mut got);
+        assert_ne!(got, page(7), "a late page never lands");
+        assert_eq!(s.stats().used_pages, before);
+        assert_eq!(s.room_stats(t).late_writes_rejected, 1);
     }
 }
