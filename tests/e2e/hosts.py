@@ -24,14 +24,38 @@ MODEL = "SmolLM2-135M-Instruct"
 PEER_ARGS = ["--peer-io-timeout-ms=2000"]
 
 
+def make_certs(out: Path, hosts: dict[str, list[str]], ca_name: str = "pdmesh test CA") -> dict:
+    """A CA and, for each host, a certificate naming its IP addresses (for serving and
+    for dialling out), made with the openssl command line. Returns {"ca": path,
+    host: (cert, key)} as strings."""
+    out.mkdir(parents=True, exist_ok=True)
+    run = lambda *argv: subprocess.run(["openssl", *argv], check=True, capture_output=True, cwd=out)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", f"/CN={ca_name}",
+        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    certs = {"ca": str(out / "ca.pem")}
+    for host, ips in hosts.items():
+        (out / f"{host}.ext").write_text(
+            "subjectAltName=" + ",".join(f"IP:{ip}" for ip in ips) + "\n"
+            "extendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n")
+        run("req", *ec, "-keyout", f"{host}.key", "-out", f"{host}.csr", "-subj", f"/CN={host}")
+        run("x509", "-req", "-in", f"{host}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{host}.pem", "-days", "2", "-extfile", f"{host}.ext")
+        certs[host] = (str(out / f"{host}.pem"), str(out / f"{host}.key"))
+    return certs
+
+
 class Hosts:
     """Three hosts and their services, each process killable, stoppable and restartable."""
 
     PORTS = {"cache": 7100, "worker": 7200, "tokenizer": 7300, "gateway": 8080}
 
-    def __init__(self, tmp: Path, decode_args=(), prefill_args=(), short_deadlines=True, model: Path | None = None, worker_args=(), prefill_on_decode_host=False):
+    def __init__(self, tmp: Path, decode_args=(), prefill_args=(), short_deadlines=True, model: Path | None = None, worker_args=(), prefill_on_decode_host=False, tls=False, via_up=False):
         """`short_deadlines`: the fault tests' room and hand-over deadlines (conftest's), so
-        faults resolve within a test; otherwise the services' defaults."""
+        faults resolve within a test; otherwise the services' defaults. `tls`: every
+        service runs with the mesh's mutual TLS, each host with a certificate of its own
+        (`self.certs`) from one CA made for the test. `via_up`: each host runs one
+        `pdmesh up --role ...` (named after the host) instead of its services one by one."""
         room_args = [*ROOM_ARGS, *PEER_ARGS] if short_deadlines else []
         worker_args = [*(WORKER_ARGS if short_deadlines else []), *worker_args]
         model_args = ["--model", str(model)] if model else []
@@ -58,9 +82,17 @@ class Hosts:
                 "--cache-url", ",".join(self.cache_urls),
             ]),
         }
+        self.certs = make_certs(tmp / "certs", {h: [a[h], "127.0.0.1"] for h in a}) if tls else None
+        if tls:
+            for name, (host, argv) in self.argv.items():
+                argv += ["--tls-ca", self.certs["ca"], "--tls-cert", self.certs[host][0], "--tls-key", self.certs[host][1]]
+        if via_up:
+            assert not prefill_on_decode_host, "not combined"
+            self.argv = self.up_argv(room_args, model_args, worker_args, prefill_args, decode_args)
         self.base = f"http://{a['gw']}:8080"
         self.client = self.net.threads("gw", 128)
         if prefill_on_decode_host:
+            assert not tls, "not combined"
             # A second prefill worker, beside decode, sharing that host's cache service.
             self.argv["prefill2"] = ("decode", ["prefill", "--listen", f"{a['decode']}:7201", "--cache-url", url("decode", "cache"), *model_args, *worker_args])
             gw = self.argv["gateway"][1]
@@ -72,6 +104,26 @@ class Hosts:
         except BaseException:
             self.stop()
             raise
+
+    def up_argv(self, room_args, model_args, worker_args, prefill_args, decode_args) -> dict:
+        """The same mesh as one `pdmesh up --role` per host (its cache service and workers at
+        the ports above)."""
+        a = self.net.addr
+        if self.certs:
+            tls = lambda h: ["--tls-ca", self.certs["ca"], "--tls-cert", self.certs[h][0], "--tls-key", self.certs[h][1]]
+        else:
+            tls = lambda h: []
+        part = lambda role, extra: (role, [
+            "up", "--role", role, "--host", a[role], *model_args, *tls(role),
+            *(f"--cache-arg={x}" for x in room_args), *(f"--worker-arg={x}" for x in worker_args),
+            *(f"--{role}-arg={x}" for x in extra)])
+        return {
+            "decode": part("decode", decode_args),
+            "prefill": part("prefill", prefill_args),
+            "gw": ("gw", ["up", "--role", "gateway", "--host", a["gw"], "--port", "8080", *model_args, *tls("gw"),
+                          "--prefill-url", f"http://{a['prefill']}:7200", "--decode-url", f"http://{a['decode']}:7200",
+                          "--cache-url", ",".join(self.cache_urls)]),
+        }
 
     def start(self, name: str) -> None:
         host, argv = self.argv[name]

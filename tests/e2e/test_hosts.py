@@ -8,19 +8,25 @@ Answers equal a unified worker's with no cache; another KV layout on the decode 
 refused naming both; killing the prefill host, taking its link down, 50 ms delay with 5%
 loss, and a stopped remote cache service each end every request within its deadline with
 an answer or a clean error, leave nothing held on any host, and leave a mesh that serves
-again with the same answers."""
+again with the same answers. With the mesh's mutual TLS the answers are the same and
+nothing without the mesh's certificate gets in."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import re
 import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from conftest import start_up, stop_up
-from hosts import MODEL, REQUEST_DEADLINE_S, Hosts
+from hosts import MODEL, REQUEST_DEADLINE_S, Hosts, make_certs
 
 
 LONG = " ".join(f"item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(120))
@@ -260,5 +266,62 @@ def test_with_a_prefill_worker_on_the_decode_host_the_kv_stays_on_that_host(tmp_
         m = h.assert_baseline()
         assert m['mesh_kv_transfer_bytes_total{side="all"}'] > 0, "the KV went through rooms"
         assert m['mesh_kv_peer_bytes_total{direction="received"}'] == 0, "no KV crossed between hosts"
+    finally:
+        h.stop()
+
+
+def test_mutual_tls_between_every_service_and_nothing_without_the_meshs_certificate_gets_in(tmp_path, reference):
+    """Each host brought up by one `pdmesh up --role` with the mesh's mutual TLS (a CA
+    made for the test, a certificate per host): the answer and the pages crossing between
+    the hosts are as without it; a
+    plaintext client, a TLS client without a certificate and one whose certificate
+    another CA signed are refused by the cache services and workers, and the page
+    transport closes on a sender that does not speak TLS."""
+    h = Hosts(tmp_path / "tls", tls=True, via_up=True)
+    try:
+        warm = ask_all(h, 1)
+        assert warm[0] == reference[0], "the same answer as the plaintext mesh"
+        m = h.assert_baseline()
+        assert m['mesh_kv_peer_bytes_total{direction="received"}'] > 0, "KV crossed between the hosts"
+
+        a = h.net.addr
+        intruder = make_certs(tmp_path / "intruder", {"gw": [a["gw"]]}, ca_name="another CA")
+        probe = str(Path(__file__).with_name("grpc_probe.py"))
+        mine = ["--ca", h.certs["ca"], "--cert", h.certs["gw"][0], "--key", h.certs["gw"][1]]
+        clients = {
+            "mesh certificate": mine,
+            "plaintext": [],
+            "TLS, no certificate": ["--ca", h.certs["ca"]],
+            "another CA's certificate": ["--ca", h.certs["ca"], "--cert", intruder["gw"][0], "--key", intruder["gw"][1]],
+        }
+        for target, method in [(f"{a['decode']}:7100", "/pdmesh.cache.v1.Cache/Stats"),
+                               (f"{a['prefill']}:7200", "/pdmesh.worker.v1.Worker/Health")]:
+            got = {}
+            for who, args in clients.items():
+                r = subprocess.run(h.net.exec_argv("gw", [sys.executable, probe, target, method, *args]),
+                                   capture_output=True, text=True, timeout=30)
+                got[who] = r.stdout.strip()
+            print(target, got)
+            assert got.pop("mesh certificate") == "ok", got
+            assert all(v == "UNAVAILABLE" for v in got.values()), got
+
+        # The page transport: a plaintext hello gets no hello reply (a status byte 0 or 1),
+        # at most a TLS alert record (0x15), and a closed socket.
+        log = (h.tmp / "decode.log").read_text(errors="replace")
+        port = int(re.findall(r"peer_port=(\d+)", log)[-1])
+
+        def plaintext_hello():
+            with socket.create_connection((a["decode"], port), timeout=10) as s:
+                s.sendall(b"PDKV" + bytes(200))
+                got = b""
+                try:
+                    while chunk := s.recv(4096):
+                        got += chunk
+                except ConnectionResetError:
+                    pass
+                return got
+        reply = h.client.submit(plaintext_hello).result(timeout=30)
+        assert reply == b"" or reply.startswith(b"\x15\x03"), reply
+        h.assert_baseline()
     finally:
         h.stop()

@@ -103,9 +103,19 @@ impl HostClient {
         layout: &KvLayout,
         plane: DataPlane,
     ) -> Result<Self, ClientError> {
-        let mut rpc = CacheClient::connect(endpoint.to_owned())
-            .await?
-            .max_decoding_message_size(usize::MAX);
+        Self::connect_with(endpoint, worker_id, layout, plane, None).await
+    }
+
+    /// [`Self::connect`], over the mesh's mutual TLS when `tls` is given.
+    pub async fn connect_with(
+        endpoint: &str,
+        worker_id: &str,
+        layout: &KvLayout,
+        plane: DataPlane,
+        tls: Option<&pdmesh_tls::MeshTls>,
+    ) -> Result<Self, ClientError> {
+        let channel = pdmesh_tls::endpoint(endpoint, tls)?.connect().await?;
+        let mut rpc = CacheClient::new(channel).max_decoding_message_size(usize::MAX);
         let reg = rpc
             .register(pb::RegisterRequest {
                 worker_id: worker_id.to_owned(),

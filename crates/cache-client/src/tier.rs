@@ -25,6 +25,8 @@ pub struct TierConfig {
     pub call_timeout: Duration,
     /// Pause between registration attempts while disconnected.
     pub retry_every: Duration,
+    /// The mesh's mutual TLS, if on.
+    pub tls: Option<pdmesh_tls::MeshTls>,
 }
 
 /// See the module docs.
@@ -68,7 +70,13 @@ impl RemoteTier {
                     if !connected {
                         let attempt = tokio::time::timeout(
                             cfg.call_timeout.max(Duration::from_secs(1)),
-                            HostClient::connect(&cfg.url, &cfg.worker_id, &layout, cfg.plane),
+                            HostClient::connect_with(
+                                &cfg.url,
+                                &cfg.worker_id,
+                                &layout,
+                                cfg.plane,
+                                cfg.tls.as_ref(),
+                            ),
                         )
                         .await;
                         match attempt {

@@ -214,6 +214,54 @@ pub struct UpArgs {
     /// Extra flag for the decode workers only (repeatable).
     #[arg(long = "decode-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub decode_args: Vec<String>,
+    /// Which part of the mesh this host runs: `all` (every service, the workers and the
+    /// cache service on this host's loopback), or one host's part of a mesh over several:
+    /// `prefill` or `decode` (this host's cache service and its --prefill or --decode
+    /// workers, listening on --host), `gateway` (the tokenizer on loopback and the
+    /// gateway on --host, in front of the workers named by --prefill-url and
+    /// --decode-url).
+    #[arg(long, value_enum, default_value_t = UpRole::All)]
+    pub role: UpRole,
+    /// --role prefill or decode: the cache service's port on --host.
+    #[arg(long, default_value_t = 7100)]
+    pub cache_port: u16,
+    /// --role prefill or decode: the first worker's port on --host (the next count up).
+    #[arg(long, default_value_t = 7200)]
+    pub worker_port: u16,
+    /// --role gateway: the prefill hosts' workers, `http://HOST:PORT` (repeat the flag or
+    /// separate with commas).
+    #[arg(long, value_delimiter = ',', value_name = "URL")]
+    pub prefill_url: Vec<String>,
+    /// --role gateway: the decode hosts' workers.
+    #[arg(long, value_delimiter = ',', value_name = "URL")]
+    pub decode_url: Vec<String>,
+    /// --role gateway: every host's cache service (for routing and `/metrics`).
+    #[arg(long, value_delimiter = ',', value_name = "URL")]
+    pub cache_url: Vec<String>,
+    /// Mutual TLS for every service this starts (passed to each; `up`'s own readiness
+    /// probes use it too).
+    #[command(flatten)]
+    pub tls: pdmesh_tls::TlsArgs,
+}
+
+/// `pdmesh up --role` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum UpRole {
+    All,
+    Gateway,
+    Prefill,
+    Decode,
+}
+
+impl UpRole {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::All => "all",
+            Self::Gateway => "gateway",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
 }
 
 #[cfg(test)]

@@ -11,8 +11,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// Longest a single probe may take.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
-async fn channel(addr: SocketAddr) -> Option<tonic::transport::Channel> {
-    let ep = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+async fn channel(
+    addr: SocketAddr,
+    tls: Option<&pdmesh_tls::MeshTls>,
+) -> Option<tonic::transport::Channel> {
+    let ep = pdmesh_tls::endpoint(&format!("http://{addr}"), tls)
         .ok()?
         .connect_timeout(PROBE_TIMEOUT);
     tokio::time::timeout(PROBE_TIMEOUT, ep.connect())
@@ -22,8 +25,8 @@ async fn channel(addr: SocketAddr) -> Option<tonic::transport::Channel> {
 }
 
 /// Whether the tokenizer at `addr` answers Health with ok.
-pub async fn tokenizer_healthy(addr: SocketAddr) -> bool {
-    let Some(ch) = channel(addr).await else {
+pub async fn tokenizer_healthy(addr: SocketAddr, tls: Option<&pdmesh_tls::MeshTls>) -> bool {
+    let Some(ch) = channel(addr, tls).await else {
         return false;
     };
     let mut c = tk::tokenizer_client::TokenizerClient::new(ch);
@@ -31,8 +34,8 @@ pub async fn tokenizer_healthy(addr: SocketAddr) -> bool {
 }
 
 /// Whether the cache service at `addr` answers Stats.
-pub async fn cache_healthy(addr: SocketAddr) -> bool {
-    let Some(ch) = channel(addr).await else {
+pub async fn cache_healthy(addr: SocketAddr, tls: Option<&pdmesh_tls::MeshTls>) -> bool {
+    let Some(ch) = channel(addr, tls).await else {
         return false;
     };
     let mut c = pdmesh_proto::cache::v1::cache_client::CacheClient::new(ch);
@@ -41,8 +44,8 @@ pub async fn cache_healthy(addr: SocketAddr) -> bool {
 }
 
 /// Whether the worker at `addr` answers Health with ok.
-pub async fn worker_healthy(addr: SocketAddr) -> bool {
-    let Some(ch) = channel(addr).await else {
+pub async fn worker_healthy(addr: SocketAddr, tls: Option<&pdmesh_tls::MeshTls>) -> bool {
+    let Some(ch) = channel(addr, tls).await else {
         return false;
     };
     let mut c = wk::worker_client::WorkerClient::new(ch);
@@ -50,8 +53,11 @@ pub async fn worker_healthy(addr: SocketAddr) -> bool {
 }
 
 /// The model id the worker at `addr` serves.
-pub async fn worker_model_id(addr: SocketAddr) -> Option<String> {
-    let mut c = wk::worker_client::WorkerClient::new(channel(addr).await?);
+pub async fn worker_model_id(
+    addr: SocketAddr,
+    tls: Option<&pdmesh_tls::MeshTls>,
+) -> Option<String> {
+    let mut c = wk::worker_client::WorkerClient::new(channel(addr, tls).await?);
     let r = tokio::time::timeout(PROBE_TIMEOUT, c.model_info(wk::ModelInfoRequest {}))
         .await
         .ok()?
@@ -137,7 +143,7 @@ mod tests {
             .local_addr()
             .unwrap();
         assert_eq!(http_status(addr, "/health").await, None);
-        assert!(!worker_healthy(addr).await);
-        assert!(!tokenizer_healthy(addr).await);
+        assert!(!worker_healthy(addr, None).await);
+        assert!(!tokenizer_healthy(addr, None).await);
     }
 }

@@ -4,6 +4,10 @@
 //! supervises: a signal stops all children; a child that exits stops the others and
 //! makes `up` fail naming it — or, with `--restart`, is started again the same way after
 //! a backoff. Children die with `up` even if it is killed outright.
+//!
+//! With `--role`, `up` runs one host's part of a mesh over several: `prefill` or `decode`
+//! (that host's cache service and workers, on `--host` at fixed ports) or `gateway` (the
+//! tokenizer and the gateway, in front of the other hosts' workers).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -14,7 +18,7 @@ use futures::future::select_all;
 use pdmesh_gguf::models::{DEFAULT_MODEL, cached_model_path};
 use tokio::process::{Child, Command};
 
-use crate::args::UpArgs;
+use crate::args::{UpArgs, UpRole};
 use crate::fetch::{self, FetchError, Outcome};
 use crate::probe;
 use crate::serve::Signals;
@@ -63,6 +67,10 @@ pub enum UpError {
     PdNeedsCache,
     #[error("--prefill and --decode must each be at least 1")]
     NoWorkers,
+    #[error("{0}")]
+    Role(String),
+    #[error(transparent)]
+    Tls(#[from] pdmesh_tls::TlsError),
     #[error("writing {path}")]
     PortsJson {
         path: PathBuf,
@@ -195,6 +203,11 @@ fn spawn(
     // Each service names itself in traces (`pdmesh-<service>`); one name set for `up`
     // would merge them all.
     cmd.env_remove("OTEL_SERVICE_NAME");
+    // TLS reaches each service as flags, from `up`'s own --tls-* (or PDMESH_TLS_*),
+    // which its readiness probes use as well; never by inheritance behind their back.
+    for var in ["PDMESH_TLS_CA", "PDMESH_TLS_CERT", "PDMESH_TLS_KEY"] {
+        cmd.env_remove(var);
+    }
     cmd.args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())
@@ -287,12 +300,12 @@ async fn stop_all(services: &mut [Service], grace: Duration) {
     }
 }
 
-async fn healthy(s: &Service) -> bool {
+async fn healthy(s: &Service, tls: Option<&pdmesh_tls::MeshTls>) -> bool {
     match s.name {
-        "tokenizer" => probe::tokenizer_healthy(s.addr).await,
-        "cache" => probe::cache_healthy(s.addr).await,
+        "tokenizer" => probe::tokenizer_healthy(s.addr, tls).await,
+        "cache" => probe::cache_healthy(s.addr, tls).await,
         "gateway" => probe::http_status(s.addr, "/health").await == Some(200),
-        _ => probe::worker_healthy(s.addr).await,
+        _ => probe::worker_healthy(s.addr, tls).await,
     }
 }
 
@@ -317,7 +330,11 @@ fn reachable(host: IpAddr, port: u16) -> SocketAddr {
 }
 
 /// Polls every service until all are healthy; fails fast if one exits.
-async fn wait_healthy(services: &mut [Service], timeout: Duration) -> Result<(), UpError> {
+async fn wait_healthy(
+    services: &mut [Service],
+    timeout: Duration,
+    tls: Option<&pdmesh_tls::MeshTls>,
+) -> Result<(), UpError> {
     let start = Instant::now();
     let mut ready = vec![false; services.len()];
     loop {
@@ -329,7 +346,7 @@ async fn wait_healthy(services: &mut [Service], timeout: Duration) -> Result<(),
                     status,
                 });
             }
-            if !ready[i] && healthy(s).await {
+            if !ready[i] && healthy(s, tls).await {
                 ready[i] = true;
                 eprintln!("pdmesh up: {} is ready on {}", s.name, s.addr);
             }
@@ -477,6 +494,85 @@ fn write_ports_json(path: &Path, value: &serde_json::Value) -> Result<(), UpErro
 /// `--restart`, the child is started again and only a failed start ends the mesh). Must
 /// run on a current-thread runtime: the parent-death signal is tied to the spawning thread
 /// (restarted children are spawned from it too).
+/// Flags that belong to another role, or that a role cannot do without.
+fn check_role(args: &UpArgs) -> Result<(), UpError> {
+    let role = args.role;
+    let bad = |m: String| Err(UpError::Role(m));
+    let remote = [
+        ("--prefill-url", !args.prefill_url.is_empty()),
+        ("--decode-url", !args.decode_url.is_empty()),
+        ("--cache-url", !args.cache_url.is_empty()),
+    ];
+    match role {
+        UpRole::Gateway => {
+            if args.prefill_url.is_empty() || args.decode_url.is_empty() {
+                return bad("--role gateway needs --prefill-url and --decode-url (the other hosts' workers)".into());
+            }
+            if args.unified {
+                return bad(
+                    "--role gateway fronts prefill and decode hosts: drop --unified".into(),
+                );
+            }
+            for u in args
+                .prefill_url
+                .iter()
+                .chain(&args.decode_url)
+                .chain(&args.cache_url)
+            {
+                if !u.starts_with("http://") && !u.starts_with("https://") {
+                    return bad(format!("{u:?} is not an http:// URL"));
+                }
+            }
+        }
+        UpRole::All => {
+            if let Some((flag, _)) = remote.iter().find(|r| r.1) {
+                return bad(format!(
+                    "{flag} names other hosts' services: it needs --role gateway"
+                ));
+            }
+        }
+        UpRole::Prefill | UpRole::Decode => {
+            if let Some((flag, _)) = remote.iter().find(|r| r.1) {
+                return bad(format!(
+                    "{flag} is for --role gateway, not --role {}",
+                    role.name()
+                ));
+            }
+            if args.unified {
+                return bad(format!(
+                    "--role {} runs one side of disaggregation: drop --unified",
+                    role.name()
+                ));
+            }
+            if args.host.is_unspecified() || args.host.is_loopback() {
+                return bad(format!(
+                    "--role {} needs --host set to this host's address that the other hosts reach (not {})",
+                    role.name(),
+                    args.host
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The address of `url`'s host and port.
+async fn url_addr(url: &str) -> Result<SocketAddr, UpError> {
+    let bad = || UpError::Role(format!("{url:?} is not a reachable http://HOST:PORT URL"));
+    let uri: http::Uri = url.parse().map_err(|_| bad())?;
+    let host = uri
+        .host()
+        .ok_or_else(bad)?
+        .trim_matches(['[', ']'])
+        .to_owned();
+    let port = uri.port_u16().ok_or_else(bad)?;
+    tokio::net::lookup_host((host.as_str(), port))
+        .await
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(bad)
+}
+
 pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     let mut signals = Signals::new().map_err(UpError::Signals)?;
     let model = resolve_model(args.model.as_deref())?;
@@ -488,6 +584,14 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     if pd && (args.prefill == 0 || args.decode == 0) {
         return Err(UpError::NoWorkers);
     }
+    check_role(&args)?;
+    let role = args.role;
+    let tls = args.tls.load()?;
+    let tls_args = args.tls.to_args();
+    let (has_gateway, has_cache) = (
+        matches!(role, UpRole::All | UpRole::Gateway),
+        !args.no_host_cache && role != UpRole::Gateway,
+    );
     let explicit: Vec<u16> = [args.port].into_iter().filter(|&p| p != 0).collect();
     let mut ports = Ports::avoiding(&explicit);
     let mut local = || Ok::<_, UpError>(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), ports.pick()?));
@@ -495,7 +599,35 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     // (name, role subcommand, address, extra flags): the decode worker (or the unified
     // one) first.
     let mut workers: Vec<(&'static str, &'static str, SocketAddr, &[String])> = Vec::new();
-    if pd {
+    // This host's part of a mesh over several: its services on --host at fixed ports.
+    let on_host = |port: u16| SocketAddr::new(args.host, port);
+    let mut worker_ports = args.worker_port..;
+    let mut next_port = || {
+        worker_ports
+            .next()
+            .filter(|&p| p != 0)
+            .ok_or_else(|| UpError::Role("--worker-port leaves no room for the workers".into()))
+    };
+    if role == UpRole::Gateway {
+    } else if role == UpRole::Decode {
+        for i in 0..args.decode {
+            workers.push((
+                worker_name("decode", i),
+                "decode",
+                on_host(next_port()?),
+                &args.decode_args,
+            ));
+        }
+    } else if role == UpRole::Prefill {
+        for i in 0..args.prefill {
+            workers.push((
+                worker_name("prefill", i),
+                "prefill",
+                on_host(next_port()?),
+                &args.prefill_args,
+            ));
+        }
+    } else if pd {
         for i in 0..args.decode {
             workers.push((
                 worker_name("decode", i),
@@ -515,8 +647,15 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     } else {
         workers.push(("worker", "worker", local()?, &[]));
     }
-    let worker_addr = workers[0].2;
-    let cache_addr = local()?;
+    let worker_addr = match role {
+        // The model id comes from the first decode worker on another host.
+        UpRole::Gateway => url_addr(&args.decode_url[0]).await?,
+        _ => workers[0].2,
+    };
+    let cache_addr = match role {
+        UpRole::Prefill | UpRole::Decode => on_host(args.cache_port),
+        _ => local()?,
+    };
     let port = if args.port == 0 {
         local()?.port()
     } else {
@@ -536,9 +675,14 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             "--model".into(),
             model_arg.clone(),
         ];
-        services.push(spawn("tokenizer", &exe, &tok_args, tok_addr, None)?);
-        if !args.no_host_cache {
+        if has_gateway {
+            let mut tok_args = tok_args;
+            tok_args.extend(tls_args.iter().cloned());
+            services.push(spawn("tokenizer", &exe, &tok_args, tok_addr, None)?);
+        }
+        if has_cache {
             let mut cache_args = vec!["cache".into(), "--listen".into(), cache_addr.to_string()];
+            cache_args.extend(tls_args.iter().cloned());
             cache_args.extend(args.cache_args.iter().cloned());
             services.push(spawn("cache", &exe, &cache_args, cache_addr, None)?);
         }
@@ -550,12 +694,16 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
                 "--model".into(),
                 model_arg.clone(),
             ];
-            if !args.no_host_cache {
+            if has_cache {
                 worker_args.extend(["--cache-url".into(), format!("http://{cache_addr}")]);
             }
+            worker_args.extend(tls_args.iter().cloned());
             worker_args.extend(args.worker_args.iter().cloned());
             worker_args.extend(extra.iter().cloned());
             services.push(spawn(name, &exe, &worker_args, addr, None)?);
+        }
+        if !has_gateway {
+            return Ok(());
         }
         let urls = |kind: &str| {
             workers
@@ -572,15 +720,22 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             "--tokenizer-url".into(),
             format!("http://{tok_addr}"),
         ];
-        if pd {
+        if role == UpRole::Gateway {
+            gw_args.extend(["--prefill-url".into(), args.prefill_url.join(",")]);
+            gw_args.extend(["--decode-url".into(), args.decode_url.join(",")]);
+            if !args.cache_url.is_empty() {
+                gw_args.extend(["--cache-url".into(), args.cache_url.join(",")]);
+            }
+        } else if pd {
             gw_args.extend(["--prefill-url".into(), urls("prefill")]);
             gw_args.extend(["--decode-url".into(), urls("decode")]);
         } else {
             gw_args.extend(["--worker-url".into(), format!("http://{worker_addr}")]);
         }
-        if !args.no_host_cache {
+        if has_cache {
             gw_args.extend(["--cache-url".into(), format!("http://{cache_addr}")]);
         }
+        gw_args.extend(tls_args.iter().cloned());
         gw_args.extend(args.gateway_args.iter().cloned());
         services.push(spawn(
             "gateway",
@@ -604,7 +759,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     }
 
     let ready = tokio::select! {
-        r = wait_healthy(&mut services, Duration::from_secs(args.startup_timeout)) => r.map(|()| None),
+        r = wait_healthy(&mut services, Duration::from_secs(args.startup_timeout), tls.as_ref()) => r.map(|()| None),
         sig = signals.recv() => Ok(Some(sig)),
     };
     match ready {
@@ -620,13 +775,13 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         Ok(None) => {}
     }
 
-    let model_id = probe::worker_model_id(worker_addr)
+    let model_id = probe::worker_model_id(worker_addr, tls.as_ref())
         .await
         .unwrap_or_else(|| DEFAULT_MODEL.id.to_owned());
     let shown = reachable(args.host, port);
     let url = format!("http://{shown}/v1");
     // Before the ports file: whoever waits for that file finds an idle mesh.
-    if !args.no_smoke_test {
+    if has_gateway && !args.no_smoke_test {
         tokio::select! {
             () = smoke_test(shown, &model_id, args.api_key.as_deref()) => {}
             sig = signals.recv() => {
@@ -640,14 +795,10 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         url: url.clone(),
         host: shown.ip(),
         pd,
-        gateway: port,
-        tokenizer: tok_addr.port(),
+        gateway: if has_gateway { port } else { 0 },
+        tokenizer: if has_gateway { tok_addr.port() } else { 0 },
         workers: workers.iter().map(|w| (w.0, w.1, w.2.port())).collect(),
-        cache: if args.no_host_cache {
-            0
-        } else {
-            cache_addr.port()
-        },
+        cache: if has_cache { cache_addr.port() } else { 0 },
         model: model_id.clone(),
         restart: args.restart,
     };
@@ -662,11 +813,21 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         (Some(_), Some(_)) => " -H \"Authorization: Bearer $PDMESH_API_KEY\"",
         (Some(_), None) => " -H 'Authorization: Bearer <your --api-key>'",
     };
-    println!("pdmesh is up: {url} (model {model_id})");
-    println!("try:");
-    println!(
-        "  curl {url}/chat/completions -H 'Content-Type: application/json'{auth} \\\n    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
-    );
+    if has_gateway {
+        println!("pdmesh is up: {url} (model {model_id})");
+        println!("try:");
+        println!(
+            "  curl {url}/chat/completions -H 'Content-Type: application/json'{auth} \\\n    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+        );
+    } else {
+        let kind = role.name();
+        let list: Vec<String> = workers.iter().map(|w| format!("http://{}", w.2)).collect();
+        println!("pdmesh {kind} host is up (model {model_id}): cache service http://{cache_addr}");
+        println!(
+            "  give the gateway host --{kind}-url {} --cache-url http://{cache_addr}",
+            list.join(",")
+        );
+    }
     println!("press Ctrl-C to stop");
 
     let mut backoff: Vec<Backoff> = services.iter().map(|_| Backoff::default()).collect();
@@ -760,6 +921,49 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.contains("pdmesh model fetch"), "{msg}");
         assert!(msg.contains("/nonexistent/model.gguf"), "{msg}");
+    }
+
+    fn up(argv: &[&str]) -> UpArgs {
+        use clap::Parser;
+        let cli = crate::args::Cli::try_parse_from(["pdmesh", "up"].iter().chain(argv)).unwrap();
+        match cli.command {
+            crate::args::Command::Up(u) => u,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn each_role_refuses_the_flags_of_another_and_needs_its_own() {
+        let err = |argv: &[&str]| check_role(&up(argv)).unwrap_err().to_string();
+        assert!(check_role(&up(&[])).is_ok());
+        assert!(err(&["--prefill-url", "http://10.0.0.2:7200"]).contains("--role gateway"));
+        assert!(err(&["--role", "gateway"]).contains("--prefill-url and --decode-url"));
+        let gw = [
+            "--role",
+            "gateway",
+            "--prefill-url",
+            "http://10.0.0.2:7200",
+            "--decode-url",
+            "http://10.0.0.3:7200",
+        ];
+        assert!(check_role(&up(&gw)).is_ok());
+        assert!(err(&[&gw[..], &["--unified"]].concat()).contains("--unified"));
+        assert!(err(&[&gw[..], &["--cache-url", "10.0.0.3:7100"]].concat()).contains("http://"));
+        // A host's part must listen where the other hosts reach it.
+        assert!(err(&["--role", "decode"]).contains("--host"));
+        assert!(err(&["--role", "decode", "--host", "0.0.0.0"]).contains("--host"));
+        assert!(check_role(&up(&["--role", "decode", "--host", "10.0.0.3"])).is_ok());
+        assert!(
+            err(&[
+                "--role",
+                "prefill",
+                "--host",
+                "10.0.0.2",
+                "--decode-url",
+                "http://x:1"
+            ])
+            .contains("--decode-url is for --role gateway")
+        );
     }
 
     #[test]

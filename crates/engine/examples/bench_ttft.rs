@@ -81,6 +81,7 @@ fn main() {
                     plane: DataPlane::Shm,
                     call_timeout: Duration::from_secs(10),
                     retry_every: Duration::from_millis(20),
+                    tls: None,
                 },
                 e.pool().layout().as_ref().clone(),
             );

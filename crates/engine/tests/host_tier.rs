@@ -65,6 +65,7 @@ impl Cache {
             plane,
             call_timeout: Duration::from_secs(5),
             retry_every: Duration::from_millis(50),
+            tls: None,
         };
         RemoteTier::start(self.rt.handle().clone(), cfg, layout)
     }
@@ -250,6 +251,7 @@ fn without_a_cache_service_requests_are_served_from_the_device_tier() {
             plane: DataPlane::Shm,
             call_timeout: Duration::from_secs(1),
             retry_every: Duration::from_millis(50),
+            tls: None,
         },
         e.pool().layout().as_ref().clone(),
     );

@@ -55,11 +55,11 @@ async fn main() {
     let l2 = layout.clone();
     tokio::spawn(async move {
         let (s, _) = listener.accept().await.unwrap();
-        serve_connection(s, &l2, TcpOptions::default(), |_| Ok(()))
+        serve_connection(s, None, &l2, TcpOptions::default(), |_| Ok(()))
             .await
             .unwrap();
     });
-    let mut tx = TcpSender::connect(at, &layout, TcpOptions::default())
+    let mut tx = TcpSender::connect(at, &layout, TcpOptions::default(), None)
         .await
         .unwrap();
     let mut ours = Vec::new();

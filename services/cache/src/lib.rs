@@ -71,6 +71,9 @@ pub struct Config {
     /// write of the page transport.
     #[arg(long, env = "PDMESH_PEER_IO_TIMEOUT_MS", default_value_t = 5_000)]
     pub peer_io_timeout_ms: u64,
+    /// Mutual TLS for gRPC and the page transport (both ways).
+    #[command(flatten)]
+    pub tls: pdmesh_tls::TlsArgs,
 }
 
 impl Config {
@@ -86,6 +89,7 @@ impl Config {
             watchdog: Watchdog::Soft,
             peer_listen: None,
             peer_io_timeout_ms: 5_000,
+            tls: pdmesh_tls::TlsArgs::default(),
         }
     }
 
@@ -104,6 +108,8 @@ impl Config {
 pub enum Error {
     #[error("invalid cache configuration: {0}")]
     Config(String),
+    #[error(transparent)]
+    Tls(#[from] pdmesh_tls::TlsError),
     #[error("serving gRPC: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -135,6 +141,7 @@ pub async fn run(
             dir.display()
         )));
     }
+    let tls = cfg.tls.load()?;
     let ttl = Duration::from_millis(cfg.lease_ttl_ms);
     let shared = grpc::Shared::new(state::State::with_rooms(
         cfg.host_mirror_size,
@@ -161,6 +168,7 @@ pub async fn run(
         peer_listener,
         shared.clone(),
         opts,
+        tls.clone(),
         shutdown.clone(),
     ));
     let peers = std::sync::Arc::new(peers::Peers::new(
@@ -169,6 +177,7 @@ pub async fn run(
             addr.map_or("?".into(), |a| a.to_string())
         ),
         opts,
+        tls.clone(),
     ));
     let watchdog = cfg.watchdog;
     let reaper = {
@@ -211,7 +220,7 @@ pub async fn run(
         })
     };
     tracing::info!(?addr, peer_port, size = ?cfg.host_mirror_size, "cache service listening");
-    let served = tonic::transport::Server::builder()
+    let served = pdmesh_tls::server(tls.as_ref())?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(pdmesh_proto::cache::v1::cache_server::CacheServer::new(
             grpc::CacheService::new(shared.clone(), shutdown.clone(), peers, peer_port),
@@ -236,6 +245,7 @@ async fn receive_pages(
     listener: TcpListener,
     shared: grpc::Shared,
     opts: transfer::TcpOptions,
+    tls: Option<pdmesh_tls::MeshTls>,
     stop: CancellationToken,
 ) {
     loop {
@@ -254,13 +264,13 @@ async fn receive_pages(
             tracing::warn!("a peer connected before any worker registered here: closed");
             continue;
         };
-        let (shared, stop) = (shared.clone(), stop.clone());
+        let (shared, stop, tls) = (shared.clone(), stop.clone(), tls.clone());
         tokio::spawn(async move {
             let sink =
                 |p: transfer::InPage<'_>| shared.with(|s| s.peer_write(p.room, p.index, p.bytes));
             let served = tokio::select! {
                 () = stop.cancelled() => return,
-                r = transfer::serve_connection(stream, &layout, opts, sink) => r,
+                r = transfer::serve_connection(stream, tls.as_ref(), &layout, opts, sink) => r,
             };
             match served {
                 Ok(_) => {}

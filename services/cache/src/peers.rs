@@ -17,7 +17,7 @@ use pb::cache_client::CacheClient;
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as pb;
 use tonic::Status;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::transfer::{OutPage, Sent, TcpOptions, TcpSender, TransferError, Transport};
 use crate::wire::layout_to_pb;
@@ -28,14 +28,17 @@ pub(crate) struct Peers {
     pub opts: TcpOptions,
     /// How this service names itself when it registers at a peer.
     name: String,
+    /// The mesh's mutual TLS, for gRPC and pages alike.
+    tls: Option<pdmesh_tls::MeshTls>,
 }
 
 impl Peers {
-    pub fn new(name: String, opts: TcpOptions) -> Self {
+    pub fn new(name: String, opts: TcpOptions, tls: Option<pdmesh_tls::MeshTls>) -> Self {
         Self {
             links: Default::default(),
             opts,
             name,
+            tls,
         }
     }
 
@@ -49,7 +52,9 @@ impl Peers {
         {
             return Ok(l.clone());
         }
-        let link = Arc::new(Link::connect(url, &self.name, layout.clone(), self.opts).await?);
+        let link = Arc::new(
+            Link::connect(url, &self.name, layout.clone(), self.opts, self.tls.clone()).await?,
+        );
         links.insert(url.to_owned(), link.clone());
         Ok(link)
     }
@@ -77,6 +82,7 @@ pub(crate) struct Link {
     buffers: std::sync::Mutex<Vec<Vec<u8>>>,
     layout: Arc<KvLayout>,
     opts: TcpOptions,
+    tls: Option<pdmesh_tls::MeshTls>,
 }
 
 impl Drop for Link {
@@ -132,9 +138,10 @@ impl Link {
         name: &str,
         layout: Arc<KvLayout>,
         opts: TcpOptions,
+        tls: Option<pdmesh_tls::MeshTls>,
     ) -> Result<Self, Status> {
         let t = opts.io_timeout;
-        let endpoint = Endpoint::from_shared(url.to_owned())
+        let endpoint = pdmesh_tls::endpoint(url, tls.as_ref())
             .map_err(|e| Status::invalid_argument(format!("room home {url:?}: {e}")))?
             .connect_timeout(t)
             .tcp_nodelay(true)
@@ -213,6 +220,7 @@ impl Link {
             buffers: Default::default(),
             layout,
             opts,
+            tls,
         })
     }
 
@@ -356,14 +364,17 @@ impl Link {
         let reused = idle.is_some();
         let mut sender = match idle {
             Some(s) => s,
-            None => TcpSender::connect(self.data, &self.layout, self.opts).await?,
+            None => {
+                TcpSender::connect(self.data, &self.layout, self.opts, self.tls.as_ref()).await?
+            }
         };
         let sent = match sender.send(room, pages).await {
             Ok(sent) => sent,
             // An idle connection the home closed meanwhile: once more on a fresh one
             // (pages land by index, so sending one again writes the same bytes).
             Err(TransferError::Io { .. }) if reused => {
-                sender = TcpSender::connect(self.data, &self.layout, self.opts).await?;
+                sender = TcpSender::connect(self.data, &self.layout, self.opts, self.tls.as_ref())
+                    .await?;
                 sender.send(room, pages).await?
             }
             Err(e) => return Err(e),

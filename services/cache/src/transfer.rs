@@ -10,6 +10,10 @@
 //! reading, stops writing or vanishes fails the transfer in bounded time instead of
 //! wedging it.
 //!
+//! With the mesh's TLS on (`pdmesh_tls`), the connection is mutual TLS before the hello:
+//! the receiver accepts only senders holding a certificate the mesh CA signed, and the
+//! sender checks the receiver's certificate names the address it dialled.
+//!
 //! Frames (integers little-endian):
 //! - hello: `PDKV` | version u16 | fingerprint u64 | page bytes u64 | description (u32 len + UTF-8)
 //! - hello reply: status u8 (0 accepted, 1 refused) | text (u32 len + UTF-8)
@@ -23,9 +27,15 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use pdmesh_kv::{KvLayout, page_checksum};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{
+    AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter, ReadHalf, WriteHalf,
+};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+/// A connection the transport runs over: plain tcp, or TLS over tcp.
+trait Conn: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Conn for T {}
+type Stream = Box<dyn Conn>;
 
 const MAGIC: [u8; 4] = *b"PDKV";
 const VERSION: u16 = 1;
@@ -181,8 +191,8 @@ fn put_text(out: &mut Vec<u8>, s: &str) {
 /// The sending end of one tcp connection to a peer cache service.
 pub struct TcpSender {
     peer: String,
-    rd: BufReader<OwnedReadHalf>,
-    wr: BufWriter<OwnedWriteHalf>,
+    rd: BufReader<ReadHalf<Stream>>,
+    wr: BufWriter<WriteHalf<Stream>>,
     page_bytes: usize,
     opts: TcpOptions,
     seq: u32,
@@ -192,11 +202,12 @@ pub struct TcpSender {
 }
 
 impl TcpSender {
-    /// Connects and performs the layout handshake.
+    /// Connects (mutual TLS when `tls` is given) and performs the layout handshake.
     pub async fn connect(
         addr: SocketAddr,
         layout: &KvLayout,
         opts: TcpOptions,
+        tls: Option<&pdmesh_tls::MeshTls>,
     ) -> Result<Self, TransferError> {
         let peer = addr.to_string();
         let stream = deadline(
@@ -211,7 +222,20 @@ impl TcpSender {
             other => other,
         })?;
         let _ = stream.set_nodelay(true);
-        let (rd, wr) = stream.into_split();
+        let stream: Stream = match tls {
+            None => Box::new(stream),
+            Some(tls) => Box::new(
+                deadline(
+                    &peer,
+                    "the TLS handshake",
+                    opts.io_timeout,
+                    tls.connector()
+                        .connect(pdmesh_tls::server_name(addr.ip()), stream),
+                )
+                .await?,
+            ),
+        };
+        let (rd, wr) = tokio::io::split(stream);
         let mut s = Self {
             rd: BufReader::new(rd),
             // Small: headers gather here, while a page at least this big goes straight to
@@ -373,13 +397,16 @@ pub struct Received {
     pub checksum_failures: u64,
 }
 
-/// Serves one incoming connection for a cache service whose layout is `layout`: the
-/// handshake, then batches until the sender closes or stays idle past `idle_timeout`.
+/// Serves one incoming connection for a cache service whose layout is `layout`: the TLS
+/// handshake when `tls` is given (a sender without the mesh's certificate is refused
+/// there), the layout handshake, then batches until the sender closes or stays idle past
+/// `idle_timeout`.
 /// `sink` gets each page whose checksum matched, in order; an error from it refuses the
 /// page (and the rest of its batch) with that reason. A page with a bad checksum never
 /// reaches the sink. Returns when the connection ends; an error says why it ended early.
 pub async fn serve_connection(
     stream: TcpStream,
+    tls: Option<&pdmesh_tls::MeshTls>,
     layout: &KvLayout,
     opts: TcpOptions,
     mut sink: impl FnMut(InPage<'_>) -> Result<(), String>,
@@ -388,7 +415,19 @@ pub async fn serve_connection(
         .peer_addr()
         .map_or_else(|_| "?".to_owned(), |a| a.to_string());
     let _ = stream.set_nodelay(true);
-    let (rd, wr) = stream.into_split();
+    let stream: Stream = match tls {
+        None => Box::new(stream),
+        Some(tls) => Box::new(
+            deadline(
+                &peer,
+                "the TLS handshake",
+                opts.io_timeout,
+                tls.acceptor().accept(stream),
+            )
+            .await?,
+        ),
+    };
+    let (rd, wr) = tokio::io::split(stream);
     // Small, so a page's bytes are read straight into the page buffer (see `io_buffer`).
     let mut rd = BufReader::with_capacity(io_buffer(layout.bytes_per_page()), rd);
     let mut wr = BufWriter::new(wr);
@@ -571,13 +610,25 @@ mod tests {
         tokio::task::JoinHandle<Result<Received, TransferError>>,
         Delivered,
     ) {
+        receiver_tls(layout, refuse_index, None).await
+    }
+
+    async fn receiver_tls(
+        layout: KvLayout,
+        refuse_index: Option<u32>,
+        tls: Option<pdmesh_tls::MeshTls>,
+    ) -> (
+        SocketAddr,
+        tokio::task::JoinHandle<Result<Received, TransferError>>,
+        Delivered,
+    ) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let delivered = Delivered::default();
         let d = delivered.clone();
         let task = tokio::spawn(async move {
             let (s, _) = l.accept().await.unwrap();
-            serve_connection(s, &layout, quick(), |p| {
+            serve_connection(s, tls.as_ref(), &layout, quick(), |p| {
                 if Some(p.index) == refuse_index {
                     return Err("room failed".into());
                 }
@@ -595,11 +646,59 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn over_the_meshs_tls_pages_arrive_whole_and_a_sender_without_its_certificate_moves_nothing()
+     {
+        use pdmesh_tls::test_ca::Ca;
+        let ca = Ca::new("mesh");
+        let l = layout(DType::F16);
+        let (addr, task, delivered) =
+            receiver_tls(l.clone(), None, Some(ca.mesh(&["127.0.0.1"]))).await;
+        let data = pages(&l, 8);
+        let sender = ca.mesh(&["127.0.0.2"]);
+        let mut tx = TcpSender::connect(addr, &l, quick(), Some(&sender))
+            .await
+            .unwrap();
+        assert_eq!(tx.send(5, &out(&data)).await.unwrap().pages, 8);
+        drop(tx);
+        assert_eq!(task.await.unwrap().unwrap().pages, 8);
+        let got: Vec<Vec<u8>> = delivered
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|p| p.bytes.clone())
+            .collect();
+        assert_eq!(got, data);
+
+        // Another CA's certificate, and plain tcp: refused before the layout handshake.
+        let intruder = Ca::new("intruder");
+        let (cert, key) = intruder.leaf(&["127.0.0.1"]);
+        let foreign =
+            pdmesh_tls::MeshTls::from_pem(ca.pem.as_bytes(), cert.as_bytes(), key.as_bytes())
+                .unwrap();
+        for tls in [Some(&foreign), None] {
+            let (addr, task, delivered) =
+                receiver_tls(l.clone(), None, Some(ca.mesh(&["127.0.0.1"]))).await;
+            if let Ok(mut tx) = TcpSender::connect(addr, &l, quick(), tls).await {
+                assert!(tx.send(5, &out(&data)).await.is_err());
+            }
+            let err = task.await.unwrap().unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    TransferError::Io { .. } | TransferError::Deadline { .. }
+                ),
+                "{err}"
+            );
+            assert!(delivered.lock().unwrap().is_empty());
+        }
+    }
+
+    #[tokio::test]
     async fn pages_arrive_whole_in_order_in_batches_with_several_in_flight() {
         let l = layout(DType::F16);
         let (addr, task, delivered) = receiver(l.clone(), None).await;
         let data = pages(&l, 64);
-        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
         let sent = tx.send(9, &out(&data)).await.unwrap();
         assert_eq!(
             sent,
@@ -627,7 +726,7 @@ mod tests {
     async fn another_layout_is_refused_naming_both_and_no_page_crosses() {
         let (addr, task, delivered) = receiver(layout(DType::F16), None).await;
         let theirs = layout(DType::Bf16);
-        let err = match TcpSender::connect(addr, &theirs, quick()).await {
+        let err = match TcpSender::connect(addr, &theirs, quick(), None).await {
             Err(e) => e.to_string(),
             Ok(_) => panic!("a bf16 sender was accepted by an f16 host"),
         };
@@ -648,7 +747,7 @@ mod tests {
         let data = pages(&l, 6);
         let mut pages = out(&data);
         pages[4].checksum ^= 1; // as if a byte flipped after the checksum was taken
-        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
         let err = tx.send(3, &pages).await.unwrap_err();
         assert!(
             matches!(
@@ -678,7 +777,7 @@ mod tests {
         let l = layout(DType::F16);
         let (addr, _task, _) = receiver(l.clone(), Some(1)).await;
         let data = pages(&l, 2);
-        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
         let err = tx.send(5, &out(&data)).await.unwrap_err();
         assert!(
             matches!(&err, TransferError::Refused { room: 5, index: 1, reason, .. } if reason == "room failed"),
@@ -690,7 +789,10 @@ mod tests {
     async fn fake_peer(
         listener: TcpListener,
         layout: &KvLayout,
-    ) -> (BufReader<OwnedReadHalf>, OwnedWriteHalf) {
+    ) -> (
+        BufReader<tokio::net::tcp::OwnedReadHalf>,
+        tokio::net::tcp::OwnedWriteHalf,
+    ) {
         let (s, _) = listener.accept().await.unwrap();
         let (rd, mut wr) = s.into_split();
         let mut rd = BufReader::new(rd);
@@ -715,7 +817,7 @@ mod tests {
             std::future::pending::<()>().await;
         });
         let data = pages(&l, 64); // more than the socket buffers hold
-        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
         let big: Vec<OutPage<'_>> = (0..40).flat_map(|_| out(&data)).collect();
         let err = tx.send(1, &big).await.unwrap_err();
         assert!(matches!(err, TransferError::Deadline { .. }), "{err}");
@@ -735,7 +837,7 @@ mod tests {
             rd.read_exact(&mut part).await.unwrap();
         });
         let data = pages(&l, 64);
-        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
         let err = tx.send(1, &out(&data)).await.unwrap_err();
         // The reset arrives long before any deadline.
         assert!(matches!(err, TransferError::Io { .. }), "{err}");
@@ -745,7 +847,7 @@ mod tests {
     async fn a_page_of_the_wrong_size_is_refused_before_anything_is_sent() {
         let l = layout(DType::F16);
         let (addr, _task, delivered) = receiver(l.clone(), None).await;
-        let mut tx = TcpSender::connect(addr, &l, quick()).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
         let short = vec![0u8; 10];
         let err = tx
             .send(

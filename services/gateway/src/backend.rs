@@ -26,6 +26,8 @@ pub(crate) struct Backends {
     caches: Vec<(String, CacheClient<Channel>)>,
     /// Every worker, and how requests are spread over them.
     pub(crate) workers: std::sync::Arc<crate::route::Workers>,
+    /// The mesh's mutual TLS for every backend connection, if on.
+    tls: Option<pdmesh_tls::MeshTls>,
 }
 
 /// What the worker reports about the model it serves.
@@ -187,8 +189,8 @@ pub(crate) enum WorkerEvent {
 
 pub(crate) type WorkerStream = Pin<Box<dyn Stream<Item = Result<WorkerEvent, ApiError>> + Send>>;
 
-fn endpoint(url: &str) -> Result<Endpoint, Error> {
-    let ep = Endpoint::from_shared(url.to_owned()).map_err(|source| Error::BackendUrl {
+fn endpoint(url: &str, tls: Option<&pdmesh_tls::MeshTls>) -> Result<Endpoint, Error> {
+    let ep = pdmesh_tls::endpoint(url, tls).map_err(|source| Error::BackendUrl {
         url: url.to_owned(),
         source,
     })?;
@@ -199,7 +201,7 @@ impl Backends {
     /// Clients that connect on first use (and reconnect after a backend restarts).
     #[cfg(test)]
     pub fn connect_lazy(tokenizer_url: &str, worker_url: &str) -> Result<Self, Error> {
-        Self::connect_pd(tokenizer_url, worker_url, &[], &[])
+        Self::connect_pd(tokenizer_url, worker_url, &[], &[], None)
     }
 
     /// With prefill and decode workers (both lists non-empty), requests are disaggregated:
@@ -210,8 +212,13 @@ impl Backends {
         worker_url: &str,
         prefill: &[String],
         decode: &[String],
+        tls: Option<pdmesh_tls::MeshTls>,
     ) -> Result<Self, Error> {
-        let client = |url: &str| Ok::<_, Error>(WorkerClient::new(endpoint(url)?.connect_lazy()));
+        let client = |url: &str| {
+            Ok::<_, Error>(WorkerClient::new(
+                endpoint(url, tls.as_ref())?.connect_lazy(),
+            ))
+        };
         let workers = if prefill.is_empty() {
             crate::route::Workers::unified(worker_url, client(worker_url)?)
         } else {
@@ -226,9 +233,10 @@ impl Backends {
             crate::route::Workers::pd(p, d)
         };
         Ok(Self {
-            tokenizer: TokenizerClient::new(endpoint(tokenizer_url)?.connect_lazy()),
+            tokenizer: TokenizerClient::new(endpoint(tokenizer_url, tls.as_ref())?.connect_lazy()),
             caches: Vec::new(),
             workers: std::sync::Arc::new(workers),
+            tls,
         })
     }
 
@@ -236,7 +244,7 @@ impl Backends {
     pub fn with_cache(mut self, cache_url: &str) -> Result<Self, Error> {
         self.caches.push((
             cache_url.to_owned(),
-            CacheClient::new(endpoint(cache_url)?.connect_lazy()),
+            CacheClient::new(endpoint(cache_url, self.tls.as_ref())?.connect_lazy()),
         ));
         Ok(self)
     }

@@ -61,6 +61,10 @@ pub struct Config {
     /// Largest accepted request body.
     #[arg(long, env = "PDMESH_MAX_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Mutual TLS for the gateway's connections to the tokenizer, workers and cache
+    /// services (the HTTP API itself is served as before).
+    #[command(flatten)]
+    pub tls: pdmesh_tls::TlsArgs,
 }
 
 impl Config {
@@ -75,6 +79,7 @@ impl Config {
             model_name: None,
             api_key: None,
             max_body_bytes: 4 * 1024 * 1024,
+            tls: pdmesh_tls::TlsArgs::default(),
         }
     }
 
@@ -116,6 +121,7 @@ pub async fn run(
         &cfg.worker_url,
         &cfg.prefill_url,
         &cfg.decode_url,
+        cfg.tls.load().map_err(|e| Error::Config(e.to_string()))?,
     )?;
     for url in &cfg.cache_url {
         backends = backends.with_cache(url)?;

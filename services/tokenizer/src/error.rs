@@ -11,6 +11,8 @@ pub enum Error {
     Load { path: PathBuf, source: TextError },
     #[error("starting the tokenizer service: {0}")]
     Startup(String),
+    #[error(transparent)]
+    Tls(#[from] pdmesh_tls::TlsError),
     #[error("serving gRPC: {0}")]
     Transport(#[from] tonic::transport::Error),
     /// A `bytes` field that must hold UTF-8 does not; `field` is its path in the request.
@@ -41,7 +43,7 @@ impl Error {
     /// Closed set of labels for metrics.
     pub fn error_type(&self) -> &'static str {
         match self {
-            Self::Load { .. } | Self::Startup(_) | Self::Transport(_) => "startup",
+            Self::Load { .. } | Self::Startup(_) | Self::Transport(_) | Self::Tls(_) => "startup",
             Self::InvalidUtf8 { .. } => "invalid_utf8",
             Self::TokenOutOfRange { .. } => "token_out_of_range",
             Self::ToolsJson(_) => "tools_json",
@@ -63,9 +65,11 @@ impl From<Error> for tonic::Status {
             | Error::InvalidField { .. }
             | Error::Template(_) => tonic::Status::invalid_argument(msg),
             Error::NoChatTemplate => tonic::Status::failed_precondition(msg),
-            Error::Load { .. } | Error::Startup(_) | Error::Transport(_) | Error::Text(_) => {
-                tonic::Status::internal(msg)
-            }
+            Error::Load { .. }
+            | Error::Startup(_)
+            | Error::Transport(_)
+            | Error::Tls(_)
+            | Error::Text(_) => tonic::Status::internal(msg),
         }
     }
 }

@@ -20,6 +20,8 @@ pub struct Config {
     /// GGUF model file whose metadata carries the tokenizer and chat template.
     #[arg(long = "model", env = "PDMESH_MODEL", default_value_os_t = pdmesh_gguf::models::default_model_path())]
     pub model: PathBuf,
+    #[command(flatten)]
+    pub tls: pdmesh_tls::TlsArgs,
 }
 
 impl Config {
@@ -27,6 +29,7 @@ impl Config {
     pub fn new(model: impl Into<PathBuf>) -> Self {
         Self {
             model: model.into(),
+            tls: pdmesh_tls::TlsArgs::default(),
         }
     }
 }
@@ -51,7 +54,8 @@ pub async fn run(
     tracing::info!(?addr, model = %cfg.model.display(), vocab = tokenizer.vocab_size(), "tokenizer service listening");
 
     let service = grpc::TokenizerService::new(tokenizer);
-    tonic::transport::Server::builder()
+    let tls = cfg.tls.load()?;
+    pdmesh_tls::server(tls.as_ref())?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(pdmesh_proto::tokenizer::v1::tokenizer_server::TokenizerServer::new(service))
         .serve_with_incoming_shutdown(

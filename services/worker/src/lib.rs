@@ -132,6 +132,9 @@ pub struct Config {
     /// Test-only fault injection (`--fault-*`, hidden; no environment variables).
     #[command(flatten)]
     pub faults: FaultArgs,
+    /// Mutual TLS for this worker's gRPC server and its calls to the cache service.
+    #[command(flatten)]
+    pub tls: pdmesh_tls::TlsArgs,
 }
 
 /// `--device` values.
@@ -198,6 +201,7 @@ impl Config {
             kv_cache_dtype: KvCacheDtype::Bf16,
             index_k_dtype: IndexKDtypeArg::Fp8,
             faults: FaultArgs::default(),
+            tls: pdmesh_tls::TlsArgs::default(),
         }
     }
 
@@ -346,6 +350,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let engine_cfg = cfg.engine_config()?;
+    let tls = cfg.tls.load().map_err(|e| Error::Config(e.to_string()))?;
     cfg.faults.announce();
     let mut engine = tokio::task::spawn_blocking(move || pdmesh_engine::Engine::load(engine_cfg))
         .await
@@ -361,6 +366,7 @@ pub async fn run(
                 plane: cfg.cache_data_plane,
                 call_timeout: std::time::Duration::from_secs(2),
                 retry_every: std::time::Duration::from_secs(1),
+                tls: tls.clone(),
             },
             engine.pool().layout().as_ref().clone(),
         );
@@ -393,6 +399,7 @@ pub async fn run(
             missize_index_k: cfg.faults.missize_index_k,
         },
         engine.info().eos_token_ids,
+        tls.clone(),
     ));
     let info = engine.info();
     let addr = listener.local_addr().ok();
@@ -433,7 +440,7 @@ pub async fn run(
         shutdown.clone(),
     ));
     let sglang = sglang::SglangService::new(worker.clone(), cfg.model.clone(), cfg.role);
-    let served = tonic::transport::Server::builder()
+    let served = pdmesh_tls::server(tls.as_ref())?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::from_arc(worker))
         // The SGLang scheduler protocol on the same port, for gateways built for SGLang.

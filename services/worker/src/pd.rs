@@ -74,7 +74,12 @@ impl Drop for RoomLink {
 }
 
 impl RoomLink {
-    fn start(url: String, worker_id: String, layout: KvLayout) -> Self {
+    fn start(
+        url: String,
+        worker_id: String,
+        layout: KvLayout,
+        tls: Option<pdmesh_tls::MeshTls>,
+    ) -> Self {
         let cur: Arc<RwLock<Option<Arc<HostClient>>>> = Arc::default();
         let task = {
             let cur = cur.clone();
@@ -89,7 +94,13 @@ impl RoomLink {
                     if !alive {
                         let attempt = tokio::time::timeout(
                             Duration::from_secs(2),
-                            HostClient::connect(&url, &worker_id, &layout, DataPlane::Shm),
+                            HostClient::connect_with(
+                                &url,
+                                &worker_id,
+                                &layout,
+                                DataPlane::Shm,
+                                tls.as_ref(),
+                            ),
                         )
                         .await;
                         match attempt {
@@ -320,6 +331,7 @@ impl Pd {
         layout: &KvLayout,
         times: PdTimes,
         eos: Vec<u32>,
+        tls: Option<pdmesh_tls::MeshTls>,
     ) -> Self {
         let link = match (role, cache_url) {
             (Role::Unified, _) | (_, None) => None,
@@ -327,6 +339,7 @@ impl Pd {
                 url.to_owned(),
                 format!("{}-{}", role.name(), std::process::id()),
                 layout.clone(),
+                tls,
             )),
         };
         Self {

@@ -148,7 +148,7 @@ fn a_service_announces_its_address_and_exits_cleanly_on_sigterm() {
         .unwrap();
     let healthy = rt.block_on(async {
         for _ in 0..100 {
-            if pdmesh_cli::probe::tokenizer_healthy(addr).await {
+            if pdmesh_cli::probe::tokenizer_healthy(addr, None).await {
                 return true;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;

@@ -1,0 +1,264 @@
+//! Mutual TLS between pdmesh services.
+//!
+//! Every service of a mesh is given the same three PEM files' kinds: the mesh's
+//! certificate authority, its own certificate (signed by that CA, naming the addresses
+//! other services dial it at) and its key. With them, each gRPC server (tokenizer,
+//! workers, cache services) and each cache service's page transport accepts only
+//! connections that present a certificate signed by the mesh CA, and every connection a
+//! service makes to another is TLS, checking the peer's certificate against the same CA.
+//! So the CA is the mesh's membership: a process without a certificate it signed can
+//! neither call a service nor feed pages to a cache service, and nothing between
+//! services crosses the network in clear text.
+//!
+//! URLs stay as the user wrote them (`http://host:port`); with TLS on, connections to
+//! them are made with `https`. Without the flags nothing changes: plaintext, as before.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
+
+/// The `--tls-*` flags every service takes (all three or none).
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
+pub struct TlsArgs {
+    /// PEM file of the mesh's certificate authority. With --tls-cert and --tls-key, every
+    /// gRPC and page-transport connection to or from this service is mutual TLS, and
+    /// only peers holding a certificate this CA signed are accepted.
+    #[arg(long, env = "PDMESH_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<PathBuf>,
+    /// PEM file of this service's certificate (signed by --tls-ca; its subject names must
+    /// include the addresses other services dial this one at).
+    #[arg(long, env = "PDMESH_TLS_CERT", requires_all = ["tls_ca", "tls_key"])]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM file of this service's private key.
+    #[arg(long, env = "PDMESH_TLS_KEY", requires_all = ["tls_ca", "tls_cert"])]
+    pub tls_key: Option<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("reading {flag} {path}: {source}")]
+    Read {
+        flag: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{flag} {path}: {what}")]
+    Pem {
+        flag: &'static str,
+        path: PathBuf,
+        what: String,
+    },
+    #[error("--tls-ca, --tls-cert and --tls-key go together; {0} is missing")]
+    Incomplete(&'static str),
+    #[error("the TLS configuration is refused: {0}")]
+    Config(String),
+}
+
+impl TlsArgs {
+    /// The mesh TLS these flags describe, or `None` when none is given.
+    pub fn load(&self) -> Result<Option<MeshTls>, TlsError> {
+        match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+            (None, None, None) => Ok(None),
+            (Some(ca), Some(cert), Some(key)) => MeshTls::from_files(ca, cert, key).map(Some),
+            (None, _, _) => Err(TlsError::Incomplete("--tls-ca")),
+            (_, None, _) => Err(TlsError::Incomplete("--tls-cert")),
+            (_, _, None) => Err(TlsError::Incomplete("--tls-key")),
+        }
+    }
+
+    /// The same flags for a child process's command line.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (flag, v) in [
+            ("--tls-ca", &self.tls_ca),
+            ("--tls-cert", &self.tls_cert),
+            ("--tls-key", &self.tls_key),
+        ] {
+            if let Some(p) = v {
+                out.push(flag.to_owned());
+                out.push(p.display().to_string());
+            }
+        }
+        out
+    }
+}
+
+/// One service's side of the mesh's mutual TLS: the CA it trusts, and the certificate and
+/// key it presents, ready as tonic and rustls configurations.
+#[derive(Clone)]
+pub struct MeshTls {
+    ca_pem: Arc<[u8]>,
+    cert_pem: Arc<[u8]>,
+    key_pem: Arc<[u8]>,
+    server: Arc<rustls::ServerConfig>,
+    client: Arc<rustls::ClientConfig>,
+}
+
+impl std::fmt::Debug for MeshTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.debug_struct("MeshTls").finish_non_exhaustive()
+    }
+}
+
+fn read(flag: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        flag,
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn certs(
+    flag: &'static str,
+    path: &Path,
+    pem: &[u8],
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let bad = |what: String| TlsError::Pem {
+        flag,
+        path: path.to_owned(),
+        what,
+    };
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(format!("not a PEM certificate file: {e}")))?;
+    if certs.is_empty() {
+        return Err(bad("holds no certificate".into()));
+    }
+    Ok(certs)
+}
+
+impl MeshTls {
+    /// Reads the three PEM files (the flags' values).
+    pub fn from_files(ca: &Path, cert: &Path, key: &Path) -> Result<Self, TlsError> {
+        let (ca_pem, cert_pem, key_pem) = (
+            read("--tls-ca", ca)?,
+            read("--tls-cert", cert)?,
+            read("--tls-key", key)?,
+        );
+        Self::build((ca, &ca_pem), (cert, &cert_pem), (key, &key_pem))
+    }
+
+    /// From PEM text already in memory (tests).
+    pub fn from_pem(ca: &[u8], cert: &[u8], key: &[u8]) -> Result<Self, TlsError> {
+        Self::build(
+            (Path::new("<ca>"), ca),
+            (Path::new("<cert>"), cert),
+            (Path::new("<key>"), key),
+        )
+    }
+
+    fn build(
+        (ca_path, ca): (&Path, &[u8]),
+        (cert_path, cert): (&Path, &[u8]),
+        (key_path, key): (&Path, &[u8]),
+    ) -> Result<Self, TlsError> {
+        let config = |e: String| TlsError::Config(e);
+        let cas = certs("--tls-ca", ca_path, ca)?;
+        let chain = certs("--tls-cert", cert_path, cert)?;
+        let private = PrivateKeyDer::from_pem_slice(key).map_err(|e| TlsError::Pem {
+            flag: "--tls-key",
+            path: key_path.to_owned(),
+            what: format!("not a PEM private key: {e}"),
+        })?;
+        let mut roots = rustls::RootCertStore::empty();
+        for c in cas {
+            roots.add(c).map_err(|e| TlsError::Pem {
+                flag: "--tls-ca",
+                path: ca_path.to_owned(),
+                what: format!("not a usable CA certificate: {e}"),
+            })?;
+        }
+        let roots = Arc::new(roots);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            roots.clone(),
+            provider.clone(),
+        )
+        .build()
+        .map_err(|e| config(e.to_string()))?;
+        let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| config(e.to_string()))?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain.clone(), private.clone_key())
+            .map_err(|e| config(format!("--tls-cert and --tls-key: {e}")))?;
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| config(e.to_string()))?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(chain, private)
+            .map_err(|e| config(format!("--tls-cert and --tls-key: {e}")))?;
+        Ok(Self {
+            ca_pem: ca.into(),
+            cert_pem: cert.into(),
+            key_pem: key.into(),
+            server: Arc::new(server),
+            client: Arc::new(client),
+        })
+    }
+
+    /// A gRPC server's TLS: present this service's certificate, require the client's,
+    /// signed by the mesh CA.
+    pub fn grpc_server(&self) -> ServerTlsConfig {
+        ServerTlsConfig::new()
+            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
+            .client_ca_root(Certificate::from_pem(&self.ca_pem))
+    }
+
+    /// A gRPC client's TLS: trust only the mesh CA, present this service's certificate.
+    pub fn grpc_client(&self) -> ClientTlsConfig {
+        ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&self.ca_pem))
+            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
+    }
+
+    /// The page transport's accepting side.
+    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.server.clone())
+    }
+
+    /// The page transport's connecting side.
+    pub fn connector(&self) -> tokio_rustls::TlsConnector {
+        tokio_rustls::TlsConnector::from(self.client.clone())
+    }
+}
+
+/// The name a certificate must carry for a peer dialled at `ip`.
+pub fn server_name(ip: std::net::IpAddr) -> ServerName<'static> {
+    ServerName::IpAddress(ip.into())
+}
+
+/// `url` as connections are made to it: `https` when TLS is on.
+pub fn dial_url(url: &str, tls: Option<&MeshTls>) -> String {
+    match (tls, url.strip_prefix("http://")) {
+        (Some(_), Some(rest)) => format!("https://{rest}"),
+        _ => url.to_owned(),
+    }
+}
+
+/// A gRPC endpoint for `url`, mutual TLS when `tls` is given.
+pub fn endpoint(url: &str, tls: Option<&MeshTls>) -> Result<Endpoint, tonic::transport::Error> {
+    let ep = Endpoint::from_shared(dial_url(url, tls))?;
+    match tls {
+        Some(t) => ep.tls_config(t.grpc_client()),
+        None => Ok(ep),
+    }
+}
+
+/// A gRPC server builder, mutual TLS when `tls` is given.
+pub fn server(tls: Option<&MeshTls>) -> Result<tonic::transport::Server, tonic::transport::Error> {
+    let s = tonic::transport::Server::builder();
+    match tls {
+        Some(t) => s.tls_config(t.grpc_server()),
+        None => Ok(s),
+    }
+}
+
+#[cfg(any(test, feature = "test-ca"))]
+pub mod test_ca;
+#[cfg(test)]
+mod tests;
