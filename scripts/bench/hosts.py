@@ -5,7 +5,8 @@ Makes two hosts (network namespaces joined by veth pairs and a bridge, as the mu
 tests do), starts a cache service on each, and times rooms of 64 pages moved from the
 first host's cache service to the second's (`examples/bench_hosts.rs`: written to A's
 mirror, committed, moved over the tcp page transport, committed at B, taken by B's
-receiver) for SmolLM2's layout and deepseek-v32-tiny's. Then iperf3 over the same link.
+receiver) for SmolLM2's layout and deepseek-v32-tiny's, one room at a time and several
+committed at once (`--rooms`). Then iperf3 over the same link.
 Prints each transfer's GB/s, iperf3's, and their ratio. Needs root, iproute2 and iperf3.
 
     cargo build --release -p pdmesh-cli && cargo build --release -p pdmesh-cache --example bench_hosts
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--iperf-seconds", type=int, default=5)
+    ap.add_argument("--rooms", default="1,4", help="rooms committed at once per round (comma-separated levels)")
     args = ap.parse_args()
     pdmesh = ROOT / "target" / "release" / "pdmesh"
     bench = ROOT / "target" / "release" / "examples" / "bench_hosts"
@@ -53,11 +55,13 @@ def main() -> None:
                 argv = [str(pdmesh), "cache", "--listen", f"{net.addr[h]}:7100", "--host-mirror-size", "1GiB"]
                 procs.append(subprocess.Popen(net.exec_argv(h, argv), stdout=log, stderr=subprocess.STDOUT))
             time.sleep(0.5)  # let both bind; bench_hosts fails loudly if one did not
-            r = subprocess.run(net.exec_argv("a", [str(bench), layout, str(args.pages), str(args.rounds), urls["a"], urls["b"]]), capture_output=True, text=True, timeout=600)
+            for rooms in args.rooms.split(","):
+                r = subprocess.run(net.exec_argv("a", [str(bench), layout, str(args.pages), str(args.rounds), urls["a"], urls["b"], rooms]), capture_output=True, text=True, timeout=600)
+                if r.returncode != 0:
+                    stop(procs)
+                    sys.exit(f"bench_hosts {layout} failed:\n{r.stderr}\n" + "\n".join(p.read_text() for p in tmp.glob("*.log")))
+                out[f"{layout} x{rooms}"] = json.loads(r.stdout.strip().splitlines()[-1]); print(layout, rooms, r.stderr.strip().splitlines()[-1], file=sys.stderr)
             stop(procs)
-            if r.returncode != 0:
-                sys.exit(f"bench_hosts {layout} failed:\n{r.stderr}\n" + "\n".join(p.read_text() for p in tmp.glob("*.log")))
-            out[layout] = json.loads(r.stdout.strip().splitlines()[-1])
         server = subprocess.Popen(net.exec_argv("b", ["iperf3", "-s", "-1", "-B", net.addr["b"]]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
         r = subprocess.run(net.exec_argv("a", ["iperf3", "-c", net.addr["b"], "-t", str(args.iperf_seconds), "-J"]), capture_output=True, text=True, timeout=120)
@@ -65,7 +69,7 @@ def main() -> None:
         iperf = json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
         print(json.dumps({"iperf3_gbytes_per_s": round(iperf, 3), **{k: v for k, v in out.items()}}))
         for layout, v in out.items():
-            print(f"{layout}: {v['pages']} pages x {v['page_bytes']} B: {v['gbytes_per_s']:.2f} GB/s; iperf3 {iperf:.2f} GB/s; ratio {v['gbytes_per_s'] / iperf:.2f}")
+            print(f"{v['layout']}: {v['rooms']} room(s) at once of {v['pages']} pages x {v['page_bytes']} B: {v['gbytes_per_s']:.2f} GB/s; iperf3 {iperf:.2f} GB/s; ratio {v['gbytes_per_s'] / iperf:.2f}")
     finally:
         stop(procs)
         net.remove()

@@ -5,11 +5,13 @@
 //! both services already up; `scripts/bench/hosts.sh` makes the hosts (network
 //! namespaces on one machine) and runs iperf3 over the same link beside it.
 //!
-//! `cargo run --release -p pdmesh-cache --example bench_hosts -- LAYOUT PAGES ROUNDS A_URL B_URL`
+//! `cargo run --release -p pdmesh-cache --example bench_hosts -- LAYOUT PAGES ROUNDS A_URL B_URL [ROOMS]`
 //!
 //! LAYOUT: `smol` (SmolLM2-135M, 16-token pages, 368,640 bytes) or `deepseek-tiny`
 //! (deepseek-v32-tiny with fp8 index-K: MLA latent bf16 and index-K per token, 4 layers).
-//! Prints one JSON line: GB/s of page bytes per round (median), the commit's share of it.
+//! ROOMS (default 1): rooms committed at once per round, as under load; the figure is then
+//! all their bytes over the round's time.
+//! Prints one JSON line: GB/s of page bytes moved per round (median).
 
 use std::time::{Duration, Instant};
 
@@ -25,8 +27,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let [_, layout, pages, rounds, a_url, b_url] = &args[..] else {
-        panic!("usage: bench_hosts LAYOUT PAGES ROUNDS A_URL B_URL");
+    let (layout, pages, rounds, a_url, b_url, rooms) = match &args[..] {
+        [_, l, p, r, a, b] => (l, p, r, a, b, 1),
+        [_, l, p, r, a, b, k] => (l, p, r, a, b, k.parse().expect("ROOMS is a number")),
+        _ => panic!("usage: bench_hosts LAYOUT PAGES ROUNDS A_URL B_URL [ROOMS]"),
     };
     let layout = match layout.as_str() {
         "smol" => KvLayout::llama(30, 3, 64, DType::F16, 16),
@@ -54,48 +58,64 @@ async fn main() {
         .collect();
     let mut rates = Vec::new();
     for round in 0..rounds + 1 {
-        let room = 1_000 + round as u64;
-        b.room_open(room, pb::RoomSide::Receiver, "bench", "")
-            .await
-            .unwrap();
-        let how = RoomOpen {
-            home: b_url,
-            held_pages: 0,
-        };
-        a.room_open_with(room, pb::RoomSide::Sender, "bench", "", how)
-            .await
-            .unwrap();
-        let slots = a.room_start(room, pages as u32).await.unwrap();
-        let m = a.shared_mirror().unwrap();
-        let written: Vec<pb::RoomPage> = slots
-            .iter()
-            .zip(&data)
-            .map(|(&slot, d)| pb::RoomPage {
-                slot,
-                checksum: m.write_checked(slot, d),
-            })
-            .collect();
-        let aux = pb::RoomAux {
-            room,
-            prompt_tokens: (pages * 16) as u32,
-            ..Default::default()
-        };
+        // `rooms` rooms open, written and committed at once, as requests under load are.
+        let ids: Vec<u64> = (0..rooms as u64).map(|k| 1_000 + (round * rooms) as u64 + k).collect();
+        let mut commits = Vec::new();
+        for &room in &ids {
+            b.room_open(room, pb::RoomSide::Receiver, "bench", "")
+                .await
+                .unwrap();
+            let how = RoomOpen {
+                home: b_url,
+                held_pages: 0,
+            };
+            a.room_open_with(room, pb::RoomSide::Sender, "bench", "", how)
+                .await
+                .unwrap();
+            let slots = a.room_start(room, pages as u32).await.unwrap();
+            let m = a.shared_mirror().unwrap();
+            let written: Vec<pb::RoomPage> = slots
+                .iter()
+                .zip(&data)
+                .map(|(&slot, d)| pb::RoomPage {
+                    slot,
+                    checksum: m.write_checked(slot, d),
+                })
+                .collect();
+            let aux = pb::RoomAux {
+                room,
+                prompt_tokens: (pages * 16) as u32,
+                ..Default::default()
+            };
+            commits.push((room, written, aux));
+        }
         let t0 = Instant::now();
-        a.room_commit(room, written, aux).await.unwrap();
+        let done = futures::future::join_all(
+            commits
+                .into_iter()
+                .map(|(room, written, aux)| a.room_commit(room, written, aux)),
+        )
+        .await;
         let secs = t0.elapsed().as_secs_f64();
-        let st = b
-            .room_wait(room, pb::RoomState::Success, Duration::from_secs(5))
-            .await
-            .unwrap();
-        assert_eq!(st.state, pb::RoomState::Success as i32, "{st:?}");
-        b.room_finish(room).await.unwrap();
+        for d in done {
+            d.unwrap();
+        }
+        for &room in &ids {
+            let st = b
+                .room_wait(room, pb::RoomState::Success, Duration::from_secs(5))
+                .await
+                .unwrap();
+            assert_eq!(st.state, pb::RoomState::Success as i32, "{st:?}");
+            b.room_finish(room).await.unwrap();
+        }
         if round > 0 {
             // The first round connects and warms up.
-            rates.push((pages * page_bytes) as f64 / secs / 1e9);
+            rates.push((rooms * pages * page_bytes) as f64 / secs / 1e9);
         }
     }
+    eprintln!("per round GB/s: {rates:.2?}");
     println!(
-        "{{\"layout\": \"{}\", \"pages\": {pages}, \"page_bytes\": {page_bytes}, \"rounds\": {rounds}, \"gbytes_per_s\": {:.3}}}",
+        "{{\"layout\": \"{}\", \"pages\": {pages}, \"rooms\": {rooms}, \"page_bytes\": {page_bytes}, \"rounds\": {rounds}, \"gbytes_per_s\": {:.3}}}",
         args[1],
         median(rates)
     );
