@@ -59,7 +59,9 @@ async fn main() {
     let mut rates = Vec::new();
     for round in 0..rounds + 1 {
         // `rooms` rooms open, written and committed at once, as requests under load are.
-        let ids: Vec<u64> = (0..rooms as u64).map(|k| 1_000 + (round * rooms) as u64 + k).collect();
+        let ids: Vec<u64> = (0..rooms as u64)
+            .map(|k| 1_000 + (round * rooms) as u64 + k)
+            .collect();
         let mut commits = Vec::new();
         for &room in &ids {
             b.room_open(room, pb::RoomSide::Receiver, "bench", "")

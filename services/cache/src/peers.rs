@@ -22,9 +22,13 @@ use tonic::transport::Channel;
 use crate::transfer::{OutPage, Sent, TcpOptions, TcpSender, TransferError, Transport};
 use crate::wire::layout_to_pb;
 
+/// One home's link behind a lock of its own: connecting to a home that is gone (which
+/// takes up to the I/O deadline) never holds up rooms bound for another home.
+type Slot = Arc<tokio::sync::Mutex<Option<Arc<Link>>>>;
+
 /// Every link of this service, by the home's URL.
 pub(crate) struct Peers {
-    links: tokio::sync::Mutex<HashMap<String, Arc<Link>>>,
+    links: std::sync::Mutex<HashMap<String, Slot>>,
     pub opts: TcpOptions,
     /// How this service names itself when it registers at a peer.
     name: String,
@@ -45,8 +49,15 @@ impl Peers {
     /// The link to `url`, connecting (and registering with `layout`) if there is none or
     /// the last one lost its lease.
     pub async fn link(&self, url: &str, layout: &Arc<KvLayout>) -> Result<Arc<Link>, Status> {
-        let mut links = self.links.lock().await;
-        if let Some(l) = links.get(url)
+        let slot = self
+            .links
+            .lock()
+            .expect("links lock")
+            .entry(url.to_owned())
+            .or_default()
+            .clone();
+        let mut cur = slot.lock().await;
+        if let Some(l) = cur.as_ref()
             && l.alive.load(Ordering::Relaxed)
             && l.layout.fingerprint() == layout.fingerprint()
         {
@@ -55,13 +66,14 @@ impl Peers {
         let link = Arc::new(
             Link::connect(url, &self.name, layout.clone(), self.opts, self.tls.clone()).await?,
         );
-        links.insert(url.to_owned(), link.clone());
+        *cur = Some(link.clone());
         Ok(link)
     }
 
     /// The link to `url` if one is up (for telling a home that a room failed here).
     pub async fn existing(&self, url: &str) -> Option<Arc<Link>> {
-        self.links.lock().await.get(url).cloned()
+        let slot = self.links.lock().expect("links lock").get(url).cloned()?;
+        slot.lock().await.clone()
     }
 }
 
@@ -381,5 +393,59 @@ impl Link {
         };
         self.senders.lock().expect("senders lock").push(sender);
         Ok(sent)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pdmesh_cache_client::client::{DataPlane, HostClient};
+    use pdmesh_kv::DType;
+    use tokio::net::TcpListener;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_home_that_never_answers_does_not_hold_up_links_to_other_homes() {
+        let layout = Arc::new(KvLayout::llama(2, 1, 8, DType::F16, 16));
+        // A live home: a cache service with a worker of this layout.
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = crate::Config::new(crate::MirrorSize::Bytes(
+            (8 * layout.bytes_per_page()) as u64,
+        ));
+        cfg.shm_dir = Some(dir.path().to_owned());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let live = format!("http://{}", listener.local_addr().unwrap());
+        let stop = CancellationToken::new();
+        let served = tokio::spawn(crate::run(cfg, listener, stop.clone()));
+        let _worker = HostClient::connect(&live, "w", &layout, DataPlane::Shm)
+            .await
+            .unwrap();
+        // A home that accepts connections and then says nothing.
+        let silent = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let gone = format!("http://{}", silent.local_addr().unwrap());
+
+        let opts = TcpOptions {
+            io_timeout: Duration::from_secs(30),
+            ..TcpOptions::default()
+        };
+        let peers = Arc::new(Peers::new("here".into(), opts, None));
+        let stuck = {
+            let (peers, layout, gone) = (peers.clone(), layout.clone(), gone.clone());
+            tokio::spawn(async move { peers.link(&gone, &layout).await.map(|_| ()) })
+        };
+        // Once the silent home has the connection, that link is mid-connect.
+        let (_held, _) = silent.accept().await.unwrap();
+        let link = peers.link(&live, &layout).await.unwrap();
+        assert_eq!(link.url, live);
+        assert!(
+            !stuck.is_finished(),
+            "the silent home's link is still connecting"
+        );
+        assert!(peers.existing(&live).await.is_some());
+        stuck.abort();
+        drop(link);
+        stop.cancel();
+        served.await.unwrap().unwrap();
     }
 }
