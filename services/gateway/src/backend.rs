@@ -279,8 +279,8 @@ impl Backends {
         Some((sum, all))
     }
 
-    /// Whether each backend answers its Health call in time: `(tokenizer, worker)`.
-    /// Whether the tokenizer and every worker answer Health, and the test-only faults
+    /// Whether the tokenizer and every worker answer Health (and every prefill and decode
+    /// worker's host is known), and the test-only faults
     /// (`--fault-*`) any worker reports, sorted, no repeats.
     pub async fn health(&self) -> (bool, bool, Vec<String>) {
         let mut tok = self.tokenizer.clone();
@@ -302,9 +302,10 @@ impl Backends {
                 }
             }
         }));
-        let (t, w) = tokio::join!(t, w);
+        let (t, w, hosts) = tokio::join!(t, w, self.workers.hosts_known());
         let ok_t = matches!(t, Ok(Ok(r)) if r.get_ref().ok);
-        let ok_w = w.iter().all(|(ok, _)| *ok);
+        // Ready to route across hosts only once each worker's host is known.
+        let ok_w = w.iter().all(|(ok, _)| *ok) && hosts;
         let mut faults: Vec<String> = w.into_iter().flat_map(|(_, f)| f).collect();
         faults.sort();
         faults.dedup();

@@ -341,6 +341,16 @@ impl Workers {
         .flat_map(|(role, ts)| ts.iter().map(move |t| (role, t.url.as_str(), &t.client)))
     }
 
+    /// Whether the host of every prefill and decode worker is known, learning it now where
+    /// it is not: until then routing cannot tell which prefill worker shares decode's host.
+    pub async fn hosts_known(&self) -> bool {
+        let all = self.prefill.iter().chain(&self.decode).map(|t| t.home());
+        futures::future::join_all(all)
+            .await
+            .iter()
+            .all(Result::is_ok)
+    }
+
     pub fn all(&self) -> impl Iterator<Item = &WorkerClient<Channel>> {
         self.unified
             .iter()
@@ -755,6 +765,45 @@ mod tests {
             assert_eq!(*ptold.lock().unwrap(), [want], "{phome} → {dhome}");
             assert_eq!(*dtold.lock().unwrap(), [""], "decode's rooms are at home");
         }
+    }
+
+    #[tokio::test]
+    async fn hosts_are_known_only_once_every_worker_told_its_own() {
+        let scripted = |home| Scripted {
+            script: Vec::new(),
+            home,
+            told: Arc::default(),
+        };
+        let p = serve(scripted("http://10.0.0.2:7100")).await;
+        let d = serve(scripted("http://10.0.0.3:7100")).await;
+        // A second prefill worker that is not up: its host is unknown.
+        let down = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let url = format!("http://{}", l.local_addr().unwrap());
+            drop(l);
+            let ch = tonic::transport::Endpoint::from_shared(url.clone())
+                .unwrap()
+                .connect_lazy();
+            (url, WorkerClient::new(ch))
+        };
+        let w = Workers::pd(vec![p.clone(), down], vec![d.clone()]);
+        assert!(!w.hosts_known().await);
+        let w = Workers::pd(vec![p], vec![d]);
+        assert!(w.hosts_known().await);
+        // Learned: routing sees them without asking again.
+        assert_eq!(
+            w.prefill[0].home.get().map(String::as_str),
+            Some("http://10.0.0.2:7100")
+        );
+        assert_eq!(
+            w.decode[0].home.get().map(String::as_str),
+            Some("http://10.0.0.3:7100")
+        );
+        assert!(
+            Workers::unified("http://x", w.prefill[0].client.clone())
+                .hosts_known()
+                .await
+        );
     }
 
     type Msg = Result<wk::GenerateResponse, Status>;
