@@ -63,8 +63,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="pdmesh-bench-ttft-"))
     (tmp / "one").mkdir()
     wargs = [f"--transfer-timeout-ms={args.transfer_timeout_ms}"]
-    one = start_up(tmp / "one", ["--no-smoke-test", *(f"--worker-arg={a}" for a in wargs)])
-    hosts = Hosts(tmp / "hosts", short_deadlines=False, worker_args=wargs)
+    # ... and the cache service's deadline for a room waiting on its prompt's prefill.
+    cargs = [f"--room-wait-ms={args.transfer_timeout_ms}"]
+    one = start_up(tmp / "one", ["--no-smoke-test", *(f"--worker-arg={a}" for a in wargs), *(f"--cache-arg={a}" for a in cargs)])
+    hosts = Hosts(tmp / "hosts", short_deadlines=False, worker_args=wargs, cache_args=cargs)
     try:
         local = cf.ThreadPoolExecutor(64)
         c1, c2 = one.client(), hosts.openai()
@@ -76,7 +78,7 @@ def main() -> None:
             a = measure(local.submit, c1, one.model, conc, args.rounds, args.tokens, 100 * conc)
             b = measure(hosts.client.submit, c2, one.model, conc, args.rounds, args.tokens, 100 * conc + 50_000)
             pa, pb = statistics.median(a), statistics.median(b)
-            print(f"  concurrency {conc:>3}: one host {pa:.3f}  across hosts {pb:.3f}  ratio {pb / pa:.2f}")
+            print(f"  concurrency {conc:>3}: one host {pa:.3f}  across hosts {pb:.3f}  ratio {pb / pa:.2f}", flush=True)
         m = hosts.metrics()
         moved = m['mesh_kv_peer_bytes_total{direction="received"}']
         print(f"  KV moved between hosts: {moved / 1e6:.1f} MB")

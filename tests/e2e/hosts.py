@@ -50,13 +50,13 @@ class Hosts:
 
     PORTS = {"cache": 7100, "worker": 7200, "tokenizer": 7300, "gateway": 8080}
 
-    def __init__(self, tmp: Path, decode_args=(), prefill_args=(), short_deadlines=True, model: Path | None = None, worker_args=(), prefill_on_decode_host=False, tls=False, via_up=False):
+    def __init__(self, tmp: Path, decode_args=(), prefill_args=(), short_deadlines=True, model: Path | None = None, worker_args=(), prefill_on_decode_host=False, tls=False, via_up=False, cache_args=()):
         """`short_deadlines`: the fault tests' room and hand-over deadlines (conftest's), so
         faults resolve within a test; otherwise the services' defaults. `tls`: every
         service runs with the mesh's mutual TLS, each host with a certificate of its own
         (`self.certs`) from one CA made for the test. `via_up`: each host runs one
         `pdmesh up --role ...` (named after the host) instead of its services one by one."""
-        room_args = [*ROOM_ARGS, *PEER_ARGS] if short_deadlines else []
+        room_args = [*(ROOM_ARGS + PEER_ARGS if short_deadlines else []), *cache_args]
         worker_args = [*(WORKER_ARGS if short_deadlines else []), *worker_args]
         model_args = ["--model", str(model)] if model else []
         self.tmp = tmp
