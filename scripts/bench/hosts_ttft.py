@@ -62,7 +62,9 @@ def main() -> None:
     concs = [int(c) for c in args.conc.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="pdmesh-bench-ttft-"))
     (tmp / "one").mkdir()
-    wargs = [f"--transfer-timeout-ms={args.transfer_timeout_ms}"]
+    # A wave may also hold more prompt tokens than decode's KV pool: later ones wait for
+    # pages (that wait is part of their TTFT on both meshes) instead of being refused.
+    wargs = [f"--transfer-timeout-ms={args.transfer_timeout_ms}", f"--admission-timeout-ms={args.transfer_timeout_ms}"]
     # ... and the cache service's deadline for a room waiting on its prompt's prefill.
     cargs = [f"--room-wait-ms={args.transfer_timeout_ms}"]
     one = start_up(tmp / "one", ["--no-smoke-test", *(f"--worker-arg={a}" for a in wargs), *(f"--cache-arg={a}" for a in cargs)])
