@@ -544,6 +544,20 @@ fn check_role(args: &UpArgs) -> Result<(), UpError> {
                     role.name()
                 ));
             }
+            let n = if role == UpRole::Decode {
+                args.decode
+            } else {
+                args.prefill
+            };
+            if args.worker_port == 0 || usize::from(args.worker_port) + n > 65536 {
+                return bad(format!(
+                    "--worker-port {} leaves no room for {n} workers",
+                    args.worker_port
+                ));
+            }
+            if args.cache_port == 0 {
+                return bad("--cache-port must be a port, not 0".into());
+            }
             if args.host.is_unspecified() || args.host.is_loopback() {
                 return bad(format!(
                     "--role {} needs --host set to this host's address that the other hosts reach (not {})",
@@ -601,32 +615,27 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     let mut workers: Vec<(&'static str, &'static str, SocketAddr, &[String])> = Vec::new();
     // This host's part of a mesh over several: its services on --host at fixed ports.
     let on_host = |port: u16| SocketAddr::new(args.host, port);
-    let mut worker_ports = args.worker_port..;
-    let mut next_port = || {
-        worker_ports
-            .next()
-            .filter(|&p| p != 0)
-            .ok_or_else(|| UpError::Role("--worker-port leaves no room for the workers".into()))
+    let part = match role {
+        UpRole::Decode => Some(("decode", args.decode, &args.decode_args)),
+        UpRole::Prefill => Some(("prefill", args.prefill, &args.prefill_args)),
+        UpRole::All | UpRole::Gateway => None,
     };
-    if role == UpRole::Gateway {
-    } else if role == UpRole::Decode {
-        for i in 0..args.decode {
-            workers.push((
-                worker_name("decode", i),
-                "decode",
-                on_host(next_port()?),
-                &args.decode_args,
-            ));
+    if let Some((kind, n, extra)) = part {
+        for i in 0..n {
+            let port = u16::try_from(i)
+                .ok()
+                .and_then(|i| args.worker_port.checked_add(i))
+                .filter(|&p| p != 0)
+                .ok_or_else(|| {
+                    UpError::Role(format!(
+                        "--worker-port {} leaves no room for {n} workers",
+                        args.worker_port
+                    ))
+                })?;
+            workers.push((worker_name(kind, i), kind, on_host(port), extra));
         }
-    } else if role == UpRole::Prefill {
-        for i in 0..args.prefill {
-            workers.push((
-                worker_name("prefill", i),
-                "prefill",
-                on_host(next_port()?),
-                &args.prefill_args,
-            ));
-        }
+    } else if role == UpRole::Gateway {
+        // No workers here: they are on the other hosts.
     } else if pd {
         for i in 0..args.decode {
             workers.push((
@@ -953,6 +962,19 @@ mod tests {
         assert!(err(&["--role", "decode"]).contains("--host"));
         assert!(err(&["--role", "decode", "--host", "0.0.0.0"]).contains("--host"));
         assert!(check_role(&up(&["--role", "decode", "--host", "10.0.0.3"])).is_ok());
+        let d = ["--role", "decode", "--host", "10.0.0.3"];
+        assert!(
+            err(&[&d[..], &["--worker-port", "65535", "--decode", "2"]].concat())
+                .contains("--worker-port")
+        );
+        assert!(err(&[&d[..], &["--worker-port", "0"]].concat()).contains("--worker-port"));
+        assert!(err(&[&d[..], &["--cache-port", "0"]].concat()).contains("--cache-port"));
+        assert!(
+            check_role(&up(
+                &[&d[..], &["--worker-port", "65534", "--decode", "2"]].concat()
+            ))
+            .is_ok()
+        );
         assert!(
             err(&[
                 "--role",

@@ -207,6 +207,8 @@ impl MeshTls {
         ServerTlsConfig::new()
             .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
             .client_ca_root(Certificate::from_pem(&self.ca_pem))
+            // A client that opens a connection and stalls holds nothing for long.
+            .timeout(HANDSHAKE_TIMEOUT)
     }
 
     /// A gRPC client's TLS: trust only the mesh CA, present this service's certificate.
@@ -227,10 +229,15 @@ impl MeshTls {
     }
 }
 
-/// The name a certificate must carry for a peer dialled at `ip`.
-pub fn server_name(ip: std::net::IpAddr) -> ServerName<'static> {
-    ServerName::IpAddress(ip.into())
+/// The name a certificate must carry for a peer dialled as `host` (a DNS name or an IP
+/// address, as its URL names it).
+pub fn server_name(host: &str) -> Result<ServerName<'static>, TlsError> {
+    ServerName::try_from(host.to_owned())
+        .map_err(|e| TlsError::Config(format!("{host:?} is not a host name TLS can check: {e}")))
 }
+
+/// How long a peer may take over its TLS handshake before the connection is dropped.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// `url` as connections are made to it: `https` when TLS is on.
 pub fn dial_url(url: &str, tls: Option<&MeshTls>) -> String {

@@ -38,7 +38,7 @@ async fn exchange(
 ) -> Result<Vec<u8>, String> {
     let s = TcpStream::connect(addr).await.unwrap();
     let mut tls = connector
-        .connect(server_name(addr.ip()), s)
+        .connect(server_name(&addr.ip().to_string()).unwrap(), s)
         .await
         .map_err(|e| e.to_string())?;
     tls.write_all(b"ping!").await.map_err(|e| e.to_string())?;

@@ -83,8 +83,10 @@ pub(crate) struct Link {
     rpc: CacheClient<Channel>,
     /// This service's lease at the home host.
     pub lease: u64,
-    /// The home host's tcp page transport.
+    /// The home host's tcp page transport, and the host name its URL gives (which its
+    /// TLS certificate names).
     data: SocketAddr,
+    host: String,
     alive: Arc<AtomicBool>,
     heartbeat: tokio::task::JoinHandle<()>,
     /// Idle transport connections, reused by later transfers.
@@ -226,6 +228,7 @@ impl Link {
             rpc,
             lease: reg.lease,
             data,
+            host,
             alive,
             heartbeat,
             senders: Default::default(),
@@ -369,6 +372,10 @@ impl Link {
         }
     }
 
+    fn dial(&self) -> Option<(&pdmesh_tls::MeshTls, &str)> {
+        self.tls.as_ref().map(|t| (t, self.host.as_str()))
+    }
+
     /// Moves `pages` of `room` to the home host over an idle transport connection (or a
     /// new one); a connection whose send failed is dropped.
     pub async fn send(&self, room: u64, pages: &[OutPage<'_>]) -> Result<Sent, TransferError> {
@@ -376,17 +383,15 @@ impl Link {
         let reused = idle.is_some();
         let mut sender = match idle {
             Some(s) => s,
-            None => {
-                TcpSender::connect(self.data, &self.layout, self.opts, self.tls.as_ref()).await?
-            }
+            None => TcpSender::connect(self.data, &self.layout, self.opts, self.dial()).await?,
         };
         let sent = match sender.send(room, pages).await {
             Ok(sent) => sent,
             // An idle connection the home closed meanwhile: once more on a fresh one
             // (pages land by index, so sending one again writes the same bytes).
             Err(TransferError::Io { .. }) if reused => {
-                sender = TcpSender::connect(self.data, &self.layout, self.opts, self.tls.as_ref())
-                    .await?;
+                sender =
+                    TcpSender::connect(self.data, &self.layout, self.opts, self.dial()).await?;
                 sender.send(room, pages).await?
             }
             Err(e) => return Err(e),

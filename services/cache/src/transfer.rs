@@ -202,12 +202,13 @@ pub struct TcpSender {
 }
 
 impl TcpSender {
-    /// Connects (mutual TLS when `tls` is given) and performs the layout handshake.
+    /// Connects (mutual TLS when `tls` is given: the receiver's certificate must name
+    /// `host`, the name the peer is known by) and performs the layout handshake.
     pub async fn connect(
         addr: SocketAddr,
         layout: &KvLayout,
         opts: TcpOptions,
-        tls: Option<&pdmesh_tls::MeshTls>,
+        tls: Option<(&pdmesh_tls::MeshTls, &str)>,
     ) -> Result<Self, TransferError> {
         let peer = addr.to_string();
         let stream = deadline(
@@ -224,16 +225,21 @@ impl TcpSender {
         let _ = stream.set_nodelay(true);
         let stream: Stream = match tls {
             None => Box::new(stream),
-            Some(tls) => Box::new(
-                deadline(
-                    &peer,
-                    "the TLS handshake",
-                    opts.io_timeout,
-                    tls.connector()
-                        .connect(pdmesh_tls::server_name(addr.ip()), stream),
+            Some((tls, host)) => {
+                let name = pdmesh_tls::server_name(host).map_err(|e| TransferError::Connect {
+                    peer: peer.clone(),
+                    source: io::Error::new(io::ErrorKind::InvalidInput, e.to_string()),
+                })?;
+                Box::new(
+                    deadline(
+                        &peer,
+                        "the TLS handshake",
+                        opts.io_timeout,
+                        tls.connector().connect(name, stream),
+                    )
+                    .await?,
                 )
-                .await?,
-            ),
+            }
         };
         let (rd, wr) = tokio::io::split(stream);
         let mut s = Self {
@@ -655,7 +661,7 @@ mod tests {
             receiver_tls(l.clone(), None, Some(ca.mesh(&["127.0.0.1"]))).await;
         let data = pages(&l, 8);
         let sender = ca.mesh(&["127.0.0.2"]);
-        let mut tx = TcpSender::connect(addr, &l, quick(), Some(&sender))
+        let mut tx = TcpSender::connect(addr, &l, quick(), Some((&sender, "127.0.0.1")))
             .await
             .unwrap();
         assert_eq!(tx.send(5, &out(&data)).await.unwrap().pages, 8);
@@ -678,7 +684,9 @@ mod tests {
         for tls in [Some(&foreign), None] {
             let (addr, task, delivered) =
                 receiver_tls(l.clone(), None, Some(ca.mesh(&["127.0.0.1"]))).await;
-            if let Ok(mut tx) = TcpSender::connect(addr, &l, quick(), tls).await {
+            if let Ok(mut tx) =
+                TcpSender::connect(addr, &l, quick(), tls.map(|t| (t, "127.0.0.1"))).await
+            {
                 assert!(tx.send(5, &out(&data)).await.is_err());
             }
             let err = task.await.unwrap().unwrap_err();
