@@ -12,7 +12,7 @@
 //!
 //! With the mesh's TLS on (`pdmesh_tls`), the connection is mutual TLS before the hello:
 //! the receiver accepts only senders holding a certificate the mesh CA signed, and the
-//! sender checks the receiver's certificate names the address it dialled.
+//! sender checks the receiver's certificate names the host its URL gives.
 //!
 //! Frames (integers little-endian):
 //! - hello: `PDKV` | version u16 | fingerprint u64 | page bytes u64 | description (u32 len + UTF-8)
