@@ -6,7 +6,10 @@ tests do), starts a cache service on each, and times rooms of 64 pages moved fro
 first host's cache service to the second's (`examples/bench_hosts.rs`: written to A's
 mirror, committed, moved over the tcp page transport, committed at B, taken by B's
 receiver) for SmolLM2's layout and deepseek-v32-tiny's, one room at a time and several
-committed at once (`--rooms`). Then iperf3 over the same link.
+committed at once (`--rooms`). One room at a time is also timed at twice the pages, which
+splits a room's time into a fixed cost per room (the worker's commit call, the hops
+between the processes) and the rate each further byte moves at (the marginal rate).
+Then iperf3 over the same link.
 Prints each transfer's GB/s, iperf3's, and their ratio. Needs root, iproute2 and iperf3.
 
     cargo build --release -p pdmesh-cli && cargo build --release -p pdmesh-cache --example bench_hosts
@@ -55,12 +58,14 @@ def main() -> None:
                 argv = [str(pdmesh), "cache", "--listen", f"{net.addr[h]}:7100", "--host-mirror-size", "1GiB"]
                 procs.append(subprocess.Popen(net.exec_argv(h, argv), stdout=log, stderr=subprocess.STDOUT))
             time.sleep(0.5)  # let both bind; bench_hosts fails loudly if one did not
-            for rooms in args.rooms.split(","):
-                r = subprocess.run(net.exec_argv("a", [str(bench), layout, str(args.pages), str(args.rounds), urls["a"], urls["b"], rooms]), capture_output=True, text=True, timeout=600)
+            runs = [(args.pages, rooms) for rooms in args.rooms.split(",")] + [(2 * args.pages, "1")]
+            for pages, rooms in runs:
+                r = subprocess.run(net.exec_argv("a", [str(bench), layout, str(pages), str(args.rounds), urls["a"], urls["b"], rooms]), capture_output=True, text=True, timeout=600)
                 if r.returncode != 0:
                     stop(procs)
                     sys.exit(f"bench_hosts {layout} failed:\n{r.stderr}\n" + "\n".join(p.read_text() for p in tmp.glob("*.log")))
-                out[f"{layout} x{rooms}"] = json.loads(r.stdout.strip().splitlines()[-1]); print(layout, rooms, r.stderr.strip().splitlines()[-1], file=sys.stderr)
+                out[f"{layout} {pages}p x{rooms}"] = json.loads(r.stdout.strip().splitlines()[-1])
+                print(layout, pages, rooms, r.stderr.strip().splitlines()[-1], file=sys.stderr)
             stop(procs)
         server = subprocess.Popen(net.exec_argv("b", ["iperf3", "-s", "-1", "-B", net.addr["b"]]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
@@ -68,8 +73,17 @@ def main() -> None:
         server.wait(timeout=30)
         iperf = json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
         print(json.dumps({"iperf3_gbytes_per_s": round(iperf, 3), **{k: v for k, v in out.items()}}))
-        for layout, v in out.items():
+        for v in out.values():
             print(f"{v['layout']}: {v['rooms']} room(s) at once of {v['pages']} pages x {v['page_bytes']} B: {v['gbytes_per_s']:.2f} GB/s; iperf3 {iperf:.2f} GB/s; ratio {v['gbytes_per_s'] / iperf:.2f}")
+        for layout in ("smol", "deepseek-tiny"):
+            one, two = out[f"{layout} {args.pages}p x1"], out[f"{layout} {2 * args.pages}p x1"]
+            b1, b2 = (v["pages"] * v["page_bytes"] for v in (one, two))
+            t1, t2 = b1 / one["gbytes_per_s"] / 1e9, b2 / two["gbytes_per_s"] / 1e9
+            if t2 <= t1:
+                print(f"{layout}: twice the pages took no longer (noise); no split")
+                continue
+            marginal = (b2 - b1) / (t2 - t1) / 1e9
+            print(f"{layout}: one room = {max(t1 - b1 / marginal / 1e9, 0) * 1e3:.2f} ms fixed + bytes at {marginal:.2f} GB/s marginal; ratio to iperf3 {marginal / iperf:.2f}")
     finally:
         stop(procs)
         net.remove()

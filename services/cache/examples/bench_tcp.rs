@@ -13,7 +13,7 @@
 use std::net::SocketAddr;
 use std::time::Instant;
 
-use pdmesh_cache::transfer::{OutPage, TcpOptions, TcpSender, Transport, serve_connection};
+use pdmesh_cache::transfer::{InPage, OutPage, TcpOptions, TcpSender, Transport, serve_connection};
 use pdmesh_kv::{DType, KvLayout, page_checksum};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -55,7 +55,7 @@ async fn main() {
     let l2 = layout.clone();
     tokio::spawn(async move {
         let (s, _) = listener.accept().await.unwrap();
-        serve_connection(s, None, &l2, TcpOptions::default(), |_| Ok(()))
+        serve_connection(s, None, &l2, TcpOptions::default(), |_: InPage<'_>| Ok(()))
             .await
             .unwrap();
     });
@@ -65,7 +65,7 @@ async fn main() {
     let mut ours = Vec::new();
     for room in 0..rounds {
         let t = Instant::now();
-        tx.send(room as u64, &out).await.unwrap();
+        tx.send(room as u64, &out, None).await.unwrap();
         ours.push(total / t.elapsed().as_secs_f64() / 1e9);
     }
 

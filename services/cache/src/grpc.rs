@@ -14,8 +14,10 @@ use tonic::{Request, Response, Status};
 use crate::peers::{Link, Peers};
 use crate::rooms::{Aux, RoomError, RoomPage, RoomState, Side};
 use crate::state::{CacheError, CommitPage, Event, State};
-use crate::transfer::OutPage;
+use crate::transfer::Pages;
 use crate::wire::layout_from_pb;
+use pdmesh_cache_client::mirror::Mirror;
+use prost::Message as _;
 
 impl From<CacheError> for Status {
     fn from(e: CacheError) -> Self {
@@ -170,46 +172,37 @@ impl CacheService {
             Err(e) => return Err(e.into()),
         };
         let t0 = Instant::now();
-        let page_bytes = plan.mirror.page_bytes();
-        // The sender finished writing these slots; they stay ours until the relay ends.
-        let mut bytes = link.buffer(page_bytes * plan.slots.len());
-        for (dst, &slot) in bytes.chunks_exact_mut(page_bytes).zip(&plan.slots) {
-            plan.mirror.read(slot, dst);
+        // The sender finished writing these slots; they stay ours until the relay ends,
+        // and the transport copies each straight from the mirror into its frame.
+        let out = MirrorPages {
+            mirror: &plan.mirror,
+            slots: &plan.slots,
+            pages: &pages,
+        };
+        // The commit rides on the last batch: the home runs it once every page landed.
+        let commit = pb::RoomCommitRequest {
+            lease: link.lease,
+            room,
+            pages: plan
+                .remote_slots
+                .iter()
+                .zip(&pages)
+                .map(|(&slot, p)| pb::RoomPage {
+                    slot,
+                    checksum: p.checksum,
+                })
+                .collect(),
+            aux: r.aux,
         }
-        let out: Vec<OutPage<'_>> = bytes
-            .chunks_exact(page_bytes)
-            .zip(&pages)
-            .enumerate()
-            .map(|(i, (b, p))| OutPage {
-                index: i as u32,
-                checksum: p.checksum,
-                bytes: b,
-            })
-            .collect();
-        let sent = link.send(room, &out).await;
-        drop(out);
-        link.give_back(bytes);
-        let done = match sent {
+        .encode_to_vec();
+        let done = match link.send(room, &out, Some(&commit)).await {
             Err(e) => {
                 if matches!(e, crate::transfer::TransferError::LayoutRefused { .. }) {
                     self.shared.with(|s| s.count_peer_layout_refusal());
                 }
                 Err(e.status())
             }
-            Ok(sent) => {
-                let remote: Vec<pb::RoomPage> = plan
-                    .remote_slots
-                    .iter()
-                    .zip(&pages)
-                    .map(|(&slot, p)| pb::RoomPage {
-                        slot,
-                        checksum: p.checksum,
-                    })
-                    .collect();
-                link.room_commit(room, remote, r.aux)
-                    .await
-                    .map(|st| (st, sent))
-            }
+            Ok(sent) => peer_commit_result(&link.url, sent.reply.as_deref()).map(|st| (st, sent)),
         };
         match done {
             Ok((st, sent)) => {
@@ -627,33 +620,7 @@ impl pb::cache_server::Cache for CacheService {
             let lease = r.lease;
             return self.relayed_commit(link, lease, r).await;
         }
-        let aux = r
-            .aux
-            .ok_or_else(|| Status::invalid_argument("aux is required"))?;
-        let pages = r
-            .pages
-            .iter()
-            .map(|p| RoomPage {
-                slot: p.slot,
-                checksum: p.checksum,
-            })
-            .collect();
-        let aux = Aux {
-            room: aux.room,
-            first_token: aux.first_token,
-            first_logprob: aux.first_logprob,
-            prompt_tokens: aux.prompt_tokens,
-            cached_tokens: aux.cached_tokens,
-            host_cached_tokens: aux.host_cached_tokens,
-            queue_seconds: aux.queue_seconds,
-            prefill_seconds: aux.prefill_seconds,
-            send_seconds: aux.send_seconds,
-        };
-        traced(r.room, None);
-        self.shared
-            .with(|s| s.room_commit(r.lease, r.room, pages, aux, Instant::now()))?;
-        traced(r.room, Some(RoomState::Success));
-        Ok(Response::new(status(RoomState::Success, None)))
+        Ok(Response::new(commit_here(&self.shared, r)?))
     }
 
     async fn room_result(
@@ -782,6 +749,112 @@ impl Held for pb::RoomStatus {
     }
 }
 
+/// Commits a room whose home is this host (from a worker here, or from a peer host).
+fn commit_here(shared: &Shared, r: pb::RoomCommitRequest) -> Result<pb::RoomStatus, Status> {
+    let aux = r
+        .aux
+        .ok_or_else(|| Status::invalid_argument("aux is required"))?;
+    if aux.room != r.room {
+        return Err(Status::invalid_argument("aux must name the room"));
+    }
+    let pages = r
+        .pages
+        .iter()
+        .map(|p| RoomPage {
+            slot: p.slot,
+            checksum: p.checksum,
+        })
+        .collect();
+    let aux = Aux {
+        room: aux.room,
+        first_token: aux.first_token,
+        first_logprob: aux.first_logprob,
+        prompt_tokens: aux.prompt_tokens,
+        cached_tokens: aux.cached_tokens,
+        host_cached_tokens: aux.host_cached_tokens,
+        queue_seconds: aux.queue_seconds,
+        prefill_seconds: aux.prefill_seconds,
+        send_seconds: aux.send_seconds,
+    };
+    traced(r.room, None);
+    shared.with(|s| s.room_commit(r.lease, r.room, pages, aux, Instant::now()))?;
+    traced(r.room, Some(RoomState::Success));
+    Ok(status(RoomState::Success, None))
+}
+
+/// The page transport's trailer at a room's home: a peer's commit of `room` (an encoded
+/// RoomCommitRequest), run once its last pages landed. The reply is an encoded
+/// PeerCommitReply.
+pub(crate) fn peer_commit(shared: &Shared, room: u64, trailer: &[u8]) -> Vec<u8> {
+    let done = match pb::RoomCommitRequest::decode(trailer) {
+        Err(e) => Err(Status::invalid_argument(format!(
+            "a room commit that does not decode: {e}"
+        ))),
+        Ok(r) if r.room != room => Err(Status::invalid_argument(format!(
+            "a commit of room {} after the pages of room {room}",
+            r.room
+        ))),
+        Ok(r) => commit_here(shared, r),
+    };
+    let reply = match done {
+        Ok(st) => pb::PeerCommitReply {
+            code: 0,
+            message: String::new(),
+            status: Some(st),
+        },
+        Err(e) => {
+            tracing::warn!(room, code = ?e.code(), error = %e.message(), "a peer's room commit refused");
+            pb::PeerCommitReply {
+                code: e.code() as i32,
+                message: e.message().to_owned(),
+                status: None,
+            }
+        }
+    };
+    reply.encode_to_vec()
+}
+
+/// What a home's reply to a commit trailer says.
+fn peer_commit_result(home: &str, reply: Option<&[u8]>) -> Result<pb::RoomStatus, Status> {
+    let reply = reply
+        .map(pb::PeerCommitReply::decode)
+        .transpose()
+        .map_err(|e| Status::internal(format!("{home} answered a room commit with {e}")))?
+        .unwrap_or_default();
+    match (reply.code, reply.status) {
+        (0, Some(st)) => Ok(st),
+        (0, None) => Err(Status::internal(format!(
+            "{home} answered a room commit with no status"
+        ))),
+        (code, _) => Err(Status::new(
+            tonic::Code::from(code),
+            format!("room commit at {home}: {}", reply.message),
+        )),
+    }
+}
+
+/// A relayed room's pages, read from the slots its sender wrote in this host's mirror.
+struct MirrorPages<'a> {
+    mirror: &'a Mirror,
+    slots: &'a [u32],
+    pages: &'a [RoomPage],
+}
+
+impl Pages for MirrorPages<'_> {
+    fn count(&self) -> usize {
+        self.slots.len()
+    }
+    fn meta(&self, i: usize) -> (u32, u64) {
+        (i as u32, self.pages[i].checksum)
+    }
+    fn len_of(&self, _: usize) -> usize {
+        self.mirror.page_bytes()
+    }
+    fn copy_to(&self, i: usize, dst: &mut [u8]) {
+        self.mirror.read(self.slots[i], dst);
+    }
+}
+
 fn status(st: RoomState, why: Option<String>) -> pb::RoomStatus {
     pb::RoomStatus {
         state: room_state_pb(st).into(),
@@ -799,4 +872,75 @@ fn traced(room: u64, state: Option<RoomState>) -> tracing::Span {
         span.record("pdmesh.room.state", st.name());
     }
     span
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::MirrorSize;
+
+    #[test]
+    fn a_commit_trailer_that_does_not_decode_or_names_another_room_is_refused_with_a_code() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = Shared::new(State::new(
+            MirrorSize::Tokens(64),
+            Some(dir.path().to_owned()),
+            Duration::from_secs(10),
+        ));
+        let reply = |room, trailer: &[u8]| {
+            pb::PeerCommitReply::decode(&peer_commit(&shared, room, trailer)[..]).unwrap()
+        };
+        let garbage = reply(7, &[0xff; 9]);
+        assert_eq!(garbage.code, tonic::Code::InvalidArgument as i32);
+        assert!(garbage.message.contains("does not decode"), "{garbage:?}");
+        let other = pb::RoomCommitRequest {
+            room: 8,
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let other = reply(7, &other);
+        assert_eq!(other.code, tonic::Code::InvalidArgument as i32);
+        assert!(other.message.contains("room 8"), "{other:?}");
+        // A commit of a room this host does not know fails as RoomCommit would.
+        let unknown = pb::RoomCommitRequest {
+            lease: 99,
+            room: 7,
+            pages: Vec::new(),
+            aux: Some(pb::RoomAux {
+                room: 7,
+                ..Default::default()
+            }),
+        }
+        .encode_to_vec();
+        let unknown = reply(7, &unknown);
+        assert_ne!(unknown.code, 0, "{unknown:?}");
+        assert!(unknown.status.is_none());
+    }
+
+    #[test]
+    fn a_homes_reply_to_a_commit_becomes_the_status_or_the_error_it_names() {
+        let ok = pb::PeerCommitReply {
+            code: 0,
+            message: String::new(),
+            status: Some(status(RoomState::Success, None)),
+        }
+        .encode_to_vec();
+        let st = peer_commit_result("home", Some(&ok)).unwrap();
+        assert_eq!(st.state, pb::RoomState::Success as i32);
+        let refused = pb::PeerCommitReply {
+            code: tonic::Code::Aborted as i32,
+            message: "room 3 failed: deadline".into(),
+            status: None,
+        }
+        .encode_to_vec();
+        let e = peer_commit_result("home", Some(&refused)).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Aborted);
+        assert!(e.message().contains("room 3 failed: deadline") && e.message().contains("home"));
+        for bad in [None, Some(&[0xffu8; 3][..])] {
+            let e = peer_commit_result("home", bad).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::Internal, "{e:?}");
+        }
+    }
 }

@@ -266,8 +266,7 @@ async fn receive_pages(
         };
         let (shared, stop, tls) = (shared.clone(), stop.clone(), tls.clone());
         tokio::spawn(async move {
-            let sink =
-                |p: transfer::InPage<'_>| shared.with(|s| s.peer_write(p.room, p.index, p.bytes));
+            let sink = HomeSink(&shared);
             let served = tokio::select! {
                 () = stop.cancelled() => return,
                 r = transfer::serve_connection(stream, tls.as_ref(), &layout, opts, sink) => r,
@@ -281,6 +280,19 @@ async fn receive_pages(
                 Err(e) => tracing::warn!(error = %e, "page transport connection failed"),
             }
         });
+    }
+}
+
+/// Where pages from peers land: their rooms' slots here; a trailer is the room's commit.
+struct HomeSink<'a>(&'a grpc::Shared);
+
+impl transfer::Sink for HomeSink<'_> {
+    fn page(&mut self, p: transfer::InPage<'_>) -> Result<(), String> {
+        self.0.with(|s| s.peer_write(p.room, p.index, p.bytes))
+    }
+
+    fn trailer(&mut self, room: u64, trailer: &[u8]) -> Vec<u8> {
+        grpc::peer_commit(self.0, room, trailer)
     }
 }
 

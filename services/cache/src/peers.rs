@@ -11,7 +11,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pb::cache_client::CacheClient;
 use pdmesh_kv::KvLayout;
@@ -19,7 +19,7 @@ use pdmesh_proto::cache::v1 as pb;
 use tonic::Status;
 use tonic::transport::Channel;
 
-use crate::transfer::{OutPage, Sent, TcpOptions, TcpSender, TransferError, Transport};
+use crate::transfer::{Pages, Sent, TcpOptions, TcpSender, TransferError, Transport};
 use crate::wire::layout_to_pb;
 
 /// One home's link behind a lock of its own: connecting to a home that is gone (which
@@ -89,11 +89,8 @@ pub(crate) struct Link {
     host: String,
     alive: Arc<AtomicBool>,
     heartbeat: tokio::task::JoinHandle<()>,
-    /// Idle transport connections, reused by later transfers.
-    senders: std::sync::Mutex<Vec<TcpSender>>,
-    /// Buffers the pages are read into before they are sent, reused (memory already
-    /// faulted in).
-    buffers: std::sync::Mutex<Vec<Vec<u8>>>,
+    /// Idle transport connections, reused by later transfers, and since when each idles.
+    senders: std::sync::Mutex<Vec<(TcpSender, Instant)>>,
     layout: Arc<KvLayout>,
     opts: TcpOptions,
     tls: Option<pdmesh_tls::MeshTls>,
@@ -141,7 +138,9 @@ impl TransferError {
             Self::Connect { .. } | Self::Io { .. } | Self::Broken { .. } => {
                 Status::unavailable(msg)
             }
-            Self::PageSize { .. } | Self::Protocol { .. } => Status::internal(msg),
+            Self::PageSize { .. } | Self::TrailerSize(_) | Self::Protocol { .. } => {
+                Status::internal(msg)
+            }
         }
     }
 }
@@ -232,7 +231,6 @@ impl Link {
             alive,
             heartbeat,
             senders: Default::default(),
-            buffers: Default::default(),
             layout,
             opts,
             tls,
@@ -314,30 +312,6 @@ impl Link {
         .await
     }
 
-    pub async fn room_commit(
-        &self,
-        room: u64,
-        pages: Vec<pb::RoomPage>,
-        aux: Option<pb::RoomAux>,
-    ) -> Result<pb::RoomStatus, Status> {
-        let msg = pb::RoomCommitRequest {
-            lease: self.lease,
-            room,
-            pages,
-            aux,
-        };
-        let t = self.t();
-        bounded(&self.url, "room commit", t, async {
-            Ok(self
-                .rpc
-                .clone()
-                .room_commit(request(msg, t))
-                .await?
-                .into_inner())
-        })
-        .await
-    }
-
     pub async fn room_abort(&self, room: u64, reason: &str) -> Result<(), Status> {
         let msg = pb::RoomAbortRequest {
             lease: self.lease,
@@ -352,51 +326,46 @@ impl Link {
         .await
     }
 
-    /// A buffer of `len` bytes (its contents are whatever was there).
-    pub fn buffer(&self, len: usize) -> Vec<u8> {
-        let mut b = self
-            .buffers
-            .lock()
-            .expect("buffers lock")
-            .pop()
-            .unwrap_or_default();
-        b.resize(len, 0);
-        b
-    }
-
-    /// Returns a buffer from [`Self::buffer`] for reuse; a few are kept.
-    pub fn give_back(&self, b: Vec<u8>) {
-        let mut bs = self.buffers.lock().expect("buffers lock");
-        if bs.len() < 4 {
-            bs.push(b);
-        }
-    }
-
     fn dial(&self) -> Option<(&pdmesh_tls::MeshTls, &str)> {
         self.tls.as_ref().map(|t| (t, self.host.as_str()))
     }
 
     /// Moves `pages` of `room` to the home host over an idle transport connection (or a
-    /// new one); a connection whose send failed is dropped.
-    pub async fn send(&self, room: u64, pages: &[OutPage<'_>]) -> Result<Sent, TransferError> {
-        let idle = self.senders.lock().expect("senders lock").pop();
+    /// new one), with `trailer` after them; a connection whose send failed is dropped.
+    pub async fn send<P: Pages + ?Sized>(
+        &self,
+        room: u64,
+        pages: &P,
+        trailer: Option<&[u8]>,
+    ) -> Result<Sent, TransferError> {
+        // The home closes a connection idle past its idle timeout: one idle for half of it
+        // is dropped here rather than risked.
+        let fresh = self.opts.idle_timeout / 2;
+        let idle = {
+            let mut idle = self.senders.lock().expect("senders lock");
+            idle.retain(|(_, since)| since.elapsed() < fresh);
+            idle.pop().map(|(s, _)| s)
+        };
         let reused = idle.is_some();
         let mut sender = match idle {
             Some(s) => s,
             None => TcpSender::connect(self.data, &self.layout, self.opts, self.dial()).await?,
         };
-        let sent = match sender.send(room, pages).await {
+        let sent = match sender.send(room, pages, trailer).await {
             Ok(sent) => sent,
             // An idle connection the home closed meanwhile: once more on a fresh one
             // (pages land by index, so sending one again writes the same bytes).
             Err(TransferError::Io { .. }) if reused => {
                 sender =
                     TcpSender::connect(self.data, &self.layout, self.opts, self.dial()).await?;
-                sender.send(room, pages).await?
+                sender.send(room, pages, trailer).await?
             }
             Err(e) => return Err(e),
         };
-        self.senders.lock().expect("senders lock").push(sender);
+        self.senders
+            .lock()
+            .expect("senders lock")
+            .push((sender, Instant::now()));
         Ok(sent)
     }
 }

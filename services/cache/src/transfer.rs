@@ -6,9 +6,17 @@
 //! crosses between different layouts. Then the sender streams batches of whole pages
 //! (large frames, no per-page round trip), keeping up to `window` batches unacknowledged;
 //! the receiver checks every page's checksum as it arrives, before its sink sees the page,
-//! and acknowledges each batch. Every read and write has a deadline, so a peer that stops
-//! reading, stops writing or vanishes fails the transfer in bounded time instead of
-//! wedging it.
+//! and acknowledges each batch. The last batch of a send may carry a trailer, bytes the
+//! transport does not read: the receiver's sink gets it once every page of the batch has
+//! landed and its reply comes back in the acknowledgement (the cache service commits the
+//! room this way, with no round trip of its own after the pages). Every read and write has
+//! a deadline, so a peer that stops reading, stops writing or vanishes fails the transfer
+//! in bounded time instead of wedging it.
+//!
+//! A batch is built in one buffer and written in one go: each page is copied once, from
+//! its source (the host mirror) into the frame, and the receiver reads whole runs of pages
+//! straight into its buffer, so a byte is copied no more often than iperf3's are plus the
+//! copy out of the mirror and into it.
 //!
 //! With the mesh's TLS on (`pdmesh_tls`), the connection is mutual TLS before the hello:
 //! the receiver accepts only senders holding a certificate the mesh CA signed, and the
@@ -17,8 +25,10 @@
 //! Frames (integers little-endian):
 //! - hello: `PDKV` | version u16 | fingerprint u64 | page bytes u64 | description (u32 len + UTF-8)
 //! - hello reply: status u8 (0 accepted, 1 refused) | text (u32 len + UTF-8)
-//! - batch: room u64 | sequence u32 | pages u32 | per page: index u32 | checksum u64 | bytes
-//! - ack: sequence u32 | status u8 (0 ok, 2 checksum, 3 refused) | page index u32 | text
+//! - batch: room u64 | sequence u32 | pages u32 | trailer bytes u32 | per page: index u32 |
+//!   checksum u64 | bytes | then the trailer
+//! - ack: sequence u32 | status u8 (0 ok, 2 checksum, 3 refused) | page index u32 | reply
+//!   (u32 len + bytes): the sink's reply to the trailer, or why the batch failed (UTF-8)
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -38,19 +48,19 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin> Conn for T {}
 type Stream = Box<dyn Conn>;
 
 const MAGIC: [u8; 4] = *b"PDKV";
-const VERSION: u16 = 1;
-/// The socket buffers' size for pages of `page_bytes`: reads and writes of at least a
-/// buffer's size bypass it, so big pages go straight between the socket and the page
-/// (no copy through the buffer), while small ones gather (a few syscalls per batch).
-fn io_buffer(page_bytes: usize) -> usize {
-    if page_bytes >= 128 << 10 {
-        16 << 10
-    } else {
-        1 << 20
-    }
-}
-/// Longest text a peer may send in a hello or an ack.
+const VERSION: u16 = 2;
+/// The read buffer in front of the socket: small, since pages are read in runs much larger
+/// than it, which bypass it (no copy through the buffer); headers gather in it.
+const READ_BUFFER: usize = 16 << 10;
+/// Bytes of pages the receiver reads at once (whole pages, at least one), and the sender
+/// writes at once.
+const READ_RUN: usize = 256 << 10;
+/// Longest text a peer may send in a hello.
 const MAX_TEXT: u32 = 64 << 10;
+/// Longest trailer, and longest reply to one.
+pub const MAX_TRAILER: usize = 16 << 20;
+const HEAD: usize = 20;
+const PAGE_HEAD: usize = 12;
 
 const ACK_OK: u8 = 0;
 const ACK_CHECKSUM: u8 = 2;
@@ -65,22 +75,68 @@ pub struct OutPage<'a> {
     pub bytes: &'a [u8],
 }
 
-/// What one `send` moved.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// The pages of one send, wherever their bytes are: the transport asks for each page's
+/// index and checksum, and has its bytes copied straight into the frame it sends.
+pub trait Pages: Sync {
+    fn count(&self) -> usize;
+    /// Page `i`'s index in its room and its checksum.
+    fn meta(&self, i: usize) -> (u32, u64);
+    /// Page `i`'s length in bytes (a send refuses any that is not the layout's page size).
+    fn len_of(&self, i: usize) -> usize;
+    /// Copies page `i` into `dst`, which is `len_of(i)` bytes.
+    fn copy_to(&self, i: usize, dst: &mut [u8]);
+}
+
+impl Pages for [OutPage<'_>] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn meta(&self, i: usize) -> (u32, u64) {
+        (self[i].index, self[i].checksum)
+    }
+    fn len_of(&self, i: usize) -> usize {
+        self[i].bytes.len()
+    }
+    fn copy_to(&self, i: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(self[i].bytes);
+    }
+}
+
+impl Pages for Vec<OutPage<'_>> {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn meta(&self, i: usize) -> (u32, u64) {
+        self[..].meta(i)
+    }
+    fn len_of(&self, i: usize) -> usize {
+        self[..].len_of(i)
+    }
+    fn copy_to(&self, i: usize, dst: &mut [u8]) {
+        self[..].copy_to(i, dst);
+    }
+}
+
+/// What one `send` moved, and the receiver's reply to its trailer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Sent {
     pub pages: u64,
     pub bytes: u64,
     pub batches: u64,
+    /// The reply to the trailer, when the send had one.
+    pub reply: Option<Vec<u8>>,
 }
 
-/// The sending side of a transport: moves a room's pages to the host that holds the room.
-/// Rooms and the engine see only this; a transport over RDMA (NIXL, say) would be another
-/// implementation with its own handshake.
+/// The sending side of a transport: moves a room's pages to the host that holds the room,
+/// then (optionally) a trailer the receiver acts on once they all landed, returning its
+/// reply. Rooms and the engine see only this; a transport over RDMA (NIXL, say) would be
+/// another implementation with its own handshake.
 pub trait Transport {
-    fn send(
+    fn send<P: Pages + ?Sized>(
         &mut self,
         room: u64,
-        pages: &[OutPage<'_>],
+        pages: &P,
+        trailer: Option<&[u8]>,
     ) -> impl Future<Output = Result<Sent, TransferError>> + Send;
 }
 
@@ -109,6 +165,8 @@ pub enum TransferError {
     },
     #[error("page {index} has {got} bytes; the layout's pages have {want}")]
     PageSize { index: u32, got: usize, want: usize },
+    #[error("a trailer of {0} bytes is longer than the transport's limit of {MAX_TRAILER}")]
+    TrailerSize(usize),
     #[error("{peer} broke the protocol: {what}")]
     Protocol { peer: String, what: String },
     /// An earlier send on this connection failed; its framing cannot be trusted, so it
@@ -172,30 +230,45 @@ async fn deadline<T>(
     }
 }
 
-async fn read_text<R: AsyncReadExt + Unpin>(r: &mut R) -> io::Result<String> {
-    let len = r.read_u32_le().await?;
-    if len > MAX_TEXT {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "text too long"));
+async fn read_blob<R: AsyncReadExt + Unpin>(r: &mut R, max: usize) -> io::Result<Vec<u8>> {
+    let len = r.read_u32_le().await? as usize;
+    if len > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{len} bytes of text or reply, more than {max}"),
+        ));
     }
-    let mut buf = vec![0; len as usize];
+    let mut buf = vec![0; len];
     r.read_exact(&mut buf).await?;
+    Ok(buf)
+}
+
+async fn read_text<R: AsyncReadExt + Unpin>(r: &mut R) -> io::Result<String> {
+    let buf = read_blob(r, MAX_TEXT as usize).await?;
     Ok(String::from_utf8_lossy(&buf).into_owned())
 }
 
+fn put_blob(out: &mut Vec<u8>, b: &[u8], max: usize) {
+    let b = &b[..b.len().min(max)];
+    out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+    out.extend_from_slice(b);
+}
+
 fn put_text(out: &mut Vec<u8>, s: &str) {
-    let s = &s.as_bytes()[..s.len().min(MAX_TEXT as usize)];
-    out.extend_from_slice(&(s.len() as u32).to_le_bytes());
-    out.extend_from_slice(s);
+    put_blob(out, s.as_bytes(), MAX_TEXT as usize);
 }
 
 /// The sending end of one tcp connection to a peer cache service.
 pub struct TcpSender {
     peer: String,
     rd: BufReader<ReadHalf<Stream>>,
-    wr: BufWriter<WriteHalf<Stream>>,
+    wr: WriteHalf<Stream>,
     page_bytes: usize,
     opts: TcpOptions,
     seq: u32,
+    /// One batch's frame, built here and written in one go; kept for the next batch (its
+    /// memory already faulted in).
+    frame: Vec<u8>,
     /// Why an earlier send failed: batches may still be unacknowledged, so the connection
     /// is never used again.
     broken: Option<String>,
@@ -244,13 +317,12 @@ impl TcpSender {
         let (rd, wr) = tokio::io::split(stream);
         let mut s = Self {
             rd: BufReader::new(rd),
-            // Small: headers gather here, while a page at least this big goes straight to
-            // the socket instead of being copied through the buffer first.
-            wr: BufWriter::with_capacity(io_buffer(layout.bytes_per_page()), wr),
+            wr,
             page_bytes: layout.bytes_per_page(),
             peer,
             opts,
             seq: 0,
+            frame: Vec::new(),
             broken: None,
         };
         let mut hello = Vec::new();
@@ -280,14 +352,15 @@ impl TcpSender {
         }
     }
 
-    async fn read_ack(&mut self, room: u64, want: u32) -> Result<(), TransferError> {
+    /// The acknowledgement of batch `want`: its reply bytes, or why the batch failed.
+    async fn read_ack(&mut self, room: u64, want: u32) -> Result<Vec<u8>, TransferError> {
         let (peer, t) = (self.peer.clone(), self.opts.io_timeout);
         let rd = &mut self.rd;
-        let (seq, status, index, text) = deadline(&peer, "an acknowledgement", t, async {
+        let (seq, status, index, reply) = deadline(&peer, "an acknowledgement", t, async {
             let seq = rd.read_u32_le().await?;
             let status = rd.read_u8().await?;
             let index = rd.read_u32_le().await?;
-            Ok((seq, status, index, read_text(rd).await?))
+            Ok((seq, status, index, read_blob(rd, MAX_TRAILER).await?))
         })
         .await?;
         if seq != want {
@@ -297,13 +370,13 @@ impl TcpSender {
             });
         }
         match status {
-            ACK_OK => Ok(()),
+            ACK_OK => Ok(reply),
             ACK_CHECKSUM => Err(TransferError::Checksum { peer, room, index }),
             ACK_REFUSED => Err(TransferError::Refused {
                 peer,
                 room,
                 index,
-                reason: text,
+                reason: String::from_utf8_lossy(&reply).into_owned(),
             }),
             other => Err(TransferError::Protocol {
                 peer,
@@ -314,16 +387,24 @@ impl TcpSender {
 }
 
 impl Transport for TcpSender {
-    async fn send(&mut self, room: u64, pages: &[OutPage<'_>]) -> Result<Sent, TransferError> {
+    async fn send<P: Pages + ?Sized>(
+        &mut self,
+        room: u64,
+        pages: &P,
+        trailer: Option<&[u8]>,
+    ) -> Result<Sent, TransferError> {
         if let Some(first) = &self.broken {
             return Err(TransferError::Broken {
                 peer: self.peer.clone(),
                 first: first.clone(),
             });
         }
-        let r = self.send_batches(room, pages).await;
+        let r = self.send_batches(room, pages, trailer).await;
         if let Err(e) = &r
-            && !matches!(e, TransferError::PageSize { .. })
+            && !matches!(
+                e,
+                TransferError::PageSize { .. } | TransferError::TrailerSize(_)
+            )
         {
             self.broken = Some(e.to_string());
         }
@@ -332,46 +413,40 @@ impl Transport for TcpSender {
 }
 
 impl TcpSender {
-    async fn send_batches(
+    async fn send_batches<P: Pages + ?Sized>(
         &mut self,
         room: u64,
-        pages: &[OutPage<'_>],
+        pages: &P,
+        trailer: Option<&[u8]>,
     ) -> Result<Sent, TransferError> {
-        if let Some(p) = pages.iter().find(|p| p.bytes.len() != self.page_bytes) {
+        let n = pages.count();
+        if let Some(i) = (0..n).find(|&i| pages.len_of(i) != self.page_bytes) {
             return Err(TransferError::PageSize {
-                index: p.index,
-                got: p.bytes.len(),
+                index: pages.meta(i).0,
+                got: pages.len_of(i),
                 want: self.page_bytes,
             });
         }
+        if let Some(t) = trailer
+            && t.len() > MAX_TRAILER
+        {
+            return Err(TransferError::TrailerSize(t.len()));
+        }
         let per_batch = (self.opts.batch_bytes / self.page_bytes.max(1)).max(1);
+        // A trailer rides on the last batch; with no pages it is a batch of its own.
+        let batches = n.div_ceil(per_batch).max(usize::from(trailer.is_some()));
         let window = self.opts.window.max(1);
         let mut sent = Sent::default();
         let mut unacked = VecDeque::new();
-        for batch in pages.chunks(per_batch) {
+        for b in 0..batches {
+            let (first, end) = (b * per_batch, ((b + 1) * per_batch).min(n));
+            let tail = if b + 1 == batches { trailer } else { None };
             let seq = self.seq;
             self.seq = self.seq.wrapping_add(1);
-            let (peer, t) = (self.peer.clone(), self.opts.io_timeout);
-            let wr = &mut self.wr;
-            deadline(&peer, "writing a batch", t, async {
-                let mut head = [0u8; 16];
-                head[..8].copy_from_slice(&room.to_le_bytes());
-                head[8..12].copy_from_slice(&seq.to_le_bytes());
-                head[12..].copy_from_slice(&(batch.len() as u32).to_le_bytes());
-                wr.write_all(&head).await?;
-                for p in batch {
-                    let mut ph = [0u8; 12];
-                    ph[..4].copy_from_slice(&p.index.to_le_bytes());
-                    ph[4..].copy_from_slice(&p.checksum.to_le_bytes());
-                    wr.write_all(&ph).await?;
-                    wr.write_all(p.bytes).await?;
-                }
-                wr.flush().await
-            })
-            .await?;
+            self.write_batch(room, seq, pages, first..end, tail).await?;
             sent.batches += 1;
-            sent.pages += batch.len() as u64;
-            sent.bytes += (batch.len() * self.page_bytes) as u64;
+            sent.pages += (end - first) as u64;
+            sent.bytes += ((end - first) * self.page_bytes) as u64;
             unacked.push_back(seq);
             if unacked.len() >= window {
                 let want = unacked.pop_front().expect("not empty");
@@ -379,9 +454,60 @@ impl TcpSender {
             }
         }
         while let Some(want) = unacked.pop_front() {
-            self.read_ack(room, want).await?;
+            let reply = self.read_ack(room, want).await?;
+            if unacked.is_empty() && trailer.is_some() {
+                sent.reply = Some(reply);
+            }
         }
         Ok(sent)
+    }
+
+    /// Writes batch `seq` of `pages[range]` (and `trailer`): laid out in `self.frame`,
+    /// each page copied straight from its source, and written a run at a time as it is
+    /// laid out, so the receiver reads one run while the next is copied.
+    async fn write_batch<P: Pages + ?Sized>(
+        &mut self,
+        room: u64,
+        seq: u32,
+        pages: &P,
+        range: std::ops::Range<usize>,
+        trailer: Option<&[u8]>,
+    ) -> Result<(), TransferError> {
+        let (pb, count) = (self.page_bytes, range.len());
+        let tail = trailer.unwrap_or_default();
+        let len = HEAD + count * (PAGE_HEAD + pb) + tail.len();
+        // Grown, never shrunk: bytes past `len` are stale and never sent, and nothing
+        // below `len` is left unwritten, so no pass zeroes the frame.
+        if self.frame.len() < len {
+            self.frame.resize(len, 0);
+        }
+        let (peer, t) = (self.peer.clone(), self.opts.io_timeout);
+        let (wr, f) = (&mut self.wr, &mut self.frame[..len]);
+        f[..8].copy_from_slice(&room.to_le_bytes());
+        f[8..12].copy_from_slice(&seq.to_le_bytes());
+        f[12..16].copy_from_slice(&(count as u32).to_le_bytes());
+        f[16..20].copy_from_slice(&(tail.len() as u32).to_le_bytes());
+        let mut written = 0;
+        for (k, i) in range.enumerate() {
+            let at = HEAD + k * (PAGE_HEAD + pb);
+            let (index, checksum) = pages.meta(i);
+            f[at..at + 4].copy_from_slice(&index.to_le_bytes());
+            f[at + 4..at + PAGE_HEAD].copy_from_slice(&checksum.to_le_bytes());
+            pages.copy_to(i, &mut f[at + PAGE_HEAD..at + PAGE_HEAD + pb]);
+            let built = at + PAGE_HEAD + pb;
+            if built - written >= READ_RUN && built < len {
+                let run = &f[written..built];
+                deadline(&peer, "writing a batch", t, wr.write_all(run)).await?;
+                written = built;
+            }
+        }
+        f[len - tail.len()..].copy_from_slice(tail);
+        let rest = &f[written..];
+        deadline(&peer, "writing a batch", t, async {
+            wr.write_all(rest).await?;
+            wr.flush().await
+        })
+        .await
     }
 }
 
@@ -403,19 +529,37 @@ pub struct Received {
     pub checksum_failures: u64,
 }
 
+/// Where a receiver's pages go.
+pub trait Sink {
+    /// A page whose checksum matched, in order; an error refuses the page (and the rest
+    /// of its batch) with that reason.
+    fn page(&mut self, page: InPage<'_>) -> Result<(), String>;
+    /// A send's trailer, once every page of its batch was taken; the reply goes back to
+    /// the sender. Never called for a batch that failed.
+    fn trailer(&mut self, _room: u64, _trailer: &[u8]) -> Vec<u8> {
+        Vec::new()
+    }
+}
+
+impl<F: FnMut(InPage<'_>) -> Result<(), String>> Sink for F {
+    fn page(&mut self, page: InPage<'_>) -> Result<(), String> {
+        self(page)
+    }
+}
+
 /// Serves one incoming connection for a cache service whose layout is `layout`: the TLS
 /// handshake when `tls` is given (a sender without the mesh's certificate is refused
 /// there), the layout handshake, then batches until the sender closes or stays idle past
 /// `idle_timeout`.
-/// `sink` gets each page whose checksum matched, in order; an error from it refuses the
-/// page (and the rest of its batch) with that reason. A page with a bad checksum never
-/// reaches the sink. Returns when the connection ends; an error says why it ended early.
+/// `sink` gets each page whose checksum matched, and each trailer (see [`Sink`]). A page
+/// with a bad checksum never reaches the sink. Returns when the connection ends; an error
+/// says why it ended early.
 pub async fn serve_connection(
     stream: TcpStream,
     tls: Option<&pdmesh_tls::MeshTls>,
     layout: &KvLayout,
     opts: TcpOptions,
-    mut sink: impl FnMut(InPage<'_>) -> Result<(), String>,
+    mut sink: impl Sink,
 ) -> Result<Received, TransferError> {
     let peer = stream
         .peer_addr()
@@ -434,8 +578,7 @@ pub async fn serve_connection(
         ),
     };
     let (rd, wr) = tokio::io::split(stream);
-    // Small, so a page's bytes are read straight into the page buffer (see `io_buffer`).
-    let mut rd = BufReader::with_capacity(io_buffer(layout.bytes_per_page()), rd);
+    let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
     let mut wr = BufWriter::new(wr);
     let t = opts.io_timeout;
     let (magic, version, fingerprint, page_bytes, theirs) =
@@ -485,12 +628,15 @@ pub async fn serve_connection(
     }
 
     let page_bytes = layout.bytes_per_page();
+    let frame_bytes = PAGE_HEAD + page_bytes;
+    let per_run = (READ_RUN / frame_bytes).max(1);
     let mut got = Received::default();
-    // One buffer for every page: no allocation (nor fresh memory to fault in) per page.
-    let mut bytes = vec![0u8; page_bytes];
+    // One buffer for every run of pages: no allocation (nor fresh memory to fault in) per
+    // page.
+    let mut run = vec![0u8; per_run * frame_bytes];
     loop {
         // Between batches the connection may idle; inside one every read has a deadline.
-        let mut head = [0u8; 16];
+        let mut head = [0u8; HEAD];
         match tokio::time::timeout(opts.idle_timeout, rd.read_exact(&mut head[..1])).await {
             Err(_) => return Ok(got),
             Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(got),
@@ -500,41 +646,62 @@ pub async fn serve_connection(
         deadline(&peer, "a batch header", t, rd.read_exact(&mut head[1..])).await?;
         let room = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
         let seq = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
-        let count = u32::from_le_bytes(head[12..].try_into().expect("4 bytes"));
+        let count = u32::from_le_bytes(head[12..16].try_into().expect("4 bytes")) as usize;
+        let tail = u32::from_le_bytes(head[16..].try_into().expect("4 bytes")) as usize;
+        if tail > MAX_TRAILER {
+            return Err(TransferError::Protocol {
+                peer,
+                what: format!("a trailer of {tail} bytes"),
+            });
+        }
         let (mut status, mut bad_index, mut text) = (ACK_OK, 0u32, String::new());
-        for _ in 0..count {
-            let (index, checksum) = deadline(&peer, "a page", t, async {
-                let index = rd.read_u32_le().await?;
-                let checksum = rd.read_u64_le().await?;
-                rd.read_exact(&mut bytes).await?;
-                Ok((index, checksum))
-            })
-            .await?;
-            if status != ACK_OK {
-                continue; // the batch already failed: read on to keep the framing
-            }
-            if page_checksum(&bytes) != checksum {
-                got.checksum_failures += 1;
-                (status, bad_index) = (ACK_CHECKSUM, index);
-                continue;
-            }
-            let page = InPage {
-                room,
-                index,
-                checksum,
-                bytes: &bytes,
-            };
-            match sink(page) {
-                Ok(()) => got.pages += 1,
-                Err(reason) => (status, bad_index, text) = (ACK_REFUSED, index, reason),
+        let mut left = count;
+        while left > 0 {
+            let k = left.min(per_run);
+            left -= k;
+            let buf = &mut run[..k * frame_bytes];
+            deadline(&peer, "a page", t, rd.read_exact(buf)).await?;
+            for f in buf.chunks_exact(frame_bytes) {
+                if status != ACK_OK {
+                    break; // the batch already failed: read on to keep the framing
+                }
+                let index = u32::from_le_bytes(f[..4].try_into().expect("4 bytes"));
+                let checksum = u64::from_le_bytes(f[4..PAGE_HEAD].try_into().expect("8 bytes"));
+                let bytes = &f[PAGE_HEAD..];
+                if page_checksum(bytes) != checksum {
+                    got.checksum_failures += 1;
+                    (status, bad_index) = (ACK_CHECKSUM, index);
+                    break;
+                }
+                let page = InPage {
+                    room,
+                    index,
+                    checksum,
+                    bytes,
+                };
+                match sink.page(page) {
+                    Ok(()) => got.pages += 1,
+                    Err(reason) => (status, bad_index, text) = (ACK_REFUSED, index, reason),
+                }
             }
         }
+        let mut reply = Vec::new();
+        if tail > 0 {
+            let mut trailer = vec![0u8; tail];
+            deadline(&peer, "a trailer", t, rd.read_exact(&mut trailer)).await?;
+            if status == ACK_OK {
+                reply = sink.trailer(room, &trailer);
+            }
+        }
+        if status != ACK_OK {
+            reply = text.into_bytes();
+        }
         got.batches += 1;
-        let mut ack = Vec::with_capacity(16 + text.len());
+        let mut ack = Vec::with_capacity(16 + reply.len());
         ack.extend_from_slice(&seq.to_le_bytes());
         ack.push(status);
         ack.extend_from_slice(&bad_index.to_le_bytes());
-        put_text(&mut ack, &text);
+        put_blob(&mut ack, &reply, MAX_TRAILER);
         deadline(&peer, "an acknowledgement", t, async {
             wr.write_all(&ack).await?;
             wr.flush().await
@@ -606,6 +773,40 @@ mod tests {
     }
 
     type Delivered = Arc<Mutex<Vec<Kept>>>;
+    /// Each trailer delivered: its room, its bytes, and how many pages had landed then.
+    type Trailers = Arc<Mutex<Vec<(u64, Vec<u8>, usize)>>>;
+
+    /// Keeps what arrives; refuses page `refuse_index`; answers a trailer with
+    /// `done:` and the trailer.
+    struct Keep {
+        delivered: Delivered,
+        trailers: Trailers,
+        refuse_index: Option<u32>,
+    }
+
+    impl Sink for Keep {
+        fn page(&mut self, p: InPage<'_>) -> Result<(), String> {
+            if Some(p.index) == self.refuse_index {
+                return Err("room failed".into());
+            }
+            self.delivered.lock().unwrap().push(Kept {
+                room: p.room,
+                index: p.index,
+                checksum: p.checksum,
+                bytes: p.bytes.to_vec(),
+            });
+            Ok(())
+        }
+
+        fn trailer(&mut self, room: u64, trailer: &[u8]) -> Vec<u8> {
+            let landed = self.delivered.lock().unwrap().len();
+            self.trailers
+                .lock()
+                .unwrap()
+                .push((room, trailer.to_vec(), landed));
+            [b"done:", trailer].concat()
+        }
+    }
 
     /// A receiver for one connection on loopback; its result and the pages it delivered.
     async fn receiver(
@@ -628,27 +829,109 @@ mod tests {
         tokio::task::JoinHandle<Result<Received, TransferError>>,
         Delivered,
     ) {
+        let (addr, task, delivered, _) = receiver_keeping(layout, refuse_index, tls).await;
+        (addr, task, delivered)
+    }
+
+    async fn receiver_keeping(
+        layout: KvLayout,
+        refuse_index: Option<u32>,
+        tls: Option<pdmesh_tls::MeshTls>,
+    ) -> (
+        SocketAddr,
+        tokio::task::JoinHandle<Result<Received, TransferError>>,
+        Delivered,
+        Trailers,
+    ) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
-        let delivered = Delivered::default();
-        let d = delivered.clone();
+        let sink = Keep {
+            delivered: Delivered::default(),
+            trailers: Trailers::default(),
+            refuse_index,
+        };
+        let (delivered, trailers) = (sink.delivered.clone(), sink.trailers.clone());
         let task = tokio::spawn(async move {
             let (s, _) = l.accept().await.unwrap();
-            serve_connection(s, tls.as_ref(), &layout, quick(), |p| {
-                if Some(p.index) == refuse_index {
-                    return Err("room failed".into());
-                }
-                d.lock().unwrap().push(Kept {
-                    room: p.room,
-                    index: p.index,
-                    checksum: p.checksum,
-                    bytes: p.bytes.to_vec(),
-                });
-                Ok(())
-            })
-            .await
+            serve_connection(s, tls.as_ref(), &layout, quick(), sink).await
         });
-        (addr, task, delivered)
+        (addr, task, delivered, trailers)
+    }
+
+    #[tokio::test]
+    async fn a_trailer_reaches_the_sink_after_every_page_and_its_reply_comes_back() {
+        let l = layout(DType::F16);
+        let (addr, task, delivered, trailers) = receiver_keeping(l.clone(), None, None).await;
+        let data = pages(&l, 7);
+        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+        // Batches of three: the trailer rides on the third.
+        let sent = tx.send(9, &out(&data), Some(b"commit 9")).await.unwrap();
+        assert_eq!((sent.pages, sent.batches), (7, 3));
+        assert_eq!(sent.reply.as_deref(), Some(&b"done:commit 9"[..]));
+        // No pages at all (the receiver held them): the trailer is a batch of its own.
+        let none: Vec<OutPage<'_>> = Vec::new();
+        let sent = tx.send(10, &none, Some(b"commit 10")).await.unwrap();
+        assert_eq!((sent.pages, sent.batches), (0, 1));
+        assert_eq!(sent.reply.as_deref(), Some(&b"done:commit 10"[..]));
+        // Without a trailer there is no reply.
+        assert_eq!(
+            tx.send(11, &out(&data[..1]), None).await.unwrap().reply,
+            None
+        );
+        drop(tx);
+        task.await.unwrap().unwrap();
+        assert_eq!(
+            *trailers.lock().unwrap(),
+            [(9, b"commit 9".to_vec(), 7), (10, b"commit 10".to_vec(), 7)]
+        );
+        assert_eq!(delivered.lock().unwrap().len(), 8);
+    }
+
+    #[tokio::test]
+    async fn a_batch_that_failed_never_delivers_its_trailer() {
+        let l = layout(DType::F16);
+        let data = pages(&l, 7);
+        // A page of the last batch refused, then (another connection) one changed on the way.
+        for bad in ["refused", "checksum"] {
+            let refuse = (bad == "refused").then_some(6);
+            let (addr, task, delivered, trailers) = receiver_keeping(l.clone(), refuse, None).await;
+            let mut pages = out(&data);
+            if bad == "checksum" {
+                pages[6].checksum ^= 1;
+            }
+            let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+            let err = tx.send(9, &pages, Some(b"commit")).await.unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    TransferError::Refused { index: 6, .. }
+                        | TransferError::Checksum { index: 6, .. }
+                ),
+                "{err}"
+            );
+            drop(tx);
+            task.await.unwrap().unwrap();
+            assert!(trailers.lock().unwrap().is_empty(), "{bad}");
+            assert_eq!(delivered.lock().unwrap().len(), 6);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_trailer_past_the_limit_is_refused_before_anything_is_sent() {
+        let l = layout(DType::F16);
+        let (addr, task, delivered, trailers) = receiver_keeping(l.clone(), None, None).await;
+        let data = pages(&l, 2);
+        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+        let huge = vec![0u8; MAX_TRAILER + 1];
+        let err = tx.send(1, &out(&data), Some(&huge)).await.unwrap_err();
+        assert!(matches!(err, TransferError::TrailerSize(_)), "{err}");
+        // Nothing was written: the connection still works.
+        let sent = tx.send(2, &out(&data), Some(b"ok")).await.unwrap();
+        assert_eq!(sent.reply.as_deref(), Some(&b"done:ok"[..]));
+        drop(tx);
+        task.await.unwrap().unwrap();
+        assert_eq!(delivered.lock().unwrap().len(), 2);
+        assert_eq!(trailers.lock().unwrap().len(), 1);
     }
 
     #[tokio::test]
@@ -664,7 +947,7 @@ mod tests {
         let mut tx = TcpSender::connect(addr, &l, quick(), Some((&sender, "127.0.0.1")))
             .await
             .unwrap();
-        assert_eq!(tx.send(5, &out(&data)).await.unwrap().pages, 8);
+        assert_eq!(tx.send(5, &out(&data), None).await.unwrap().pages, 8);
         drop(tx);
         assert_eq!(task.await.unwrap().unwrap().pages, 8);
         let got: Vec<Vec<u8>> = delivered
@@ -687,7 +970,7 @@ mod tests {
             if let Ok(mut tx) =
                 TcpSender::connect(addr, &l, quick(), tls.map(|t| (t, "127.0.0.1"))).await
             {
-                assert!(tx.send(5, &out(&data)).await.is_err());
+                assert!(tx.send(5, &out(&data), None).await.is_err());
             }
             let err = task.await.unwrap().unwrap_err();
             assert!(
@@ -707,17 +990,18 @@ mod tests {
         let (addr, task, delivered) = receiver(l.clone(), None).await;
         let data = pages(&l, 64);
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
-        let sent = tx.send(9, &out(&data)).await.unwrap();
+        let sent = tx.send(9, &out(&data), None).await.unwrap();
         assert_eq!(
             sent,
             Sent {
                 pages: 64,
                 bytes: (64 * l.bytes_per_page()) as u64,
-                batches: 22
+                batches: 22,
+                reply: None,
             }
         );
         // The connection carries the next room too.
-        tx.send(10, &out(&data[..2])).await.unwrap();
+        tx.send(10, &out(&data[..2]), None).await.unwrap();
         drop(tx);
         let got = task.await.unwrap().unwrap();
         assert_eq!((got.pages, got.batches, got.checksum_failures), (66, 23, 0));
@@ -756,7 +1040,7 @@ mod tests {
         let mut pages = out(&data);
         pages[4].checksum ^= 1; // as if a byte flipped after the checksum was taken
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
-        let err = tx.send(3, &pages).await.unwrap_err();
+        let err = tx.send(3, &pages, None).await.unwrap_err();
         assert!(
             matches!(
                 err,
@@ -769,7 +1053,7 @@ mod tests {
             "{err}"
         );
         // Its framing may hold unacknowledged batches: the connection carries no more.
-        let again = tx.send(4, &out(&data[..1])).await.unwrap_err();
+        let again = tx.send(4, &out(&data[..1]), None).await.unwrap_err();
         assert!(matches!(again, TransferError::Broken { .. }), "{again}");
         drop(tx);
         let got = task.await.unwrap().unwrap();
@@ -786,7 +1070,7 @@ mod tests {
         let (addr, _task, _) = receiver(l.clone(), Some(1)).await;
         let data = pages(&l, 2);
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
-        let err = tx.send(5, &out(&data)).await.unwrap_err();
+        let err = tx.send(5, &out(&data), None).await.unwrap_err();
         assert!(
             matches!(&err, TransferError::Refused { room: 5, index: 1, reason, .. } if reason == "room failed"),
             "{err}"
@@ -827,7 +1111,7 @@ mod tests {
         let data = pages(&l, 64); // more than the socket buffers hold
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
         let big: Vec<OutPage<'_>> = (0..40).flat_map(|_| out(&data)).collect();
-        let err = tx.send(1, &big).await.unwrap_err();
+        let err = tx.send(1, &big, None).await.unwrap_err();
         assert!(matches!(err, TransferError::Deadline { .. }), "{err}");
         stalled.abort();
     }
@@ -846,7 +1130,7 @@ mod tests {
         });
         let data = pages(&l, 64);
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
-        let err = tx.send(1, &out(&data)).await.unwrap_err();
+        let err = tx.send(1, &out(&data), None).await.unwrap_err();
         // The reset arrives long before any deadline.
         assert!(matches!(err, TransferError::Io { .. }), "{err}");
     }
@@ -860,11 +1144,12 @@ mod tests {
         let err = tx
             .send(
                 1,
-                &[OutPage {
+                &vec![OutPage {
                     index: 0,
                     checksum: page_checksum(&short),
                     bytes: &short,
                 }],
+                None,
             )
             .await
             .unwrap_err();
@@ -875,7 +1160,7 @@ mod tests {
         assert!(delivered.lock().unwrap().is_empty());
         // Nothing was written, so the connection still carries whole pages.
         let data = pages(&l, 1);
-        tx.send(2, &out(&data)).await.unwrap();
+        tx.send(2, &out(&data), None).await.unwrap();
         assert_eq!(delivered.lock().unwrap().len(), 1);
     }
 
