@@ -531,6 +531,7 @@ def cache_tiers() -> dict:
 
 TRANSFERS = "mesh_kv_transfers_total"
 TRANSFERS_FAILED = f'{TRANSFERS}{{outcome="failed"}}'
+PEER_PAGES_RECEIVED = 'mesh_kv_peer_pages_total{direction="received"}'
 
 
 def handovers_panel(w: int = 12) -> dict:
@@ -590,6 +591,28 @@ def transfers() -> dict:
                    "Commits refused because their room had already failed.",
                    [target(increase("mesh_room_late_writes_rejected_total", "tier"), "{{tier}}")],
                    "short"),
+        timeseries("KV between hosts (bytes/s)",
+                   "mesh_kv_peer_bytes_total: KV bytes moved between hosts' cache services "
+                   "over the page transport, by direction, summed over every host.",
+                   [target(rate("mesh_kv_peer_bytes_total", "direction"), "{{direction}}")],
+                   "Bps", w=8),
+        timeseries("Prompt pages decode already held (share)",
+                   "Of the prompt pages bound for another host, the share its receiver "
+                   "already held, which did not cross (mesh_kv_held_pages_skipped_total over "
+                   "those plus mesh_kv_peer_pages_total received).",
+                   [target(f'{rate("mesh_kv_held_pages_skipped_total")} / '
+                           f'({rate("mesh_kv_held_pages_skipped_total")} + '
+                           f'{rate(PEER_PAGES_RECEIVED)})', "held")],
+                   "percentunit", w=8),
+        timeseries(f"Between hosts: failures and layout refusals (per {WINDOW})",
+                   "mesh_kv_peer_transfer_failures_total: rooms whose pages could not reach "
+                   "their home host (each fails its request cleanly). "
+                   "mesh_kv_peer_layout_refusals_total: peers refused for another KV layout "
+                   "(alert PeerKvLayoutRefused): nothing crossed, but that host cannot serve "
+                   "with this one until its layout matches.",
+                   [target(increase("mesh_kv_peer_transfer_failures_total"), "transfer failures"),
+                    target(increase("mesh_kv_peer_layout_refusals_total"), "layout refusals")],
+                   "short", steps=((1, "red"),), w=8),
         timeseries("Prefill routing", "Prefill workers chosen per second: for the longest "
                    "cached prefix, or by load alone (mesh_route_prefill_total).",
                    [target(rate("mesh_route_prefill_total", "reason"), "{{reason}}")],

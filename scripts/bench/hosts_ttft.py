@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     # On a small CPU a wave of long prompts outlasts the default hand-over deadline.
     ap.add_argument("--transfer-timeout-ms", type=int, default=600_000)
+    # A wave of sixteen 2k-token prompts on two cores takes minutes to answer.
+    ap.add_argument("--client-timeout-s", type=float, default=1800)
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="pdmesh-bench-ttft-"))
@@ -71,7 +73,7 @@ def main() -> None:
     hosts = Hosts(tmp / "hosts", short_deadlines=False, worker_args=wargs, cache_args=cargs)
     try:
         local = cf.ThreadPoolExecutor(64)
-        c1, c2 = one.client(), hosts.openai()
+        c1, c2 = (c.with_options(timeout=args.client_timeout_s) for c in (one.client(), hosts.openai()))
         # Warm both (model pages in memory, connections up).
         measure(local.submit, c1, one.model, 1, 1, args.tokens, 10**6)
         measure(hosts.client.submit, c2, one.model, 1, 1, args.tokens, 2 * 10**6)

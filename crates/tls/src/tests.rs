@@ -36,9 +36,18 @@ async fn exchange(
     connector: tokio_rustls::TlsConnector,
     addr: std::net::SocketAddr,
 ) -> Result<Vec<u8>, String> {
+    exchange_as(connector, addr, &addr.ip().to_string()).await
+}
+
+/// As `exchange`, checking the server's certificate against `host` (an IP or a DNS name).
+async fn exchange_as(
+    connector: tokio_rustls::TlsConnector,
+    addr: std::net::SocketAddr,
+    host: &str,
+) -> Result<Vec<u8>, String> {
     let s = TcpStream::connect(addr).await.unwrap();
     let mut tls = connector
-        .connect(server_name(&addr.ip().to_string()).unwrap(), s)
+        .connect(server_name(host).unwrap(), s)
         .await
         .map_err(|e| e.to_string())?;
     tls.write_all(b"ping!").await.map_err(|e| e.to_string())?;
@@ -106,6 +115,28 @@ async fn a_server_whose_certificate_names_another_address_is_refused() {
         "{err}"
     );
     assert!(server.await.unwrap().is_err());
+}
+
+#[tokio::test]
+async fn a_server_known_by_a_dns_name_is_checked_against_that_name() {
+    let ca = Ca::new("mesh");
+    let client = ca.mesh(&["10.0.0.2"]);
+    let (addr, server) = accept_one(ca.mesh(&["cache-b.mesh.internal"])).await;
+    let got = exchange_as(client.connector(), addr, "cache-b.mesh.internal").await;
+    assert_eq!(got.unwrap(), b"pong!");
+    assert_eq!(server.await.unwrap().unwrap(), b"ping!");
+    // The same server dialled by another name (or by its address) is refused.
+    for host in ["cache-c.mesh.internal", "127.0.0.1"] {
+        let (addr, server) = accept_one(ca.mesh(&["cache-b.mesh.internal"])).await;
+        let err = exchange_as(client.connector(), addr, host)
+            .await
+            .unwrap_err();
+        assert!(
+            err.contains("NotValidForName") || err.contains("not valid"),
+            "{host}: {err}"
+        );
+        assert!(server.await.unwrap().is_err());
+    }
 }
 
 #[tokio::test]
