@@ -2,7 +2,8 @@
 its own address on a private subnet, joined by veth pairs to a bridge that lives in a
 namespace of its own (the "switch"). Nothing touches the machine's own namespace, and
 `Net.remove` deletes everything (namespaces take their veths and processes' sockets
-with them). Needs root and iproute2 (`ip`, `tc`)."""
+with them). Needs root and iproute2 (`ip`, `tc`); impairing a link needs tc netem, or
+ethtool where the kernel has no netem."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import concurrent.futures as cf
 import ctypes
 import os
 import shutil
+import socket
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -55,6 +59,7 @@ class Net:
         self.ns = {n: f"pdm-{n}-{tag}" for n in names}
         self.addr = {n: f"{SUBNET}.{i + 1}" for i, n in enumerate(names)}
         self.port = {n: f"p{i}" for i, n in enumerate(names)}
+        self.delayed: dict[str, subprocess.Popen] = {}  # host -> its user-space delay link
         try:
             sh("ip", "netns", "add", self.switch)
             sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -79,33 +84,64 @@ class Net:
         """A thread pool whose threads are inside `host`: a client there, for real."""
         return cf.ThreadPoolExecutor(n, initializer=enter, initargs=(self.ns[host],))
 
+    def connect_seconds(self, host: str, addr: str, port: int) -> float:
+        """How long a TCP connect from inside `host` to `addr:port` takes (one round trip)."""
+        def connect() -> float:
+            t0 = time.monotonic()
+            socket.create_connection((addr, port), timeout=30).close()
+            return time.monotonic() - t0
+        with self.threads(host, 1) as ex:
+            return ex.submit(connect).result()
+
     def link(self, host: str, up: bool) -> None:
         """Takes `host`'s only link down (or back up), at its switch port."""
         sh("ip", "-n", self.switch, "link", "set", self.port[host], "up" if up else "down")
 
     def impair(self, host: str, delay_ms: int, loss_pct: int) -> str:
         """Delay and loss on everything `host` sends, with tc netem; where the kernel has no
-        netem qdisc, the loss alone, dropped by nftables at random in the kernel (there is
-        no other in-kernel delay). Returns what was applied."""
+        netem qdisc, with tests/e2e/delay_link.py (the same impairment in user space) between
+        the host's switch port and the bridge. Returns what was applied."""
         ns = self.ns[host]
         r = sh("tc", "-n", ns, "qdisc", "replace", "dev", "eth0", "root", "netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%", check=False)
         if r.returncode == 0:
             return f"netem delay {delay_ms}ms loss {loss_pct}%"
-        if "unknown" not in r.stderr.lower() or not shutil.which("nft"):
-            pytest.fail(f"impairing {host}'s link: {r.stderr}", pytrace=False)
-        for cmd in (
-            "add table inet pdm_impair",
-            "add chain inet pdm_impair out { type filter hook output priority 0 ; }",
-            f"add rule inet pdm_impair out oifname eth0 numgen random mod 100 < {loss_pct} drop",
-        ):
-            sh("ip", "netns", "exec", ns, "nft", *cmd.split())
-        return f"nftables loss {loss_pct}% (this kernel has no netem: no delay)"
+        if "unknown" not in r.stderr.lower() or not shutil.which("ethtool"):
+            pytest.fail(f"impairing {host}'s link: {r.stderr} (and no ethtool for the user-space link)", pytrace=False)
+        # Frames cross the delaying link whole, so no host may hand the wire segments
+        # bigger than a frame or checksums left for the card to fill in.
+        for h in self.ns:
+            self._offloads(h, on=False)
+        port, bridged = self.port[host], f"q{self.port[host]}"
+        sh("ip", "-n", self.switch, "link", "set", port, "nomaster")
+        sh("ip", "-n", self.switch, "link", "add", bridged, "type", "veth", "peer", "name", f"r{port}")
+        sh("ip", "-n", self.switch, "link", "set", bridged, "master", "br0", "up")
+        sh("ip", "-n", self.switch, "link", "set", f"r{port}", "up")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay_link.py")
+        self.delayed[host] = subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, sys.executable, script, port, f"r{port}", str(delay_ms), str(loss_pct), "900"])
+        return f"user-space link delay {delay_ms}ms loss {loss_pct}% (this kernel has no netem)"
+
+    def _offloads(self, host: str, on: bool) -> None:
+        sh("ip", "netns", "exec", self.ns[host], "ethtool", "-K", "eth0", "tx", "on" if on else "off", "tso", "on" if on else "off", "gso", "on" if on else "off", check=False)
 
     def clear(self, host: str) -> None:
         ns = self.ns[host]
         sh("tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root", check=False)
-        sh("ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "pdm_impair", check=False)
+        link = self.delayed.pop(host, None)
+        if link is not None:
+            link.terminate()
+            link.wait(timeout=10)
+            port = self.port[host]
+            sh("ip", "-n", self.switch, "link", "del", f"q{port}", check=False)
+            sh("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
+            if not self.delayed:
+                for h in self.ns:
+                    self._offloads(h, on=True)
 
     def remove(self) -> None:
+        for link in self.delayed.values():
+            link.kill()
+            link.wait(timeout=10)
+        self.delayed.clear()
         for ns in [*self.ns.values(), self.switch]:
             sh("ip", "netns", "del", ns, check=False)

@@ -189,7 +189,12 @@ def test_50ms_delay_and_5_percent_loss_between_hosts(hosts, reference):
     applied = [hosts.net.impair(h, 50, 5) for h in ("prefill", "decode")]
     print("impaired:", applied)
     try:
+        # The delay is on: a connect's round trip crosses both impaired hosts' sends.
+        rtt = hosts.net.connect_seconds("prefill", hosts.net.addr["decode"], 7100)
+        assert rtt >= 0.09, f"a round trip of {rtt:.3f} s: the links are not delayed"
         results = ask_all(hosts, N, None)
+        print("outcomes:", [k for k, _ in results])
+        assert any(k == "ok" for k, _ in results), "requests are answered over the impaired links"
         m = hosts.metrics()
         assert m['mesh_kv_peer_bytes_total{direction="received"}'] > 0, "KV crossed the impaired links"
     finally:
