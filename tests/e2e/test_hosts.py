@@ -277,8 +277,8 @@ def test_with_a_prefill_worker_on_the_decode_host_the_kv_stays_on_that_host(tmp_
 
 def test_mutual_tls_between_every_service_and_nothing_without_the_meshs_certificate_gets_in(tmp_path, reference):
     """Each host brought up by one `pdmesh up --role` with the mesh's mutual TLS (a CA
-    made for the test, a certificate per host): the answer and the pages crossing between
-    the hosts are as without it; a
+    made for the test, a certificate per host): the answers and the pages crossing
+    between the hosts are as without it; a
     plaintext client, a TLS client without a certificate and one whose certificate
     another CA signed are refused by the cache services and workers, and the page
     transport closes on a sender that does not speak TLS."""
@@ -286,6 +286,7 @@ def test_mutual_tls_between_every_service_and_nothing_without_the_meshs_certific
     try:
         warm = ask_all(h, 1)
         assert warm[0] == reference[0], "the same answer as the plaintext mesh"
+        assert ask_all(h, N) == reference, "the same answers as the plaintext mesh, all of them"
         m = h.assert_baseline()
         assert m['mesh_kv_peer_bytes_total{direction="received"}'] > 0, "KV crossed between the hosts"
 
