@@ -65,7 +65,7 @@ async fn main() {
     let mut ours = Vec::new();
     for room in 0..rounds {
         let t = Instant::now();
-        tx.send(room as u64, &out, None).await.unwrap();
+        tx.send(room as u64, &out[..], None).await.unwrap();
         ours.push(total / t.elapsed().as_secs_f64() / 1e9);
     }
 

@@ -154,14 +154,7 @@ impl CacheService {
         r: pb::RoomCommitRequest,
     ) -> Result<Response<pb::RoomStatus>, Status> {
         let room = r.room;
-        let pages: Vec<RoomPage> = r
-            .pages
-            .iter()
-            .map(|p| RoomPage {
-                slot: p.slot,
-                checksum: p.checksum,
-            })
-            .collect();
+        let pages = pages_from_pb(&r.pages);
         let plan = match self.shared.with(|s| s.relay_commit(lease, room, &pages)) {
             Ok(p) => p,
             Err(e @ CacheError::Room(RoomError::Unknown(_))) => {
@@ -639,17 +632,7 @@ impl pb::cache_server::Cache for CacheService {
                     checksum: p.checksum,
                 })
                 .collect(),
-            aux: Some(pb::RoomAux {
-                room: aux.room,
-                first_token: aux.first_token,
-                first_logprob: aux.first_logprob,
-                prompt_tokens: aux.prompt_tokens,
-                cached_tokens: aux.cached_tokens,
-                host_cached_tokens: aux.host_cached_tokens,
-                queue_seconds: aux.queue_seconds,
-                prefill_seconds: aux.prefill_seconds,
-                send_seconds: aux.send_seconds,
-            }),
+            aux: Some(aux_to_pb(aux)),
         }))
     }
 
@@ -757,29 +740,50 @@ fn commit_here(shared: &Shared, r: pb::RoomCommitRequest) -> Result<pb::RoomStat
     if aux.room != r.room {
         return Err(Status::invalid_argument("aux must name the room"));
     }
-    let pages = r
-        .pages
+    let pages = pages_from_pb(&r.pages);
+    let aux = aux_from_pb(aux);
+    traced(r.room, None);
+    shared.with(|s| s.room_commit(r.lease, r.room, pages, aux, Instant::now()))?;
+    traced(r.room, Some(RoomState::Success));
+    Ok(status(RoomState::Success, None))
+}
+
+fn pages_from_pb(pages: &[pb::RoomPage]) -> Vec<RoomPage> {
+    pages
         .iter()
         .map(|p| RoomPage {
             slot: p.slot,
             checksum: p.checksum,
         })
-        .collect();
-    let aux = Aux {
-        room: aux.room,
-        first_token: aux.first_token,
-        first_logprob: aux.first_logprob,
-        prompt_tokens: aux.prompt_tokens,
-        cached_tokens: aux.cached_tokens,
-        host_cached_tokens: aux.host_cached_tokens,
-        queue_seconds: aux.queue_seconds,
-        prefill_seconds: aux.prefill_seconds,
-        send_seconds: aux.send_seconds,
-    };
-    traced(r.room, None);
-    shared.with(|s| s.room_commit(r.lease, r.room, pages, aux, Instant::now()))?;
-    traced(r.room, Some(RoomState::Success));
-    Ok(status(RoomState::Success, None))
+        .collect()
+}
+
+fn aux_from_pb(a: pb::RoomAux) -> Aux {
+    Aux {
+        room: a.room,
+        first_token: a.first_token,
+        first_logprob: a.first_logprob,
+        prompt_tokens: a.prompt_tokens,
+        cached_tokens: a.cached_tokens,
+        host_cached_tokens: a.host_cached_tokens,
+        queue_seconds: a.queue_seconds,
+        prefill_seconds: a.prefill_seconds,
+        send_seconds: a.send_seconds,
+    }
+}
+
+fn aux_to_pb(a: Aux) -> pb::RoomAux {
+    pb::RoomAux {
+        room: a.room,
+        first_token: a.first_token,
+        first_logprob: a.first_logprob,
+        prompt_tokens: a.prompt_tokens,
+        cached_tokens: a.cached_tokens,
+        host_cached_tokens: a.host_cached_tokens,
+        queue_seconds: a.queue_seconds,
+        prefill_seconds: a.prefill_seconds,
+        send_seconds: a.send_seconds,
+    }
 }
 
 /// The page transport's trailer at a room's home: a peer's commit of `room` (an encoded
@@ -794,6 +798,11 @@ pub(crate) fn peer_commit(shared: &Shared, room: u64, trailer: &[u8]) -> Vec<u8>
             "a commit of room {} after the pages of room {room}",
             r.room
         ))),
+        // The page transport carries peers' rooms only: a local worker's lease is not
+        // one a peer may commit with.
+        Ok(r) if !shared.with(|s| s.is_peer_lease(r.lease)) => Err(Status::permission_denied(
+            format!("lease {} is not a peer host's", r.lease),
+        )),
         Ok(r) => commit_here(shared, r),
     };
     let reply = match done {
@@ -903,7 +912,7 @@ mod tests {
         let other = reply(7, &other);
         assert_eq!(other.code, tonic::Code::InvalidArgument as i32);
         assert!(other.message.contains("room 8"), "{other:?}");
-        // A commit of a room this host does not know fails as RoomCommit would.
+        // A lease that is not a peer's (unknown here, or a local worker's) is refused.
         let unknown = pb::RoomCommitRequest {
             lease: 99,
             room: 7,
@@ -915,8 +924,34 @@ mod tests {
         }
         .encode_to_vec();
         let unknown = reply(7, &unknown);
-        assert_ne!(unknown.code, 0, "{unknown:?}");
+        assert_eq!(
+            unknown.code,
+            tonic::Code::PermissionDenied as i32,
+            "{unknown:?}"
+        );
         assert!(unknown.status.is_none());
+        let layout = pdmesh_kv::KvLayout::llama(2, 1, 8, pdmesh_kv::DType::F16, 16);
+        let worker = shared
+            .with(|s| s.register("w", layout, std::time::Instant::now()))
+            .unwrap()
+            .lease;
+        let local = pb::RoomCommitRequest {
+            lease: worker,
+            room: 7,
+            pages: Vec::new(),
+            aux: Some(pb::RoomAux {
+                room: 7,
+                ..Default::default()
+            }),
+        }
+        .encode_to_vec();
+        let local = reply(7, &local);
+        assert_eq!(
+            local.code,
+            tonic::Code::PermissionDenied as i32,
+            "{local:?}"
+        );
+        assert!(local.message.contains("not a peer"), "{local:?}");
     }
 
     #[test]

@@ -354,7 +354,10 @@ impl Link {
         let sent = match sender.send(room, pages, trailer).await {
             Ok(sent) => sent,
             // An idle connection the home closed meanwhile: once more on a fresh one
-            // (pages land by index, so sending one again writes the same bytes).
+            // (pages land by index, so sending one again writes the same bytes). Had the
+            // home committed before the link broke, the retry's pages and commit find the
+            // room no longer transferring and are refused: the request fails cleanly,
+            // nothing lands twice.
             Err(TransferError::Io { .. }) if reused => {
                 sender =
                     TcpSender::connect(self.data, &self.layout, self.opts, self.dial()).await?;

@@ -393,6 +393,11 @@ impl State {
         }
     }
 
+    /// Whether `lease` is another host's cache service's (not a worker's of this host).
+    pub fn is_peer_lease(&self, lease: u64) -> bool {
+        self.leases.get(&lease).is_some_and(|l| l.peer)
+    }
+
     fn lease_mut(&mut self, lease: u64) -> Result<&mut Lease, CacheError> {
         self.leases
             .get_mut(&lease)

@@ -102,21 +102,6 @@ impl Pages for [OutPage<'_>] {
     }
 }
 
-impl Pages for Vec<OutPage<'_>> {
-    fn count(&self) -> usize {
-        self.len()
-    }
-    fn meta(&self, i: usize) -> (u32, u64) {
-        self[..].meta(i)
-    }
-    fn len_of(&self, i: usize) -> usize {
-        self[..].len_of(i)
-    }
-    fn copy_to(&self, i: usize, dst: &mut [u8]) {
-        self[..].copy_to(i, dst);
-    }
-}
-
 /// What one `send` moved, and the receiver's reply to its trailer.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Sent {
@@ -817,23 +802,12 @@ mod tests {
         tokio::task::JoinHandle<Result<Received, TransferError>>,
         Delivered,
     ) {
-        receiver_tls(layout, refuse_index, None).await
-    }
-
-    async fn receiver_tls(
-        layout: KvLayout,
-        refuse_index: Option<u32>,
-        tls: Option<pdmesh_tls::MeshTls>,
-    ) -> (
-        SocketAddr,
-        tokio::task::JoinHandle<Result<Received, TransferError>>,
-        Delivered,
-    ) {
-        let (addr, task, delivered, _) = receiver_keeping(layout, refuse_index, tls).await;
+        let (addr, task, delivered, _) = receiver_with(layout, refuse_index, None).await;
         (addr, task, delivered)
     }
 
-    async fn receiver_keeping(
+    /// As `receiver`, over the mesh's TLS when `tls` is given, also keeping the trailers.
+    async fn receiver_with(
         layout: KvLayout,
         refuse_index: Option<u32>,
         tls: Option<pdmesh_tls::MeshTls>,
@@ -861,21 +835,24 @@ mod tests {
     #[tokio::test]
     async fn a_trailer_reaches_the_sink_after_every_page_and_its_reply_comes_back() {
         let l = layout(DType::F16);
-        let (addr, task, delivered, trailers) = receiver_keeping(l.clone(), None, None).await;
+        let (addr, task, delivered, trailers) = receiver_with(l.clone(), None, None).await;
         let data = pages(&l, 7);
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
         // Batches of three: the trailer rides on the third.
-        let sent = tx.send(9, &out(&data), Some(b"commit 9")).await.unwrap();
+        let sent = tx
+            .send(9, &out(&data)[..], Some(b"commit 9"))
+            .await
+            .unwrap();
         assert_eq!((sent.pages, sent.batches), (7, 3));
         assert_eq!(sent.reply.as_deref(), Some(&b"done:commit 9"[..]));
         // No pages at all (the receiver held them): the trailer is a batch of its own.
         let none: Vec<OutPage<'_>> = Vec::new();
-        let sent = tx.send(10, &none, Some(b"commit 10")).await.unwrap();
+        let sent = tx.send(10, &none[..], Some(b"commit 10")).await.unwrap();
         assert_eq!((sent.pages, sent.batches), (0, 1));
         assert_eq!(sent.reply.as_deref(), Some(&b"done:commit 10"[..]));
         // Without a trailer there is no reply.
         assert_eq!(
-            tx.send(11, &out(&data[..1]), None).await.unwrap().reply,
+            tx.send(11, &out(&data[..1])[..], None).await.unwrap().reply,
             None
         );
         drop(tx);
@@ -894,13 +871,13 @@ mod tests {
         // A page of the last batch refused, then (another connection) one changed on the way.
         for bad in ["refused", "checksum"] {
             let refuse = (bad == "refused").then_some(6);
-            let (addr, task, delivered, trailers) = receiver_keeping(l.clone(), refuse, None).await;
+            let (addr, task, delivered, trailers) = receiver_with(l.clone(), refuse, None).await;
             let mut pages = out(&data);
             if bad == "checksum" {
                 pages[6].checksum ^= 1;
             }
             let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
-            let err = tx.send(9, &pages, Some(b"commit")).await.unwrap_err();
+            let err = tx.send(9, &pages[..], Some(b"commit")).await.unwrap_err();
             assert!(
                 matches!(
                     err,
@@ -919,14 +896,14 @@ mod tests {
     #[tokio::test]
     async fn a_trailer_past_the_limit_is_refused_before_anything_is_sent() {
         let l = layout(DType::F16);
-        let (addr, task, delivered, trailers) = receiver_keeping(l.clone(), None, None).await;
+        let (addr, task, delivered, trailers) = receiver_with(l.clone(), None, None).await;
         let data = pages(&l, 2);
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
         let huge = vec![0u8; MAX_TRAILER + 1];
-        let err = tx.send(1, &out(&data), Some(&huge)).await.unwrap_err();
+        let err = tx.send(1, &out(&data)[..], Some(&huge)).await.unwrap_err();
         assert!(matches!(err, TransferError::TrailerSize(_)), "{err}");
         // Nothing was written: the connection still works.
-        let sent = tx.send(2, &out(&data), Some(b"ok")).await.unwrap();
+        let sent = tx.send(2, &out(&data)[..], Some(b"ok")).await.unwrap();
         assert_eq!(sent.reply.as_deref(), Some(&b"done:ok"[..]));
         drop(tx);
         task.await.unwrap().unwrap();
@@ -940,14 +917,14 @@ mod tests {
         use pdmesh_tls::test_ca::Ca;
         let ca = Ca::new("mesh");
         let l = layout(DType::F16);
-        let (addr, task, delivered) =
-            receiver_tls(l.clone(), None, Some(ca.mesh(&["127.0.0.1"]))).await;
+        let (addr, task, delivered, _) =
+            receiver_with(l.clone(), None, Some(ca.mesh(&["127.0.0.1"]))).await;
         let data = pages(&l, 8);
         let sender = ca.mesh(&["127.0.0.2"]);
         let mut tx = TcpSender::connect(addr, &l, quick(), Some((&sender, "127.0.0.1")))
             .await
             .unwrap();
-        assert_eq!(tx.send(5, &out(&data), None).await.unwrap().pages, 8);
+        assert_eq!(tx.send(5, &out(&data)[..], None).await.unwrap().pages, 8);
         drop(tx);
         assert_eq!(task.await.unwrap().unwrap().pages, 8);
         let got: Vec<Vec<u8>> = delivered
@@ -965,12 +942,12 @@ mod tests {
             pdmesh_tls::MeshTls::from_pem(ca.pem.as_bytes(), cert.as_bytes(), key.as_bytes())
                 .unwrap();
         for tls in [Some(&foreign), None] {
-            let (addr, task, delivered) =
-                receiver_tls(l.clone(), None, Some(ca.mesh(&["127.0.0.1"]))).await;
+            let (addr, task, delivered, _) =
+                receiver_with(l.clone(), None, Some(ca.mesh(&["127.0.0.1"]))).await;
             if let Ok(mut tx) =
                 TcpSender::connect(addr, &l, quick(), tls.map(|t| (t, "127.0.0.1"))).await
             {
-                assert!(tx.send(5, &out(&data), None).await.is_err());
+                assert!(tx.send(5, &out(&data)[..], None).await.is_err());
             }
             let err = task.await.unwrap().unwrap_err();
             assert!(
@@ -990,7 +967,7 @@ mod tests {
         let (addr, task, delivered) = receiver(l.clone(), None).await;
         let data = pages(&l, 64);
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
-        let sent = tx.send(9, &out(&data), None).await.unwrap();
+        let sent = tx.send(9, &out(&data)[..], None).await.unwrap();
         assert_eq!(
             sent,
             Sent {
@@ -1001,7 +978,7 @@ mod tests {
             }
         );
         // The connection carries the next room too.
-        tx.send(10, &out(&data[..2]), None).await.unwrap();
+        tx.send(10, &out(&data[..2])[..], None).await.unwrap();
         drop(tx);
         let got = task.await.unwrap().unwrap();
         assert_eq!((got.pages, got.batches, got.checksum_failures), (66, 23, 0));
@@ -1040,7 +1017,7 @@ mod tests {
         let mut pages = out(&data);
         pages[4].checksum ^= 1; // as if a byte flipped after the checksum was taken
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
-        let err = tx.send(3, &pages, None).await.unwrap_err();
+        let err = tx.send(3, &pages[..], None).await.unwrap_err();
         assert!(
             matches!(
                 err,
@@ -1053,7 +1030,7 @@ mod tests {
             "{err}"
         );
         // Its framing may hold unacknowledged batches: the connection carries no more.
-        let again = tx.send(4, &out(&data[..1]), None).await.unwrap_err();
+        let again = tx.send(4, &out(&data[..1])[..], None).await.unwrap_err();
         assert!(matches!(again, TransferError::Broken { .. }), "{again}");
         drop(tx);
         let got = task.await.unwrap().unwrap();
@@ -1070,7 +1047,7 @@ mod tests {
         let (addr, _task, _) = receiver(l.clone(), Some(1)).await;
         let data = pages(&l, 2);
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
-        let err = tx.send(5, &out(&data), None).await.unwrap_err();
+        let err = tx.send(5, &out(&data)[..], None).await.unwrap_err();
         assert!(
             matches!(&err, TransferError::Refused { room: 5, index: 1, reason, .. } if reason == "room failed"),
             "{err}"
@@ -1111,7 +1088,7 @@ mod tests {
         let data = pages(&l, 64); // more than the socket buffers hold
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
         let big: Vec<OutPage<'_>> = (0..40).flat_map(|_| out(&data)).collect();
-        let err = tx.send(1, &big, None).await.unwrap_err();
+        let err = tx.send(1, &big[..], None).await.unwrap_err();
         assert!(matches!(err, TransferError::Deadline { .. }), "{err}");
         stalled.abort();
     }
@@ -1130,7 +1107,7 @@ mod tests {
         });
         let data = pages(&l, 64);
         let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
-        let err = tx.send(1, &out(&data), None).await.unwrap_err();
+        let err = tx.send(1, &out(&data)[..], None).await.unwrap_err();
         // The reset arrives long before any deadline.
         assert!(matches!(err, TransferError::Io { .. }), "{err}");
     }
@@ -1144,11 +1121,11 @@ mod tests {
         let err = tx
             .send(
                 1,
-                &vec![OutPage {
+                &[OutPage {
                     index: 0,
                     checksum: page_checksum(&short),
                     bytes: &short,
-                }],
+                }][..],
                 None,
             )
             .await
@@ -1160,7 +1137,7 @@ mod tests {
         assert!(delivered.lock().unwrap().is_empty());
         // Nothing was written, so the connection still carries whole pages.
         let data = pages(&l, 1);
-        tx.send(2, &out(&data), None).await.unwrap();
+        tx.send(2, &out(&data)[..], None).await.unwrap();
         assert_eq!(delivered.lock().unwrap().len(), 1);
     }
 
