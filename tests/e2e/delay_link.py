@@ -6,8 +6,8 @@ dropped (at random); frames to the host pass at once, as with netem on the host'
     python3 delay_link.py HOST_PORT BRIDGE_PORT DELAY_MS LOSS_PCT MAX_SECONDS
 
 Frames are read and written whole with packet sockets, so the hosts' segmentation and
-checksum offloads must be off while it runs (Net.impair does that). It stops by itself
-after MAX_SECONDS, or when its parent dies.
+checksum offloads must be off while it runs (Net.impair does that). It prints `ready` once
+both sockets are bound, and stops by itself after MAX_SECONDS, or when its parent dies.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> None:
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     parent = os.getppid()
     host_side, bridge_side = packet_socket(host_port), packet_socket(bridge_port)
+    print("ready", flush=True)  # Net.impair waits for this line
     held: list[tuple[float, int, bytes]] = []  # (when due, arrival order, frame)
     arrivals = 0
     end = time.monotonic() + life

@@ -117,12 +117,19 @@ class Net:
         sh("ip", "-n", self.switch, "link", "set", bridged, "master", "br0", "up")
         sh("ip", "-n", self.switch, "link", "set", f"r{port}", "up")
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay_link.py")
-        self.delayed[host] = subprocess.Popen(
-            ["ip", "netns", "exec", self.switch, sys.executable, script, port, f"r{port}", str(delay_ms), str(loss_pct), "900"])
+        link = subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, sys.executable, script, port, f"r{port}", str(delay_ms), str(loss_pct), "900"],
+            stdout=subprocess.PIPE, text=True)
+        self.delayed[host] = link
+        if link.stdout.readline().strip() != "ready":  # "" once it exited
+            pytest.fail(f"the user-space delay link for {host} did not start (exit {link.wait(timeout=10)})", pytrace=False)
         return f"user-space link delay {delay_ms}ms loss {loss_pct}% (this kernel has no netem)"
 
     def _offloads(self, host: str, on: bool) -> None:
-        sh("ip", "netns", "exec", self.ns[host], "ethtool", "-K", "eth0", "tx", "on" if on else "off", "tso", "on" if on else "off", "gso", "on" if on else "off", check=False)
+        # Turning them off must work (else whole frames would not fit the link); turning
+        # them back on is best effort.
+        state = "on" if on else "off"
+        sh("ip", "netns", "exec", self.ns[host], "ethtool", "-K", "eth0", "tx", state, "tso", state, "gso", state, check=not on)
 
     def clear(self, host: str) -> None:
         ns = self.ns[host]
