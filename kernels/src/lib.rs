@@ -16,6 +16,7 @@ pub mod nvrtc;
 
 mod attention;
 mod dot;
+mod gemm;
 mod matmul;
 mod quant;
 

@@ -6,6 +6,7 @@ use pdmesh_gguf::{GgmlType, dequantize};
 use rayon::prelude::*;
 
 use crate::dot;
+use crate::gemm::{IntKind, Packed};
 use crate::quant::{QActs, quantize_q8_0, quantize_q8_1};
 
 /// A weight matrix borrowed in its GGUF block format: `rows` rows of `cols` values.
@@ -43,10 +44,14 @@ impl<'a> QMatrix<'a> {
     }
 }
 
-enum Acts {
-    Q8_1(Vec<QActs>),
-    Q8_0(Vec<QActs>),
-    F32,
+/// The weight formats with an integer kernel, and the activations each takes.
+fn int_kind(ty: GgmlType) -> Option<IntKind> {
+    match ty {
+        GgmlType::Q4_1 => Some(IntKind::Q4_1),
+        GgmlType::Q8_0 => Some(IntKind::Q8_0),
+        GgmlType::Q4_0 => Some(IntKind::Q4_0),
+        _ => None,
+    }
 }
 
 fn quantize_all(x: &[f32], cols: usize, f: fn(&[f32], &mut QActs)) -> Vec<QActs> {
@@ -93,16 +98,26 @@ pub fn matmul_many(
     if t == 0 {
         return;
     }
-    let need = |f: fn(GgmlType) -> bool| ws.iter().any(|w| f(w.ty));
-    let q8_1 =
-        need(|ty| ty == GgmlType::Q4_1).then(|| Acts::Q8_1(quantize_all(x, cols, quantize_q8_1)));
-    let q8_0 = need(|ty| matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0))
-        .then(|| Acts::Q8_0(quantize_all(x, cols, quantize_q8_0)));
-    let f32_acts = Acts::F32;
-    let acts_for = |ty: GgmlType| match ty {
-        GgmlType::Q4_1 => q8_1.as_ref().expect("quantized above"),
-        GgmlType::Q8_0 | GgmlType::Q4_0 => q8_0.as_ref().expect("quantized above"),
-        _ => &f32_acts,
+    // Quantize and lay out the activations once per call: Q8_1 for Q4_1 weights, Q8_0
+    // for the others.
+    let kinds: Vec<IntKind> = ws.iter().filter_map(|w| int_kind(w.ty)).collect();
+    let nb = cols / 32;
+    let pack = |q8_1: bool| {
+        let wanted: Vec<IntKind> = kinds
+            .iter()
+            .copied()
+            .filter(|&k| (k == IntKind::Q4_1) == q8_1)
+            .collect();
+        (!wanted.is_empty()).then(|| {
+            let f = if q8_1 { quantize_q8_1 } else { quantize_q8_0 };
+            Packed::new(&quantize_all(x, cols, f), nb, &wanted)
+        })
+    };
+    let (q8_1, q8_0) = (pack(true), pack(false));
+    let acts_for = |ty: GgmlType| match int_kind(ty) {
+        Some(IntKind::Q4_1) => q8_1.as_ref(),
+        Some(_) => q8_0.as_ref(),
+        None => None,
     };
     let total_rows: usize = ws.iter().map(|w| w.rows).sum();
     let threads = pool.current_num_threads().max(1);
@@ -145,16 +160,17 @@ fn rows_times_tokens(
     r0: usize,
     n: usize,
     x: &[f32],
-    acts: &Acts,
+    acts: Option<&Packed>,
     out: &mut [f32],
 ) {
     let rb = w.ty.row_bytes(w.cols);
     let data = &w.data[r0 * rb..(r0 + n) * rb];
-    match acts {
-        Acts::Q8_1(a) => dot::rows(dot::IntKind::Q4_1, data, rb, a, out),
-        Acts::Q8_0(a) if w.ty == GgmlType::Q8_0 => dot::rows(dot::IntKind::Q8_0, data, rb, a, out),
-        Acts::Q8_0(a) => dot::rows(dot::IntKind::Q4_0, data, rb, a, out),
-        Acts::F32 => {
+    match (int_kind(w.ty), acts) {
+        (Some(kind), Some(p)) => {
+            debug_assert_eq!(p.tokens() * n, out.len());
+            crate::gemm::rows(kind, data, rb, p, out)
+        }
+        _ => {
             let t = out.len() / n;
             let mut scratch = vec![0f32; w.cols];
             for (row, o) in data.chunks_exact(rb).zip(out.chunks_exact_mut(t)) {
@@ -193,7 +209,7 @@ mod tests {
         let (rows, cols) = (100, 128);
         let data = q4_1_matrix(rows, cols);
         let w = QMatrix::new(GgmlType::Q4_1, &data, rows, cols);
-        let t = 15; // a group of eight, a group of four and three alone
+        let t = 15; // a tile of eight, one of four, one of two and one alone
         let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.13).cos()).collect();
         let p1 = rayon::ThreadPoolBuilder::new()
             .num_threads(1)
@@ -227,8 +243,8 @@ mod tests {
     }
 
     /// Q8_0 weights with the extreme values ±127 and 0, times activations whose blocks
-    /// hit ±127 too: the grouped paths (tokens 0..8, 8..12) and the one-token path (12..15) must
-    /// give each token exactly what it gets alone.
+    /// hit ±127 too: the tiles (tokens 0..8, 8..12, 12..14, 14) must give each token
+    /// exactly what it gets alone.
     #[test]
     fn q8_0_grouped_tokens_equal_tokens_alone() {
         let (rows, cols) = (37, 96);
@@ -245,7 +261,7 @@ mod tests {
             }
         }
         let w = QMatrix::new(GgmlType::Q8_0, &data, rows, cols);
-        let t = 15; // a group of eight, a group of four and three alone
+        let t = 15; // a tile of eight, one of four, one of two and one alone
         let x: Vec<f32> = (0..t * cols)
             .map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.21)
             .collect();

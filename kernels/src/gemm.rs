@@ -1,0 +1,660 @@
+//! Quantized weight rows × a batch of tokens' quantized activations: the integer GEMM
+//! behind every Q4_0 / Q4_1 / Q8_0 matrix product.
+//!
+//! One order of operations defines every result, and all three paths (AVX-512 VNNI,
+//! AVX2, scalar) perform exactly it, so they agree bit for bit, and a token's result
+//! depends only on its row and its activations, never on the batch or the tile it landed
+//! in. It is llama.cpp's x86 order for these formats (`ggml_vec_dot_q4_1_q8_1` and
+//! friends), so results stay as close to llama.cpp's as a different attention allows. For
+//! a row and a token:
+//!
+//! - 8 float lanes: lane `l` of block `b` covers the block's values `4l .. 4l + 4`;
+//! - per block and lane: the exact integer sum of the lane's four weight × activation
+//!   products (weights as signed values: Q4_0 nibble − 8, Q8_0 bytes; Q4_1 nibbles, whose
+//!   min is added apart), then `acc[l] = fma(dw_b · da_b, sum, acc[l])`, the scale
+//!   product rounded once in f32, blocks in order;
+//! - the 8 lanes reduced by one fixed tree: `s[i + 4] + s[i]`, then `r[0] + r[2]` and
+//!   `r[1] + r[3]`, then their sum;
+//! - Q4_1 only: plus `Σ_b m_b · s_b` (weight min times the activations' scaled sum),
+//!   each product rounded, then added block by block, starting from zero.
+//!
+//! The SIMD paths are register-blocked: a weight block is unpacked once into registers
+//! and used for up to 16 tokens (AVX-512 VNNI, 32 vector registers) or 4 (AVX2), and the
+//! activations are laid out once per product so each token's block is one load.
+
+use crate::QActs;
+use crate::dot::{has_avx2, has_vnni};
+
+/// Weight formats with an integer dot product against quantized activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum IntKind {
+    /// Q4_1 weights (20-byte blocks: d, m, 16 nibble bytes), Q8_1 activations.
+    Q4_1,
+    /// Q8_0 weights (34-byte blocks: d, 32 i8), Q8_0 activations.
+    Q8_0,
+    /// Q4_0 weights (18-byte blocks: d, 16 nibble bytes, offset 8), Q8_0 activations.
+    Q4_0,
+}
+
+impl IntKind {
+    fn block_bytes(self) -> usize {
+        match self {
+            IntKind::Q4_1 => 20,
+            IntKind::Q8_0 => 34,
+            IntKind::Q4_0 => 18,
+        }
+    }
+
+    /// Const-generic tag of the SIMD kernels.
+    fn tag(self) -> u8 {
+        match self {
+            IntKind::Q4_1 => Q4_1,
+            IntKind::Q8_0 => Q8_0,
+            IntKind::Q4_0 => Q4_0,
+        }
+    }
+}
+
+const Q4_1: u8 = 0;
+const Q8_0: u8 = 1;
+const Q4_0: u8 = 2;
+
+/// The widest tile's tokens: the Q4_1 min sums are read this many at a time.
+const SUM_LANES: usize = 16;
+
+/// A batch's activations laid out for the kernels once per matrix product, block-major
+/// (`[block][token]`, so a tile's tokens sit side by side): per block and token the 32
+/// values and the scale repeated in 8 lanes; for Q8_0 weights on the VNNI path the values
+/// shifted to unsigned (`q + 128`, the operand `vpdpbusd` takes); for Q4_0 weights per lane
+/// `−8 ·` the sum of its four values (the nibble offset); for Q4_1 weights the scaled sums
+/// with tokens side by side, `sums[b · tpad + t]`.
+pub(crate) struct Packed {
+    t: usize,
+    nb: usize,
+    qs: Vec<i8>,
+    ds: Vec<f32>,
+    shifted: Vec<u8>,
+    starts: Vec<i32>,
+    sums: Vec<f32>,
+    tpad: usize,
+}
+
+impl Packed {
+    /// `acts`: one token each, all of `nb` blocks. `kinds`: the weight formats this batch
+    /// will meet (Q4_1 needs Q8_1 activations, the others Q8_0).
+    pub(crate) fn new(acts: &[QActs], nb: usize, kinds: &[IntKind]) -> Self {
+        let t = acts.len();
+        // Room for a tile's full vectors past its last token.
+        let tpad = t.div_ceil(SUM_LANES) * SUM_LANES + SUM_LANES;
+        let mut p = Packed {
+            t,
+            nb,
+            qs: vec![0; t * nb * 32],
+            ds: vec![0.0; t * nb * 8],
+            shifted: Vec::new(),
+            starts: Vec::new(),
+            sums: Vec::new(),
+            tpad,
+        };
+        for (tt, a) in acts.iter().enumerate() {
+            assert!(
+                a.qs.len() >= nb * 32 && a.d.len() >= nb,
+                "activations of {nb} blocks"
+            );
+            for b in 0..nb {
+                let at = b * t + tt;
+                p.qs[at * 32..at * 32 + 32].copy_from_slice(&a.qs[b * 32..b * 32 + 32]);
+                p.ds[at * 8..at * 8 + 8].fill(a.d[b]);
+            }
+        }
+        if kinds.contains(&IntKind::Q8_0) && has_vnni() {
+            p.shifted = p.qs.iter().map(|&q| q as u8 ^ 0x80).collect();
+        }
+        if kinds.contains(&IntKind::Q4_0) {
+            p.starts =
+                p.qs.chunks_exact(4)
+                    .map(|q| -8 * q.iter().map(|&v| i32::from(v)).sum::<i32>())
+                    .collect();
+        }
+        if kinds.contains(&IntKind::Q4_1) {
+            p.sums = vec![0.0; nb * tpad];
+            for (tt, a) in acts.iter().enumerate() {
+                assert!(a.s.len() >= nb, "Q4_1 needs Q8_1 activations");
+                for b in 0..nb {
+                    p.sums[b * tpad + tt] = a.s[b];
+                }
+            }
+        }
+        p
+    }
+
+    pub(crate) fn tokens(&self) -> usize {
+        self.t
+    }
+}
+
+/// Rows of `data` (`rb` bytes each) times every token of `p`; `out` is rows × tokens,
+/// row-major.
+pub(crate) fn rows(kind: IntKind, data: &[u8], rb: usize, p: &Packed, out: &mut [f32]) {
+    let t = p.t;
+    assert_eq!(rb, p.nb * kind.block_bytes(), "row width");
+    assert_eq!(data.len() % rb, 0);
+    assert_eq!(out.len(), data.len() / rb * t);
+    match kind {
+        IntKind::Q4_1 => assert_eq!(p.sums.len(), p.nb * p.tpad, "packed without sums"),
+        IntKind::Q4_0 => assert_eq!(p.starts.len(), t * p.nb * 8, "packed without offsets"),
+        IntKind::Q8_0 => {}
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_vnni() {
+        if kind == IntKind::Q8_0 {
+            assert_eq!(p.shifted.len(), p.qs.len(), "packed for another path");
+        }
+        // SAFETY: the CPU has every feature these functions enable; every length they
+        // index by was asserted above.
+        unsafe { avx512::rows(kind.tag(), data, rb, p, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: as above.
+        unsafe { avx2::rows(kind.tag(), data, rb, p, out) };
+        return;
+    }
+    scalar_rows(kind, data, rb, p, out);
+}
+
+#[inline]
+fn f16le(b: &[u8], i: usize) -> f32 {
+    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// The 8-lane tree every path ends with.
+fn tree8(acc: &[f32; 8]) -> f32 {
+    let r: [f32; 4] = std::array::from_fn(|i| acc[i + 4] + acc[i]);
+    (r[0] + r[2]) + (r[1] + r[3])
+}
+
+/// Weight value `j` of block `blk` as a signed integer (Q4_1 without its min).
+fn weight(kind: IntKind, blk: &[u8], j: usize) -> i32 {
+    let nib = |off: usize| {
+        let byte = blk[off + j % 16];
+        i32::from(if j < 16 { byte & 0xF } else { byte >> 4 })
+    };
+    match kind {
+        IntKind::Q4_1 => nib(4),
+        IntKind::Q4_0 => nib(2) - 8,
+        IntKind::Q8_0 => i32::from(blk[2 + j] as i8),
+    }
+}
+
+/// The definition, one (row, token) at a time.
+pub(crate) fn scalar_one(kind: IntKind, row: &[u8], p: &Packed, tt: usize) -> f32 {
+    let bs = kind.block_bytes();
+    let mut acc = [0f32; 8];
+    for b in 0..p.nb {
+        let blk = &row[b * bs..(b + 1) * bs];
+        let at = b * p.t + tt;
+        let d = f16le(blk, 0) * p.ds[at * 8];
+        for (l, a) in acc.iter_mut().enumerate() {
+            let isum: i32 = (4 * l..4 * l + 4)
+                .map(|j| weight(kind, blk, j) * i32::from(p.qs[at * 32 + j]))
+                .sum();
+            *a = d.mul_add(isum as f32, *a);
+        }
+    }
+    let mut r = tree8(&acc);
+    if kind == IntKind::Q4_1 {
+        let mut ms = 0f32;
+        for b in 0..p.nb {
+            ms += f16le(&row[b * bs..], 2) * p.sums[b * p.tpad + tt];
+        }
+        r += ms;
+    }
+    r
+}
+
+fn scalar_rows(kind: IntKind, data: &[u8], rb: usize, p: &Packed, out: &mut [f32]) {
+    let t = p.t;
+    if t == 0 {
+        return;
+    }
+    for (row, o) in data.chunks_exact(rb).zip(out.chunks_exact_mut(t)) {
+        for (tt, v) in o.iter_mut().enumerate() {
+            *v = scalar_one(kind, row, p, tt);
+        }
+    }
+}
+
+/// One kernel body for both SIMD paths: `$dot(qx, at)` gives a token's eight exact lane
+/// sums, `$tile` the widest tile.
+macro_rules! simd_rows {
+    ($features:literal, $tile_max:literal, $dot:ident) => {
+        /// One row times tokens `j0 .. j0 + RN` into `o[..RN]`; Q4_1's min sums ride
+        /// along, the tile's tokens side by side in two vectors.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn tile<const K: u8, const RN: usize>(
+            row: &[u8],
+            p: &Packed,
+            j0: usize,
+            o: &mut [f32],
+        ) {
+            let bs = row.len() / p.nb;
+            assert!(j0 + RN <= p.t && o.len() >= RN);
+            assert!(K != Q4_1 || j0 + 16 <= p.tpad);
+            let mut acc = [_mm256_setzero_ps(); RN];
+            let mut ms = [_mm256_setzero_ps(); 2];
+            for b in 0..p.nb {
+                // SAFETY: block b lies in `row`; the packed arrays hold nb blocks for every
+                // token below p.t, and the sums 16 past j0 (asserted above).
+                unsafe {
+                    let blk = row.as_ptr().add(bs * b);
+                    let (dw, mw) = scales::<K>(blk);
+                    let (qx, wstart) = unpack::<K>(blk);
+                    let first = b * p.t + j0;
+                    for (j, acc) in acc.iter_mut().enumerate() {
+                        let at = first + j;
+                        let dot = $dot::<K>(qx, wstart, p, at);
+                        let d = _mm256_mul_ps(dw, _mm256_loadu_ps(p.ds.as_ptr().add(8 * at)));
+                        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), *acc);
+                    }
+                    if K == Q4_1 {
+                        for (h, ms) in ms.iter_mut().enumerate().take(RN.div_ceil(8)) {
+                            let s = _mm256_loadu_ps(p.sums.as_ptr().add(b * p.tpad + j0 + 8 * h));
+                            *ms = _mm256_add_ps(*ms, _mm256_mul_ps(mw, s));
+                        }
+                    }
+                }
+            }
+            let mut mins = [0f32; 16];
+            if K == Q4_1 {
+                // SAFETY: `mins` holds 16 floats.
+                unsafe {
+                    _mm256_storeu_ps(mins.as_mut_ptr(), ms[0]);
+                    _mm256_storeu_ps(mins.as_mut_ptr().add(8), ms[1]);
+                }
+            }
+            for (j, acc) in acc.iter().enumerate() {
+                // SAFETY: this function enables avx2.
+                let r = unsafe { hsum(*acc) };
+                o[j] = if K == Q4_1 { r + mins[j] } else { r };
+            }
+        }
+
+        #[target_feature(enable = $features)]
+        unsafe fn rows_k<const K: u8>(data: &[u8], rb: usize, p: &Packed, out: &mut [f32]) {
+            let t = p.t;
+            if t == 0 {
+                return;
+            }
+            for (row, o) in data.chunks_exact(rb).zip(out.chunks_exact_mut(t)) {
+                let mut j = 0;
+                // SAFETY (every call): this function enables the kernels' features, and
+                // j + RN <= t.
+                unsafe {
+                    while t - j >= $tile_max {
+                        tile::<K, $tile_max>(row, p, j, &mut o[j..]);
+                        j += $tile_max;
+                    }
+                    if $tile_max > 8 && t - j >= 8 {
+                        tile::<K, 8>(row, p, j, &mut o[j..]);
+                        j += 8;
+                    }
+                    if $tile_max > 4 && t - j >= 4 {
+                        tile::<K, 4>(row, p, j, &mut o[j..]);
+                        j += 4;
+                    }
+                    if t - j >= 2 {
+                        tile::<K, 2>(row, p, j, &mut o[j..]);
+                        j += 2;
+                    }
+                    if t - j >= 1 {
+                        tile::<K, 1>(row, p, j, &mut o[j..]);
+                    }
+                }
+            }
+        }
+
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn rows(k: u8, data: &[u8], rb: usize, p: &Packed, out: &mut [f32]) {
+            // SAFETY: the same features.
+            unsafe {
+                match k {
+                    Q4_1 => rows_k::<Q4_1>(data, rb, p, out),
+                    Q8_0 => rows_k::<Q8_0>(data, rb, p, out),
+                    _ => rows_k::<Q4_0>(data, rb, p, out),
+                }
+            }
+        }
+    };
+}
+
+/// The register helpers both SIMD paths share.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    use super::{Q4_1, Q8_0};
+
+    /// The tree of the module docs over one vector's eight lanes.
+    #[inline(always)]
+    pub(super) unsafe fn hsum(x: __m256) -> f32 {
+        // SAFETY: only called from functions enabling avx2.
+        unsafe {
+            let hi = _mm256_extractf128_ps(x, 1);
+            let mut r = _mm_add_ps(hi, _mm256_castps256_ps128(x));
+            r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+            r = _mm_add_ss(r, _mm_movehdup_ps(r));
+            _mm_cvtss_f32(r)
+        }
+    }
+
+    /// A block's scale, and for Q4_1 its min, each in all eight lanes (f16 → f32 is exact).
+    #[inline(always)]
+    pub(super) unsafe fn scales<const K: u8>(blk: *const u8) -> (__m256, __m256) {
+        // SAFETY: the caller guarantees a whole block at blk (at least 18 bytes) and
+        // enables avx2 and f16c.
+        unsafe {
+            let raw = (blk as *const u32).read_unaligned();
+            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(raw as i32));
+            let d = _mm256_broadcastss_ps(dm);
+            let m = if K == Q4_1 {
+                _mm256_broadcastss_ps(_mm_movehdup_ps(dm))
+            } else {
+                _mm256_setzero_ps()
+            };
+            (d, m)
+        }
+    }
+
+    /// One weight block at `blk` in a register: unsigned nibbles in value order for Q4_0
+    /// and Q4_1, signed bytes for Q8_0; and for Q8_0 on VNNI the lane sums' start
+    /// `−128 · Σ w` (its activations come shifted by 128; zero elsewhere).
+    #[inline(always)]
+    pub(super) unsafe fn unpack_block<const K: u8, const VNNI: bool>(
+        blk: *const u8,
+    ) -> (__m256i, __m256i) {
+        // SAFETY: the caller guarantees one whole block at blk and enables avx2 (and, with
+        // VNNI, avx512vnni and avx512vl).
+        unsafe {
+            if K == Q8_0 {
+                let qx = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                let start = if VNNI {
+                    let w128 =
+                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(-128), qx);
+                    _mm256_sub_epi32(_mm256_setzero_si256(), w128)
+                } else {
+                    _mm256_setzero_si256()
+                };
+                (qx, start)
+            } else {
+                let off = if K == Q4_1 { 4 } else { 2 };
+                let nib = _mm_loadu_si128(blk.add(off) as *const __m128i);
+                let both =
+                    _mm256_insertf128_si256(_mm256_castsi128_si256(nib), _mm_srli_epi16(nib, 4), 1);
+                (
+                    _mm256_and_si256(both, _mm256_set1_epi8(0x0F)),
+                    _mm256_setzero_si256(),
+                )
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::simd::{hsum, scales, unpack_block};
+    use super::{Packed, Q4_0, Q4_1, Q8_0};
+
+    #[inline(always)]
+    unsafe fn unpack<const K: u8>(blk: *const u8) -> (__m256i, __m256i) {
+        // SAFETY: forwarded from the caller.
+        unsafe { unpack_block::<K, true>(blk) }
+    }
+
+    /// A token's eight lane sums with one `vpdpbusd` (u8 × i8 in groups of four, exact).
+    #[inline(always)]
+    unsafe fn dot<const K: u8>(qx: __m256i, wstart: __m256i, p: &Packed, at: usize) -> __m256i {
+        // SAFETY: the caller guarantees block `at` exists in the packed arrays and enables
+        // avx512vnni and avx512vl.
+        unsafe {
+            match K {
+                Q4_1 => _mm256_dpbusd_epi32(
+                    _mm256_setzero_si256(),
+                    qx,
+                    _mm256_loadu_si256(p.qs.as_ptr().add(32 * at) as *const __m256i),
+                ),
+                Q8_0 => _mm256_dpbusd_epi32(
+                    wstart,
+                    _mm256_loadu_si256(p.shifted.as_ptr().add(32 * at) as *const __m256i),
+                    qx,
+                ),
+                _ => _mm256_dpbusd_epi32(
+                    _mm256_loadu_si256(p.starts.as_ptr().add(8 * at) as *const __m256i),
+                    qx,
+                    _mm256_loadu_si256(p.qs.as_ptr().add(32 * at) as *const __m256i),
+                ),
+            }
+        }
+    }
+
+    simd_rows!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 16, dot);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::simd::{hsum, scales, unpack_block};
+    use super::{Packed, Q4_0, Q4_1, Q8_0};
+
+    #[inline(always)]
+    unsafe fn unpack<const K: u8>(blk: *const u8) -> (__m256i, __m256i) {
+        // SAFETY: forwarded from the caller.
+        unsafe { unpack_block::<K, false>(blk) }
+    }
+
+    /// A token's eight lane sums through `maddubs` (no saturation: each pair of |u8 · i8|
+    /// products stays below 2^15; Q8_0 multiplies |w| by the activation with w's sign).
+    #[inline(always)]
+    unsafe fn dot<const K: u8>(qx: __m256i, _wstart: __m256i, p: &Packed, at: usize) -> __m256i {
+        // SAFETY: the caller guarantees block `at` exists in the packed arrays and enables
+        // avx2.
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let qa = _mm256_loadu_si256(p.qs.as_ptr().add(32 * at) as *const __m256i);
+            match K {
+                Q8_0 => _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qa, qx)),
+                    ones,
+                ),
+                Q4_1 => _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qa), ones),
+                _ => _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qa), ones),
+                    _mm256_loadu_si256(p.starts.as_ptr().add(8 * at) as *const __m256i),
+                ),
+            }
+        }
+    }
+
+    simd_rows!("avx2,fma,f16c", 4, dot);
+}
+
+#[cfg(test)]
+mod tests {
+    use half::f16;
+    use pdmesh_gguf::{GgmlType, dequantize};
+
+    use super::*;
+    use crate::{quantize_q8_0, quantize_q8_1};
+
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn next(&mut self) -> u32 {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (self.0 >> 33) as u32
+        }
+    }
+
+    /// `rows` rows of `nb` blocks of `kind`, with extreme values (nibbles 0 and 15, bytes
+    /// −128 and 127) mixed in, and scales of both signs.
+    fn weights(kind: IntKind, rows: usize, nb: usize, seed: u64) -> Vec<u8> {
+        let mut r = Lcg(seed);
+        let mut d = Vec::new();
+        for _ in 0..rows * nb {
+            let scale = (r.next() % 200) as f32 * 1e-4 - 0.005;
+            d.extend(f16::from_f32(scale).to_le_bytes());
+            if kind == IntKind::Q4_1 {
+                d.extend(f16::from_f32((r.next() % 100) as f32 * -1e-3).to_le_bytes());
+            }
+            let n = if kind == IntKind::Q8_0 { 32 } else { 16 };
+            for _ in 0..n {
+                d.push(match r.next() % 6 {
+                    0 => 0x00,
+                    1 => 0xFF,
+                    2 => 0x80,
+                    3 => 0x7F,
+                    _ => r.next() as u8,
+                });
+            }
+        }
+        d
+    }
+
+    fn acts(kind: IntKind, t: usize, nb: usize, seed: u64) -> Vec<QActs> {
+        let mut r = Lcg(seed);
+        (0..t)
+            .map(|_| {
+                let x: Vec<f32> = (0..nb * 32)
+                    .map(|_| match r.next() % 9 {
+                        0 => 0.0,
+                        _ => (r.next() % 2001) as f32 * 1e-3 - 1.0,
+                    })
+                    .collect();
+                let mut q = QActs::default();
+                if kind == IntKind::Q4_1 {
+                    quantize_q8_1(&x, &mut q);
+                } else {
+                    quantize_q8_0(&x, &mut q);
+                }
+                q
+            })
+            .collect()
+    }
+
+    const KINDS: [IntKind; 3] = [IntKind::Q4_1, IntKind::Q8_0, IntKind::Q4_0];
+
+    /// Packed as a matrix product packs: Q8_1 activations for Q4_1, and Q8_0 ones for
+    /// both other formats at once.
+    fn pack(kind: IntKind, a: &[QActs], nb: usize) -> Packed {
+        let kinds: &[IntKind] = if kind == IntKind::Q4_1 {
+            &[IntKind::Q4_1]
+        } else {
+            &[IntKind::Q8_0, IntKind::Q4_0]
+        };
+        Packed::new(a, nb, kinds)
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
+
+    /// A path's rows × tokens.
+    type RowsFn = fn(IntKind, &[u8], usize, &Packed, &mut [f32]);
+
+    /// The paths this machine can run.
+    fn paths() -> Vec<(&'static str, RowsFn)> {
+        let mut p: Vec<(&'static str, RowsFn)> =
+            vec![("scalar", scalar_rows), ("dispatched", rows)];
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU has avx2, fma and f16c.
+            p.push(("avx2", |k, d, rb, pk, o| unsafe {
+                avx2::rows(k.tag(), d, rb, pk, o)
+            }));
+        }
+        p
+    }
+
+    #[test]
+    fn every_path_equals_the_definition_for_every_batch_size_and_tile_remainder() {
+        if !has_avx2() {
+            eprintln!("no SIMD path on this machine: the scalar path alone is checked");
+        }
+        for kind in KINDS {
+            // One block, an odd count, and SmolLM2's width.
+            for nb in [1, 3, 18] {
+                let nrows = 5;
+                let w = weights(kind, nrows, nb, 11 + nb as u64);
+                let rb = nb * kind.block_bytes();
+                let all = acts(kind, 64, nb, 7);
+                for t in 1..=64 {
+                    let p = pack(kind, &all[..t], nb);
+                    let want: Vec<f32> = (0..nrows * t)
+                        .map(|i| scalar_one(kind, &w[i / t * rb..(i / t + 1) * rb], &p, i % t))
+                        .collect();
+                    for (name, f) in paths() {
+                        let mut got = vec![0f32; nrows * t];
+                        f(kind, &w, rb, &p, &mut got);
+                        assert_eq!(bits(&got), bits(&want), "{kind:?} nb {nb} t {t}: {name}");
+                    }
+                    // A token's result alone equals its result in the batch.
+                    let last = pack(kind, &all[t - 1..t], nb);
+                    let mut one = vec![0f32; nrows];
+                    rows(kind, &w, rb, &last, &mut one);
+                    for r in 0..nrows {
+                        assert_eq!(one[r].to_bits(), want[r * t + t - 1].to_bits());
+                    }
+                }
+            }
+        }
+    }
+
+    /// The definition against a float product of the dequantized weights and
+    /// activations: only the activations' rounding separates them.
+    #[test]
+    fn the_definition_is_the_dot_product_of_the_dequantized_values() {
+        for kind in KINDS {
+            let nb = 5;
+            let w = weights(kind, 3, nb, 3);
+            let rb = nb * kind.block_bytes();
+            let a = acts(kind, 4, nb, 5);
+            let p = pack(kind, &a, nb);
+            let ty = match kind {
+                IntKind::Q4_1 => GgmlType::Q4_1,
+                IntKind::Q8_0 => GgmlType::Q8_0,
+                IntKind::Q4_0 => GgmlType::Q4_0,
+            };
+            let mut wf = vec![0f32; nb * 32];
+            for r in 0..3 {
+                dequantize(ty, &w[r * rb..(r + 1) * rb], &mut wf);
+                for (tt, q) in a.iter().enumerate() {
+                    let xf: Vec<f32> = (0..nb * 32).map(|i| q.qs[i] as f32 * q.d[i / 32]).collect();
+                    let exact: f64 = wf
+                        .iter()
+                        .zip(&xf)
+                        .map(|(a, b)| (*a as f64) * (*b as f64))
+                        .sum();
+                    let mag: f64 = wf
+                        .iter()
+                        .zip(&xf)
+                        .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                        .sum();
+                    let got = scalar_one(kind, &w[r * rb..(r + 1) * rb], &p, tt) as f64;
+                    // Q8_1's sums are rounded through f16: a relative 2^-11 of the min term.
+                    assert!(
+                        (got - exact).abs() <= mag * 2e-3 + 1e-4,
+                        "{kind:?} row {r} token {tt}: {got} vs {exact}"
+                    );
+                }
+            }
+        }
+    }
+}
