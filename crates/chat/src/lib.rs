@@ -92,6 +92,26 @@ impl OutputParser {
         }
     }
 
+    /// The parser a generation asks for: tool calls in `format` (restricted to
+    /// `tool_names` unless empty; ids start with `call_id_prefix`) and `<think>` reasoning
+    /// (`thinking`: the prompt opened the block); none when it asks for neither.
+    pub fn for_output(
+        format: Option<Format>,
+        reasoning: bool,
+        thinking: bool,
+        tool_names: &[String],
+        call_id_prefix: &str,
+    ) -> Option<Self> {
+        if format.is_none() && !reasoning {
+            return None;
+        }
+        let allowed = (!tool_names.is_empty()).then(|| tool_names.to_vec());
+        Some(Self::new(
+            reasoning.then(|| ReasoningParser::new(thinking)),
+            format.map(|f| ToolParser::new(f, allowed, call_id_prefix)),
+        ))
+    }
+
     /// Parses one chunk of bytes.
     pub fn push(&mut self, chunk: &[u8]) -> Vec<Delta> {
         let first = match (&mut self.reasoning, &mut self.tools) {

@@ -728,6 +728,9 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             gateway_listen.to_string(),
             "--tokenizer-url".into(),
             format!("http://{tok_addr}"),
+            // The tokenizer's own model file: the gateway detokenizes in process.
+            "--model".into(),
+            model_arg.clone(),
         ];
         if role == UpRole::Gateway {
             gw_args.extend(["--prefill-url".into(), args.prefill_url.join(",")]);

@@ -16,9 +16,18 @@ impl GgufWriter {
         Self::default()
     }
 
+    /// Sets `key` (a key set again keeps its place and takes the new value).
     pub fn meta(&mut self, key: &str, v: MetaValue) -> &mut Self {
-        self.kv.push((key.into(), v));
+        match self.meta_mut(key) {
+            Some(old) => *old = v,
+            None => self.kv.push((key.into(), v)),
+        }
         self
+    }
+
+    /// The value set for `key`, to edit in place.
+    pub fn meta_mut(&mut self, key: &str) -> Option<&mut MetaValue> {
+        self.kv.iter_mut().find(|(k, _)| k == key).map(|(_, v)| v)
     }
 
     /// Add a tensor; `data` must already be in `ty`'s block format.

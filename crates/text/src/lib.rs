@@ -7,10 +7,12 @@ mod chat;
 mod detok;
 pub mod dsv32;
 pub mod hermes;
+mod stream;
 mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate, ToolCall, ToolCallError, ToolFormat};
 pub use detok::IncrementalDetokenizer;
+pub use stream::TextStream;
 pub use tokenizer::{ChatFormat, PRE_TOKENIZER_SMOLLM, TextTokenizer};
 
 /// Everything that can go wrong turning a GGUF into text machinery, or using it.

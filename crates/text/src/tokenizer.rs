@@ -436,6 +436,35 @@ impl TextTokenizer {
         self.token_bytes.as_ref().clone()
     }
 
+    /// A digest (hex SHA-256) of everything detokenization depends on: each id's bytes,
+    /// which ids are special, and the decoder's configuration. Two tokenizers with the same
+    /// fingerprint turn every id sequence into the same text.
+    pub fn fingerprint(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(b"pdmesh-text detokenize v1\0");
+        h.update((self.token_bytes.len() as u64).to_le_bytes());
+        for t in self.token_bytes.iter() {
+            h.update((t.len() as u64).to_le_bytes());
+            h.update(t);
+        }
+        let mut special: Vec<u32> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect();
+        special.sort_unstable();
+        h.update((special.len() as u64).to_le_bytes());
+        for id in special {
+            h.update(id.to_le_bytes());
+        }
+        // Serializing a decoder cannot fail (plain data); an error would hash as empty.
+        h.update(serde_json::to_vec(&self.inner.get_decoder()).unwrap_or_default());
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     /// The model's chat template (`tokenizer.chat_template`), if the GGUF has one.
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat_template.as_deref()
@@ -572,6 +601,28 @@ pub(crate) mod tests {
     pub(crate) fn tiny() -> TextTokenizer {
         let (_dir, path) = tiny_gguf(|_| {});
         TextTokenizer::from_path(&path).unwrap()
+    }
+
+    /// Equal tokenizers share a fingerprint; one more special id, or one id's bytes
+    /// changed, gives another.
+    #[test]
+    fn fingerprint_tells_detokenizers_apart() {
+        let fp = tiny().fingerprint();
+        assert_eq!(fp.len(), 64);
+        assert_eq!(tiny().fingerprint(), fp);
+        let with = |edit: fn(&mut Vec<MetaValue>), key: &'static str| {
+            let (_dir, path) = tiny_gguf(|w| match w.meta_mut(key) {
+                Some(MetaValue::Array(v)) => edit(v),
+                other => panic!("{key} is {other:?}"),
+            });
+            TextTokenizer::from_path(&path).unwrap().fingerprint()
+        };
+        // `<tool>` (258) user-defined -> control.
+        let special = with(|t| t[258] = MetaValue::I32(3), "tokenizer.ggml.token_type");
+        let swapped = with(|t| t.swap(0x41, 0x42), "tokenizer.ggml.tokens");
+        assert_ne!(special, fp);
+        assert_ne!(swapped, fp);
+        assert_ne!(special, swapped);
     }
 
     #[test]

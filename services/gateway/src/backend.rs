@@ -433,14 +433,19 @@ impl Backends {
             .ids)
     }
 
-    /// The tool-call markup and reasoning tags the model writes (the tokenizer's Info).
-    pub async fn output_format(&self) -> Result<OutputFormat, ApiError> {
+    /// The tokenizer's Info, within the probe timeout.
+    async fn tokenizer_info(&self) -> Result<tk::InfoResponse, ApiError> {
         let mut client = self.tokenizer.clone();
         let call = client.info(tk::InfoRequest {});
-        let info = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call)
+        Ok(tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call)
             .await
             .map_err(|_| ApiError::unavailable("the tokenizer did not answer Info in time"))??
-            .into_inner();
+            .into_inner())
+    }
+
+    /// The tool-call markup and reasoning tags the model writes (the tokenizer's Info).
+    pub async fn output_format(&self) -> Result<OutputFormat, ApiError> {
+        let info = self.tokenizer_info().await?;
         let tools = match info.tool_format() {
             tk::ToolFormat::None => ToolFormat::None,
             tk::ToolFormat::Dsml => ToolFormat::Dsml,
@@ -556,14 +561,31 @@ impl Backends {
     }
 
     /// A streaming detokenizer session (special tokens skipped); `parsing` splits the
-    /// text into content, reasoning and tool calls (absent: plain text).
-    pub fn detokenizer(&self, parsing: Option<Parsing>, span: tracing::Span) -> Detokenizer {
+    /// text into content, reasoning and tool calls (absent: plain text). With `local`
+    /// (a tokenizer whose fingerprint equals the tokenizer service's), the ids are turned
+    /// into text in this process by the same code the service runs; otherwise through
+    /// the service's Detokenize stream.
+    pub fn detokenizer(
+        &self,
+        parsing: Option<Parsing>,
+        local: Option<&pdmesh_text::TextTokenizer>,
+        span: tracing::Span,
+    ) -> Detokenizer {
         Detokenizer {
+            local: local.map(|tok| {
+                pdmesh_text::TextStream::new(tok, true, parsing.as_ref().and_then(output_parser))
+            }),
+            pushed: false,
             client: self.tokenizer.clone(),
             session: None,
             parsing,
             span,
         }
+    }
+
+    /// The tokenizer service's fingerprint (Info), to compare with a local tokenizer's.
+    pub async fn tokenizer_fingerprint(&self) -> Result<String, ApiError> {
+        Ok(self.tokenizer_info().await?.fingerprint)
     }
 }
 
@@ -675,8 +697,65 @@ fn parsed(r: tk::DetokenizeResponse) -> Parsed {
     }
 }
 
-/// One Detokenize stream: each `push` sends ids and returns what they completed.
+/// The parser the tokenizer service would build for `p` (none for plain text).
+fn output_parser(p: &Parsing) -> Option<pdmesh_chat::OutputParser> {
+    use pdmesh_chat::Format;
+    let format = match p.tool_format {
+        ToolFormat::None => None,
+        ToolFormat::Dsml => Some(Format::Dsml),
+        ToolFormat::DeepSeekV3 => Some(Format::DeepSeekV3),
+        ToolFormat::DeepSeekV31 => Some(Format::DeepSeekV31),
+        ToolFormat::Hermes => Some(Format::Hermes),
+    };
+    pdmesh_chat::OutputParser::for_output(
+        format,
+        p.reasoning,
+        p.thinking,
+        &p.tool_names,
+        &p.call_id_prefix,
+    )
+}
+
+/// Deltas as one [`Parsed`], as the tokenizer service answers them: content and reasoning
+/// each concatenated, calls and failures in order.
+fn parsed_deltas(deltas: Vec<pdmesh_chat::Delta>) -> Parsed {
+    use pdmesh_chat::Delta;
+    let mut p = Parsed::default();
+    for d in deltas {
+        match d {
+            Delta::Content(t) => p.text.push_str(&t),
+            Delta::Reasoning(t) => p.reasoning.push_str(&t),
+            Delta::ToolCall {
+                index,
+                id,
+                name,
+                arguments,
+            } => p.tool_calls.push(ToolCallDelta {
+                index: u32::try_from(index).unwrap_or(u32::MAX),
+                id: id.unwrap_or_default(),
+                name: name.unwrap_or_default(),
+                arguments,
+            }),
+            Delta::Error(e) => {
+                tracing::warn!(parser = e.parser, reason = e.reason, detail = %e.detail, "model output failed to parse");
+                p.failures.push(ParseFailure {
+                    parser: e.parser.into(),
+                    reason: e.reason.into(),
+                    detail: e.detail,
+                });
+            }
+        }
+    }
+    p
+}
+
+/// One generation's detokenization: in process (`local`), or one Detokenize stream where
+/// each `push` sends ids and returns what they completed.
 pub(crate) struct Detokenizer {
+    local: Option<pdmesh_text::TextStream>,
+    /// Some ids were pushed (a stream that saw none ends with nothing, as a Detokenize
+    /// call never opened).
+    pushed: bool,
     client: TokenizerClient<Channel>,
     session: Option<(
         mpsc::Sender<tk::DetokenizeRequest>,
@@ -689,7 +768,21 @@ pub(crate) struct Detokenizer {
 }
 
 impl Detokenizer {
+    /// Whether the text is made in this process.
+    pub fn is_local(&self) -> bool {
+        self.local.is_some()
+    }
+
     pub async fn push(&mut self, ids: Vec<u32>) -> Result<Parsed, ApiError> {
+        self.pushed = true;
+        if let Some(s) = &mut self.local {
+            // The worker sent an id outside the vocabulary: a backend fault, as the
+            // tokenizer service's INVALID_ARGUMENT would be.
+            return s
+                .push(&ids)
+                .map(parsed_deltas)
+                .map_err(|e| ApiError::backend(format!("the worker sent {e}")));
+        }
         let parsing = self
             .session
             .is_none()
@@ -745,6 +838,13 @@ impl Detokenizer {
     /// the generation stopped at its length limit, so unfinished markup is dropped and
     /// the calls before it kept; otherwise an open block that never closed is a failure.
     pub async fn finish(&mut self, truncated: bool) -> Result<Parsed, ApiError> {
+        if let Some(s) = self.local.take() {
+            return Ok(if self.pushed {
+                parsed_deltas(s.finish(truncated))
+            } else {
+                Parsed::default()
+            });
+        }
         let Some((tx, mut rx)) = self.session.take() else {
             return Ok(Parsed::default());
         };

@@ -1,5 +1,7 @@
-//! One generation, shared by both endpoints: worker.Generate → tokenizer.Detokenize (which
-//! also splits reasoning and tool calls from content when asked) → stop-string filter →
+//! One generation, shared by both endpoints: worker.Generate → detokenize (in process with
+//! `--model`'s tokenizer once it is known to equal the tokenizer service's, else through
+//! tokenizer.Detokenize; either also splits reasoning and tool calls from content when
+//! asked) → stop-string filter →
 //! deltas, then the finish reason and usage. A tool call or reasoning block that fails to
 //! parse ends the generation with an error: its markup is never shown as content. If the consumer
 //! drops the stream early (client disconnect), the worker is told to abort the request,
@@ -118,7 +120,8 @@ pub(crate) async fn start(
     let stream = async_stream::stream! {
         let mut guard = guard;
         let mut worker = futures::stream::iter([Ok(first)]).chain(worker);
-        let mut detok = st.backends.detokenizer(parsing, span.clone());
+        let mut detok = st.backends.detokenizer(parsing, st.local_tokenizer().await, span.clone());
+        let place = st.metrics.detokenized_tokens.with_label_values(&[if detok.is_local() { "gateway" } else { "tokenizer" }]);
         let mut filter = StopFilter::new(&stops);
         let mut calls = 0usize;
         let mut last_token: Option<std::time::Instant> = None;
@@ -156,6 +159,7 @@ pub(crate) async fn start(
                     if filter.stopped() {
                         continue;
                     }
+                    place.inc_by(ids.len() as u64);
                     match detok.push(ids).await.and_then(|p| split(&st, p, &mut filter, false)) {
                         Ok(events) => {
                             for ev in events {
@@ -479,7 +483,13 @@ mod tests {
         );
         let cfg = Config::new(&turl, &wurl);
         let backends = Backends::connect_lazy(&turl, &wurl).unwrap();
-        let st = AppState::new(cfg, backends, tokio_util::sync::CancellationToken::new()).unwrap();
+        let st = AppState::new(
+            cfg,
+            backends,
+            None,
+            tokio_util::sync::CancellationToken::new(),
+        )
+        .unwrap();
 
         let mut stream = start(
             &st,

@@ -61,6 +61,12 @@ pub struct Config {
     /// Largest accepted request body.
     #[arg(long, env = "PDMESH_MAX_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// The GGUF model file (the tokenizer service's `--model`): with it, generated tokens
+    /// are turned into text in this process, with no round trip to the tokenizer service
+    /// per token, once the service's tokenizer fingerprint is seen to be the same (else
+    /// the service detokenizes, and the gateway logs an error).
+    #[arg(long, env = "PDMESH_GATEWAY_MODEL")]
+    pub model: Option<std::path::PathBuf>,
     /// Mutual TLS for the gateway's connections to the tokenizer, workers and cache
     /// services (the HTTP API itself is served as before).
     #[command(flatten)]
@@ -79,6 +85,7 @@ impl Config {
             model_name: None,
             api_key: None,
             max_body_bytes: 4 * 1024 * 1024,
+            model: None,
             tls: pdmesh_tls::TlsArgs::default(),
         }
     }
@@ -131,7 +138,18 @@ pub async fn run(
         .workers
         .watch_hosts(backends.caches(), shutdown.child_token());
     backends.workers.learn_homes(shutdown.child_token());
-    let state = state::AppState::new(cfg, backends, shutdown.child_token())?;
+    let local = match cfg.model.clone() {
+        None => None,
+        Some(path) => Some(
+            tokio::task::spawn_blocking(move || {
+                pdmesh_text::TextTokenizer::from_path(&path)
+                    .map_err(|e| Error::Config(format!("--model {}: {e}", path.display())))
+            })
+            .await
+            .map_err(|e| Error::Config(format!("loading --model's tokenizer panicked: {e}")))??,
+        ),
+    };
+    let state = state::AppState::new(cfg, backends, local, shutdown.child_token())?;
     tokio::spawn(watch_event_loop(state.clone(), shutdown.child_token()));
     let app = handlers::router(state);
     let addr = listener.local_addr().ok();

@@ -124,6 +124,9 @@ pub(crate) struct Metrics {
     prompt_token_sources: IntCounterVec,
     /// How late the gateway's runtime wakes a timer (a busy or blocked event loop).
     pub event_loop_delay: Histogram,
+    /// Generated tokens by where they were turned into text: `gateway` (in process, the
+    /// same tokenizer as the tokenizer service's) or `tokenizer` (its Detokenize stream).
+    pub detokenized_tokens: IntCounterVec,
     pub kv_write_back_seconds: WorkerTotals,
     /// Engine steps (the watchdogs' progress counter) and the longest wait for one.
     pub engine_steps: WorkerTotals,
@@ -652,6 +655,17 @@ impl Metrics {
             ]),
         )?;
         registry.register(Box::new(event_loop_delay.clone()))?;
+        let detokenized_tokens = IntCounterVec::new(
+            Opts::new(
+                "mesh_detokenized_tokens_total",
+                "Generated tokens by where the gateway had them turned into text: gateway (in process, with a tokenizer whose fingerprint equals the tokenizer service's) or tokenizer (the tokenizer service's Detokenize stream).",
+            ),
+            &["place"],
+        )?;
+        registry.register(Box::new(detokenized_tokens.clone()))?;
+        for place in ["gateway", "tokenizer"] {
+            detokenized_tokens.with_label_values(&[place]);
+        }
         let build_info = prometheus::IntGaugeVec::new(
             Opts::new(
                 "mesh_build_info",
@@ -741,6 +755,7 @@ impl Metrics {
             stage_seconds,
             prompt_token_sources,
             event_loop_delay,
+            detokenized_tokens,
             kv_write_back_seconds,
             engine_steps,
             engine_idle_seconds,

@@ -27,6 +27,10 @@ pub(crate) struct Inner {
     pub started: u64,
     info: OnceCell<WorkerInfo>,
     output: OnceCell<OutputFormat>,
+    /// The tokenizer loaded from `--model`, with its fingerprint.
+    local: Option<(pdmesh_text::TextTokenizer, String)>,
+    /// Whether `local` matches the tokenizer service (decided once it answers).
+    local_matches: OnceCell<bool>,
 }
 
 impl std::ops::Deref for AppState {
@@ -48,6 +52,7 @@ impl AppState {
     pub fn new(
         cfg: Config,
         backends: Backends,
+        local: Option<pdmesh_text::TextTokenizer>,
         shutdown: CancellationToken,
     ) -> Result<Self, Error> {
         Ok(Self(Arc::new(Inner {
@@ -58,6 +63,11 @@ impl AppState {
             started: unix_now(),
             info: OnceCell::new(),
             output: OnceCell::new(),
+            local: local.map(|t| {
+                let fp = t.fingerprint();
+                (t, fp)
+            }),
+            local_matches: OnceCell::new(),
         })))
     }
 
@@ -74,6 +84,33 @@ impl AppState {
             .get_or_try_init(|| self.backends.output_format())
             .await
             .copied()
+    }
+
+    /// The tokenizer to detokenize with in this process: `--model`'s, once the tokenizer
+    /// service's fingerprint is known to equal it. A different one (another model, another
+    /// revision) is never used, loudly: text from the wrong vocabulary would be silent
+    /// corruption. Until the service answers, nothing local is used.
+    pub async fn local_tokenizer(&self) -> Option<&pdmesh_text::TextTokenizer> {
+        let (tok, fp) = self.local.as_ref()?;
+        let matches = self
+            .local_matches
+            .get_or_try_init(|| async {
+                let theirs = self.backends.tokenizer_fingerprint().await?;
+                let same = &theirs == fp;
+                if same {
+                    tracing::info!("detokenizing in the gateway: --model's tokenizer equals the tokenizer service's");
+                } else {
+                    tracing::error!(
+                        ours = %fp,
+                        theirs = %theirs,
+                        "--model's tokenizer differs from the tokenizer service's: detokenizing through the service instead"
+                    );
+                }
+                Ok::<bool, ApiError>(same)
+            })
+            .await
+            .ok()?;
+        matches.then_some(tok)
     }
 
     /// The model name clients must send.

@@ -4,9 +4,11 @@
 
 use std::sync::Arc;
 
-use pdmesh_chat::{Delta, Format, OutputParser, ReasoningParser, ToolParser};
+use pdmesh_chat::{Delta, Format, OutputParser};
 use pdmesh_proto::tokenizer::v1 as pb;
-use pdmesh_text::{ChatFormat, ChatMessage, TextTokenizer, ToolCall, ToolFormat, dsv32};
+use pdmesh_text::{
+    ChatFormat, ChatMessage, TextStream, TextTokenizer, ToolCall, ToolFormat, dsv32,
+};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -19,6 +21,8 @@ const DETOKENIZE_BUFFER: usize = 16;
 /// The tonic service: a shared, immutable tokenizer.
 pub(crate) struct TokenizerService {
     tok: Arc<TextTokenizer>,
+    /// [`TextTokenizer::fingerprint`], computed once.
+    fingerprint: String,
 }
 
 /// The parser a stream asked for, if any; an unknown tool format is INVALID_ARGUMENT.
@@ -36,21 +40,13 @@ fn output_parser(p: &pb::OutputParsing) -> Result<Option<OutputParser>, Status> 
         pb::ToolFormat::DeepseekV31 => Some(Format::DeepSeekV31),
         pb::ToolFormat::Hermes => Some(Format::Hermes),
     };
-    if format.is_none() && !p.reasoning {
-        return Ok(None);
-    }
-    let allowed = (!p.tool_names.is_empty()).then(|| p.tool_names.clone());
-    Ok(Some(OutputParser::new(
-        p.reasoning.then(|| ReasoningParser::new(p.thinking)),
-        format.map(|f| ToolParser::new(f, allowed, &p.call_id_prefix)),
-    )))
-}
-
-fn plain(text: String) -> pb::DetokenizeResponse {
-    pb::DetokenizeResponse {
-        text,
-        ..Default::default()
-    }
+    Ok(OutputParser::for_output(
+        format,
+        p.reasoning,
+        p.thinking,
+        &p.tool_names,
+        &p.call_id_prefix,
+    ))
 }
 
 /// Parsed deltas as one response (content and reasoning each concatenated, calls and
@@ -87,7 +83,10 @@ fn response(deltas: Vec<Delta>) -> pb::DetokenizeResponse {
 
 impl TokenizerService {
     pub(crate) fn new(tok: TextTokenizer) -> Self {
-        Self { tok: Arc::new(tok) }
+        Self {
+            fingerprint: tok.fingerprint(),
+            tok: Arc::new(tok),
+        }
     }
 }
 
@@ -256,8 +255,7 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
         let (tx, rx) = mpsc::channel(DETOKENIZE_BUFFER);
         tokio::spawn(async move {
             let vocab = tok.vocab_size();
-            let mut detok = None;
-            let mut parser: Option<OutputParser> = None;
+            let mut stream: Option<TextStream> = None;
             let mut truncated = false;
             loop {
                 let msg = match inbound.message().await {
@@ -268,9 +266,12 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
                         return;
                     }
                 };
-                if detok.is_none() {
+                if stream.is_none() {
                     match msg.parsing.as_ref().map(output_parser).transpose() {
-                        Ok(p) => parser = p.flatten(),
+                        Ok(p) => {
+                            stream =
+                                Some(TextStream::new(&tok, msg.skip_special_tokens, p.flatten()))
+                        }
                         Err(status) => {
                             let _ = tx.send(Err(status)).await;
                             return;
@@ -278,35 +279,20 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
                     }
                 }
                 truncated |= msg.truncated;
-                let d = detok.get_or_insert_with(|| tok.detokenizer(msg.skip_special_tokens));
+                let s = stream.as_mut().expect("created above");
                 let answer = check_ids(&msg.ids, vocab, "ids")
-                    .and_then(|()| d.push(&msg.ids).map_err(Error::Text))
-                    .map(|text| match &mut parser {
-                        None => plain(text),
-                        Some(p) => response(p.push(text.as_bytes())),
-                    })
+                    .and_then(|()| s.push(&msg.ids).map_err(Error::Text))
+                    .map(response)
                     .map_err(Status::from);
                 let failed = answer.is_err();
                 if tx.send(answer).await.is_err() || failed {
                     return;
                 }
             }
-            if let Some(mut d) = detok {
-                let text = d.finish();
-                let last = match &mut parser {
-                    None => plain(text),
-                    Some(p) => {
-                        let mut deltas = p.push(text.as_bytes());
-                        // Cut off by the length limit, unfinished markup is not the model's
-                        // error: it is dropped, and the calls before it stand.
-                        deltas.extend(if truncated {
-                            p.finish_truncated()
-                        } else {
-                            p.finish()
-                        });
-                        response(deltas)
-                    }
-                };
+            if let Some(s) = stream {
+                // Cut off by the length limit, unfinished markup is not the model's error:
+                // it is dropped, and the calls before it stand.
+                let last = response(s.finish(truncated));
                 if last != pb::DetokenizeResponse::default() {
                     let _ = tx.send(Ok(last)).await;
                 }
@@ -334,6 +320,7 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
             has_chat_template: !matches!(format, ChatFormat::None),
             tool_format: tool_format(format.tool_format()).into(),
             reasoning: format.reasoning(),
+            fingerprint: self.fingerprint.clone(),
         }))
     }
 }

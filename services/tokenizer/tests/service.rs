@@ -261,6 +261,10 @@ async fn info_and_health_describe_the_model() {
     // calls, and nothing in it uses <think>.
     assert_eq!(info.tool_format(), pb::ToolFormat::Hermes);
     assert!(!info.reasoning);
+    // What a gateway compares its own copy of the tokenizer with.
+    let own = pdmesh_text::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+        .unwrap();
+    assert_eq!(info.fingerprint, own.fingerprint());
     assert!(
         info.eos_token_ids.contains(&2),
         "<|im_end|> is an end token: {:?}",

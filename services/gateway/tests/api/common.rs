@@ -46,6 +46,8 @@ pub struct Options {
     pub api_key: Option<String>,
     pub max_body_bytes: Option<usize>,
     pub kv_pages: Option<usize>,
+    /// The gateway's `--model` (it then detokenizes in process).
+    pub gateway_model: Option<std::path::PathBuf>,
 }
 
 impl Default for Options {
@@ -56,6 +58,7 @@ impl Default for Options {
             api_key: None,
             max_body_bytes: None,
             kv_pages: None,
+            gateway_model: None,
         }
     }
 }
@@ -90,6 +93,7 @@ pub async fn start(opts: Options) -> Mesh {
         pdmesh_gateway::Config::new(format!("http://{tokenizer}"), format!("http://{worker}"));
     cfg.model_name = opts.model_name;
     cfg.api_key = opts.api_key;
+    cfg.model = opts.gateway_model;
     if let Some(b) = opts.max_body_bytes {
         cfg.max_body_bytes = b;
     }

@@ -332,3 +332,127 @@ async fn slow_flush_cache_frees_every_cached_page_and_the_answer_stays_the_same(
     let r = post_json(m.gateway, "/flush_cache", &json!({})).await;
     assert_eq!(r.json()["pages_flushed"].as_f64(), Some(cached));
 }
+
+/// The default model's tokenizer metadata (no tensors) with two ordinary tokens' strings
+/// swapped: a tokenizer that loads, whose fingerprint differs from the service's.
+fn other_tokenizer_gguf(dir: &std::path::Path) -> std::path::PathBuf {
+    use pdmesh_gguf::{GgufFile, GgufWriter, MetaValue};
+    let g = GgufFile::open(pdmesh_gguf::models::require_default_model()).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in &g.metadata {
+        let mut v = v.clone();
+        if k == "tokenizer.ggml.tokens"
+            && let MetaValue::Array(tokens) = &mut v
+        {
+            tokens.swap(1000, 1001);
+        }
+        w.meta(k, v);
+    }
+    let path = dir.join("other-tokenizer.gguf");
+    w.write_to(&path).unwrap();
+    path
+}
+
+/// (content, tool calls as [name, arguments], finish_reason, completion_tokens).
+async fn answer(m: &Mesh, body: &Value) -> (Value, Value, Value, u64) {
+    let r = post_json(m.gateway, "/v1/chat/completions", body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let msg = &v["choices"][0]["message"];
+    let calls: Vec<Value> = msg["tool_calls"]
+        .as_array()
+        .map(|c| {
+            c.iter()
+                .map(|c| json!([c["function"]["name"], c["function"]["arguments"]]))
+                .collect()
+        })
+        .unwrap_or_default();
+    (
+        msg["content"].clone(),
+        Value::Array(calls),
+        v["choices"][0]["finish_reason"].clone(),
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+    )
+}
+
+async fn detokenized(m: &Mesh, place: &str) -> f64 {
+    let text = get(m.gateway, "/metrics").await.text();
+    metric(
+        &text,
+        &format!("mesh_detokenized_tokens_total{{place=\"{place}\"}}"),
+    )
+    .unwrap_or_else(|| panic!("no detokenized count for {place}"))
+}
+
+/// With `--model` the gateway turns tokens into text itself: plain answers, stop strings,
+/// tool calls (Hermes markup parsed into `tool_calls`) and streamed deltas all equal what
+/// the tokenizer service makes of the same tokens, and the tokens are counted as made in
+/// the gateway. Given another tokenizer (two ids' strings swapped) it never uses it: the
+/// answers still come from the service, also equal.
+#[tokio::test]
+async fn slow_in_process_detokenizing_gives_the_tokenizer_services_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let remote = mesh().await;
+    let with = |model| {
+        start(Options {
+            worker: true,
+            model_name: None,
+            gateway_model: Some(model),
+            ..Options::default()
+        })
+    };
+    let local = with(pdmesh_gguf::models::require_default_model()).await;
+    let other = with(other_tokenizer_gguf(dir.path())).await;
+    let model = model_name(&remote).await;
+    let tools = json!([{
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }]);
+    let bodies = [
+        chat_body(
+            &model,
+            "Write a short poem about the sea, with an emoji 🌊.",
+            json!({}),
+        ),
+        chat_body(
+            &model,
+            "Count from one to twenty in words.",
+            json!({ "stop": [" five"] }),
+        ),
+        chat_body(
+            &model,
+            "What is the weather in Paris?",
+            json!({ "tools": tools, "tool_choice": "required", "max_tokens": 60 }),
+        ),
+        chat_body(&model, "Say hello.", json!({ "max_tokens": 3 })),
+    ];
+    let mut generated = 0;
+    for body in &bodies {
+        let want = answer(&remote, body).await;
+        assert_eq!(answer(&local, body).await, want, "{body}");
+        assert_eq!(answer(&other, body).await, want, "{body}");
+        assert_eq!(
+            chat_stream(&local, body).await.0,
+            chat_stream(&remote, body).await.0
+        );
+        generated += 2 * want.3;
+    }
+    let calls = answer(&remote, &bodies[2]).await.1;
+    assert_eq!(
+        calls[0][0], "get_weather",
+        "tool_choice=required gave {calls}"
+    );
+    // Every token up to each answer's end (a stop string's tail is never detokenized).
+    let made = detokenized(&local, "gateway").await;
+    assert!(
+        made > 0.0 && made <= generated as f64,
+        "{made} of {generated}"
+    );
+    assert_eq!(detokenized(&local, "tokenizer").await, 0.0);
+    assert_eq!(detokenized(&other, "gateway").await, 0.0);
+    assert!(detokenized(&other, "tokenizer").await > 0.0);
+}
