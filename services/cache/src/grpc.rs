@@ -913,17 +913,19 @@ mod tests {
         assert_eq!(other.code, tonic::Code::InvalidArgument as i32);
         assert!(other.message.contains("room 8"), "{other:?}");
         // A lease that is not a peer's (unknown here, or a local worker's) is refused.
-        let unknown = pb::RoomCommitRequest {
-            lease: 99,
-            room: 7,
-            pages: Vec::new(),
-            aux: Some(pb::RoomAux {
+        let commit_with = |lease: u64| {
+            let req = pb::RoomCommitRequest {
+                lease,
                 room: 7,
-                ..Default::default()
-            }),
-        }
-        .encode_to_vec();
-        let unknown = reply(7, &unknown);
+                pages: Vec::new(),
+                aux: Some(pb::RoomAux {
+                    room: 7,
+                    ..Default::default()
+                }),
+            };
+            reply(7, &req.encode_to_vec())
+        };
+        let unknown = commit_with(99);
         assert_eq!(
             unknown.code,
             tonic::Code::PermissionDenied as i32,
@@ -935,17 +937,7 @@ mod tests {
             .with(|s| s.register("w", layout, std::time::Instant::now()))
             .unwrap()
             .lease;
-        let local = pb::RoomCommitRequest {
-            lease: worker,
-            room: 7,
-            pages: Vec::new(),
-            aux: Some(pb::RoomAux {
-                room: 7,
-                ..Default::default()
-            }),
-        }
-        .encode_to_vec();
-        let local = reply(7, &local);
+        let local = commit_with(worker);
         assert_eq!(
             local.code,
             tonic::Code::PermissionDenied as i32,
