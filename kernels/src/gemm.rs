@@ -19,8 +19,10 @@
 //!   each product rounded, then added block by block, starting from zero.
 //!
 //! The SIMD paths are register-blocked: a weight block is unpacked once into registers
-//! and used for up to 16 tokens (AVX-512 VNNI, 32 vector registers) or 4 (AVX2), and the
-//! activations are laid out once per product so each token's block is one load.
+//! and used for up to 32 tokens (AVX-512 VNNI: two tokens' eight lanes per 512-bit
+//! register, 16 registers of accumulators; an odd last token in a 256-bit one) or 4
+//! (AVX2), and the activations are laid out once per product so each token's block is
+//! one load (two adjacent tokens' blocks, one 512-bit load).
 
 use crate::QActs;
 use crate::dot::{has_avx2, has_vnni};
@@ -133,13 +135,17 @@ impl Packed {
     }
 }
 
-/// Rows of `data` (`rb` bytes each) times every token of `p`; `out` is rows × tokens,
-/// row-major.
-pub(crate) fn rows(kind: IntKind, data: &[u8], rb: usize, p: &Packed, out: &mut [f32]) {
+/// Rows of `data` (`rb` bytes each) times every token of `p`: `out[token][row]`, one
+/// slice per token, each as long as the rows (so a task writes its rows of every token's
+/// output in place, with no transposing copy).
+pub(crate) fn rows(kind: IntKind, data: &[u8], rb: usize, p: &Packed, out: &mut [&mut [f32]]) {
     let t = p.t;
     assert_eq!(rb, p.nb * kind.block_bytes(), "row width");
     assert_eq!(data.len() % rb, 0);
-    assert_eq!(out.len(), data.len() / rb * t);
+    assert_eq!(out.len(), t, "one output slice per token");
+    for o in out.iter() {
+        assert_eq!(o.len(), data.len() / rb, "an output slice holds every row");
+    }
     match kind {
         IntKind::Q4_1 => assert_eq!(p.sums.len(), p.nb * p.tpad, "packed without sums"),
         IntKind::Q4_0 => assert_eq!(p.starts.len(), t * p.nb * 8, "packed without offsets"),
@@ -214,22 +220,19 @@ pub(crate) fn scalar_one(kind: IntKind, row: &[u8], p: &Packed, tt: usize) -> f3
     r
 }
 
-fn scalar_rows(kind: IntKind, data: &[u8], rb: usize, p: &Packed, out: &mut [f32]) {
-    let t = p.t;
-    if t == 0 {
-        return;
-    }
-    for (row, o) in data.chunks_exact(rb).zip(out.chunks_exact_mut(t)) {
-        for (tt, v) in o.iter_mut().enumerate() {
-            *v = scalar_one(kind, row, p, tt);
+fn scalar_rows(kind: IntKind, data: &[u8], rb: usize, p: &Packed, out: &mut [&mut [f32]]) {
+    for (ri, row) in data.chunks_exact(rb).enumerate() {
+        for (tt, o) in out.iter_mut().enumerate() {
+            o[ri] = scalar_one(kind, row, p, tt);
         }
     }
 }
 
 /// One kernel body for both SIMD paths: `$dot(qx, at)` gives a token's eight exact lane
-/// sums, `$tile` the widest tile.
+/// sums, `$tile` the widest tile, and `$wide(row, p, o)` computes the row's first tokens
+/// some wider way and says how many it did (the rest go through `tile`).
 macro_rules! simd_rows {
-    ($features:literal, $tile_max:literal, $dot:ident) => {
+    ($features:literal, $tile_max:literal, $dot:ident, $wide:ident) => {
         /// One row times tokens `j0 .. j0 + RN` into `o[..RN]`; Q4_1's min sums ride
         /// along, the tile's tokens side by side in two vectors.
         #[inline]
@@ -283,16 +286,18 @@ macro_rules! simd_rows {
         }
 
         #[target_feature(enable = $features)]
-        unsafe fn rows_k<const K: u8>(data: &[u8], rb: usize, p: &Packed, out: &mut [f32]) {
+        unsafe fn rows_k<const K: u8>(data: &[u8], rb: usize, p: &Packed, out: &mut [&mut [f32]]) {
             let t = p.t;
             if t == 0 {
                 return;
             }
-            for (row, o) in data.chunks_exact(rb).zip(out.chunks_exact_mut(t)) {
-                let mut j = 0;
+            // One row's results for every token, then stored into each token's slice.
+            let mut o = vec![0f32; t];
+            for (ri, row) in data.chunks_exact(rb).enumerate() {
                 // SAFETY (every call): this function enables the kernels' features, and
                 // j + RN <= t.
                 unsafe {
+                    let mut j = $wide::<K>(row, p, &mut o);
                     while t - j >= $tile_max {
                         tile::<K, $tile_max>(row, p, j, &mut o[j..]);
                         j += $tile_max;
@@ -313,11 +318,20 @@ macro_rules! simd_rows {
                         tile::<K, 1>(row, p, j, &mut o[j..]);
                     }
                 }
+                for (dst, v) in out.iter_mut().zip(&o) {
+                    dst[ri] = *v;
+                }
             }
         }
 
         #[target_feature(enable = $features)]
-        pub(super) unsafe fn rows(k: u8, data: &[u8], rb: usize, p: &Packed, out: &mut [f32]) {
+        pub(super) unsafe fn rows(
+            k: u8,
+            data: &[u8],
+            rb: usize,
+            p: &Packed,
+            out: &mut [&mut [f32]],
+        ) {
             // SAFETY: the same features.
             unsafe {
                 match k {
@@ -441,7 +455,118 @@ mod avx512 {
         }
     }
 
-    simd_rows!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 16, dot);
+    /// Tokens `j0 .. j0 + 2·P` of one row, two tokens per 512-bit register: lanes 0..8
+    /// are the first token's eight lanes, 8..16 the second's, and every lane goes through
+    /// exactly the operations of the 256-bit tile (the weight block and its scales
+    /// broadcast to both halves, the two tokens' activations adjacent in `p`), so the
+    /// results are the same bits at half the instructions.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn pairs<const K: u8, const P: usize>(row: &[u8], p: &Packed, j0: usize, o: &mut [f32]) {
+        let bs = row.len() / p.nb;
+        let n = 2 * P;
+        let sum_vectors = n.div_ceil(16);
+        assert!(j0 + n <= p.t && o.len() >= n && sum_vectors <= 2);
+        assert!(K != Q4_1 || j0 + 16 * sum_vectors <= p.tpad);
+        let mut acc = [_mm512_setzero_ps(); P];
+        let mut ms = [_mm512_setzero_ps(); 2];
+        for b in 0..p.nb {
+            // SAFETY: block b lies in `row`; the packed arrays hold nb blocks for every
+            // token below p.t (tokens j0 + 2i and j0 + 2i + 1 side by side), and the sums
+            // 16 · sum_vectors past j0 (asserted above).
+            unsafe {
+                let blk = row.as_ptr().add(bs * b);
+                let (dw, mw) = scales::<K>(blk);
+                let (qx, wstart) = unpack::<K>(blk);
+                let (dw, mw) = (
+                    _mm512_broadcastss_ps(_mm256_castps256_ps128(dw)),
+                    _mm512_broadcastss_ps(_mm256_castps256_ps128(mw)),
+                );
+                let (qx, wstart) = (_mm512_broadcast_i64x4(qx), _mm512_broadcast_i64x4(wstart));
+                let first = b * p.t + j0;
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let at = first + 2 * i;
+                    let load = |v: *const i8| _mm512_loadu_si512(v.add(32 * at) as *const _);
+                    let dot = match K {
+                        Q4_1 => {
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, load(p.qs.as_ptr()))
+                        }
+                        Q8_0 => {
+                            _mm512_dpbusd_epi32(wstart, load(p.shifted.as_ptr() as *const i8), qx)
+                        }
+                        _ => _mm512_dpbusd_epi32(
+                            _mm512_loadu_si512(p.starts.as_ptr().add(8 * at) as *const _),
+                            qx,
+                            load(p.qs.as_ptr()),
+                        ),
+                    };
+                    let d = _mm512_mul_ps(dw, _mm512_loadu_ps(p.ds.as_ptr().add(8 * at)));
+                    *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot), *acc);
+                }
+                if K == Q4_1 {
+                    for (h, ms) in ms.iter_mut().enumerate().take(sum_vectors) {
+                        let s = _mm512_loadu_ps(p.sums.as_ptr().add(b * p.tpad + j0 + 16 * h));
+                        *ms = _mm512_add_ps(*ms, _mm512_mul_ps(mw, s));
+                    }
+                }
+            }
+        }
+        let mut mins = [0f32; 32];
+        if K == Q4_1 {
+            // SAFETY: `mins` holds 32 floats.
+            unsafe {
+                _mm512_storeu_ps(mins.as_mut_ptr(), ms[0]);
+                _mm512_storeu_ps(mins.as_mut_ptr().add(16), ms[1]);
+            }
+        }
+        for (i, acc) in acc.iter().enumerate() {
+            let halves = [
+                _mm512_castps512_ps256(*acc),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(*acc), 1)),
+            ];
+            for (h, half) in halves.into_iter().enumerate() {
+                let j = 2 * i + h;
+                // SAFETY: this function enables avx2.
+                let r = unsafe { hsum(half) };
+                o[j] = if K == Q4_1 { r + mins[j] } else { r };
+            }
+        }
+    }
+
+    /// Every pair of the row's tokens through [`pairs`], widest first; returns how many
+    /// tokens that covered (all but an odd last one).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn wide<const K: u8>(row: &[u8], p: &Packed, o: &mut [f32]) -> usize {
+        let t = p.t;
+        let mut j = 0;
+        // SAFETY (every call): this function enables the features, and j + 2P <= t.
+        unsafe {
+            while t - j >= 32 {
+                pairs::<K, 16>(row, p, j, &mut o[j..]);
+                j += 32;
+            }
+            if t - j >= 16 {
+                pairs::<K, 8>(row, p, j, &mut o[j..]);
+                j += 16;
+            }
+            if t - j >= 8 {
+                pairs::<K, 4>(row, p, j, &mut o[j..]);
+                j += 8;
+            }
+            if t - j >= 4 {
+                pairs::<K, 2>(row, p, j, &mut o[j..]);
+                j += 4;
+            }
+            if t - j >= 2 {
+                pairs::<K, 1>(row, p, j, &mut o[j..]);
+                j += 2;
+            }
+        }
+        j
+    }
+
+    simd_rows!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 16, dot, wide);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -480,7 +605,13 @@ mod avx2 {
         }
     }
 
-    simd_rows!("avx2,fma,f16c", 4, dot);
+    /// No wider registers here: every token goes through `tile`.
+    #[inline(always)]
+    unsafe fn wide<const K: u8>(_row: &[u8], _p: &Packed, _o: &mut [f32]) -> usize {
+        0
+    }
+
+    simd_rows!("avx2,fma,f16c", 4, dot, wide);
 }
 
 #[cfg(test)]
@@ -567,7 +698,18 @@ mod tests {
     }
 
     /// A path's rows × tokens.
-    type RowsFn = fn(IntKind, &[u8], usize, &Packed, &mut [f32]);
+    type RowsFn = fn(IntKind, &[u8], usize, &Packed, &mut [&mut [f32]]);
+
+    /// `f`'s results as one rows × tokens block, row-major.
+    fn run(f: RowsFn, kind: IntKind, w: &[u8], rb: usize, p: &Packed) -> Vec<f32> {
+        let nrows = w.len() / rb;
+        let mut per_token = vec![vec![0f32; nrows]; p.tokens()];
+        let mut slices: Vec<&mut [f32]> = per_token.iter_mut().map(|v| &mut v[..]).collect();
+        f(kind, w, rb, p, &mut slices);
+        (0..nrows * p.tokens())
+            .map(|i| per_token[i % p.tokens()][i / p.tokens()])
+            .collect()
+    }
 
     /// The paths this machine can run.
     fn paths() -> Vec<(&'static str, RowsFn)> {
@@ -601,14 +743,12 @@ mod tests {
                         .map(|i| scalar_one(kind, &w[i / t * rb..(i / t + 1) * rb], &p, i % t))
                         .collect();
                     for (name, f) in paths() {
-                        let mut got = vec![0f32; nrows * t];
-                        f(kind, &w, rb, &p, &mut got);
+                        let got = run(f, kind, &w, rb, &p);
                         assert_eq!(bits(&got), bits(&want), "{kind:?} nb {nb} t {t}: {name}");
                     }
                     // A token's result alone equals its result in the batch.
                     let last = pack(kind, &all[t - 1..t], nb);
-                    let mut one = vec![0f32; nrows];
-                    rows(kind, &w, rb, &last, &mut one);
+                    let one = run(rows, kind, &w, rb, &last);
                     for r in 0..nrows {
                         assert_eq!(one[r].to_bits(), want[r * t + t - 1].to_bits());
                     }

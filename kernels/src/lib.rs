@@ -21,7 +21,7 @@ mod matmul;
 mod quant;
 
 pub use attention::attend;
-pub use matmul::{QMatrix, matmul, matmul_many};
+pub use matmul::{QMatrix, matmul, matmul_many, matmul_swiglu, silu_times};
 pub use quant::{QActs, quantize_q8_0, quantize_q8_1};
 
 /// Which kernel family runs on this machine, decided once per process from the CPU's

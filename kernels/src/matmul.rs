@@ -54,8 +54,11 @@ fn int_kind(ty: GgmlType) -> Option<IntKind> {
     }
 }
 
+/// Every token's activations quantized (in parallel over tokens when called inside the
+/// pool; each token's result is its own, so the order cannot matter).
 fn quantize_all(x: &[f32], cols: usize, f: fn(&[f32], &mut QActs)) -> Vec<QActs> {
-    x.chunks_exact(cols)
+    x.par_chunks_exact(cols)
+        .with_min_len(4)
         .map(|xt| {
             let mut q = QActs::default();
             f(xt, &mut q);
@@ -78,16 +81,53 @@ struct Task<'o> {
     outs: Vec<&'o mut [f32]>,
 }
 
-/// Several matrices applied to the same input in one parallel region (Q, K and V; gate and
-/// up). `outs[i]` is `t × ws[i].rows`. Each row is still computed by one thread in the
-/// same order as [`matmul`] computes it, so results are identical.
-pub fn matmul_many(
+/// A batch's activations, quantized and laid out once for every matrix of a call: Q8_1
+/// for Q4_1 weights, Q8_0 for the others.
+struct Acts {
+    q8_1: Option<Packed>,
+    q8_0: Option<Packed>,
+}
+
+impl Acts {
+    fn new(ws: &[&QMatrix<'_>], x: &[f32], cols: usize) -> Self {
+        let kinds: Vec<IntKind> = ws.iter().filter_map(|w| int_kind(w.ty)).collect();
+        let nb = cols / 32;
+        let pack = |q8_1: bool| {
+            let wanted: Vec<IntKind> = kinds
+                .iter()
+                .copied()
+                .filter(|&k| (k == IntKind::Q4_1) == q8_1)
+                .collect();
+            (!wanted.is_empty()).then(|| {
+                let f = if q8_1 { quantize_q8_1 } else { quantize_q8_0 };
+                Packed::new(&quantize_all(x, cols, f), nb, &wanted)
+            })
+        };
+        Self {
+            q8_1: pack(true),
+            q8_0: pack(false),
+        }
+    }
+
+    fn for_ty(&self, ty: GgmlType) -> Option<&Packed> {
+        match int_kind(ty) {
+            Some(IntKind::Q4_1) => self.q8_1.as_ref(),
+            Some(_) => self.q8_0.as_ref(),
+            None => None,
+        }
+    }
+}
+
+/// Checks the shapes of a call and splits every matrix's rows into tasks of about a
+/// quarter of a thread's share, each with its rows of every token's output (disjoint
+/// slices, so tasks write in place).
+fn tasks<'o>(
     pool: &rayon::ThreadPool,
     ws: &[&QMatrix<'_>],
     x: &[f32],
     t: usize,
-    outs: &mut [&mut [f32]],
-) {
+    outs: &'o mut [&mut [f32]],
+) -> Vec<Task<'o>> {
     assert_eq!(ws.len(), outs.len());
     let cols = ws[0].cols;
     assert_eq!(x.len(), t * cols, "input is not {t} x {cols}");
@@ -95,35 +135,13 @@ pub fn matmul_many(
         assert_eq!(w.cols, cols, "matrices of one call share their input width");
         assert_eq!(o.len(), t * w.rows, "output is not {t} x {}", w.rows);
     }
-    if t == 0 {
-        return;
-    }
-    // Quantize and lay out the activations once per call: Q8_1 for Q4_1 weights, Q8_0
-    // for the others.
-    let kinds: Vec<IntKind> = ws.iter().filter_map(|w| int_kind(w.ty)).collect();
-    let nb = cols / 32;
-    let pack = |q8_1: bool| {
-        let wanted: Vec<IntKind> = kinds
-            .iter()
-            .copied()
-            .filter(|&k| (k == IntKind::Q4_1) == q8_1)
-            .collect();
-        (!wanted.is_empty()).then(|| {
-            let f = if q8_1 { quantize_q8_1 } else { quantize_q8_0 };
-            Packed::new(&quantize_all(x, cols, f), nb, &wanted)
-        })
-    };
-    let (q8_1, q8_0) = (pack(true), pack(false));
-    let acts_for = |ty: GgmlType| match int_kind(ty) {
-        Some(IntKind::Q4_1) => q8_1.as_ref(),
-        Some(_) => q8_0.as_ref(),
-        None => None,
-    };
     let total_rows: usize = ws.iter().map(|w| w.rows).sum();
     let threads = pool.current_num_threads().max(1);
     let per_task = total_rows.div_ceil(threads * 4).max(8);
-    // Split every token's output row at the task boundaries: disjoint slices, no staging.
-    let mut tasks: Vec<Task<'_>> = Vec::new();
+    let mut tasks: Vec<Task<'o>> = Vec::new();
+    if t == 0 {
+        return tasks;
+    }
     for (m, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
         let first = tasks.len();
         for r0 in (0..w.rows).step_by(per_task) {
@@ -140,43 +158,99 @@ pub fn matmul_many(
             }
         }
     }
+    tasks
+}
+
+/// Several matrices applied to the same input in one parallel region (Q, K and V; gate and
+/// up). `outs[i]` is `t × ws[i].rows`. Each row is still computed by one thread in the
+/// same order as [`matmul`] computes it, so results are identical.
+pub fn matmul_many(
+    pool: &rayon::ThreadPool,
+    ws: &[&QMatrix<'_>],
+    x: &[f32],
+    t: usize,
+    outs: &mut [&mut [f32]],
+) {
+    let tasks = tasks(pool, ws, x, t, outs);
+    if tasks.is_empty() {
+        return;
+    }
     pool.install(|| {
+        let acts = Acts::new(ws, x, ws[0].cols);
         tasks.into_par_iter().for_each(|mut task| {
             let w = ws[task.m];
-            let mut local = vec![0f32; task.n * t];
-            rows_times_tokens(w, task.r0, task.n, x, acts_for(w.ty), &mut local);
-            for (tt, o) in task.outs.iter_mut().enumerate() {
-                for (r, v) in o.iter_mut().enumerate() {
-                    *v = local[r * t + tt];
+            rows_times_tokens(w, task.r0, task.n, x, acts.for_ty(w.ty), &mut task.outs);
+        });
+    });
+}
+
+/// SwiGLU's first half in one parallel region: `out[t][r] = silu(g) · u` with
+/// `g = gate[r] · x[t]` and `u = up[r] · x[t]`, each a [`matmul`] row product, so the
+/// result is the same bits as the two products followed by the elementwise step, without
+/// a serial pass over the whole batch.
+pub fn matmul_swiglu(
+    pool: &rayon::ThreadPool,
+    gate: &QMatrix<'_>,
+    up: &QMatrix<'_>,
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+) {
+    assert_eq!(
+        (gate.rows, gate.cols, gate.ty),
+        (up.rows, up.cols, up.ty),
+        "gate and up of one shape and format"
+    );
+    let mut outs = [out];
+    let tasks = tasks(pool, &[gate], x, t, &mut outs);
+    if tasks.is_empty() {
+        return;
+    }
+    pool.install(|| {
+        let acts = Acts::new(&[gate], x, gate.cols);
+        tasks.into_par_iter().for_each(|mut task| {
+            let acts = acts.for_ty(gate.ty);
+            rows_times_tokens(gate, task.r0, task.n, x, acts, &mut task.outs);
+            let mut u = vec![0f32; task.n * t];
+            let mut us: Vec<&mut [f32]> = u.chunks_exact_mut(task.n).collect();
+            rows_times_tokens(up, task.r0, task.n, x, acts, &mut us);
+            for (g, u) in task.outs.iter_mut().zip(us) {
+                for (gi, ui) in g.iter_mut().zip(u.iter()) {
+                    *gi = silu_times(*gi, *ui);
                 }
             }
         });
     });
 }
 
-/// Rows `r0..r0 + n` of `w` times every token into `out` (n × t, row-major).
+/// `silu(g) · u`, the one expression every SwiGLU uses.
+#[inline]
+pub fn silu_times(g: f32, u: f32) -> f32 {
+    g / (1.0 + (-g).exp()) * u
+}
+
+/// Rows `r0..r0 + n` of `w` times every token into `out[token][row - r0]`.
 fn rows_times_tokens(
     w: &QMatrix<'_>,
     r0: usize,
     n: usize,
     x: &[f32],
     acts: Option<&Packed>,
-    out: &mut [f32],
+    out: &mut [&mut [f32]],
 ) {
     let rb = w.ty.row_bytes(w.cols);
     let data = &w.data[r0 * rb..(r0 + n) * rb];
     match (int_kind(w.ty), acts) {
         (Some(kind), Some(p)) => {
-            debug_assert_eq!(p.tokens() * n, out.len());
+            debug_assert_eq!(p.tokens(), out.len());
             crate::gemm::rows(kind, data, rb, p, out)
         }
         _ => {
-            let t = out.len() / n;
             let mut scratch = vec![0f32; w.cols];
-            for (row, o) in data.chunks_exact(rb).zip(out.chunks_exact_mut(t)) {
+            for (ri, row) in data.chunks_exact(rb).enumerate() {
                 dequantize(w.ty, row, &mut scratch);
-                for (tt, ot) in o.iter_mut().enumerate() {
-                    *ot = dot::f32_dot(&scratch, &x[tt * w.cols..(tt + 1) * w.cols]);
+                for (tt, o) in out.iter_mut().enumerate() {
+                    o[ri] = dot::f32_dot(&scratch, &x[tt * w.cols..(tt + 1) * w.cols]);
                 }
             }
         }
@@ -312,6 +386,35 @@ mod tests {
         matmul(&pool, &wb, &x, t, &mut sb);
         assert_eq!(oa, sa);
         assert_eq!(ob, sb);
+    }
+
+    #[test]
+    fn swiglu_equals_the_two_products_and_the_elementwise_step() {
+        let (rows, cols) = (70, 64);
+        let (a, b) = (q4_1_matrix(rows, cols), q4_1_matrix(rows + 1, cols));
+        let (wg, wu) = (
+            QMatrix::new(GgmlType::Q4_1, &a, rows, cols),
+            QMatrix::new(GgmlType::Q4_1, &b[..a.len()], rows, cols),
+        );
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for t in [1, 6, 33] {
+            let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.17).sin()).collect();
+            let mut fused = vec![0f32; t * rows];
+            matmul_swiglu(&pool, &wg, &wu, &x, t, &mut fused);
+            let (mut g, mut u) = (vec![0f32; t * rows], vec![0f32; t * rows]);
+            matmul_many(&pool, &[&wg, &wu], &x, t, &mut [&mut g, &mut u]);
+            let want: Vec<u32> = g
+                .iter()
+                .zip(&u)
+                .map(|(&g, &u)| silu_times(g, u).to_bits())
+                .collect();
+            let got: Vec<u32> = fused.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "{t} tokens");
+            assert!(fused.iter().any(|v| *v != 0.0));
+        }
     }
 
     #[test]

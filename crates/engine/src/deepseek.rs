@@ -19,7 +19,7 @@ use std::path::Path;
 
 use half::bf16;
 use pdmesh_gguf::GgmlType;
-use pdmesh_kernels::{QMatrix, matmul, matmul_many};
+use pdmesh_kernels::{QMatrix, matmul, matmul_many, matmul_swiglu};
 use pdmesh_kv::fp8::{self, ScaleRule};
 use pdmesh_kv::{IndexKDtype, KvLayout, MlaCacheDtype, MlaDims, PageId, PagePool};
 use rayon::prelude::*;
@@ -917,11 +917,8 @@ pub fn route(c: &DsConfig, logits: &[f32], bias: &[f32]) -> Vec<(usize, f32)> {
 
 fn swiglu(tp: &rayon::ThreadPool, m: &Mlp, x: &[f32], t: usize) -> Vec<f32> {
     let inter = m.gate.rows;
-    let (mut g, mut u) = (vec![0f32; t * inter], vec![0f32; t * inter]);
-    matmul_many(tp, &[&m.gate.m(), &m.up.m()], x, t, &mut [&mut g, &mut u]);
-    for (gi, ui) in g.iter_mut().zip(&u) {
-        *gi = *gi / (1.0 + (-*gi).exp()) * ui;
-    }
+    let mut g = vec![0f32; t * inter];
+    matmul_swiglu(tp, &m.gate.m(), &m.up.m(), x, t, &mut g);
     let mut out = vec![0f32; t * m.down.rows];
     matmul(tp, &m.down.m(), &g, t, &mut out);
     out

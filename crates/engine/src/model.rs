@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pdmesh_gguf::GgufFile;
-use pdmesh_kernels::{QMatrix, attend, matmul, matmul_many};
+use pdmesh_kernels::{QMatrix, attend, matmul, matmul_many, matmul_swiglu};
 use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
 use rayon::prelude::*;
 
@@ -274,7 +274,7 @@ impl LlamaModel {
         );
         let mut att = vec![0f32; t * qd];
         let mut o = vec![0f32; t * dr];
-        let (mut g, mut u) = (vec![0f32; t * fr], vec![0f32; t * fr]);
+        let mut g = vec![0f32; t * fr];
         // Sharded: every rank's column counts per gathered quantity, and the gathered
         // buffers (attention output, wo / w_down output, FFN activation).
         let cols =
@@ -335,12 +335,9 @@ impl LlamaModel {
                 self.rows(&layer.w_gate, sh.ffn.clone()),
                 self.rows(&layer.w_up, sh.ffn.clone()),
             );
-            matmul_many(tp, &[&wg, &wu], &h, t, &mut [&mut g, &mut u]);
+            matmul_swiglu(tp, &wg, &wu, &h, t, &mut g);
             work.add(WorkKind::Gate, sh.ffn.clone(), t);
             work.add(WorkKind::Up, sh.ffn.clone(), t);
-            for (gi, ui) in g.iter_mut().zip(&u) {
-                *gi = *gi / (1.0 + (-*gi).exp()) * ui;
-            }
             let g_in = gathered(&comm, &g, &mut g_all, &ffn_cols, t);
             matmul(
                 tp,
