@@ -1,4 +1,4 @@
-//! Throughput of the quantized matmul at the SmolLM2 FFN shape, 1 to 64 tokens.
+//! Throughput of the quantized matmul at the SmolLM2 FFN shape, 1 to 64 tokens and a 512-token prefill chunk.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use pdmesh_gguf::GgmlType;
@@ -11,7 +11,7 @@ fn bench(c: &mut Criterion) {
         .collect();
     let w = QMatrix::new(GgmlType::Q4_1, &data, rows, cols);
     let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
-    for t in [1usize, 16, 32, 64] {
+    for t in [1usize, 16, 32, 64, 512] {
         let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.01).sin()).collect();
         let mut out = vec![0f32; t * rows];
         c.bench_function(&format!("q4_1 matmul 1536x576, {t} tokens"), |b| {

@@ -736,8 +736,9 @@ mod tests {
                 let nrows = 5;
                 let w = weights(kind, nrows, nb, 11 + nb as u64);
                 let rb = nb * kind.block_bytes();
-                let all = acts(kind, 64, nb, 7);
-                for t in 1..=64 {
+                let all = acts(kind, 130, nb, 7);
+                // Every tile remainder, and batches of several widest tiles.
+                for t in (1..=64).chain([65, 97, 130]) {
                     let p = pack(kind, &all[..t], nb);
                     let want: Vec<f32> = (0..nrows * t)
                         .map(|i| scalar_one(kind, &w[i / t * rb..(i / t + 1) * rb], &p, i % t))

@@ -1125,6 +1125,7 @@ mod tests {
             output_tokens_per_s: 80.0 * c / slow,
             requests_per_s: 0.6 * c / slow,
             cached_share: 0.25,
+            prefill_tokens_per_s: 900.0 / slow,
             differential: differential.then_some(Differential {
                 compared: 40 * concurrency,
                 corrupted: concurrency / 2,

@@ -215,6 +215,13 @@ pub fn summarize(level: Level, ex: &[Exchange], wall: f64) -> LevelSummary {
         } else {
             0.0
         },
+        prefill_tokens_per_s: {
+            let (n, secs) = ok
+                .iter()
+                .filter_map(|r| Some((r.prompt_tokens.saturating_sub(r.cached_tokens), r.ttft_s?)))
+                .fold((0u64, 0f64), |(n, s), (p, t)| (n + u64::from(p), s + t));
+            if secs > 0.0 { n as f64 / secs } else { 0.0 }
+        },
         differential: None,
     }
 }
@@ -368,6 +375,12 @@ mod tests {
         assert_eq!(s.output_tokens_per_s, 4.0);
         assert_eq!(s.requests_per_s, 1.0);
         assert_eq!(s.cached_share, 0.5);
+        // Two successes, 5 uncached prompt tokens each, over 0.1 + 0.3 s to first token.
+        assert!(
+            (s.prefill_tokens_per_s - 25.0).abs() < 1e-9,
+            "{}",
+            s.prefill_tokens_per_s
+        );
         assert_eq!(s.itl.p50, 0.01);
         assert_eq!(s.concurrency, Some(4));
     }

@@ -97,6 +97,10 @@ pub struct LevelSummary {
     pub requests_per_s: f64,
     /// Cached prompt tokens over prompt tokens, 0..=1.
     pub cached_share: f64,
+    /// Uncached prompt tokens over the time to their first token, both summed over the
+    /// requests: with one request in flight and one token out, the prefill speed.
+    #[serde(default)]
+    pub prefill_tokens_per_s: f64,
     pub differential: Option<Differential>,
 }
 
