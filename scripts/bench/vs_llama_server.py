@@ -49,22 +49,20 @@ from pd_vs_unified import ROOT, free_port, up  # noqa: E402
 PDMESH = os.environ.get("PDMESH_BIN", str(ROOT / "target/release/pdmesh"))
 LLAMA_CPP_PYTHON = "0.3.36"
 
-# name: (pdmesh bench arguments, the figure taken from its report, units)
+def load(workload: str, concurrency: int, requests: int, input_len: int, output_len: int,
+         *more: str) -> list[str]:
+    """`pdmesh bench` arguments for one closed-loop workload."""
+    return ["--workload", workload, "--concurrency", str(concurrency), "--requests", str(requests),
+            "--input-len", str(input_len), "--output-len", str(output_len), *more]
+
+
+# name: (pdmesh bench arguments, what the figure taken from its report is)
 WORKLOADS = {
-    "decode-1": (["--workload", "random", "--concurrency", "1", "--requests", "4",
-                  "--input-len", "64", "--output-len", "128"], "tok/s"),
-    "decode-32": (["--workload", "random", "--concurrency", "32", "--requests", "32",
-                   "--input-len", "64", "--output-len", "128"], "tok/s"),
-    "decode-64": (["--workload", "random", "--concurrency", "64", "--requests", "64",
-                   "--input-len", "64", "--output-len", "128"], "tok/s"),
-    "prefill-1.3k": (["--workload", "long", "--concurrency", "1", "--requests", "3",
-                      "--input-len", "1300", "--output-len", "1"], "prefill tok/s"),
-    "prefill-4k": (["--workload", "long", "--concurrency", "1", "--requests", "2",
-                    "--input-len", "4000", "--output-len", "1"], "prefill tok/s"),
-    "mixed-itl": (["--workload", "random", "--concurrency", "16", "--requests", "16",
-                   "--input-len", "64", "--output-len", "256"], "ITL p99 ms"),
-    "sessions": (["--workload", "sessions", "--concurrency", "8", "--requests", "8",
-                  "--turns", "4", "--input-len", "512", "--output-len", "64"], "tok/s"),
+    **{f"decode-{c}": (load("random", c, max(c, 4), 64, 128), "tok/s") for c in (1, 32, 64)},
+    "prefill-1.3k": (load("long", 1, 3, 1300, 1), "prefill tok/s"),
+    "prefill-4k": (load("long", 1, 2, 4000, 1), "prefill tok/s"),
+    "mixed-itl": (load("random", 16, 16, 64, 256), "ITL p99 ms"),
+    "sessions": (load("sessions", 8, 8, 512, 64, "--turns", "4"), "tok/s"),
 }
 # The arrivals beside mixed-itl's decode streams.
 ARRIVALS = ["--workload", "long", "--rate", "0.5", "--requests", "6", "--input-len", "2000",
@@ -152,6 +150,14 @@ def figure(name: str, report: dict) -> float:
     return level["output_tokens_per_s"]
 
 
+def report_of(wdir: Path, what: str) -> dict:
+    """The run's report; a failed request ends the benchmark (its figures would lie)."""
+    report = json.loads((wdir / "report.json").read_text())[0]
+    if any(level["errors"] for level in report["levels"]):
+        sys.exit(f"{what}: requests failed: {report['levels'][0]['errors_by_kind']}")
+    return report
+
+
 def run_workloads(label: str, url: str, out: Path, names: list[str]) -> dict[str, float]:
     got = {}
     for name in names:
@@ -164,13 +170,12 @@ def run_workloads(label: str, url: str, out: Path, names: list[str]) -> dict[str
             side = subprocess.Popen(bench_cmd(url, label, out / "mixed-arrivals", ARRIVALS),
                                     stdout=subprocess.DEVNULL)
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            side.wait(timeout=900)
+            if side.wait(timeout=900) != 0:
+                sys.exit(f"{label} {name}: the arriving long prompts failed ({side.returncode})")
+            report_of(out / "mixed-arrivals", f"{label} {name} (arriving prompts)")
         else:
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        report = json.loads((wdir / "report.json").read_text())[0]
-        if any(level["errors"] for level in report["levels"]):
-            sys.exit(f"{label} {name}: requests failed: {report['levels'][0]['errors_by_kind']}")
-        got[name] = figure(name, report)
+        got[name] = figure(name, report_of(wdir, f"{label} {name}"))
         print(f"  {label} {name}: {got[name]:.1f} {WORKLOADS[name][1]}", flush=True)
     return got
 

@@ -12,10 +12,19 @@ fn main() {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let json = args.iter().any(|a| a == "--json");
     args.retain(|a| a != "--json");
-    let mib: usize = args.first().map_or(2048, |s| s.parse().expect("MIB"));
-    let threads: usize = args.get(1).map_or_else(
+    let number = |s: &String, what: &str| -> usize {
+        match s.parse() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                eprintln!("{what} must be a whole number above 0, not {s:?}");
+                std::process::exit(2)
+            }
+        }
+    };
+    let mib = args.first().map_or(2048, |s| number(s, "MIB"));
+    let threads = args.get(1).map_or_else(
         || std::thread::available_parallelism().map_or(1, |n| n.get()),
-        |s| s.parse().expect("THREADS"),
+        |s| number(s, "THREADS"),
     );
     let words = mib * (1 << 20) / 8;
     // Distinct values so no page is shared copy-on-write zero memory.
