@@ -10,11 +10,26 @@ pub(crate) fn has_vnni() -> bool {
     *VNNI.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
+            has_avx512()
+                && std::is_x86_feature_detected!("avx512vl")
+                && std::is_x86_feature_detected!("avx512vnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// AVX-512F on top of [`has_avx2`] (`PDMESH_KERNELS=avx2` turns it off).
+pub(crate) fn has_avx512() -> bool {
+    static AVX512: OnceLock<bool> = OnceLock::new();
+    *AVX512.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
             has_avx2()
                 && std::env::var("PDMESH_KERNELS").as_deref() != Ok("avx2")
                 && std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx512vl")
-                && std::is_x86_feature_detected!("avx512vnni")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {

@@ -64,6 +64,12 @@ const Q4_0: u8 = 2;
 /// The widest tile's tokens: the Q4_1 min sums are read this many at a time.
 const SUM_LANES: usize = 16;
 
+/// The fewest tokens for which rows are computed two at a time.
+const TWO_ROWS_FROM: usize = 64;
+
+/// How far ahead of the row being computed its successors' bytes are prefetched.
+const PREFETCH_BYTES: usize = 2048;
+
 /// A batch's activations laid out for the kernels once per matrix product, block-major
 /// (`[block][token]`, so a tile's tokens sit side by side): per block and token the 32
 /// values and the scale repeated in 8 lanes; for Q8_0 weights on the VNNI path the values
@@ -291,36 +297,73 @@ macro_rules! simd_rows {
             if t == 0 {
                 return;
             }
-            // One row's results for every token, then stored into each token's slice.
-            let mut o = vec![0f32; t];
-            for (ri, row) in data.chunks_exact(rb).enumerate() {
+            // Two rows' results for every token (one where a single row is left), then
+            // stored into each token's slice.
+            let mut o = vec![0f32; 2 * t];
+            let ahead = PREFETCH_BYTES.div_ceil(rb) * rb;
+            let nrows = data.len() / rb;
+            let mut r0 = 0;
+            while r0 < nrows {
+                // Two rows share each activation load where the batch is long enough
+                // that the activations, not the weights, are what is read most.
+                let n = if nrows - r0 >= 2 && t >= TWO_ROWS_FROM {
+                    2
+                } else {
+                    1
+                };
+                // Ask for the rows `ahead` bytes on before they are needed: the weights
+                // stream from memory once per product, and the hardware prefetcher stops
+                // at every page boundary.
+                let next = r0 * rb + ahead;
+                if next + n * rb <= data.len() {
+                    for off in (0..n * rb).step_by(64) {
+                        // SAFETY: in bounds of `data` (checked above); a prefetch only hints.
+                        unsafe {
+                            _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().add(next + off) as *const i8)
+                        };
+                    }
+                }
+                let row = |k: usize| &data[(r0 + k) * rb..(r0 + k + 1) * rb];
+                let (o0, o1) = o.split_at_mut(t);
                 // SAFETY (every call): this function enables the kernels' features, and
                 // j + RN <= t.
-                unsafe {
-                    let mut j = $wide::<K>(row, p, &mut o);
-                    while t - j >= $tile_max {
-                        tile::<K, $tile_max>(row, p, j, &mut o[j..]);
-                        j += $tile_max;
+                let done = unsafe {
+                    if n == 2 {
+                        $wide::<K, 2>([row(0), row(1)], p, [o0, &mut o1[..]])
+                    } else {
+                        $wide::<K, 1>([row(0)], p, [o0])
                     }
-                    if $tile_max > 8 && t - j >= 8 {
-                        tile::<K, 8>(row, p, j, &mut o[j..]);
-                        j += 8;
+                };
+                for (k, o) in o.chunks_exact_mut(t).take(n).enumerate() {
+                    let row = row(k);
+                    let mut j = done;
+                    // SAFETY: as above.
+                    unsafe {
+                        while t - j >= $tile_max {
+                            tile::<K, $tile_max>(row, p, j, &mut o[j..]);
+                            j += $tile_max;
+                        }
+                        if $tile_max > 8 && t - j >= 8 {
+                            tile::<K, 8>(row, p, j, &mut o[j..]);
+                            j += 8;
+                        }
+                        if $tile_max > 4 && t - j >= 4 {
+                            tile::<K, 4>(row, p, j, &mut o[j..]);
+                            j += 4;
+                        }
+                        if t - j >= 2 {
+                            tile::<K, 2>(row, p, j, &mut o[j..]);
+                            j += 2;
+                        }
+                        if t - j >= 1 {
+                            tile::<K, 1>(row, p, j, &mut o[j..]);
+                        }
                     }
-                    if $tile_max > 4 && t - j >= 4 {
-                        tile::<K, 4>(row, p, j, &mut o[j..]);
-                        j += 4;
-                    }
-                    if t - j >= 2 {
-                        tile::<K, 2>(row, p, j, &mut o[j..]);
-                        j += 2;
-                    }
-                    if t - j >= 1 {
-                        tile::<K, 1>(row, p, j, &mut o[j..]);
+                    for (dst, v) in out.iter_mut().zip(o.iter()) {
+                        dst[r0 + k] = *v;
                     }
                 }
-                for (dst, v) in out.iter_mut().zip(&o) {
-                    dst[ri] = *v;
-                }
+                r0 += n;
             }
         }
 
@@ -421,7 +464,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::simd::{hsum, scales, unpack_block};
-    use super::{Packed, Q4_0, Q4_1, Q8_0};
+    use super::{PREFETCH_BYTES, Packed, Q4_0, Q4_1, Q8_0, TWO_ROWS_FROM};
 
     #[inline(always)]
     unsafe fn unpack<const K: u8>(blk: *const u8) -> (__m256i, __m256i) {
@@ -455,111 +498,136 @@ mod avx512 {
         }
     }
 
-    /// Tokens `j0 .. j0 + 2·P` of one row, two tokens per 512-bit register: lanes 0..8
+    /// Tokens `j0 .. j0 + 2·P` of `R` rows, two tokens per 512-bit register: lanes 0..8
     /// are the first token's eight lanes, 8..16 the second's, and every lane goes through
     /// exactly the operations of the 256-bit tile (the weight block and its scales
     /// broadcast to both halves, the two tokens' activations adjacent in `p`), so the
-    /// results are the same bits at half the instructions.
+    /// results are the same bits at half the instructions. The rows share each load of
+    /// the activations and their scales.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn pairs<const K: u8, const P: usize>(row: &[u8], p: &Packed, j0: usize, o: &mut [f32]) {
-        let bs = row.len() / p.nb;
+    unsafe fn pairs<const K: u8, const R: usize, const P: usize>(
+        rows: [&[u8]; R],
+        p: &Packed,
+        j0: usize,
+        o: &mut [&mut [f32]; R],
+    ) {
+        let bs = rows[0].len() / p.nb;
         let n = 2 * P;
         let sum_vectors = n.div_ceil(16);
-        assert!(j0 + n <= p.t && o.len() >= n && sum_vectors <= 2);
+        assert!(j0 + n <= p.t && sum_vectors <= 2);
+        assert!(o.iter().all(|o| o.len() >= j0 + n) && rows.iter().all(|r| r.len() == bs * p.nb));
         assert!(K != Q4_1 || j0 + 16 * sum_vectors <= p.tpad);
-        let mut acc = [_mm512_setzero_ps(); P];
-        let mut ms = [_mm512_setzero_ps(); 2];
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        let mut ms = [[_mm512_setzero_ps(); 2]; R];
         for b in 0..p.nb {
-            // SAFETY: block b lies in `row`; the packed arrays hold nb blocks for every
+            // SAFETY: block b lies in every row; the packed arrays hold nb blocks for every
             // token below p.t (tokens j0 + 2i and j0 + 2i + 1 side by side), and the sums
             // 16 · sum_vectors past j0 (asserted above).
             unsafe {
-                let blk = row.as_ptr().add(bs * b);
-                let (dw, mw) = scales::<K>(blk);
-                let (qx, wstart) = unpack::<K>(blk);
-                let (dw, mw) = (
-                    _mm512_broadcastss_ps(_mm256_castps256_ps128(dw)),
-                    _mm512_broadcastss_ps(_mm256_castps256_ps128(mw)),
-                );
-                let (qx, wstart) = (_mm512_broadcast_i64x4(qx), _mm512_broadcast_i64x4(wstart));
+                let w: [_; R] = std::array::from_fn(|r| {
+                    let blk = rows[r].as_ptr().add(bs * b);
+                    let (dw, mw) = scales::<K>(blk);
+                    let (qx, wstart) = unpack::<K>(blk);
+                    (
+                        _mm512_broadcastss_ps(_mm256_castps256_ps128(dw)),
+                        _mm512_broadcastss_ps(_mm256_castps256_ps128(mw)),
+                        _mm512_broadcast_i64x4(qx),
+                        _mm512_broadcast_i64x4(wstart),
+                    )
+                });
                 let first = b * p.t + j0;
-                for (i, acc) in acc.iter_mut().enumerate() {
+                for i in 0..P {
                     let at = first + 2 * i;
                     let load = |v: *const i8| _mm512_loadu_si512(v.add(32 * at) as *const _);
-                    let dot = match K {
-                        Q4_1 => {
-                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, load(p.qs.as_ptr()))
-                        }
-                        Q8_0 => {
-                            _mm512_dpbusd_epi32(wstart, load(p.shifted.as_ptr() as *const i8), qx)
-                        }
-                        _ => _mm512_dpbusd_epi32(
-                            _mm512_loadu_si512(p.starts.as_ptr().add(8 * at) as *const _),
-                            qx,
-                            load(p.qs.as_ptr()),
-                        ),
+                    let a = match K {
+                        Q8_0 => load(p.shifted.as_ptr() as *const i8),
+                        _ => load(p.qs.as_ptr()),
                     };
-                    let d = _mm512_mul_ps(dw, _mm512_loadu_ps(p.ds.as_ptr().add(8 * at)));
-                    *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot), *acc);
+                    let start = if K == Q4_0 {
+                        _mm512_loadu_si512(p.starts.as_ptr().add(8 * at) as *const _)
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    let ds = _mm512_loadu_ps(p.ds.as_ptr().add(8 * at));
+                    for (acc, &(dw, _, qx, wstart)) in acc.iter_mut().zip(&w) {
+                        let dot = match K {
+                            Q4_1 => _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, a),
+                            Q8_0 => _mm512_dpbusd_epi32(wstart, a, qx),
+                            _ => _mm512_dpbusd_epi32(start, qx, a),
+                        };
+                        let d = _mm512_mul_ps(dw, ds);
+                        acc[i] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot), acc[i]);
+                    }
                 }
                 if K == Q4_1 {
-                    for (h, ms) in ms.iter_mut().enumerate().take(sum_vectors) {
+                    for h in 0..sum_vectors {
                         let s = _mm512_loadu_ps(p.sums.as_ptr().add(b * p.tpad + j0 + 16 * h));
-                        *ms = _mm512_add_ps(*ms, _mm512_mul_ps(mw, s));
+                        for (ms, &(_, mw, _, _)) in ms.iter_mut().zip(&w) {
+                            ms[h] = _mm512_add_ps(ms[h], _mm512_mul_ps(mw, s));
+                        }
                     }
                 }
             }
         }
-        let mut mins = [0f32; 32];
-        if K == Q4_1 {
-            // SAFETY: `mins` holds 32 floats.
-            unsafe {
-                _mm512_storeu_ps(mins.as_mut_ptr(), ms[0]);
-                _mm512_storeu_ps(mins.as_mut_ptr().add(16), ms[1]);
+        for ((acc, ms), o) in acc.iter().zip(&ms).zip(o.iter_mut()) {
+            let mut mins = [0f32; 32];
+            if K == Q4_1 {
+                // SAFETY: `mins` holds 32 floats.
+                unsafe {
+                    _mm512_storeu_ps(mins.as_mut_ptr(), ms[0]);
+                    _mm512_storeu_ps(mins.as_mut_ptr().add(16), ms[1]);
+                }
             }
-        }
-        for (i, acc) in acc.iter().enumerate() {
-            let halves = [
-                _mm512_castps512_ps256(*acc),
-                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(*acc), 1)),
-            ];
-            for (h, half) in halves.into_iter().enumerate() {
-                let j = 2 * i + h;
-                // SAFETY: this function enables avx2.
-                let r = unsafe { hsum(half) };
-                o[j] = if K == Q4_1 { r + mins[j] } else { r };
+            for (i, acc) in acc.iter().enumerate() {
+                let halves = [
+                    _mm512_castps512_ps256(*acc),
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(*acc), 1)),
+                ];
+                for (h, half) in halves.into_iter().enumerate() {
+                    let j = 2 * i + h;
+                    // SAFETY: this function enables avx2.
+                    let r = unsafe { hsum(half) };
+                    o[j0 + j] = if K == Q4_1 { r + mins[j] } else { r };
+                }
             }
         }
     }
 
-    /// Every pair of the row's tokens through [`pairs`], widest first; returns how many
-    /// tokens that covered (all but an odd last one).
+    /// Every pair of the rows' tokens through [`pairs`], widest first (32 tokens a call
+    /// for one row, 16 for two); returns how many tokens that covered (all but an odd
+    /// last one).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn wide<const K: u8>(row: &[u8], p: &Packed, o: &mut [f32]) -> usize {
+    unsafe fn wide<const K: u8, const R: usize>(
+        rows: [&[u8]; R],
+        p: &Packed,
+        mut o: [&mut [f32]; R],
+    ) -> usize {
         let t = p.t;
         let mut j = 0;
         // SAFETY (every call): this function enables the features, and j + 2P <= t.
         unsafe {
-            while t - j >= 32 {
-                pairs::<K, 16>(row, p, j, &mut o[j..]);
-                j += 32;
+            if R == 1 {
+                while t - j >= 32 {
+                    pairs::<K, R, 16>(rows, p, j, &mut o);
+                    j += 32;
+                }
             }
-            if t - j >= 16 {
-                pairs::<K, 8>(row, p, j, &mut o[j..]);
+            while t - j >= 16 {
+                pairs::<K, R, 8>(rows, p, j, &mut o);
                 j += 16;
             }
             if t - j >= 8 {
-                pairs::<K, 4>(row, p, j, &mut o[j..]);
+                pairs::<K, R, 4>(rows, p, j, &mut o);
                 j += 8;
             }
             if t - j >= 4 {
-                pairs::<K, 2>(row, p, j, &mut o[j..]);
+                pairs::<K, R, 2>(rows, p, j, &mut o);
                 j += 4;
             }
             if t - j >= 2 {
-                pairs::<K, 1>(row, p, j, &mut o[j..]);
+                pairs::<K, R, 1>(rows, p, j, &mut o);
                 j += 2;
             }
         }
@@ -574,7 +642,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::simd::{hsum, scales, unpack_block};
-    use super::{Packed, Q4_0, Q4_1, Q8_0};
+    use super::{PREFETCH_BYTES, Packed, Q4_0, Q4_1, Q8_0, TWO_ROWS_FROM};
 
     #[inline(always)]
     unsafe fn unpack<const K: u8>(blk: *const u8) -> (__m256i, __m256i) {
@@ -607,7 +675,11 @@ mod avx2 {
 
     /// No wider registers here: every token goes through `tile`.
     #[inline(always)]
-    unsafe fn wide<const K: u8>(_row: &[u8], _p: &Packed, _o: &mut [f32]) -> usize {
+    unsafe fn wide<const K: u8, const R: usize>(
+        _rows: [&[u8]; R],
+        _p: &Packed,
+        _o: [&mut [f32]; R],
+    ) -> usize {
         0
     }
 
@@ -737,8 +809,9 @@ mod tests {
                 let w = weights(kind, nrows, nb, 11 + nb as u64);
                 let rb = nb * kind.block_bytes();
                 let all = acts(kind, 130, nb, 7);
-                // Every tile remainder, and batches of several widest tiles.
-                for t in (1..=64).chain([65, 97, 130]) {
+                // Every tile remainder (also past the two-row threshold: 79 = 64 + 8 + 4
+                // + 2 + 1), and batches of several widest tiles.
+                for t in (1..=64).chain([65, 79, 97, 130]) {
                     let p = pack(kind, &all[..t], nb);
                     let want: Vec<f32> = (0..nrows * t)
                         .map(|i| scalar_one(kind, &w[i / t * rb..(i / t + 1) * rb], &p, i % t))

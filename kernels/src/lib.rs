@@ -20,7 +20,7 @@ mod gemm;
 mod matmul;
 mod quant;
 
-pub use attention::attend;
+pub use attention::{attend, attend_causal, exp_f32};
 pub use matmul::{QMatrix, matmul, matmul_many, matmul_swiglu, silu_times};
 pub use quant::{QActs, quantize_q8_0, quantize_q8_1};
 

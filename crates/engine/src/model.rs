@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pdmesh_gguf::GgufFile;
-use pdmesh_kernels::{QMatrix, attend, matmul, matmul_many, matmul_swiglu};
+use pdmesh_kernels::{QMatrix, attend_causal, matmul, matmul_many, matmul_swiglu};
 use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
 use rayon::prelude::*;
 
@@ -391,18 +391,49 @@ impl LlamaModel {
         let scale = 1.0 / (hd as f32).sqrt();
         let groups = sh.kv_heads.len();
         let ps = pool.read(|p| p.layout().page_size());
+        // Tiles of up to ATTENTION_TILE tokens at consecutive positions of one sequence
+        // (a prefill chunk's tokens), each attended as a whole per KV group; the kernel
+        // gives every token the bits it has alone.
+        let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
+        for (i, tk) in tokens.iter().enumerate() {
+            match tiles.last_mut() {
+                Some(r)
+                    if r.len() < ATTENTION_TILE
+                        && tokens[r.end - 1].seq == tk.seq
+                        && tokens[r.end - 1].pos + 1 == tk.pos =>
+                {
+                    r.end = i + 1
+                }
+                _ => tiles.push(i..i + 1),
+            }
+        }
+        // One task per (tile, group), holding those tokens' output slices of that group.
+        let mut slots: Vec<Vec<&mut [f32]>> =
+            (0..tiles.len() * groups).map(|_| Vec::new()).collect();
+        let mut tile_of = vec![0; tokens.len()];
+        for (ti, r) in tiles.iter().enumerate() {
+            tile_of[r.clone()].fill(ti);
+        }
+        for (idx, o) in out.chunks_mut(rep * hd).enumerate() {
+            let (i, local) = (idx / groups, idx % groups);
+            slots[tile_of[i] * groups + local].push(o);
+        }
         tp.install(|| {
-            out.par_chunks_mut(rep * hd)
+            slots
+                .into_par_iter()
                 .enumerate()
-                .for_each(|(idx, o)| {
-                    let (i, local) = (idx / groups, idx % groups);
+                .for_each(|(task, mut outs)| {
+                    let (range, local) = (tiles[task / groups].clone(), task % groups);
                     let gidx = sh.kv_heads.start + local;
-                    let tk = tokens[i];
-                    let n = tk.pos + 1;
-                    let pages = seq_pages[tk.seq];
-                    let qg = &q[i * qd + local * rep * hd..i * qd + (local + 1) * rep * hd];
+                    let tks = &tokens[range.clone()];
+                    let n = tks.iter().map(|tk| tk.pos + 1).max().unwrap_or(0);
+                    let counts: Vec<usize> = tks.iter().map(|tk| tk.pos + 1).collect();
+                    let pages = seq_pages[tks[0].seq];
+                    let qs: Vec<&[f32]> = range
+                        .map(|i| &q[i * qd + local * rep * hd..i * qd + (local + 1) * rep * hd])
+                        .collect();
                     pool.read(|pool| {
-                        // This group's cached rows for positions 0..=pos, page by page.
+                        // This group's cached rows for positions 0..n, page by page.
                         let mut keys: Vec<&[f16]> = Vec::with_capacity(n);
                         let mut values: Vec<&[f16]> = Vec::with_capacity(n);
                         for (pi, &page) in pages.iter().enumerate().take(n.div_ceil(ps)) {
@@ -416,12 +447,16 @@ impl LlamaModel {
                                 values.push(&vp[off..off + hd]);
                             }
                         }
-                        attend(qg, hd, &keys, &values, scale, o);
+                        attend_causal(&qs, hd, &counts, &keys, &values, scale, &mut outs);
                     });
                 });
         });
     }
 }
+
+/// The most tokens of one sequence attended together (their scores of one KV group side
+/// by side: 8 tokens of 3 heads over 4k keys is 384 KiB).
+const ATTENTION_TILE: usize = 8;
 
 /// `local` itself unsharded; sharded, every rank's `[rows][cols[r]]` block gathered into
 /// `full`.
