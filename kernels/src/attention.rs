@@ -367,7 +367,10 @@ mod avx512 {
             _mm512_cvtpd_ps(_mm512_scalef_pd(y, n))
         };
         let lo = half(_mm512_castps512_ps256(x));
-        let hi = half(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+        let hi = half(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+            _mm512_castps_pd(x),
+            1,
+        )));
         _mm512_castpd_ps(_mm512_insertf64x4::<1>(
             _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
             _mm256_castps_pd(hi),
@@ -582,10 +585,7 @@ mod avx512 {
                     // SAFETY: value rows below n hold hd values; vb holds BLOCK rows of hd.
                     unsafe {
                         let h = _mm256_loadu_si256(v.as_ptr().add(c) as *const __m256i);
-                        _mm512_storeu_ps(
-                            vb.as_mut_ptr().add(jb * hd + c),
-                            _mm512_cvtph_ps(h),
-                        );
+                        _mm512_storeu_ps(vb.as_mut_ptr().add(jb * hd + c), _mm512_cvtph_ps(h));
                     }
                 }
             }

@@ -294,7 +294,7 @@ pub(crate) fn progress(total: u64, what: &str) -> ProgressBar {
 /// One line per level on stdout.
 fn line(level: Level, s: &crate::summary::LevelSummary) -> String {
     let mut out = format!(
-        "{:<16} {:>4} req {:>3} err  ttft p50 {:>7.1} ms p99 {:>7.1} ms  itl p50 {:>6.1} ms  e2e p50 {:>6.2} s  {:>8.1} tok/s  cached {:>5.1}%",
+        "{:<16} {:>4} req {:>3} err  ttft p50 {:>7.1} ms p99 {:>7.1} ms  itl p50 {:>6.1} ms  e2e p50 {:>6.2} s  {:>8.1} tok/s  prefill {:>8.1} tok/s  cached {:>5.1}%",
         level_name(level),
         s.requests,
         s.errors,
@@ -303,6 +303,7 @@ fn line(level: Level, s: &crate::summary::LevelSummary) -> String {
         s.itl.p50 * 1e3,
         s.e2e.p50,
         s.output_tokens_per_s,
+        s.prefill_tokens_per_s,
         s.cached_share * 100.0
     );
     if let Some(d) = &s.differential {

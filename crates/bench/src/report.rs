@@ -992,7 +992,7 @@ fn report_section(h: &mut String, report: &Report, label: &str) {
         "<table>\n<thead><tr><th>level</th><th>requests</th><th>errors</th>\
          <th>TTFT p50 (ms)</th><th>TTFT p99 (ms)</th><th>ITL p50 (ms)</th>\
          <th>ITL p99 (ms)</th><th>E2E p50 (s)</th><th>E2E p99 (s)</th>\
-         <th>output tok/s</th><th>req/s</th><th>cached %</th>",
+         <th>output tok/s</th><th>prefill tok/s</th><th>req/s</th><th>cached %</th>",
     );
     if differential {
         h.push_str("<th>corruption %</th><th>tool-call validity %</th>");
@@ -1002,7 +1002,7 @@ fn report_section(h: &mut String, report: &Report, label: &str) {
         let _ = write!(
             h,
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-             <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>",
+             <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>",
             escape(&level_name(l)),
             l.requests,
             errors_cell(l),
@@ -1013,6 +1013,7 @@ fn report_section(h: &mut String, report: &Report, label: &str) {
             num(l.e2e.p50, 2),
             num(l.e2e.p99, 2),
             num(l.output_tokens_per_s, 1),
+            num(l.prefill_tokens_per_s, 1),
             num(l.requests_per_s, 2),
             num(l.cached_share * 100.0, 1),
         );
@@ -1274,10 +1275,11 @@ mod tests {
         assert!(html.contains("<dd>2025-01-02T03:04:05Z</dd>"));
         // Each level's row, in each report's table: c=4 for pdmesh has 200 requests, 1
         // error (a 429), TTFT p50 0.05*2 s = 100.0 ms, p99 400.0 ms, 2 corrupted of 160 =
-        // 1.25 %, 9 of 10 tool calls valid.
+        // 1.25 %, 9 of 10 tool calls valid, prefill 900 tokens/s.
         assert!(html.contains(
             "<tr><td>c=4</td><td>200</td><td>1 (429: 1)</td><td>100.0</td><td>400.0</td>\
-             <td>12.0</td><td>30.0</td><td>1.50</td><td>3.00</td><td>320.0</td><td>2.40</td>\
+             <td>12.0</td><td>30.0</td><td>1.50</td><td>3.00</td><td>320.0</td><td>900.0</td>\
+             <td>2.40</td>\
              <td>25.0</td><td>1.25 (2/160)</td><td>90.0 (9/10)</td></tr>"
         ));
         // No errors at c=1: no kinds listed.
