@@ -22,7 +22,8 @@
 //! and used for up to 32 tokens (AVX-512 VNNI: two tokens' eight lanes per 512-bit
 //! register, 16 registers of accumulators; an odd last token in a 256-bit one) or 4
 //! (AVX2), and the activations are laid out once per product so each token's block is
-//! one load (two adjacent tokens' blocks, one 512-bit load).
+//! one load (two adjacent tokens' blocks, one 512-bit load). From [`TWO_ROWS_FROM`]
+//! tokens on, VNNI computes two rows per pass, each activation load serving both.
 
 use crate::QActs;
 use crate::dot::{has_avx2, has_vnni};
@@ -65,7 +66,7 @@ const Q4_0: u8 = 2;
 const SUM_LANES: usize = 16;
 
 /// The fewest tokens for which rows are computed two at a time.
-const TWO_ROWS_FROM: usize = 64;
+const TWO_ROWS_FROM: usize = 16;
 
 /// How far ahead of the row being computed its successors' bytes are prefetched.
 const PREFETCH_BYTES: usize = 2048;
@@ -809,8 +810,9 @@ mod tests {
                 let w = weights(kind, nrows, nb, 11 + nb as u64);
                 let rb = nb * kind.block_bytes();
                 let all = acts(kind, 130, nb, 7);
-                // Every tile remainder (also past the two-row threshold: 79 = 64 + 8 + 4
-                // + 2 + 1), and batches of several widest tiles.
+                // Every tile remainder on one row and on two (two rows from
+                // TWO_ROWS_FROM tokens; 79 = 64 + 8 + 4 + 2 + 1), and batches of several
+                // widest tiles.
                 for t in (1..=64).chain([65, 79, 97, 130]) {
                     let p = pack(kind, &all[..t], nb);
                     let want: Vec<f32> = (0..nrows * t)
