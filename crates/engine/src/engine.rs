@@ -6,6 +6,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use pdmesh_gguf::GgufFile;
 use pdmesh_kv::{
@@ -13,6 +14,7 @@ use pdmesh_kv::{
     page_hashes,
 };
 
+use crate::budget::PrefillBudget;
 use crate::deepseek::DeepSeekModel;
 use crate::grammar::{Constraint, Grammars};
 use crate::model::{BatchToken, LlamaModel};
@@ -34,6 +36,10 @@ pub struct EngineConfig {
     pub kv_pages: usize,
     /// Prompt tokens processed per step, summed over all prefilling sequences.
     pub prefill_chunk: usize,
+    /// Keep steps that decode near this long by computing fewer prompt tokens in them
+    /// (never fewer than a page's worth); `None`: always up to `prefill_chunk`. See
+    /// `budget.rs`.
+    pub step_target: Option<Duration>,
     /// Compute threads (0 = all cores).
     pub threads: usize,
     /// Cap on the model's context length.
@@ -66,6 +72,7 @@ impl EngineConfig {
             page_size: 16,
             kv_pages: 1024,
             prefill_chunk: 512,
+            step_target: None,
             threads: 0,
             max_context: None,
             capture_logits: false,
@@ -141,6 +148,8 @@ pub struct Engine {
     ids: HashSet<Arc<str>>,
     captured: std::collections::HashMap<Arc<str>, Vec<Vec<f32>>>,
     preemptions: u64,
+    /// Prompt tokens per step (chunked prefill), sized by the step target.
+    budget: PrefillBudget,
     cache: Option<PrefixCache>,
     host: Option<(Box<dyn HostTier>, WritePolicy)>,
     /// The host tier's generation the cache's `on_host` marks refer to.
@@ -202,6 +211,7 @@ impl Engine {
             });
         }
         let (cfg_cache, page_size) = (cfg.prefix_cache, cfg.page_size);
+        let (prefill_chunk, step_target) = (cfg.prefill_chunk, cfg.step_target);
         let loaded = AnyModel::load(&cfg)?;
         let (model, layout) = (loaded.model, Arc::new(loaded.layout));
         let pool = PagePool::new(layout.clone(), cfg.kv_pages);
@@ -259,6 +269,7 @@ impl Engine {
             ids: HashSet::new(),
             captured: Default::default(),
             preemptions: 0,
+            budget: PrefillBudget::new(prefill_chunk, page_size, step_target),
             cache: cfg_cache.then(|| PrefixCache::new(page_size, layout.fingerprint())),
             host: None,
             host_generation: 0,
@@ -954,7 +965,8 @@ impl Engine {
             }
             i += 1;
         }
-        let mut budget = self.cfg.prefill_chunk;
+        let decodes = plan.len();
+        let mut budget = self.budget.tokens(decodes);
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let s = &self.running[i];
@@ -978,6 +990,11 @@ impl Engine {
         if plan.is_empty() {
             return events;
         }
+        // A sequence with one token left to compute is decoding; the rest are prompts.
+        let decoded = plan
+            .iter()
+            .filter(|&&(i, _)| self.running[i].tokens.len() - self.running[i].computed == 1)
+            .count();
         let mut batch = Vec::new();
         for (slot, &(i, take)) in plan.iter().enumerate() {
             let s = &self.running[i];
@@ -1006,6 +1023,7 @@ impl Engine {
             .map(|&(i, _)| self.running[i].pages.as_slice())
             .collect();
         let (model, pool, tp) = (&self.model, &mut self.pool, &self.tp);
+        let mut took = Duration::ZERO;
         let logits = std::thread::scope(|scope| {
             let prep = (!masks.is_empty()).then(|| {
                 scope.spawn(|| {
@@ -1014,13 +1032,16 @@ impl Engine {
                     }
                 })
             });
+            let started = Instant::now();
             let logits = model.forward(tp, pool, &seq_pages, &batch);
+            took = started.elapsed();
             if let Some(h) = prep {
                 h.join().expect("grammar mask thread panicked");
             }
             logits
         });
         drop(seq_pages);
+        self.budget.observe(decoded, batch.len() - decoded, took);
         for (i, c) in masks {
             self.running[i].constraint = Some(c);
         }

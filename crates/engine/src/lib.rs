@@ -6,6 +6,7 @@
 //! wraps it in an actix actor, tests drive it directly.
 
 mod api;
+mod budget;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod deepseek;

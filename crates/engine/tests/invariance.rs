@@ -421,3 +421,62 @@ fn the_newest_sequence_is_preempted_not_truncated_when_pages_run_out() {
     }
     assert_eq!(common::available(&e), 8);
 }
+
+/// With a step target, a prompt that arrives while other sequences decode is computed a
+/// page's worth of tokens a step (a 1 ns target leaves room for nothing more), so the
+/// decoding streams keep getting a token every step; every output, the newcomer's and
+/// the streams', is the bits of the run without a target.
+#[test]
+fn a_step_target_cuts_a_prompt_beside_decoding_streams_without_changing_output() {
+    let ps = prompts();
+    let long: Vec<u32> = ps.iter().flatten().copied().take(160).collect();
+    assert_eq!(long.len(), 160, "enough fixture tokens for a long prompt");
+    let run = |target: Option<std::time::Duration>| {
+        let mut e = common::engine(|c| {
+            c.page_size = 16;
+            c.step_target = target;
+        });
+        for i in 0..2 {
+            e.submit(greedy(&format!("s{i}"), &ps[i + 1], 40)).unwrap();
+        }
+        // Both streams prefilled and decoding before the long prompt arrives.
+        let mut out: std::collections::HashMap<String, Vec<u32>> = Default::default();
+        let mut record = |evs: Vec<StepEvent>| -> usize {
+            let mut tokens = 0;
+            for ev in evs {
+                if let StepEvent::Token { id, token, .. } = ev {
+                    out.entry(id.to_string()).or_default().push(token);
+                    tokens += 1;
+                }
+            }
+            tokens
+        };
+        while record(e.step()) < 2 {}
+        e.submit(greedy("long", &long, 4)).unwrap();
+        // Steps until the long prompt's first token; every one of them decodes both
+        // streams (they have 40 tokens to go).
+        let mut steps = 0;
+        loop {
+            let evs = e.step();
+            steps += 1;
+            let first = evs
+                .iter()
+                .any(|ev| matches!(ev, StepEvent::Token { id, .. } if &**id == "long"));
+            let streams = record(evs) - usize::from(first);
+            assert_eq!(streams, 2, "step {steps}: both streams decode while the prompt is cut");
+            if first {
+                break;
+            }
+        }
+        while e.has_work() {
+            record(e.step());
+        }
+        (steps, out)
+    };
+    let (whole, want) = run(None);
+    let (cut, got) = run(Some(std::time::Duration::from_nanos(1)));
+    assert_eq!(whole, 1, "without a target the prompt fits one 512-token chunk");
+    assert_eq!(cut, 160 / 16, "a page's worth a step");
+    assert_eq!(got, want, "a step target changes no output");
+    assert_eq!(got["long"].len(), 4);
+}

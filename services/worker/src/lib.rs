@@ -45,6 +45,12 @@ pub struct Config {
     /// Prompt tokens processed per engine step, summed over prefilling sequences.
     #[arg(long, env = "PDMESH_PREFILL_CHUNK", default_value_t = 512)]
     pub prefill_chunk: usize,
+    /// Keeps the inter-token gap of decoding streams near this many milliseconds while
+    /// prompts are computed: a step that decodes takes only the prompt tokens that fit
+    /// (measured as it runs, at least a page's worth); 0 always takes --prefill-chunk.
+    /// Output does not depend on it, only how prompts are cut into chunks.
+    #[arg(long, env = "PDMESH_STEP_TARGET_MS", default_value_t = 200)]
+    pub step_target_ms: u64,
     /// Compute threads; 0 uses every core.
     #[arg(long, env = "PDMESH_THREADS", default_value_t = 0)]
     pub threads: usize,
@@ -178,6 +184,7 @@ impl Config {
             kv_pages: 2048,
             page_size: 16,
             prefill_chunk: 512,
+            step_target_ms: 200,
             threads: 0,
             tp: 1,
             device: Device::Cpu,
@@ -322,6 +329,8 @@ impl Config {
             page_size: self.page_size,
             kv_pages: self.kv_pages,
             prefill_chunk: self.prefill_chunk,
+            step_target: (self.step_target_ms > 0)
+                .then(|| std::time::Duration::from_millis(self.step_target_ms)),
             threads: self.threads,
             tp: self.tp,
             gpu: self.gpu_config()?,
