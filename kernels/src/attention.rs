@@ -187,14 +187,10 @@ fn attend_one(
             }
         }
         let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-        let mut sum = 0f64;
-        for s in scores.iter_mut() {
-            *s = exp_f32(*s - max);
-            sum += *s as f64;
-        }
-        let inv = (1.0 / sum) as f32;
-        for s in scores.iter_mut() {
-            *s = f16::from_f32(*s * inv).to_f32();
+        if simd {
+            simd_softmax(&mut scores, max);
+        } else {
+            scalar_softmax(&mut scores, max);
         }
         let o = &mut out[r * hd..(r + 1) * hd];
         if simd {
@@ -203,6 +199,30 @@ fn attend_one(
             scalar_weighted_sum(&scores, values, o);
         }
     }
+}
+
+/// Scores to probabilities: `e = exp(s − max)`, their sum in f64 in key order, then
+/// `f16(e · (1 / sum))`.
+fn scalar_softmax(scores: &mut [f32], max: f32) {
+    let mut sum = 0f64;
+    for s in scores.iter_mut() {
+        *s = exp_f32(*s - max);
+        sum += *s as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for s in scores.iter_mut() {
+        *s = f16::from_f32(*s * inv).to_f32();
+    }
+}
+
+fn simd_softmax(scores: &mut [f32], max: f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: only called when has_avx2() (which includes fma and f16c) holds.
+        unsafe { avx2::softmax(scores, max) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    scalar_softmax(scores, max)
 }
 
 /// Eight lane sums of q·k: lane l adds q[c+l]·k[c+l] over the chunks c in order.
@@ -260,6 +280,80 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use half::f16;
+
+    use super::{EXP_HI, EXP_LO, EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E, exp_f32};
+
+    /// [`exp_f32`] in four lanes, in f64 lanes as it computes: the same operations, fused
+    /// where it fuses, so the same bits.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn exp4(x: __m128) -> __m128 {
+        // max_ps returns its second operand when the first is NaN: NaN → EXP_LO, as
+        // f32::max does.
+        let x = _mm_min_ps(_mm_max_ps(x, _mm_set1_ps(EXP_LO)), _mm_set1_ps(EXP_HI));
+        let x = _mm256_cvtps_pd(x);
+        let n = _mm256_round_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_pd(x, _mm256_set1_pd(LOG2E)),
+        );
+        let r = _mm256_fmadd_pd(n, _mm256_set1_pd(-LN2_HI), x);
+        let r = _mm256_fmadd_pd(n, _mm256_set1_pd(-LN2_LO), r);
+        let mut y = _mm256_set1_pd(EXP_TAYLOR[0]);
+        for c in &EXP_TAYLOR[1..] {
+            y = _mm256_fmadd_pd(y, r, _mm256_set1_pd(*c));
+        }
+        // 2^n built from its exponent bits (n is a whole number in [-126, 128], exact
+        // as i32), then one exact multiply, as the scalar path does.
+        let bits = _mm256_slli_epi64::<52>(_mm256_add_epi64(
+            _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)),
+            _mm256_set1_epi64x(1023),
+        ));
+        _mm256_cvtpd_ps(_mm256_mul_pd(y, _mm256_castsi256_pd(bits)))
+    }
+
+    /// [`super::scalar_softmax`]'s operations, exp four lanes at a time and the f16
+    /// rounding eight, the sum still one f64 add per key in key order.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn softmax(scores: &mut [f32], max: f32) {
+        let n = scores.len();
+        let mut sum = 0f64;
+        let m = _mm_set1_ps(max);
+        let mut j = 0;
+        while n - j >= 4 {
+            let mut e = [0f32; 4];
+            // SAFETY: j + 4 <= n; e holds four floats.
+            unsafe {
+                let s = _mm_loadu_ps(scores.as_ptr().add(j));
+                _mm_storeu_ps(e.as_mut_ptr(), exp4(_mm_sub_ps(s, m)));
+            }
+            for (s, e) in scores[j..j + 4].iter_mut().zip(e) {
+                *s = e;
+                sum += e as f64;
+            }
+            j += 4;
+        }
+        for s in &mut scores[j..] {
+            *s = exp_f32(*s - max);
+            sum += *s as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        let iv = _mm256_set1_ps(inv);
+        let mut j = 0;
+        while n - j >= 8 {
+            // SAFETY: j + 8 <= n.
+            unsafe {
+                let at = scores.as_mut_ptr().add(j);
+                let p = _mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(_mm256_mul_ps(
+                    _mm256_loadu_ps(at),
+                    iv,
+                ));
+                _mm256_storeu_ps(at, _mm256_cvtph_ps(p));
+            }
+            j += 8;
+        }
+        for s in &mut scores[j..] {
+            *s = f16::from_f32(*s * inv).to_f32();
+        }
+    }
 
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn dot_lanes(q: &[f32], k: &[f16]) -> [f32; 8] {
@@ -837,6 +931,51 @@ mod tests {
                     assert_eq!(g.to_bits(), exp_f32(*x).to_bits(), "exp({x})");
                 }
             }
+        }
+    }
+
+    /// The AVX2 exp against the definition on the inputs above, and the AVX2 softmax
+    /// against the scalar one for lengths around its groups of four and eight.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_exp_and_softmax_give_the_definitions_bits() {
+        if !has_avx2() {
+            return;
+        }
+        let mut xs: Vec<f32> = (0..200_000).map(|i| -90.0 + i as f32 * 0.00046).collect();
+        xs.extend([0.0, -0.0, -1e-30, -87.0, -87.000_01, -86.999_99, 88.0, 100.0]);
+        xs.extend([f32::NEG_INFINITY, f32::INFINITY, f32::NAN, f32::MIN_POSITIVE]);
+        for c in xs.chunks(4) {
+            let mut lanes = [0f32; 4];
+            lanes[..c.len()].copy_from_slice(c);
+            let mut got = [0f32; 4];
+            // SAFETY: the CPU has avx2, fma and f16c (has_avx2 checks all three).
+            unsafe {
+                use std::arch::x86_64::*;
+                _mm_storeu_ps(got.as_mut_ptr(), avx2::exp4(_mm_loadu_ps(lanes.as_ptr())));
+            }
+            for (x, g) in lanes.iter().zip(got) {
+                assert_eq!(g.to_bits(), exp_f32(*x).to_bits(), "exp({x})");
+            }
+        }
+        let mut r = 7u64;
+        for n in (1..=40).chain([127, 128, 129, 1000]) {
+            let scores: Vec<f32> = (0..n)
+                .map(|_| {
+                    r = r.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    ((r >> 40) as f32 / (1u64 << 24) as f32) * 40.0 - 30.0
+                })
+                .collect();
+            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            let (mut a, mut b) = (scores.clone(), scores);
+            // SAFETY: as above.
+            unsafe { avx2::softmax(&mut a, max) };
+            scalar_softmax(&mut b, max);
+            assert_eq!(
+                a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                b.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "softmax of {n} scores"
+            );
         }
     }
 
