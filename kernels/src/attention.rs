@@ -146,7 +146,10 @@ const EXP_TAYLOR: [f64; 12] = [
     1.0,
 ];
 
-/// One query token (its `q.len() / hd` heads) over all of `keys`, one head at a time.
+/// One query token (its `q.len() / hd` heads) over all of `keys`. The scalar path goes
+/// one head at a time; the SIMD one does every head's scores at once and every head's
+/// weighted sums at once, so each key and value row is converted from f16 once for all
+/// heads, with the same operations per head.
 fn attend_one(
     simd: bool,
     q: &[f32],
@@ -158,47 +161,35 @@ fn attend_one(
 ) {
     let rep = q.len() / hd;
     let n = keys.len();
-    let mut scores = vec![0f32; n];
-    let mut qh = vec![0f32; hd];
-    for r in 0..rep {
-        for (d, &x) in qh.iter_mut().zip(&q[r * hd..(r + 1) * hd]) {
-            *d = f16::from_f32(x).to_f32();
+    let qh: Vec<f32> = q.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+    if simd {
+        let mut scores = vec![0f32; rep * n];
+        simd_scores(&qh, hd, keys, scale, &mut scores);
+        for s in scores.chunks_exact_mut(n) {
+            let max = s.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            simd_softmax(s, max);
         }
-        let tree = |lanes: [f32; 8]| {
-            (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
-                + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])))
-                * scale
-        };
-        if simd {
-            // Four keys at a time: four independent chains, each key's lanes in order.
-            let (quads, rest) = keys.split_at(n - n % 4);
-            for (s, k) in scores.chunks_exact_mut(4).zip(quads.chunks_exact(4)) {
-                let lanes = simd_dot_lanes4(&qh, [k[0], k[1], k[2], k[3]]);
-                for (s, l) in s.iter_mut().zip(lanes) {
-                    *s = tree(l);
-                }
-            }
-            for (s, k) in scores[n - n % 4..].iter_mut().zip(rest) {
-                *s = tree(simd_dot_lanes(&qh, k));
-            }
-        } else {
-            for (s, k) in scores.iter_mut().zip(keys) {
-                *s = tree(scalar_dot_lanes(&qh, k));
-            }
+        simd_weighted_sums(&scores, values, out);
+        return;
+    }
+    let mut scores = vec![0f32; n];
+    for r in 0..rep {
+        let qh = &qh[r * hd..(r + 1) * hd];
+        for (s, k) in scores.iter_mut().zip(keys) {
+            *s = tree(scalar_dot_lanes(qh, k), scale);
         }
         let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-        if simd {
-            simd_softmax(&mut scores, max);
-        } else {
-            scalar_softmax(&mut scores, max);
-        }
-        let o = &mut out[r * hd..(r + 1) * hd];
-        if simd {
-            simd_weighted_sum(&scores, values, o);
-        } else {
-            scalar_weighted_sum(&scores, values, o);
-        }
+        scalar_softmax(&mut scores, max);
+        scalar_weighted_sum(&scores, values, &mut out[r * hd..(r + 1) * hd]);
     }
+}
+
+/// A key's eight lane sums reduced by the module's tree, times the scale.
+#[inline(always)]
+fn tree(lanes: [f32; 8], scale: f32) -> f32 {
+    (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])))
+        * scale
 }
 
 /// Scores to probabilities: `e = exp(s − max)`, their sum in f64 in key order, then
@@ -245,34 +236,38 @@ fn scalar_weighted_sum(p: &[f32], values: &[&[f16]], o: &mut [f32]) {
     }
 }
 
-fn simd_dot_lanes(q: &[f32], k: &[f16]) -> [f32; 8] {
+/// Every head's score of every key, `scores[h · n + j]`; `q` holds the heads rounded
+/// through f16.
+fn simd_scores(q: &[f32], hd: usize, keys: &[&[f16]], scale: f32, scores: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: only called when has_avx2() (which includes f16c) holds; lengths equal.
-        unsafe { avx2::dot_lanes(q, k) }
+        // SAFETY: only called when has_avx2() (which includes fma and f16c) holds; the
+        // function checks the shapes.
+        unsafe { avx2::scores(q, hd, keys, scale, scores) }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    scalar_dot_lanes(q, k)
+    for (h, s) in scores.chunks_exact_mut(keys.len()).enumerate() {
+        for (s, k) in s.iter_mut().zip(keys) {
+            *s = tree(scalar_dot_lanes(&q[h * hd..(h + 1) * hd], k), scale);
+        }
+    }
 }
 
-fn simd_dot_lanes4(q: &[f32], k: [&[f16]; 4]) -> [[f32; 8]; 4] {
+/// Every head's weighted sum of the values, `out[h · hd ..]`, from its probabilities
+/// `p[h · n ..]`.
+fn simd_weighted_sums(p: &[f32], values: &[&[f16]], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: only called when has_avx2() (which includes f16c) holds; lengths equal.
-        unsafe { avx2::dot_lanes4(q, k) }
+        // SAFETY: as above.
+        unsafe { avx2::weighted_sums(p, values, out) }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    k.map(|k| scalar_dot_lanes(q, k))
-}
-
-fn simd_weighted_sum(p: &[f32], values: &[&[f16]], o: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: as above; every value row has o.len() elements.
-        unsafe { avx2::weighted_sum(p, values, o) }
+        let hd = out.len() / (p.len() / values.len());
+        for (p, o) in p.chunks_exact(values.len()).zip(out.chunks_exact_mut(hd)) {
+            scalar_weighted_sum(p, values, o);
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    scalar_weighted_sum(p, values, o)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -355,69 +350,156 @@ mod avx2 {
         }
     }
 
-    #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn dot_lanes(q: &[f32], k: &[f16]) -> [f32; 8] {
-        let mut acc = _mm256_setzero_ps();
-        for c in (0..q.len()).step_by(8) {
-            // SAFETY: c + 8 <= q.len() == k.len().
-            unsafe {
-                let kf = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(c) as *const __m128i));
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q.as_ptr().add(c)), kf));
-            }
-        }
-        let mut lanes = [0f32; 8];
-        // SAFETY: lanes has room for 8 floats.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-        lanes
-    }
+    /// Query heads whose scores share each converted key chunk (and whose weighted sums
+    /// share each converted value chunk).
+    const HEADS: usize = 4;
 
-    /// [`dot_lanes`] of four keys at once, each key's chunks in the same order.
-    #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn dot_lanes4(q: &[f32], k: [&[f16]; 4]) -> [[f32; 8]; 4] {
-        assert!(k.iter().all(|k| k.len() == q.len()));
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for c in (0..q.len()).step_by(8) {
-            // SAFETY: c + 8 <= q.len() == every k's length (asserted).
-            unsafe {
-                let qc = _mm256_loadu_ps(q.as_ptr().add(c));
-                for (a, k) in acc.iter_mut().zip(k) {
-                    let kf = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(c) as *const __m128i));
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(qc, kf));
+    /// [`super::simd_scores`]: keys two at a time against up to [`HEADS`] heads, each
+    /// head and key its own chain of eight lanes over the chunks in order. The products
+    /// are of two f16 values, exact in f32, so the fused multiply-add is the multiply
+    /// then the add.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores(q: &[f32], hd: usize, keys: &[&[f16]], scale: f32, out: &mut [f32]) {
+        let n = keys.len();
+        let rep = q.len() / hd;
+        assert!(hd.is_multiple_of(8) && q.len() == rep * hd && out.len() == rep * n);
+        assert!(keys.iter().all(|k| k.len() == hd));
+        let mut h0 = 0;
+        while h0 < rep {
+            let hs = (rep - h0).min(HEADS);
+            let mut j = 0;
+            while j < n {
+                let ks = (n - j).min(2);
+                // SAFETY: the shapes asserted above; hs and ks bound the block.
+                unsafe {
+                    match (hs, ks) {
+                        (4, 2) => scores_block::<4, 2>(q, hd, keys, scale, out, h0, j),
+                        (3, 2) => scores_block::<3, 2>(q, hd, keys, scale, out, h0, j),
+                        (2, 2) => scores_block::<2, 2>(q, hd, keys, scale, out, h0, j),
+                        (1, 2) => scores_block::<1, 2>(q, hd, keys, scale, out, h0, j),
+                        (4, _) => scores_block::<4, 1>(q, hd, keys, scale, out, h0, j),
+                        (3, _) => scores_block::<3, 1>(q, hd, keys, scale, out, h0, j),
+                        (2, _) => scores_block::<2, 1>(q, hd, keys, scale, out, h0, j),
+                        _ => scores_block::<1, 1>(q, hd, keys, scale, out, h0, j),
+                    }
                 }
+                j += ks;
             }
+            h0 += hs;
         }
-        let mut lanes = [[0f32; 8]; 4];
-        for (l, a) in lanes.iter_mut().zip(acc) {
-            // SAFETY: l has room for 8 floats.
-            unsafe { _mm256_storeu_ps(l.as_mut_ptr(), a) };
-        }
-        lanes
     }
 
-    /// Up to eight 8-wide output chunks at a time, each its own chain over the values in
-    /// order (the scalar path's order per output lane).
-    #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn weighted_sum(p: &[f32], values: &[&[f16]], o: &mut [f32]) {
-        assert!(values.iter().all(|v| v.len() == o.len()) && o.len().is_multiple_of(8));
-        for c0 in (0..o.len()).step_by(64) {
-            let chunks = ((o.len() - c0) / 8).min(8);
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for (&pj, v) in p.iter().zip(values) {
-                let pv = _mm256_set1_ps(pj);
-                for (i, a) in acc.iter_mut().enumerate().take(chunks) {
-                    // SAFETY: c0 + 8 * i + 8 <= o.len() == v.len().
-                    unsafe {
-                        let at = v.as_ptr().add(c0 + 8 * i) as *const __m128i;
-                        *a = _mm256_add_ps(
-                            *a,
-                            _mm256_mul_ps(pv, _mm256_cvtph_ps(_mm_loadu_si128(at))),
-                        );
+    /// Heads `h0 .. h0 + H` times keys `j .. j + K`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores_block<const H: usize, const K: usize>(
+        q: &[f32],
+        hd: usize,
+        keys: &[&[f16]],
+        scale: f32,
+        out: &mut [f32],
+        h0: usize,
+        j: usize,
+    ) {
+        let n = keys.len();
+        assert!((h0 + H) * hd <= q.len() && j + K <= n);
+        let mut acc = [[_mm256_setzero_ps(); K]; H];
+        for c in (0..hd).step_by(8) {
+            // SAFETY: c + 8 <= hd, every key's and head's length (asserted by the caller
+            // and above).
+            unsafe {
+                let mut kf = [_mm256_setzero_ps(); K];
+                for (f, k) in kf.iter_mut().zip(&keys[j..j + K]) {
+                    *f = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(c) as *const __m128i));
+                }
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let qc = _mm256_loadu_ps(q.as_ptr().add((h0 + h) * hd + c));
+                    for (a, f) in acc.iter_mut().zip(kf) {
+                        *a = _mm256_fmadd_ps(qc, f, *a);
                     }
                 }
             }
-            for (i, a) in acc.iter().enumerate().take(chunks) {
-                // SAFETY: c0 + 8 * i + 8 <= o.len().
-                unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(c0 + 8 * i), *a) };
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            for (k, a) in acc.iter().enumerate() {
+                let mut lanes = [0f32; 8];
+                // SAFETY: lanes has room for 8 floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+                out[(h0 + h) * n + j + k] = super::tree(lanes, scale);
+            }
+        }
+    }
+
+    /// [`super::simd_weighted_sums`]: two output chunks of up to [`HEADS`] heads at a
+    /// time, each head and lane its own chain over the values in order, from zero.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_sums(p: &[f32], values: &[&[f16]], out: &mut [f32]) {
+        let n = values.len();
+        assert!(n > 0 && p.len().is_multiple_of(n));
+        let rep = p.len() / n;
+        let hd = out.len() / rep;
+        assert!(hd.is_multiple_of(8) && out.len() == rep * hd);
+        assert!(values.iter().all(|v| v.len() == hd));
+        let mut h0 = 0;
+        while h0 < rep {
+            let hs = (rep - h0).min(HEADS);
+            let mut c = 0;
+            while c < hd {
+                let cs = ((hd - c) / 8).min(2);
+                // SAFETY: the shapes asserted above; hs and cs bound the block.
+                unsafe {
+                    match (hs, cs) {
+                        (4, 2) => sums_block::<4, 2>(p, values, out, hd, h0, c),
+                        (3, 2) => sums_block::<3, 2>(p, values, out, hd, h0, c),
+                        (2, 2) => sums_block::<2, 2>(p, values, out, hd, h0, c),
+                        (1, 2) => sums_block::<1, 2>(p, values, out, hd, h0, c),
+                        (4, _) => sums_block::<4, 1>(p, values, out, hd, h0, c),
+                        (3, _) => sums_block::<3, 1>(p, values, out, hd, h0, c),
+                        (2, _) => sums_block::<2, 1>(p, values, out, hd, h0, c),
+                        _ => sums_block::<1, 1>(p, values, out, hd, h0, c),
+                    }
+                }
+                c += 8 * cs;
+            }
+            h0 += hs;
+        }
+    }
+
+    /// Heads `h0 .. h0 + H`, output chunks `c .. c + 8 · C`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sums_block<const H: usize, const C: usize>(
+        p: &[f32],
+        values: &[&[f16]],
+        out: &mut [f32],
+        hd: usize,
+        h0: usize,
+        c: usize,
+    ) {
+        let n = values.len();
+        assert!((h0 + H) * n <= p.len() && (h0 + H) * hd <= out.len() && c + 8 * C <= hd);
+        let mut acc = [[_mm256_setzero_ps(); C]; H];
+        for (j, v) in values.iter().enumerate() {
+            // SAFETY: c + 8 · C <= hd == v.len() (asserted by the caller and above).
+            unsafe {
+                let mut vf = [_mm256_setzero_ps(); C];
+                for (i, f) in vf.iter_mut().enumerate() {
+                    let at = v.as_ptr().add(c + 8 * i) as *const __m128i;
+                    *f = _mm256_cvtph_ps(_mm_loadu_si128(at));
+                }
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let pv = _mm256_set1_ps(*p.get_unchecked((h0 + h) * n + j));
+                    for (a, f) in acc.iter_mut().zip(vf) {
+                        *a = _mm256_fmadd_ps(pv, f, *a);
+                    }
+                }
+            }
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            for (i, a) in acc.iter().enumerate() {
+                // SAFETY: (h0 + h) · hd + c + 8 · i + 8 <= out.len() (asserted above).
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add((h0 + h) * hd + c + 8 * i), *a) };
             }
         }
     }
@@ -789,12 +871,11 @@ mod tests {
     }
 
     /// The whole of `attend` on both paths, for head widths of one, eight and sixteen
-    /// chunks and key counts around the four-key groups.
+    /// chunks, key counts around the pairs and head counts around the groups of four.
     #[test]
     fn attend_gives_the_same_bits_on_both_paths() {
         for hd in [8, 64, 128] {
-            for n in [1, 3, 4, 5, 8, 37] {
-                let rep = 3;
+            for (n, rep) in [1, 2, 3, 4, 5, 8, 37].into_iter().zip([3, 1, 5, 3, 4, 9, 3]) {
                 let q: Vec<f32> = (0..rep * hd)
                     .map(|i| (i as f32 * 0.29).sin() * 3.0)
                     .collect();
@@ -979,25 +1060,37 @@ mod tests {
         }
     }
 
+    /// The SIMD scores and weighted sums of every head against the scalar ones, for head
+    /// counts around the groups of four and key counts around the pairs.
     #[test]
     fn simd_and_scalar_paths_give_the_same_bits() {
-        let (q, k, v) = case();
-        for (a, b) in q.chunks_exact(64).zip(&k) {
-            assert_eq!(
-                simd_dot_lanes(a, b).map(f32::to_bits),
-                scalar_dot_lanes(a, b).map(f32::to_bits)
-            );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for rep in [1, 2, 3, 4, 5, 8, 9] {
+            for n in [1, 2, 3, 36, 37] {
+                let (q, k, v) = case();
+                let q: Vec<f32> = (0..rep * 64)
+                    .map(|i| f16::from_f32(q[i % q.len()] * (1.0 + i as f32 / 999.0)).to_f32())
+                    .collect();
+                let kr: Vec<&[f16]> = k.iter().take(n).map(Vec::as_slice).collect();
+                let vr: Vec<&[f16]> = v.iter().take(n).map(Vec::as_slice).collect();
+                let mut got = vec![0f32; rep * n];
+                simd_scores(&q, 64, &kr, 0.125, &mut got);
+                let want: Vec<f32> = q
+                    .chunks_exact(64)
+                    .flat_map(|qh| kr.iter().map(|k| tree(scalar_dot_lanes(qh, k), 0.125)))
+                    .collect();
+                assert_eq!(bits(&got), bits(&want), "scores: {rep} heads, {n} keys");
+                let p: Vec<f32> = (0..rep * n)
+                    .map(|i| f16::from_f32(1.0 / (i % n + 1 + i / n) as f32).to_f32())
+                    .collect();
+                let mut got = vec![0f32; rep * 64];
+                simd_weighted_sums(&p, &vr, &mut got);
+                let mut want = vec![0f32; rep * 64];
+                for (p, o) in p.chunks_exact(n).zip(want.chunks_exact_mut(64)) {
+                    scalar_weighted_sum(p, &vr, o);
+                }
+                assert_eq!(bits(&got), bits(&want), "sums: {rep} heads, {n} keys");
+            }
         }
-        let p: Vec<f32> = (0..v.len())
-            .map(|j| f16::from_f32(1.0 / (j + 1) as f32).to_f32())
-            .collect();
-        let vr: Vec<&[f16]> = v.iter().map(Vec::as_slice).collect();
-        let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
-        simd_weighted_sum(&p, &vr, &mut a);
-        scalar_weighted_sum(&p, &vr, &mut b);
-        assert_eq!(
-            a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        );
     }
 }

@@ -217,6 +217,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(sorted(QUICK))}")
     ap.add_argument("--only", default="", help="comma-separated workload names")
     ap.add_argument("--out", type=Path, default=Path("bench-vs-llama-server"))
+    ap.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                    help="passed to pdmesh's workers (`pdmesh up --worker-arg`), e.g. "
+                         "--worker-arg=--step-target-ms=0; repeatable")
     a = ap.parse_args()
     binary = a.llama_server or build_llama_server(a.build_dir)
     names = [n for n in WORKLOADS if (not a.quick or n in QUICK) and (not a.only or n in a.only.split(","))]
@@ -226,8 +229,8 @@ def main():
           f"single-stream limit {bw * 1e9 / weights:.1f} tok/s", flush=True)
 
     # As many sequences per step as llama-server has slots.
-    batch = "--worker-arg=--max-batch=64"
-    series = {"pdmesh": ["--unified", batch], **({"pdmesh-pd": [batch]} if a.pd else {})}
+    worker = ["--worker-arg=--max-batch=64", *(f"--worker-arg={w}" for w in a.worker_arg)]
+    series = {"pdmesh": ["--unified", *worker], **({"pdmesh-pd": worker} if a.pd else {})}
     results: dict[str, dict[str, list[float]]] = {}
     for r in range(a.rounds):
         for label, extra in series.items():
