@@ -359,7 +359,13 @@ mod avx2 {
     /// are of two f16 values, exact in f32, so the fused multiply-add is the multiply
     /// then the add.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores(q: &[f32], hd: usize, keys: &[&[f16]], scale: f32, out: &mut [f32]) {
+    pub(super) unsafe fn scores(
+        q: &[f32],
+        hd: usize,
+        keys: &[&[f16]],
+        scale: f32,
+        out: &mut [f32],
+    ) {
         let n = keys.len();
         let rep = q.len() / hd;
         assert!(hd.is_multiple_of(8) && q.len() == rep * hd && out.len() == rep * n);
@@ -875,7 +881,10 @@ mod tests {
     #[test]
     fn attend_gives_the_same_bits_on_both_paths() {
         for hd in [8, 64, 128] {
-            for (n, rep) in [1, 2, 3, 4, 5, 8, 37].into_iter().zip([3, 1, 5, 3, 4, 9, 3]) {
+            for (n, rep) in [1, 2, 3, 4, 5, 8, 37]
+                .into_iter()
+                .zip([3, 1, 5, 3, 4, 9, 3])
+            {
                 let q: Vec<f32> = (0..rep * hd)
                     .map(|i| (i as f32 * 0.29).sin() * 3.0)
                     .collect();
@@ -1024,8 +1033,15 @@ mod tests {
             return;
         }
         let mut xs: Vec<f32> = (0..200_000).map(|i| -90.0 + i as f32 * 0.00046).collect();
-        xs.extend([0.0, -0.0, -1e-30, -87.0, -87.000_01, -86.999_99, 88.0, 100.0]);
-        xs.extend([f32::NEG_INFINITY, f32::INFINITY, f32::NAN, f32::MIN_POSITIVE]);
+        xs.extend([
+            0.0, -0.0, -1e-30, -87.0, -87.000_01, -86.999_99, 88.0, 100.0,
+        ]);
+        xs.extend([
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            f32::NAN,
+            f32::MIN_POSITIVE,
+        ]);
         for c in xs.chunks(4) {
             let mut lanes = [0f32; 4];
             lanes[..c.len()].copy_from_slice(c);

@@ -68,6 +68,11 @@ const SUM_LANES: usize = 16;
 /// The fewest tokens for which rows are computed two at a time.
 const TWO_ROWS_FROM: usize = 16;
 
+/// Tokens the AVX2 kernel takes through all of a task's rows before the next ones: 64
+/// tokens of a 1536-wide input are 196 KiB of packed activations, which stay in a core's
+/// L2 beside the task's weight rows.
+const TOKEN_GROUP: usize = 64;
+
 /// How far ahead of the row being computed its successors' bytes are prefetched.
 const PREFETCH_BYTES: usize = 2048;
 
@@ -236,10 +241,12 @@ fn scalar_rows(kind: IntKind, data: &[u8], rb: usize, p: &Packed, out: &mut [&mu
 }
 
 /// One kernel body for both SIMD paths: `$dot(qx, at)` gives a token's eight exact lane
-/// sums, `$tile` the widest tile, and `$wide(row, p, o)` computes the row's first tokens
-/// some wider way and says how many it did (the rest go through `tile`).
+/// sums, `$tile` the widest tile, `$group` how many tokens go through every row before
+/// the next tokens do (0: all of them), and `$wide(row, p, o)` computes the row's first
+/// tokens some wider way and says how many it did (the rest go through `tile`; only
+/// where the tokens are not grouped).
 macro_rules! simd_rows {
-    ($features:literal, $tile_max:literal, $dot:ident, $wide:ident) => {
+    ($features:literal, $tile_max:literal, $group:expr, $dot:ident, $wide:ident) => {
         /// One row times tokens `j0 .. j0 + RN` into `o[..RN]`; Q4_1's min sums ride
         /// along, the tile's tokens side by side in two vectors.
         #[inline]
@@ -303,68 +310,82 @@ macro_rules! simd_rows {
             let mut o = vec![0f32; 2 * t];
             let ahead = PREFETCH_BYTES.div_ceil(rb) * rb;
             let nrows = data.len() / rb;
-            let mut r0 = 0;
-            while r0 < nrows {
-                // Two rows share each activation load where the batch is long enough
-                // that the activations, not the weights, are what is read most.
-                let n = if nrows - r0 >= 2 && t >= TWO_ROWS_FROM {
-                    2
-                } else {
-                    1
-                };
-                // Ask for the rows `ahead` bytes on before they are needed: the weights
-                // stream from memory once per product, and the hardware prefetcher stops
-                // at every page boundary.
-                let next = r0 * rb + ahead;
-                if next + n * rb <= data.len() {
-                    for off in (0..n * rb).step_by(64) {
-                        // SAFETY: in bounds of `data` (checked above); a prefetch only hints.
-                        unsafe {
-                            _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().add(next + off) as *const i8)
-                        };
-                    }
-                }
-                let row = |k: usize| &data[(r0 + k) * rb..(r0 + k + 1) * rb];
-                let (o0, o1) = o.split_at_mut(t);
-                // SAFETY (every call): this function enables the kernels' features, and
-                // j + RN <= t.
-                let done = unsafe {
-                    if n == 2 {
-                        $wide::<K, 2>([row(0), row(1)], p, [o0, &mut o1[..]])
+            // Token groups small enough that their activations stay in the core's cache
+            // while every row of the task passes over them (a long prompt's activations
+            // are megabytes). A token's result does not depend on its tile, so neither
+            // on its group.
+            let group = if $group == 0 { t } else { t.min($group) };
+            for g0 in (0..t).step_by(group) {
+                let g1 = t.min(g0 + group);
+                let mut r0 = 0;
+                while r0 < nrows {
+                    // Two rows share each activation load where the batch is long enough
+                    // that the activations, not the weights, are what is read most.
+                    let n = if nrows - r0 >= 2 && t >= TWO_ROWS_FROM {
+                        2
                     } else {
-                        $wide::<K, 1>([row(0)], p, [o0])
-                    }
-                };
-                for (k, o) in o.chunks_exact_mut(t).take(n).enumerate() {
-                    let row = row(k);
-                    let mut j = done;
-                    // SAFETY: as above.
-                    unsafe {
-                        while t - j >= $tile_max {
-                            tile::<K, $tile_max>(row, p, j, &mut o[j..]);
-                            j += $tile_max;
-                        }
-                        if $tile_max > 8 && t - j >= 8 {
-                            tile::<K, 8>(row, p, j, &mut o[j..]);
-                            j += 8;
-                        }
-                        if $tile_max > 4 && t - j >= 4 {
-                            tile::<K, 4>(row, p, j, &mut o[j..]);
-                            j += 4;
-                        }
-                        if t - j >= 2 {
-                            tile::<K, 2>(row, p, j, &mut o[j..]);
-                            j += 2;
-                        }
-                        if t - j >= 1 {
-                            tile::<K, 1>(row, p, j, &mut o[j..]);
+                        1
+                    };
+                    // Ask for the rows `ahead` bytes on before they are needed: the weights
+                    // stream from memory once per product, and the hardware prefetcher stops
+                    // at every page boundary.
+                    let next = r0 * rb + ahead;
+                    if next + n * rb <= data.len() {
+                        for off in (0..n * rb).step_by(64) {
+                            // SAFETY: in bounds of `data` (checked above); a prefetch only hints.
+                            unsafe {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    data.as_ptr().add(next + off) as *const i8
+                                )
+                            };
                         }
                     }
-                    for (dst, v) in out.iter_mut().zip(o.iter()) {
-                        dst[r0 + k] = *v;
+                    let row = |k: usize| &data[(r0 + k) * rb..(r0 + k + 1) * rb];
+                    let (o0, o1) = o.split_at_mut(t);
+                    // SAFETY (every call): this function enables the kernels' features, and
+                    // j + RN <= t.
+                    let done = if group < t {
+                        0
+                    } else {
+                        unsafe {
+                            if n == 2 {
+                                $wide::<K, 2>([row(0), row(1)], p, [o0, &mut o1[..]])
+                            } else {
+                                $wide::<K, 1>([row(0)], p, [o0])
+                            }
+                        }
+                    };
+                    for (k, o) in o.chunks_exact_mut(t).take(n).enumerate() {
+                        let row = row(k);
+                        let mut j = g0 + done;
+                        // SAFETY: as above (j + RN <= g1 <= t).
+                        unsafe {
+                            while g1 - j >= $tile_max {
+                                tile::<K, $tile_max>(row, p, j, &mut o[j..]);
+                                j += $tile_max;
+                            }
+                            if $tile_max > 8 && g1 - j >= 8 {
+                                tile::<K, 8>(row, p, j, &mut o[j..]);
+                                j += 8;
+                            }
+                            if $tile_max > 4 && g1 - j >= 4 {
+                                tile::<K, 4>(row, p, j, &mut o[j..]);
+                                j += 4;
+                            }
+                            if g1 - j >= 2 {
+                                tile::<K, 2>(row, p, j, &mut o[j..]);
+                                j += 2;
+                            }
+                            if g1 - j >= 1 {
+                                tile::<K, 1>(row, p, j, &mut o[j..]);
+                            }
+                        }
+                        for (dst, v) in out[g0..g1].iter_mut().zip(&o[g0..g1]) {
+                            dst[r0 + k] = *v;
+                        }
                     }
+                    r0 += n;
                 }
-                r0 += n;
             }
         }
 
@@ -635,7 +656,13 @@ mod avx512 {
         j
     }
 
-    simd_rows!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 16, dot, wide);
+    simd_rows!(
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        16,
+        0,
+        dot,
+        wide
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -643,7 +670,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::simd::{hsum, scales, unpack_block};
-    use super::{PREFETCH_BYTES, Packed, Q4_0, Q4_1, Q8_0, TWO_ROWS_FROM};
+    use super::{PREFETCH_BYTES, Packed, Q4_0, Q4_1, Q8_0, TOKEN_GROUP, TWO_ROWS_FROM};
 
     #[inline(always)]
     unsafe fn unpack<const K: u8>(blk: *const u8) -> (__m256i, __m256i) {
@@ -684,7 +711,7 @@ mod avx2 {
         0
     }
 
-    simd_rows!("avx2,fma,f16c", 4, dot, wide);
+    simd_rows!("avx2,fma,f16c", 4, TOKEN_GROUP, dot, wide);
 }
 
 #[cfg(test)]
