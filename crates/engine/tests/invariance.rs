@@ -463,7 +463,10 @@ fn a_step_target_cuts_a_prompt_beside_decoding_streams_without_changing_output()
                 .iter()
                 .any(|ev| matches!(ev, StepEvent::Token { id, .. } if &**id == "long"));
             let streams = record(evs) - usize::from(first);
-            assert_eq!(streams, 2, "step {steps}: both streams decode while the prompt is cut");
+            assert_eq!(
+                streams, 2,
+                "step {steps}: both streams decode while the prompt is cut"
+            );
             if first {
                 break;
             }
@@ -475,7 +478,10 @@ fn a_step_target_cuts_a_prompt_beside_decoding_streams_without_changing_output()
     };
     let (whole, want) = run(None);
     let (cut, got) = run(Some(std::time::Duration::from_nanos(1)));
-    assert_eq!(whole, 1, "without a target the prompt fits one 512-token chunk");
+    assert_eq!(
+        whole, 1,
+        "without a target the prompt fits one 512-token chunk"
+    );
     assert_eq!(cut, 160 / 16, "a page's worth a step");
     assert_eq!(got, want, "a step target changes no output");
     assert_eq!(got["long"].len(), 4);
