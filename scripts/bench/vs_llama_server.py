@@ -2,12 +2,12 @@
 """pdmesh against llama.cpp's server on the same GGUF and the same machine, in one run.
 
     python3 scripts/bench/vs_llama_server.py [--build-dir DIR | --llama-server PATH]
-        [--rounds 2] [--pd] [--quick] [--out DIR]
+        [--rounds 2] [--pd] [--quick] [--out DIR] [--worker-arg ARG ...]
 
 It builds llama-server when asked (`--build-dir`: the llama.cpp sources that the PyPI
 sdist of llama-cpp-python 0.3.36 vendors, downloaded with pip; cmake from PyPI; built
-with the AVX-512 / VNNI / BF16 flags this CPU reports and `GGML_NATIVE=OFF`, because
-native builds pick AMX, which some kernels refuse with an illegal instruction). Then it
+with the AVX2 / FMA / F16C / AVX-512 / VNNI / BF16 flags this CPU reports and
+`GGML_NATIVE=OFF`, because native builds pick AMX, which some kernels refuse with an illegal instruction). Then it
 measures the machine's memory read bandwidth, and runs each server in turn, never both
 at once, alternating for `--rounds` rounds (pdmesh, llama-server, pdmesh, ...), each
 round driving the same `pdmesh bench` workloads:

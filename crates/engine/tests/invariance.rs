@@ -474,7 +474,12 @@ fn a_step_target_cuts_a_prompt_beside_decoding_streams_without_changing_output()
         while e.has_work() {
             record(e.step());
         }
-        (steps, out)
+        let logits: Vec<Vec<u32>> = ["s0", "s1", "long"]
+            .iter()
+            .flat_map(|id| e.take_logits(id).unwrap_or_default())
+            .map(|row| bits(&row))
+            .collect();
+        (steps, (out, logits))
     };
     let (whole, want) = run(None);
     let (cut, got) = run(Some(std::time::Duration::from_nanos(1)));
@@ -483,6 +488,8 @@ fn a_step_target_cuts_a_prompt_beside_decoding_streams_without_changing_output()
         "without a target the prompt fits one 512-token chunk"
     );
     assert_eq!(cut, 160 / 16, "a page's worth a step");
-    assert_eq!(got, want, "a step target changes no output");
-    assert_eq!(got["long"].len(), 4);
+    assert_eq!(got.0, want.0, "a step target changes no token");
+    assert_eq!(got.0["long"].len(), 4);
+    assert_eq!(got.1.len(), 40 + 40 + 4, "every logits row kept");
+    assert!(got.1 == want.1, "a step target changes no logits bit");
 }

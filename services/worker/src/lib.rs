@@ -597,6 +597,19 @@ mod tests {
         assert_eq!((ok.kv_pages, ok.page_size, ok.max_batch), (2048, 16, 32));
     }
 
+    /// The step target reaches the engine in milliseconds; 0 turns it off (the fixed
+    /// prefill chunk).
+    #[test]
+    fn the_step_target_reaches_the_engine_and_zero_turns_it_off() {
+        let on = Config::new("m.gguf").engine_config().unwrap();
+        assert_eq!(on.step_target, Some(std::time::Duration::from_millis(200)));
+        let off = Config {
+            step_target_ms: 0,
+            ..Config::new("m.gguf")
+        };
+        assert_eq!(off.engine_config().unwrap().step_target, None);
+    }
+
     #[test]
     fn a_malformed_cache_url_is_refused_at_start() {
         for bad in ["127.0.0.1:50063", "not a url", ""] {
