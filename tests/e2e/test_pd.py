@@ -23,6 +23,12 @@ from conftest import ROOM_ARGS, WORKER_ARGS, API_KEY, free_port, http, metrics, 
 REQUEST_DEADLINE_S = 40
 
 
+def replaced(defaults, args) -> list[str]:
+    """`defaults` (`--flag=value` each) without the flags `args` name, then `args`."""
+    named = {a.split("=")[0] for a in args}
+    return [*(a for a in defaults if a.split("=")[0] not in named), *args]
+
+
 class Services:
     """cache, tokenizer, prefill, decode and gateway as separate `pdmesh` processes, each
     one killable and restartable on its own port."""
@@ -35,10 +41,11 @@ class Services:
         cache = f"http://127.0.0.1:{self.ports['cache']}"
         self.argv = {
             # `cache_args` replace conftest's room deadlines they name.
-            "cache": ["cache", *(a for a in ROOM_ARGS if a.split("=")[0] not in {c.split("=")[0] for c in cache_args}), *cache_args],
+            "cache": ["cache", *replaced(ROOM_ARGS, cache_args)],
             "tokenizer": ["tokenizer"],
-            **{p: ["prefill", "--cache-url", cache, *WORKER_ARGS, *prefill_args] for p in self.prefills},
-            "decode": ["decode", "--cache-url", cache, *WORKER_ARGS, *decode_args],
+            # `prefill_args` and `decode_args` replace conftest's worker flags they name.
+            **{p: ["prefill", "--cache-url", cache, *replaced(WORKER_ARGS, prefill_args)] for p in self.prefills},
+            "decode": ["decode", "--cache-url", cache, *replaced(WORKER_ARGS, decode_args)],
             "gateway": [
                 "gateway",
                 "--tokenizer-url", f"http://127.0.0.1:{self.ports['tokenizer']}",
@@ -434,6 +441,11 @@ def test_a_late_write_is_rejected_and_reused_pages_are_untouched(services):
         f.result(timeout=REQUEST_DEADLINE_S)
     (kind, what), _ = late[0]
     assert kind == "error" and what == 503, late[0]
+    # The late writer is detached from its request (it no longer holds the engine's
+    # pages, which it staged before its room started): its commit comes 6 s into the
+    # transfer, and is refused.
+    wait_metrics(services, lambda m: m['mesh_room_late_writes_rejected_total{tier="host"}'] >= 1,
+                 "the late write was never rejected", timeout=REQUEST_DEADLINE_S)
     m = services.assert_baseline()
     assert m['mesh_room_late_writes_rejected_total{tier="host"}'] == 1, services.logs()
     # The same questions again, with no late writer around: identical answers.
@@ -487,6 +499,31 @@ def test_prefill_routing_follows_the_workers_kv_events(services):
     after = services.metrics()
     routed = 'mesh_route_prefill_total{reason="prefix"}'
     assert after[routed] - before.get(routed, 0) == 6
+
+
+@pytest.mark.parametrize(
+    "services",
+    [{
+        # The prefill's engine loop sleeps before its first step, so computing the first
+        # prompt takes longer than decode's transfer deadline (the room waits 20 s).
+        "prefill_args": ["--fault-stall-step=0:5000"],
+        "decode_args": ["--transfer-timeout-ms=2000"],
+    }],
+    indirect=True,
+)
+def test_a_prefill_slower_than_the_transfer_deadline_still_hands_over(services):
+    """Decode's transfer deadline bounds the transfer, not the prefill's computing: a
+    prompt that takes longer to compute than that deadline (a long prompt, a slow machine)
+    is answered, with the same answer as when it is cached, and nothing fails."""
+    client = services.client()
+    t = time.monotonic()
+    first = ask(client, "Which box is blue? Answer briefly.")
+    assert time.monotonic() - t >= 5, "the prefill's stall did not hold this request"
+    assert ask(client, "Which box is blue? Answer briefly.") == first
+    m = services.assert_baseline()
+    failures = {k: v for k, v in m.items() if k.startswith("mesh_kv_transfer_failures_total")}
+    assert failures and not any(failures.values()), failures
+    assert services.logs().count("KV transfer failed") == 0, services.logs()
 
 
 STALL_S = 10

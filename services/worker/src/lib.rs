@@ -114,8 +114,10 @@ pub struct Config {
     /// (RESOURCE_EXHAUSTED) instead of queueing further.
     #[arg(long, env = "PDMESH_ADMISSION_TIMEOUT_MS", default_value_t = 30_000)]
     pub admission_timeout_ms: u64,
-    /// Prefill and decode: the longest one request's KV hand-over may take, end to end,
-    /// on this side (DEADLINE_EXCEEDED past it).
+    /// Prefill and decode: the longest one request's KV hand-over may take on this side
+    /// (DEADLINE_EXCEEDED past it). Prefill's runs from its first token to the commit;
+    /// decode's from when prefill starts writing. While prefill computes, the room's
+    /// deadline at the cache service bounds decode's wait, and this one each answer.
     #[arg(long, env = "PDMESH_TRANSFER_TIMEOUT_MS", default_value_t = 60_000)]
     pub transfer_timeout_ms: u64,
     /// The watchdog counts a stall (and logs it) when the engine loop has work but has

@@ -142,7 +142,7 @@ impl RoomLink {
 pub(crate) struct PdTimes {
     /// How long a decode request may wait for its pages.
     pub admission: Duration,
-    /// How long either side may spend on one request's hand-over, end to end.
+    /// How long either side may spend on one request's hand-over (`--transfer-timeout-ms`).
     pub transfer: Duration,
     /// Test-only fault: a prefill sleeps this long after its room started transferring
     /// and before it writes (for the first `fault_count` transfers), so its write lands
@@ -244,6 +244,75 @@ fn failed(reason: &str) -> Status {
     Status::aborted(format!("KV transfer failed: {reason}"))
 }
 
+/// Copies prefilled request `id`'s pages from the `held`-th on out of the engine (on its
+/// thread, between steps) into one buffer, `page_bytes` each, with each page's checksum
+/// taken from the engine's own bytes.
+async fn stage(
+    engine: &EngineHandle,
+    id: &str,
+    held: usize,
+    page_bytes: usize,
+) -> Result<(Vec<u8>, Vec<u64>), Status> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let sums = engine
+        .export(
+            id.to_owned(),
+            Box::new(move |src: &[&[u8]]| {
+                let src = src.get(held..).unwrap_or_default();
+                let mut buf = vec![0u8; src.len() * page_bytes];
+                let sums = src
+                    .iter()
+                    .zip(buf.chunks_exact_mut(page_bytes))
+                    .map(|(page, dst)| {
+                        dst.copy_from_slice(page);
+                        pdmesh_kv::page_checksum(dst)
+                    })
+                    .collect();
+                let _ = tx.send(buf);
+                sums
+            }),
+        )
+        .await
+        .map_err(|e| Status::from(crate::Error::from(e)))?;
+    let buf = rx
+        .await
+        .map_err(|_| Status::internal("the engine exported no pages"))?;
+    Ok((buf, sums))
+}
+
+/// Writes the staged pages into their mirror slots. Each write checksums what it wrote,
+/// which must equal the checksum taken from the engine's bytes: a page that changed on
+/// the way is an error here, not a corrupted answer later. (The seed's fault,
+/// `missize`, loses most of each bf16 index-K behind a checksum of what is left.)
+fn write_pages(
+    mirror: &pdmesh_cache_client::mirror::Mirror,
+    staged: &[u8],
+    slots: &[u32],
+    sums: &[u64],
+    missize: Option<&KvLayout>,
+) -> Result<Vec<u64>, Status> {
+    let page_bytes = mirror.page_bytes();
+    staged
+        .chunks_exact(page_bytes)
+        .zip(slots)
+        .zip(sums)
+        .enumerate()
+        .map(|(i, ((page, &slot), &sum))| match missize {
+            None => match mirror.write_checked(slot, page) {
+                got if got == sum => Ok(got),
+                got => Err(Status::data_loss(format!(
+                    "page {i} changed between the engine and mirror slot {slot}: checksum {got:#018x}, the engine's {sum:#018x}"
+                ))),
+            },
+            Some(layout) => {
+                let mut bad = page.to_vec();
+                pdmesh_kv::faults::truncate_bf16_index_k_like_fp8(layout, &mut bad);
+                Ok(mirror.write_checked(slot, &bad))
+            }
+        })
+        .collect()
+}
+
 /// Runs `fut` until `deadline`; past it, DEADLINE_EXCEEDED naming `what`.
 async fn by<T>(
     deadline: tokio::time::Instant,
@@ -261,16 +330,18 @@ async fn by<T>(
     }
 }
 
-/// Waits until `room` reaches `until`; a failed room is ABORTED with its reason.
+/// Waits until `room` reaches `until`; a failed room is ABORTED with its reason. Each
+/// call to the service must answer by `deadline()`, asked before the call: a fixed
+/// instant bounds the whole wait, `now + d` only each answer.
 async fn wait_room(
     client: &HostClient,
     room: u64,
     until: cpb::RoomState,
-    deadline: tokio::time::Instant,
+    deadline: impl Fn() -> tokio::time::Instant,
 ) -> Result<cpb::RoomStatus, Status> {
     loop {
         let st = by(
-            deadline,
+            deadline(),
             "waiting for the other side",
             client.room_wait(room, until, Duration::from_secs(1)),
         )
@@ -589,7 +660,7 @@ impl Pd {
         let deadline = tokio::time::Instant::now() + self.times.transfer;
         // Decode joins once it has reserved pages for this prompt, saying how many of
         // its leading pages it holds already: only the rest travel.
-        let st = wait_room(&client, room, cpb::RoomState::WaitingForInput, deadline).await?;
+        let st = wait_room(&client, room, cpb::RoomState::WaitingForInput, || deadline).await?;
         room_event("waiting_for_input");
         let held = st.held_pages as usize;
         if held >= pages {
@@ -598,6 +669,20 @@ impl Pd {
             )));
         }
         let pages = pages - held;
+        // The pages leave the engine first, into this task's own buffer with each page's
+        // checksum: the engine hands them over between two of its steps, however long
+        // one takes on this machine. Only then does the room take mirror slots and start
+        // transferring, so its deadline bounds the write and the commit, not a step.
+        let page_bytes = client.page_bytes();
+        let t0 = Instant::now();
+        let (staged, sums) = stage(engine, &req.id, held, page_bytes).await?;
+        export.disarm();
+        if sums.len() != pages {
+            return Err(Status::internal(format!(
+                "the engine exported {} pages of the {pages} that travel",
+                sums.len()
+            )));
+        }
         let slots = loop {
             match by(
                 deadline,
@@ -620,12 +705,7 @@ impl Pd {
                 slots.len()
             )));
         }
-        transfer_event(
-            "kv_cache_transfer_start",
-            (pages, held),
-            client.page_bytes(),
-            None,
-        );
+        transfer_event("kv_cache_transfer_start", (pages, held), page_bytes, None);
         let mirror = client
             .shared_mirror()
             .ok_or_else(|| Status::failed_precondition("rooms need the shm data plane"))?;
@@ -634,39 +714,20 @@ impl Pd {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
                 < self.times.fault_count
         });
-        let (engine2, client2, id) = (engine.clone(), client.clone(), req.id.clone());
+        let client2 = client.clone();
         let (missize, layout) = (self.times.missize_index_k, self.layout.clone());
         let write_and_commit = async move {
             if let Some(d) = delay {
                 tracing::warn!(room, delay = ?d, "fault injection: a write that does not hear aborts, delayed");
                 tokio::time::sleep(d).await;
             }
-            let t0 = Instant::now();
-            let write_slots = slots.clone();
             let missize = missize.then_some(layout);
-            let sums = engine2
-                .export(
-                    id,
-                    Box::new(move |src: &[&[u8]]| {
-                        src[held..]
-                            .iter()
-                            .zip(&write_slots)
-                            .map(|(page, &slot)| match &missize {
-                                None => mirror.write_checked(slot, page),
-                                Some(layout) => {
-                                    let mut bad = page.to_vec();
-                                    pdmesh_kv::faults::truncate_bf16_index_k_like_fp8(
-                                        layout, &mut bad,
-                                    );
-                                    mirror.write_checked(slot, &bad)
-                                }
-                            })
-                            .collect()
-                    }),
-                )
-                .await
-                .map_err(|e| Status::from(crate::Error::from(e)))?;
-            export.disarm();
+            let write_slots = slots.clone();
+            let sums = tokio::task::spawn_blocking(move || {
+                write_pages(&mirror, &staged, &write_slots, &sums, missize.as_ref())
+            })
+            .await
+            .map_err(|e| Status::internal(format!("the page write failed: {e}")))??;
             let secs = t0.elapsed().as_secs_f64();
             let aux = cpb::RoomAux {
                 room,
@@ -781,7 +842,18 @@ impl Pd {
         )
         .await?;
         room_event("receiver_joined");
-        wait_room(&client, room, cpb::RoomState::Success, deadline).await?;
+        // The prefill computes the prompt meanwhile. However long that takes on this
+        // machine is bounded by the room's own deadline at the cache service
+        // (`--room-wait-ms`), which fails the room; here the service only has to answer
+        // each wait in time. This side's transfer deadline starts once the sender writes.
+        let transfer = self.times.transfer;
+        wait_room(&client, room, cpb::RoomState::Transferring, || {
+            tokio::time::Instant::now() + transfer
+        })
+        .await?;
+        room_event("transferring");
+        let deadline = tokio::time::Instant::now() + transfer;
+        wait_room(&client, room, cpb::RoomState::Success, || deadline).await?;
         room_event("success");
         let arrived = Instant::now();
         let got = by(deadline, "room result", client.room_result(room)).await?;
@@ -886,5 +958,76 @@ impl Pd {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pdmesh_cache_client::mirror::Mirror;
+    use pdmesh_kv::page_checksum;
+
+    use super::*;
+
+    /// Three staged pages of distinct bytes and their checksums.
+    fn staged(page_bytes: usize) -> (Vec<u8>, Vec<u64>) {
+        let buf: Vec<u8> = (0..3 * page_bytes)
+            .map(|i| (i * 7 + i / 251) as u8)
+            .collect();
+        let sums = buf.chunks_exact(page_bytes).map(page_checksum).collect();
+        (buf, sums)
+    }
+
+    #[test]
+    fn staged_pages_land_in_their_slots_with_the_engines_checksums() {
+        let dir = tempfile::tempdir().unwrap();
+        let mirror = Mirror::create(dir.path(), 256, 8).unwrap();
+        let (buf, sums) = staged(256);
+        let slots = [5, 0, 3];
+        assert_eq!(
+            write_pages(&mirror, &buf, &slots, &sums, None).unwrap(),
+            sums
+        );
+        let mut scratch = Vec::new();
+        for (i, &slot) in slots.iter().enumerate() {
+            assert_eq!(mirror.checksum(slot, &mut scratch), sums[i]);
+            assert_eq!(scratch, buf[i * 256..(i + 1) * 256]);
+        }
+    }
+
+    #[test]
+    fn a_page_that_changed_after_staging_is_data_loss_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mirror = Mirror::create(dir.path(), 256, 8).unwrap();
+        let (buf, mut sums) = staged(256);
+        sums[1] ^= 1;
+        let err = write_pages(&mirror, &buf, &[0, 1, 2], &sums, None).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::DataLoss);
+        assert!(
+            err.message().contains("page 1 changed"),
+            "{}",
+            err.message()
+        );
+    }
+
+    #[test]
+    fn the_seeds_fault_writes_its_loss_behind_valid_checksums() {
+        let layout = pdmesh_kv::KvLayout::deepseek_v32(
+            1,
+            pdmesh_kv::MlaDims::V32,
+            pdmesh_kv::MlaCacheDtype::Bf16,
+            pdmesh_kv::IndexKDtype::Bf16,
+            1,
+        )
+        .unwrap();
+        let page_bytes = layout.bytes_per_page();
+        let dir = tempfile::tempdir().unwrap();
+        let mirror = Mirror::create(dir.path(), page_bytes, 4).unwrap();
+        let (buf, sums) = staged(page_bytes);
+        let got = write_pages(&mirror, &buf, &[0, 1, 2], &sums, Some(&layout)).unwrap();
+        let mut scratch = Vec::new();
+        for (i, &sum) in got.iter().enumerate() {
+            assert_ne!(sum, sums[i], "page {i} lost nothing");
+            assert_eq!(mirror.checksum(i as u32, &mut scratch), sum);
+        }
     }
 }
