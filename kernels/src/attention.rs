@@ -13,11 +13,12 @@
 //! through f16), so each is exact in f32 and a fused multiply-add rounds exactly as the
 //! multiply then the add; the AVX-512 path fuses them.
 //!
-//! The AVX-512 path computes a tile of query tokens of one sequence at once (every head
-//! of the group, every token of the tile): each block of 16 keys and values is converted
-//! from f16 once for all of them, scores are 16 keys per register (two keys' eight lanes
-//! each, reduced by the tree across registers), and exp, the probabilities and the
-//! weighted sums are 16 lanes wide.
+//! The SIMD paths compute a tile of query tokens of one sequence at once (every head of
+//! the group, every token of the tile): each block of keys and values (16 on AVX-512, 8
+//! on AVX2) is converted from f16 once for all of them, and the lane sums of a block's
+//! keys are reduced by the tree across registers (AVX-512: two keys' eight lanes per
+//! register; AVX2: one key per register). On AVX-512 exp, the probabilities and the
+//! weighted sums are 16 lanes wide; on AVX2 exp is four f64 lanes and the rest eight.
 
 use half::f16;
 
@@ -100,9 +101,15 @@ fn attend_causal_on(
         unsafe { avx512::attend_causal(qs, hd, counts, keys, values, scale, outs) };
         return;
     }
-    let simd = path != Path::Scalar;
+    #[cfg(target_arch = "x86_64")]
+    if path == Path::Avx2 {
+        // SAFETY: Path::Avx2 is only chosen (or forced by tests) on a CPU with avx2, fma
+        // and f16c; every shape the function indexes by was asserted above.
+        unsafe { avx2::attend_causal(qs, hd, counts, keys, values, scale, outs) };
+        return;
+    }
     for ((q, &c), o) in qs.iter().zip(counts).zip(outs.iter_mut()) {
-        attend_one(simd, q, hd, &keys[..c], &values[..c], scale, o);
+        attend_one(q, hd, &keys[..c], &values[..c], scale, o);
     }
 }
 
@@ -146,12 +153,9 @@ const EXP_TAYLOR: [f64; 12] = [
     1.0,
 ];
 
-/// One query token (its `q.len() / hd` heads) over all of `keys`. The scalar path goes
-/// one head at a time; the SIMD one does every head's scores at once and every head's
-/// weighted sums at once, so each key and value row is converted from f16 once for all
-/// heads, with the same operations per head.
+/// One query token (its `q.len() / hd` heads) over all of `keys`, one head at a time:
+/// the definition the SIMD paths give the bits of.
 fn attend_one(
-    simd: bool,
     q: &[f32],
     hd: usize,
     keys: &[&[f16]],
@@ -162,16 +166,6 @@ fn attend_one(
     let rep = q.len() / hd;
     let n = keys.len();
     let qh: Vec<f32> = q.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
-    if simd {
-        let mut scores = vec![0f32; rep * n];
-        simd_scores(&qh, hd, keys, scale, &mut scores);
-        for s in scores.chunks_exact_mut(n) {
-            let max = s.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            simd_softmax(s, max);
-        }
-        simd_weighted_sums(&scores, values, out);
-        return;
-    }
     let mut scores = vec![0f32; n];
     for r in 0..rep {
         let qh = &qh[r * hd..(r + 1) * hd];
@@ -206,16 +200,6 @@ fn scalar_softmax(scores: &mut [f32], max: f32) {
     }
 }
 
-fn simd_softmax(scores: &mut [f32], max: f32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: only called when has_avx2() (which includes fma and f16c) holds.
-        unsafe { avx2::softmax(scores, max) }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    scalar_softmax(scores, max)
-}
-
 /// Eight lane sums of q·k: lane l adds q[c+l]·k[c+l] over the chunks c in order.
 fn scalar_dot_lanes(q: &[f32], k: &[f16]) -> [f32; 8] {
     let mut lanes = [0f32; 8];
@@ -232,40 +216,6 @@ fn scalar_weighted_sum(p: &[f32], values: &[&[f16]], o: &mut [f32]) {
     for (&pj, v) in p.iter().zip(values) {
         for (od, vd) in o.iter_mut().zip(v.iter()) {
             *od += pj * vd.to_f32();
-        }
-    }
-}
-
-/// Every head's score of every key, `scores[h · n + j]`; `q` holds the heads rounded
-/// through f16.
-fn simd_scores(q: &[f32], hd: usize, keys: &[&[f16]], scale: f32, scores: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: only called when has_avx2() (which includes fma and f16c) holds; the
-        // function checks the shapes.
-        unsafe { avx2::scores(q, hd, keys, scale, scores) }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    for (h, s) in scores.chunks_exact_mut(keys.len()).enumerate() {
-        for (s, k) in s.iter_mut().zip(keys) {
-            *s = tree(scalar_dot_lanes(&q[h * hd..(h + 1) * hd], k), scale);
-        }
-    }
-}
-
-/// Every head's weighted sum of the values, `out[h · hd ..]`, from its probabilities
-/// `p[h · n ..]`.
-fn simd_weighted_sums(p: &[f32], values: &[&[f16]], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: as above.
-        unsafe { avx2::weighted_sums(p, values, out) }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let hd = out.len() / (p.len() / values.len());
-        for (p, o) in p.chunks_exact(values.len()).zip(out.chunks_exact_mut(hd)) {
-            scalar_weighted_sum(p, values, o);
         }
     }
 }
@@ -307,206 +257,249 @@ mod avx2 {
 
     /// [`super::scalar_softmax`]'s operations, exp four lanes at a time and the f16
     /// rounding eight, the sum still one f64 add per key in key order.
+    #[cfg(test)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn softmax(scores: &mut [f32], max: f32) {
-        let n = scores.len();
-        let mut sum = 0f64;
+        exps(scores, max);
+        let sum = scores.iter().fold(0f64, |sum, &e| sum + e as f64);
+        normalize(scores, sum);
+    }
+
+    /// The f64 sums in key order of the first `c` values of `K` rows `stride` apart, side by
+    /// side (each its own chain); the rest of the four are zero.
+    #[inline(always)]
+    fn sums<const K: usize>(rows: &[f32], stride: usize, c: usize) -> [f64; 4] {
+        let rows: [&[f32]; K] = std::array::from_fn(|h| &rows[h * stride..][..c]);
+        let mut sums = [0f64; K];
+        #[allow(clippy::needless_range_loop)] // a key at a time, every row's chain in turn
+        for j in 0..c {
+            for h in 0..K {
+                sums[h] += rows[h][j] as f64;
+            }
+        }
+        std::array::from_fn(|h| if h < K { sums[h] } else { 0.0 })
+    }
+
+    /// `e = exp(s − max)` for every score, four lanes at a time.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn exps(scores: &mut [f32], max: f32) {
         let m = _mm_set1_ps(max);
-        let mut j = 0;
-        while n - j >= 4 {
-            let mut e = [0f32; 4];
-            // SAFETY: j + 4 <= n; e holds four floats.
+        let mut quads = scores.chunks_exact_mut(4);
+        for q in &mut quads {
+            // SAFETY: q holds four floats.
             unsafe {
-                let s = _mm_loadu_ps(scores.as_ptr().add(j));
-                _mm_storeu_ps(e.as_mut_ptr(), exp4(_mm_sub_ps(s, m)));
-            }
-            for (s, e) in scores[j..j + 4].iter_mut().zip(e) {
-                *s = e;
-                sum += e as f64;
-            }
-            j += 4;
+                _mm_storeu_ps(
+                    q.as_mut_ptr(),
+                    exp4(_mm_sub_ps(_mm_loadu_ps(q.as_ptr()), m)),
+                )
+            };
         }
-        for s in &mut scores[j..] {
+        for s in quads.into_remainder() {
             *s = exp_f32(*s - max);
-            sum += *s as f64;
         }
+    }
+
+    /// `p = f16(e · (1 / sum))`, eight lanes at a time.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn normalize(scores: &mut [f32], sum: f64) {
         let inv = (1.0 / sum) as f32;
         let iv = _mm256_set1_ps(inv);
-        let mut j = 0;
-        while n - j >= 8 {
-            // SAFETY: j + 8 <= n.
+        let mut eights = scores.chunks_exact_mut(8);
+        for e in &mut eights {
+            // SAFETY: e holds eight floats.
             unsafe {
-                let at = scores.as_mut_ptr().add(j);
                 let p = _mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(_mm256_mul_ps(
-                    _mm256_loadu_ps(at),
+                    _mm256_loadu_ps(e.as_ptr()),
                     iv,
                 ));
-                _mm256_storeu_ps(at, _mm256_cvtph_ps(p));
+                _mm256_storeu_ps(e.as_mut_ptr(), _mm256_cvtph_ps(p));
             }
-            j += 8;
         }
-        for s in &mut scores[j..] {
+        for s in eights.into_remainder() {
             *s = f16::from_f32(*s * inv).to_f32();
         }
     }
 
-    /// Query heads whose scores share each converted key chunk (and whose weighted sums
-    /// share each converted value chunk).
-    const HEADS: usize = 4;
+    /// Keys converted from f16 at a time for the scores.
+    const BLOCK: usize = 8;
+    /// Query heads whose weighted sums share one load of each value chunk.
+    const GROUP: usize = 8;
 
-    /// [`super::simd_scores`]: keys two at a time against up to [`HEADS`] heads, each
-    /// head and key its own chain of eight lanes over the chunks in order. The products
-    /// are of two f16 values, exact in f32, so the fused multiply-add is the multiply
-    /// then the add.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores(
-        q: &[f32],
-        hd: usize,
-        keys: &[&[f16]],
-        scale: f32,
-        out: &mut [f32],
-    ) {
-        let n = keys.len();
-        let rep = q.len() / hd;
-        assert!(hd.is_multiple_of(8) && q.len() == rep * hd && out.len() == rep * n);
-        assert!(keys.iter().all(|k| k.len() == hd));
-        let mut h0 = 0;
-        while h0 < rep {
-            let hs = (rep - h0).min(HEADS);
-            let mut j = 0;
-            while j < n {
-                let ks = (n - j).min(2);
-                // SAFETY: the shapes asserted above; hs and ks bound the block.
-                unsafe {
-                    match (hs, ks) {
-                        (4, 2) => scores_block::<4, 2>(q, hd, keys, scale, out, h0, j),
-                        (3, 2) => scores_block::<3, 2>(q, hd, keys, scale, out, h0, j),
-                        (2, 2) => scores_block::<2, 2>(q, hd, keys, scale, out, h0, j),
-                        (1, 2) => scores_block::<1, 2>(q, hd, keys, scale, out, h0, j),
-                        (4, _) => scores_block::<4, 1>(q, hd, keys, scale, out, h0, j),
-                        (3, _) => scores_block::<3, 1>(q, hd, keys, scale, out, h0, j),
-                        (2, _) => scores_block::<2, 1>(q, hd, keys, scale, out, h0, j),
-                        _ => scores_block::<1, 1>(q, hd, keys, scale, out, h0, j),
-                    }
-                }
-                j += ks;
-            }
-            h0 += hs;
-        }
+    /// Eight registers of one key's eight lanes each (key p in register p) to the eight
+    /// keys' tree sums in key order: two levels of adjacent-lane sums within the 128-bit
+    /// halves (`(l0 + l1) + (l2 + l3)` in the low half, `(l4 + l5) + (l6 + l7)` in the
+    /// high), then the halves added, so each key's sum is its scalar tree.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn tree8(a: [__m256; BLOCK]) -> __m256 {
+        let lo = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        let hi = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        // Lanes 0..4 of `lo` hold keys 0..4's first halves, lanes 4..8 their second ones;
+        // likewise `hi` for keys 4..8.
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(lo, hi),
+            _mm256_permute2f128_ps::<0x31>(lo, hi),
+        )
     }
 
-    /// Heads `h0 .. h0 + H` times keys `j .. j + K`.
+    /// The weighted sums of query heads `q0 .. q0 + G` (probabilities at `p`, key counts
+    /// `cnt`) in output lanes `c .. c + 8`: each value chunk converted once for all of them
+    /// over the keys they all reach, then each head alone over the rest of its own. Every
+    /// lane adds its keys in order, from zero.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn scores_block<const H: usize, const K: usize>(
-        q: &[f32],
+    unsafe fn sums_group<const G: usize>(
+        outs: &mut [&mut [f32]],
+        rep: usize,
         hd: usize,
-        keys: &[&[f16]],
-        scale: f32,
-        out: &mut [f32],
-        h0: usize,
-        j: usize,
-    ) {
-        let n = keys.len();
-        assert!((h0 + H) * hd <= q.len() && j + K <= n);
-        let mut acc = [[_mm256_setzero_ps(); K]; H];
-        for c in (0..hd).step_by(8) {
-            // SAFETY: c + 8 <= hd, every key's and head's length (asserted by the caller
-            // and above).
-            unsafe {
-                let mut kf = [_mm256_setzero_ps(); K];
-                for (f, k) in kf.iter_mut().zip(&keys[j..j + K]) {
-                    *f = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(c) as *const __m128i));
-                }
-                for (h, acc) in acc.iter_mut().enumerate() {
-                    let qc = _mm256_loadu_ps(q.as_ptr().add((h0 + h) * hd + c));
-                    for (a, f) in acc.iter_mut().zip(kf) {
-                        *a = _mm256_fmadd_ps(qc, f, *a);
-                    }
-                }
-            }
-        }
-        for (h, acc) in acc.iter().enumerate() {
-            for (k, a) in acc.iter().enumerate() {
-                let mut lanes = [0f32; 8];
-                // SAFETY: lanes has room for 8 floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
-                out[(h0 + h) * n + j + k] = super::tree(lanes, scale);
-            }
-        }
-    }
-
-    /// [`super::simd_weighted_sums`]: two output chunks of up to [`HEADS`] heads at a
-    /// time, each head and lane its own chain over the values in order, from zero.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn weighted_sums(p: &[f32], values: &[&[f16]], out: &mut [f32]) {
-        let n = values.len();
-        assert!(n > 0 && p.len().is_multiple_of(n));
-        let rep = p.len() / n;
-        let hd = out.len() / rep;
-        assert!(hd.is_multiple_of(8) && out.len() == rep * hd);
-        assert!(values.iter().all(|v| v.len() == hd));
-        let mut h0 = 0;
-        while h0 < rep {
-            let hs = (rep - h0).min(HEADS);
-            let mut c = 0;
-            while c < hd {
-                let cs = ((hd - c) / 8).min(2);
-                // SAFETY: the shapes asserted above; hs and cs bound the block.
-                unsafe {
-                    match (hs, cs) {
-                        (4, 2) => sums_block::<4, 2>(p, values, out, hd, h0, c),
-                        (3, 2) => sums_block::<3, 2>(p, values, out, hd, h0, c),
-                        (2, 2) => sums_block::<2, 2>(p, values, out, hd, h0, c),
-                        (1, 2) => sums_block::<1, 2>(p, values, out, hd, h0, c),
-                        (4, _) => sums_block::<4, 1>(p, values, out, hd, h0, c),
-                        (3, _) => sums_block::<3, 1>(p, values, out, hd, h0, c),
-                        (2, _) => sums_block::<2, 1>(p, values, out, hd, h0, c),
-                        _ => sums_block::<1, 1>(p, values, out, hd, h0, c),
-                    }
-                }
-                c += 8 * cs;
-            }
-            h0 += hs;
-        }
-    }
-
-    /// Heads `h0 .. h0 + H`, output chunks `c .. c + 8 · C`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn sums_block<const H: usize, const C: usize>(
-        p: &[f32],
-        values: &[&[f16]],
-        out: &mut [f32],
-        hd: usize,
-        h0: usize,
         c: usize,
+        q0: usize,
+        p: &[*const f32],
+        cnt: &[usize],
+        values: &[&[f16]],
     ) {
-        let n = values.len();
-        assert!((h0 + H) * n <= p.len() && (h0 + H) * hd <= out.len() && c + 8 * C <= hd);
-        let mut acc = [[_mm256_setzero_ps(); C]; H];
-        for (j, v) in values.iter().enumerate() {
-            // SAFETY: c + 8 · C <= hd == v.len() (asserted by the caller and above).
+        let p: [*const f32; G] = std::array::from_fn(|k| p[q0 + k]);
+        let cnt: [usize; G] = std::array::from_fn(|k| cnt[q0 + k]);
+        let common = cnt.iter().copied().min().unwrap_or(0);
+        let v = |j: usize| {
+            // SAFETY: value rows below every count hold hd values, c + 8 <= hd (the
+            // caller's checks).
             unsafe {
-                let mut vf = [_mm256_setzero_ps(); C];
-                for (i, f) in vf.iter_mut().enumerate() {
-                    let at = v.as_ptr().add(c + 8 * i) as *const __m128i;
-                    *f = _mm256_cvtph_ps(_mm_loadu_si128(at));
+                _mm256_cvtph_ps(_mm_loadu_si128(
+                    values.get_unchecked(j).as_ptr().add(c) as *const __m128i
+                ))
+            }
+        };
+        let mut acc = [_mm256_setzero_ps(); G];
+        for j in 0..common {
+            let vj = v(j);
+            for (a, p) in acc.iter_mut().zip(p) {
+                // SAFETY: every head's probabilities hold its count (> j) floats.
+                *a = _mm256_fmadd_ps(_mm256_broadcast_ss(unsafe { &*p.add(j) }), vj, *a);
+            }
+        }
+        for (k, mut a) in acc.into_iter().enumerate() {
+            for j in common..cnt[k] {
+                // SAFETY: as above.
+                a = _mm256_fmadd_ps(_mm256_broadcast_ss(unsafe { &*p[k].add(j) }), v(j), a);
+            }
+            let qi = q0 + k;
+            // SAFETY: token qi / rep's output holds rep · hd floats; (qi % rep) · hd + c + 8
+            // is within it.
+            unsafe { _mm256_storeu_ps(outs[qi / rep].as_mut_ptr().add((qi % rep) * hd + c), a) };
+        }
+    }
+
+    /// The tiled form of [`super::attend_causal`], whose checks it relies on: every head
+    /// of every token of the tile together, each block of eight keys converted
+    /// from f16 once for all of them. Scores are one key per register, eight at a time
+    /// reduced by [`tree8`]; the weighted sums share each value chunk among up to
+    /// [`GROUP`] heads (see [`sums_group`]).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attend_causal(
+        qs: &[&[f32]],
+        hd: usize,
+        counts: &[usize],
+        keys: &[&[f16]],
+        values: &[&[f16]],
+        scale: f32,
+        outs: &mut [&mut [f32]],
+    ) {
+        let rep = qs[0].len() / hd;
+        let nq = qs.len() * rep;
+        let n = counts.iter().copied().max().unwrap_or(0);
+        let stride = n.next_multiple_of(BLOCK);
+        let cnt: Vec<usize> = (0..nq).map(|qi| counts[qi / rep]).collect();
+        // Query head qi (token qi / rep, head qi % rep) rounded through f16 at qd[qi · hd].
+        let qd: Vec<f32> = qs
+            .iter()
+            .flat_map(|q| q.iter().map(|&x| f16::from_f32(x).to_f32()))
+            .collect();
+
+        // Scores, a block of eight keys at a time for every query head that reaches it
+        // (the block's keys past a head's count are computed and never read).
+        let mut scores = vec![0f32; nq * stride];
+        let mut kb = vec![0f32; BLOCK * hd];
+        let vscale = _mm256_set1_ps(scale);
+        for b0 in (0..n).step_by(BLOCK) {
+            let b1 = (b0 + BLOCK).min(n);
+            for (jb, row) in kb.chunks_exact_mut(hd).enumerate() {
+                for c in (0..hd).step_by(8) {
+                    let h = match keys.get(b0 + jb).filter(|_| b0 + jb < b1) {
+                        // SAFETY: key rows below n hold hd values (checked by the caller).
+                        Some(k) => unsafe { _mm_loadu_si128(k.as_ptr().add(c) as *const __m128i) },
+                        None => _mm_setzero_si128(),
+                    };
+                    // SAFETY: c + 8 <= hd = row.len().
+                    unsafe { _mm256_storeu_ps(row.as_mut_ptr().add(c), _mm256_cvtph_ps(h)) };
                 }
-                for (h, acc) in acc.iter_mut().enumerate() {
-                    let pv = _mm256_set1_ps(*p.get_unchecked((h0 + h) * n + j));
-                    for (a, f) in acc.iter_mut().zip(vf) {
-                        *a = _mm256_fmadd_ps(pv, f, *a);
+            }
+            for qi in (0..nq).filter(|&qi| cnt[qi] > b0) {
+                let mut acc = [_mm256_setzero_ps(); BLOCK];
+                // SAFETY: qd holds hd floats per query head, kb BLOCK rows of hd, scores
+                // stride per head (b0 + 8 <= stride).
+                unsafe {
+                    let q = qd.as_ptr().add(qi * hd);
+                    for c in (0..hd).step_by(8) {
+                        let qc = _mm256_loadu_ps(q.add(c));
+                        for (p, a) in acc.iter_mut().enumerate() {
+                            let k = _mm256_loadu_ps(kb.as_ptr().add(p * hd + c));
+                            *a = _mm256_fmadd_ps(qc, k, *a);
+                        }
                     }
+                    let s = _mm256_mul_ps(tree8(acc), vscale);
+                    _mm256_storeu_ps(scores.as_mut_ptr().add(qi * stride + b0), s);
                 }
             }
         }
-        for (h, acc) in acc.iter().enumerate() {
-            for (i, a) in acc.iter().enumerate() {
-                // SAFETY: (h0 + h) · hd + c + 8 · i + 8 <= out.len() (asserted above).
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add((h0 + h) * hd + c + 8 * i), *a) };
+
+        // Softmax per query head over its own keys: the max and exp per head, then the
+        // f64 sums in key order of a token's heads side by side (each its own chain, so
+        // their adds overlap), then the probabilities via f16.
+        for (i, &c) in counts.iter().enumerate() {
+            let rows = &mut scores[i * rep * stride..][..rep * stride];
+            for row in rows.chunks_exact_mut(stride) {
+                let row = &mut row[..c];
+                let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                exps(row, max);
             }
+            for rows in rows.chunks_mut(4 * stride) {
+                let sums = match rows.len() / stride {
+                    4 => sums::<4>(rows, stride, c),
+                    3 => sums::<3>(rows, stride, c),
+                    2 => sums::<2>(rows, stride, c),
+                    _ => sums::<1>(rows, stride, c),
+                };
+                for (row, &sum) in rows.chunks_exact_mut(stride).zip(&sums) {
+                    normalize(&mut row[..c], sum);
+                }
+            }
+        }
+
+        // Weighted sums, eight output lanes at a time for up to GROUP heads.
+        let p: Vec<*const f32> = (0..nq).map(|qi| scores[qi * stride..].as_ptr()).collect();
+        let mut q0 = 0;
+        while q0 < nq {
+            let g = (nq - q0).min(GROUP);
+            for c in (0..hd).step_by(8) {
+                let (o, v) = (&mut *outs, values);
+                // SAFETY: every head's probabilities hold its count of floats, value rows
+                // below n hold hd values, each token's output rep · hd (the caller's checks).
+                unsafe {
+                    match g {
+                        8 => sums_group::<8>(o, rep, hd, c, q0, &p, &cnt, v),
+                        7 => sums_group::<7>(o, rep, hd, c, q0, &p, &cnt, v),
+                        6 => sums_group::<6>(o, rep, hd, c, q0, &p, &cnt, v),
+                        5 => sums_group::<5>(o, rep, hd, c, q0, &p, &cnt, v),
+                        4 => sums_group::<4>(o, rep, hd, c, q0, &p, &cnt, v),
+                        3 => sums_group::<3>(o, rep, hd, c, q0, &p, &cnt, v),
+                        2 => sums_group::<2>(o, rep, hd, c, q0, &p, &cnt, v),
+                        _ => sums_group::<1>(o, rep, hd, c, q0, &p, &cnt, v),
+                    }
+                }
+            }
+            q0 += g;
         }
     }
 }
@@ -900,7 +893,7 @@ mod tests {
                 let mut got = vec![0f32; rep * hd];
                 attend(&q, hd, &kr, &vr, 0.125, &mut got);
                 let mut want = vec![0f32; rep * hd];
-                attend_one(false, &q, hd, &kr, &vr, 0.125, &mut want);
+                attend_one(&q, hd, &kr, &vr, 0.125, &mut want);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got), bits(&want), "hd {hd} n {n}");
             }
@@ -921,8 +914,8 @@ mod tests {
 
     /// Tiles of query tokens at consecutive positions (each head of the group, its own
     /// key count) against each token alone on the scalar path: head widths of one to
-    /// sixteen 16-lane chunks, key counts around the 16-key blocks, head counts around
-    /// the 8-head groups of the weighted sum, extreme scores among them.
+    /// sixteen 16-lane chunks, key counts around the 8- and 16-key blocks, head counts
+    /// around the 8-head groups of the weighted sum, extreme scores among them.
     #[test]
     fn a_tile_of_tokens_gives_each_token_the_bits_it_has_alone() {
         let row = |j: usize, hd: usize, f: f32, big: f32| -> Vec<f16> {
@@ -936,6 +929,9 @@ mod tests {
                 for (first, t) in [
                     (1, 1),
                     (1, 5),
+                    (7, 2),
+                    (8, 1),
+                    (9, 9),
                     (15, 3),
                     (16, 1),
                     (17, 12),
@@ -962,7 +958,7 @@ mod tests {
                         .map(|i| {
                             let mut o = vec![0f32; rep * hd];
                             let c = counts[i];
-                            attend_one(false, &qs[i], hd, &kr[..c], &vr[..c], 0.125, &mut o);
+                            attend_one(&qs[i], hd, &kr[..c], &vr[..c], 0.125, &mut o);
                             o
                         })
                         .collect();
@@ -1073,40 +1069,6 @@ mod tests {
                 b.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 "softmax of {n} scores"
             );
-        }
-    }
-
-    /// The SIMD scores and weighted sums of every head against the scalar ones, for head
-    /// counts around the groups of four and key counts around the pairs.
-    #[test]
-    fn simd_and_scalar_paths_give_the_same_bits() {
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for rep in [1, 2, 3, 4, 5, 8, 9] {
-            for n in [1, 2, 3, 36, 37] {
-                let (q, k, v) = case();
-                let q: Vec<f32> = (0..rep * 64)
-                    .map(|i| f16::from_f32(q[i % q.len()] * (1.0 + i as f32 / 999.0)).to_f32())
-                    .collect();
-                let kr: Vec<&[f16]> = k.iter().take(n).map(Vec::as_slice).collect();
-                let vr: Vec<&[f16]> = v.iter().take(n).map(Vec::as_slice).collect();
-                let mut got = vec![0f32; rep * n];
-                simd_scores(&q, 64, &kr, 0.125, &mut got);
-                let want: Vec<f32> = q
-                    .chunks_exact(64)
-                    .flat_map(|qh| kr.iter().map(|k| tree(scalar_dot_lanes(qh, k), 0.125)))
-                    .collect();
-                assert_eq!(bits(&got), bits(&want), "scores: {rep} heads, {n} keys");
-                let p: Vec<f32> = (0..rep * n)
-                    .map(|i| f16::from_f32(1.0 / (i % n + 1 + i / n) as f32).to_f32())
-                    .collect();
-                let mut got = vec![0f32; rep * 64];
-                simd_weighted_sums(&p, &vr, &mut got);
-                let mut want = vec![0f32; rep * 64];
-                for (p, o) in p.chunks_exact(n).zip(want.chunks_exact_mut(64)) {
-                    scalar_weighted_sum(p, &vr, o);
-                }
-                assert_eq!(bits(&got), bits(&want), "sums: {rep} heads, {n} keys");
-            }
         }
     }
 }
