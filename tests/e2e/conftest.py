@@ -27,10 +27,12 @@ STARTUP_TIMEOUT_S = float(os.environ.get("PDMESH_E2E_STARTUP_TIMEOUT", "600"))
 
 
 # Short room and hand-over deadlines for the fault tests, so faults resolve within a test.
+# The wait for input bounds the prefill's computing instead: a 1100-token prompt on one
+# thread takes over 20 s on a 2-core AVX2-only machine beside the other processes.
 ROOM_ARGS = [
     "--lease-ttl-ms=2000",
     "--room-bootstrap-ms=8000",
-    "--room-wait-ms=20000",
+    "--room-wait-ms=60000",
     "--room-transfer-ms=3000",
     "--room-success-ms=3000",
 ]

@@ -505,7 +505,7 @@ def test_prefill_routing_follows_the_workers_kv_events(services):
     "services",
     [{
         # The prefill's engine loop sleeps before its first step, so computing the first
-        # prompt takes longer than decode's transfer deadline (the room waits 20 s).
+        # prompt takes longer than decode's transfer deadline (the room waits 60 s).
         "prefill_args": ["--fault-stall-step=0:5000"],
         "decode_args": ["--transfer-timeout-ms=2000"],
     }],
