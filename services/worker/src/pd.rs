@@ -254,29 +254,47 @@ async fn stage(
     page_bytes: usize,
 ) -> Result<(Vec<u8>, Vec<u64>), Status> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let sums = engine
+    engine
         .export(
             id.to_owned(),
             Box::new(move |src: &[&[u8]]| {
-                let src = src.get(held..).unwrap_or_default();
-                let mut buf = vec![0u8; src.len() * page_bytes];
-                let sums = src
-                    .iter()
-                    .zip(buf.chunks_exact_mut(page_bytes))
-                    .map(|(page, dst)| {
-                        dst.copy_from_slice(page);
-                        pdmesh_kv::page_checksum(dst)
-                    })
-                    .collect();
-                let _ = tx.send(buf);
+                let staged = stage_pages(src, held, page_bytes);
+                let sums = staged.as_ref().map(|(_, s)| s.clone()).unwrap_or_default();
+                let _ = tx.send(staged);
                 sums
             }),
         )
         .await
         .map_err(|e| Status::from(crate::Error::from(e)))?;
-    let buf = rx
-        .await
-        .map_err(|_| Status::internal("the engine exported no pages"))?;
+    rx.await
+        .map_err(|_| Status::internal("the engine exported no pages"))?
+        .map_err(Status::internal)
+}
+
+/// The pages of `src` from the `held`-th on, copied into one buffer with each one's
+/// checksum. A page of another size than the cache service's is refused, naming both
+/// sizes, not copied into a buffer sized for the other.
+fn stage_pages(
+    src: &[&[u8]],
+    held: usize,
+    page_bytes: usize,
+) -> Result<(Vec<u8>, Vec<u64>), String> {
+    let src = src.get(held..).unwrap_or_default();
+    if let Some(p) = src.iter().find(|p| p.len() != page_bytes) {
+        return Err(format!(
+            "the engine's KV pages are {} bytes, the cache service's {page_bytes}",
+            p.len()
+        ));
+    }
+    let mut buf = vec![0u8; src.len() * page_bytes];
+    let sums = src
+        .iter()
+        .zip(buf.chunks_exact_mut(page_bytes))
+        .map(|(page, dst)| {
+            dst.copy_from_slice(page);
+            pdmesh_kv::page_checksum(dst)
+        })
+        .collect();
     Ok((buf, sums))
 }
 
@@ -292,6 +310,14 @@ fn write_pages(
     missize: Option<&KvLayout>,
 ) -> Result<Vec<u64>, Status> {
     let page_bytes = mirror.page_bytes();
+    if staged.len() != slots.len() * page_bytes || sums.len() != slots.len() {
+        return Err(Status::internal(format!(
+            "{} staged bytes and {} checksums for {} slots of {page_bytes} bytes",
+            staged.len(),
+            sums.len(),
+            slots.len()
+        )));
+    }
     staged
         .chunks_exact(page_bytes)
         .zip(slots)
@@ -1007,6 +1033,20 @@ mod tests {
             "{}",
             err.message()
         );
+    }
+
+    #[test]
+    fn pages_of_another_size_are_refused_naming_both_sizes() {
+        let (a, b) = ([1u8; 256], [2u8; 132]);
+        let err = stage_pages(&[&a, &b], 0, 256).unwrap_err();
+        assert!(err.contains("132 bytes") && err.contains("256"), "{err}");
+        // The pages decode holds are not staged, so their size is not asked.
+        let (buf, sums) = stage_pages(&[&b, &a], 1, 256).unwrap();
+        assert_eq!((buf, sums), (a.to_vec(), vec![page_checksum(&a)]));
+        let dir = tempfile::tempdir().unwrap();
+        let mirror = Mirror::create(dir.path(), 256, 8).unwrap();
+        let err = write_pages(&mirror, &a, &[0, 1], &[page_checksum(&a)], None).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Internal, "{}", err.message());
     }
 
     #[test]
