@@ -170,10 +170,11 @@ class Hosts:
                 out[name] = float(value)
         return out
 
-    def chat(self, messages: list[dict], **kw) -> tuple[str, object]:
-        """('ok', response JSON) or ('error', HTTP status), from inside the gateway host."""
+    def chat(self, messages: list[dict], wait_s: float = REQUEST_DEADLINE_S, **kw) -> tuple[str, object]:
+        """('ok', response JSON) or ('error', HTTP status), from inside the gateway host;
+        `wait_s` bounds the wait for the answer."""
         body = {"model": MODEL, "messages": messages, **kw}
-        status, body = self.http("POST", "/v1/chat/completions", body, timeout=REQUEST_DEADLINE_S)
+        status, body = self.http("POST", "/v1/chat/completions", body, timeout=wait_s)
         if status == 200:
             return "ok", json.loads(body)
         err = json.loads(body)

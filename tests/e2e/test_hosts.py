@@ -85,9 +85,19 @@ def hosts(tmp_path_factory):
     h.stop()
 
 
+# 80 sessions at once on two cores: a request waits behind up to 79 others' prompts
+# (median 21 s, slowest 39 s on a 2-core AVX2-only machine). This bounds a wedge, not
+# the speed, which the benchmarks measure.
+LOADED_WAIT_S = 180
+
+
 def test_80_sessions_across_hosts_are_bit_identical_to_unified_and_nothing_is_left_held(tmp_path):
     # The services' own deadlines, as the one-host session test runs with.
     hosts = Hosts(tmp_path / "hosts", short_deadlines=False)
+
+    def loaded_chat(messages, **kw):
+        return hosts.chat(messages, wait_s=LOADED_WAIT_S, **kw)
+
     unified = start_up(tmp_path, ["--unified", "--no-host-cache", "--no-smoke-test"])
     try:
         client = unified.client()
@@ -97,7 +107,7 @@ def test_80_sessions_across_hosts_are_bit_identical_to_unified_and_nothing_is_le
             return "ok", r.model_dump(exclude_none=True)
 
         with cf.ThreadPoolExecutor(80) as pool:
-            across = list(pool.map(lambda s: session(hosts.chat, s), range(80)))
+            across = list(pool.map(lambda s: session(loaded_chat, s), range(80)))
         with cf.ThreadPoolExecutor(80) as pool:
             ref = list(pool.map(lambda s: session(unified_chat, s), range(80)))
         diff = [(s, a, b) for s, (a, b) in enumerate(zip(across, ref)) if a != b]

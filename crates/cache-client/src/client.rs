@@ -419,7 +419,7 @@ impl HostClient {
         trace_id: &str,
         how: RoomOpen<'_>,
     ) -> Result<pb::RoomStatus, tonic::Status> {
-        Ok(self
+        let r = self
             .rpc
             .clone()
             .room_open(pdmesh_telemetry::request(pb::RoomOpenRequest {
@@ -431,8 +431,22 @@ impl HostClient {
                 home: how.home.to_owned(),
                 held_pages: how.held_pages,
             }))
-            .await?
-            .into_inner())
+            .await;
+        match r {
+            Ok(r) => Ok(r.into_inner()),
+            // A room open names no room the service must know (it makes it), so NOT_FOUND
+            // is this client's lease, gone before the next heartbeat could tell (the
+            // service was paused past the lease's time, or restarted): register again now,
+            // so the next request waits for the new lease instead of meeting the same
+            // refusal.
+            Err(s) => {
+                if s.code() == tonic::Code::NotFound {
+                    tracing::warn!(lease = self.lease, "cache lease expired");
+                    self.alive.store(false, Ordering::Relaxed);
+                }
+                Err(s)
+            }
+        }
     }
 
     /// Waits up to `timeout` for `room` to reach `until` (or fail).

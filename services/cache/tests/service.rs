@@ -47,11 +47,15 @@ impl Server {
 }
 
 async fn start(pages: u64, lease_ttl_ms: u64) -> Server {
+    start_at("127.0.0.1:0".parse().unwrap(), pages, lease_ttl_ms).await
+}
+
+async fn start_at(addr: SocketAddr, pages: u64, lease_ttl_ms: u64) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config::new(MirrorSize::Bytes(pages * layout().bytes_per_page() as u64));
     cfg.shm_dir = Some(dir.path().to_owned());
     cfg.lease_ttl_ms = lease_ttl_ms;
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = TcpListener::bind(addr).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(pdmesh_cache::run(cfg, listener, shutdown.clone()));
@@ -362,6 +366,46 @@ async fn a_silent_workers_lease_expires_and_its_pinned_pages_become_evictable() 
     assert!(w.is_alive(), "a heartbeating worker keeps its lease");
     assert_eq!(store(&mut w, &chain(50, 1)).await.written, 1);
     assert_eq!(s.stats().await.evicted_pages, 1);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_room_opened_on_a_lease_the_service_forgot_makes_the_client_register_again() {
+    // A long lease: no heartbeat comes between the restart and the room call.
+    let s = start(16, 60_000).await;
+    let addr = s.addr;
+    let w = client(&s, "w", DataPlane::Grpc).await;
+    w.room_open(1, pb::RoomSide::Sender, "r1", "")
+        .await
+        .unwrap();
+    assert!(w.is_alive());
+    s.stop().await;
+    // The service restarted (as one paused past the lease comes back): it knows no lease.
+    let s = start_at(addr, 16, 60_000).await;
+    assert!(w.is_alive(), "no heartbeat has told the client yet");
+    let mut err = None;
+    // The channel's first call after the old connection closed may find it closing.
+    for _ in 0..3 {
+        match w.room_open(2, pb::RoomSide::Sender, "r2", "").await {
+            Err(e) if e.code() == tonic::Code::Unavailable => continue,
+            r => {
+                err = Some(r.expect_err("a room opened on a lease the service never gave"));
+                break;
+            }
+        }
+    }
+    let err = err.expect("the restarted service answered");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
+    assert!(err.message().contains("register again"), "{err}");
+    assert!(
+        !w.is_alive(),
+        "the refused open tells the client to register again"
+    );
+    let again = client(&s, "w", DataPlane::Grpc).await;
+    again
+        .room_open(2, pb::RoomSide::Sender, "r2", "")
+        .await
+        .unwrap();
     s.stop().await;
 }
 

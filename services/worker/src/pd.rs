@@ -6,7 +6,7 @@
 //! other side learns it at its next call, and lets go of the pages it held.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -61,9 +61,9 @@ pub(crate) struct PdStats {
 }
 
 /// The connection rooms use: registered with the cache service (its own lease), renewed
-/// in the background when the service restarts.
+/// in the background when the service restarts or lets the lease lapse.
 struct RoomLink {
-    cur: Arc<RwLock<Option<Arc<HostClient>>>>,
+    cur: tokio::sync::watch::Sender<Option<Arc<HostClient>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -73,6 +73,12 @@ impl Drop for RoomLink {
     }
 }
 
+/// How long a request waits for the room link to come back before it is refused: a cache
+/// service that was paused past its lease comes back with this worker's lease gone, and
+/// the link registers again within about one retry (250 ms); a request arriving in that
+/// moment is served, not refused.
+const RELINK_GRACE: Duration = Duration::from_secs(3);
+
 impl RoomLink {
     fn start(
         url: String,
@@ -80,17 +86,13 @@ impl RoomLink {
         layout: KvLayout,
         tls: Option<pdmesh_tls::MeshTls>,
     ) -> Self {
-        let cur: Arc<RwLock<Option<Arc<HostClient>>>> = Arc::default();
+        let (cur, _) = tokio::sync::watch::channel(None::<Arc<HostClient>>);
         let task = {
             let cur = cur.clone();
             tokio::spawn(async move {
                 let mut warned = false;
                 loop {
-                    let alive = cur
-                        .read()
-                        .expect("room link lock")
-                        .as_ref()
-                        .is_some_and(|c| c.is_alive());
+                    let alive = cur.borrow().as_ref().is_some_and(|c| c.is_alive());
                     if !alive {
                         let attempt = tokio::time::timeout(
                             Duration::from_secs(2),
@@ -106,7 +108,7 @@ impl RoomLink {
                         match attempt {
                             Ok(Ok(c)) => {
                                 tracing::info!(%url, lease = c.lease(), "rooms: connected to the cache service");
-                                *cur.write().expect("room link lock") = Some(Arc::new(c));
+                                cur.send_replace(Some(Arc::new(c)));
                                 warned = false;
                             }
                             Ok(Err(e)) if !warned => {
@@ -127,13 +129,28 @@ impl RoomLink {
         Self { cur, task }
     }
 
-    fn get(&self) -> Result<Arc<HostClient>, Status> {
-        self.cur
-            .read()
-            .expect("room link lock")
-            .clone()
-            .filter(|c| c.is_alive())
-            .ok_or_else(|| Status::unavailable("not connected to the cache service (rooms)"))
+    /// The link as it is now.
+    fn get(&self) -> Option<Arc<HostClient>> {
+        self.cur.borrow().clone().filter(|c| c.is_alive())
+    }
+
+    /// The link, waiting up to `grace` for it to come back when it is down.
+    async fn wait(&self, grace: Duration) -> Result<Arc<HostClient>, Status> {
+        let mut rx = self.cur.subscribe();
+        let until = tokio::time::Instant::now() + grace;
+        loop {
+            if let Some(c) = rx.borrow_and_update().clone().filter(|c| c.is_alive()) {
+                return Ok(c);
+            }
+            match tokio::time::timeout_at(until, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => {
+                    return Err(Status::unavailable(
+                        "not connected to the cache service (rooms)",
+                    ));
+                }
+            }
+        }
     }
 }
 
@@ -478,7 +495,7 @@ impl Pd {
 
     /// Whether this worker can serve: a prefill or decode worker needs its room link.
     pub(crate) fn ready(&self) -> bool {
-        self.role == Role::Unified || self.link.as_ref().is_some_and(|l| l.get().is_ok())
+        self.role == Role::Unified || self.link.as_ref().is_some_and(|l| l.get().is_some())
     }
 
     pub(crate) fn stats(&self) -> PdStats {
@@ -508,11 +525,12 @@ impl Pd {
         }
     }
 
-    fn client(&self) -> Result<Arc<HostClient>, Status> {
+    async fn client(&self) -> Result<Arc<HostClient>, Status> {
         self.link
             .as_ref()
             .ok_or_else(|| Status::failed_precondition("this worker has no cache service"))?
-            .get()
+            .wait(RELINK_GRACE)
+            .await
     }
 
     /// Runs one request's side of a room; the returned channel carries its events.
@@ -525,7 +543,7 @@ impl Pd {
         kv_home: String,
     ) -> Result<mpsc::Receiver<Item>, Status> {
         let handover = self.handover();
-        let client = self.client()?;
+        let client = self.client().await?;
         let (tx, rx) = mpsc::channel(64);
         let pd = self.clone();
         let engine = engine.clone();
@@ -1001,6 +1019,74 @@ mod tests {
             .collect();
         let sums = buf.chunks_exact(page_bytes).map(page_checksum).collect();
         (buf, sums)
+    }
+
+    /// A cache service on loopback (at `addr`; port 0 picks one) that stops when `stop` is
+    /// cancelled.
+    async fn cache_service(
+        addr: std::net::SocketAddr,
+        shm: &std::path::Path,
+        layout: &KvLayout,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> (
+        std::net::SocketAddr,
+        tokio::task::JoinHandle<Result<(), pdmesh_cache::Error>>,
+    ) {
+        let mut cfg = pdmesh_cache::Config::new(pdmesh_cache::MirrorSize::Bytes(
+            16 * layout.bytes_per_page() as u64,
+        ));
+        cfg.shm_dir = Some(shm.to_owned());
+        // Long: no heartbeat comes between the restart and the request.
+        cfg.lease_ttl_ms = 60_000;
+        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        (addr, tokio::spawn(pdmesh_cache::run(cfg, listener, stop)))
+    }
+
+    #[tokio::test]
+    async fn a_request_in_the_moment_the_room_link_registers_again_waits_for_it() {
+        let layout = KvLayout::llama(2, 1, 8, pdmesh_kv::DType::F16, 4);
+        let dir = tempfile::tempdir().unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (addr, task) = cache_service(
+            "127.0.0.1:0".parse().unwrap(),
+            dir.path(),
+            &layout,
+            stop.clone(),
+        )
+        .await;
+        let link = RoomLink::start(format!("http://{addr}"), "w".into(), layout.clone(), None);
+        let first = link.wait(Duration::from_secs(10)).await.unwrap();
+        // The service restarts: the link's lease is gone, and the first room call says so.
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (_, task) = cache_service(addr, dir.path(), &layout, stop.clone()).await;
+        let mut refused = None;
+        for _ in 0..3 {
+            match first.room_open(1, cpb::RoomSide::Sender, "r", "").await {
+                Err(e) if e.code() == tonic::Code::Unavailable => continue,
+                r => {
+                    refused = Some(r.expect_err("the new service knows no such lease"));
+                    break;
+                }
+            }
+        }
+        assert_eq!(refused.unwrap().code(), tonic::Code::NotFound);
+        assert!(
+            link.get().is_none(),
+            "the link is down until it registers again"
+        );
+        // A request now is served once the link registered again, not refused.
+        let again = link.wait(RELINK_GRACE).await.unwrap();
+        assert!(again.is_alive());
+        again
+            .room_open(1, cpb::RoomSide::Sender, "r", "")
+            .await
+            .unwrap();
+        drop(link);
+        stop.cancel();
+        task.await.unwrap().unwrap();
     }
 
     #[test]
