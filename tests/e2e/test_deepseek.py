@@ -119,14 +119,16 @@ def differences(transcripts, ref) -> int:
 @pytest.mark.parametrize(
     "mla,index_k,env",
     [
-        # bf16-fp8 runs across hosts below (test_across_hosts_...), on this path too.
+        # bf16-fp8 runs across hosts below (test_across_hosts_...) and in the matrix on
+        # this path. fp8-bf16, the fourth form, is checked alone, batched and chunked by the
+        # engine's tests; the mesh moves its pages by the same paths as these three.
         # The form the seed's bug corrupts, with every old fault variable exported: the
         # default binary ignores them and answers as a clean mesh does.
         ("bf16", "bf16", EVERY_FAULT_VARIABLE),
+        # DeepSeek's own serving form: fp8 latent cache and fp8 index-K.
         ("fp8", "fp8", None),
-        ("fp8", "bf16", None),
     ],
-    ids=["bf16-bf16-fault-variables-set", "fp8-fp8", "fp8-bf16"],
+    ids=["bf16-bf16-fault-variables-set", "fp8-fp8"],
 )
 def test_pd_with_host_mirror_is_bit_identical_to_unified_no_cache(tmp_path, tmp_path_factory, tiny, mla, index_k, env):
     pd = disaggregated(tmp_path / "pd", tiny, mla, index_k, env=env)

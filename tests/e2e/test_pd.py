@@ -201,9 +201,10 @@ def under_load(svc: Services, n: int, fault, prompt=LONG, max_tokens=24):
     return [r for r, _ in results]
 
 
-def test_pd_output_is_bit_identical_to_unified_for_80_sessions(mesh, tmp_path):
+def test_pd_output_is_bit_identical_to_unified_for_32_sessions(mesh, tmp_path):
     """The session mesh is disaggregated (`pdmesh up` default); a unified one answers the
-    same 80 concurrent multi-turn sessions, greedy and seeded."""
+    same 32 concurrent multi-turn sessions, greedy and seeded. (80 sessions at once, with
+    tool calls, go across hosts in test_hosts.py.)"""
     assert mesh.ports["mode"] == "pd"
     unified = start_up(tmp_path, ["--unified", "--no-smoke-test"])
     try:
@@ -223,8 +224,8 @@ def test_pd_output_is_bit_identical_to_unified_for_80_sessions(mesh, tmp_path):
 
         def run(m) -> list[list[str]]:
             client = m.client()
-            with cf.ThreadPoolExecutor(80) as pool:
-                return list(pool.map(lambda s: session(client, s), range(80)))
+            with cf.ThreadPoolExecutor(32) as pool:
+                return list(pool.map(lambda s: session(client, s), range(32)))
 
         pd, un = run(mesh), run(unified)
         diff = [(s, a, b) for s, (a, b) in enumerate(zip(pd, un)) if a != b]
