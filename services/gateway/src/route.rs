@@ -425,7 +425,23 @@ impl Workers {
 
     /// Starts `req`: on the unified worker, or on a prefill and a decode worker meeting in
     /// a fresh room. The stream is decode's, behind prefill's first token (see [`merge`]).
-    pub async fn generate(&self, mut req: wk::GenerateRequest) -> Result<GenStream, Status> {
+    ///
+    /// A start refused as UNAVAILABLE is tried once more, in a fresh room: a worker's
+    /// channel whose connection broke (a link that went down and came back) fails its
+    /// next call once before it connects again, and a worker whose cache service link is
+    /// registering again says UNAVAILABLE too. Nothing of the request has run then; the
+    /// other side's call of the first try is dropped, which aborts its room.
+    pub async fn generate(&self, req: wk::GenerateRequest) -> Result<GenStream, Status> {
+        match self.start(req.clone()).await {
+            Err(s) if s.code() == tonic::Code::Unavailable => {
+                tracing::debug!(request_id = %req.request_id, error = %s, "start refused as unavailable; trying once more");
+                self.start(req).await
+            }
+            r => r,
+        }
+    }
+
+    async fn start(&self, mut req: wk::GenerateRequest) -> Result<GenStream, Status> {
         if let Some(t) = self.unified.first() {
             let guard = Inflight::new(&t.inflight);
             let s = t
@@ -620,6 +636,8 @@ mod tests {
         script: Vec<Vec<u32>>,
         home: &'static str,
         told: Arc<Mutex<Vec<String>>>,
+        /// How many Generate calls to refuse as UNAVAILABLE first.
+        refuse: std::sync::atomic::AtomicUsize,
     }
 
     #[tonic::async_trait]
@@ -630,6 +648,13 @@ mod tests {
             r: tonic::Request<wk::GenerateRequest>,
         ) -> Result<tonic::Response<GenStream>, Status> {
             self.told.lock().unwrap().push(r.into_inner().kv_home);
+            if self
+                .refuse
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                return Err(Status::unavailable("scripted: connection reset"));
+            }
             let script = self.script.clone();
             Ok(tonic::Response::new(Box::pin(async_stream::stream! {
                 for ids in script {
@@ -741,6 +766,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_start_refused_as_unavailable_is_tried_once_more() {
+        for (refused, want_ok) in [(1, true), (2, false)] {
+            let (ptold, dtold) = (Arc::default(), Arc::default());
+            let p = Scripted {
+                script: vec![vec![5]],
+                told: Arc::clone(&ptold),
+                refuse: refused.into(),
+                ..Scripted::default()
+            };
+            let d = Scripted {
+                script: vec![vec![5], vec![7]],
+                told: Arc::clone(&dtold),
+                ..Scripted::default()
+            };
+            let r = merged(p, d).await;
+            if want_ok {
+                assert_eq!(r.unwrap(), [5, 7]);
+            } else {
+                assert_eq!(r.unwrap_err().code(), tonic::Code::Unavailable);
+            }
+            // One more try, never more.
+            assert_eq!(ptold.lock().unwrap().len(), 2, "prefill refused {refused}");
+            assert_eq!(dtold.lock().unwrap().len(), 2, "prefill refused {refused}");
+        }
+    }
+
+    #[tokio::test]
     async fn a_prefill_worker_on_another_host_is_told_the_decode_hosts_cache_as_the_rooms_home() {
         for (phome, dhome, want) in [
             (
@@ -755,11 +807,13 @@ mod tests {
                 script: vec![vec![5]],
                 home: phome,
                 told: Arc::clone(&ptold),
+                ..Scripted::default()
             };
             let d = Scripted {
                 script: vec![vec![5], vec![7]],
                 home: dhome,
                 told: Arc::clone(&dtold),
+                ..Scripted::default()
             };
             assert_eq!(merged(p, d).await.unwrap(), [5, 7]);
             assert_eq!(*ptold.lock().unwrap(), [want], "{phome} → {dhome}");
@@ -772,7 +826,7 @@ mod tests {
         let scripted = |home| Scripted {
             script: Vec::new(),
             home,
-            told: Arc::default(),
+            ..Scripted::default()
         };
         let p = serve(scripted("http://10.0.0.2:7100")).await;
         let d = serve(scripted("http://10.0.0.3:7100")).await;

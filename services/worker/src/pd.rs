@@ -257,6 +257,23 @@ impl Drop for ExportGuard {
 
 type Item = Result<Event, Status>;
 
+/// A room open the cache service refused because it no longer knows this worker's lease
+/// (paused or restarted past the lease's time) is UNAVAILABLE, not a failed transfer:
+/// nothing of the request ran, the client registers again at once (see
+/// `HostClient::room_open_with`), and the gateway tries such a start once more.
+async fn lease_checked<T>(fut: impl Future<Output = Result<T, Status>>) -> Result<T, Status> {
+    fut.await.map_err(|s| {
+        if s.code() == tonic::Code::NotFound {
+            Status::unavailable(format!(
+                "the cache service no longer knows this worker's lease; registering again ({})",
+                s.message()
+            ))
+        } else {
+            s
+        }
+    })
+}
+
 fn failed(reason: &str) -> Status {
     Status::aborted(format!("KV transfer failed: {reason}"))
 }
@@ -566,7 +583,7 @@ impl Pd {
                 let st = by(
                     tokio::time::Instant::now() + self.times.transfer,
                     "room open",
-                    client.room_open_with(
+                    lease_checked(client.room_open_with(
                         room,
                         cpb::RoomSide::Sender,
                         &req.id,
@@ -576,7 +593,7 @@ impl Pd {
                             home: if kv_home == self.home { "" } else { &kv_home },
                             held_pages: 0,
                         },
-                    ),
+                    )),
                 )
                 .await
                 .map_err(|s| match s.code() {
@@ -873,7 +890,7 @@ impl Pd {
         by(
             deadline,
             "room open",
-            client.room_open_with(
+            lease_checked(client.room_open_with(
                 room,
                 cpb::RoomSide::Receiver,
                 &req.id,
@@ -882,7 +899,7 @@ impl Pd {
                     home: "",
                     held_pages: held as u32,
                 },
-            ),
+            )),
         )
         .await?;
         room_event("receiver_joined");
