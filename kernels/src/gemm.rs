@@ -255,63 +255,6 @@ fn scalar_rows(kind: IntKind, data: &[u8], rb: usize, p: &Packed, out: &mut [&mu
     }
 }
 
-/// A tile on 256-bit registers: `$dot(qx, at)` gives a token's eight exact lane sums.
-macro_rules! simd_tile {
-    ($features:literal, $dot:ident) => {
-        /// One row times tokens `j0 .. j0 + RN` into `o[..RN]`; Q4_1's min sums ride
-        /// along, the tile's tokens side by side in two vectors.
-        #[inline]
-        #[target_feature(enable = $features)]
-        unsafe fn tile<const K: u8, const RN: usize>(
-            row: &[u8],
-            p: &Packed,
-            j0: usize,
-            o: &mut [f32],
-        ) {
-            let bs = row.len() / p.nb;
-            assert!(j0 + RN <= p.t && o.len() >= RN);
-            assert!(K != Q4_1 || j0 + 16 <= p.tpad);
-            let mut acc = [_mm256_setzero_ps(); RN];
-            let mut ms = [_mm256_setzero_ps(); 2];
-            for b in 0..p.nb {
-                // SAFETY: block b lies in `row`; the packed arrays hold nb blocks for every
-                // token below p.t, and the sums 16 past j0 (asserted above).
-                unsafe {
-                    let blk = row.as_ptr().add(bs * b);
-                    let (dw, mw) = scales::<K>(blk);
-                    let (qx, wstart) = unpack::<K>(blk);
-                    let first = b * p.t + j0;
-                    for (j, acc) in acc.iter_mut().enumerate() {
-                        let at = first + j;
-                        let dot = $dot::<K>(qx, wstart, p, at);
-                        let d = _mm256_mul_ps(dw, _mm256_loadu_ps(p.ds.as_ptr().add(8 * at)));
-                        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), *acc);
-                    }
-                    if K == Q4_1 {
-                        for (h, ms) in ms.iter_mut().enumerate().take(RN.div_ceil(8)) {
-                            let s = _mm256_loadu_ps(p.sums.as_ptr().add(b * p.tpad + j0 + 8 * h));
-                            *ms = _mm256_add_ps(*ms, _mm256_mul_ps(mw, s));
-                        }
-                    }
-                }
-            }
-            let mut mins = [0f32; 16];
-            if K == Q4_1 {
-                // SAFETY: `mins` holds 16 floats.
-                unsafe {
-                    _mm256_storeu_ps(mins.as_mut_ptr(), ms[0]);
-                    _mm256_storeu_ps(mins.as_mut_ptr().add(8), ms[1]);
-                }
-            }
-            for (j, acc) in acc.iter().enumerate() {
-                // SAFETY: this function enables avx2.
-                let r = unsafe { hsum(*acc) };
-                o[j] = if K == Q4_1 { r + mins[j] } else { r };
-            }
-        }
-    };
-}
-
 /// One kernel body for both SIMD paths: the module's `tile::<K, RN>(row, p, j0, o)`
 /// computes one row times `RN` tokens, `$tile` is the widest tile, `$group` how many
 /// tokens go through every row before the next tokens do (0: all of them),
@@ -432,7 +375,7 @@ macro_rules! simd_rows {
     };
 }
 
-/// The register helpers both SIMD paths share.
+/// The VNNI path's 256-bit register helpers (AVX2 works on 128-bit halves instead).
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::*;
@@ -471,25 +414,17 @@ mod simd {
     }
 
     /// One weight block at `blk` in a register: unsigned nibbles in value order for Q4_0
-    /// and Q4_1, signed bytes for Q8_0; and for Q8_0 on VNNI the lane sums' start
-    /// `−128 · Σ w` (its activations come shifted by 128; zero elsewhere).
+    /// and Q4_1, signed bytes for Q8_0; and for Q8_0 the lane sums' start `−128 · Σ w`
+    /// (its activations come shifted by 128; zero elsewhere).
     #[inline(always)]
-    pub(super) unsafe fn unpack_block<const K: u8, const VNNI: bool>(
-        blk: *const u8,
-    ) -> (__m256i, __m256i) {
-        // SAFETY: the caller guarantees one whole block at blk and enables avx2 (and, with
-        // VNNI, avx512vnni and avx512vl).
+    pub(super) unsafe fn unpack_block<const K: u8>(blk: *const u8) -> (__m256i, __m256i) {
+        // SAFETY: the caller guarantees one whole block at blk and enables avx2,
+        // avx512vnni and avx512vl.
         unsafe {
             if K == Q8_0 {
                 let qx = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                let start = if VNNI {
-                    let w128 =
-                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(-128), qx);
-                    _mm256_sub_epi32(_mm256_setzero_si256(), w128)
-                } else {
-                    _mm256_setzero_si256()
-                };
-                (qx, start)
+                let w128 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(-128), qx);
+                (qx, _mm256_sub_epi32(_mm256_setzero_si256(), w128))
             } else {
                 let off = if K == Q4_1 { 4 } else { 2 };
                 let nib = _mm_loadu_si128(blk.add(off) as *const __m128i);
@@ -514,7 +449,7 @@ mod avx512 {
     #[inline(always)]
     unsafe fn unpack<const K: u8>(blk: *const u8) -> (__m256i, __m256i) {
         // SAFETY: forwarded from the caller.
-        unsafe { unpack_block::<K, true>(blk) }
+        unsafe { unpack_block::<K>(blk) }
     }
 
     /// A token's eight lane sums with one `vpdpbusd` (u8 × i8 in groups of four, exact).
@@ -685,7 +620,53 @@ mod avx512 {
         false
     }
 
-    simd_tile!("avx2,fma,f16c,avx512f,avx512vl,avx512vnni", dot);
+    /// One row times tokens `j0 .. j0 + RN` into `o[..RN]`; Q4_1's min sums ride
+    /// along, the tile's tokens side by side in two vectors.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn tile<const K: u8, const RN: usize>(row: &[u8], p: &Packed, j0: usize, o: &mut [f32]) {
+        let bs = row.len() / p.nb;
+        assert!(j0 + RN <= p.t && o.len() >= RN);
+        assert!(K != Q4_1 || j0 + 16 <= p.tpad);
+        let mut acc = [_mm256_setzero_ps(); RN];
+        let mut ms = [_mm256_setzero_ps(); 2];
+        for b in 0..p.nb {
+            // SAFETY: block b lies in `row`; the packed arrays hold nb blocks for every
+            // token below p.t, and the sums 16 past j0 (asserted above).
+            unsafe {
+                let blk = row.as_ptr().add(bs * b);
+                let (dw, mw) = scales::<K>(blk);
+                let (qx, wstart) = unpack::<K>(blk);
+                let first = b * p.t + j0;
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let at = first + j;
+                    let dot = dot::<K>(qx, wstart, p, at);
+                    let d = _mm256_mul_ps(dw, _mm256_loadu_ps(p.ds.as_ptr().add(8 * at)));
+                    *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), *acc);
+                }
+                if K == Q4_1 {
+                    for (h, ms) in ms.iter_mut().enumerate().take(RN.div_ceil(8)) {
+                        let s = _mm256_loadu_ps(p.sums.as_ptr().add(b * p.tpad + j0 + 8 * h));
+                        *ms = _mm256_add_ps(*ms, _mm256_mul_ps(mw, s));
+                    }
+                }
+            }
+        }
+        let mut mins = [0f32; 16];
+        if K == Q4_1 {
+            // SAFETY: `mins` holds 16 floats.
+            unsafe {
+                _mm256_storeu_ps(mins.as_mut_ptr(), ms[0]);
+                _mm256_storeu_ps(mins.as_mut_ptr().add(8), ms[1]);
+            }
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            // SAFETY: this function enables avx2.
+            let r = unsafe { hsum(*acc) };
+            o[j] = if K == Q4_1 { r + mins[j] } else { r };
+        }
+    }
+
     simd_rows!(
         "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
         16,
