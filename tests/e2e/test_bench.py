@@ -28,7 +28,7 @@ def test_sessions_on_the_pd_mesh_match_a_unified_no_cache_reference(mesh, tmp_pa
         out = tmp_path / "report"
         r = bench(
             "--url", mesh.base + "/v1", "--reference", ref.base + "/v1", "--label", "pdmesh-pd",
-            "--workload", "sessions", "--requests", "4", "--turns", "3", "--concurrency", "1,4",
+            "--workload", "sessions", "--requests", "4", "--turns", "3", "--concurrency", "4",
             # Room for most whole tool calls (about 33 tokens with SmolLM2).
             "--input-len", "120", "--output-len", "48", "--out", str(out),
         )
@@ -38,7 +38,7 @@ def test_sessions_on_the_pd_mesh_match_a_unified_no_cache_reference(mesh, tmp_pa
     reports = json.loads((out / "report.json").read_text())
     assert [x["label"] for x in reports] == ["pdmesh-pd"]
     levels = reports[0]["levels"]
-    assert [lv["concurrency"] for lv in levels] == [1, 4]
+    assert [lv["concurrency"] for lv in levels] == [4]
     for lv in levels:
         assert lv["requests"] == 12 and lv["errors"] == 0, lv
         d = lv["differential"]
@@ -53,7 +53,7 @@ def test_sessions_on_the_pd_mesh_match_a_unified_no_cache_reference(mesh, tmp_pa
         # Sessions share their system prompt and grow their history: the caches serve some.
         assert lv["cached_share"] > 0.2, lv["cached_share"]
     # One line per level on stdout, naming the differential result.
-    assert r.stdout.count("corrupted 0/12") == 2, r.stdout
+    assert r.stdout.count("corrupted 0/12") == 1, r.stdout
 
     for name in ("ttft.png", "throughput.png", "itl.png", "e2e.png", "corruption.png"):
         data = (out / name).read_bytes()
