@@ -4,6 +4,7 @@ client (and raw HTTP where a client would not send such bytes)."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -146,6 +147,73 @@ def test_completions_accept_token_ids_and_a_list_of_one(client, mesh):
     assert r.usage.prompt_tokens == 3
 
 
+# --- logprobs, logit_bias, min_tokens -------------------------------------------------
+
+
+def token_entries(logprobs) -> list[tuple]:
+    """A choice's logprobs as plain tuples: (token, logprob, bytes, [(token, logprob)])."""
+    return [(t.token, t.logprob, tuple(t.bytes), [(x.token, x.logprob) for x in t.top_logprobs])
+            for t in logprobs.content]
+
+
+def test_chat_logprobs_are_the_models_own_and_the_same_streamed(client, mesh):
+    r = ask(client, mesh.model, QUESTION, logprobs=True, top_logprobs=4)
+    text = r.choices[0].message.content
+    entries = token_entries(r.choices[0].logprobs)
+    assert len(entries) == r.usage.completion_tokens or r.choices[0].finish_reason == "stop"
+    # The tokens' bytes spell the answer; greedy takes the most likely token each time.
+    assert b"".join(bytes(e[2]) for e in entries).decode() == text
+    for token, lp, _, top in entries:
+        assert len(top) == 4 and top[0][0] == token and top[0][1] == lp < 0, (token, lp, top)
+        assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+        assert sum(math.exp(x[1]) for x in top) <= 1.0 + 1e-6
+    # Streamed: the same entries, spread over the chunks.
+    streamed = []
+    for chunk in client.chat.completions.create(
+            model=mesh.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=24,
+            temperature=0, logprobs=True, top_logprobs=4, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed.extend(token_entries(c.logprobs))
+    assert streamed == entries
+    # Sampling settings change what is drawn, not the distribution reported.
+    hot = ask(client, mesh.model, QUESTION, logprobs=True, temperature=1.5, seed=4, frequency_penalty=1.0)
+    for token, lp, _, top in token_entries(hot.choices[0].logprobs):
+        assert top == [] and lp <= 0
+    # Not asked for: none.
+    assert ask(client, mesh.model, QUESTION).choices[0].logprobs is None
+
+
+def test_completion_logprobs_have_the_legacy_shape(client, mesh):
+    r = client.completions.create(model=mesh.model, prompt="The capital of France is", max_tokens=6,
+                                  temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 2 and max(top.values()) == v and top[tok] == v
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=mesh.model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+
+
+def test_logit_bias_forces_a_token_and_min_tokens_holds_back_the_end(client, mesh):
+    forced = ask(client, mesh.model, QUESTION, max_tokens=5, logit_bias={"28": 100}, logprobs=True)
+    tokens = [e[0] for e in token_entries(forced.choices[0].logprobs)]
+    assert len(tokens) == 5 and len(set(tokens)) == 1, tokens
+    assert forced.choices[0].message.content == tokens[0] * 5
+    # A stop string the answer writes at once ends it at once, unless min_tokens says no.
+    first = ask(client, mesh.model, QUESTION, max_tokens=8).choices[0].message.content
+    stop = first[:2]
+    assert ask(client, mesh.model, QUESTION, max_tokens=8, stop=[stop]).choices[0].message.content == ""
+    held = ask(client, mesh.model, QUESTION, max_tokens=8, stop=[stop], extra_body={"min_tokens": 4})
+    assert held.usage.completion_tokens >= 4
+    assert held.choices[0].message.content.startswith(first[:2])
+
+
 def test_stop_strings_never_reach_the_client(client, mesh):
     prompt = "Count from 1 to 20, separated by commas."
     full = ask(client, mesh.model, prompt, max_tokens=40).choices[0].message.content
@@ -200,7 +268,11 @@ def expect(exc_type, status, fn, code=None, param=None):
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logit_bias": {"the": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ],
 )

@@ -216,9 +216,19 @@ def test_pd_output_is_bit_identical_to_unified_for_32_sessions(mesh, tmp_path):
             for turn in range(2):
                 history.append({"role": "user", "content": f"Session {s}, turn {turn}: name a {['fruit', 'color', 'city', 'animal'][(s + turn) % 4]}."})
                 kw = {"temperature": 0} if s % 3 else {"temperature": 0.9, "seed": s, "top_p": 0.95}
+                if s % 4 == 1:
+                    # Raw logprobs with alternatives, a bias and min_tokens: the same bits
+                    # whichever side computed the token (the first comes from prefill)
+                    # and whichever cache held the prompt (turn 2 finds turn 1's pages).
+                    kw |= {"logprobs": True, "top_logprobs": 3, "logit_bias": {"28": 2.5},
+                           "extra_body": {"min_tokens": 3}}
                 r = client.chat.completions.create(model=mesh.model, messages=history, max_tokens=6, **kw)
                 text = r.choices[0].message.content
                 out.append(f"{r.choices[0].finish_reason}:{text}")
+                if s % 4 == 1:
+                    lp = r.choices[0].logprobs.content
+                    assert len(lp) >= 3 and all(len(t.top_logprobs) == 3 for t in lp), lp
+                    out.append(repr([(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]) for t in lp]))
                 history.append({"role": "assistant", "content": text})
             return out
 

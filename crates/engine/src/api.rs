@@ -25,8 +25,17 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
-    /// Compute each sampled token's log-probability (a softmax over the vocabulary).
+    /// Report each sampled token's log-probability ([`Logprob`]).
     pub logprobs: bool,
+    /// With `logprobs`: also the this many most likely tokens at each step (at most
+    /// [`MAX_TOP_LOGPROBS`]).
+    pub top_logprobs: u32,
+    /// Added to these tokens' logits after the penalties and before temperature (OpenAI's
+    /// `logit_bias`, each in [-100, 100], each token at most once).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Until this many tokens were generated, the end-of-generation tokens (unless
+    /// `ignore_eos`) and `stop_token_ids` cannot be sampled and stop strings do not match.
+    pub min_tokens: u32,
     /// A Lark grammar (llguidance's dialect, `%json{…}` for JSON schemas) the output
     /// must match; every other token is masked out before sampling.
     pub grammar: Option<String>,
@@ -48,7 +57,51 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: false,
+            top_logprobs: 0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
             grammar: None,
+        }
+    }
+}
+
+/// Most alternatives a request may ask for per token (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// A sampled token's log-probability under the model's own distribution: the log-softmax
+/// of the raw logits, before penalties, logit bias, temperature, top-k/top-p/min-p and
+/// grammar masks (vLLM's default `raw_logprobs`). The logits are bit-identical whatever
+/// the batch, chunking, PD mode or cache tier, and so are these.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logprob {
+    pub logprob: f32,
+    /// The `top_logprobs` most likely tokens and their log-probabilities, most likely
+    /// first (equal logits: the lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl Logprob {
+    /// `token`'s entry, and the `top` most likely tokens', in `logits` (one row).
+    pub fn of(logits: &[f32], token: u32, top: usize) -> Self {
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let sum: f64 = logits.iter().map(|&l| (l - max).exp() as f64).sum();
+        let ln_sum = sum.ln() as f32;
+        let lp = |t: u32| (logits[t as usize] - max) - ln_sum;
+        let order = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
+        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        let top = top.min(ids.len());
+        if top > 0 && top < ids.len() {
+            ids.select_nth_unstable_by(top - 1, order);
+        }
+        ids.truncate(top);
+        ids.sort_unstable_by(order);
+        Self {
+            logprob: lp(token),
+            top: ids.into_iter().map(|t| (t, lp(t))).collect(),
         }
     }
 }
@@ -103,6 +156,38 @@ impl SamplingParams {
         if self.stop.iter().any(String::is_empty) {
             return bad("stop", "stop strings must not be empty".into());
         }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return bad(
+                "top_logprobs",
+                format!(
+                    "must be at most {MAX_TOP_LOGPROBS}, got {}",
+                    self.top_logprobs
+                ),
+            );
+        }
+        if let Some(&(t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return bad(
+                "logit_bias",
+                format!("the bias of token {t} must be in [-100, 100], got {b}"),
+            );
+        }
+        let mut biased: Vec<u32> = self.logit_bias.iter().map(|b| b.0).collect();
+        biased.sort_unstable();
+        if let Some(w) = biased.windows(2).find(|w| w[0] == w[1]) {
+            return bad("logit_bias", format!("token {} is listed twice", w[0]));
+        }
+        if let Some(m) = self.max_tokens
+            && self.min_tokens > m
+        {
+            return bad(
+                "min_tokens",
+                format!("must be at most max_tokens ({m}), got {}", self.min_tokens),
+            );
+        }
         Ok(())
     }
 }
@@ -145,7 +230,7 @@ pub enum StepEvent {
     Token {
         id: Arc<str>,
         token: u32,
-        logprob: Option<f32>,
+        logprob: Option<Logprob>,
     },
     Finished {
         id: Arc<str>,
@@ -161,7 +246,7 @@ pub enum StepEvent {
     Exported {
         id: Arc<str>,
         token: u32,
-        logprob: Option<f32>,
+        logprob: Option<Logprob>,
         pages: usize,
         /// Prompt tokens found in the caches instead of computed.
         cached: usize,

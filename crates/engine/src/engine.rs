@@ -21,7 +21,9 @@ use crate::model::{BatchToken, LlamaModel};
 use crate::sampler::Sampler;
 use crate::tp::{RankWork, TpLlama};
 use crate::vocab::{eog_tokens, token_bytes_table};
-use crate::{EngineError, FinishReason, GenRequest, ModelInfo, Part, SamplingParams, StepEvent};
+use crate::{
+    EngineError, FinishReason, GenRequest, Logprob, ModelInfo, Part, SamplingParams, StepEvent,
+};
 use pdmesh_kv::{IndexKDtype, KvLayout, MlaCacheDtype};
 
 /// How to build an engine.
@@ -425,6 +427,17 @@ impl Engine {
         if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::TokenOutOfRange { token: bad, vocab });
         }
+        if let Some(&(t, _)) = req
+            .params
+            .logit_bias
+            .iter()
+            .find(|(t, _)| *t as usize >= vocab)
+        {
+            return Err(EngineError::InvalidParam {
+                field: "logit_bias",
+                msg: format!("token {t} is outside the vocabulary ({vocab} tokens)"),
+            });
+        }
         if self.ids.contains(req.id.as_str()) {
             return Err(EngineError::DuplicateId(req.id));
         }
@@ -512,7 +525,7 @@ impl Engine {
         &mut self,
         id: &str,
         first_token: u32,
-        logprob: Option<f32>,
+        logprob: Option<Logprob>,
         cached: usize,
         fill: impl FnOnce(&mut [&mut [u8]]) -> Result<(), String>,
     ) -> Result<Vec<StepEvent>, EngineError> {
@@ -571,7 +584,7 @@ impl Engine {
         &self,
         s: &mut Seq,
         tok: u32,
-        logprob: Option<f32>,
+        logprob: Option<Logprob>,
         events: &mut Vec<StepEvent>,
     ) -> bool {
         after_sample(
@@ -1059,15 +1072,26 @@ impl Engine {
             if self.cfg.capture_logits {
                 s.logits.push(row.clone());
             }
+            // Raw log-probabilities: of the row before anything below changes it.
+            let raw = s.params.logprobs.then(|| row.clone());
             let live = match &mut s.constraint {
                 Some(c) => c.apply(&mut row, &self.eog),
                 None => true,
             };
-            let (mut tok, mut logprob) = s.sampler.sample(&mut row, &s.params, &s.tokens);
+            if s.generated() < s.params.min_tokens as usize {
+                let eog: &[u32] = if s.params.ignore_eos { &[] } else { &self.eog };
+                for &t in eog.iter().chain(&s.params.stop_token_ids) {
+                    if let Some(l) = row.get_mut(t as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let mut tok = s.sampler.sample(&mut row, &s.params, &s.tokens);
             if !live && !self.eog.contains(&tok) {
                 // The grammar allows nothing more: end the sequence.
-                (tok, logprob) = (self.eog[0], None);
+                tok = self.eog[0];
             }
+            let logprob = raw.map(|r| Logprob::of(&r, tok, s.params.top_logprobs as usize));
             if let Some(c) = &mut s.constraint
                 && let Err(e) = c.commit(tok, &self.eog)
             {
@@ -1132,7 +1156,7 @@ type Finish = (FinishReason, Option<String>, Option<u32>);
 fn after_sample(
     s: &mut Seq,
     tok: u32,
-    logprob: Option<f32>,
+    logprob: Option<Logprob>,
     (eog, token_bytes, context): (&[u32], &[Vec<u8>], usize),
     events: &mut Vec<StepEvent>,
 ) -> bool {
@@ -1184,7 +1208,9 @@ fn finish_check(
     if !s.params.stop.is_empty() {
         let before = s.tail.len();
         s.tail.extend_from_slice(&token_bytes[tok as usize]);
-        for stop in &s.params.stop {
+        // Before min_tokens, stop strings do not match (vLLM's rule).
+        let matching = s.generated() >= s.params.min_tokens as usize;
+        for stop in s.params.stop.iter().filter(|_| matching) {
             let sb = stop.as_bytes();
             // Only matches that end inside the new bytes are new.
             let from = before.saturating_sub(sb.len() - 1);

@@ -19,7 +19,9 @@ mod sampler;
 pub mod tp;
 mod vocab;
 
-pub use api::{FinishReason, GenRequest, ModelInfo, Part, SamplingParams, StepEvent};
+pub use api::{
+    FinishReason, GenRequest, Logprob, MAX_TOP_LOGPROBS, ModelInfo, Part, SamplingParams, StepEvent,
+};
 pub use engine::{Engine, EngineConfig, HostStats, WritePolicy};
 pub use gpu::{CUDA_BUILT, GpuConfig};
 pub use model::BatchToken;

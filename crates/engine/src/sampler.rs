@@ -1,5 +1,7 @@
-//! Turning logits into the next token: penalties, temperature, top-k, top-p, min-p, and a
-//! per-sequence seeded RNG so a seeded request samples the same tokens in any batch.
+//! Turning logits into the next token: penalties, logit bias, temperature, top-k, top-p,
+//! min-p, and a per-sequence seeded RNG so a seeded request samples the same tokens in any
+//! batch. (Log-probabilities are the raw logits', taken before any of this: see
+//! [`crate::Logprob`].)
 
 use std::collections::HashMap;
 
@@ -40,14 +42,8 @@ impl Sampler {
         *self.counts.entry(token).or_default() += 1;
     }
 
-    /// Pick the next token; returns it and, if asked for, its log-probability under the
-    /// penalized logits.
-    pub fn sample(
-        &mut self,
-        logits: &mut [f32],
-        p: &SamplingParams,
-        context: &[u32],
-    ) -> (u32, Option<f32>) {
+    /// Pick the next token (`logits` is changed on the way: penalties and bias).
+    pub fn sample(&mut self, logits: &mut [f32], p: &SamplingParams, context: &[u32]) -> u32 {
         if p.repetition_penalty != 1.0 {
             let mut seen = std::collections::HashSet::new();
             for &t in context {
@@ -69,12 +65,16 @@ impl Sampler {
                 }
             }
         }
-        let token = if p.temperature == 0.0 {
+        for &(t, b) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        if p.temperature == 0.0 {
             argmax(logits)
         } else {
             self.draw(logits, p)
-        };
-        (token, p.logprobs.then(|| log_softmax_at(logits, token)))
+        }
     }
 
     fn draw(&mut self, logits: &[f32], p: &SamplingParams) -> u32 {
@@ -164,12 +164,6 @@ pub(crate) fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-fn log_softmax_at(logits: &[f32], token: u32) -> f32 {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let sum: f64 = logits.iter().map(|&l| (l - max).exp() as f64).sum();
-    (logits[token as usize] - max) - sum.ln() as f32
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,16 +179,51 @@ mod tests {
     fn greedy_takes_the_first_maximum() {
         let mut s = Sampler::new(Some(1));
         let mut l = vec![0.0, 3.0, 3.0, -1.0];
-        let (t, lp) = s.sample(&mut l.clone(), &SamplingParams::greedy(1), &[]);
-        assert_eq!((t, lp), (1, None), "no log-probability unless asked");
+        assert_eq!(s.sample(&mut l, &SamplingParams::greedy(1), &[]), 1);
+    }
+
+    #[test]
+    fn logit_bias_moves_the_choice_and_ignores_tokens_outside_the_vocabulary() {
+        let mut s = Sampler::new(Some(1));
         let p = SamplingParams {
-            logprobs: true,
+            logit_bias: vec![(2, 5.0), (0, -100.0), (99, 100.0)],
             ..SamplingParams::greedy(1)
         };
-        let (t, lp) = s.sample(&mut l, &p, &[]);
-        assert_eq!(t, 1);
-        let lp = lp.unwrap();
-        assert!(lp < 0.0 && lp > -1.0);
+        let mut l = vec![3.0, 1.0, -1.0];
+        assert_eq!(s.sample(&mut l, &p, &[]), 2, "-1 + 5 > 3 - 100 and 1");
+        assert_eq!(l, vec![-97.0, 1.0, 4.0]);
+        // Sampled: a -100 bias leaves a token practically never drawn.
+        let p = SamplingParams {
+            logit_bias: vec![(0, -100.0)],
+            ..params()
+        };
+        for _ in 0..200 {
+            assert_ne!(s.sample(&mut [5.0, 0.0, 0.0], &p, &[]), 0);
+        }
+    }
+
+    #[test]
+    fn raw_logprobs_are_the_log_softmax_with_the_top_tokens_in_order() {
+        let l = vec![1.0f32, 3.0, 3.0, -1.0, 2.0];
+        let lp = crate::Logprob::of(&l, 4, 3);
+        let norm: f64 = l.iter().map(|&x| (x as f64).exp()).sum();
+        let want = |t: usize| (l[t] as f64 - norm.ln()) as f32;
+        assert!((lp.logprob - want(4)).abs() < 1e-6);
+        // Ties by lower id first; the rest in descending order.
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2, 4]);
+        assert_eq!(lp.top[0].1, lp.top[1].1);
+        assert!(
+            lp.top
+                .iter()
+                .all(|&(t, v)| (v - want(t as usize)).abs() < 1e-6)
+        );
+        // As many as asked, all of them at most; none when asked for none.
+        assert_eq!(crate::Logprob::of(&l, 0, 9).top.len(), 5);
+        assert!(crate::Logprob::of(&l, 0, 0).top.is_empty());
+        let total: f64 = (0..5)
+            .map(|t| (crate::Logprob::of(&l, t, 0).logprob as f64).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
     }
 
     #[test]
@@ -205,7 +234,7 @@ mod tests {
         let run = |seed| {
             let mut s = Sampler::new(Some(seed));
             (0..20)
-                .map(|_| s.sample(&mut logits.clone(), &params(), &[]).0)
+                .map(|_| s.sample(&mut logits.clone(), &params(), &[]))
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(42), run(42));
@@ -221,13 +250,13 @@ mod tests {
                 top_k: 2,
                 ..params()
             };
-            assert!(s.sample(&mut logits.clone(), &p, &[]).0 < 2);
+            assert!(s.sample(&mut logits.clone(), &p, &[]) < 2);
             let p = SamplingParams {
                 top_p: 0.5,
                 ..params()
             };
             assert_eq!(
-                s.sample(&mut logits.clone(), &p, &[]).0,
+                s.sample(&mut logits.clone(), &p, &[]),
                 0,
                 "token 0 alone holds > 50%"
             );
@@ -235,10 +264,7 @@ mod tests {
                 min_p: 0.3,
                 ..params()
             };
-            assert!(
-                s.sample(&mut logits.clone(), &p, &[]).0 < 2,
-                "exp(-2) < 0.3"
-            );
+            assert!(s.sample(&mut logits.clone(), &p, &[]) < 2, "exp(-2) < 0.3");
         }
     }
 
@@ -252,18 +278,18 @@ mod tests {
             frequency_penalty: 0.1,
             ..SamplingParams::greedy(1)
         };
-        assert_eq!(s.sample(&mut l, &p, &[]).0, 1, "2.0 - 2*0.1 < 1.9");
+        assert_eq!(s.sample(&mut l, &p, &[]), 1, "2.0 - 2*0.1 < 1.9");
         let mut l = vec![2.0, 1.5];
         let p = SamplingParams {
             repetition_penalty: 2.0,
             ..SamplingParams::greedy(1)
         };
-        assert_eq!(s.sample(&mut l, &p, &[0]).0, 1, "2.0 / 2 < 1.5");
+        assert_eq!(s.sample(&mut l, &p, &[0]), 1, "2.0 / 2 < 1.5");
         let mut l = vec![2.0, 1.5];
         let p = SamplingParams {
             presence_penalty: 1.0,
             ..SamplingParams::greedy(1)
         };
-        assert_eq!(s.sample(&mut l, &p, &[]).0, 1);
+        assert_eq!(s.sample(&mut l, &p, &[]), 1);
     }
 }

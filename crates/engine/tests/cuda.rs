@@ -18,7 +18,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::{Outcome, bits, engine, fixture_prompts, greedy, run_all};
-use pdmesh_engine::{Engine, GpuConfig, Part, StepEvent};
+use pdmesh_engine::{Engine, GpuConfig, Logprob, Part, StepEvent};
 use pdmesh_kv::{IndexKDtype, MlaCacheDtype};
 
 fn gpu() -> GpuConfig {
@@ -122,7 +122,7 @@ fn pages_handed_over_into_a_gpu_engine_give_the_gpus_own_bits() {
         d.submit_part(greedy(&id, prompt, NEW), Part::Decode)
             .unwrap();
     }
-    let firsts: HashMap<String, (u32, Option<f32>)> = step_all(&mut p)
+    let firsts: HashMap<String, (u32, Option<Logprob>)> = step_all(&mut p)
         .into_iter()
         .filter_map(|ev| match ev {
             StepEvent::Exported {
@@ -139,12 +139,12 @@ fn pages_handed_over_into_a_gpu_engine_give_the_gpus_own_bits() {
         .filter(|ev| matches!(ev, StepEvent::Reserved { .. }))
         .count();
     assert_eq!(reserved, 5);
-    for (id, &(token, logprob)) in &firsts {
+    for (id, (token, logprob)) in &firsts {
         let kv: Vec<Vec<u8>> = p
             .export(id, |src| src.iter().map(|b| b.to_vec()).collect())
             .unwrap();
         for ev in d
-            .import(id, token, logprob, 0, |dst| {
+            .import(id, *token, logprob.clone(), 0, |dst| {
                 for (dd, s) in dst.iter_mut().zip(&kv) {
                     dd.copy_from_slice(s);
                 }

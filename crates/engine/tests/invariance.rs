@@ -166,6 +166,176 @@ fn seeded_sampling_is_reproducible_in_any_batch() {
     );
 }
 
+/// Logprobs are the raw logits' log-softmax (whatever the sampling settings), with the top
+/// tokens in order, and carry the same bits alone, in a batch and in prefill chunks.
+#[test]
+fn logprobs_are_the_raw_distribution_alone_batched_and_chunked() {
+    let ps = prompts();
+    let asked = |id: &str, p: &[u32], params: SamplingParams| GenRequest {
+        id: id.into(),
+        prompt: p.to_vec(),
+        params: SamplingParams {
+            logprobs: true,
+            top_logprobs: 5,
+            ..params
+        },
+    };
+    // Penalties, bias and temperature change what is sampled, not what is reported.
+    let shaped = SamplingParams {
+        temperature: 0.7,
+        seed: Some(3),
+        frequency_penalty: 1.0,
+        logit_bias: vec![(28, 30.0)],
+        ..SamplingParams::greedy(6)
+    };
+    let mut e = common::engine(|_| {});
+    for params in [SamplingParams::greedy(6), shaped.clone()] {
+        let alone = run_all(&mut e, vec![asked("a", &ps[3], params.clone())])
+            .remove("a")
+            .unwrap();
+        assert_eq!(alone.logprobs.len(), alone.tokens.len());
+        for ((row, &tok), lp) in alone.logits.iter().zip(&alone.tokens).zip(&alone.logprobs) {
+            let want = pdmesh_engine::Logprob::of(row, tok, 5);
+            assert_eq!(lp, &want, "the raw row's log-softmax");
+            assert_eq!(lp.top.len(), 5);
+            assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+            assert!(lp.logprob <= lp.top[0].1 && lp.logprob < 0.0);
+        }
+        let batch = run_all(
+            &mut e,
+            vec![
+                asked("m0", &ps[5], params.clone()),
+                asked("s", &ps[3], params.clone()),
+                greedy("m1", &ps[7], 6),
+            ],
+        );
+        assert_eq!(batch["s"].logprobs, alone.logprobs, "in a batch");
+        assert!(batch["m1"].logprobs.is_empty(), "none unless asked");
+        let mut chunked = common::engine(|c| c.prefill_chunk = 5);
+        let got = run_all(&mut chunked, vec![asked("c", &ps[3], params.clone())]);
+        assert_eq!(got["c"].logprobs, alone.logprobs, "prefill in chunks of 5");
+    }
+    // The bias is seen: token 28 is drawn every time, yet reported at its raw value.
+    let out = run_all(&mut e, vec![asked("b", &ps[3], shaped)])
+        .remove("b")
+        .unwrap();
+    assert!(out.tokens.iter().all(|&t| t == 28), "{:?}", out.tokens);
+    assert!(out.logprobs.iter().any(|l| l.top[0].0 != 28));
+}
+
+/// min_tokens holds back EOS, stop tokens and stop strings; logit_bias forces a token;
+/// bad values are refused by name.
+#[test]
+fn min_tokens_and_logit_bias() {
+    let ps = prompts();
+    let mut e = common::engine(|_| {});
+    let free = common::available(&e);
+    let full = run_all(&mut e, vec![greedy("g", &ps[0], 10)])
+        .remove("g")
+        .unwrap();
+    let run = |e: &mut pdmesh_engine::Engine, params: SamplingParams| {
+        run_all(
+            e,
+            vec![GenRequest {
+                id: "x".into(),
+                prompt: ps[0].clone(),
+                params,
+            }],
+        )
+        .remove("x")
+        .unwrap()
+    };
+    // The first greedy token as a stop token: it would end the request at once.
+    let stop_at_first = SamplingParams {
+        stop_token_ids: vec![full.tokens[0]],
+        ..SamplingParams::greedy(10)
+    };
+    let out = run(&mut e, stop_at_first.clone());
+    assert!(out.tokens.is_empty());
+    let out = run(
+        &mut e,
+        SamplingParams {
+            min_tokens: 4,
+            ..stop_at_first
+        },
+    );
+    assert!(out.tokens.len() >= 4, "{:?}", out.tokens);
+    assert!(!out.tokens[..4].contains(&full.tokens[0]));
+    // A stop string the first tokens write: no match before min_tokens either.
+    let letters = SamplingParams {
+        stop: ["e", "a", "o", " "].map(String::from).to_vec(),
+        ..SamplingParams::greedy(10)
+    };
+    assert!(run(&mut e, letters.clone()).tokens.len() < 3);
+    let out = run(
+        &mut e,
+        SamplingParams {
+            min_tokens: 3,
+            ..letters
+        },
+    );
+    assert!(out.tokens.len() >= 3, "{:?}", out.tokens);
+    let forced = run(
+        &mut e,
+        SamplingParams {
+            logit_bias: vec![(full.tokens[0] + 1, 100.0)],
+            ..SamplingParams::greedy(5)
+        },
+    );
+    assert_eq!(forced.tokens, vec![full.tokens[0] + 1; 5]);
+    for (params, field) in [
+        (
+            SamplingParams {
+                logit_bias: vec![(1, 100.5)],
+                ..SamplingParams::greedy(4)
+            },
+            "logit_bias",
+        ),
+        (
+            SamplingParams {
+                logit_bias: vec![(u32::MAX, 1.0)],
+                ..SamplingParams::greedy(4)
+            },
+            "logit_bias",
+        ),
+        (
+            SamplingParams {
+                logit_bias: vec![(1, 1.0), (1, 2.0)],
+                ..SamplingParams::greedy(4)
+            },
+            "logit_bias",
+        ),
+        (
+            SamplingParams {
+                min_tokens: 5,
+                ..SamplingParams::greedy(4)
+            },
+            "min_tokens",
+        ),
+        (
+            SamplingParams {
+                logprobs: true,
+                top_logprobs: 21,
+                ..SamplingParams::greedy(4)
+            },
+            "top_logprobs",
+        ),
+    ] {
+        let err = e
+            .submit(GenRequest {
+                id: "bad".into(),
+                prompt: ps[0].clone(),
+                params,
+            })
+            .unwrap_err();
+        assert!(
+            matches!(err, pdmesh_engine::EngineError::InvalidParam { field: f, .. } if f == field),
+            "{err:?}"
+        );
+    }
+    assert_eq!(common::available(&e), free);
+}
+
 #[test]
 fn stops_and_limits() {
     let ps = prompts();

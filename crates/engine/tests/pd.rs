@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::*;
-use pdmesh_engine::{Engine, GenRequest, Part, SamplingParams, StepEvent};
+use pdmesh_engine::{Engine, GenRequest, Logprob, Part, SamplingParams, StepEvent};
 
 fn requests() -> Vec<GenRequest> {
     let fx = fixture_prompts();
@@ -29,6 +29,9 @@ fn requests() -> Vec<GenRequest> {
                 seed: Some(i as u64),
                 frequency_penalty: 0.5,
                 max_tokens: Some(6),
+                // Sampling changes that must act the same on both sides of a hand-over.
+                logit_bias: vec![(13, 4.0), (2, -100.0)],
+                min_tokens: 2,
                 ..SamplingParams::default()
             },
             _ => SamplingParams {
@@ -38,6 +41,7 @@ fn requests() -> Vec<GenRequest> {
                 // A one-token request finishes on the prefill's token.
                 max_tokens: Some(if i == 2 { 1 } else { 5 }),
                 logprobs: true,
+                top_logprobs: 3,
                 ..SamplingParams::default()
             },
         };
@@ -60,19 +64,27 @@ fn requests() -> Vec<GenRequest> {
     out
 }
 
+/// A log-probability's bits and its top tokens' (token, bits).
+type LogprobBits = (u32, Vec<(u32, u32)>);
+
 #[derive(Debug, Default, Clone, PartialEq)]
 struct Seen {
-    tokens: Vec<(u32, Option<u32>)>,
+    /// Each token with its log-probability's bits (when asked).
+    tokens: Vec<(u32, Option<LogprobBits>)>,
     finished: Option<StepEvent>,
 }
 
 fn record(out: &mut HashMap<String, Seen>, ev: StepEvent) {
     match ev {
-        StepEvent::Token { id, token, logprob } => out
-            .entry(id.to_string())
-            .or_default()
-            .tokens
-            .push((token, logprob.map(f32::to_bits))),
+        StepEvent::Token { id, token, logprob } => {
+            out.entry(id.to_string()).or_default().tokens.push((
+                token,
+                logprob.map(|l| {
+                    let top = l.top.iter().map(|&(t, v)| (t, v.to_bits())).collect();
+                    (l.logprob.to_bits(), top)
+                }),
+            ))
+        }
         StepEvent::Finished { ref id, .. } => {
             out.entry(id.to_string()).or_default().finished = Some(ev.clone())
         }
@@ -119,7 +131,7 @@ fn prefill_then_decode_is_bit_identical_to_unified() {
         d.submit_part(r.clone(), Part::Decode).unwrap();
         p.submit_part(r.clone(), Part::Prefill).unwrap();
     }
-    let mut exported: HashMap<String, (u32, Option<f32>)> = HashMap::new();
+    let mut exported: HashMap<String, (u32, Option<Logprob>)> = HashMap::new();
     while p.has_work() {
         for ev in p.step() {
             match ev {
@@ -146,7 +158,7 @@ fn prefill_then_decode_is_bit_identical_to_unified() {
         for ev in events {
             match ev {
                 StepEvent::Reserved { id, pages, held } => {
-                    let (token, logprob) = exported[&*id];
+                    let (token, logprob) = exported[&*id].clone();
                     let kv: Vec<Vec<u8>> = p
                         .export(&id, |src| src.iter().map(|b| b.to_vec()).collect())
                         .unwrap();
@@ -238,7 +250,7 @@ fn aborts_and_failed_imports_release_reservations_and_exports() {
 }
 
 /// Runs a prefill engine to the end: each request's first token and logprob.
-fn prefill_all(p: &mut Engine) -> HashMap<String, (u32, Option<f32>)> {
+fn prefill_all(p: &mut Engine) -> HashMap<String, (u32, Option<Logprob>)> {
     step_all(p)
         .into_iter()
         .filter_map(|ev| match ev {
@@ -256,7 +268,7 @@ fn hand_over(
     p: &mut Engine,
     d: &mut Engine,
     id: &str,
-    (token, logprob): (u32, Option<f32>),
+    (token, logprob): (u32, Option<Logprob>),
     got: &mut HashMap<String, Seen>,
 ) {
     let kv: Vec<Vec<u8>> = p
@@ -313,7 +325,7 @@ fn reservations_are_bounded_by_pages_not_by_batch_slots() {
     assert_eq!(reserved.len(), 6, "every request holds its pages at once");
     let mut got: HashMap<String, Seen> = HashMap::new();
     for id in &reserved {
-        hand_over(&mut p, &mut d, id, exported[id], &mut got);
+        hand_over(&mut p, &mut d, id, exported[id].clone(), &mut got);
     }
     // Those not finished on their first token hold their KV, two of them running.
     let finished = got.values().filter(|s| s.finished.is_some()).count();
@@ -383,7 +395,7 @@ fn a_sequence_that_cannot_grow_waits_for_reserved_pages_instead_of_ending_short(
     let reserved = d.step();
     assert_eq!(reserved.len(), 2, "both reserved: {reserved:?}");
     let mut got: HashMap<String, Seen> = HashMap::new();
-    hand_over(&mut p, &mut d, "a", exported["a"], &mut got);
+    hand_over(&mut p, &mut d, "a", exported["a"].clone(), &mut got);
     // A runs until the pool is full, then waits (B still holds its reservation).
     for _ in 0..200 {
         for ev in d.step() {
@@ -399,7 +411,7 @@ fn a_sequence_that_cannot_grow_waits_for_reserved_pages_instead_of_ending_short(
         !d.has_work(),
         "waiting for reserved pages is not work: the loop must not spin"
     );
-    hand_over(&mut p, &mut d, "b", exported["b"], &mut got);
+    hand_over(&mut p, &mut d, "b", exported["b"].clone(), &mut got);
     assert!(d.has_work(), "the KV's arrival wakes it");
     while d.has_work() {
         for ev in d.step() {

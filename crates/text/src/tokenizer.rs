@@ -436,6 +436,12 @@ impl TextTokenizer {
         self.token_bytes.as_ref().clone()
     }
 
+    /// The bytes one id stands for (see [`Self::token_bytes_table`]); `None` outside the
+    /// vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        self.token_bytes.get(id as usize).map(Vec::as_slice)
+    }
+
     /// A digest (hex SHA-256) of everything detokenization depends on: each id's bytes,
     /// which ids are special, and the decoder's configuration. Two tokenizers with the same
     /// fingerprint turn every id sequence into the same text.

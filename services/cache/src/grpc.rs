@@ -763,6 +763,11 @@ fn aux_from_pb(a: pb::RoomAux) -> Aux {
         room: a.room,
         first_token: a.first_token,
         first_logprob: a.first_logprob,
+        first_top: a
+            .first_top_logprobs
+            .iter()
+            .map(|t| (t.token_id, t.logprob))
+            .collect(),
         prompt_tokens: a.prompt_tokens,
         cached_tokens: a.cached_tokens,
         host_cached_tokens: a.host_cached_tokens,
@@ -777,6 +782,11 @@ fn aux_to_pb(a: Aux) -> pb::RoomAux {
         room: a.room,
         first_token: a.first_token,
         first_logprob: a.first_logprob,
+        first_top_logprobs: a
+            .first_top
+            .iter()
+            .map(|&(token_id, logprob)| pb::TopToken { token_id, logprob })
+            .collect(),
         prompt_tokens: a.prompt_tokens,
         cached_tokens: a.cached_tokens,
         host_cached_tokens: a.host_cached_tokens,

@@ -117,11 +117,13 @@ impl RoomDeadlines {
 pub const AGE_THRESHOLDS: [f64; 4] = [1.0, 5.0, 30.0, 120.0];
 
 /// What a sender hands over with its pages; the receiver checks `room` on arrival.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Aux {
     pub room: u64,
     pub first_token: u32,
     pub first_logprob: f32,
+    /// The first token's alternatives (token, log-probability), when asked for.
+    pub first_top: Vec<(u32, f32)>,
     pub prompt_tokens: u32,
     pub cached_tokens: u32,
     /// The sender's cache sources and stage times, passed through for the receiver's
@@ -438,8 +440,8 @@ impl Rooms {
     pub fn result(&mut self, room: u64, lease: u64) -> Result<(Vec<RoomPage>, Aux), RoomError> {
         let r = self.get(room)?;
         Self::check_side(r, room, Side::Receiver, lease)?;
-        match (r.state, r.aux) {
-            (RoomState::Success, Some(aux)) => Ok((r.pages.clone(), aux)),
+        match (r.state, &r.aux) {
+            (RoomState::Success, Some(aux)) => Ok((r.pages.clone(), aux.clone())),
             (state, _) => Err(RoomError::WrongState {
                 room,
                 state,

@@ -156,6 +156,21 @@ pub(crate) struct GenParams {
     pub ignore_eos: bool,
     /// Constrained decoding: the Lark grammar the output must match.
     pub grammar: Option<String>,
+    /// Log-probabilities of the generated tokens, with this many alternatives each.
+    pub logprobs: Option<u32>,
+    /// Added to these tokens' logits (`logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// No end of generation before this many tokens.
+    pub min_tokens: u32,
+}
+
+/// A generated token's log-probability and its most likely alternatives, as the worker
+/// reports them (raw: the model's own distribution).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Why the worker ended a sequence.
@@ -183,7 +198,8 @@ pub(crate) struct Finish {
 /// One message of the worker's Generate stream.
 #[derive(Clone, Debug)]
 pub(crate) enum WorkerEvent {
-    Tokens(Vec<u32>),
+    /// Tokens, and the last one's log-probability when the request asked for them.
+    Tokens(Vec<u32>, Option<TokenLogprob>),
     Finished(Finish),
 }
 
@@ -494,9 +510,10 @@ impl Backends {
             stop: p.stop.into_iter().map(String::into_bytes).collect(),
             stop_token_ids: p.stop_token_ids,
             ignore_eos: p.ignore_eos,
-            // The gateway does not serve logprobs (it refuses them), so the worker
-            // skips the softmax over the vocabulary.
-            logprobs: false,
+            logprobs: p.logprobs.is_some(),
+            top_logprobs: p.logprobs.unwrap_or(0),
+            logit_bias: p.logit_bias.into_iter().collect(),
+            min_tokens: p.min_tokens,
             grammar: p.grammar.unwrap_or_default(),
         };
         let req = wk::GenerateRequest {
@@ -591,7 +608,21 @@ impl Backends {
 
 fn convert_generate(msg: wk::GenerateResponse) -> Result<WorkerEvent, ApiError> {
     match msg.kind {
-        Some(wk::generate_response::Kind::Chunk(c)) => Ok(WorkerEvent::Tokens(c.token_ids)),
+        Some(wk::generate_response::Kind::Chunk(c)) => {
+            let lp = match (c.logprob, c.token_ids.last()) {
+                (Some(logprob), Some(&token)) => Some(TokenLogprob {
+                    token,
+                    logprob,
+                    top: c
+                        .top_logprobs
+                        .iter()
+                        .map(|t| (t.token_id, t.logprob))
+                        .collect(),
+                }),
+                _ => None,
+            };
+            Ok(WorkerEvent::Tokens(c.token_ids, lp))
+        }
         Some(wk::generate_response::Kind::Finished(f)) => {
             let reason = match wk::FinishReason::try_from(f.reason) {
                 Ok(wk::FinishReason::Stop) => FinishReason::Stop,

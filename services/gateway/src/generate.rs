@@ -12,7 +12,7 @@ use std::pin::Pin;
 use futures::{Stream, StreamExt};
 
 use crate::backend::{
-    Backends, FinishReason, GenParams, Parsed, Parsing, ToolCallDelta, WorkerEvent,
+    Backends, FinishReason, GenParams, Parsed, Parsing, TokenLogprob, ToolCallDelta, WorkerEvent,
 };
 use crate::error::ApiError;
 use crate::metrics::Stage;
@@ -35,8 +35,50 @@ pub(crate) struct Done {
     pub usage: Usage,
 }
 
+/// One generated token's log-probability as the APIs show it: the token's text (lossy
+/// where its bytes are part of a UTF-8 character) and exact bytes, and its alternatives.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct LogprobEntry {
+    pub token: TokenText,
+    pub logprob: f32,
+    pub top: Vec<(TokenText, f32)>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct TokenText {
+    pub text: String,
+    pub bytes: Vec<u8>,
+}
+
+impl TokenText {
+    fn of(tok: &pdmesh_text::TextTokenizer, id: u32) -> Self {
+        let bytes = tok.token_bytes(id).unwrap_or_default().to_vec();
+        Self {
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+        }
+    }
+}
+
+impl LogprobEntry {
+    fn of(tok: &pdmesh_text::TextTokenizer, lp: &TokenLogprob) -> Self {
+        Self {
+            token: TokenText::of(tok, lp.token),
+            logprob: lp.logprob,
+            top: lp
+                .top
+                .iter()
+                .map(|&(t, v)| (TokenText::of(tok, t), v))
+                .collect(),
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) enum GenEvent {
+    /// A generated token's log-probability (before the text it adds, which may be held
+    /// back); only when the request asked for them.
+    Logprob(LogprobEntry),
     /// Content safe to show (never part of a stop string, never markup).
     Text(String),
     /// Reasoning (`reasoning_content`).
@@ -87,6 +129,12 @@ pub(crate) async fn start(
 ) -> Result<GenStream, ApiError> {
     let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
     let stops = params.stop.clone();
+    let min_tokens = params.min_tokens as usize;
+    // Token texts for logprobs: the handlers refuse logprobs without this tokenizer.
+    let vocab = match params.logprobs {
+        Some(_) => st.local_tokenizer().await.cloned(),
+        None => None,
+    };
     let mut guard = AbortGuard {
         backends: st.backends.clone(),
         request_id: request_id.clone(),
@@ -124,6 +172,7 @@ pub(crate) async fn start(
         let place = st.metrics.detokenized_tokens.with_label_values(&[if detok.is_local() { "gateway" } else { "tokenizer" }]);
         let mut filter = StopFilter::new(&stops);
         let mut calls = 0usize;
+        let mut generated = 0usize;
         let mut last_token: Option<std::time::Instant> = None;
         loop {
             let item = tokio::select! {
@@ -140,7 +189,7 @@ pub(crate) async fn start(
                     yield Err(e);
                     return;
                 }
-                Some(Ok(WorkerEvent::Tokens(ids))) => {
+                Some(Ok(WorkerEvent::Tokens(ids, lp))) => {
                     if ids.is_empty() {
                         continue;
                     }
@@ -159,8 +208,14 @@ pub(crate) async fn start(
                     if filter.stopped() {
                         continue;
                     }
+                    if let (Some(lp), Some(v)) = (&lp, &vocab) {
+                        yield Ok(GenEvent::Logprob(LogprobEntry::of(v, lp)));
+                    }
                     place.inc_by(ids.len() as u64);
-                    match detok.push(ids).await.and_then(|p| split(&st, p, &mut filter, false)) {
+                    generated += ids.len();
+                    // Before min_tokens, stop strings do not match (as in the engine).
+                    let protect = generated < min_tokens;
+                    match detok.push(ids).await.and_then(|p| split(&st, p, &mut filter, protect, false)) {
                         Ok(events) => {
                             for ev in events {
                                 calls += usize::from(matches!(ev, GenEvent::ToolCall(ref c) if !c.name.is_empty()));
@@ -189,7 +244,7 @@ pub(crate) async fn start(
                         match detok
                             .finish(cut)
                             .await
-                            .and_then(|p| split(&st, p, &mut filter, true))
+                            .and_then(|p| split(&st, p, &mut filter, false, true))
                         {
                             Ok(events) => {
                                 for ev in events {
@@ -253,12 +308,13 @@ pub(crate) fn record_error(span: &tracing::Span, e: &ApiError) {
 }
 
 /// Orders what one Detokenize answer completed into events: reasoning, content (through
-/// the stop filter; `last` flushes it), then tool calls. A parse failure is counted and
-/// becomes the generation's error.
+/// the stop filter, `protect`ed from matching before min_tokens; `last` flushes it), then
+/// tool calls. A parse failure is counted and becomes the generation's error.
 fn split(
     st: &AppState,
     p: Parsed,
     filter: &mut StopFilter,
+    protect: bool,
     last: bool,
 ) -> Result<Vec<GenEvent>, ApiError> {
     if let Some(f) = p.failures.first() {
@@ -271,7 +327,7 @@ fn split(
     if !p.reasoning.is_empty() {
         out.push(GenEvent::Reasoning(p.reasoning));
     }
-    let mut text = filter.push(&p.text);
+    let mut text = filter.push(&p.text, protect);
     if last {
         text.push_str(&filter.finish());
     }
@@ -289,6 +345,8 @@ pub(crate) struct Collected {
     pub reasoning: String,
     /// `(id, name, arguments JSON)` in call order.
     pub tool_calls: Vec<(String, String, String)>,
+    /// Every generated token's, when asked for.
+    pub logprobs: Vec<LogprobEntry>,
 }
 
 /// Drains a generation (the non-streaming responses).
@@ -296,6 +354,7 @@ pub(crate) async fn collect(mut stream: GenStream) -> Result<(Collected, Done), 
     let mut c = Collected::default();
     while let Some(ev) = stream.next().await {
         match ev? {
+            GenEvent::Logprob(e) => c.logprobs.push(e),
             GenEvent::Text(t) => c.text.push_str(&t),
             GenEvent::Reasoning(t) => c.reasoning.push_str(&t),
             GenEvent::ToolCall(d) => {
@@ -355,7 +414,7 @@ mod tests {
                 let chunk = || wk::GenerateResponse {
                     kind: Some(wk::generate_response::Kind::Chunk(wk::TokenChunk {
                         token_ids: vec![7],
-                        logprob: None,
+                        ..Default::default()
                     })),
                 };
                 while tx.send(Ok(chunk())).await.is_ok() {}

@@ -21,7 +21,7 @@ use tracing::Instrument as _;
 
 use crate::backend::{GenParams, Parsing, WorkerInfo};
 use crate::error::{ApiError, ErrorClass};
-use crate::generate::{self, GenEvent, GenStream};
+use crate::generate::{self, GenEvent, GenStream, LogprobEntry};
 use crate::metrics::{Endpoint, ROOM_AGE_THRESHOLDS, Stage, endpoint_label};
 use crate::openai::{
     self, ChatRequest, CompletionRequest, PromptInput, ResponseMeta, SamplingFields,
@@ -390,6 +390,18 @@ fn check_context(
 }
 
 /// `max_tokens` alone already beyond the context: rejected before tokenizing.
+/// Logprobs name tokens by their text, which the gateway reads from its own copy of the
+/// tokenizer (the one it detokenizes with).
+async fn check_logprobs(st: &AppState, params: &GenParams) -> Result<(), ApiError> {
+    if params.logprobs.is_some() && st.local_tokenizer().await.is_none() {
+        return Err(ApiError::unsupported(
+            "logprobs",
+            "logprobs need the gateway to hold the model's tokenizer (start it with --model, as `pdmesh up` does)",
+        ));
+    }
+    Ok(())
+}
+
 fn check_max_tokens(info: &WorkerInfo, max_tokens: Option<u32>) -> Result<(), ApiError> {
     check_context(info, 0, max_tokens, "max_tokens")
 }
@@ -443,29 +455,44 @@ fn sse(
     let request_id = meta.id.clone();
     let events = async_stream::stream! {
         let _timer = timer;
+        // Logprobs ride on the next content chunk (or the finish chunk) after their token
+        // arrived; the text a token adds may be held back (stop strings, markup).
+        let mut pending: Vec<LogprobEntry> = Vec::new();
+        let mut offset = 0usize;
+        let mut logprobs = |pending: &mut Vec<LogprobEntry>| {
+            let entries = std::mem::take(pending);
+            match kind {
+                _ if !meta.logprobs => Value::Null,
+                Kind::Chat => openai::chat_logprobs(&entries),
+                Kind::Completion => openai::completion_logprobs(&entries, &mut offset),
+            }
+        };
         if let Kind::Chat = kind {
-            yield Ok::<Event, Infallible>(data(&openai::chat_chunk(&meta, json!({"role": "assistant", "content": ""}), None)));
+            yield Ok::<Event, Infallible>(data(&openai::chat_chunk(&meta, json!({"role": "assistant", "content": ""}), None, Value::Null)));
         }
         while let Some(ev) = gen_stream.next().await {
             match ev {
+                Ok(GenEvent::Logprob(e)) => pending.push(e),
                 Ok(GenEvent::Text(t)) => {
+                    let lp = logprobs(&mut pending);
                     let chunk = match kind {
-                        Kind::Chat => openai::chat_chunk(&meta, json!({ "content": t }), None),
-                        Kind::Completion => openai::completion_chunk(&meta, &t, None),
+                        Kind::Chat => openai::chat_chunk(&meta, json!({ "content": t }), None, lp),
+                        Kind::Completion => openai::completion_chunk(&meta, &t, None, lp),
                     };
                     yield Ok(data(&chunk));
                 }
                 // Only chat requests ask for parsing.
                 Ok(GenEvent::Reasoning(t)) => {
-                    yield Ok(data(&openai::chat_chunk(&meta, json!({ "reasoning_content": t }), None)));
+                    yield Ok(data(&openai::chat_chunk(&meta, json!({ "reasoning_content": t }), None, Value::Null)));
                 }
                 Ok(GenEvent::ToolCall(d)) => {
-                    yield Ok(data(&openai::chat_chunk(&meta, openai::tool_call_delta(&d), None)));
+                    yield Ok(data(&openai::chat_chunk(&meta, openai::tool_call_delta(&d), None, Value::Null)));
                 }
                 Ok(GenEvent::Done(d)) => {
+                    let lp = logprobs(&mut pending);
                     let (chunk, object) = match kind {
-                        Kind::Chat => (openai::chat_chunk(&meta, json!({}), Some(d.finish_reason)), "chat.completion.chunk"),
-                        Kind::Completion => (openai::completion_chunk(&meta, "", Some(d.finish_reason)), "text_completion"),
+                        Kind::Chat => (openai::chat_chunk(&meta, json!({}), Some(d.finish_reason), lp), "chat.completion.chunk"),
+                        Kind::Completion => (openai::completion_chunk(&meta, "", Some(d.finish_reason), lp), "text_completion"),
                     };
                     yield Ok(data(&chunk));
                     if include_usage {
@@ -545,9 +572,9 @@ async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respo
     let start = Instant::now();
     let body = body_bytes(&st, body)?;
     let req: ChatRequest = openai::parse(&body)?;
-    let params = openai::parse::<SamplingFields>(&body)?.to_params()?;
-    let mut params = params;
-    req.check_supported()?;
+    let mut params = openai::parse::<SamplingFields>(&body)?.to_params()?;
+    params.logprobs = req.logprobs()?;
+    check_logprobs(&st, &params).await?;
     let messages = req.messages()?;
     let tools = tools::parse_tools(req.tools.as_ref())?;
     let choice = tools::parse_tool_choice(req.tool_choice.as_ref(), &tools)?;
@@ -626,6 +653,7 @@ async fn respond(
         id: id.clone(),
         created: unix_now(),
         model,
+        logprobs: params.logprobs.is_some(),
     };
     let gen_stream = generate::start(&st, id.clone(), ids, params, parsing, start).await?;
     if stream {
@@ -641,7 +669,7 @@ async fn respond(
     let (out, done) = generate::collect(gen_stream).await?;
     let body = match kind {
         Kind::Chat => openai::chat_completion(&meta, &out, done.finish_reason, &done.usage),
-        Kind::Completion => openai::completion(&meta, &out.text, done.finish_reason, &done.usage),
+        Kind::Completion => openai::completion(&meta, &out, done.finish_reason, &done.usage),
     };
     Ok(with_request_id(Json(body).into_response(), &id))
 }
@@ -661,8 +689,10 @@ async fn completion(
     let start = Instant::now();
     let body = body_bytes(&st, body)?;
     let req: CompletionRequest = openai::parse(&body)?;
-    let params = openai::parse::<SamplingFields>(&body)?.to_params()?;
+    let mut params = openai::parse::<SamplingFields>(&body)?.to_params()?;
     req.check_supported()?;
+    params.logprobs = req.logprobs()?;
+    check_logprobs(&st, &params).await?;
     let prompt = req.prompt()?;
     let model = st.check_model(&req.model).await?;
     record_model("text_completion", &model);

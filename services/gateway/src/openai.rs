@@ -8,10 +8,15 @@ use serde_json::{Value, json};
 
 use crate::backend::{GenParams, Message, ToolCallDelta};
 use crate::error::ApiError;
-use crate::generate::{Collected, Usage};
+use crate::generate::{Collected, LogprobEntry, TokenText, Usage};
 
 /// Most stop strings per request (OpenAI's limit).
 pub(crate) const MAX_STOP: usize = 4;
+
+/// Most alternatives per token: chat's `top_logprobs` and completions' `logprobs`
+/// (OpenAI's limits).
+const MAX_TOP_LOGPROBS: i64 = 20;
+const MAX_COMPLETION_LOGPROBS: i64 = 5;
 
 /// Parses a JSON body into `T`; syntax errors, invalid UTF-8, missing fields and wrong
 /// types all become a 400 `invalid_request_error` (never axum's plain-text rejection).
@@ -91,6 +96,9 @@ pub(crate) struct SamplingFields {
     pub n: Option<i64>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub ignore_eos: Option<bool>,
+    /// Token id (as a string, JSON's object keys) → bias in [-100, 100].
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    pub min_tokens: Option<i64>,
 }
 
 fn in_range(
@@ -198,6 +206,42 @@ impl SamplingFields {
                 "stop strings must not be empty",
             ));
         }
+        let mut logit_bias = Vec::new();
+        for (k, &v) in self.logit_bias.iter().flatten() {
+            let Ok(t) = k.parse::<u32>() else {
+                return Err(ApiError::invalid_param(
+                    "logit_bias",
+                    format!("logit_bias keys must be token ids, got {k:?}"),
+                ));
+            };
+            if !(-100.0..=100.0).contains(&v) {
+                return Err(ApiError::invalid_param(
+                    "logit_bias",
+                    format!(
+                        "logit_bias values must be between -100 and 100, got {v} for token {t}"
+                    ),
+                ));
+            }
+            logit_bias.push((t, v as f32));
+        }
+        let min_tokens = match self.min_tokens {
+            None => 0,
+            Some(m) if m < 0 => {
+                return Err(ApiError::invalid_param(
+                    "min_tokens",
+                    format!("min_tokens must be at least 0, got {m}"),
+                ));
+            }
+            Some(m) => match max_tokens {
+                Some(max) if m > i64::from(max) => {
+                    return Err(ApiError::invalid_param(
+                        "min_tokens",
+                        format!("min_tokens ({m}) must not exceed {max_param} ({max})"),
+                    ));
+                }
+                _ => u32::try_from(m).unwrap_or(u32::MAX),
+            },
+        };
         Ok(GenParams {
             temperature: temperature.unwrap_or(1.0),
             top_p,
@@ -212,6 +256,9 @@ impl SamplingFields {
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             grammar: None,
+            logprobs: None,
+            logit_bias,
+            min_tokens,
         })
     }
 }
@@ -337,15 +384,26 @@ impl ChatRequest {
             .collect()
     }
 
-    /// Rejects the features this server does not implement.
-    pub fn check_supported(&self) -> Result<(), ApiError> {
-        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(ApiError::unsupported(
-                "logprobs",
-                "logprobs are not supported by this server",
-            ));
+    /// `logprobs` and `top_logprobs`: `Some(alternatives)` when logprobs are asked for.
+    pub fn logprobs(&self) -> Result<Option<u32>, ApiError> {
+        let top = match self.top_logprobs {
+            None => 0,
+            Some(n) if (0..=MAX_TOP_LOGPROBS).contains(&n) => n as u32,
+            Some(n) => {
+                return Err(ApiError::invalid_param(
+                    "top_logprobs",
+                    format!("top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+                ));
+            }
+        };
+        match self.logprobs {
+            Some(true) => Ok(Some(top)),
+            _ if top > 0 => Err(ApiError::invalid_param(
+                "top_logprobs",
+                "top_logprobs needs logprobs set to true",
+            )),
+            _ => Ok(None),
         }
-        Ok(())
     }
 
     /// `chat_template_kwargs.thinking` (or `.enable_thinking`); a 400 unless a boolean.
@@ -444,13 +502,20 @@ impl CompletionRequest {
         Ok(input)
     }
 
-    pub fn check_supported(&self) -> Result<(), ApiError> {
-        if self.logprobs.is_some() {
-            return Err(ApiError::unsupported(
+    /// `logprobs`: `Some(alternatives)` when asked for (0 gives the sampled tokens'
+    /// alone).
+    pub fn logprobs(&self) -> Result<Option<u32>, ApiError> {
+        match self.logprobs {
+            None => Ok(None),
+            Some(n) if (0..=MAX_COMPLETION_LOGPROBS).contains(&n) => Ok(Some(n as u32)),
+            Some(n) => Err(ApiError::invalid_param(
                 "logprobs",
-                "logprobs are not supported by this server",
-            ));
+                format!("logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {n}"),
+            )),
         }
+    }
+
+    pub fn check_supported(&self) -> Result<(), ApiError> {
         if self.echo == Some(true) {
             return Err(ApiError::unsupported(
                 "echo",
@@ -493,6 +558,51 @@ pub(crate) struct ResponseMeta {
     pub id: String,
     pub created: u64,
     pub model: String,
+    /// The request asked for logprobs: choices carry them (else `null`).
+    pub logprobs: bool,
+}
+
+/// A chat choice's `logprobs`: per token its text, log-probability, bytes and
+/// alternatives (OpenAI's `ChatCompletionTokenLogprob`).
+pub(crate) fn chat_logprobs(entries: &[LogprobEntry]) -> Value {
+    let one = |t: &TokenText, lp: f32| json!({"token": t.text, "logprob": lp, "bytes": t.bytes});
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let mut v = one(&e.token, e.logprob);
+            v["top_logprobs"] = e.top.iter().map(|(t, lp)| one(t, *lp)).collect();
+            v
+        })
+        .collect();
+    json!({ "content": content, "refusal": null })
+}
+
+/// A completion choice's `logprobs` (the legacy shape): token texts, their
+/// log-probabilities, the alternatives as `{text: logprob}` and each token's character
+/// offset in the completion, counted on from `offset` (advanced past these tokens).
+pub(crate) fn completion_logprobs(entries: &[LogprobEntry], offset: &mut usize) -> Value {
+    let mut offsets = Vec::with_capacity(entries.len());
+    for e in entries {
+        offsets.push(*offset);
+        *offset += e.token.text.chars().count();
+    }
+    let top: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let map: serde_json::Map<String, Value> = e
+                .top
+                .iter()
+                .map(|(t, lp)| (t.text.clone(), json!(lp)))
+                .collect();
+            Value::Object(map)
+        })
+        .collect();
+    json!({
+        "tokens": entries.iter().map(|e| e.token.text.as_str()).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+        "top_logprobs": top,
+        "text_offset": offsets,
+    })
 }
 
 pub(crate) fn chat_completion(
@@ -525,7 +635,7 @@ pub(crate) fn chat_completion(
         "choices": [{
             "index": 0,
             "message": message,
-            "logprobs": null,
+            "logprobs": if m.logprobs { chat_logprobs(&out.logprobs) } else { Value::Null },
             "finish_reason": finish_reason,
         }],
         "usage": usage_json(usage),
@@ -545,39 +655,55 @@ pub(crate) fn tool_call_delta(d: &ToolCallDelta) -> Value {
     json!({ "tool_calls": [call] })
 }
 
-pub(crate) fn chat_chunk(m: &ResponseMeta, delta: Value, finish_reason: Option<&str>) -> Value {
+/// A stream chunk; `logprobs` is the choice's (`null` unless asked for).
+pub(crate) fn chat_chunk(
+    m: &ResponseMeta,
+    delta: Value,
+    finish_reason: Option<&str>,
+    logprobs: Value,
+) -> Value {
     json!({
         "id": m.id,
         "object": "chat.completion.chunk",
         "created": m.created,
         "model": m.model,
-        "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason }],
+        "choices": [{ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason }],
     })
 }
 
 pub(crate) fn completion(
     m: &ResponseMeta,
-    text: &str,
+    out: &Collected,
     finish_reason: &str,
     usage: &Usage,
+) -> Value {
+    let logprobs = if m.logprobs {
+        completion_logprobs(&out.logprobs, &mut 0)
+    } else {
+        Value::Null
+    };
+    json!({
+        "id": m.id,
+        "object": "text_completion",
+        "created": m.created,
+        "model": m.model,
+        "choices": [{ "index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": finish_reason }],
+        "usage": usage_json(usage),
+    })
+}
+
+pub(crate) fn completion_chunk(
+    m: &ResponseMeta,
+    text: &str,
+    finish_reason: Option<&str>,
+    logprobs: Value,
 ) -> Value {
     json!({
         "id": m.id,
         "object": "text_completion",
         "created": m.created,
         "model": m.model,
-        "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason }],
-        "usage": usage_json(usage),
-    })
-}
-
-pub(crate) fn completion_chunk(m: &ResponseMeta, text: &str, finish_reason: Option<&str>) -> Value {
-    json!({
-        "id": m.id,
-        "object": "text_completion",
-        "created": m.created,
-        "model": m.model,
-        "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason }],
+        "choices": [{ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason }],
     })
 }
 
@@ -746,13 +872,117 @@ mod tests {
     }
 
     #[test]
-    fn logprobs_true_is_rejected_false_is_fine() {
-        let req: ChatRequest = parse(br#"{"model":"m","messages":[],"logprobs":true}"#).unwrap();
+    fn logprobs_ranges_and_their_pairing() {
+        let chat = |extra: &str| {
+            parse::<ChatRequest>(format!(r#"{{"model":"m","messages":[]{extra}}}"#).as_bytes())
+                .unwrap()
+                .logprobs()
+        };
+        assert_eq!(chat("").unwrap(), None);
+        assert_eq!(chat(r#","logprobs":false"#).unwrap(), None);
+        assert_eq!(chat(r#","logprobs":true"#).unwrap(), Some(0));
         assert_eq!(
-            req.check_supported().unwrap_err().param.as_deref(),
+            chat(r#","logprobs":true,"top_logprobs":20"#).unwrap(),
+            Some(20)
+        );
+        for bad in [
+            r#","logprobs":true,"top_logprobs":21"#,
+            r#","logprobs":true,"top_logprobs":-1"#,
+            r#","top_logprobs":3"#,
+        ] {
+            assert_eq!(
+                chat(bad).unwrap_err().param.as_deref(),
+                Some("top_logprobs"),
+                "{bad}"
+            );
+        }
+        let completion = |lp: i64| {
+            parse::<CompletionRequest>(
+                format!(r#"{{"model":"m","prompt":"x","logprobs":{lp}}}"#).as_bytes(),
+            )
+            .unwrap()
+            .logprobs()
+        };
+        assert_eq!(completion(0).unwrap(), Some(0));
+        assert_eq!(completion(5).unwrap(), Some(5));
+        assert_eq!(
+            completion(6).unwrap_err().param.as_deref(),
             Some("logprobs")
         );
-        let req: ChatRequest = parse(br#"{"model":"m","messages":[],"logprobs":false}"#).unwrap();
-        assert!(req.check_supported().is_ok());
+        assert_eq!(
+            completion(-1).unwrap_err().param.as_deref(),
+            Some("logprobs")
+        );
+    }
+
+    #[test]
+    fn logit_bias_and_min_tokens_are_checked_and_passed_on() {
+        let p =
+            params(r#"{"logit_bias": {"28": 5, "13": -100}, "min_tokens": 3, "max_tokens": 8}"#)
+                .unwrap();
+        assert_eq!(
+            (p.logit_bias, p.min_tokens),
+            (vec![(13, -100.0), (28, 5.0)], 3)
+        );
+        for (body, param) in [
+            (r#"{"logit_bias": {"the": 1}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"5": 100.5}}"#, "logit_bias"),
+            (r#"{"min_tokens": -1}"#, "min_tokens"),
+            (r#"{"min_tokens": 9, "max_tokens": 8}"#, "min_tokens"),
+            (
+                r#"{"min_tokens": 9, "max_completion_tokens": 8}"#,
+                "min_tokens",
+            ),
+        ] {
+            assert_eq!(
+                params(body).unwrap_err().param.as_deref(),
+                Some(param),
+                "{body}"
+            );
+        }
+        assert_eq!(
+            err::<SamplingFields>(r#"{"logit_bias": [1]}"#)
+                .param
+                .as_deref(),
+            Some("logit_bias")
+        );
+    }
+
+    #[test]
+    fn logprobs_render_in_the_chat_and_the_legacy_shapes() {
+        let t = |s: &str| TokenText {
+            text: s.into(),
+            bytes: s.as_bytes().to_vec(),
+        };
+        let entries = vec![
+            LogprobEntry {
+                token: t("Hé"),
+                logprob: -0.25,
+                top: vec![(t("Hé"), -0.25), (t("Ho"), -2.0)],
+            },
+            LogprobEntry {
+                token: t("!"),
+                logprob: -1.5,
+                top: vec![(t("."), -0.5), (t("!"), -1.5)],
+            },
+        ];
+        let c = chat_logprobs(&entries);
+        assert_eq!(c["content"][0]["token"], "Hé");
+        assert_eq!(c["content"][0]["bytes"], json!([72, 195, 169]));
+        assert_eq!(
+            c["content"][1]["top_logprobs"][0],
+            json!({"token": ".", "logprob": -0.5, "bytes": [46]})
+        );
+        let mut offset = 10;
+        let l = completion_logprobs(&entries, &mut offset);
+        assert_eq!(l["tokens"], json!(["Hé", "!"]));
+        assert_eq!(l["token_logprobs"], json!([-0.25, -1.5]));
+        assert_eq!(l["top_logprobs"][1], json!({".": -0.5, "!": -1.5}));
+        assert_eq!(
+            l["text_offset"],
+            json!([10, 12]),
+            "offsets count characters"
+        );
+        assert_eq!(offset, 13);
     }
 }

@@ -734,7 +734,7 @@ mod tests {
         wk::GenerateResponse {
             kind: Some(wk::generate_response::Kind::Chunk(wk::TokenChunk {
                 token_ids: ids.to_vec(),
-                logprob: None,
+                ..Default::default()
             })),
         }
     }

@@ -1,6 +1,8 @@
 //! Stop strings with OpenAI semantics: the returned text ends just before the first
 //! occurrence of any stop string, and while streaming, text that could be the start of a
 //! stop string is held back until it is known not to be one, so no part of it leaks.
+//! Text of the tokens before `min_tokens` is protected: a match must end after it (the
+//! engine's rule, vLLM's too).
 
 /// Filters a stream of text deltas against a set of stop strings.
 #[derive(Debug, Default)]
@@ -8,6 +10,10 @@ pub(crate) struct StopFilter {
     stops: Vec<String>,
     held: String,
     stopped: bool,
+    /// Bytes emitted so far (where `held` starts in the whole text).
+    emitted: usize,
+    /// A match must end past this byte of the whole text.
+    floor: usize,
 }
 
 impl StopFilter {
@@ -24,18 +30,28 @@ impl StopFilter {
         self.stopped
     }
 
-    /// Feeds a delta; returns the text that is now safe to emit.
-    pub fn push(&mut self, delta: &str) -> String {
+    /// Feeds a delta; returns the text that is now safe to emit. With `protect`, no match
+    /// may end inside this delta (it is the text of a token before `min_tokens`).
+    pub fn push(&mut self, delta: &str, protect: bool) -> String {
         if self.stopped {
             return String::new();
         }
         self.held.push_str(delta);
+        let floor = self.floor.saturating_sub(self.emitted);
+        if protect {
+            self.floor = self.emitted + self.held.len();
+        }
         // The match that starts first wins; a held-back tail always starts at or before
         // any match, because every partial match is kept in `held`.
         if let Some(pos) = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
+            .filter_map(|s| {
+                self.held
+                    .match_indices(s.as_str())
+                    .map(|(i, _)| i)
+                    .find(|&i| i + s.len() > floor && !protect)
+            })
             .min()
         {
             self.stopped = true;
@@ -44,6 +60,7 @@ impl StopFilter {
         }
         let keep = self.partial_suffix_len();
         let emit = self.held.len() - keep;
+        self.emitted += emit;
         self.held.drain(..emit).collect()
     }
 
@@ -83,10 +100,28 @@ mod tests {
     fn run(stops: &[&str], deltas: &[&str]) -> (Vec<String>, String) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
         let mut f = StopFilter::new(&stops);
-        let mut pieces: Vec<String> = deltas.iter().map(|d| f.push(d)).collect();
+        let mut pieces: Vec<String> = deltas.iter().map(|d| f.push(d, false)).collect();
         pieces.push(f.finish());
         let text = pieces.concat();
         (pieces, text)
+    }
+
+    #[test]
+    fn protected_text_never_matches_but_a_match_ending_after_it_does() {
+        let stops = vec!["ab".to_string()];
+        let mut f = StopFilter::new(&stops);
+        // Two protected tokens with the stop string in them, then one that completes a
+        // match begun in protected text.
+        let mut out = f.push("xab", true);
+        out.push_str(&f.push("ab", true));
+        assert!(!f.stopped());
+        out.push_str(&f.push("a", true));
+        out.push_str(&f.push("b tail", false));
+        assert!(f.stopped());
+        assert_eq!(out, "xabab");
+        // Unprotected from the start: the first match stops.
+        let mut g = StopFilter::new(&stops);
+        assert_eq!(g.push("xab", false), "x");
     }
 
     #[test]
@@ -125,9 +160,9 @@ mod tests {
     #[test]
     fn nothing_after_the_stop_is_emitted() {
         let mut f = StopFilter::new(&["x".to_string()]);
-        assert_eq!(f.push("axb"), "a");
+        assert_eq!(f.push("axb", false), "a");
         assert!(f.stopped());
-        assert_eq!(f.push("ccc"), "");
+        assert_eq!(f.push("ccc", false), "");
         assert_eq!(f.finish(), "");
     }
 

@@ -10,7 +10,7 @@ use std::task::{Context, Poll};
 
 use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
 use futures::Stream;
-use pdmesh_engine::{Engine, EngineError, GenRequest, ModelInfo, Part};
+use pdmesh_engine::{Engine, EngineError, GenRequest, Logprob, ModelInfo, Part};
 use pdmesh_kv::CacheEvent;
 use tokio::sync::{broadcast, mpsc, oneshot};
 
@@ -45,7 +45,7 @@ impl Message for DropExport {
 struct Import {
     id: String,
     token: u32,
-    logprob: Option<f32>,
+    logprob: Option<Logprob>,
     cached: usize,
     fill: ImportFn,
 }
@@ -492,7 +492,7 @@ impl EngineHandle {
         &self,
         id: String,
         token: u32,
-        logprob: Option<f32>,
+        logprob: Option<Logprob>,
         cached: usize,
         fill: ImportFn,
     ) -> Result<(), EngineError> {

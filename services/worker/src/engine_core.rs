@@ -8,7 +8,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Instant;
 
 use pdmesh_engine::{
-    Engine, EngineError, FinishReason, GenRequest, HostStats, ModelInfo, Part, StepEvent,
+    Engine, EngineError, FinishReason, GenRequest, HostStats, Logprob, ModelInfo, Part, StepEvent,
 };
 use pdmesh_kv::{CacheEvent, PrefixCacheStats};
 use tokio::sync::mpsc::UnboundedSender;
@@ -68,7 +68,7 @@ pub(crate) trait Backend {
         &mut self,
         id: &str,
         _token: u32,
-        _logprob: Option<f32>,
+        _logprob: Option<Logprob>,
         _cached: usize,
         _fill: ImportFn,
     ) -> Result<Vec<StepEvent>, EngineError> {
@@ -155,7 +155,7 @@ impl Backend for Engine {
         &mut self,
         id: &str,
         token: u32,
-        logprob: Option<f32>,
+        logprob: Option<Logprob>,
         cached: usize,
         fill: ImportFn,
     ) -> Result<Vec<StepEvent>, EngineError> {
@@ -197,13 +197,13 @@ pub struct Stages {
 pub enum Event {
     Token {
         token: u32,
-        logprob: Option<f32>,
+        logprob: Option<Logprob>,
     },
     Finished(Finish),
     /// Prefill: the first token; the prompt's KV (`pages` pages) waits for export.
     Exported {
         token: u32,
-        logprob: Option<f32>,
+        logprob: Option<Logprob>,
         pages: usize,
         cached: usize,
         /// Of `cached`, the tokens loaded from the host tier.
@@ -404,7 +404,7 @@ impl<B: Backend> EngineCore<B> {
         &mut self,
         id: &str,
         token: u32,
-        logprob: Option<f32>,
+        logprob: Option<Logprob>,
         cached: usize,
         fill: ImportFn,
     ) -> Result<(), EngineError> {
@@ -634,7 +634,10 @@ mod tests {
                 out.push(StepEvent::Token {
                     id: id.clone(),
                     token: 7,
-                    logprob: Some(-0.5),
+                    logprob: Some(Logprob {
+                        logprob: -0.5,
+                        top: vec![(7, -0.5)],
+                    }),
                 });
                 if r.1 == r.2 {
                     out.push(StepEvent::Finished {
@@ -686,7 +689,10 @@ mod tests {
             events[0],
             Event::Token {
                 token: 7,
-                logprob: Some(-0.5)
+                logprob: Some(Logprob {
+                    logprob: -0.5,
+                    top: vec![(7, -0.5)],
+                })
             }
         );
         assert!(

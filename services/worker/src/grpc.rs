@@ -98,6 +98,9 @@ pub(crate) fn sampling_params(p: Option<pb::SamplingParams>) -> Result<SamplingP
         stop_token_ids: p.stop_token_ids,
         ignore_eos: p.ignore_eos,
         logprobs: p.logprobs,
+        top_logprobs: p.top_logprobs,
+        logit_bias: p.logit_bias.into_iter().collect(),
+        min_tokens: p.min_tokens,
         grammar: (!p.grammar.is_empty()).then_some(p.grammar),
     })
 }
@@ -116,7 +119,13 @@ fn response(event: Event) -> Option<pb::GenerateResponse> {
         Event::Exported { .. } | Event::Reserved { .. } => return None,
         Event::Token { token, logprob } => pb::generate_response::Kind::Chunk(pb::TokenChunk {
             token_ids: vec![token],
-            logprob,
+            top_logprobs: logprob.as_ref().map_or_else(Vec::new, |l| {
+                l.top
+                    .iter()
+                    .map(|&(token_id, logprob)| pb::TopLogprob { token_id, logprob })
+                    .collect()
+            }),
+            logprob: logprob.map(|l| l.logprob),
         }),
         Event::Finished(Finish {
             reason,

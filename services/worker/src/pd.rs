@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use pdmesh_cache_client::client::{DataPlane, HostClient, RoomOpen};
-use pdmesh_engine::{GenRequest, Part};
+use pdmesh_engine::{GenRequest, Logprob, Part};
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_telemetry::KeyValue;
@@ -715,7 +715,12 @@ impl Pd {
         let ends =
             (!p.ignore_eos && self.eos.contains(&token)) || p.stop_token_ids.contains(&token);
         if !ends {
-            let _ = tx.send(Ok(Event::Token { token, logprob })).await;
+            let _ = tx
+                .send(Ok(Event::Token {
+                    token,
+                    logprob: logprob.clone(),
+                }))
+                .await;
         }
         let exported = Instant::now();
         let deadline = tokio::time::Instant::now() + self.times.transfer;
@@ -793,7 +798,13 @@ impl Pd {
             let aux = cpb::RoomAux {
                 room,
                 first_token: token,
-                first_logprob: logprob.unwrap_or(f32::NAN),
+                first_logprob: logprob.as_ref().map_or(f32::NAN, |l| l.logprob),
+                first_top_logprobs: logprob.as_ref().map_or_else(Vec::new, |l| {
+                    l.top
+                        .iter()
+                        .map(|&(token_id, logprob)| cpb::TopToken { token_id, logprob })
+                        .collect()
+                }),
                 prompt_tokens,
                 cached_tokens: cached as u32,
                 host_cached_tokens: host_cached as u32,
@@ -948,7 +959,14 @@ impl Pd {
         );
         let t0 = Instant::now();
         let sent = got.pages;
-        let logprob = (!aux.first_logprob.is_nan()).then_some(aux.first_logprob);
+        let logprob = (!aux.first_logprob.is_nan()).then(|| Logprob {
+            logprob: aux.first_logprob,
+            top: aux
+                .first_top_logprobs
+                .iter()
+                .map(|t| (t.token_id, t.logprob))
+                .collect(),
+        });
         engine
             .import(
                 req.id.clone(),

@@ -6,9 +6,9 @@
 //!
 //! proto3 zero values are read as SGLang reads them where a zero is meaningful
 //! (temperature 0 is greedy) and as "unset" where it is not (top_p 0, top_k 0,
-//! repetition_penalty 0); features pdmesh does not have (n > 1, min_new_tokens, logit
-//! bias, top logprobs, hidden states, embeddings, EBNF grammars, multimodal input) are
-//! INVALID_ARGUMENT naming the field, never silently dropped.
+//! repetition_penalty 0); features pdmesh does not have (n > 1, top logprobs, hidden
+//! states, embeddings, EBNF grammars, multimodal input) are INVALID_ARGUMENT naming the
+//! field, never silently dropped.
 
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -116,18 +116,18 @@ fn sampling(p: Option<s::SamplingParams>) -> Result<pb::SamplingParams, Status> 
             format!("one sample per request (got {})", p.n),
         ));
     }
-    if p.min_new_tokens > 0 {
-        return Err(invalid(
-            "sampling_params.min_new_tokens",
-            "is not supported by pdmesh workers",
-        ));
-    }
-    if !p.logit_bias.is_empty() {
-        return Err(invalid(
-            "sampling_params.logit_bias",
-            "is not supported by pdmesh workers",
-        ));
-    }
+    // Token ids as decimal strings (SGLang's JSON-born map keys).
+    let logit_bias = p
+        .logit_bias
+        .iter()
+        .map(|(k, &v)| match k.parse::<u32>() {
+            Ok(t) => Ok((t, v)),
+            Err(_) => Err(invalid(
+                "sampling_params.logit_bias",
+                format!("keys are token ids, not {k:?}"),
+            )),
+        })
+        .collect::<Result<_, _>>()?;
     let max_tokens = match p.max_new_tokens {
         None => 0,
         Some(0) => {
@@ -172,6 +172,9 @@ fn sampling(p: Option<s::SamplingParams>) -> Result<pb::SamplingParams, Status> 
         stop_token_ids: p.stop_token_ids,
         ignore_eos: p.ignore_eos,
         logprobs: false,
+        top_logprobs: 0,
+        logit_bias,
+        min_tokens: p.min_new_tokens,
         grammar,
     })
 }
@@ -705,6 +708,8 @@ mod tests {
             stop: vec!["\n".into()],
             stop_token_ids: vec![2],
             ignore_eos: true,
+            min_new_tokens: 3,
+            logit_bias: [("28".to_owned(), -100.0)].into(),
             ..Default::default()
         }))
         .unwrap();
@@ -722,6 +727,7 @@ mod tests {
             (p.stop, p.stop_token_ids, p.ignore_eos),
             (vec![b"\n".to_vec()], vec![2], true)
         );
+        assert_eq!((p.min_tokens, p.logit_bias), (3, [(28, -100.0)].into()));
     }
 
     #[test]
@@ -736,10 +742,10 @@ mod tests {
             ),
             (
                 s::SamplingParams {
-                    min_new_tokens: 3,
+                    logit_bias: [("the".to_owned(), 1.0)].into(),
                     ..Default::default()
                 },
-                "sampling_params.min_new_tokens",
+                "sampling_params.logit_bias",
             ),
             (
                 s::SamplingParams {

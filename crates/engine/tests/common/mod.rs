@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use pdmesh_engine::{Engine, EngineConfig, GenRequest, SamplingParams, StepEvent};
+use pdmesh_engine::{Engine, EngineConfig, GenRequest, Logprob, SamplingParams, StepEvent};
 
 pub fn engine(f: impl FnOnce(&mut EngineConfig)) -> Engine {
     let mut cfg = EngineConfig::new(pdmesh_gguf::models::require_default_model());
@@ -26,6 +26,8 @@ pub struct Outcome {
     pub tokens: Vec<u32>,
     pub finished: Option<StepEvent>,
     pub logits: Vec<Vec<f32>>,
+    /// The tokens' log-probabilities, when the request asked for them.
+    pub logprobs: Vec<Logprob>,
 }
 
 /// Submit every request, step until idle, collect per-request outcomes.
@@ -44,8 +46,10 @@ pub fn run_all(e: &mut Engine, reqs: Vec<GenRequest>) -> HashMap<String, Outcome
         assert!(steps < 100_000, "engine made no progress");
         for ev in e.step() {
             match &ev {
-                StepEvent::Token { id, token, .. } => {
-                    out.get_mut(&**id).unwrap().tokens.push(*token)
+                StepEvent::Token { id, token, logprob } => {
+                    let o = out.get_mut(&**id).unwrap();
+                    o.tokens.push(*token);
+                    o.logprobs.extend(logprob.clone());
                 }
                 StepEvent::Finished { id, .. } => {
                     out.get_mut(&**id).unwrap().finished = Some(ev.clone())

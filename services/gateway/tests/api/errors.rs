@@ -47,9 +47,20 @@ async fn bad_requests_get_400_with_an_openai_error_body() {
             Some("stop"),
         ),
         (
-            "logprobs",
+            // This gateway has no --model: it cannot name tokens.
+            "logprobs without the gateway's tokenizer",
             chat(json!({ "logprobs": true })),
             Some("logprobs"),
+        ),
+        (
+            "top_logprobs without logprobs",
+            chat(json!({ "top_logprobs": 2 })),
+            Some("top_logprobs"),
+        ),
+        (
+            "a logit_bias key that is no token id",
+            chat(json!({ "logit_bias": { "x": 1 } })),
+            Some("logit_bias"),
         ),
         (
             "wrong type",
