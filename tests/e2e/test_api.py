@@ -214,6 +214,52 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_back_the_end(client, mes
     assert held.choices[0].message.content.startswith(first[:2])
 
 
+# --- tokenize / detokenize (vLLM's) ----------------------------------------------------
+
+
+def post_json(mesh, path: str, body: dict, key: str = API_KEY):
+    status, raw = http("POST", mesh.base + path, json.dumps(body).encode(),
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    return status, json.loads(raw)
+
+
+def test_tokenize_gives_the_ids_requests_run_and_detokenize_inverts_it(client, mesh):
+    prompt = "The capital of France is"
+    status, tok = post_json(mesh, "/tokenize", {"model": mesh.model, "prompt": prompt})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0
+    r = client.completions.create(model=mesh.model, prompt=prompt, max_tokens=1)
+    assert tok["count"] == r.usage.prompt_tokens
+    # Chat messages go through the chat template, as a chat request's do.
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+    status, chat = post_json(mesh, "/tokenize", {"messages": msgs, "add_special_tokens": False})
+    assert status == 200
+    r = client.chat.completions.create(model=mesh.model, messages=msgs, max_tokens=1)
+    assert chat["count"] == r.usage.prompt_tokens
+    # Token ids back to text: the prompt itself, and the template's special tokens too.
+    status, plain = post_json(mesh, "/tokenize", {"prompt": prompt, "add_special_tokens": False})
+    assert post_json(mesh, "/detokenize", {"tokens": plain["tokens"]}) == (200, {"prompt": prompt})
+    status, text = post_json(mesh, "/detokenize", {"model": mesh.model, "tokens": chat["tokens"]})
+    assert status == 200 and QUESTION in text["prompt"] and "<|im_start|>" in text["prompt"]
+
+
+def test_tokenize_and_detokenize_refuse_bad_input_clearly(mesh):
+    cases = [
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"messages": [{"role": "wizard", "content": "a"}]}, 400, "messages[0].role"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": False},
+         400, "add_generation_prompt"),
+        ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ]
+    for path, body, status, param in cases:
+        got, err = post_json(mesh, path, body)
+        assert got == status and err["error"]["param"] == param, (path, body, got, err)
+    got, err = post_json(mesh, "/tokenize", {"model": "nope", "prompt": "a"})
+    assert got == 404 and err["error"]["code"] == "model_not_found"
+    assert post_json(mesh, "/tokenize", {"prompt": "a"}, key="wrong")[0] == 401
+
+
 def test_stop_strings_never_reach_the_client(client, mesh):
     prompt = "Count from 1 to 20, separated by commas."
     full = ask(client, mesh.model, prompt, max_tokens=40).choices[0].message.content

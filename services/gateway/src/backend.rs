@@ -475,10 +475,10 @@ impl Backends {
         })
     }
 
-    pub async fn tokenize(&self, text: String) -> Result<Vec<u32>, ApiError> {
+    pub async fn tokenize(&self, text: String, add_special: bool) -> Result<Vec<u32>, ApiError> {
         let req = tk::TokenizeRequest {
             text: text.into_bytes(),
-            add_special_tokens: true,
+            add_special_tokens: add_special,
         };
         Ok(self
             .tokenizer
@@ -601,6 +601,23 @@ impl Backends {
     }
 
     /// The tokenizer service's fingerprint (Info), to compare with a local tokenizer's.
+    /// The whole text of `ids`, special tokens included (`POST /detokenize`), from the
+    /// tokenizer service: one Detokenize stream of one message.
+    pub async fn detokenize(&self, ids: Vec<u32>) -> Result<String, ApiError> {
+        let msg = tk::DetokenizeRequest {
+            ids,
+            skip_special_tokens: false,
+            ..Default::default()
+        };
+        let call = pdmesh_telemetry::request(futures::stream::iter([msg]));
+        let mut inbound = self.tokenizer.clone().detokenize(call).await?.into_inner();
+        let mut text = String::new();
+        while let Some(m) = inbound.next().await {
+            text.push_str(&m?.text);
+        }
+        Ok(text)
+    }
+
     pub async fn tokenizer_fingerprint(&self) -> Result<String, ApiError> {
         Ok(self.tokenizer_info().await?.fingerprint)
     }

@@ -36,6 +36,8 @@ pub(crate) fn router(st: AppState) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{model}", get(get_model))
         .route("/flush_cache", post(flush_cache))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(st.clone(), auth));
     Router::new()
         .merge(v1)
@@ -320,6 +322,70 @@ async fn flush_cache(State(st): State<AppState>) -> Result<Json<Value>, ApiError
         .map(|f| json!({ "role": f.role, "url": f.url, "pages_flushed": f.pages.as_ref().ok() }))
         .collect();
     Ok(Json(json!({ "pages_flushed": total, "workers": workers })))
+}
+
+/// `POST /tokenize`, as vLLM serves it: a prompt, or chat messages through the chat
+/// template (the ids a chat request with them would run).
+async fn tokenize(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let body = body_bytes(&st, body)?;
+    let req: openai::TokenizeRequest = openai::parse(&body)?;
+    if let Some(m) = &req.model {
+        st.check_model(m).await?;
+    }
+    let ids = match req.input()? {
+        openai::ToTokenize::Prompt { text, add_special } => {
+            st.backends.tokenize(text, add_special).await?
+        }
+        openai::ToTokenize::Chat {
+            messages,
+            tools_json,
+        } => {
+            st.backends
+                .apply_chat_template(messages, tools_json, false)
+                .await?
+        }
+    };
+    let info = st.worker_info().await?;
+    Ok(Json(json!({
+        "count": ids.len(),
+        "max_model_len": info.context_length,
+        "tokens": ids,
+        "token_strs": null,
+    })))
+}
+
+/// `POST /detokenize`, as vLLM serves it: the text of token ids, special tokens included.
+async fn detokenize(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let body = body_bytes(&st, body)?;
+    let req: openai::DetokenizeRequest = openai::parse(&body)?;
+    if let Some(m) = &req.model {
+        st.check_model(m).await?;
+    }
+    let vocab = st.worker_info().await?.vocab_size;
+    if let Some((i, t)) = req
+        .tokens
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| vocab > 0 && t >= vocab)
+    {
+        return Err(ApiError::invalid_param(
+            "tokens",
+            format!("tokens[{i}]: token id {t} is outside the vocabulary of {vocab} tokens"),
+        ));
+    }
+    let text = match st.local_tokenizer().await {
+        Some(tok) => tok
+            .decode(&req.tokens, false)
+            .map_err(|e| ApiError::invalid_param("tokens", e.to_string()))?,
+        None => st.backends.detokenize(req.tokens).await?,
+    };
+    Ok(Json(json!({ "prompt": text })))
 }
 
 fn model_object(st: &AppState, id: &str) -> Value {
@@ -702,7 +768,7 @@ async fn completion(
     let ids = match prompt {
         PromptInput::Text(text) => {
             let t0 = Instant::now();
-            let ids = st.backends.tokenize(text).await?;
+            let ids = st.backends.tokenize(text, true).await?;
             st.metrics
                 .stage(Stage::Tokenize, t0.elapsed().as_secs_f64());
             ids

@@ -320,70 +320,87 @@ const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 impl ChatRequest {
     /// The messages flattened to text, or a 400 naming the bad one.
     pub fn messages(&self) -> Result<Vec<Message>, ApiError> {
-        if self.messages.is_empty() {
-            return Err(ApiError::invalid_param(
-                "messages",
-                "messages must contain at least one message",
-            ));
-        }
-        self.messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                if !ROLES.contains(&m.role.as_str()) {
-                    return Err(ApiError::invalid_param(
-                        &format!("messages[{i}].role"),
-                        format!("unknown role {:?}; expected one of {}", m.role, ROLES.join(", ")),
-                    ));
-                }
-                let content = match &m.content {
-                    None => String::new(),
-                    Some(Content::Text(t)) => t.clone(),
-                    Some(Content::Parts(parts)) => {
-                        let mut text = String::new();
-                        for (j, p) in parts.iter().enumerate() {
-                            match (p.kind.as_str(), &p.text) {
-                                ("text", Some(t)) => text.push_str(t),
-                                _ => {
-                                    return Err(ApiError::unsupported(
-                                        &format!("messages[{i}].content[{j}]"),
-                                        format!("content parts of type {:?} are not supported; only text", p.kind),
-                                    ));
-                                }
+        messages(&self.messages)
+    }
+}
+
+/// Chat messages flattened to text, or a 400 naming the bad one.
+fn messages(list: &[ChatMessage]) -> Result<Vec<Message>, ApiError> {
+    if list.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "messages must contain at least one message",
+        ));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if !ROLES.contains(&m.role.as_str()) {
+                return Err(ApiError::invalid_param(
+                    &format!("messages[{i}].role"),
+                    format!(
+                        "unknown role {:?}; expected one of {}",
+                        m.role,
+                        ROLES.join(", ")
+                    ),
+                ));
+            }
+            let content = match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
+                    let mut text = String::new();
+                    for (j, p) in parts.iter().enumerate() {
+                        match (p.kind.as_str(), &p.text) {
+                            ("text", Some(t)) => text.push_str(t),
+                            _ => {
+                                return Err(ApiError::unsupported(
+                                    &format!("messages[{i}].content[{j}]"),
+                                    format!(
+                                        "content parts of type {:?} are not supported; only text",
+                                        p.kind
+                                    ),
+                                ));
                             }
                         }
-                        text
                     }
-                };
-                let role = if m.role == "developer" { "system".to_owned() } else { m.role.clone() };
-                let tool_calls_json = match &m.tool_calls {
-                    None | Some(Value::Null) => None,
-                    Some(Value::Array(a)) if a.is_empty() => None,
-                    Some(v @ Value::Array(_)) if role == "assistant" => Some(v.to_string()),
-                    Some(Value::Array(_)) => {
-                        return Err(ApiError::invalid_param(
-                            &format!("messages[{i}].tool_calls"),
-                            format!("only assistant messages carry tool_calls, not {:?}", m.role),
-                        ));
-                    }
-                    Some(_) => {
-                        return Err(ApiError::invalid_param(
-                            &format!("messages[{i}].tool_calls"),
-                            "tool_calls must be a list",
-                        ));
-                    }
-                };
-                Ok(Message {
-                    role,
-                    content,
-                    tool_calls_json,
-                    tool_call_id: m.tool_call_id.clone(),
-                    reasoning: m.reasoning_content.clone().filter(|r| !r.is_empty()),
-                })
+                    text
+                }
+            };
+            let role = if m.role == "developer" {
+                "system".to_owned()
+            } else {
+                m.role.clone()
+            };
+            let tool_calls_json = match &m.tool_calls {
+                None | Some(Value::Null) => None,
+                Some(Value::Array(a)) if a.is_empty() => None,
+                Some(v @ Value::Array(_)) if role == "assistant" => Some(v.to_string()),
+                Some(Value::Array(_)) => {
+                    return Err(ApiError::invalid_param(
+                        &format!("messages[{i}].tool_calls"),
+                        format!("only assistant messages carry tool_calls, not {:?}", m.role),
+                    ));
+                }
+                Some(_) => {
+                    return Err(ApiError::invalid_param(
+                        &format!("messages[{i}].tool_calls"),
+                        "tool_calls must be a list",
+                    ));
+                }
+            };
+            Ok(Message {
+                role,
+                content,
+                tool_calls_json,
+                tool_call_id: m.tool_call_id.clone(),
+                reasoning: m.reasoning_content.clone().filter(|r| !r.is_empty()),
             })
-            .collect()
-    }
+        })
+        .collect()
+}
 
+impl ChatRequest {
     /// `logprobs` and `top_logprobs`: `Some(alternatives)` when logprobs are asked for.
     pub fn logprobs(&self) -> Result<Option<u32>, ApiError> {
         let top = match self.top_logprobs {
@@ -441,6 +458,88 @@ impl ChatRequest {
             .and_then(|o| o.include_usage)
             .unwrap_or(false)
     }
+}
+
+/// `POST /tokenize` (vLLM's): a prompt, or chat messages through the chat template.
+#[derive(Debug, Deserialize)]
+pub(crate) struct TokenizeRequest {
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<ChatMessage>>,
+    /// Prompts: BOS/EOS where the model adds them (default true). Messages: the template
+    /// writes its own special tokens, so only false is accepted there.
+    pub add_special_tokens: Option<bool>,
+    pub add_generation_prompt: Option<bool>,
+    pub tools: Option<Value>,
+}
+
+/// What [`TokenizeRequest`] asks to tokenize.
+#[derive(Debug)]
+pub(crate) enum ToTokenize {
+    Prompt {
+        text: String,
+        add_special: bool,
+    },
+    Chat {
+        messages: Vec<Message>,
+        tools_json: Option<String>,
+    },
+}
+
+impl TokenizeRequest {
+    pub fn input(self) -> Result<ToTokenize, ApiError> {
+        match (self.prompt, self.messages) {
+            (Some(text), None) => {
+                if self.add_generation_prompt.is_some() || self.tools.is_some() {
+                    return Err(ApiError::invalid_param(
+                        "add_generation_prompt",
+                        "add_generation_prompt and tools go with messages, not a prompt",
+                    ));
+                }
+                Ok(ToTokenize::Prompt {
+                    text,
+                    add_special: self.add_special_tokens.unwrap_or(true),
+                })
+            }
+            (None, Some(list)) => {
+                if self.add_generation_prompt == Some(false) {
+                    return Err(ApiError::unsupported(
+                        "add_generation_prompt",
+                        "the chat template always ends with the assistant's turn opened here",
+                    ));
+                }
+                if self.add_special_tokens == Some(true) {
+                    return Err(ApiError::unsupported(
+                        "add_special_tokens",
+                        "messages are rendered by the chat template, which writes its own special tokens",
+                    ));
+                }
+                let tools_json = match self.tools {
+                    None | Some(Value::Null) => None,
+                    Some(Value::Array(a)) if a.is_empty() => None,
+                    Some(t @ Value::Array(_)) => Some(t.to_string()),
+                    Some(_) => {
+                        return Err(ApiError::invalid_param("tools", "tools must be a list"));
+                    }
+                };
+                Ok(ToTokenize::Chat {
+                    messages: messages(&list)?,
+                    tools_json,
+                })
+            }
+            _ => Err(ApiError::invalid_request(
+                "give exactly one of `prompt` and `messages`",
+                Some("prompt"),
+            )),
+        }
+    }
+}
+
+/// `POST /detokenize` (vLLM's).
+#[derive(Debug, Deserialize)]
+pub(crate) struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Vec<u32>,
 }
 
 /// A completions prompt: text, token ids, or a batch of one of either.
