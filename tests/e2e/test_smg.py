@@ -7,6 +7,7 @@ client leaving mid-stream frees the workers' pages."""
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 import time
@@ -95,6 +96,19 @@ def answers(client: openai.OpenAI, model: str) -> list:
     return out
 
 
+def f32(x: float) -> float:
+    """x as the f32 the worker sent (JSON writers print an f32 with more or fewer digits)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def scored(client: openai.OpenAI, model: str) -> list:
+    """Each generated token's logprob and its two alternatives', as f32 values."""
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                       max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    return [(t.token, f32(t.logprob), [(x.token, f32(x.logprob)) for x in t.top_logprobs])
+            for t in r.choices[0].logprobs.content]
+
+
 CITY = {
     "type": "object",
     "properties": {
@@ -149,6 +163,10 @@ def test_smg_drives_a_unified_worker_like_pdmeshs_gateway(tmp_path):
         ours = answers(mesh.client(), mesh.model)
         theirs = answers(smg.client(), mesh.model)
         assert theirs == ours
+        # Logprobs with alternatives pass through smg with the same values.
+        ours = scored(mesh.client(), mesh.model)
+        assert len(ours) == 8 and all(len(top) == 2 for _, _, top in ours)
+        assert scored(smg.client(), mesh.model) == ours
         # smg's json_schema reaches the worker as SGLang's json_schema constraint, strict
         # as SGLang's own: the answer holds the schema's properties only, as through
         # pdmesh's gateway, instead of invented keys up to the length limit.

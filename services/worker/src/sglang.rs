@@ -6,9 +6,9 @@
 //!
 //! proto3 zero values are read as SGLang reads them where a zero is meaningful
 //! (temperature 0 is greedy) and as "unset" where it is not (top_p 0, top_k 0,
-//! repetition_penalty 0); features pdmesh does not have (n > 1, top logprobs, hidden
-//! states, embeddings, EBNF grammars, multimodal input) are INVALID_ARGUMENT naming the
-//! field, never silently dropped.
+//! repetition_penalty 0); features pdmesh does not have (n > 1, chosen ids' logprobs,
+//! hidden states, embeddings, EBNF grammars, multimodal input) are INVALID_ARGUMENT
+//! naming the field, never silently dropped.
 
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -202,10 +202,20 @@ fn generate_request(r: s::GenerateRequest, role: Role) -> Result<pb::GenerateReq
     if r.return_hidden_states {
         return Err(invalid("return_hidden_states", "is not supported"));
     }
-    if r.top_logprobs_num > 0 || !r.token_ids_logprob.is_empty() {
+    if !r.token_ids_logprob.is_empty() {
+        return Err(invalid(
+            "token_ids_logprob",
+            "the logprobs of chosen ids are not returned; use top_logprobs_num",
+        ));
+    }
+    if !(0..=pdmesh_engine::MAX_TOP_LOGPROBS as i32).contains(&r.top_logprobs_num) {
         return Err(invalid(
             "top_logprobs_num",
-            "only the sampled token's logprob is returned",
+            format!(
+                "must be between 0 and {} (got {})",
+                pdmesh_engine::MAX_TOP_LOGPROBS,
+                r.top_logprobs_num
+            ),
         ));
     }
     if !r.lora_id.is_empty() {
@@ -213,6 +223,11 @@ fn generate_request(r: s::GenerateRequest, role: Role) -> Result<pb::GenerateReq
     }
     let mut sampling = sampling(r.sampling_params)?;
     sampling.logprobs = r.return_logprob;
+    sampling.top_logprobs = if r.return_logprob {
+        r.top_logprobs_num as u32
+    } else {
+        0
+    };
     let room = match (role, r.disaggregated_params) {
         (Role::Unified, _) | (_, None) => 0,
         (_, Some(d)) => room(d.bootstrap_room),
@@ -240,10 +255,13 @@ fn responses(
     async_stream::stream! {
         let (mut all, mut all_lp, mut last) = (Vec::<u32>::new(), Vec::<f32>::new(), Vec::<u32>::new());
         let mut last_lp = Vec::<f32>::new();
-        let lp = |ids: &[u32], vals: &[f32]| {
+        // Per position, its alternatives (when top_logprobs_num asked for some).
+        let (mut all_top, mut last_top) = (Vec::<s::TopLogProbs>::new(), Vec::<s::TopLogProbs>::new());
+        let lp = |ids: &[u32], vals: &[f32], tops: &[s::TopLogProbs]| {
             logprobs.then(|| s::OutputLogProbs {
                 token_logprobs: vals.to_vec(),
                 token_ids: ids.to_vec(),
+                top_logprobs: tops.to_vec(),
                 ..Default::default()
             })
         };
@@ -260,6 +278,15 @@ fn responses(
                     all.extend(&ch.token_ids);
                     let vals: Vec<f32> = ch.logprob.into_iter().collect();
                     all_lp.extend(&vals);
+                    let tops: Vec<s::TopLogProbs> = if ch.top_logprobs.is_empty() {
+                        Vec::new()
+                    } else {
+                        vec![s::TopLogProbs {
+                            values: ch.top_logprobs.iter().map(|t| t.logprob).collect(),
+                            token_ids: ch.top_logprobs.iter().map(|t| t.token_id).collect(),
+                        }]
+                    };
+                    all_top.extend(tops.iter().cloned());
                     if stream {
                         yield Ok(s::GenerateResponse {
                             request_id: request_id.clone(),
@@ -267,13 +294,14 @@ fn responses(
                                 token_ids: ch.token_ids.clone(),
                                 prompt_tokens: prompt_len,
                                 completion_tokens: all.len() as u32,
-                                output_logprobs: lp(&ch.token_ids, &vals),
+                                output_logprobs: lp(&ch.token_ids, &vals, &tops),
                                 ..Default::default()
                             })),
                         });
                     }
                     last = ch.token_ids;
                     last_lp = vals;
+                    last_top = tops;
                 }
                 Some(pb::generate_response::Kind::Finished(f)) => {
                     let finish_reason = match pb::FinishReason::try_from(f.reason) {
@@ -288,7 +316,11 @@ fn responses(
                         )),
                         (None, true) => None,
                     };
-                    let (ids, vals) = if stream { (&last, &last_lp) } else { (&all, &all_lp) };
+                    let (ids, vals, tops) = if stream {
+                        (&last, &last_lp, &last_top)
+                    } else {
+                        (&all, &all_lp, &all_top)
+                    };
                     yield Ok(s::GenerateResponse {
                         request_id: request_id.clone(),
                         response: Some(s::generate_response::Response::Complete(s::GenerateComplete {
@@ -297,7 +329,7 @@ fn responses(
                             prompt_tokens: if f.prompt_tokens > 0 { f.prompt_tokens } else { prompt_len },
                             completion_tokens: f.completion_tokens,
                             cached_tokens: f.cached_tokens,
-                            output_logprobs: lp(ids, vals),
+                            output_logprobs: lp(ids, vals, tops),
                             matched_stop,
                             ..Default::default()
                         })),

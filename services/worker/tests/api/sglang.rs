@@ -105,6 +105,22 @@ async fn generate_streams_chunks_then_complete_with_the_native_tokens() {
         6
     );
 
+    // Top logprobs: per position, the most likely first; greedy took the first.
+    let mut top = sreq("top", false, 6);
+    top.top_logprobs_num = 3;
+    let msgs = all(sg.generate(top).await.unwrap().into_inner()).await;
+    let [s::generate_response::Response::Complete(done)] = &msgs[..] else {
+        panic!("one complete expected: {msgs:?}")
+    };
+    let lp = done.output_logprobs.as_ref().unwrap();
+    assert_eq!(lp.top_logprobs.len(), 6);
+    for (i, t) in lp.top_logprobs.iter().enumerate() {
+        assert_eq!((t.token_ids.len(), t.values.len()), (3, 3));
+        assert_eq!(t.token_ids[0], native[i]);
+        assert_eq!(t.values[0], lp.token_logprobs[i]);
+        assert!(t.values[0] >= t.values[1] && t.values[1] >= t.values[2]);
+    }
+
     // A stop token: the matched id is reported and not part of the output.
     let mut stop = sreq("stop", false, 6);
     let sp = stop.sampling_params.as_mut().unwrap();
@@ -304,8 +320,11 @@ async fn invalid_requests_get_codes_and_hold_nothing() {
     r.sampling_params.as_mut().unwrap().n = 3;
     cases.push((r, "sampling_params.n"));
     let mut r = sreq("c", false, 4);
-    r.top_logprobs_num = 5;
+    r.top_logprobs_num = 21;
     cases.push((r, "top_logprobs_num"));
+    let mut r = sreq("c2", false, 4);
+    r.token_ids_logprob = vec![5];
+    cases.push((r, "token_ids_logprob"));
     let mut r = sreq("d", false, 4);
     r.tokenized.as_mut().unwrap().input_ids = vec![1, 999_999];
     cases.push((r, "outside the vocabulary"));
