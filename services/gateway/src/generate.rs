@@ -28,11 +28,13 @@ pub(crate) struct Usage {
 }
 
 /// How a generation ended.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Done {
     /// `"stop"`, `"length"` or `"tool_calls"`.
     pub finish_reason: &'static str,
     pub usage: Usage,
+    /// The stop string that ended the answer, if one did.
+    pub stop_sequence: Option<String>,
 }
 
 /// One generated token's log-probability as the APIs show it: the token's text (lossy
@@ -288,7 +290,11 @@ pub(crate) async fn start(
                     span.record("gen_ai.usage.input_tokens", i64::from(usage.prompt_tokens));
                     span.record("gen_ai.usage.output_tokens", i64::from(usage.completion_tokens));
                     span.record("gen_ai.response.finish_reasons", finish_reason);
-                    yield Ok(GenEvent::Done(Done { finish_reason, usage }));
+                    let stop_sequence = match filter.matched() {
+                        Some(m) => Some(m.to_owned()),
+                        None => f.matched_stop.clone(),
+                    };
+                    yield Ok(GenEvent::Done(Done { finish_reason, usage, stop_sequence }));
                     return;
                 }
             }

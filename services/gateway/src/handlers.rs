@@ -36,6 +36,7 @@ pub(crate) fn router(st: AppState) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{model}", get(get_model))
         .route("/flush_cache", post(flush_cache))
+        .route("/v1/messages", post(crate::anthropic::messages))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(st.clone(), auth));
@@ -79,7 +80,7 @@ fn same_key(given: &[u8], expected: &[u8]) -> bool {
             == 0
 }
 
-/// With `--api-key`, `/v1/*` requires `Authorization: Bearer <key>`.
+/// With `--api-key`, `/v1/*` requires `Authorization: Bearer <key>` (or `x-api-key`).
 async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.cfg.api_key {
         let given = req
@@ -89,7 +90,9 @@ async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response 
             .and_then(|v| {
                 v.strip_prefix("Bearer ")
                     .or_else(|| v.strip_prefix("bearer "))
-            });
+            })
+            // Anthropic's clients send the key as `x-api-key`.
+            .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
         match given {
             None => {
                 return ApiError::unauthorized(
@@ -407,7 +410,10 @@ async fn get_model(
     Ok(Json(model_object(&st, &id)))
 }
 
-fn body_bytes(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+pub(crate) fn body_bytes(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Bytes, ApiError> {
     body.map_err(|rej| {
         if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::payload_too_large(st.cfg.max_body_bytes)
@@ -638,9 +644,41 @@ async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respo
     let start = Instant::now();
     let body = body_bytes(&st, body)?;
     let req: ChatRequest = openai::parse(&body)?;
-    let mut params = openai::parse::<SamplingFields>(&body)?.to_params()?;
+    let fields = openai::parse::<SamplingFields>(&body)?;
+    let chat = prepare_chat(&st, &req, &fields).await?;
+    let stream = req.stream.unwrap_or(false);
+    respond(
+        st,
+        start,
+        chat.model,
+        Kind::Chat,
+        chat.ids,
+        (chat.params, chat.parsing),
+        stream,
+        req.include_usage(),
+    )
+    .await
+}
+
+/// A chat request made ready to generate: the served model's name, the prompt's ids
+/// (through the chat template), the worker's parameters and the output's parsing.
+pub(crate) struct PreparedChat {
+    pub model: String,
+    pub ids: Vec<u32>,
+    pub params: GenParams,
+    pub parsing: Option<Parsing>,
+}
+
+/// Everything a chat request is checked and turned into before generating (the OpenAI
+/// endpoint's, and the Anthropic one's once translated).
+pub(crate) async fn prepare_chat(
+    st: &AppState,
+    req: &ChatRequest,
+    fields: &SamplingFields,
+) -> Result<PreparedChat, ApiError> {
+    let mut params = fields.to_params()?;
     params.logprobs = req.logprobs()?;
-    check_logprobs(&st, &params).await?;
+    check_logprobs(st, &params).await?;
     let messages = req.messages()?;
     let tools = tools::parse_tools(req.tools.as_ref())?;
     let choice = tools::parse_tool_choice(req.tool_choice.as_ref(), &tools)?;
@@ -681,18 +719,12 @@ async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respo
     st.metrics
         .stage(Stage::Tokenize, t0.elapsed().as_secs_f64());
     check_context(&info, ids.len(), params.max_tokens, "messages")?;
-    let stream = req.stream.unwrap_or(false);
-    respond(
-        st,
-        start,
+    Ok(PreparedChat {
         model,
-        Kind::Chat,
         ids,
-        (params, parsing),
-        stream,
-        req.include_usage(),
-    )
-    .await
+        params,
+        parsing,
+    })
 }
 
 /// Starts the generation and answers with a Server-Sent Events stream or one JSON body.

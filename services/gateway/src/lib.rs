@@ -5,6 +5,7 @@
 //! tests start the same server. The `backend` module is the only one that touches prost
 //! types; handlers work on the domain types it returns.
 
+mod anthropic;
 mod backend;
 mod error;
 mod generate;

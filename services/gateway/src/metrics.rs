@@ -22,6 +22,8 @@ label_set! {
         Health => "health",
         Metrics => "metrics",
         FlushCache => "flush_cache",
+        Messages => "messages",
+        Tokenize => "tokenize",
         Other => "other",
     }
 }
@@ -438,6 +440,8 @@ pub(crate) fn endpoint_label(path: &str) -> Endpoint {
         "/health" => Endpoint::Health,
         "/metrics" => Endpoint::Metrics,
         "/flush_cache" => Endpoint::FlushCache,
+        "/v1/messages" => Endpoint::Messages,
+        "/tokenize" | "/detokenize" => Endpoint::Tokenize,
         _ => Endpoint::Other,
     }
 }

@@ -14,6 +14,8 @@ pub(crate) struct StopFilter {
     emitted: usize,
     /// A match must end past this byte of the whole text.
     floor: usize,
+    /// The stop string that matched.
+    matched: Option<String>,
 }
 
 impl StopFilter {
@@ -30,6 +32,12 @@ impl StopFilter {
         self.stopped
     }
 
+    /// The stop string seen (the first in the text; of two at one place, the earlier
+    /// listed).
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
+    }
+
     /// Feeds a delta; returns the text that is now safe to emit. With `protect`, no match
     /// may end inside this delta (it is the text of a token before `min_tokens`).
     pub fn push(&mut self, delta: &str, protect: bool) -> String {
@@ -43,18 +51,20 @@ impl StopFilter {
         }
         // The match that starts first wins; a held-back tail always starts at or before
         // any match, because every partial match is kept in `held`.
-        if let Some(pos) = self
+        if let Some((pos, k)) = self
             .stops
             .iter()
-            .filter_map(|s| {
+            .enumerate()
+            .filter_map(|(k, s)| {
                 self.held
                     .match_indices(s.as_str())
-                    .map(|(i, _)| i)
-                    .find(|&i| i + s.len() > floor && !protect)
+                    .map(|(i, _)| (i, k))
+                    .find(|&(i, _)| i + s.len() > floor && !protect)
             })
             .min()
         {
             self.stopped = true;
+            self.matched = Some(self.stops[k].clone());
             self.held.truncate(pos);
             return std::mem::take(&mut self.held);
         }
@@ -128,6 +138,10 @@ mod tests {
     fn text_is_cut_before_the_stop_string() {
         let (_, text) = run(&["\n\n"], &["Hello", " world", "\n\nmore"]);
         assert_eq!(text, "Hello world");
+        let stops = ["or".to_string(), "wor".to_string()];
+        let mut f = StopFilter::new(&stops);
+        f.push("Hello world", false);
+        assert_eq!(f.matched(), Some("wor"), "the match that starts first");
     }
 
     #[test]
