@@ -214,6 +214,43 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_back_the_end(client, mes
     assert held.choices[0].message.content.startswith(first[:2])
 
 
+def test_n_choices_compute_the_prompt_once_and_each_equals_its_seed_alone(client, mesh):
+    # A prompt nothing has cached: its tokens are computed once for the three choices.
+    messages = [{"role": "system", "content": f"Session {time.time_ns()}: be brief."},
+                {"role": "user", "content": QUESTION}]
+    kw = dict(model=mesh.model, messages=messages, max_tokens=10, temperature=1.0, logprobs=True)
+    before = mesh.metrics()
+    r = client.chat.completions.create(n=3, seed=11, **kw)
+    grew = mesh.metrics().get('mesh_prompt_token_sources_total{source="computed"}', 0) - before.get(
+        'mesh_prompt_token_sources_total{source="computed"}', 0)
+    assert grew == r.usage.prompt_tokens, (grew, r.usage)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    # Choice i is what a request with seed 11 + i answers alone (its logprobs too).
+    for i, c in enumerate(r.choices):
+        alone = client.chat.completions.create(seed=11 + i, **kw).choices[0]
+        assert (c.message.content, c.finish_reason) == (alone.message.content, alone.finish_reason), i
+        assert token_entries(c.logprobs) == token_entries(alone.logprobs), i
+    assert len({c.message.content for c in r.choices}) > 1, "the choices sample differently"
+    # Streamed, the chunks of the three interleave; each choice's text is the same.
+    texts, finishes, usage = ["", "", ""], [None] * 3, None
+    for chunk in client.chat.completions.create(n=3, seed=11, stream=True,
+                                                stream_options={"include_usage": True}, **kw):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    assert texts == [c.message.content for c in r.choices]
+    assert finishes == [c.finish_reason for c in r.choices]
+    assert usage.completion_tokens == r.usage.completion_tokens
+    # Completions too.
+    done = client.completions.create(model=mesh.model, prompt="Once upon a time", max_tokens=6,
+                                     temperature=1.0, seed=5, n=2)
+    assert [c.index for c in done.choices] == [0, 1]
+    assert done.choices[1].text == client.completions.create(
+        model=mesh.model, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=6).choices[0].text
+
+
 # --- tokenize / detokenize (vLLM's) ----------------------------------------------------
 
 
@@ -313,7 +350,8 @@ def expect(exc_type, status, fn, code=None, param=None):
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logit_bias": {"the": 1}}, "logit_bias"),

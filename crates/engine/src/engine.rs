@@ -110,6 +110,17 @@ struct Seq {
     /// Decode side: leading pages of the prompt this engine's prefix cache already held
     /// when it reserved; their KV does not travel.
     held: usize,
+    /// The prompt group this sequence leads (see [`Engine::submit_shared`]) until its
+    /// prompt is computed.
+    group: Option<Arc<str>>,
+}
+
+/// The choices of a prompt group that have arrived, until all `size` have (`gone`:
+/// aborted before the rest came).
+struct Gathering {
+    size: usize,
+    seqs: Vec<Seq>,
+    gone: usize,
 }
 
 impl Seq {
@@ -157,6 +168,10 @@ pub struct Engine {
     /// The host tier's generation the cache's `on_host` marks refer to.
     host_generation: u64,
     host_stats: HostStats,
+    /// Prompt groups some of whose choices have not arrived: held until all have.
+    gathering: std::collections::HashMap<Arc<str>, Gathering>,
+    /// Leader's id → requests waiting to share its prompt's KV once it is computed.
+    followers: std::collections::HashMap<Arc<str>, Vec<Seq>>,
 }
 
 /// When pages of the device prefix cache are written to the host tier.
@@ -276,6 +291,8 @@ impl Engine {
             host: None,
             host_generation: 0,
             host_stats: HostStats::default(),
+            gathering: Default::default(),
+            followers: Default::default(),
         })
     }
 
@@ -403,6 +420,79 @@ impl Engine {
 
     /// Validate and queue `part` of a request (see [`Part`]).
     pub fn submit_part(&mut self, req: GenRequest, part: Part) -> Result<(), EngineError> {
+        let s = self.new_seq(req, part)?;
+        self.queue(s);
+        Ok(())
+    }
+
+    /// Like [`Self::submit_part`], for one of the `size` choices of a request with `n` > 1,
+    /// which share their prompt and the name `group`. The group is held until all its
+    /// choices have arrived (or were aborted); then the first computes the prompt and
+    /// the others wait for it, take references to its KV pages (the last, partly filled
+    /// page copied, since each choice writes its own tokens there) and sample their first
+    /// token from the same logits with their own sampler. Each choice's output is the one
+    /// it would have had alone: the prompt's KV and logits are the same bits whoever
+    /// computes them. Choices whose prompt differs from the first's run alone; so do
+    /// decode-side parts (their KV arrives from a prefill worker).
+    pub fn submit_shared(
+        &mut self,
+        req: GenRequest,
+        part: Part,
+        group: &str,
+        size: usize,
+    ) -> Result<(), EngineError> {
+        let s = self.new_seq(req, part)?;
+        if part == Part::Decode || size <= 1 {
+            self.queue(s);
+            return Ok(());
+        }
+        let g = self.gathering.entry(Arc::from(group)).or_insert(Gathering {
+            size,
+            seqs: Vec::new(),
+            gone: 0,
+        });
+        g.seqs.push(s);
+        self.release_gathered(group);
+        Ok(())
+    }
+
+    /// Releases prompt group `group` once every choice has arrived or gone: the first
+    /// computes the prompt, the others with the same prompt wait for it.
+    fn release_gathered(&mut self, group: &str) {
+        let Some(g) = self.gathering.get(group) else {
+            return;
+        };
+        if g.seqs.len() + g.gone < g.size {
+            return;
+        }
+        let (name, g) = self.gathering.remove_entry(group).expect("present");
+        let mut seqs = g.seqs.into_iter();
+        let Some(mut leader) = seqs.next() else {
+            return;
+        };
+        let mut followers = Vec::new();
+        for s in seqs {
+            if s.tokens == leader.tokens && s.part == leader.part {
+                followers.push(s);
+            } else {
+                self.queue(s);
+            }
+        }
+        if !followers.is_empty() {
+            leader.group = Some(name);
+            self.followers.insert(leader.id.clone(), followers);
+        }
+        self.queue(leader);
+    }
+
+    fn queue(&mut self, s: Seq) {
+        self.waiting.push_back(s);
+        self.stalled = false;
+        self.blocked = false;
+    }
+
+    /// A checked request as a sequence (its id now taken).
+    fn new_seq(&mut self, req: GenRequest, part: Part) -> Result<Seq, EngineError> {
         req.params.validate()?;
         let n = req.prompt.len();
         if n == 0 {
@@ -462,7 +552,7 @@ impl Engine {
         }
         let id: Arc<str> = Arc::from(req.id.as_str());
         self.ids.insert(id.clone());
-        self.waiting.push_back(Seq {
+        Ok(Seq {
             id,
             tokens: req.prompt,
             prompt_len: n,
@@ -477,10 +567,8 @@ impl Engine {
             part,
             constraint,
             held: 0,
-        });
-        self.stalled = false;
-        self.blocked = false;
-        Ok(())
+            group: None,
+        })
     }
 
     /// Hands `f` the KV pages of prefilled request `id` (in prompt order) and lets them
@@ -604,21 +692,55 @@ impl Engine {
         }
         self.stalled = false;
         self.blocked = false;
+        let mut gone = None;
         if let Some(i) = self.parked.iter().position(|s| &*s.id == id) {
             // Its KV never arrived: nothing computed to keep.
             let s = self.parked.remove(i);
             self.release(s.pages);
         } else if let Some(i) = self.waiting.iter().position(|s| &*s.id == id) {
-            let mut s = self.waiting.remove(i).expect("index from position");
-            self.retire_pages(&mut s);
+            gone = self.waiting.remove(i);
         } else if let Some(i) = self.ready.iter().position(|s| &*s.id == id) {
-            let mut s = self.ready.remove(i).expect("index from position");
-            self.retire_pages(&mut s);
+            gone = self.ready.remove(i);
         } else if let Some(i) = self.running.iter().position(|s| &*s.id == id) {
-            let mut s = self.running.remove(i);
+            gone = Some(self.running.remove(i));
+        } else {
+            // A choice waiting for its group's prompt, or for its group's other choices,
+            // holds nothing yet.
+            for fs in self.followers.values_mut() {
+                fs.retain(|s| &*s.id != id);
+            }
+            self.followers.retain(|_, fs| !fs.is_empty());
+            let gathering = self
+                .gathering
+                .iter_mut()
+                .find(|(_, g)| g.seqs.iter().any(|s| &*s.id == id));
+            if let Some((name, g)) = gathering {
+                g.seqs.retain(|s| &*s.id != id);
+                g.gone += 1;
+                let name = name.clone();
+                self.release_gathered(&name);
+            }
+        }
+        if let Some(mut s) = gone {
             self.retire_pages(&mut s);
+            self.promote_follower(&mut s);
         }
         true
+    }
+
+    /// `s` leaves before computing its prompt for its group: the first choice waiting
+    /// for it computes the prompt instead, for itself and the others.
+    fn promote_follower(&mut self, s: &mut Seq) {
+        let group = s.group.take();
+        let Some(mut fs) = self.followers.remove(&s.id) else {
+            return;
+        };
+        let mut next = fs.remove(0);
+        if !fs.is_empty() {
+            next.group = group;
+            self.followers.insert(next.id.clone(), fs);
+        }
+        self.waiting.push_back(next);
     }
 
     /// Logits rows captured for a request (only with `capture_logits`).
@@ -1060,73 +1182,39 @@ impl Engine {
         }
         let mut logits = logits.into_iter();
         let mut done = Vec::new();
+        let mut forks = Vec::new();
         for &(i, take) in &plan {
             let s = &mut self.running[i];
             s.computed += take;
             if s.computed < s.tokens.len() {
                 continue; // prompt not finished yet
             }
-            let mut row = logits
+            let row = logits
                 .next()
                 .expect("one logits row per completed sequence");
-            if self.cfg.capture_logits {
-                s.logits.push(row.clone());
-            }
-            // Raw log-probabilities: of the row before anything below changes it.
-            let raw = s.params.logprobs.then(|| row.clone());
-            let live = match &mut s.constraint {
-                Some(c) => c.apply(&mut row, &self.eog),
-                None => true,
-            };
-            if s.generated() < s.params.min_tokens as usize {
-                let eog: &[u32] = if s.params.ignore_eos { &[] } else { &self.eog };
-                for &t in eog.iter().chain(&s.params.stop_token_ids) {
-                    if let Some(l) = row.get_mut(t as usize) {
-                        *l = f32::NEG_INFINITY;
-                    }
-                }
-            }
-            let mut tok = s.sampler.sample(&mut row, &s.params, &s.tokens);
-            if !live && !self.eog.contains(&tok) {
-                // The grammar allows nothing more: end the sequence.
-                tok = self.eog[0];
-            }
-            let logprob = raw.map(|r| Logprob::of(&r, tok, s.params.top_logprobs as usize));
-            if let Some(c) = &mut s.constraint
-                && let Err(e) = c.commit(tok, &self.eog)
-            {
-                tracing::warn!(id = %s.id, tok, error = %e, "the grammar refused a sampled token");
-            }
-            s.sampler.record(tok);
-            s.tokens.push(tok);
-            if s.part == Part::Prefill {
-                // Hold the prompt's pages for export; the decode worker does the rest.
+            if s.generated() == 0 && s.group.take().is_some() {
+                // The group's prompt is computed: the choices waiting for it take
+                // references to its pages and the same logits.
                 let n = self.pool.pages_for_tokens(s.prompt_len);
-                let held = s.pages[..n].to_vec();
-                for &p in &held {
-                    self.pool.retain(p).expect("the sequence holds its pages");
+                for mut f in self.followers.remove(&s.id).unwrap_or_default() {
+                    for &p in &s.pages[..n] {
+                        self.pool.retain(p).expect("the sequence holds its pages");
+                    }
+                    f.pages = s.pages[..n].to_vec();
+                    f.computed = s.prompt_len;
+                    forks.push((f, row.clone()));
                 }
-                if let Some(old) = self.exports.insert(s.id.clone(), held) {
-                    self.pool
-                        .release_all(&old)
-                        .expect("held pages are allocated");
-                }
-                events.push(StepEvent::Exported {
-                    id: s.id.clone(),
-                    token: tok,
+            }
+            let (tok, logprob) = sample_row(s, row, &self.eog, self.cfg.capture_logits);
+            if s.part == Part::Prefill {
+                hold_export(
+                    &mut self.pool,
+                    &mut self.exports,
+                    s,
+                    tok,
                     logprob,
-                    pages: n,
-                    cached: s.cached.unwrap_or(0),
-                });
-                events.push(StepEvent::Finished {
-                    id: s.id.clone(),
-                    reason: FinishReason::Length,
-                    matched_stop: None,
-                    matched_token: None,
-                    prompt_tokens: s.prompt_len as u32,
-                    completion_tokens: 1,
-                    cached_tokens: s.cached.unwrap_or(0) as u32,
-                });
+                    &mut events,
+                );
                 done.push(i);
                 continue;
             }
@@ -1145,8 +1233,155 @@ impl Engine {
             }
             self.retire_pages(&mut s);
         }
+        for (f, row) in forks {
+            self.fork(f, row, &mut events);
+        }
         events
     }
+
+    /// Starts choice `f` of a group from its leader's prompt (whose pages it references)
+    /// and logits `row`.
+    fn fork(&mut self, mut f: Seq, row: Vec<f32>, events: &mut Vec<StepEvent>) {
+        // Nothing of its prompt was computed for it.
+        f.cached = Some(f.prompt_len);
+        events.push(StepEvent::Admitted {
+            id: f.id.clone(),
+            device_cached: f.prompt_len,
+            host_cached: 0,
+            at: Instant::now(),
+        });
+        let (tok, logprob) = sample_row(&mut f, row, &self.eog, self.cfg.capture_logits);
+        let finished = if f.part == Part::Prefill {
+            hold_export(
+                &mut self.pool,
+                &mut self.exports,
+                &mut f,
+                tok,
+                logprob,
+                events,
+            );
+            true
+        } else {
+            let ends = (&self.eog[..], &self.token_bytes[..], self.context);
+            after_sample(&mut f, tok, logprob, ends, events)
+        };
+        if finished {
+            self.ids.remove(&f.id);
+            if self.cfg.capture_logits {
+                self.captured
+                    .insert(f.id.clone(), std::mem::take(&mut f.logits));
+            }
+            self.retire_pages(&mut f);
+            return;
+        }
+        if f.prompt_len % self.cfg.page_size != 0 {
+            // Copy on write: the prompt's last page is partly filled and this choice
+            // writes its own tokens after the prompt's.
+            let shared = *f.pages.last().expect("a prompt has pages");
+            let Ok(fresh) = self.alloc(1) else {
+                // No page to copy into: it waits and recomputes, as a preempted sequence.
+                self.retire_pages(&mut f);
+                f.computed = 0;
+                self.preemptions += 1;
+                self.waiting.push_front(f);
+                return;
+            };
+            let bytes = self
+                .pool
+                .page(shared)
+                .expect("shared pages are allocated")
+                .to_vec();
+            self.pool
+                .page_mut(fresh[0])
+                .expect("freshly allocated")
+                .copy_from_slice(&bytes);
+            self.release(vec![shared]);
+            *f.pages.last_mut().expect("a prompt has pages") = fresh[0];
+        }
+        if self.running.len() < self.cfg.max_batch {
+            self.running.push(f);
+        } else {
+            self.ready.push_back(f);
+        }
+    }
+}
+
+/// Samples `s`'s next token from `row`, the logits after its last token, and appends it:
+/// the grammar's mask, `min_tokens`' mask, penalties and temperature apply; the
+/// log-probability (when asked for) is the raw row's.
+fn sample_row(
+    s: &mut Seq,
+    mut row: Vec<f32>,
+    eog: &[u32],
+    capture: bool,
+) -> (u32, Option<Logprob>) {
+    if capture {
+        s.logits.push(row.clone());
+    }
+    // Raw log-probabilities: of the row before anything below changes it.
+    let raw = s.params.logprobs.then(|| row.clone());
+    let live = match &mut s.constraint {
+        Some(c) => c.apply(&mut row, eog),
+        None => true,
+    };
+    if s.generated() < s.params.min_tokens as usize {
+        let ends: &[u32] = if s.params.ignore_eos { &[] } else { eog };
+        for &t in ends.iter().chain(&s.params.stop_token_ids) {
+            if let Some(l) = row.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let mut tok = s.sampler.sample(&mut row, &s.params, &s.tokens);
+    if !live && !eog.contains(&tok) {
+        // The grammar allows nothing more: end the sequence.
+        tok = eog[0];
+    }
+    let logprob = raw.map(|r| Logprob::of(&r, tok, s.params.top_logprobs as usize));
+    if let Some(c) = &mut s.constraint
+        && let Err(e) = c.commit(tok, eog)
+    {
+        tracing::warn!(id = %s.id, tok, error = %e, "the grammar refused a sampled token");
+    }
+    s.sampler.record(tok);
+    s.tokens.push(tok);
+    (tok, logprob)
+}
+
+/// A prefill's prompt is done: its pages are held (one more reference each) for
+/// [`Engine::export`], and its first token reported.
+fn hold_export(
+    pool: &mut PagePool,
+    exports: &mut std::collections::HashMap<Arc<str>, Vec<PageId>>,
+    s: &Seq,
+    tok: u32,
+    logprob: Option<Logprob>,
+    events: &mut Vec<StepEvent>,
+) {
+    let n = pool.pages_for_tokens(s.prompt_len);
+    let held = s.pages[..n].to_vec();
+    for &p in &held {
+        pool.retain(p).expect("the sequence holds its pages");
+    }
+    if let Some(old) = exports.insert(s.id.clone(), held) {
+        pool.release_all(&old).expect("held pages are allocated");
+    }
+    events.push(StepEvent::Exported {
+        id: s.id.clone(),
+        token: tok,
+        logprob,
+        pages: n,
+        cached: s.cached.unwrap_or(0),
+    });
+    events.push(StepEvent::Finished {
+        id: s.id.clone(),
+        reason: FinishReason::Length,
+        matched_stop: None,
+        matched_token: None,
+        prompt_tokens: s.prompt_len as u32,
+        completion_tokens: 1,
+        cached_tokens: s.cached.unwrap_or(0) as u32,
+    });
 }
 
 type Finish = (FinishReason, Option<String>, Option<u32>);

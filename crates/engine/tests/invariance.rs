@@ -4,8 +4,8 @@
 
 mod common;
 
-use common::{Outcome, bits, greedy, run_all};
-use pdmesh_engine::{GenRequest, SamplingParams, StepEvent};
+use common::{Outcome, bits, greedy, run_all, run_submitted};
+use pdmesh_engine::{GenRequest, Part, SamplingParams, StepEvent};
 
 fn prompts() -> Vec<Vec<u32>> {
     let base = common::fixture_prompts();
@@ -662,4 +662,106 @@ fn a_step_target_cuts_a_prompt_beside_decoding_streams_without_changing_output()
     assert_eq!(got.0["long"].len(), 4);
     assert_eq!(got.1.len(), 40 + 40 + 4, "every logits row kept");
     assert!(got.1 == want.1, "a step target changes no logits bit");
+}
+
+/// Choices of one request (`n` > 1) share the prompt's computation: the prompt is computed
+/// once, and each choice equals the same request run alone with its own seed, bit for bit,
+/// whether the prompt ends mid-page or on a page boundary, and when the choice computing
+/// the prompt is aborted before it finishes (another takes over). Every page comes back.
+#[test]
+fn choices_sharing_a_prompt_equal_separate_requests() {
+    let base = prompts();
+    let mid_page = base[3].clone();
+    let mut whole_pages = base[9].clone();
+    whole_pages.extend_from_slice(&base[12]);
+    whole_pages.truncate(32);
+    assert!(mid_page.len() % 16 != 0 && whole_pages.len() == 32);
+    let choice = |i: u64, p: &[u32]| GenRequest {
+        id: format!("c{i}"),
+        prompt: p.to_vec(),
+        params: SamplingParams {
+            temperature: 0.9,
+            seed: Some(40 + i),
+            max_tokens: Some(8),
+            ignore_eos: true,
+            logprobs: true,
+            top_logprobs: 3,
+            ..Default::default()
+        },
+    };
+    // No prefix cache: whatever a choice did not compute, it shared.
+    let mut e = common::engine(|c| c.prefix_cache = false);
+    let total = e.free_pages();
+    let work = |e: &pdmesh_engine::Engine| e.rank_work()[0].tokens;
+    for prompt in [&mid_page, &whole_pages] {
+        let alone: Vec<Outcome> = (0..3)
+            .map(|i| {
+                run_all(&mut e, vec![choice(i, prompt)])
+                    .remove(&format!("c{i}"))
+                    .unwrap()
+            })
+            .collect();
+        assert_ne!(alone[0].tokens, alone[1].tokens, "the seeds differ");
+        let before = work(&e);
+        let ids: Vec<String> = (0..3).map(|i| format!("c{i}")).collect();
+        for i in 0..3 {
+            e.submit_shared(choice(i, prompt), Part::Whole, "g", 3)
+                .unwrap();
+        }
+        let shared = run_submitted(&mut e, &ids);
+        for i in 0..3 {
+            let got = &shared[&ids[i]];
+            assert_same(&alone[i], got, &format!("choice {i}"));
+            assert_eq!(alone[i].logprobs, got.logprobs, "choice {i}: logprobs");
+        }
+        // The prompt once, then 7 decode steps per choice.
+        assert_eq!(work(&e) - before, (prompt.len() + 3 * 7) as u64);
+        match &shared["c2"].finished {
+            Some(StepEvent::Finished {
+                cached_tokens,
+                prompt_tokens,
+                ..
+            }) => {
+                assert_eq!(
+                    cached_tokens, prompt_tokens,
+                    "a follower computed none of it"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(e.free_pages(), total, "every page back");
+    }
+    // The group waits for all its choices; one aborted before the rest came counts.
+    let alone: Vec<Outcome> = (0..3)
+        .map(|i| {
+            run_all(&mut e, vec![choice(i, &mid_page)])
+                .remove(&format!("c{i}"))
+                .unwrap()
+        })
+        .collect();
+    e.submit_shared(choice(0, &mid_page), Part::Whole, "w", 3)
+        .unwrap();
+    e.submit_shared(choice(1, &mid_page), Part::Whole, "w", 3)
+        .unwrap();
+    assert!(!e.has_work(), "held until every choice is there");
+    assert!(e.abort("c1"));
+    assert!(!e.has_work());
+    e.submit_shared(choice(2, &mid_page), Part::Whole, "w", 3)
+        .unwrap();
+    let before = work(&e);
+    let got = run_submitted(&mut e, &["c0".to_owned(), "c2".to_owned()]);
+    assert_same(&alone[0], &got["c0"], "gathered choice 0");
+    assert_same(&alone[2], &got["c2"], "gathered choice 2");
+    assert_eq!(work(&e) - before, (mid_page.len() + 2 * 7) as u64);
+    // The leader leaves before its prompt is computed: the next choice computes it.
+    let alone = &alone[1];
+    for i in 0..3 {
+        e.submit_shared(choice(i, &mid_page), Part::Whole, "h", 3)
+            .unwrap();
+    }
+    assert!(e.abort("c0"));
+    assert!(e.abort("c2"), "a waiting follower can be aborted");
+    let got = run_submitted(&mut e, &["c1".to_owned()]);
+    assert_same(alone, &got["c1"], "after the leader's abort");
+    assert_eq!(e.free_pages(), total, "every page back");
 }

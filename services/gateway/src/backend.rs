@@ -162,6 +162,11 @@ pub(crate) struct GenParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// No end of generation before this many tokens.
     pub min_tokens: u32,
+    /// Choices to generate (`n`); the handler runs one generation per choice.
+    pub n: u32,
+    /// The name the choices of one `n` > 1 request share, and their number, so the
+    /// worker computes their prompt once.
+    pub prompt_group: Option<(String, u32)>,
 }
 
 /// A generated token's log-probability and its most likely alternatives, as the worker
@@ -523,6 +528,12 @@ impl Backends {
             room: 0,
             trace_id: String::new(),
             kv_home: String::new(),
+            prompt_group: p
+                .prompt_group
+                .as_ref()
+                .map(|g| g.0.clone())
+                .unwrap_or_default(),
+            prompt_group_size: p.prompt_group.map_or(0, |g| g.1),
         };
         let stream = self.workers.generate(req).await?;
         Ok(Box::pin(stream.map(|item| match item {

@@ -27,6 +27,19 @@ pub(crate) struct Usage {
     pub cached_tokens: u32,
 }
 
+impl Usage {
+    /// The usage of a request's choices together: the prompt counted once (with what
+    /// its first choice found cached: the others shared that computation), the
+    /// completions summed.
+    pub fn of_choices(choices: &[Usage]) -> Usage {
+        Usage {
+            prompt_tokens: choices.iter().map(|u| u.prompt_tokens).max().unwrap_or(0),
+            completion_tokens: choices.iter().map(|u| u.completion_tokens).sum(),
+            cached_tokens: choices.iter().map(|u| u.cached_tokens).min().unwrap_or(0),
+        }
+    }
+}
+
 /// How a generation ended.
 #[derive(Clone, Debug)]
 pub(crate) struct Done {

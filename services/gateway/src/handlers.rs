@@ -21,7 +21,7 @@ use tracing::Instrument as _;
 
 use crate::backend::{GenParams, Parsing, WorkerInfo};
 use crate::error::{ApiError, ErrorClass};
-use crate::generate::{self, GenEvent, GenStream, LogprobEntry};
+use crate::generate::{self, GenEvent, GenStream, LogprobEntry, Usage};
 use crate::metrics::{Endpoint, ROOM_AGE_THRESHOLDS, Stage, endpoint_label};
 use crate::openai::{
     self, ChatRequest, CompletionRequest, PromptInput, ResponseMeta, SamplingFields,
@@ -510,13 +510,15 @@ fn data(v: &Value) -> Event {
     Event::default().data(v.to_string())
 }
 
-/// The SSE response: `data: {chunk}` per delta, the finish chunk, the optional usage chunk,
-/// then `data: [DONE]`. An error after the stream began is sent as `data: {"error": …}`.
+/// The SSE response: `data: {chunk}` per delta of each choice (chunks of different
+/// choices interleave, as they arrive), each choice's finish chunk, the optional usage
+/// chunk, then `data: [DONE]`. An error after the stream began is sent as
+/// `data: {"error": …}` and ends every choice.
 fn sse(
     st: AppState,
     start: Instant,
     meta: ResponseMeta,
-    mut gen_stream: GenStream,
+    choices: Vec<GenStream>,
     kind: Kind,
     include_usage: bool,
 ) -> Response {
@@ -525,55 +527,75 @@ fn sse(
         start,
     };
     let request_id = meta.id.clone();
+    let n = choices.len();
+    let mut merged = futures::stream::select_all(
+        choices
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| s.map(move |ev| (i, ev)).boxed()),
+    );
     let events = async_stream::stream! {
         let _timer = timer;
-        // Logprobs ride on the next content chunk (or the finish chunk) after their token
-        // arrived; the text a token adds may be held back (stop strings, markup).
-        let mut pending: Vec<LogprobEntry> = Vec::new();
-        let mut offset = 0usize;
-        let mut logprobs = |pending: &mut Vec<LogprobEntry>| {
-            let entries = std::mem::take(pending);
+        // Logprobs ride on the next content chunk (or the finish chunk) of their choice
+        // after their token arrived; the text a token adds may be held back (stop
+        // strings, markup).
+        let mut pending: Vec<Vec<LogprobEntry>> = vec![Vec::new(); n];
+        let mut offsets = vec![0usize; n];
+        let mut logprobs = |i: usize, pending: &mut Vec<Vec<LogprobEntry>>| {
+            let entries = std::mem::take(&mut pending[i]);
             match kind {
                 _ if !meta.logprobs => Value::Null,
                 Kind::Chat => openai::chat_logprobs(&entries),
-                Kind::Completion => openai::completion_logprobs(&entries, &mut offset),
+                Kind::Completion => openai::completion_logprobs(&entries, &mut offsets[i]),
             }
         };
         if let Kind::Chat = kind {
-            yield Ok::<Event, Infallible>(data(&openai::chat_chunk(&meta, json!({"role": "assistant", "content": ""}), None, Value::Null)));
+            for i in 0..n {
+                yield Ok::<Event, Infallible>(data(&openai::chat_chunk(&meta, i, json!({"role": "assistant", "content": ""}), None, Value::Null)));
+            }
         }
-        while let Some(ev) = gen_stream.next().await {
+        let mut usages = Vec::with_capacity(n);
+        while let Some((i, ev)) = merged.next().await {
             match ev {
-                Ok(GenEvent::Logprob(e)) => pending.push(e),
+                Ok(GenEvent::Logprob(e)) => pending[i].push(e),
                 Ok(GenEvent::Text(t)) => {
-                    let lp = logprobs(&mut pending);
+                    let lp = logprobs(i, &mut pending);
                     let chunk = match kind {
-                        Kind::Chat => openai::chat_chunk(&meta, json!({ "content": t }), None, lp),
-                        Kind::Completion => openai::completion_chunk(&meta, &t, None, lp),
+                        Kind::Chat => openai::chat_chunk(&meta, i, json!({ "content": t }), None, lp),
+                        Kind::Completion => openai::completion_chunk(&meta, i, &t, None, lp),
                     };
                     yield Ok(data(&chunk));
                 }
                 // Only chat requests ask for parsing.
                 Ok(GenEvent::Reasoning(t)) => {
-                    yield Ok(data(&openai::chat_chunk(&meta, json!({ "reasoning_content": t }), None, Value::Null)));
+                    yield Ok(data(&openai::chat_chunk(&meta, i, json!({ "reasoning_content": t }), None, Value::Null)));
                 }
                 Ok(GenEvent::ToolCall(d)) => {
-                    yield Ok(data(&openai::chat_chunk(&meta, openai::tool_call_delta(&d), None, Value::Null)));
+                    yield Ok(data(&openai::chat_chunk(&meta, i, openai::tool_call_delta(&d), None, Value::Null)));
                 }
                 Ok(GenEvent::Done(d)) => {
-                    let lp = logprobs(&mut pending);
-                    let (chunk, object) = match kind {
-                        Kind::Chat => (openai::chat_chunk(&meta, json!({}), Some(d.finish_reason), lp), "chat.completion.chunk"),
-                        Kind::Completion => (openai::completion_chunk(&meta, "", Some(d.finish_reason), lp), "text_completion"),
+                    let lp = logprobs(i, &mut pending);
+                    let chunk = match kind {
+                        Kind::Chat => openai::chat_chunk(&meta, i, json!({}), Some(d.finish_reason), lp),
+                        Kind::Completion => openai::completion_chunk(&meta, i, "", Some(d.finish_reason), lp),
                     };
                     yield Ok(data(&chunk));
+                    usages.push(d.usage);
+                    if usages.len() < n {
+                        continue;
+                    }
                     if include_usage {
-                        yield Ok(data(&openai::usage_chunk(&meta, object, &d.usage)));
+                        let object = match kind {
+                            Kind::Chat => "chat.completion.chunk",
+                            Kind::Completion => "text_completion",
+                        };
+                        yield Ok(data(&openai::usage_chunk(&meta, object, &Usage::of_choices(&usages))));
                     }
                     yield Ok(Event::default().data("[DONE]"));
                     return;
                 }
                 Err(e) => {
+                    // Dropping the other choices' streams aborts them on the worker.
                     st.metrics.error(e.error_type);
                     yield Ok(data(&e.body()));
                     return;
@@ -612,7 +634,7 @@ fn request_span(operation: &'static str, headers: &HeaderMap) -> tracing::Span {
 }
 
 /// Runs one API request in its span; an error is recorded on it.
-async fn traced(
+pub(crate) async fn traced(
     operation: &'static str,
     headers: &HeaderMap,
     handler: impl Future<Output = Result<Response, ApiError>>,
@@ -753,23 +775,68 @@ async fn respond(
         model,
         logprobs: params.logprobs.is_some(),
     };
-    let gen_stream = generate::start(&st, id.clone(), ids, params, parsing, start).await?;
+    let choices = start_choices(&st, &id, ids, params, parsing, start).await?;
     if stream {
-        return Ok(sse(
-            st.clone(),
-            start,
-            meta,
-            gen_stream,
-            kind,
-            include_usage,
-        ));
+        return Ok(sse(st.clone(), start, meta, choices, kind, include_usage));
     }
-    let (out, done) = generate::collect(gen_stream).await?;
+    let outs = futures::future::try_join_all(choices.into_iter().map(generate::collect)).await?;
+    let usage = Usage::of_choices(&outs.iter().map(|(_, d)| d.usage).collect::<Vec<_>>());
     let body = match kind {
-        Kind::Chat => openai::chat_completion(&meta, &out, done.finish_reason, &done.usage),
-        Kind::Completion => openai::completion(&meta, &out, done.finish_reason, &done.usage),
+        Kind::Chat => {
+            let choices = outs
+                .iter()
+                .enumerate()
+                .map(|(i, (out, done))| openai::chat_choice(&meta, i, out, done.finish_reason))
+                .collect();
+            openai::chat_completion(&meta, choices, &usage)
+        }
+        Kind::Completion => {
+            let choices = outs
+                .iter()
+                .enumerate()
+                .map(|(i, (out, done))| {
+                    openai::completion_choice(&meta, i, out, done.finish_reason)
+                })
+                .collect();
+            openai::completion(&meta, choices, &usage)
+        }
     };
     Ok(with_request_id(Json(body).into_response(), &id))
+}
+
+/// Starts the request's `n` choices together. With `n` > 1 they form a prompt group (the
+/// worker computes the prompt once for all of them) and choice `i` samples with seed
+/// `seed + i` (a random `seed` when the request gave none), so a choice is reproduced
+/// alone by a request with that seed. If any choice cannot start, the others are aborted.
+async fn start_choices(
+    st: &AppState,
+    id: &str,
+    ids: Vec<u32>,
+    params: GenParams,
+    parsing: Option<Parsing>,
+    start: Instant,
+) -> Result<Vec<GenStream>, ApiError> {
+    let n = params.n.max(1);
+    if n == 1 {
+        return Ok(vec![
+            generate::start(st, id.to_owned(), ids, params, parsing, start).await?,
+        ]);
+    }
+    let seed = params
+        .seed
+        .unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0);
+    let starts = (0..n).map(|i| {
+        let mut p = params.clone();
+        p.seed = Some(seed.wrapping_add(u64::from(i)));
+        p.prompt_group = Some((id.to_owned(), n));
+        let parsing = parsing.clone().map(|mut x| {
+            // Tool-call ids stay unique across choices.
+            x.call_id_prefix.push_str(&format!("{i}_"));
+            x
+        });
+        generate::start(st, format!("{id}-{i}"), ids.clone(), p, parsing, start)
+    });
+    futures::future::try_join_all(starts).await
 }
 
 async fn completions(

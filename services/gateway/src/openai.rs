@@ -16,6 +16,9 @@ pub(crate) const MAX_STOP: usize = 4;
 /// Most alternatives per token: chat's `top_logprobs` and completions' `logprobs`
 /// (OpenAI's limits).
 const MAX_TOP_LOGPROBS: i64 = 20;
+/// Most choices (`n`) one request may ask for: each holds a batch slot and its own pages
+/// after the shared prompt.
+pub(crate) const MAX_CHOICES: u32 = 16;
 const MAX_COMPLETION_LOGPROBS: i64 = 5;
 
 /// Parses a JSON body into `T`; syntax errors, invalid UTF-8, missing fields and wrong
@@ -120,17 +123,16 @@ fn in_range(
 impl SamplingFields {
     /// Range-checks every field (OpenAI's ranges) and builds the worker's parameters.
     pub fn to_params(&self) -> Result<GenParams, ApiError> {
-        match self.n {
-            None | Some(1) => {}
+        let n = match self.n {
+            None => 1,
+            Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as u32,
             Some(n) => {
-                return Err(ApiError::unsupported(
+                return Err(ApiError::invalid_param(
                     "n",
-                    format!(
-                        "n must be 1: this server generates one choice per request (got n={n})"
-                    ),
+                    format!("n must be between 1 and {MAX_CHOICES}, got {n}"),
                 ));
             }
-        }
+        };
         let temperature = in_range(
             "temperature",
             self.temperature,
@@ -259,6 +261,8 @@ impl SamplingFields {
             logprobs: None,
             logit_bias,
             min_tokens,
+            n,
+            prompt_group: None,
         })
     }
 }
@@ -704,11 +708,12 @@ pub(crate) fn completion_logprobs(entries: &[LogprobEntry], offset: &mut usize) 
     })
 }
 
-pub(crate) fn chat_completion(
+/// Choice `index` of a chat completion.
+pub(crate) fn chat_choice(
     m: &ResponseMeta,
+    index: usize,
     out: &Collected,
     finish_reason: &str,
-    usage: &Usage,
 ) -> Value {
     let mut message = json!({ "role": "assistant", "content": out.text });
     if !out.reasoning.is_empty() {
@@ -727,16 +732,20 @@ pub(crate) fn chat_completion(
             .collect();
     }
     json!({
+        "index": index,
+        "message": message,
+        "logprobs": if m.logprobs { chat_logprobs(&out.logprobs) } else { Value::Null },
+        "finish_reason": finish_reason,
+    })
+}
+
+pub(crate) fn chat_completion(m: &ResponseMeta, choices: Vec<Value>, usage: &Usage) -> Value {
+    json!({
         "id": m.id,
         "object": "chat.completion",
         "created": m.created,
         "model": m.model,
-        "choices": [{
-            "index": 0,
-            "message": message,
-            "logprobs": if m.logprobs { chat_logprobs(&out.logprobs) } else { Value::Null },
-            "finish_reason": finish_reason,
-        }],
+        "choices": choices,
         "usage": usage_json(usage),
     })
 }
@@ -757,6 +766,7 @@ pub(crate) fn tool_call_delta(d: &ToolCallDelta) -> Value {
 /// A stream chunk; `logprobs` is the choice's (`null` unless asked for).
 pub(crate) fn chat_chunk(
     m: &ResponseMeta,
+    index: usize,
     delta: Value,
     finish_reason: Option<&str>,
     logprobs: Value,
@@ -766,33 +776,39 @@ pub(crate) fn chat_chunk(
         "object": "chat.completion.chunk",
         "created": m.created,
         "model": m.model,
-        "choices": [{ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason }],
+        "choices": [{ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason }],
     })
 }
 
-pub(crate) fn completion(
+/// Choice `index` of a text completion.
+pub(crate) fn completion_choice(
     m: &ResponseMeta,
+    index: usize,
     out: &Collected,
     finish_reason: &str,
-    usage: &Usage,
 ) -> Value {
     let logprobs = if m.logprobs {
         completion_logprobs(&out.logprobs, &mut 0)
     } else {
         Value::Null
     };
+    json!({ "index": index, "text": out.text, "logprobs": logprobs, "finish_reason": finish_reason })
+}
+
+pub(crate) fn completion(m: &ResponseMeta, choices: Vec<Value>, usage: &Usage) -> Value {
     json!({
         "id": m.id,
         "object": "text_completion",
         "created": m.created,
         "model": m.model,
-        "choices": [{ "index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": finish_reason }],
+        "choices": choices,
         "usage": usage_json(usage),
     })
 }
 
 pub(crate) fn completion_chunk(
     m: &ResponseMeta,
+    index: usize,
     text: &str,
     finish_reason: Option<&str>,
     logprobs: Value,
@@ -802,7 +818,7 @@ pub(crate) fn completion_chunk(
         "object": "text_completion",
         "created": m.created,
         "model": m.model,
-        "choices": [{ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason }],
+        "choices": [{ "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason }],
     })
 }
 
@@ -881,7 +897,8 @@ mod tests {
             (r#"{"top_k": -2}"#, "top_k"),
             (r#"{"stop": ["a","b","c","d","e"]}"#, "stop"),
             (r#"{"stop": ""}"#, "stop"),
-            (r#"{"n": 2}"#, "n"),
+            (r#"{"n": 0}"#, "n"),
+            (r#"{"n": 17}"#, "n"),
         ] {
             let e = params(body).unwrap_err();
             assert_eq!(e.status, 400, "{body}");

@@ -208,8 +208,14 @@ pub(crate) struct Workers {
     views: Vec<Arc<Mutex<CacheView>>>,
     /// Each host's host tier, by its cache service's URL, as its KV events tell it.
     hosts: Mutex<std::collections::HashMap<String, Arc<Mutex<CacheView>>>>,
+    /// Where each prompt group's first choice went (prefill, decode), so the group's
+    /// other choices meet it there and share its prompt; dropped after [`GROUP_TTL`].
+    groups: Mutex<std::collections::HashMap<String, (usize, usize, std::time::Instant)>>,
     pub counts: RouteCounts,
 }
+
+/// How long a prompt group's route is kept: its choices start together, so a short time.
+const GROUP_TTL: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn least_loaded(ts: &[Target]) -> usize {
     (0..ts.len())
@@ -225,6 +231,7 @@ impl Workers {
             decode: Vec::new(),
             views: Vec::new(),
             hosts: Mutex::default(),
+            groups: Mutex::default(),
             counts: RouteCounts::default(),
         }
     }
@@ -240,6 +247,7 @@ impl Workers {
             decode: decode.into_iter().map(Target::new).collect(),
             views: (0..n).map(|_| Arc::default()).collect(),
             hosts: Mutex::default(),
+            groups: Mutex::default(),
             counts: RouteCounts::default(),
         }
     }
@@ -423,6 +431,33 @@ impl Workers {
         }
     }
 
+    /// The prefill and decode workers for `req`: those its prompt group's first choice
+    /// went to, else the least loaded decode worker and the best prefill worker for it.
+    async fn pick_pair(&self, req: &wk::GenerateRequest) -> Result<(usize, usize), Status> {
+        let group = &req.prompt_group;
+        if !group.is_empty() {
+            let mut groups = self.groups.lock().expect("groups lock");
+            let now = std::time::Instant::now();
+            groups.retain(|_, (_, _, at)| now.duration_since(*at) < GROUP_TTL);
+            if let Some(&(p, d, _)) = groups.get(group) {
+                return Ok((p, d));
+            }
+        }
+        let d = least_loaded(&self.decode);
+        let dhome = self.decode[d].home().await?.to_owned();
+        let p = self.pick_prefill(&req.input_ids, Some(&dhome));
+        if !group.is_empty() {
+            // A choice that raced this one to the pick may have set it: the first stays.
+            let mut groups = self.groups.lock().expect("groups lock");
+            let &mut (p, d, _) =
+                groups
+                    .entry(group.clone())
+                    .or_insert((p, d, std::time::Instant::now()));
+            return Ok((p, d));
+        }
+        Ok((p, d))
+    }
+
     /// Starts `req`: on the unified worker, or on a prefill and a decode worker meeting in
     /// a fresh room. The stream is decode's, behind prefill's first token (see [`merge`]).
     ///
@@ -455,9 +490,7 @@ impl Workers {
                 m
             })));
         }
-        let d = least_loaded(&self.decode);
-        let dhome = self.decode[d].home().await?.to_owned();
-        let p = self.pick_prefill(&req.input_ids, Some(&dhome));
+        let (p, d) = self.pick_pair(&req).await?;
         req.room = loop {
             let r = uuid::Uuid::new_v4().as_u64_pair().0;
             if r != 0 {

@@ -20,6 +20,8 @@ use crate::engine_core::{EngineCore, Event, ExportFn, ImportFn, PoolNow};
 struct Submit {
     req: GenRequest,
     part: Part,
+    /// The prompt group it shares its prompt with (`n` > 1) and the group's size.
+    group: Option<(String, usize)>,
     ticket: u64,
     tx: mpsc::UnboundedSender<Event>,
 }
@@ -192,7 +194,13 @@ impl Actor for EngineActor {
 impl Handler<Submit> for EngineActor {
     type Result = Result<(), EngineError>;
     fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
-        self.core.submit(msg.req, msg.part, msg.ticket, msg.tx)?;
+        self.core.submit(
+            msg.req,
+            msg.part,
+            msg.group.as_ref().map(|(g, n)| (g.as_str(), *n)),
+            msg.ticket,
+            msg.tx,
+        )?;
         self.kick(ctx);
         Ok(())
     }
@@ -403,16 +411,22 @@ pub(crate) struct EngineHandle {
 }
 
 impl EngineHandle {
-    /// Submits `req`; engine validation errors come back here, before any token.
-    pub(crate) async fn generate(&self, req: GenRequest) -> Result<Generation, EngineError> {
-        self.generate_part(req, Part::Whole).await
-    }
-
-    /// Submits `part` of `req` (see [`Part`]).
+    /// Submits `part` of `req` (see [`Part`]); engine validation errors come back here,
+    /// before any token.
     pub(crate) async fn generate_part(
         &self,
         req: GenRequest,
         part: Part,
+    ) -> Result<Generation, EngineError> {
+        self.generate_shared(req, part, None).await
+    }
+
+    /// Submits `part` of `req`, one of the choices sharing prompt `group` when given.
+    pub(crate) async fn generate_shared(
+        &self,
+        req: GenRequest,
+        part: Part,
+        group: Option<(String, usize)>,
     ) -> Result<Generation, EngineError> {
         let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
         let id = req.id.clone();
@@ -421,6 +435,7 @@ impl EngineHandle {
             .send(Submit {
                 req,
                 part,
+                group,
                 ticket,
                 tx,
             })

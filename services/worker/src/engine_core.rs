@@ -47,7 +47,14 @@ pub(crate) trait Backend {
     fn flush_cache(&mut self) -> usize {
         0
     }
-    fn submit(&mut self, req: GenRequest, part: Part) -> Result<(), EngineError>;
+    /// `group`: the prompt group of a choice of an `n` > 1 request (see
+    /// [`Engine::submit_shared`]).
+    fn submit(
+        &mut self,
+        req: GenRequest,
+        part: Part,
+        group: Option<(&str, usize)>,
+    ) -> Result<(), EngineError>;
     fn abort(&mut self, id: &str) -> bool;
     fn step(&mut self) -> Vec<StepEvent>;
     fn has_work(&self) -> bool;
@@ -120,8 +127,16 @@ impl Backend for Engine {
     fn flush_cache(&mut self) -> usize {
         Engine::flush_cache(self)
     }
-    fn submit(&mut self, req: GenRequest, part: Part) -> Result<(), EngineError> {
-        Engine::submit_part(self, req, part)
+    fn submit(
+        &mut self,
+        req: GenRequest,
+        part: Part,
+        group: Option<(&str, usize)>,
+    ) -> Result<(), EngineError> {
+        match group {
+            Some((g, n)) => Engine::submit_shared(self, req, part, g, n),
+            None => Engine::submit_part(self, req, part),
+        }
     }
     fn abort(&mut self, id: &str) -> bool {
         Engine::abort(self, id)
@@ -300,12 +315,13 @@ impl<B: Backend> EngineCore<B> {
         &mut self,
         req: GenRequest,
         part: Part,
+        group: Option<(&str, usize)>,
         ticket: u64,
         tx: UnboundedSender<Event>,
     ) -> Result<(), EngineError> {
         let id = req.id.clone();
         let prompt_tokens = u32::try_from(req.prompt.len()).unwrap_or(u32::MAX);
-        self.engine()?.submit(req, part)?;
+        self.engine()?.submit(req, part, group)?;
         self.requests.insert(
             id,
             Entry {
@@ -602,7 +618,12 @@ mod tests {
         fn free_pages(&self) -> usize {
             PAGES - self.running.len()
         }
-        fn submit(&mut self, req: GenRequest, _part: Part) -> Result<(), EngineError> {
+        fn submit(
+            &mut self,
+            req: GenRequest,
+            _part: Part,
+            _group: Option<(&str, usize)>,
+        ) -> Result<(), EngineError> {
             if req.prompt.is_empty() {
                 return Err(EngineError::EmptyPrompt);
             }
@@ -681,7 +702,7 @@ mod tests {
     fn tokens_then_one_finished_go_to_the_submitting_channel() {
         let mut core = EngineCore::new(Fake::default());
         let (tx, mut rx) = unbounded_channel();
-        core.submit(req("a", 2), Part::Whole, 1, tx).unwrap();
+        core.submit(req("a", 2), Part::Whole, None, 1, tx).unwrap();
         run_to_end(&mut core);
         let events = drain(&mut rx);
         assert_eq!(events.len(), 3, "{events:?}");
@@ -714,7 +735,7 @@ mod tests {
             ..Fake::default()
         });
         let (tx, mut rx) = unbounded_channel();
-        core.submit(req("a", 2), Part::Whole, 1, tx).unwrap();
+        core.submit(req("a", 2), Part::Whole, None, 1, tx).unwrap();
         clock::advance(Duration::from_secs(2)); // waiting in the queue
         core.step(); // admitted, 0.5 s of prefill, the first token
         clock::advance(Duration::from_secs(3)); // decoding
@@ -736,7 +757,7 @@ mod tests {
         let mut bad = req("a", 2);
         bad.prompt.clear();
         assert!(matches!(
-            core.submit(bad, Part::Whole, 1, tx),
+            core.submit(bad, Part::Whole, None, 1, tx),
             Err(EngineError::EmptyPrompt)
         ));
         assert!(rx.is_closed());
@@ -747,7 +768,8 @@ mod tests {
     fn abort_frees_the_request_and_tells_its_client() {
         let mut core = EngineCore::new(Fake::default());
         let (tx, mut rx) = unbounded_channel();
-        core.submit(req("a", 100), Part::Whole, 1, tx).unwrap();
+        core.submit(req("a", 100), Part::Whole, None, 1, tx)
+            .unwrap();
         core.step();
         assert_eq!(core.info().unwrap().1.free_pages, PAGES - 1);
         assert!(
@@ -767,7 +789,8 @@ mod tests {
     fn a_departed_client_is_aborted_at_the_next_step() {
         let mut core = EngineCore::new(Fake::default());
         let (tx, rx) = unbounded_channel();
-        core.submit(req("a", 100), Part::Whole, 1, tx).unwrap();
+        core.submit(req("a", 100), Part::Whole, None, 1, tx)
+            .unwrap();
         core.step();
         drop(rx);
         core.step();
@@ -780,7 +803,8 @@ mod tests {
     fn a_panicking_step_takes_the_engine_offline_and_ends_every_stream() {
         let mut core = EngineCore::new(Fake::default());
         let (tx, mut rx) = unbounded_channel();
-        core.submit(req("a", 100), Part::Whole, 1, tx).unwrap();
+        core.submit(req("a", 100), Part::Whole, None, 1, tx)
+            .unwrap();
         core.engine.as_mut().unwrap().panic_on_step = true;
         core.step();
         assert!(
@@ -790,7 +814,7 @@ mod tests {
         assert!(matches!(core.info(), Err(EngineError::Offline)));
         let (tx, _rx) = unbounded_channel();
         assert!(matches!(
-            core.submit(req("b", 1), Part::Whole, 2, tx),
+            core.submit(req("b", 1), Part::Whole, None, 2, tx),
             Err(EngineError::Offline)
         ));
     }
@@ -800,8 +824,10 @@ mod tests {
         let mut core = EngineCore::new(Fake::default());
         let (tx1, mut rx1) = unbounded_channel();
         let (tx2, mut rx2) = unbounded_channel();
-        core.submit(req("a", 100), Part::Whole, 1, tx1).unwrap();
-        core.submit(req("b", 100), Part::Whole, 2, tx2).unwrap();
+        core.submit(req("a", 100), Part::Whole, None, 1, tx1)
+            .unwrap();
+        core.submit(req("b", 100), Part::Whole, None, 2, tx2)
+            .unwrap();
         assert_eq!(core.abort_all(), 2);
         for rx in [&mut rx1, &mut rx2] {
             assert!(

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
-use pdmesh_engine::{FinishReason, GenRequest, ModelInfo, SamplingParams};
+use pdmesh_engine::{FinishReason, GenRequest, ModelInfo, Part, SamplingParams};
 use pdmesh_kv::CacheEvent;
 use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_proto::worker::v1 as pb;
@@ -272,6 +272,8 @@ impl pb::worker_server::Worker for WorkerService {
         } else {
             req.request_id
         };
+        let group = (!req.prompt_group.is_empty())
+            .then_some((req.prompt_group, req.prompt_group_size as usize));
         let gen_req = GenRequest {
             id,
             prompt: req.input_ids,
@@ -293,7 +295,13 @@ impl pb::worker_server::Worker for WorkerService {
             (_, room) => {
                 let rx = self
                     .pd
-                    .generate(&self.engine, gen_req, room, req.trace_id, req.kv_home)
+                    .generate(
+                        &self.engine,
+                        (gen_req, group),
+                        room,
+                        req.trace_id,
+                        req.kv_home,
+                    )
                     .await?;
                 let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
                     .filter_map(|item| async move { item.map(response).transpose() });
@@ -302,7 +310,7 @@ impl pb::worker_server::Worker for WorkerService {
         }
         let generation = self
             .engine
-            .generate(gen_req)
+            .generate_shared(gen_req, Part::Whole, group)
             .await
             .map_err(|e| Status::from(Error::from(e)))?;
         let stream = generation.filter_map(|item| async move {

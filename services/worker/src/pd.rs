@@ -554,7 +554,7 @@ impl Pd {
     pub(crate) async fn generate(
         self: &Arc<Self>,
         engine: &EngineHandle,
-        req: GenRequest,
+        (req, group): (GenRequest, Option<(String, usize)>),
         room: u64,
         trace_id: String,
         kv_home: String,
@@ -611,7 +611,7 @@ impl Pd {
                     armed: true,
                 };
                 let generation = engine
-                    .generate_part(req.clone(), Part::Prefill)
+                    .generate_shared(req.clone(), Part::Prefill, group)
                     .await
                     .map_err(|e| Status::from(crate::Error::from(e)))?;
                 tokio::spawn(

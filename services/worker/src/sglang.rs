@@ -38,6 +38,27 @@ pub(crate) struct SglangService {
     bundle: tokio::sync::OnceCell<TokenizerBundle>,
     role: Role,
     started: SystemTime,
+    /// Requests with `n` > 1 running now: their choices run as `{id}-{i}`, so Abort of
+    /// `id` aborts each.
+    groups: Arc<std::sync::Mutex<std::collections::HashMap<String, u32>>>,
+}
+
+/// Most choices one request may ask for (`sampling_params.n`), as at the gateway.
+const MAX_CHOICES: u32 = 16;
+
+/// Forgets a running `n` > 1 request when its stream ends.
+struct GroupEntry {
+    groups: Arc<std::sync::Mutex<std::collections::HashMap<String, u32>>>,
+    id: String,
+}
+
+impl Drop for GroupEntry {
+    fn drop(&mut self) {
+        self.groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
+    }
 }
 
 impl SglangService {
@@ -49,6 +70,7 @@ impl SglangService {
             bundle: tokio::sync::OnceCell::new(),
             role,
             started: SystemTime::now(),
+            groups: Default::default(),
         }
     }
 
@@ -110,10 +132,10 @@ fn json_schema_grammar(schema: &str) -> Result<String, Status> {
 /// SGLang sampling parameters → pdmesh's. `None` means the proto's zero values.
 fn sampling(p: Option<s::SamplingParams>) -> Result<pb::SamplingParams, Status> {
     let p = p.unwrap_or_default();
-    if p.n > 1 {
+    if p.n > MAX_CHOICES {
         return Err(invalid(
             "sampling_params.n",
-            format!("one sample per request (got {})", p.n),
+            format!("at most {MAX_CHOICES} choices per request (got {})", p.n),
         ));
     }
     // Token ids as decimal strings (SGLang's JSON-born map keys).
@@ -239,6 +261,8 @@ fn generate_request(r: s::GenerateRequest, role: Role) -> Result<pb::GenerateReq
         room,
         trace_id: String::new(),
         kv_home: String::new(),
+        prompt_group: String::new(),
+        prompt_group_size: 0,
     })
 }
 
@@ -246,7 +270,7 @@ fn generate_request(r: s::GenerateRequest, role: Role) -> Result<pb::GenerateReq
 /// cumulative) and, at the end, `complete` repeating the last chunk's tokens as SGLang
 /// does; without, one `complete` with every token.
 fn responses(
-    request_id: String,
+    (request_id, index): (String, u32),
     prompt_len: u32,
     stream: bool,
     logprobs: bool,
@@ -295,6 +319,7 @@ fn responses(
                                 prompt_tokens: prompt_len,
                                 completion_tokens: all.len() as u32,
                                 output_logprobs: lp(&ch.token_ids, &vals, &tops),
+                                index,
                                 ..Default::default()
                             })),
                         });
@@ -331,6 +356,7 @@ fn responses(
                             cached_tokens: f.cached_tokens,
                             output_logprobs: lp(ids, vals, tops),
                             matched_stop,
+                            index,
                             ..Default::default()
                         })),
                     });
@@ -390,12 +416,71 @@ impl s::sglang_scheduler_server::SglangScheduler for SglangService {
         let r = request.into_inner();
         let (id, stream) = (r.request_id.clone(), r.stream);
         let logprobs = r.return_logprob;
+        let n = r.sampling_params.as_ref().map_or(1, |p| p.n.max(1));
         let req = generate_request(r, self.role)?;
         let prompt_len = u32::try_from(req.input_ids.len()).unwrap_or(u32::MAX);
-        let inner = self.worker.generate(Request::new(req)).await?.into_inner();
-        Ok(Response::new(Box::pin(responses(
-            id, prompt_len, stream, logprobs, inner,
-        ))))
+        if n == 1 {
+            let inner = self.worker.generate(Request::new(req)).await?.into_inner();
+            return Ok(Response::new(Box::pin(responses(
+                (id, 0),
+                prompt_len,
+                stream,
+                logprobs,
+                inner,
+            ))));
+        }
+        if self.role != Role::Unified {
+            // Each choice would need its own bootstrap room from the client.
+            return Err(invalid(
+                "sampling_params.n",
+                "n > 1 is served by unified workers; a prefill or decode worker takes one choice per room",
+            ));
+        }
+        // The choices as requests `{id}-{i}` of one prompt group (the prompt computed
+        // once), choice i seeded with seed + i, their messages tagged with their index.
+        let seed = req
+            .sampling
+            .as_ref()
+            .and_then(|p| p.seed)
+            .unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0);
+        let entry = GroupEntry {
+            groups: self.groups.clone(),
+            id: id.clone(),
+        };
+        self.groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.clone(), n);
+        let mut choices = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            let mut ri = req.clone();
+            ri.request_id = format!("{id}-{i}");
+            ri.prompt_group = id.clone();
+            ri.prompt_group_size = n;
+            if let Some(p) = &mut ri.sampling {
+                p.seed = Some(seed.wrapping_add(u64::from(i)));
+            }
+            // Dropping those already started (on an error) aborts them.
+            let inner = self.worker.generate(Request::new(ri)).await?.into_inner();
+            choices.push(Box::pin(responses(
+                (id.clone(), i),
+                prompt_len,
+                stream,
+                logprobs,
+                inner,
+            )));
+        }
+        let mut merged = futures::stream::select_all(choices);
+        Ok(Response::new(Box::pin(async_stream::stream! {
+            let _entry = entry;
+            while let Some(item) = merged.next().await {
+                let failed = item.is_err();
+                yield item;
+                if failed {
+                    return;
+                }
+            }
+        })))
     }
 
     async fn embed(
@@ -432,14 +517,25 @@ impl s::sglang_scheduler_server::SglangScheduler for SglangService {
         request: Request<s::AbortRequest>,
     ) -> Result<Response<s::AbortResponse>, Status> {
         let id = request.into_inner().request_id;
-        let found = self
-            .worker
-            .abort(Request::new(pb::AbortRequest {
-                request_id: id.clone(),
-            }))
-            .await?
-            .into_inner()
-            .found;
+        let n = self
+            .groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .copied();
+        let ids = match n {
+            Some(n) => (0..n).map(|i| format!("{id}-{i}")).collect(),
+            None => vec![id.clone()],
+        };
+        let mut found = false;
+        for request_id in ids {
+            found |= self
+                .worker
+                .abort(Request::new(pb::AbortRequest { request_id }))
+                .await?
+                .into_inner()
+                .found;
+        }
         Ok(Response::new(s::AbortResponse {
             success: found,
             message: format!(
@@ -767,7 +863,7 @@ mod tests {
         for (params, field) in [
             (
                 s::SamplingParams {
-                    n: 2,
+                    n: 17,
                     ..Default::default()
                 },
                 "sampling_params.n",

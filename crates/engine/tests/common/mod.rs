@@ -36,6 +36,11 @@ pub fn run_all(e: &mut Engine, reqs: Vec<GenRequest>) -> HashMap<String, Outcome
     for r in reqs {
         e.submit(r).expect("valid request");
     }
+    run_submitted(e, &ids)
+}
+
+/// Steps until idle and collects the outcomes of the requests `ids`, already submitted.
+pub fn run_submitted(e: &mut Engine, ids: &[String]) -> HashMap<String, Outcome> {
     let mut out: HashMap<String, Outcome> = ids
         .iter()
         .map(|i| (i.clone(), Outcome::default()))
@@ -60,7 +65,7 @@ pub fn run_all(e: &mut Engine, reqs: Vec<GenRequest>) -> HashMap<String, Outcome
             }
         }
     }
-    for id in &ids {
+    for id in ids {
         out.get_mut(id).unwrap().logits = e.take_logits(id).unwrap_or_default();
     }
     out

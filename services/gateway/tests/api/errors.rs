@@ -40,7 +40,7 @@ async fn bad_requests_get_400_with_an_openai_error_body() {
             chat(json!({ "top_p": 1.01 })),
             Some("top_p"),
         ),
-        ("n 2", chat(json!({ "n": 2 })), Some("n")),
+        ("n 17", chat(json!({ "n": 17 })), Some("n")),
         (
             "five stop strings",
             chat(json!({ "stop": ["a", "b", "c", "d", "e"] })),
