@@ -200,6 +200,43 @@ def test_completion_logprobs_have_the_legacy_shape(client, mesh):
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
 
 
+def test_echo_scores_a_prompt_with_the_logprobs_its_tokens_were_generated_with(client, mesh):
+    status, tok = post_json(mesh, "/tokenize", {"prompt": "The capital of France is"})
+    assert status == 200
+    prompt = tok["tokens"]
+    kw = dict(model=mesh.model, temperature=0, logprobs=2, echo=True)
+    gen = client.completions.create(prompt=prompt, max_tokens=5, **kw).choices[0]
+    lp = gen.logprobs
+    n = len(prompt)
+    # The prompt first (its first token has nothing before it), then the completion.
+    assert len(lp.tokens) == n + 5 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert gen.text == "".join(lp.tokens) and gen.text.startswith("The capital of France is")
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 5)]
+    for t, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert v <= 0 and len(top) <= 3 and max(top.values()) >= v
+    # The answer's first four tokens fed back as prompt are scored with the very values
+    # they were generated with (echo computes the prompt's logits; nothing cached).
+    answer = []
+    for t in lp.tokens[n:n + 4]:
+        status, one = post_json(mesh, "/tokenize", {"prompt": t, "add_special_tokens": False})
+        assert status == 200 and len(one["tokens"]) == 1, (t, one)
+        answer += one["tokens"]
+    again = client.completions.create(prompt=prompt + answer, max_tokens=1, **kw).choices[0].logprobs
+    assert again.tokens[:n + 4] == lp.tokens[:n + 4]
+    assert again.token_logprobs[:n + 4] == lp.token_logprobs[:n + 4]
+    assert again.top_logprobs[1:n + 4] == lp.top_logprobs[1:n + 4]
+    # Streamed: the echo comes first, then the completion, the same logprobs in all.
+    chunks = [c.choices[0] for c in client.completions.create(prompt=prompt, max_tokens=5, stream=True, **kw)
+              if c.choices]
+    assert "".join(c.text for c in chunks) == gen.text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == lp.tokens
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
+    # Without logprobs, the text alone; a text prompt echoes as given.
+    plain = client.completions.create(model=mesh.model, prompt="The capital of France is", max_tokens=5,
+                                      temperature=0, echo=True).choices[0]
+    assert plain.text == gen.text and plain.logprobs is None
+
+
 def test_logit_bias_forces_a_token_and_min_tokens_holds_back_the_end(client, mesh):
     forced = ask(client, mesh.model, QUESTION, max_tokens=5, logit_bias={"28": 100}, logprobs=True)
     tokens = [e[0] for e in token_entries(forced.choices[0].logprobs)]
@@ -225,12 +262,15 @@ def test_n_choices_compute_the_prompt_once_and_each_equals_its_seed_alone(client
         'mesh_prompt_token_sources_total{source="computed"}', 0)
     assert grew == r.usage.prompt_tokens, (grew, r.usage)
     assert [c.index for c in r.choices] == [0, 1, 2]
-    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
     # Choice i is what a request with seed 11 + i answers alone (its logprobs too).
+    generated = 0
     for i, c in enumerate(r.choices):
-        alone = client.chat.completions.create(seed=11 + i, **kw).choices[0]
+        alone = client.chat.completions.create(seed=11 + i, **kw)
+        generated += alone.usage.completion_tokens
+        alone = alone.choices[0]
         assert (c.message.content, c.finish_reason) == (alone.message.content, alone.finish_reason), i
         assert token_entries(c.logprobs) == token_entries(alone.logprobs), i
+    assert r.usage.completion_tokens == generated
     assert len({c.message.content for c in r.choices}) > 1, "the choices sample differently"
     # Streamed, the chunks of the three interleave; each choice's text is the same.
     texts, finishes, usage = ["", "", ""], [None] * 3, None

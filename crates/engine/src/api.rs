@@ -39,6 +39,10 @@ pub struct SamplingParams {
     /// A Lark grammar (llguidance's dialect, `%json{…}` for JSON schemas) the output
     /// must match; every other token is masked out before sampling.
     pub grammar: Option<String>,
+    /// Report the prompt's tokens' log-probabilities (from the second token on), each with
+    /// this many alternatives ([`StepEvent::PromptLogprobs`]). Every prompt position's
+    /// logits are computed then, so such a request takes nothing from the prefix cache.
+    pub prompt_logprobs: Option<u32>,
 }
 
 impl Default for SamplingParams {
@@ -61,6 +65,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             min_tokens: 0,
             grammar: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -165,6 +170,14 @@ impl SamplingParams {
                 ),
             );
         }
+        if let Some(k) = self.prompt_logprobs
+            && k > MAX_TOP_LOGPROBS
+        {
+            return bad(
+                "prompt_logprobs",
+                format!("must be at most {MAX_TOP_LOGPROBS}, got {k}"),
+            );
+        }
         if let Some(&(t, b)) = self
             .logit_bias
             .iter()
@@ -257,6 +270,14 @@ pub enum StepEvent {
         id: Arc<str>,
         pages: usize,
         held: usize,
+    },
+    /// The prompt's tokens' log-probabilities, from its second token on (the first has
+    /// none), when the request asked for them; before its first generated token.
+    PromptLogprobs {
+        id: Arc<str>,
+        /// The prompt after its first token: the tokens `logprobs` are of.
+        tokens: Vec<u32>,
+        logprobs: Vec<Logprob>,
     },
     /// A request left the waiting queue for the first time (later re-admissions after a
     /// preemption are not reported): of its prompt, `device_cached` tokens came from the

@@ -110,6 +110,9 @@ struct Seq {
     /// Decode side: leading pages of the prompt this engine's prefix cache already held
     /// when it reserved; their KV does not travel.
     held: usize,
+    /// Its prompt tokens' log-probabilities so far (`params.prompt_logprobs`): entry `j`
+    /// is token `j + 1`'s, from the logits after position `j`.
+    prompt_lp: Vec<Logprob>,
     /// The prompt group this sequence leads (see [`Engine::submit_shared`]) until its
     /// prompt is computed.
     group: Option<Arc<str>>,
@@ -126,6 +129,16 @@ struct Gathering {
 impl Seq {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// Whether the forward pass returns logits for position `pos`: the last token's (to
+    /// sample from), and prompt positions whose next token's log-probability is wanted
+    /// and not yet known.
+    fn wants_logits(&self, pos: usize) -> bool {
+        pos + 1 == self.tokens.len()
+            || (self.params.prompt_logprobs.is_some()
+                && pos + 1 < self.prompt_len
+                && pos >= self.prompt_lp.len())
     }
 }
 
@@ -567,6 +580,7 @@ impl Engine {
             part,
             constraint,
             held: 0,
+            prompt_lp: Vec::new(),
             group: None,
         })
     }
@@ -945,11 +959,13 @@ impl Engine {
                 continue;
             }
             // The longest cached prefix, in whole pages, leaving at least the last token to
-            // compute (its logits are needed).
+            // compute (its logits are needed). A request for the prompt's log-probabilities
+            // computes every position's logits: nothing cached serves it.
             let len = front.tokens.len();
+            let every_row = front.params.prompt_logprobs.is_some();
             let hit = match &mut self.cache {
-                Some(c) => c.match_prefix(&mut self.pool, &front.tokens, len - 1),
-                None => Vec::new(),
+                Some(c) if !every_row => c.match_prefix(&mut self.pool, &front.tokens, len - 1),
+                _ => Vec::new(),
             };
             // Pages for everything to compute now, plus one page of headroom per running
             // sequence so admission does not immediately force a preemption. (Host-tier
@@ -971,7 +987,11 @@ impl Engine {
             };
             // Admitted: only now ask the host tier for the pages after the device hit.
             let tokens = std::mem::take(&mut self.waiting.front_mut().expect("front").tokens);
-            let found = self.host_lookup(&tokens, hit.len(), len - 1);
+            let found = if every_row {
+                Vec::new()
+            } else {
+                self.host_lookup(&tokens, hit.len(), len - 1)
+            };
             self.waiting.front_mut().expect("front").tokens = tokens;
             let loaded = if found.is_empty() {
                 0
@@ -1138,7 +1158,7 @@ impl Engine {
                     seq: slot,
                     pos,
                     token: s.tokens[pos],
-                    want_logits: pos + 1 == s.tokens.len(),
+                    want_logits: s.wants_logits(pos),
                 });
             }
         }
@@ -1185,7 +1205,19 @@ impl Engine {
         let mut forks = Vec::new();
         for &(i, take) in &plan {
             let s = &mut self.running[i];
+            let from = s.computed;
             s.computed += take;
+            if let Some(k) = s.params.prompt_logprobs {
+                for pos in (from..s.computed).filter(|&p| p + 1 < s.tokens.len()) {
+                    if s.wants_logits(pos) {
+                        let row = logits
+                            .next()
+                            .expect("a logits row per prompt position asked");
+                        s.prompt_lp
+                            .push(Logprob::of(&row, s.tokens[pos + 1], k as usize));
+                    }
+                }
+            }
             if s.computed < s.tokens.len() {
                 continue; // prompt not finished yet
             }
@@ -1202,9 +1234,11 @@ impl Engine {
                     }
                     f.pages = s.pages[..n].to_vec();
                     f.computed = s.prompt_len;
+                    f.prompt_lp = s.prompt_lp.clone();
                     forks.push((f, row.clone()));
                 }
             }
+            prompt_logprobs(s, &mut events);
             let (tok, logprob) = sample_row(s, row, &self.eog, self.cfg.capture_logits);
             if s.part == Part::Prefill {
                 hold_export(
@@ -1250,16 +1284,10 @@ impl Engine {
             host_cached: 0,
             at: Instant::now(),
         });
+        prompt_logprobs(&f, events);
         let (tok, logprob) = sample_row(&mut f, row, &self.eog, self.cfg.capture_logits);
         let finished = if f.part == Part::Prefill {
-            hold_export(
-                &mut self.pool,
-                &mut self.exports,
-                &mut f,
-                tok,
-                logprob,
-                events,
-            );
+            hold_export(&mut self.pool, &mut self.exports, &f, tok, logprob, events);
             true
         } else {
             let ends = (&self.eog[..], &self.token_bytes[..], self.context);
@@ -1274,7 +1302,7 @@ impl Engine {
             self.retire_pages(&mut f);
             return;
         }
-        if f.prompt_len % self.cfg.page_size != 0 {
+        if !f.prompt_len.is_multiple_of(self.cfg.page_size) {
             // Copy on write: the prompt's last page is partly filled and this choice
             // writes its own tokens after the prompt's.
             let shared = *f.pages.last().expect("a prompt has pages");
@@ -1303,6 +1331,17 @@ impl Engine {
         } else {
             self.ready.push_back(f);
         }
+    }
+}
+
+/// Reports `s`'s prompt log-probabilities, when asked for, as its first token is sampled.
+fn prompt_logprobs(s: &Seq, events: &mut Vec<StepEvent>) {
+    if s.generated() == 0 && s.params.prompt_logprobs.is_some() {
+        events.push(StepEvent::PromptLogprobs {
+            id: s.id.clone(),
+            tokens: s.tokens[1..s.prompt_len].to_vec(),
+            logprobs: s.prompt_lp.clone(),
+        });
     }
 }
 

@@ -675,7 +675,7 @@ fn choices_sharing_a_prompt_equal_separate_requests() {
     let mut whole_pages = base[9].clone();
     whole_pages.extend_from_slice(&base[12]);
     whole_pages.truncate(32);
-    assert!(mid_page.len() % 16 != 0 && whole_pages.len() == 32);
+    assert!(!mid_page.len().is_multiple_of(16) && whole_pages.len() == 32);
     let choice = |i: u64, p: &[u32]| GenRequest {
         id: format!("c{i}"),
         prompt: p.to_vec(),
@@ -764,4 +764,86 @@ fn choices_sharing_a_prompt_equal_separate_requests() {
     let got = run_submitted(&mut e, &["c1".to_owned()]);
     assert_same(alone, &got["c1"], "after the leader's abort");
     assert_eq!(e.free_pages(), total, "every page back");
+}
+
+/// A prompt's log-probabilities (`prompt_logprobs`, what `echo` with `logprobs` scores)
+/// are the ones its tokens had when they were generated: a greedy answer fed back as the
+/// prompt gets the very logprobs it was generated with, alone, in prefill chunks, beside
+/// another request and with its prefix in the cache (which such a request does not use).
+#[test]
+fn prompt_logprobs_are_the_logprobs_the_tokens_were_generated_with() {
+    let base = prompts();
+    let start = base[3].clone();
+    let mut e = common::engine(|_| {});
+    let generated = run_all(
+        &mut e,
+        vec![GenRequest {
+            id: "g".into(),
+            prompt: start.clone(),
+            params: SamplingParams {
+                logprobs: true,
+                top_logprobs: 3,
+                ignore_eos: true,
+                ..SamplingParams::greedy(8)
+            },
+        }],
+    )
+    .remove("g")
+    .unwrap();
+    assert!(generated.prompt_logprobs.is_none(), "not asked for");
+    let mut scored = start.clone();
+    scored.extend_from_slice(&generated.tokens[..7]);
+    let score = |id: &str| GenRequest {
+        id: id.into(),
+        prompt: scored.clone(),
+        params: SamplingParams {
+            prompt_logprobs: Some(3),
+            ignore_eos: true,
+            ..SamplingParams::greedy(1)
+        },
+    };
+    let free = common::available(&e);
+    let check = |o: &Outcome, what: &str| {
+        let lp = o.prompt_logprobs.as_ref().expect("asked for");
+        assert_eq!(
+            lp.len(),
+            scored.len() - 1,
+            "{what}: every token after the first"
+        );
+        assert_eq!(&lp[start.len() - 1..], &generated.logprobs[..7], "{what}");
+        for (j, l) in lp.iter().enumerate() {
+            assert_eq!(l.top.len(), 3, "{what}");
+            assert!(l.top[0].1 >= l.logprob, "{what}: position {j}");
+        }
+        assert_eq!(
+            o.tokens,
+            [generated.tokens[7]],
+            "{what}: then it generates as ever"
+        );
+    };
+    // The answer's pages are in the prefix cache now; this request computes them anyway.
+    let alone = run_all(&mut e, vec![score("a")]).remove("a").unwrap();
+    check(&alone, "alone");
+    let batch = run_all(&mut e, vec![greedy("o", &base[5], 6), score("b")]);
+    check(&batch["b"], "beside another");
+    assert_eq!(batch["b"].prompt_logprobs, alone.prompt_logprobs);
+    let mut chunked = common::engine(|c| c.prefill_chunk = 5);
+    let got = run_all(&mut chunked, vec![score("c")]).remove("c").unwrap();
+    check(&got, "chunks of 5");
+    assert_eq!(common::available(&e), free, "every page back");
+    let too_many = SamplingParams {
+        prompt_logprobs: Some(21),
+        ..SamplingParams::greedy(1)
+    };
+    assert!(matches!(
+        e.submit(GenRequest {
+            id: "x".into(),
+            prompt: scored.clone(),
+            params: too_many
+        }),
+        Err(pdmesh_engine::EngineError::InvalidParam {
+            field: "prompt_logprobs",
+            ..
+        })
+    ));
 }

@@ -400,7 +400,7 @@ async fn run(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respon
         let mut next = 0usize;
         while let Some(item) = gen_stream.next().await {
             let (kind, delta, start_block) = match item {
-                Ok(GenEvent::Logprob(_)) => continue,
+                Ok(GenEvent::Logprob(_) | GenEvent::Prompt(_)) => continue,
                 Ok(GenEvent::Text(t)) => ("text".to_owned(), json!({"type": "text_delta", "text": t}), json!({"type": "text", "text": ""})),
                 Ok(GenEvent::Reasoning(t)) => ("thinking".to_owned(), json!({"type": "thinking_delta", "thinking": t}), json!({"type": "thinking", "thinking": "", "signature": ""})),
                 Ok(GenEvent::ToolCall(d)) => (

@@ -162,6 +162,8 @@ pub(crate) struct GenParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// No end of generation before this many tokens.
     pub min_tokens: u32,
+    /// The prompt's log-probabilities, with this many alternatives each (`echo`).
+    pub prompt_logprobs: Option<u32>,
     /// Choices to generate (`n`); the handler runs one generation per choice.
     pub n: u32,
     /// The name the choices of one `n` > 1 request share, and their number, so the
@@ -205,6 +207,9 @@ pub(crate) struct Finish {
 pub(crate) enum WorkerEvent {
     /// Tokens, and the last one's log-probability when the request asked for them.
     Tokens(Vec<u32>, Option<TokenLogprob>),
+    /// The prompt's tokens' log-probabilities, from its second token on (asked for with
+    /// `prompt_logprobs`); before the first token.
+    Prompt(Vec<TokenLogprob>),
     Finished(Finish),
 }
 
@@ -520,6 +525,7 @@ impl Backends {
             logit_bias: p.logit_bias.into_iter().collect(),
             min_tokens: p.min_tokens,
             grammar: p.grammar.unwrap_or_default(),
+            prompt_logprobs: p.prompt_logprobs,
         };
         let req = wk::GenerateRequest {
             request_id: request_id.to_owned(),
@@ -536,10 +542,14 @@ impl Backends {
             prompt_group_size: p.prompt_group.map_or(0, |g| g.1),
         };
         let stream = self.workers.generate(req).await?;
-        Ok(Box::pin(stream.map(|item| match item {
-            Ok(msg) => convert_generate(msg),
-            Err(status) => Err(ApiError::from(status)),
-        })))
+        Ok(Box::pin(
+            stream
+                .map(|item| match item {
+                    Ok(msg) => convert_generate(msg),
+                    Err(status) => vec![Err(ApiError::from(status))],
+                })
+                .flat_map(futures::stream::iter),
+        ))
     }
 
     /// Asks the worker to drop `request_id` and free its pages; whether it was running.
@@ -634,7 +644,31 @@ impl Backends {
     }
 }
 
-fn convert_generate(msg: wk::GenerateResponse) -> Result<WorkerEvent, ApiError> {
+/// A worker's message as events: a chunk may carry the prompt's logprobs before its tokens.
+fn convert_generate(msg: wk::GenerateResponse) -> Vec<Result<WorkerEvent, ApiError>> {
+    let mut out = Vec::new();
+    if let Some(wk::generate_response::Kind::Chunk(c)) = &msg.kind
+        && !c.prompt_logprobs.is_empty()
+    {
+        out.push(Ok(WorkerEvent::Prompt(
+            c.prompt_logprobs
+                .iter()
+                .map(|p| TokenLogprob {
+                    token: p.token_id,
+                    logprob: p.logprob,
+                    top: p.top.iter().map(|t| (t.token_id, t.logprob)).collect(),
+                })
+                .collect(),
+        )));
+        if c.token_ids.is_empty() {
+            return out;
+        }
+    }
+    out.push(convert_one(msg));
+    out
+}
+
+fn convert_one(msg: wk::GenerateResponse) -> Result<WorkerEvent, ApiError> {
     match msg.kind {
         Some(wk::generate_response::Kind::Chunk(c)) => {
             let lp = match (c.logprob, c.token_ids.last()) {

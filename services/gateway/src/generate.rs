@@ -59,14 +59,14 @@ pub(crate) struct LogprobEntry {
     pub top: Vec<(TokenText, f32)>,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct TokenText {
     pub text: String,
     pub bytes: Vec<u8>,
 }
 
 impl TokenText {
-    fn of(tok: &pdmesh_text::TextTokenizer, id: u32) -> Self {
+    pub(crate) fn of(tok: &pdmesh_text::TextTokenizer, id: u32) -> Self {
         let bytes = tok.token_bytes(id).unwrap_or_default().to_vec();
         Self {
             text: String::from_utf8_lossy(&bytes).into_owned(),
@@ -91,6 +91,9 @@ impl LogprobEntry {
 
 #[derive(Debug)]
 pub(crate) enum GenEvent {
+    /// The prompt's tokens' log-probabilities from its second token on (`echo` with
+    /// `logprobs`); before anything else.
+    Prompt(Vec<LogprobEntry>),
     /// A generated token's log-probability (before the text it adds, which may be held
     /// back); only when the request asked for them.
     Logprob(LogprobEntry),
@@ -203,6 +206,11 @@ pub(crate) async fn start(
                 Some(Err(e)) => {
                     yield Err(e);
                     return;
+                }
+                Some(Ok(WorkerEvent::Prompt(lps))) => {
+                    if let Some(v) = &vocab {
+                        yield Ok(GenEvent::Prompt(lps.iter().map(|l| LogprobEntry::of(v, l)).collect()));
+                    }
                 }
                 Some(Ok(WorkerEvent::Tokens(ids, lp))) => {
                     if ids.is_empty() {
@@ -366,6 +374,8 @@ pub(crate) struct Collected {
     pub tool_calls: Vec<(String, String, String)>,
     /// Every generated token's, when asked for.
     pub logprobs: Vec<LogprobEntry>,
+    /// The prompt's tokens' from the second on, when asked for.
+    pub prompt_logprobs: Vec<LogprobEntry>,
 }
 
 /// Drains a generation (the non-streaming responses).
@@ -373,6 +383,7 @@ pub(crate) async fn collect(mut stream: GenStream) -> Result<(Collected, Done), 
     let mut c = Collected::default();
     while let Some(ev) = stream.next().await {
         match ev? {
+            GenEvent::Prompt(e) => c.prompt_logprobs = e,
             GenEvent::Logprob(e) => c.logprobs.push(e),
             GenEvent::Text(t) => c.text.push_str(&t),
             GenEvent::Reasoning(t) => c.reasoning.push_str(&t),

@@ -539,14 +539,14 @@ fn sse(
         // Logprobs ride on the next content chunk (or the finish chunk) of their choice
         // after their token arrived; the text a token adds may be held back (stop
         // strings, markup).
-        let mut pending: Vec<Vec<LogprobEntry>> = vec![Vec::new(); n];
-        let mut offsets = vec![0usize; n];
-        let mut logprobs = |i: usize, pending: &mut Vec<Vec<LogprobEntry>>| {
-            let entries = std::mem::take(&mut pending[i]);
+        // Per choice: logprobs not sent yet, and the text offset reached (completions).
+        let mut pending: Vec<(Vec<LogprobEntry>, usize)> = vec![(Vec::new(), 0); n];
+        let logprobs = |(entries, offset): &mut (Vec<LogprobEntry>, usize)| {
+            let entries = std::mem::take(entries);
             match kind {
                 _ if !meta.logprobs => Value::Null,
                 Kind::Chat => openai::chat_logprobs(&entries),
-                Kind::Completion => openai::completion_logprobs(&entries, &mut offsets[i]),
+                Kind::Completion => openai::completion_logprobs(&entries, offset),
             }
         };
         if let Kind::Chat = kind {
@@ -554,12 +554,24 @@ fn sse(
                 yield Ok::<Event, Infallible>(data(&openai::chat_chunk(&meta, i, json!({"role": "assistant", "content": ""}), None, Value::Null)));
             }
         }
+        // An echoed prompt comes first; with logprobs, once its logprobs are there.
+        if let (Some(e), false) = (&meta.echo, meta.logprobs) {
+            for i in 0..n {
+                yield Ok(data(&openai::completion_chunk(&meta, i, &e.text, None, Value::Null)));
+            }
+        }
         let mut usages = Vec::with_capacity(n);
         while let Some((i, ev)) = merged.next().await {
             match ev {
-                Ok(GenEvent::Logprob(e)) => pending[i].push(e),
+                Ok(GenEvent::Prompt(entries)) => {
+                    if let Some(e) = &meta.echo {
+                        let lp = openai::echo_logprobs(e, &entries, &mut pending[i].1);
+                        yield Ok(data(&openai::completion_chunk(&meta, i, &e.text, None, lp)));
+                    }
+                }
+                Ok(GenEvent::Logprob(e)) => pending[i].0.push(e),
                 Ok(GenEvent::Text(t)) => {
-                    let lp = logprobs(i, &mut pending);
+                    let lp = logprobs(&mut pending[i]);
                     let chunk = match kind {
                         Kind::Chat => openai::chat_chunk(&meta, i, json!({ "content": t }), None, lp),
                         Kind::Completion => openai::completion_chunk(&meta, i, &t, None, lp),
@@ -574,7 +586,7 @@ fn sse(
                     yield Ok(data(&openai::chat_chunk(&meta, i, openai::tool_call_delta(&d), None, Value::Null)));
                 }
                 Ok(GenEvent::Done(d)) => {
-                    let lp = logprobs(i, &mut pending);
+                    let lp = logprobs(&mut pending[i]);
                     let chunk = match kind {
                         Kind::Chat => openai::chat_chunk(&meta, i, json!({}), Some(d.finish_reason), lp),
                         Kind::Completion => openai::completion_chunk(&meta, i, "", Some(d.finish_reason), lp),
@@ -676,7 +688,7 @@ async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respo
         Kind::Chat,
         chat.ids,
         (chat.params, chat.parsing),
-        stream,
+        (stream, None),
         req.include_usage(),
     )
     .await
@@ -758,7 +770,7 @@ async fn respond(
     kind: Kind,
     ids: Vec<u32>,
     (params, parsing): (GenParams, Option<Parsing>),
-    stream: bool,
+    (stream, echo): (bool, Option<openai::Echo>),
     include_usage: bool,
 ) -> Result<Response, ApiError> {
     let prefix = match kind {
@@ -774,6 +786,7 @@ async fn respond(
         created: unix_now(),
         model,
         logprobs: params.logprobs.is_some(),
+        echo,
     };
     let choices = start_choices(&st, &id, ids, params, parsing, start).await?;
     if stream {
@@ -858,7 +871,16 @@ async fn completion(
     req.check_supported()?;
     params.logprobs = req.logprobs()?;
     check_logprobs(&st, &params).await?;
+    let echo = req.echo == Some(true);
+    if echo {
+        // The prompt's logprobs too, with as many alternatives (what `echo` scores).
+        params.prompt_logprobs = params.logprobs;
+    }
     let prompt = req.prompt()?;
+    let echo_text = match (&prompt, echo) {
+        (PromptInput::Text(t), true) => Some(t.clone()),
+        _ => None,
+    };
     let model = st.check_model(&req.model).await?;
     record_model("text_completion", &model);
     let info = st.worker_info().await?.clone();
@@ -896,6 +918,20 @@ async fn completion(
         ));
     }
     check_context(&info, ids.len(), params.max_tokens, "prompt")?;
+    let echo = match echo {
+        false => None,
+        true => Some(openai::Echo {
+            // A prompt of ids echoes as their text.
+            text: match echo_text {
+                Some(t) => t,
+                None => st.backends.detokenize(ids.clone()).await?,
+            },
+            first: match st.local_tokenizer().await {
+                Some(tok) => generate::TokenText::of(tok, ids[0]),
+                None => generate::TokenText::default(),
+            },
+        }),
+    };
     let stream = req.stream.unwrap_or(false);
     respond(
         st,
@@ -904,7 +940,7 @@ async fn completion(
         Kind::Completion,
         ids,
         (params, None),
-        stream,
+        (stream, echo),
         req.include_usage(),
     )
     .await

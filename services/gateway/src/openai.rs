@@ -263,6 +263,7 @@ impl SamplingFields {
             min_tokens,
             n,
             prompt_group: None,
+            prompt_logprobs: None,
         })
     }
 }
@@ -619,12 +620,6 @@ impl CompletionRequest {
     }
 
     pub fn check_supported(&self) -> Result<(), ApiError> {
-        if self.echo == Some(true) {
-            return Err(ApiError::unsupported(
-                "echo",
-                "echo is not supported by this server",
-            ));
-        }
         if self.best_of.is_some_and(|b| b != 1) {
             return Err(ApiError::unsupported("best_of", "best_of must be 1"));
         }
@@ -663,6 +658,45 @@ pub(crate) struct ResponseMeta {
     pub model: String,
     /// The request asked for logprobs: choices carry them (else `null`).
     pub logprobs: bool,
+    /// A completion with `echo`: each choice starts with the prompt.
+    pub echo: Option<Echo>,
+}
+
+/// The prompt a completion echoes: its text, and its first token (which has no
+/// log-probability: nothing comes before it).
+#[derive(Clone, Debug)]
+pub(crate) struct Echo {
+    pub text: String,
+    pub first: TokenText,
+}
+
+/// The legacy `logprobs` of an echoed prompt: its first token with `null`s, then the rest
+/// (`prompt`); offsets from 0, and `offset` left after the prompt.
+pub(crate) fn echo_logprobs(e: &Echo, prompt: &[LogprobEntry], offset: &mut usize) -> Value {
+    *offset = e.first.text.chars().count();
+    let mut v = completion_logprobs(prompt, offset);
+    for (key, first) in [
+        ("tokens", json!(e.first.text)),
+        ("token_logprobs", Value::Null),
+        ("top_logprobs", Value::Null),
+        ("text_offset", json!(0)),
+    ] {
+        if let Some(a) = v[key].as_array_mut() {
+            a.insert(0, first);
+        }
+    }
+    v
+}
+
+/// Two legacy `logprobs` objects one after the other (an echoed prompt's and the
+/// completion's).
+pub(crate) fn join_logprobs(mut a: Value, b: Value) -> Value {
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let (Some(x), Some(y)) = (a[key].as_array_mut(), b[key].as_array()) {
+            x.extend(y.iter().cloned());
+        }
+    }
+    a
 }
 
 /// A chat choice's `logprobs`: per token its text, log-probability, bytes and
@@ -787,12 +821,24 @@ pub(crate) fn completion_choice(
     out: &Collected,
     finish_reason: &str,
 ) -> Value {
-    let logprobs = if m.logprobs {
-        completion_logprobs(&out.logprobs, &mut 0)
-    } else {
-        Value::Null
+    let mut offset = 0;
+    let (text, logprobs) = match (&m.echo, m.logprobs) {
+        (None, false) => (out.text.clone(), Value::Null),
+        (None, true) => (
+            out.text.clone(),
+            completion_logprobs(&out.logprobs, &mut offset),
+        ),
+        (Some(e), false) => (format!("{}{}", e.text, out.text), Value::Null),
+        (Some(e), true) => {
+            let prompt = echo_logprobs(e, &out.prompt_logprobs, &mut offset);
+            let rest = completion_logprobs(&out.logprobs, &mut offset);
+            (
+                format!("{}{}", e.text, out.text),
+                join_logprobs(prompt, rest),
+            )
+        }
     };
-    json!({ "index": index, "text": out.text, "logprobs": logprobs, "finish_reason": finish_reason })
+    json!({ "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason })
 }
 
 pub(crate) fn completion(m: &ResponseMeta, choices: Vec<Value>, usage: &Usage) -> Value {

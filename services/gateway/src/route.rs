@@ -547,18 +547,34 @@ where
         let _p = pguard;
         let mut ps = Box::pin(prefill);
         let mut first_tx = Some(first_tx);
+        // The prompt's logprobs (only prefill computes them): they ride on its first token.
+        let mut prompt = Vec::new();
         loop {
             tokio::select! {
                 m = ps.next() => match m {
                     Some(Ok(wk::GenerateResponse {
-                        kind: Some(wk::generate_response::Kind::Chunk(c)),
+                        kind: Some(wk::generate_response::Kind::Chunk(mut c)),
                     })) if !c.token_ids.is_empty() => {
                         if let Some(tx) = first_tx.take() {
+                            c.prompt_logprobs = std::mem::take(&mut prompt);
                             let _ = tx.send(c);
                         }
                     }
+                    Some(Ok(wk::GenerateResponse {
+                        kind: Some(wk::generate_response::Kind::Chunk(c)),
+                    })) => prompt = c.prompt_logprobs,
                     Some(Ok(_)) => {}
-                    None => return,
+                    None => {
+                        // A first token that ends the generation is never sent: the
+                        // prompt's logprobs go alone.
+                        if !prompt.is_empty() && let Some(tx) = first_tx.take() {
+                            let _ = tx.send(wk::TokenChunk {
+                                prompt_logprobs: prompt,
+                                ..Default::default()
+                            });
+                        }
+                        return;
+                    }
                     // Sent before `first_tx` drops: a first token that never comes because
                     // prefill failed finds the failure already there.
                     Some(Err(s)) => {

@@ -215,6 +215,12 @@ pub enum Event {
         logprob: Option<Logprob>,
     },
     Finished(Finish),
+    /// The prompt's log-probabilities: `tokens` are the prompt's after its first, with
+    /// their `logprobs`. Before the first token.
+    PromptLogprobs {
+        tokens: Vec<u32>,
+        logprobs: Vec<Logprob>,
+    },
     /// Prefill: the first token; the prompt's KV (`pages` pages) waits for export.
     Exported {
         token: u32,
@@ -500,6 +506,22 @@ impl<B: Backend> EngineCore<B> {
                 if let Some(entry) = self.requests.get_mut(&*id) {
                     entry.admitted = Some(at);
                     entry.host_cached = u32::try_from(host_cached).unwrap_or(u32::MAX);
+                }
+            }
+            StepEvent::PromptLogprobs {
+                id,
+                tokens,
+                logprobs,
+            } => {
+                let Some(entry) = self.requests.get_mut(&*id) else {
+                    return;
+                };
+                if entry
+                    .tx
+                    .send(Event::PromptLogprobs { tokens, logprobs })
+                    .is_err()
+                {
+                    self.client_left(&id);
                 }
             }
             StepEvent::Reserved { id, pages, held } => {

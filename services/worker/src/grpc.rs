@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
-use pdmesh_engine::{FinishReason, GenRequest, ModelInfo, Part, SamplingParams};
+use pdmesh_engine::{FinishReason, GenRequest, Logprob, ModelInfo, Part, SamplingParams};
 use pdmesh_kv::CacheEvent;
 use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_proto::worker::v1 as pb;
@@ -102,6 +102,7 @@ pub(crate) fn sampling_params(p: Option<pb::SamplingParams>) -> Result<SamplingP
         logit_bias: p.logit_bias.into_iter().collect(),
         min_tokens: p.min_tokens,
         grammar: (!p.grammar.is_empty()).then_some(p.grammar),
+        prompt_logprobs: p.prompt_logprobs,
     })
 }
 
@@ -113,20 +114,42 @@ fn finish_reason(r: FinishReason) -> pb::FinishReason {
     }
 }
 
+fn top(top: &[(u32, f32)]) -> Vec<pb::TopLogprob> {
+    top.iter()
+        .map(|&(token_id, logprob)| pb::TopLogprob { token_id, logprob })
+        .collect()
+}
+
+/// The prompt's log-probabilities as the proto carries them: `tokens` is the prompt after
+/// its first token, each with its entry of `logprobs`.
+pub(crate) fn prompt_logprobs(tokens: &[u32], logprobs: &[Logprob]) -> Vec<pb::PromptLogprob> {
+    tokens
+        .iter()
+        .zip(logprobs)
+        .map(|(&token_id, l)| pb::PromptLogprob {
+            token_id,
+            logprob: l.logprob,
+            top: top(&l.top),
+        })
+        .collect()
+}
+
 /// The client's message for an event; `None` for the engine's internal hand-over events.
 fn response(event: Event) -> Option<pb::GenerateResponse> {
     let kind = match event {
         Event::Exported { .. } | Event::Reserved { .. } => return None,
         Event::Token { token, logprob } => pb::generate_response::Kind::Chunk(pb::TokenChunk {
             token_ids: vec![token],
-            top_logprobs: logprob.as_ref().map_or_else(Vec::new, |l| {
-                l.top
-                    .iter()
-                    .map(|&(token_id, logprob)| pb::TopLogprob { token_id, logprob })
-                    .collect()
-            }),
+            top_logprobs: logprob.as_ref().map_or_else(Vec::new, |l| top(&l.top)),
             logprob: logprob.map(|l| l.logprob),
+            prompt_logprobs: Vec::new(),
         }),
+        Event::PromptLogprobs { tokens, logprobs } => {
+            pb::generate_response::Kind::Chunk(pb::TokenChunk {
+                prompt_logprobs: prompt_logprobs(&tokens, &logprobs),
+                ..Default::default()
+            })
+        }
         Event::Finished(Finish {
             reason,
             matched_stop,

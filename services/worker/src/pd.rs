@@ -699,6 +699,10 @@ impl Pd {
                 Some(Ok(Event::Finished(f))) => {
                     return Err(failed(&format!("prefill ended: {:?}", f.reason)));
                 }
+                // Computed here only: they go to the client before the first token.
+                Some(Ok(ev @ Event::PromptLogprobs { .. })) => {
+                    let _ = tx.send(Ok(ev)).await;
+                }
                 Some(Ok(_)) => {}
                 Some(Err(e)) => return Err(Status::from(crate::Error::from(e))),
                 None => return Err(Status::unavailable("the engine went away")),

@@ -198,6 +198,7 @@ fn sampling(p: Option<s::SamplingParams>) -> Result<pb::SamplingParams, Status> 
         logit_bias,
         min_tokens: p.min_new_tokens,
         grammar,
+        prompt_logprobs: None,
     })
 }
 
@@ -245,6 +246,10 @@ fn generate_request(r: s::GenerateRequest, role: Role) -> Result<pb::GenerateReq
     }
     let mut sampling = sampling(r.sampling_params)?;
     sampling.logprobs = r.return_logprob;
+    // SGLang's input logprobs: from logprob_start_len on (-1: none).
+    if r.return_logprob && r.logprob_start_len >= 0 {
+        sampling.prompt_logprobs = Some(r.top_logprobs_num as u32);
+    }
     sampling.top_logprobs = if r.return_logprob {
         r.top_logprobs_num as u32
     } else {
@@ -271,12 +276,15 @@ fn generate_request(r: s::GenerateRequest, role: Role) -> Result<pb::GenerateReq
 /// does; without, one `complete` with every token.
 fn responses(
     (request_id, index): (String, u32),
-    prompt_len: u32,
+    prompt: Prompt,
     stream: bool,
     logprobs: bool,
     mut inner: Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>,
 ) -> impl Stream<Item = Result<s::GenerateResponse, Status>> + Send {
+    let (prompt_len, ids, start) = (prompt.len, prompt.ids, prompt.logprob_start);
     async_stream::stream! {
+        // SGLang's input_logprobs: the prompt's from `start` (the first token has none).
+        let mut input: Option<s::InputLogProbs> = None;
         let (mut all, mut all_lp, mut last) = (Vec::<u32>::new(), Vec::<f32>::new(), Vec::<u32>::new());
         let mut last_lp = Vec::<f32>::new();
         // Per position, its alternatives (when top_logprobs_num asked for some).
@@ -298,6 +306,11 @@ fn responses(
                 }
             };
             match msg.kind {
+                Some(pb::generate_response::Kind::Chunk(ch)) if ch.token_ids.is_empty() => {
+                    if let Some(start) = start {
+                        input = Some(input_logprobs(&ids, &ch.prompt_logprobs, start));
+                    }
+                }
                 Some(pb::generate_response::Kind::Chunk(ch)) => {
                     all.extend(&ch.token_ids);
                     let vals: Vec<f32> = ch.logprob.into_iter().collect();
@@ -355,6 +368,7 @@ fn responses(
                             completion_tokens: f.completion_tokens,
                             cached_tokens: f.cached_tokens,
                             output_logprobs: lp(ids, vals, tops),
+                            input_logprobs: input.take(),
                             matched_stop,
                             index,
                             ..Default::default()
@@ -369,6 +383,36 @@ fn responses(
             }
         }
         yield Err(Status::internal("the generation ended without a finish"));
+    }
+}
+
+/// What [`responses`] needs of the prompt: its length, and for input logprobs its ids and
+/// the first position reported.
+#[derive(Clone)]
+struct Prompt {
+    len: u32,
+    ids: Vec<u32>,
+    logprob_start: Option<usize>,
+}
+
+/// SGLang's input logprobs of `ids[start..]` from pdmesh's prompt logprobs (of `ids[1..]`).
+fn input_logprobs(ids: &[u32], lps: &[pb::PromptLogprob], start: usize) -> s::InputLogProbs {
+    let start = start.min(ids.len());
+    let at = |i: usize| i.checked_sub(1).and_then(|j| lps.get(j));
+    s::InputLogProbs {
+        token_logprobs: (start..ids.len())
+            .map(|i| s::InputTokenLogProb {
+                value: at(i).map(|l| l.logprob),
+            })
+            .collect(),
+        token_ids: ids[start..].to_vec(),
+        top_logprobs: (start..ids.len())
+            .map(|i| s::TopLogProbs {
+                values: at(i).map_or_else(Vec::new, |l| l.top.iter().map(|t| t.logprob).collect()),
+                token_ids: at(i)
+                    .map_or_else(Vec::new, |l| l.top.iter().map(|t| t.token_id).collect()),
+            })
+            .collect(),
     }
 }
 
@@ -417,13 +461,23 @@ impl s::sglang_scheduler_server::SglangScheduler for SglangService {
         let (id, stream) = (r.request_id.clone(), r.stream);
         let logprobs = r.return_logprob;
         let n = r.sampling_params.as_ref().map_or(1, |p| p.n.max(1));
+        let logprob_start =
+            (r.return_logprob && r.logprob_start_len >= 0).then_some(r.logprob_start_len as usize);
         let req = generate_request(r, self.role)?;
-        let prompt_len = u32::try_from(req.input_ids.len()).unwrap_or(u32::MAX);
+        let prompt = Prompt {
+            len: u32::try_from(req.input_ids.len()).unwrap_or(u32::MAX),
+            ids: if logprob_start.is_some() {
+                req.input_ids.clone()
+            } else {
+                Vec::new()
+            },
+            logprob_start,
+        };
         if n == 1 {
             let inner = self.worker.generate(Request::new(req)).await?.into_inner();
             return Ok(Response::new(Box::pin(responses(
                 (id, 0),
-                prompt_len,
+                prompt,
                 stream,
                 logprobs,
                 inner,
@@ -464,7 +518,7 @@ impl s::sglang_scheduler_server::SglangScheduler for SglangService {
             let inner = self.worker.generate(Request::new(ri)).await?.into_inner();
             choices.push(Box::pin(responses(
                 (id.clone(), i),
-                prompt_len,
+                prompt.clone(),
                 stream,
                 logprobs,
                 inner,

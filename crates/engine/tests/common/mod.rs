@@ -28,6 +28,8 @@ pub struct Outcome {
     pub logits: Vec<Vec<f32>>,
     /// The tokens' log-probabilities, when the request asked for them.
     pub logprobs: Vec<Logprob>,
+    /// The prompt's (`prompt_logprobs`), when the request asked for them.
+    pub prompt_logprobs: Option<Vec<Logprob>>,
 }
 
 /// Submit every request, step until idle, collect per-request outcomes.
@@ -58,6 +60,14 @@ pub fn run_submitted(e: &mut Engine, ids: &[String]) -> HashMap<String, Outcome>
                 }
                 StepEvent::Finished { id, .. } => {
                     out.get_mut(&**id).unwrap().finished = Some(ev.clone())
+                }
+                StepEvent::PromptLogprobs { id, logprobs, .. } => {
+                    let o = out.get_mut(&**id).unwrap();
+                    assert!(o.tokens.is_empty(), "prompt logprobs come before any token");
+                    assert!(
+                        o.prompt_logprobs.replace(logprobs.clone()).is_none(),
+                        "once"
+                    );
                 }
                 // Where the prompt came from: the cache tests read it from Finished.
                 StepEvent::Admitted { .. } => {}

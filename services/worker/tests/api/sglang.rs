@@ -32,6 +32,8 @@ fn sreq(id: &str, stream: bool, max_new_tokens: u32) -> s::GenerateRequest {
         }),
         stream,
         return_logprob: true,
+        // Output logprobs only, as smg asks.
+        logprob_start_len: -1,
         ..Default::default()
     }
 }
@@ -108,7 +110,7 @@ async fn generate_streams_chunks_then_complete_with_the_native_tokens() {
     // Top logprobs: per position, the most likely first; greedy took the first.
     let mut top = sreq("top", false, 6);
     top.top_logprobs_num = 3;
-    let msgs = all(sg.generate(top).await.unwrap().into_inner()).await;
+    let msgs = all(sg.generate(top.clone()).await.unwrap().into_inner()).await;
     let [s::generate_response::Response::Complete(done)] = &msgs[..] else {
         panic!("one complete expected: {msgs:?}")
     };
@@ -119,6 +121,23 @@ async fn generate_streams_chunks_then_complete_with_the_native_tokens() {
         assert_eq!(t.token_ids[0], native[i]);
         assert_eq!(t.values[0], lp.token_logprobs[i]);
         assert!(t.values[0] >= t.values[1] && t.values[1] >= t.values[2]);
+    }
+    assert!(done.input_logprobs.is_none(), "logprob_start_len -1: none");
+    // Input logprobs from position 3 on: every one has a value (only the first token has
+    // none), with their alternatives.
+    top.request_id = "input".into();
+    top.logprob_start_len = 3;
+    let msgs = all(sg.generate(top).await.unwrap().into_inner()).await;
+    let [s::generate_response::Response::Complete(scored)] = &msgs[..] else {
+        panic!("one complete expected: {msgs:?}")
+    };
+    assert_eq!(scored.output_ids, native, "the output is the same");
+    let input = scored.input_logprobs.as_ref().expect("asked for");
+    assert_eq!(input.token_ids, PROMPT[3..]);
+    assert_eq!(input.token_logprobs.len(), PROMPT.len() - 3);
+    for (v, t) in input.token_logprobs.iter().zip(&input.top_logprobs) {
+        let v = v.value.expect("after the first token");
+        assert!(v <= 0.0 && t.values.len() == 3 && t.values[0] >= v);
     }
 
     // A stop token: the matched id is reported and not part of the output.
@@ -317,7 +336,7 @@ async fn invalid_requests_get_codes_and_hold_nothing() {
     r.tokenized = None;
     cases.push((r, "tokenized"));
     let mut r = sreq("b", false, 4);
-    r.sampling_params.as_mut().unwrap().n = 3;
+    r.sampling_params.as_mut().unwrap().n = 17;
     cases.push((r, "sampling_params.n"));
     let mut r = sreq("c", false, 4);
     r.top_logprobs_num = 21;
