@@ -37,6 +37,11 @@ pub(crate) fn router(st: AppState) -> Router {
         .route("/v1/models/{model}", get(get_model))
         .route("/flush_cache", post(flush_cache))
         .route("/v1/messages", post(crate::anthropic::messages))
+        .route("/v1/responses", post(crate::responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::responses::get).delete(crate::responses::delete),
+        )
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(st.clone(), auth));
@@ -492,9 +497,9 @@ enum Kind {
 }
 
 /// Records the time from request to the end of a stream, however it ends.
-struct StreamTimer {
-    st: AppState,
-    start: Instant,
+pub(crate) struct StreamTimer {
+    pub(crate) st: AppState,
+    pub(crate) start: Instant,
 }
 
 impl Drop for StreamTimer {

@@ -1,5 +1,6 @@
 //! OpenAI-compatible HTTP gateway: `/v1/chat/completions`, `/v1/completions`,
-//! `/v1/models`, `/health` and `/metrics` in front of the tokenizer and worker services.
+//! `/v1/responses`, `/v1/models`, `/health` and `/metrics` (and Anthropic's `/v1/messages`)
+//! in front of the tokenizer and worker services.
 //!
 //! A library with one entry point, [`run`], so the `pdmesh` binary and the integration
 //! tests start the same server. The `backend` module is the only one that touches prost
@@ -12,6 +13,7 @@ mod generate;
 mod handlers;
 mod metrics;
 mod openai;
+mod responses;
 mod route;
 mod state;
 mod stop;
@@ -68,6 +70,13 @@ pub struct Config {
     /// the service detokenizes, and the gateway logs an error).
     #[arg(long, env = "PDMESH_GATEWAY_MODEL")]
     pub model: Option<std::path::PathBuf>,
+    /// Most responses kept for `previous_response_id` and `GET /v1/responses/{id}` (in
+    /// memory; the oldest is forgotten first; 0 keeps none).
+    #[arg(long, env = "PDMESH_RESPONSES_MAX_STORED", default_value_t = 1024)]
+    pub responses_max_stored: usize,
+    /// Seconds a stored response is kept.
+    #[arg(long, env = "PDMESH_RESPONSES_TTL_SECS", default_value_t = 3600)]
+    pub responses_ttl_secs: u64,
     /// Mutual TLS for the gateway's connections to the tokenizer, workers and cache
     /// services (the HTTP API itself is served as before).
     #[command(flatten)]
@@ -87,6 +96,8 @@ impl Config {
             api_key: None,
             max_body_bytes: 4 * 1024 * 1024,
             model: None,
+            responses_max_stored: 1024,
+            responses_ttl_secs: 3600,
             tls: pdmesh_tls::TlsArgs::default(),
         }
     }
@@ -102,6 +113,12 @@ impl Config {
         }
         if self.model_name.as_deref() == Some("") {
             return Err(Error::Config("--model-name must not be empty".into()));
+        }
+        if self.responses_ttl_secs == 0 {
+            return Err(Error::Config(
+                "--responses-ttl-secs must be at least 1 (use --responses-max-stored 0 to store none)"
+                    .into(),
+            ));
         }
         if self.prefill_url.is_empty() != self.decode_url.is_empty() {
             return Err(Error::Config(

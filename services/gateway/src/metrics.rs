@@ -23,6 +23,7 @@ label_set! {
         Metrics => "metrics",
         FlushCache => "flush_cache",
         Messages => "messages",
+        Responses => "responses",
         Tokenize => "tokenize",
         Other => "other",
     }
@@ -441,6 +442,7 @@ pub(crate) fn endpoint_label(path: &str) -> Endpoint {
         "/metrics" => Endpoint::Metrics,
         "/flush_cache" => Endpoint::FlushCache,
         "/v1/messages" => Endpoint::Messages,
+        "/v1/responses" | "/v1/responses/{id}" => Endpoint::Responses,
         "/tokenize" | "/detokenize" => Endpoint::Tokenize,
         _ => Endpoint::Other,
     }

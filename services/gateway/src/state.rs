@@ -25,6 +25,8 @@ pub(crate) struct Inner {
     pub shutdown: CancellationToken,
     /// Unix time the gateway started: the `created` of `/v1/models`.
     pub started: u64,
+    /// Stored responses (`/v1/responses`), for `previous_response_id` and `GET`.
+    pub responses: crate::responses::Store,
     info: OnceCell<WorkerInfo>,
     output: OnceCell<OutputFormat>,
     /// The tokenizer loaded from `--model`, with its fingerprint.
@@ -55,7 +57,10 @@ impl AppState {
         local: Option<pdmesh_text::TextTokenizer>,
         shutdown: CancellationToken,
     ) -> Result<Self, Error> {
+        let responses =
+            crate::responses::new_store(cfg.responses_max_stored, cfg.responses_ttl_secs);
         Ok(Self(Arc::new(Inner {
+            responses,
             cfg,
             backends,
             metrics: Metrics::new()?,
