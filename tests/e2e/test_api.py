@@ -505,7 +505,8 @@ def test_first_token_and_inter_token_latency_are_timed_per_token(client, mesh):
     assert 0 < ttft < 60, ttft
 
 
-def test_client_disconnect_mid_stream_frees_the_worker_pages(client, mesh):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_mid_stream_frees_the_worker_pages(client, mesh, n):
     prompt = "Tell me a very long story about a dragon."
     # Pages a new request could get: free plus those only the prefix cache holds.
     def available():
@@ -523,6 +524,7 @@ def test_client_disconnect_mid_stream_frees_the_worker_pages(client, mesh):
             "stream": True,
             "temperature": 0,
             "ignore_eos": True,  # cannot end early: only an abort frees its pages soon
+            "n": n,  # every choice is aborted, the shared prompt's pages too
         }
     ).encode()
     s = socket.create_connection(("127.0.0.1", mesh.ports["gateway"]))
@@ -532,7 +534,7 @@ def test_client_disconnect_mid_stream_frees_the_worker_pages(client, mesh):
         + body
     )
     seen = b""
-    while seen.count(b'"content"') < 4:
+    while seen.count(b'"content"') < 3 + n:
         data = s.recv(4096)
         assert data, f"stream ended early: {seen!r}"
         seen += data
