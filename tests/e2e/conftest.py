@@ -92,6 +92,8 @@ class Mesh:
     proc: subprocess.Popen
     ports: dict
     log_path: Path
+    # Where its services write incident reports.
+    incident_dir: Path | None = None
     base: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -122,7 +124,8 @@ def start_up(tmp: Path, extra_args: list[str] | None = None, env: dict | None = 
     log_path = tmp / "up.log"
     port = free_port()
     env = dict(os.environ, PDMESH_API_KEY=API_KEY, **(env or {}))
-    cmd = [str(pdmesh_bin()), "up", "--port", str(port), "--ports-json", str(ports_json), *(extra_args or [])]
+    cmd = [str(pdmesh_bin()), "up", "--port", str(port), "--ports-json", str(ports_json),
+           "--incident-dir", str(tmp / "incidents"), *(extra_args or [])]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -133,7 +136,8 @@ def start_up(tmp: Path, extra_args: list[str] | None = None, env: dict | None = 
             proc.kill()
             pytest.fail(f"pdmesh up not ready after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()}", pytrace=False)
         time.sleep(0.2)
-    mesh = Mesh(proc=proc, ports=json.loads(ports_json.read_text()), log_path=log_path)
+    mesh = Mesh(proc=proc, ports=json.loads(ports_json.read_text()), log_path=log_path,
+                incident_dir=tmp / "incidents")
     status, body = http("GET", mesh.base + "/health")
     assert status == 200, body
     return mesh

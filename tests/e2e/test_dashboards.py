@@ -43,6 +43,7 @@ ZERO_AT_START = {
     "mesh_room_aborts_total": {"reason"},
     "mesh_room_timeouts_total": {"stage"},
     "mesh_tool_call_parse_failures_total": {"parser", "reason"},
+    "mesh_incidents_total": {"kind"},
 }
 
 # Lint problems `promtool check metrics` reports today that only a change to the Rust

@@ -10,10 +10,14 @@ fail the request and be counted, not be shown.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import jsonschema
 import openai
 import pytest
+
+from conftest import API_KEY, http, pdmesh_bin
 
 WEATHER = {
     "type": "function",
@@ -327,6 +331,42 @@ def test_markup_that_fails_to_parse_fails_the_request_and_is_counted(client, mes
         stream_chat(client, mesh, messages=ASK, tools=[WEATHER], response_format=rf)
     assert "failed to parse" in str(e.value)
     assert mesh.metrics().get(key, 0) == before + 2
+    assert mesh.metrics()['mesh_incidents_total{kind="tool_parse"}'] >= 2
+
+
+def test_a_parse_failure_files_an_incident_report_without_secrets_or_prompt_text(client, mesh):
+    schema = {"type": "string", "const": '<tool_call>\n{"name": "get_weather", oops'}
+    rf = {"type": "json_schema", "json_schema": {"name": "leak", "schema": schema}}
+    with pytest.raises(openai.InternalServerError):
+        chat(client, mesh, messages=ASK, tools=[WEATHER], response_format=rf)
+    # The gateway lists it (behind the API key); one report per cause, its repeats counted.
+    status, raw = http("GET", mesh.base + "/debug/incidents", None, {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200, raw
+    found = [i for i in json.loads(raw)["data"] if i["kind"] == "tool_parse"]
+    assert len(found) == 1 and found[0]["repeats"] >= 1 and found[0]["service"] == "gateway", found
+    assert http("GET", mesh.base + "/debug/incidents", None, {})[0] == 401
+    report_id = found[0]["id"]
+    status, md = http("GET", f"{mesh.base}/debug/incidents/{report_id}?format=markdown", None,
+                      {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200 and md.decode().startswith("# Output failed to parse"), md
+    # On disk, owner-only, Markdown and JSON: the evidence, never the key or the prompt.
+    assert (mesh.incident_dir.stat().st_mode & 0o777) == 0o700
+    text = (mesh.incident_dir / f"{report_id}.md").read_text()
+    report = json.loads((mesh.incident_dir / f"{report_id}.json").read_text())
+    for leaked in (API_KEY, ASK[0]["content"]):
+        assert leaked not in text and leaked not in json.dumps(report), leaked
+    assert report["details"]["parser"] == "hermes" and report["details"]["reason"] == "unterminated"
+    assert report["place"]["request_id"].startswith("chatcmpl-")
+    assert report["replay"]["prompt_token_ids"] and report["replay"]["body"]["response_format"] == rf
+    assert report["config"]["api_key"] == "[redacted]"
+    # `pdmesh incident` reads the directory, or asks the gateway.
+    listed = subprocess.run([str(pdmesh_bin()), "incident", "list", "--dir", str(mesh.incident_dir)],
+                            capture_output=True, text=True, check=True).stdout
+    assert report_id in listed and "tool_parse" in listed
+    shown = subprocess.run([str(pdmesh_bin()), "incident", "show", report_id, "--gateway", mesh.base],
+                           capture_output=True, text=True, check=True,
+                           env=dict(os.environ, PDMESH_API_KEY=API_KEY)).stdout
+    assert shown == md.decode()
 
 
 def test_a_schema_the_grammar_cannot_compile_is_400(client, mesh):

@@ -44,6 +44,37 @@ pub enum Command {
     /// Inject one fault into a running mesh (`pdmesh up --ports-json FILE`) under load and
     /// judge it: every request ended in time, no page leaked, every answer unchanged.
     Chaos(pdmesh_bench::chaos::ChaosArgs),
+    /// The incident reports the mesh wrote (a wedge, a checksum failure, an unparsable
+    /// output, …): from their directory, or from a gateway's `/debug/incidents`.
+    Incident(IncidentArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct IncidentArgs {
+    #[command(subcommand)]
+    pub command: IncidentCommand,
+    /// The reports' directory (default: `pdmesh up`'s, `$XDG_STATE_HOME/pdmesh/incidents`
+    /// or `~/.local/state/pdmesh/incidents`).
+    #[arg(long, global = true, env = "PDMESH_INCIDENT_DIR")]
+    pub dir: Option<PathBuf>,
+    /// Ask this gateway (`http://HOST:PORT`) instead of reading a directory.
+    #[arg(long, global = true)]
+    pub gateway: Option<String>,
+    /// The gateway's API key.
+    #[arg(long, global = true, env = "PDMESH_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum IncidentCommand {
+    /// Every report, newest first: id, kind, repeats, service, file.
+    List,
+    /// One report, as Markdown (or its JSON).
+    Show {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// The services, each a subcommand of its own.
@@ -175,6 +206,10 @@ pub struct UpArgs {
     /// Require `Authorization: Bearer <key>` on the gateway's `/v1/*` routes.
     #[arg(long, env = "PDMESH_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Where the services write incident reports (`pdmesh incident list` reads them);
+    /// default `$XDG_STATE_HOME/pdmesh/incidents` or `~/.local/state/pdmesh/incidents`.
+    #[arg(long, env = "PDMESH_INCIDENT_DIR")]
+    pub incident_dir: Option<PathBuf>,
     /// Do not send the first test question once the mesh is up.
     #[arg(long)]
     pub no_smoke_test: bool,

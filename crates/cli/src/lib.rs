@@ -4,6 +4,7 @@
 
 pub mod args;
 pub mod fetch;
+pub mod incident;
 pub mod probe;
 pub mod serve;
 pub mod up;

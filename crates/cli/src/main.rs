@@ -130,6 +130,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Chaos(args) => {
             multi_thread()?.block_on(pdmesh_bench::chaos::run(args))?;
         }
+        Command::Incident(args) => {
+            multi_thread()?.block_on(pdmesh_cli::incident::run(args))?;
+        }
         Command::Up(args) => {
             // Current-thread: children are spawned from the main thread, which lives as
             // long as `up`, so their parent-death signal fires exactly when `up` dies.

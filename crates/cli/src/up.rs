@@ -731,6 +731,12 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             // The tokenizer's own model file: the gateway detokenizes in process.
             "--model".into(),
             model_arg.clone(),
+            "--incident-dir".into(),
+            args.incident_dir
+                .clone()
+                .unwrap_or_else(crate::incident::default_dir)
+                .display()
+                .to_string(),
         ];
         if role == UpRole::Gateway {
             gw_args.extend(["--prefill-url".into(), args.prefill_url.join(",")]);

@@ -48,7 +48,9 @@ fn main() {
     let prompt_len = *args.first().unwrap_or(&512);
     let new = *args.get(1).unwrap_or(&64) as u32;
     let rounds = *args.get(2).unwrap_or(&3);
-    let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| 100 + (i * 37) % 20_000).collect();
+    let prompt: Vec<u32> = (0..prompt_len as u32)
+        .map(|i| 100 + (i * 37) % 20_000)
+        .collect();
     let mut e = engine();
     let sampled = |seed: u64, logprobs: bool| SamplingParams {
         temperature: 0.8,
@@ -65,8 +67,12 @@ fn main() {
         // Decode, with and without top-5 logprobs: tokens per second of one stream.
         for (logprobs, out) in [(false, &mut plain), (true, &mut scored)] {
             let t = Instant::now();
-            e.submit(req(&format!("d{r}{logprobs}"), &prompt[..16], sampled(1, logprobs)))
-                .unwrap();
+            e.submit(req(
+                &format!("d{r}{logprobs}"),
+                &prompt[..16],
+                sampled(1, logprobs),
+            ))
+            .unwrap();
             out.push(f64::from(new) / drain(&mut e, t));
         }
         // n = 4: four separate requests, then one group of four.
@@ -90,7 +96,8 @@ fn main() {
                 prompt_logprobs: every,
                 ..SamplingParams::greedy(1)
             };
-            e.submit(req(&format!("e{r}{every:?}"), &prompt, params)).unwrap();
+            e.submit(req(&format!("e{r}{every:?}"), &prompt, params))
+                .unwrap();
             out.push(drain(&mut e, t));
         }
     }

@@ -737,6 +737,9 @@ pub(crate) struct Parsing {
     /// The prompt opened `<think>`: the output starts as reasoning.
     pub thinking: bool,
     pub call_id_prefix: String,
+    /// The request's body as an incident report's replay recipe shows it (its text
+    /// redacted unless `--incident-include-prompts`); only with `--incident-dir`.
+    pub request: Option<std::sync::Arc<serde_json::Value>>,
 }
 
 /// What a batch of ids completed: content, reasoning, tool-call deltas and parse failures.

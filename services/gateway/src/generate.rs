@@ -153,6 +153,16 @@ pub(crate) async fn start(
         Some(_) => st.local_tokenizer().await.cloned(),
         None => None,
     };
+    let evidence = Evidence {
+        request_id: request_id.clone(),
+        trace_id: pdmesh_telemetry::trace_id(&tracing::Span::current()).unwrap_or_default(),
+        prompt: if st.incidents.is_some() {
+            prompt.clone()
+        } else {
+            Vec::new()
+        },
+        request: parsing.as_ref().and_then(|p| p.request.clone()),
+    };
     let mut guard = AbortGuard {
         backends: st.backends.clone(),
         request_id: request_id.clone(),
@@ -238,7 +248,7 @@ pub(crate) async fn start(
                     generated += ids.len();
                     // Before min_tokens, stop strings do not match (as in the engine).
                     let protect = generated < min_tokens;
-                    match detok.push(ids).await.and_then(|p| split(&st, p, &mut filter, protect, false)) {
+                    match detok.push(ids).await.and_then(|p| split(&st, p, (&mut filter, &evidence), protect, false)) {
                         Ok(events) => {
                             for ev in events {
                                 calls += usize::from(matches!(ev, GenEvent::ToolCall(ref c) if !c.name.is_empty()));
@@ -267,7 +277,7 @@ pub(crate) async fn start(
                         match detok
                             .finish(cut)
                             .await
-                            .and_then(|p| split(&st, p, &mut filter, false, true))
+                            .and_then(|p| split(&st, p, (&mut filter, &evidence), false, true))
                         {
                             Ok(events) => {
                                 for ev in events {
@@ -334,13 +344,22 @@ pub(crate) fn record_error(span: &tracing::Span, e: &ApiError) {
     span.record("otel.status_code", "ERROR");
 }
 
+/// What an incident report about this generation says of its request.
+struct Evidence {
+    request_id: String,
+    trace_id: String,
+    /// The prompt's ids (only when reports are written).
+    prompt: Vec<u32>,
+    request: Option<std::sync::Arc<serde_json::Value>>,
+}
+
 /// Orders what one Detokenize answer completed into events: reasoning, content (through
 /// the stop filter, `protect`ed from matching before min_tokens; `last` flushes it), then
 /// tool calls. A parse failure is counted and becomes the generation's error.
 fn split(
     st: &AppState,
     p: Parsed,
-    filter: &mut StopFilter,
+    (filter, ev): (&mut StopFilter, &Evidence),
     protect: bool,
     last: bool,
 ) -> Result<Vec<GenEvent>, ApiError> {
@@ -348,6 +367,34 @@ fn split(
         for f in &p.failures {
             st.metrics.parse_failure(&f.parser, &f.reason);
         }
+        let mut i = pdmesh_incident::Incident::new(
+            pdmesh_incident::Kind::ToolParse,
+            format!(
+                "The model's output for request {} held {} markup that failed to parse ({}); \
+                 the request ended with an error instead of showing the markup as content.",
+                ev.request_id, f.parser, f.reason
+            ),
+            pdmesh_incident::Place {
+                request_id: ev.request_id.clone(),
+                trace_id: ev.trace_id.clone(),
+                ..Default::default()
+            },
+        );
+        i.details.insert("parser".into(), f.parser.clone());
+        i.details.insert("reason".into(), f.reason.clone());
+        i.details.insert("detail".into(), f.detail.clone());
+        i.details.insert(
+            "failures in this output".into(),
+            p.failures.len().to_string(),
+        );
+        if let Some(body) = &ev.request {
+            i.replay = Some(pdmesh_incident::Replay {
+                body: (**body).clone(),
+                prompt_token_ids: ev.prompt.clone(),
+                command: String::new(),
+            });
+        }
+        st.incident(i);
         return Err(ApiError::unparsable_output(&f.parser, &f.reason, &f.detail));
     }
     let mut out = Vec::new();

@@ -44,6 +44,8 @@ pub(crate) fn router(st: AppState) -> Router {
         )
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/debug/incidents", get(list_incidents))
+        .route("/debug/incidents/{id}", get(get_incident))
         .route_layer(middleware::from_fn_with_state(st.clone(), auth));
     Router::new()
         .merge(v1)
@@ -112,6 +114,80 @@ async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response 
         }
     }
     next.run(req).await
+}
+
+fn incident_dir(st: &AppState) -> Result<&std::path::Path, ApiError> {
+    st.incidents.as_ref().map(|r| r.dir()).ok_or_else(|| {
+        ApiError::not_found("incident reports are off: start the gateway with --incident-dir")
+    })
+}
+
+fn incident_error(e: pdmesh_incident::Error) -> ApiError {
+    match e {
+        pdmesh_incident::Error::NotFound(_) | pdmesh_incident::Error::BadId(_) => {
+            ApiError::not_found(e.to_string())
+        }
+        e => ApiError::backend(e.to_string()),
+    }
+}
+
+/// `GET /debug/incidents`: the reports in `--incident-dir`, newest first, summarized.
+async fn list_incidents(State(st): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let dir = incident_dir(&st)?.to_owned();
+    let all = tokio::task::spawn_blocking(move || pdmesh_incident::list(&dir))
+        .await
+        .map_err(|e| ApiError::backend(format!("listing incidents: {e}")))?
+        .map_err(incident_error)?;
+    let data: Vec<Value> = all
+        .iter()
+        .map(|i| {
+            json!({
+                "id": i.id,
+                "kind": i.kind.name(),
+                "title": i.kind.title(),
+                "summary": i.summary,
+                "first_seen": i.first_seen,
+                "last_seen": i.last_seen,
+                "repeats": i.repeats,
+                "service": i.place.service,
+                "request_id": i.place.request_id,
+                "trace_id": i.place.trace_id,
+            })
+        })
+        .collect();
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+#[derive(serde::Deserialize)]
+struct IncidentQuery {
+    format: Option<String>,
+}
+
+/// `GET /debug/incidents/{id}`: a report as JSON, or as Markdown with `?format=markdown`.
+async fn get_incident(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<IncidentQuery>,
+) -> Result<Response, ApiError> {
+    let dir = incident_dir(&st)?.to_owned();
+    let i = tokio::task::spawn_blocking(move || pdmesh_incident::read(&dir, &id))
+        .await
+        .map_err(|e| ApiError::backend(format!("reading an incident: {e}")))?
+        .map_err(incident_error)?;
+    Ok(match q.format.as_deref() {
+        None | Some("json") => Json(serde_json::to_value(&i).unwrap_or_default()).into_response(),
+        Some("markdown" | "md") => (
+            [(header::CONTENT_TYPE, "text/markdown; charset=utf-8")],
+            pdmesh_incident::render(&i),
+        )
+            .into_response(),
+        Some(other) => {
+            return Err(ApiError::invalid_param(
+                "format",
+                format!("format is json or markdown, not {other:?}"),
+            ));
+        }
+    })
 }
 
 async fn not_found(req: Request) -> ApiError {
@@ -684,7 +760,12 @@ async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respo
     let body = body_bytes(&st, body)?;
     let req: ChatRequest = openai::parse(&body)?;
     let fields = openai::parse::<SamplingFields>(&body)?;
-    let chat = prepare_chat(&st, &req, &fields).await?;
+    let mut chat = prepare_chat(&st, &req, &fields).await?;
+    if let Some(p) = &mut chat.parsing
+        && st.incidents.is_some()
+    {
+        p.request = Some(std::sync::Arc::new(replay_body(&st, &body)));
+    }
     let stream = req.stream.unwrap_or(false);
     respond(
         st,
@@ -697,6 +778,24 @@ async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respo
         req.include_usage(),
     )
     .await
+}
+
+/// A chat request's body as an incident report keeps it: the messages' text replaced
+/// unless the operator allowed it (`--incident-include-prompts`).
+fn replay_body(st: &AppState, body: &[u8]) -> Value {
+    let mut v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    if !st.cfg.incident_include_prompts
+        && let Some(ms) = v.get_mut("messages").and_then(Value::as_array_mut)
+    {
+        for m in ms {
+            if let Some(c) = m.get_mut("content")
+                && !c.is_null()
+            {
+                *c = json!("[redacted: --incident-include-prompts]");
+            }
+        }
+    }
+    v
 }
 
 /// A chat request made ready to generate: the served model's name, the prompt's ids
@@ -748,6 +847,7 @@ pub(crate) async fn prepare_chat(
         reasoning: format.reasoning,
         thinking,
         call_id_prefix: format!("call_{}_", &uuid::Uuid::new_v4().simple().to_string()[..12]),
+        request: None,
     });
 
     let t0 = Instant::now();

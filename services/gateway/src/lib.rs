@@ -77,6 +77,18 @@ pub struct Config {
     /// Seconds a stored response is kept.
     #[arg(long, env = "PDMESH_RESPONSES_TTL_SECS", default_value_t = 3600)]
     pub responses_ttl_secs: u64,
+    /// Where incident reports are written (an unparsable output, a first token that
+    /// differs between prefill and decode), created owner-only; `GET /debug/incidents`
+    /// lists them. Unset: none are written (they are still counted).
+    #[arg(long, env = "PDMESH_INCIDENT_DIR")]
+    pub incident_dir: Option<std::path::PathBuf>,
+    /// A trace viewer's link with `{trace_id}` in it (Tempo, Jaeger), for the reports.
+    #[arg(long, env = "PDMESH_INCIDENT_TRACE_LINK")]
+    pub incident_trace_link: Option<String>,
+    /// Put the request's text in a report's replay recipe (by default only its token
+    /// ids and the rest of its body go there).
+    #[arg(long, env = "PDMESH_INCIDENT_INCLUDE_PROMPTS")]
+    pub incident_include_prompts: bool,
     /// Mutual TLS for the gateway's connections to the tokenizer, workers and cache
     /// services (the HTTP API itself is served as before).
     #[command(flatten)]
@@ -98,6 +110,9 @@ impl Config {
             model: None,
             responses_max_stored: 1024,
             responses_ttl_secs: 3600,
+            incident_dir: None,
+            incident_trace_link: None,
+            incident_include_prompts: false,
             tls: pdmesh_tls::TlsArgs::default(),
         }
     }

@@ -24,6 +24,7 @@ label_set! {
         FlushCache => "flush_cache",
         Messages => "messages",
         Responses => "responses",
+        Incidents => "incidents",
         Tokenize => "tokenize",
         Other => "other",
     }
@@ -93,6 +94,7 @@ pub(crate) struct Metrics {
     pub cached_prompt_tokens: IntCounter,
     errors: IntCounterVec,
     parse_failures: IntCounterVec,
+    incidents: IntCounterVec,
     pub kv_pages_free: IntGauge,
     pub kv_pages_capacity: IntGauge,
     /// 1 when this scrape read every worker's state, else 0 (the worker gauges are then
@@ -443,6 +445,7 @@ pub(crate) fn endpoint_label(path: &str) -> Endpoint {
         "/flush_cache" => Endpoint::FlushCache,
         "/v1/messages" => Endpoint::Messages,
         "/v1/responses" | "/v1/responses/{id}" => Endpoint::Responses,
+        "/debug/incidents" | "/debug/incidents/{id}" => Endpoint::Incidents,
         "/tokenize" | "/detokenize" => Endpoint::Tokenize,
         _ => Endpoint::Other,
     }
@@ -701,6 +704,17 @@ impl Metrics {
             &["parser", "reason"],
         )?;
         registry.register(Box::new(parse_failures.clone()))?;
+        let incidents = IntCounterVec::new(
+            Opts::new(
+                "mesh_incidents_total",
+                "Failures the gateway filed an incident report for (repeats of one cause included), by kind.",
+            ),
+            &["kind"],
+        )?;
+        registry.register(Box::new(incidents.clone()))?;
+        for kind in pdmesh_incident::Kind::ALL {
+            incidents.with_label_values(&[kind.name()]);
+        }
         registry.register(Box::new(kv_pages_free.clone()))?;
         registry.register(Box::new(kv_pages_capacity.clone()))?;
         registry.register(Box::new(workers_read.clone()))?;
@@ -739,6 +753,7 @@ impl Metrics {
             cached_prompt_tokens,
             errors,
             parse_failures,
+            incidents,
             kv_pages_free,
             kv_pages_capacity,
             workers_read,
@@ -802,6 +817,12 @@ impl Metrics {
     /// One request that ended in an error of this class.
     pub fn error(&self, error_type: ErrorType) {
         self.errors.with_label_values(&[error_type.name()]).inc();
+    }
+
+    /// One failure an incident report was (or, without `--incident-dir`, would have
+    /// been) filed for.
+    pub fn incident(&self, kind: pdmesh_incident::Kind) {
+        self.incidents.with_label_values(&[kind.name()]).inc();
     }
 
     /// One output that failed to parse; labels outside the parsers' closed sets read

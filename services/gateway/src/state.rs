@@ -27,6 +27,9 @@ pub(crate) struct Inner {
     pub started: u64,
     /// Stored responses (`/v1/responses`), for `previous_response_id` and `GET`.
     pub responses: crate::responses::Store,
+    /// Incident reports (`--incident-dir`).
+    pub incidents: Option<pdmesh_incident::Reporter>,
+    host: String,
     info: OnceCell<WorkerInfo>,
     output: OnceCell<OutputFormat>,
     /// The tokenizer loaded from `--model`, with its fingerprint.
@@ -51,6 +54,32 @@ pub(crate) fn unix_now() -> u64 {
 }
 
 impl AppState {
+    /// Counts `i` and, with `--incident-dir`, files its report (see `pdmesh_incident`):
+    /// the gateway's host, its configuration (secrets replaced) and where to find the
+    /// report are filled in here.
+    pub fn incident(&self, mut i: pdmesh_incident::Incident) {
+        self.metrics.incident(i.kind);
+        let Some(r) = &self.incidents else {
+            return;
+        };
+        i.place.service = "gateway".into();
+        i.place.host = self.host.clone();
+        let c = &self.cfg;
+        for (k, v) in [
+            ("worker_url", c.worker_url.clone()),
+            ("prefill_url", c.prefill_url.join(",")),
+            ("decode_url", c.decode_url.join(",")),
+            ("cache_url", c.cache_url.join(",")),
+            ("model_name", c.model_name.clone().unwrap_or_default()),
+            ("api_key", c.api_key.clone().unwrap_or_default()),
+            ("include_prompts", c.incident_include_prompts.to_string()),
+        ] {
+            i.config.insert(k.into(), v);
+        }
+        if let Err(e) = r.report(i) {
+            tracing::warn!(error = %e, "an incident report could not be written");
+        }
+    }
     pub fn new(
         cfg: Config,
         backends: Backends,
@@ -59,8 +88,21 @@ impl AppState {
     ) -> Result<Self, Error> {
         let responses =
             crate::responses::new_store(cfg.responses_max_stored, cfg.responses_ttl_secs);
+        let incidents = match &cfg.incident_dir {
+            None => None,
+            Some(dir) => {
+                let mut ic = pdmesh_incident::Config::new(dir);
+                ic.trace_link = cfg.incident_trace_link.clone();
+                Some(
+                    pdmesh_incident::Reporter::new(ic)
+                        .map_err(|e| Error::Config(format!("--incident-dir: {e}")))?,
+                )
+            }
+        };
         Ok(Self(Arc::new(Inner {
             responses,
+            incidents,
+            host: pdmesh_incident::hostname(),
             cfg,
             backends,
             metrics: Metrics::new()?,

@@ -1,0 +1,179 @@
+use std::time::Duration;
+
+use pdmesh_kv::{IndexKDtype, KvLayout, MlaCacheDtype, MlaDims};
+
+use super::*;
+
+fn place(service: &str) -> Place {
+    Place {
+        service: service.into(),
+        host: "hostA".into(),
+        request_id: "chatcmpl-1".into(),
+        trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+        ..Default::default()
+    }
+}
+
+fn reporter(dir: &Path, f: impl FnOnce(&mut Config)) -> Reporter {
+    let mut cfg = Config::new(dir.join("incidents"));
+    f(&mut cfg);
+    Reporter::new(cfg).unwrap()
+}
+
+#[test]
+fn a_hundred_identical_failures_are_one_report_counting_a_hundred() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = reporter(tmp.path(), |_| {});
+    let mut filed = Vec::new();
+    for _ in 0..100 {
+        filed.push(
+            r.report(Incident::new(
+                Kind::Checksum,
+                "a host page failed",
+                place("cache"),
+            ))
+            .unwrap(),
+        );
+    }
+    assert!(filed[0].new && filed[1..].iter().all(|f| !f.new && f.id == filed[0].id));
+    r.flush().unwrap();
+    let all = list(r.dir()).unwrap();
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].repeats, 100);
+    let md = std::fs::read_to_string(&filed[0].path).unwrap();
+    assert!(md.contains("Seen 100 times"), "{md}");
+    // Another cause, or the same cause elsewhere, is its own report.
+    r.report(Incident::new(Kind::Wedge, "stuck", place("cache")))
+        .unwrap();
+    r.report(Incident::new(
+        Kind::Checksum,
+        "a host page failed",
+        place("worker"),
+    ))
+    .unwrap();
+    assert_eq!(ids(r.dir()).unwrap().len(), 3);
+}
+
+#[test]
+fn a_closed_window_opens_a_new_report_with_the_last_count_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = reporter(tmp.path(), |c| c.window = Duration::from_millis(50));
+    let first = r
+        .report(Incident::new(Kind::ToolParse, "bad call", place("gateway")))
+        .unwrap();
+    r.report(Incident::new(Kind::ToolParse, "bad call", place("gateway")))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(60));
+    let second = r
+        .report(Incident::new(Kind::ToolParse, "bad call", place("gateway")))
+        .unwrap();
+    assert!(second.new && second.id != first.id);
+    assert_eq!(read(r.dir(), &first.id).unwrap().repeats, 2);
+}
+
+#[test]
+fn secrets_are_replaced_and_files_are_owner_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = reporter(tmp.path(), |_| {});
+    let mut i = Incident::new(Kind::EngineStall, "the loop stopped", place("worker"));
+    i.config.insert("api_key".into(), "sk-very-secret".into());
+    i.config
+        .insert("PDMESH_MESH_TOKEN".into(), "tok-secret".into());
+    i.config.insert("kv_pages".into(), "4096".into());
+    let f = r.report(i).unwrap();
+    for ext in ["md", "json"] {
+        let text = std::fs::read_to_string(r.dir().join(format!("{}.{ext}", f.id))).unwrap();
+        assert!(
+            !text.contains("sk-very-secret") && !text.contains("tok-secret"),
+            "{text}"
+        );
+        assert!(text.contains("4096") && text.contains("[redacted]"));
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(r.dir()), 0o700);
+        assert_eq!(mode(&f.path), 0o600);
+    }
+}
+
+#[test]
+fn the_oldest_reports_go_past_the_bound() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = reporter(tmp.path(), |c| c.keep = 3);
+    let mut made = Vec::new();
+    for w in 0..5 {
+        let mut p = place("worker");
+        p.worker = format!("w{w}");
+        made.push(
+            r.report(Incident::new(Kind::EngineStall, "stall", p))
+                .unwrap()
+                .id,
+        );
+    }
+    let kept = ids(r.dir()).unwrap();
+    assert_eq!(kept.len(), 3);
+    assert!(
+        kept.iter().all(|k| made[2..].contains(k)),
+        "{kept:?} {made:?}"
+    );
+    // Ids sort by time: the listing is newest first.
+    assert_eq!(list(r.dir()).unwrap()[0].id, made[4]);
+}
+
+#[test]
+fn a_layout_report_shows_index_k_132_against_256_bytes_per_token() {
+    let lay = |k| KvLayout::deepseek_v32(2, MlaDims::V32, MlaCacheDtype::Fp8, k, 64).unwrap();
+    let pair = LayoutPair {
+        ours_label: "cache service".into(),
+        ours: LayoutView::of(&lay(IndexKDtype::Bf16)),
+        theirs_label: "host mirror pool".into(),
+        theirs: LayoutView::of(&lay(IndexKDtype::Fp8)),
+    };
+    assert_eq!(
+        pair.differences(),
+        ["index_k: 256 B/token (bf16) vs 132 B/token (fp8_e4m3)"]
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let r = reporter(tmp.path(), |c| {
+        c.trace_link = Some("http://tempo:3200/trace/{trace_id}".into())
+    });
+    let mut i = Incident::new(Kind::LayoutRefused, "another layout", place("cache"));
+    i.layouts = Some(pair);
+    let f = r.report(i).unwrap();
+    let md = std::fs::read_to_string(&f.path).unwrap();
+    let row = md
+        .lines()
+        .find(|l| l.starts_with("| `index_k`"))
+        .expect(&md);
+    assert!(
+        row.contains("256 B/token") && row.contains("132 B/token") && row.contains("**differs**"),
+        "{row}"
+    );
+    let mla = md.lines().find(|l| l.starts_with("| `mla_nope`")).unwrap();
+    assert!(!mla.contains("differs"), "{mla}");
+    assert!(md.contains("(http://tempo:3200/trace/4bf92f3577b34da6a3ce929d0e0e4736)"));
+    // The JSON reads back whole.
+    let back = read(r.dir(), &f.id).unwrap();
+    let theirs = back.layouts.unwrap().theirs;
+    let index_k = theirs
+        .components
+        .iter()
+        .find(|c| c.name == "index_k")
+        .unwrap();
+    assert_eq!((index_k.bytes_per_token, index_k.scale_bytes), (132, 4));
+}
+
+#[test]
+fn only_report_ids_are_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    for bad in ["../etc/passwd", "a/b", "", "x.json"] {
+        assert!(
+            matches!(read(tmp.path(), bad), Err(Error::BadId(_))),
+            "{bad}"
+        );
+    }
+    assert!(matches!(read(tmp.path(), "nope"), Err(Error::NotFound(_))));
+    assert!(list(&tmp.path().join("none")).unwrap().is_empty());
+}
