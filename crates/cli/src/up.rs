@@ -674,6 +674,13 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     drop(ports);
     let gateway_listen = SocketAddr::new(args.host, port);
     let model_arg = model.to_string_lossy().into_owned();
+    // Every service writes its incident reports into one directory.
+    let incident_dir = args
+        .incident_dir
+        .clone()
+        .unwrap_or_else(crate::incident::default_dir)
+        .display()
+        .to_string();
 
     let mut services = Vec::new();
     let started = (|| -> Result<(), UpError> {
@@ -690,7 +697,13 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             services.push(spawn("tokenizer", &exe, &tok_args, tok_addr, None)?);
         }
         if has_cache {
-            let mut cache_args = vec!["cache".into(), "--listen".into(), cache_addr.to_string()];
+            let mut cache_args = vec![
+                "cache".into(),
+                "--listen".into(),
+                cache_addr.to_string(),
+                "--incident-dir".into(),
+                incident_dir.clone(),
+            ];
             cache_args.extend(tls_args.iter().cloned());
             cache_args.extend(args.cache_args.iter().cloned());
             services.push(spawn("cache", &exe, &cache_args, cache_addr, None)?);
@@ -732,11 +745,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             "--model".into(),
             model_arg.clone(),
             "--incident-dir".into(),
-            args.incident_dir
-                .clone()
-                .unwrap_or_else(crate::incident::default_dir)
-                .display()
-                .to_string(),
+            incident_dir.clone(),
         ];
         if role == UpRole::Gateway {
             gw_args.extend(["--prefill-url".into(), args.prefill_url.join(",")]);

@@ -443,6 +443,7 @@ impl Reporter {
             o.incident.repeats += 1;
             o.incident.last_seen = wall;
             o.unwritten = true;
+            merge(&mut o.incident, incident);
             let id = o.incident.id.clone();
             if now.duration_since(o.written) >= REWRITE_EVERY {
                 o.written = now;
@@ -499,11 +500,23 @@ impl Reporter {
 
     /// Writes every open report's repeats not yet in its files.
     pub fn flush(&self) -> Result<(), Error> {
+        self.write_pending(Duration::ZERO)
+    }
+
+    /// Writes the repeats not yet in their files of reports last written a second ago or
+    /// more: call it now and then (a service's housekeeping tick), so a report's count
+    /// and evidence catch up without a write per failure.
+    pub fn tick(&self) -> Result<(), Error> {
+        self.write_pending(REWRITE_EVERY)
+    }
+
+    fn write_pending(&self, age: Duration) -> Result<(), Error> {
+        let now = Instant::now();
         let pending: Vec<Incident> = {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             st.open
                 .values_mut()
-                .filter(|o| o.unwritten)
+                .filter(|o| o.unwritten && now.duration_since(o.written) >= age)
                 .map(|o| {
                     o.unwritten = false;
                     o.written = Instant::now();
@@ -552,6 +565,25 @@ impl Drop for Reporter {
     fn drop(&mut self) {
         if let Err(e) = self.flush() {
             tracing::warn!(error = %e, "incident reports: last repeats not written");
+        }
+    }
+}
+
+/// Most stuck rooms and pages one report lists.
+const MAX_LISTED: usize = 100;
+
+/// A repeat's stuck rooms and pages the open report does not list yet go into it (up to
+/// [`MAX_LISTED`]): the report of a wedge that spreads names every room it reached.
+fn merge(into: &mut Incident, new: Incident) {
+    for r in new.stuck_rooms {
+        if into.stuck_rooms.len() < MAX_LISTED && !into.stuck_rooms.iter().any(|o| o.room == r.room)
+        {
+            into.stuck_rooms.push(r);
+        }
+    }
+    for p in new.pages {
+        if into.pages.len() < MAX_LISTED && !into.pages.contains(&p) {
+            into.pages.push(p);
         }
     }
 }

@@ -71,6 +71,13 @@ pub struct Config {
     /// write of the page transport.
     #[arg(long, env = "PDMESH_PEER_IO_TIMEOUT_MS", default_value_t = 5_000)]
     pub peer_io_timeout_ms: u64,
+    /// Where incident reports are written (a wedge the watchdog found), created
+    /// owner-only; unset: none are written (the stuck rooms are still logged).
+    #[arg(long, env = "PDMESH_INCIDENT_DIR")]
+    pub incident_dir: Option<PathBuf>,
+    /// A trace viewer's link with `{trace_id}` in it (Tempo, Jaeger), for the reports.
+    #[arg(long, env = "PDMESH_INCIDENT_TRACE_LINK")]
+    pub incident_trace_link: Option<String>,
     /// Mutual TLS for gRPC and the page transport (both ways).
     #[command(flatten)]
     pub tls: pdmesh_tls::TlsArgs,
@@ -89,6 +96,8 @@ impl Config {
             watchdog: Watchdog::Soft,
             peer_listen: None,
             peer_io_timeout_ms: 5_000,
+            incident_dir: None,
+            incident_trace_link: None,
             tls: pdmesh_tls::TlsArgs::default(),
         }
     }
@@ -180,6 +189,22 @@ pub async fn run(
         tls.clone(),
     ));
     let watchdog = cfg.watchdog;
+    let incidents = match &cfg.incident_dir {
+        None => None,
+        Some(dir) => {
+            let mut ic = pdmesh_incident::Config::new(dir);
+            ic.trace_link = cfg.incident_trace_link.clone();
+            Some(
+                pdmesh_incident::Reporter::new(ic)
+                    .map_err(|e| Error::Config(format!("--incident-dir: {e}")))?,
+            )
+        }
+    };
+    let wedges = Wedges {
+        reporter: incidents,
+        config: config_table(&cfg, addr),
+        host: pdmesh_incident::hostname(),
+    };
     let reaper = {
         let shared = shared.clone();
         let shutdown = shutdown.clone();
@@ -188,21 +213,31 @@ pub async fn run(
             // Fine enough for room deadlines of a fraction of a second.
             let every = (ttl / 4).clamp(Duration::from_millis(5), Duration::from_millis(50));
             let mut tick = tokio::time::interval(every);
+            // The rooms' figures at the last tick: a wedge report's "before".
+            let mut before = shared.with(|s| s.room_stats(Instant::now()));
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tick.tick() => {
-                        let stuck = shared.with(|s| {
+                        let (stuck, after) = shared.with(|s| {
                             let now = Instant::now();
                             s.expire(now);
-                            match watchdog {
+                            let stuck = match watchdog {
                                 Watchdog::Off => Vec::new(),
                                 Watchdog::Soft => s.watchdog(now, 0.5, false),
                                 Watchdog::Hard => s.watchdog(now, 0.5, true),
-                            }
+                            };
+                            (stuck, s.room_stats(now))
                         });
                         if !stuck.is_empty() {
                             log_stuck(&stuck, watchdog);
+                            wedges.report(&stuck, watchdog, (&before, &after));
+                        }
+                        before = after;
+                        if let Some(r) = &wedges.reporter
+                            && let Err(e) = r.tick()
+                        {
+                            tracing::warn!(error = %e, "incident reports: repeats not written");
                         }
                         for d in shared.with(|s| s.take_dropped_relays()) {
                             let peers = peers.clone();
@@ -294,6 +329,134 @@ impl transfer::Sink for HomeSink<'_> {
     fn trailer(&mut self, room: u64, trailer: &[u8]) -> Vec<u8> {
         grpc::peer_commit(self.0, room, trailer)
     }
+}
+
+/// What the cache service's wedge reports need beside the stuck rooms.
+struct Wedges {
+    reporter: Option<pdmesh_incident::Reporter>,
+    config: std::collections::BTreeMap<String, String>,
+    host: String,
+}
+
+impl Wedges {
+    /// Files a `wedge` report for the rooms the watchdog found stuck now: the oldest
+    /// room's request, trace and timeline, every stuck room, and the rooms' figures
+    /// before and after.
+    fn report(
+        &self,
+        stuck: &[rooms::Stuck],
+        mode: Watchdog,
+        (before, after): (&state::RoomStats, &state::RoomStats),
+    ) {
+        let (Some(r), Some(oldest)) = (&self.reporter, stuck.first()) else {
+            return;
+        };
+        let done = if mode == Watchdog::Hard {
+            "the hard watchdog failed them, giving their mirror slots back"
+        } else {
+            "the soft watchdog left them to their deadlines"
+        };
+        let mut i = pdmesh_incident::Incident::new(
+            pdmesh_incident::Kind::Wedge,
+            format!(
+                "{} room(s) stayed in one state past half that state's deadline; {done}. \
+                 The oldest, room {} of request {}, had been {} for {:.1} s.",
+                stuck.len(),
+                oldest.room,
+                if oldest.request_id.is_empty() {
+                    "(unnamed)"
+                } else {
+                    &oldest.request_id
+                },
+                oldest.state.name(),
+                oldest.age.as_secs_f64()
+            ),
+            pdmesh_incident::Place {
+                service: "cache".into(),
+                host: self.host.clone(),
+                room: Some(oldest.room),
+                request_id: oldest.request_id.clone(),
+                trace_id: oldest.trace_id.clone(),
+                ..Default::default()
+            },
+        );
+        i.timeline = oldest
+            .timeline
+            .iter()
+            .map(|(at, what)| pdmesh_incident::Step::new(*at, what.clone()))
+            .collect();
+        i.stuck_rooms = stuck
+            .iter()
+            .map(|s| pdmesh_incident::StuckRoom {
+                room: s.room,
+                state: s.state.name().into(),
+                age_seconds: s.age.as_secs_f64(),
+                request_id: s.request_id.clone(),
+                trace_id: s.trace_id.clone(),
+            })
+            .collect();
+        let (b, a) = (room_figures(before), room_figures(after));
+        i.metrics = a
+            .iter()
+            .map(|(name, v)| pdmesh_incident::MetricDelta {
+                name: name.clone(),
+                before: b.iter().find(|(n, _)| n == name).map(|x| x.1),
+                after: Some(*v),
+            })
+            .collect();
+        i.config = self.config.clone();
+        i.details
+            .insert("watchdog".into(), format!("{mode:?}").to_lowercase());
+        if let Err(e) = r.report(i) {
+            tracing::warn!(error = %e, "a wedge report could not be written");
+        }
+    }
+}
+
+/// The rooms' figures a wedge report shows (the cache service's own counts; `/metrics`
+/// shows them as `mesh_rooms`, `mesh_room_oldest_seconds`, `mesh_stalls_total`,
+/// `mesh_room_slots` and `mesh_kv_transfer_bytes_total`).
+fn room_figures(s: &state::RoomStats) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = Vec::new();
+    for (state, n, oldest) in &s.census {
+        out.push((format!("rooms {}", state.name()), *n as f64));
+        out.push((
+            format!("oldest {} room, seconds", state.name()),
+            oldest.as_secs_f64(),
+        ));
+    }
+    out.extend([
+        ("room stalls seen".to_owned(), s.stalls as f64),
+        ("mirror slots held by rooms".to_owned(), s.room_slots as f64),
+        (
+            "mirror slots quarantined".to_owned(),
+            s.quarantined_slots as f64,
+        ),
+        ("transfer bytes".to_owned(), s.transfer_bytes as f64),
+        ("rooms finished".to_owned(), s.finished as f64),
+    ]);
+    out
+}
+
+/// The service's settings as a report shows them.
+fn config_table(
+    cfg: &Config,
+    addr: Option<std::net::SocketAddr>,
+) -> std::collections::BTreeMap<String, String> {
+    [
+        ("listen", addr.map_or_else(String::new, |a| a.to_string())),
+        ("host_mirror_size", format!("{:?}", cfg.host_mirror_size)),
+        ("lease_ttl_ms", cfg.lease_ttl_ms.to_string()),
+        ("room_bootstrap_ms", cfg.room_bootstrap_ms.to_string()),
+        ("room_wait_ms", cfg.room_wait_ms.to_string()),
+        ("room_transfer_ms", cfg.room_transfer_ms.to_string()),
+        ("room_success_ms", cfg.room_success_ms.to_string()),
+        ("watchdog", format!("{:?}", cfg.watchdog).to_lowercase()),
+        ("peer_io_timeout_ms", cfg.peer_io_timeout_ms.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
 }
 
 /// One warning with a table of the rooms the watchdog found stuck.

@@ -12,7 +12,7 @@
 //! in pages another request now uses.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use pdmesh_telemetry::labels;
 
@@ -184,6 +184,17 @@ struct Room {
     stalled: bool,
     /// Leading pages the receiver holds already: they do not travel.
     held: u32,
+    /// What happened to it and when (wall clock), for an incident report's timeline.
+    history: Vec<(SystemTime, String)>,
+}
+
+/// Most steps a room's history keeps (a room has a handful in a normal life).
+const HISTORY: usize = 32;
+
+fn note(r: &mut Room, what: String) {
+    if r.history.len() < HISTORY {
+        r.history.push((SystemTime::now(), what));
+    }
 }
 
 /// A room the watchdog found stuck.
@@ -194,6 +205,8 @@ pub struct Stuck {
     pub trace_id: String,
     pub state: RoomState,
     pub age: Duration,
+    /// Its history: when it opened, who joined, each state it entered.
+    pub timeline: Vec<(SystemTime, String)>,
 }
 
 /// Every open room. Failed rooms are kept (so both sides learn why) until both sides
@@ -242,6 +255,7 @@ impl Rooms {
         r.state = next;
         r.entered = now;
         r.stalled = false;
+        note(r, format!("entered {}", next.name()));
     }
 
     /// A side joins `room` (creating it if it is new). Once both have, it waits for input.
@@ -267,6 +281,7 @@ impl Rooms {
                 trace_id: String::new(),
                 stalled: false,
                 held: 0,
+                history: vec![(SystemTime::now(), "opened (bootstrapping)".into())],
             }),
         };
         let slot = match side {
@@ -277,7 +292,15 @@ impl Rooms {
             Some(holder) if holder != lease => {
                 return Err(RoomError::SideTaken { room, side, holder });
             }
-            _ => *slot = Some(lease),
+            Some(_) => {}
+            None => {
+                *slot = Some(lease);
+                let who = match side {
+                    Side::Sender => "the sender (prefill)",
+                    Side::Receiver => "the receiver (decode)",
+                };
+                note(r, format!("{who} joined (lease {lease})"));
+            }
         }
         if r.state == RoomState::Bootstrapping && r.sender.is_some() && r.receiver.is_some() {
             Self::advance(r, RoomState::WaitingForInput, now);
@@ -417,12 +440,17 @@ impl Rooms {
             let age = now.duration_since(r.entered);
             if !r.stalled && age >= limit.mul_f64(fraction) {
                 r.stalled = true;
+                note(
+                    r,
+                    format!("the watchdog found it stuck for {:.1} s", age.as_secs_f64()),
+                );
                 out.push(Stuck {
                     room: id,
                     request_id: r.request_id.clone(),
                     trace_id: r.trace_id.clone(),
                     state: r.state,
                     age,
+                    timeline: r.history.clone(),
                 });
             }
         }
@@ -464,6 +492,7 @@ impl Rooms {
     fn fail(r: &mut Room, reason: String, sender_done: bool, now: Instant) -> Released {
         let writing = r.state == RoomState::Transferring && !sender_done;
         Self::advance(r, RoomState::Failed, now);
+        note(r, format!("failed: {reason}"));
         r.reason = Some(reason);
         let slots = std::mem::take(&mut r.slots);
         match (writing, r.sender) {
@@ -501,6 +530,7 @@ impl Rooms {
                 r.state = RoomState::Failed;
                 r.entered = now;
                 r.stalled = false;
+                note(r, format!("failed after its hand-over: {reason}"));
                 r.reason = Some(reason.to_owned());
                 r.pages.clear();
                 Some(Released {
@@ -571,6 +601,7 @@ impl Rooms {
                     },
                 ));
                 r.state = RoomState::Failed;
+                note(r, format!("failed: receiver lease {lease} lost"));
                 r.reason = Some(format!("receiver lease {lease} lost"));
             }
             if r.sender == Some(lease) {
@@ -799,6 +830,15 @@ mod tests {
                 &*stuck[0].trace_id
             ),
             (1, Bootstrapping, "req-1", "trace-1")
+        );
+        let steps: Vec<&str> = stuck[0].timeline.iter().map(|(_, w)| &w[..]).collect();
+        assert_eq!(
+            steps,
+            [
+                "opened (bootstrapping)",
+                &format!("the receiver (decode) joined (lease {DEC})"),
+                "the watchdog found it stuck for 0.5 s",
+            ]
         );
         assert!(rooms.stuck(half(900), 0.5).is_empty(), "reported once");
         let stuck = rooms.stuck(half(2000), 0.5);

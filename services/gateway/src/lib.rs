@@ -184,6 +184,10 @@ pub async fn run(
     };
     let state = state::AppState::new(cfg, backends, local, shutdown.child_token())?;
     tokio::spawn(watch_event_loop(state.clone(), shutdown.child_token()));
+    tokio::spawn(write_incident_repeats(
+        state.clone(),
+        shutdown.child_token(),
+    ));
     let app = handlers::router(state);
     let addr = listener.local_addr().ok();
     tracing::info!(?addr, "gateway listening");
@@ -193,6 +197,26 @@ pub async fn run(
         .map_err(Error::Serve)?;
     tracing::info!(?addr, "gateway stopped");
     Ok(())
+}
+
+/// Brings the incident reports' repeat counts up to date once a second, until `stop`.
+async fn write_incident_repeats(st: state::AppState, stop: CancellationToken) {
+    let Some(r) = &st.incidents else {
+        return;
+    };
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        if let Err(e) = r.tick() {
+            tracing::warn!(error = %e, "incident reports: repeats not written");
+        }
+    }
+    if let Err(e) = r.flush() {
+        tracing::warn!(error = %e, "incident reports: last repeats not written");
+    }
 }
 
 /// Measures how late the runtime runs a timer due every 100 ms, until `stop`.

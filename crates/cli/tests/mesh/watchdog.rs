@@ -46,6 +46,8 @@ impl Cache {
             ])
             .arg("--shm-dir")
             .arg(dir.path())
+            .arg("--incident-dir")
+            .arg(dir.path().join("incidents"))
             .args(["--watchdog", mode])
             .arg(format!("--room-bootstrap-ms={boot}"))
             .arg(format!("--room-wait-ms={wait}"))
@@ -82,6 +84,10 @@ impl Cache {
 
     fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    fn incidents(&self) -> Vec<pdmesh_incident::Incident> {
+        pdmesh_incident::list(&self._dir.path().join("incidents")).unwrap()
     }
 
     fn log(&self) -> String {
@@ -321,6 +327,41 @@ async fn soft_watchdog_tables_exactly_the_stuck_rooms_with_their_traces_and_fail
         writing.len() + handed.len(),
         "{st:?}"
     );
+
+    // One wedge report (one cause, one component) naming every stuck room and its trace,
+    // with the oldest room's timeline.
+    let reports = until("the wedge report", 10, &cache, async || {
+        let r = cache.incidents();
+        (r.len() == 1 && r[0].stuck_rooms.len() == stuck.len()).then_some(r)
+    })
+    .await;
+    let w = &reports[0];
+    assert_eq!(w.kind, pdmesh_incident::Kind::Wedge);
+    assert_eq!(w.place.service, "cache");
+    let mut named: Vec<(u64, String)> = w
+        .stuck_rooms
+        .iter()
+        .map(|r| (r.room, r.trace_id.clone()))
+        .collect();
+    named.sort();
+    assert_eq!(named, stuck.map(|r| (r, trace_id(r))));
+    let oldest = w.place.room.expect("the oldest room");
+    assert_eq!(w.place.trace_id, trace_id(oldest));
+    let steps: Vec<&str> = w.timeline.iter().map(|s| &s.what[..]).collect();
+    assert_eq!(steps.first(), Some(&"opened (bootstrapping)"), "{steps:?}");
+    assert!(
+        steps
+            .last()
+            .unwrap()
+            .starts_with("the watchdog found it stuck"),
+        "{steps:?}"
+    );
+    assert!(
+        w.metrics
+            .iter()
+            .any(|m| m.name == "room stalls seen" && m.after >= Some(1.0))
+    );
+    assert_eq!(w.config["watchdog"], "soft");
 
     let rows = by_room(&rows);
     assert_eq!(rows.keys().copied().collect::<Vec<_>>(), stuck, "{rows:#?}");
