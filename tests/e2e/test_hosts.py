@@ -223,7 +223,8 @@ def test_the_remote_cache_service_stopped_past_the_deadline(hosts, reference):
 
 
 def test_a_decode_host_with_another_kv_layout_is_refused_naming_both(tmp_path):
-    h = Hosts(tmp_path, decode_args=["--page-size=32"])
+    incidents = tmp_path / "incidents"
+    h = Hosts(tmp_path, decode_args=["--page-size=32"], cache_args=[f"--incident-dir={incidents}"])
     try:
         kind, status = h.chat([{"role": "user", "content": "Hello there, how are you today?"}], max_tokens=4)
         assert kind == "error" and status == 500, (kind, status)
@@ -235,6 +236,16 @@ def test_a_decode_host_with_another_kv_layout_is_refused_naming_both(tmp_path):
         m = h.assert_baseline()
         assert m['mesh_kv_peer_layout_refusals_total{tier="host"}'] >= 1
         assert m['mesh_kv_peer_pages_total{direction="received"}'] == 0, "nothing moved"
+        # The refusing cache service wrote a report with both layouts side by side.
+        reports = [json.loads(f.read_text()) for f in sorted(incidents.glob("*.json"))]
+        refused = [r for r in reports if r["kind"] == "layout_refused"]
+        assert refused, reports
+        pair = refused[0]["layouts"]
+        assert (pair["ours"]["page_size"], pair["theirs"]["page_size"]) in ((16, 32), (32, 16)), pair
+        assert pair["theirs_label"].startswith("peer "), pair
+        md = (incidents / f"{refused[0]['id']}.md").read_text()
+        assert "## KV layouts" in md and "| page size | 16 | 32 | **differs** |" in md.replace(
+            "| page size | 32 | 16 |", "| page size | 16 | 32 |"), md
     finally:
         h.stop()
 

@@ -219,7 +219,7 @@ pub async fn run(
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tick.tick() => {
-                        let (stuck, after) = shared.with(|s| {
+                        let (stuck, after, seen) = shared.with(|s| {
                             let now = Instant::now();
                             s.expire(now);
                             let stuck = match watchdog {
@@ -227,8 +227,11 @@ pub async fn run(
                                 Watchdog::Soft => s.watchdog(now, 0.5, false),
                                 Watchdog::Hard => s.watchdog(now, 0.5, true),
                             };
-                            (stuck, s.room_stats(now))
+                            (stuck, s.room_stats(now), s.take_incidents())
                         });
+                        for i in seen {
+                            wedges.file(i);
+                        }
                         if !stuck.is_empty() {
                             log_stuck(&stuck, watchdog);
                             wedges.report(&stuck, watchdog, (&before, &after));
@@ -339,6 +342,19 @@ struct Wedges {
 }
 
 impl Wedges {
+    /// Files a failure seen under the state's lock (checksum, layout), as this service.
+    fn file(&self, mut i: pdmesh_incident::Incident) {
+        let Some(r) = &self.reporter else {
+            return;
+        };
+        i.place.service = "cache".into();
+        i.place.host = self.host.clone();
+        i.config = self.config.clone();
+        if let Err(e) = r.report(i) {
+            tracing::warn!(error = %e, "an incident report could not be written");
+        }
+    }
+
     /// Files a `wedge` report for the rooms the watchdog found stuck now: the oldest
     /// room's request, trace and timeline, every stuck room, and the rooms' figures
     /// before and after.

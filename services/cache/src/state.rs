@@ -270,6 +270,33 @@ pub struct State {
     dropped_relays: Vec<DroppedRelay>,
     /// Pages a peer wrote into each room transferring from it: its commit must cover all.
     peer_pages: HashMap<u64, usize>,
+    /// Failures seen under the lock, for the service to file as incident reports
+    /// (outside it: files are written there).
+    incidents: Vec<pdmesh_incident::Incident>,
+}
+
+/// A `layout_refused` report: this mirror's layout against `theirs`, side by side.
+fn layout_incident(
+    ours: &KvLayout,
+    theirs: &KvLayout,
+    who: &str,
+    summary: String,
+) -> pdmesh_incident::Incident {
+    let mut i = pdmesh_incident::Incident::new(
+        pdmesh_incident::Kind::LayoutRefused,
+        summary,
+        pdmesh_incident::Place {
+            worker: who.to_owned(),
+            ..Default::default()
+        },
+    );
+    i.layouts = Some(pdmesh_incident::LayoutPair {
+        ours_label: "this host's mirror".into(),
+        ours: pdmesh_incident::LayoutView::of(ours),
+        theirs_label: who.to_owned(),
+        theirs: pdmesh_incident::LayoutView::of(theirs),
+    });
+    i
 }
 
 impl State {
@@ -305,6 +332,7 @@ impl State {
             relays: HashMap::new(),
             dropped_relays: Vec::new(),
             peer_pages: HashMap::new(),
+            incidents: Vec::new(),
         }
     }
 
@@ -333,6 +361,16 @@ impl State {
     ) -> Result<Registration, CacheError> {
         match &self.layout {
             Some(ours) if ours.fingerprint() != layout.fingerprint() => {
+                self.incidents.push(layout_incident(
+                    ours,
+                    &layout,
+                    &format!("worker {worker}"),
+                    format!(
+                        "Worker {worker} registered with another KV layout than this host's \
+                         mirror holds, and was refused: pages written with one layout and read \
+                         with the other would be read as the wrong bytes."
+                    ),
+                ));
                 return Err(CacheError::LayoutMismatch {
                     ours: ours.to_string(),
                     theirs: layout.to_string(),
@@ -419,6 +457,15 @@ impl State {
         };
         if ours.fingerprint() != layout.fingerprint() {
             self.room_stats.peer.layout_refusals += 1;
+            self.incidents.push(layout_incident(
+                &ours,
+                layout,
+                &format!("peer {peer}"),
+                format!(
+                    "The cache service of another host ({peer}) registered with another KV \
+                     layout and was refused: no room's pages cross between the two hosts."
+                ),
+            ));
             tracing::warn!(peer, ours = %ours, theirs = %layout, "peer refused: another KV layout");
             return Err(CacheError::PeerLayoutMismatch {
                 ours: crate::transfer::describe(&ours),
@@ -427,6 +474,11 @@ impl State {
         }
         tracing::info!(peer, "peer cache service registered");
         Ok(self.admit(peer, true, now))
+    }
+
+    /// The failures seen since the last call, to file as incident reports.
+    pub fn take_incidents(&mut self) -> Vec<pdmesh_incident::Incident> {
+        std::mem::take(&mut self.incidents)
     }
 
     /// Counts a peer refused for its layout in the page transport's handshake.
@@ -614,13 +666,34 @@ impl State {
             if let Some(d) = &p.data {
                 mirror.write(p.slot, d);
             }
-            if mirror.checksum(p.slot, &mut scratch) != p.checksum {
+            let found = mirror.checksum(p.slot, &mut scratch);
+            if found != p.checksum {
                 tracing::warn!(
                     slot = p.slot,
                     hash = p.hash,
                     "committed page does not match its checksum"
                 );
                 self.stats.checksum_failures += 1;
+                let worker = self.leases.get(&lease).map(|l| l.worker.clone());
+                let mut i = pdmesh_incident::Incident::new(
+                    pdmesh_incident::Kind::Checksum,
+                    format!(
+                        "A page written into the host mirror by {} did not match the checksum \
+                         its writer computed; the page was refused (never published) and \
+                         will be computed again by whoever needs it.",
+                        worker.as_deref().unwrap_or("a worker")
+                    ),
+                    pdmesh_incident::Place {
+                        worker: worker.unwrap_or_default(),
+                        ..Default::default()
+                    },
+                );
+                i.pages.push(pdmesh_incident::PageCheck {
+                    page: format!("{:016x} (slot {})", p.hash, p.slot),
+                    expected: format!("{:016x}", p.checksum),
+                    found: format!("{found:016x}"),
+                });
+                self.incidents.push(i);
                 self.free_slot(p.slot);
                 rejected.push(p.slot);
                 continue;
@@ -1390,6 +1463,20 @@ mod tests {
             .to_string();
         assert!(err.contains(&layout().to_string()), "{err}");
         assert!(err.contains(&other.to_string()), "{err}");
+        // A report with both layouts side by side, naming the refused worker.
+        let seen = s.take_incidents();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].kind, pdmesh_incident::Kind::LayoutRefused);
+        let pair = seen[0].layouts.as_ref().unwrap();
+        assert_eq!(pair.theirs_label, "worker w2");
+        assert_eq!(
+            pair.differences(),
+            [
+                "k: 8 B/token (f16) vs 8 B/token (bf16)",
+                "v: 8 B/token (f16) vs 8 B/token (bf16)"
+            ]
+        );
+        assert!(s.take_incidents().is_empty(), "taken once");
 
         let (mut t, _d2) = state(0);
         assert!(matches!(
@@ -1465,6 +1552,19 @@ mod tests {
         };
         assert_eq!(s.commit(a, vec![bad]).unwrap(), vec![g[0].1]);
         assert_eq!(s.stats().checksum_failures, 1);
+        let seen = s.take_incidents();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].kind, pdmesh_incident::Kind::Checksum);
+        assert_eq!(seen[0].place.worker, "a");
+        let want = pdmesh_kv::page_checksum(&page(7));
+        assert_eq!(
+            seen[0].pages,
+            [pdmesh_incident::PageCheck {
+                page: format!("{:016x} (slot {})", 7, g[0].1),
+                expected: format!("{:016x}", want ^ 1),
+                found: format!("{want:016x}"),
+            }]
+        );
         assert_eq!(s.match_pages(a, &[7]).unwrap(), vec![]);
         assert_eq!(s.stats().used_pages, 0);
         // Committing a slot that is not reserved for that page is an error.
