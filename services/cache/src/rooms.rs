@@ -458,6 +458,12 @@ impl Rooms {
         out
     }
 
+    /// Who room `room` serves (request and trace ids) and its history, if it is known.
+    pub fn story(&self, room: u64) -> Option<(String, String, Vec<(SystemTime, String)>)> {
+        let r = self.rooms.get(&room)?;
+        Some((r.request_id.clone(), r.trace_id.clone(), r.history.clone()))
+    }
+
     /// Drops failed rooms older than `linger`: both sides had that long to learn why.
     pub fn forget_failed(&mut self, now: Instant, linger: Duration) {
         self.rooms
