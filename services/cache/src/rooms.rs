@@ -197,6 +197,14 @@ fn note(r: &mut Room, what: String) {
     }
 }
 
+/// Who a room serves and what happened to it (see [`Rooms::story`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Story {
+    pub request_id: String,
+    pub trace_id: String,
+    pub history: Vec<(SystemTime, String)>,
+}
+
 /// A room the watchdog found stuck.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Stuck {
@@ -459,9 +467,13 @@ impl Rooms {
     }
 
     /// Who room `room` serves (request and trace ids) and its history, if it is known.
-    pub fn story(&self, room: u64) -> Option<(String, String, Vec<(SystemTime, String)>)> {
+    pub fn story(&self, room: u64) -> Option<Story> {
         let r = self.rooms.get(&room)?;
-        Some((r.request_id.clone(), r.trace_id.clone(), r.history.clone()))
+        Some(Story {
+            request_id: r.request_id.clone(),
+            trace_id: r.trace_id.clone(),
+            history: r.history.clone(),
+        })
     }
 
     /// Drops failed rooms older than `linger`: both sides had that long to learn why.

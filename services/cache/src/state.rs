@@ -878,13 +878,21 @@ impl State {
                     state = stuck_in.name(),
                     "room deadline passed: failed"
                 );
-                let (request_id, trace_id, history) = self.rooms.story(room).unwrap_or_default();
+                let crate::rooms::Story {
+                    request_id,
+                    trace_id,
+                    history,
+                } = self.rooms.story(room).unwrap_or_default();
                 let mut i = pdmesh_incident::Incident::new(
                     pdmesh_incident::Kind::RoomDeadline,
                     format!(
                         "Room {room} of request {} stayed {} past that state's deadline and \
                          was failed: both sides were told, and its mirror slots came back.",
-                        if request_id.is_empty() { "(unnamed)" } else { &request_id },
+                        if request_id.is_empty() {
+                            "(unnamed)"
+                        } else {
+                            &request_id
+                        },
                         stuck_in.name()
                     ),
                     pdmesh_incident::Place {

@@ -218,6 +218,9 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The `code` of an error whose cause is corrupt KV (gRPC's DATA_LOSS).
+pub(crate) const DATA_LOSS: &str = "data_loss";
+
 impl From<tonic::Status> for ApiError {
     /// The one place gRPC errors become HTTP errors: the backend's message is kept for
     /// client errors, because it names the field that is wrong.
@@ -250,6 +253,11 @@ impl From<tonic::Status> for ApiError {
                 ..Self::backend(format!("backend timed out: {msg}"))
             },
             Code::NotFound => Self::not_found(msg),
+            // Corrupt KV: the request fails, and an incident report says why.
+            Code::DataLoss => Self {
+                code: Some(DATA_LOSS),
+                ..Self::backend(format!("backend error (DataLoss): {msg}"))
+            },
             code => Self::backend(format!("backend error ({code:?}): {msg}")),
         }
     }

@@ -214,6 +214,9 @@ pub(crate) async fn start(
                     return;
                 }
                 Some(Err(e)) => {
+                    if e.code == Some(crate::error::DATA_LOSS) {
+                        report_data_loss(&st, &evidence, &e.message);
+                    }
                     yield Err(e);
                     return;
                 }
@@ -344,6 +347,37 @@ pub(crate) fn record_error(span: &tracing::Span, e: &ApiError) {
     span.record("otel.status_code", "ERROR");
 }
 
+/// Files a `first_token_mismatch` report: decode's first token was not prefill's, so
+/// decode computed from other KV than prefill sent.
+fn report_data_loss(st: &AppState, ev: &Evidence, message: &str) {
+    let mut i = pdmesh_incident::Incident::new(
+        pdmesh_incident::Kind::FirstTokenMismatch,
+        format!(
+            "Request {} failed with DATA_LOSS: the decode worker's first token differs from \
+             the one prefill sampled, so decode did not compute from the KV prefill sent \
+             (pages damaged or misplaced in the hand-over). Nothing past the first token \
+             was shown.",
+            ev.request_id
+        ),
+        pdmesh_incident::Place {
+            request_id: ev.request_id.clone(),
+            trace_id: ev.trace_id.clone(),
+            ..Default::default()
+        },
+    );
+    i.details.insert("error".into(), message.to_owned());
+    i.replay = Some(pdmesh_incident::Replay {
+        body: ev
+            .request
+            .as_deref()
+            .cloned()
+            .unwrap_or(serde_json::Value::Null),
+        prompt_token_ids: ev.prompt.clone(),
+        command: String::new(),
+    });
+    st.incident(i);
+}
+
 /// What an incident report about this generation says of its request.
 struct Evidence {
     request_id: String,
@@ -472,10 +506,13 @@ mod tests {
     use super::*;
     use crate::Config;
 
-    /// Streams token 7 forever; reports Abort calls and when the Generate stream closes.
+    /// Streams token 7 forever (or once, then fails with DATA_LOSS as a disaggregated
+    /// request whose decode side got other KV does); reports Abort calls and when the
+    /// Generate stream closes.
     struct FakeWorker {
         aborts: mpsc::UnboundedSender<String>,
         closed: mpsc::UnboundedSender<()>,
+        data_loss: bool,
     }
 
     #[tonic::async_trait]
@@ -487,6 +524,7 @@ mod tests {
         ) -> Result<Response<Self::GenerateStream>, Status> {
             let (tx, rx) = mpsc::channel(1);
             let closed = self.closed.clone();
+            let data_loss = self.data_loss;
             tokio::spawn(async move {
                 let chunk = || wk::GenerateResponse {
                     kind: Some(wk::generate_response::Kind::Chunk(wk::TokenChunk {
@@ -494,6 +532,15 @@ mod tests {
                         ..Default::default()
                     })),
                 };
+                if data_loss {
+                    let _ = tx.send(Ok(chunk())).await;
+                    let _ = tx
+                        .send(Err(Status::data_loss(
+                            "prefill sent first token 7 but decode Some(5): the KV hand-over is corrupt",
+                        )))
+                        .await;
+                    return;
+                }
                 while tx.send(Ok(chunk())).await.is_ok() {}
                 let _ = closed.send(());
             });
@@ -597,16 +644,11 @@ mod tests {
         (TcpListenerStream::new(l), url)
     }
 
-    #[tokio::test]
-    async fn dropping_the_stream_sends_abort_and_closes_the_generate_call() {
-        let (aborts_tx, mut aborts) = mpsc::unbounded_channel();
-        let (closed_tx, mut closed) = mpsc::unbounded_channel();
+    /// Fake backends: the worker (see [`FakeWorker`]) and the tokenizer; the gateway's
+    /// state for them, writing incident reports into `incidents` when given.
+    async fn fakes(worker: FakeWorker, incidents: Option<&std::path::Path>) -> AppState {
         let (wl, wurl) = listener().await;
         let (tl, turl) = listener().await;
-        let worker = FakeWorker {
-            aborts: aborts_tx,
-            closed: closed_tx,
-        };
         tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(wk::worker_server::WorkerServer::new(worker))
@@ -617,15 +659,74 @@ mod tests {
                 .add_service(tk::tokenizer_server::TokenizerServer::new(FakeTokenizer))
                 .serve_with_incoming(tl),
         );
-        let cfg = Config::new(&turl, &wurl);
+        let mut cfg = Config::new(&turl, &wurl);
+        cfg.api_key = Some("sk-test-secret".into());
+        cfg.incident_dir = incidents.map(std::path::Path::to_owned);
         let backends = Backends::connect_lazy(&turl, &wurl).unwrap();
-        let st = AppState::new(
+        AppState::new(
             cfg,
             backends,
             None,
             tokio_util::sync::CancellationToken::new(),
         )
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn data_loss_fails_the_request_and_files_a_first_token_report() {
+        let (aborts, _a) = mpsc::unbounded_channel();
+        let (closed, _c) = mpsc::unbounded_channel();
+        let dir = tempfile::tempdir().unwrap();
+        let incidents = dir.path().join("incidents");
+        let worker = FakeWorker {
+            aborts,
+            closed,
+            data_loss: true,
+        };
+        let st = fakes(worker, Some(&incidents)).await;
+        let stream = start(
+            &st,
+            "req-9".into(),
+            vec![1, 2, 3],
+            GenParams::default(),
+            None,
+            std::time::Instant::now(),
+        )
+        .await
         .unwrap();
+        let events: Vec<_> = stream.collect().await;
+        let err = events.last().unwrap().as_ref().unwrap_err();
+        assert_eq!(err.code, Some(crate::error::DATA_LOSS), "{err:?}");
+        let all = pdmesh_incident::list(&incidents).unwrap();
+        assert_eq!(all.len(), 1);
+        let i = &all[0];
+        assert_eq!(i.kind, pdmesh_incident::Kind::FirstTokenMismatch);
+        assert_eq!(
+            (&*i.place.service, &*i.place.request_id),
+            ("gateway", "req-9")
+        );
+        assert!(i.details["error"].contains("first token 7 but decode Some(5)"));
+        assert_eq!(i.replay.as_ref().unwrap().prompt_token_ids, [1, 2, 3]);
+        assert_eq!(i.config["api_key"], "[redacted]");
+        let md = std::fs::read_to_string(incidents.join(format!("{}.md", i.id))).unwrap();
+        assert!(!md.contains("sk-test-secret"));
+        let m = st.metrics.render();
+        assert!(
+            m.contains(r#"mesh_incidents_total{kind="first_token_mismatch"} 1"#),
+            "{m}"
+        );
+    }
+
+    #[tokio::test]
+    async fn dropping_the_stream_sends_abort_and_closes_the_generate_call() {
+        let (aborts_tx, mut aborts) = mpsc::unbounded_channel();
+        let (closed_tx, mut closed) = mpsc::unbounded_channel();
+        let worker = FakeWorker {
+            aborts: aborts_tx,
+            closed: closed_tx,
+            data_loss: false,
+        };
+        let st = fakes(worker, None).await;
 
         let mut stream = start(
             &st,

@@ -401,12 +401,17 @@ async fn soft_watchdog_tables_exactly_the_stuck_rooms_with_their_traces_and_fail
     assert!(!st.room_aborts.contains_key("watchdog"), "{st:?}");
     // The three deadlines are one room_deadline report (one cause, one component), its
     // first room's timeline ending in the failure.
-    let failed = until("the deadline report counting three", 10, &cache, async || {
-        cache
-            .incidents()
-            .into_iter()
-            .find(|i| i.kind == pdmesh_incident::Kind::RoomDeadline && i.repeats == 3)
-    })
+    let failed = until(
+        "the deadline report counting three",
+        10,
+        &cache,
+        async || {
+            cache
+                .incidents()
+                .into_iter()
+                .find(|i| i.kind == pdmesh_incident::Kind::RoomDeadline && i.repeats == 3)
+        },
+    )
     .await;
     let room = failed.place.room.expect("a room");
     assert!(stuck.contains(&room) && failed.place.trace_id == trace_id(room));
