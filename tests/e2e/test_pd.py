@@ -54,6 +54,9 @@ class Services:
                 "--cache-url", cache,
             ],
         }
+        # Every service writes its incident reports here.
+        for name in ("cache", *self.prefills, "decode", "gateway"):
+            self.argv[name].append(f"--incident-dir={tmp / 'incidents'}")
         self.env = {p: prefill_env or {} for p in self.prefills} | {"decode": decode_env or {}}
         for name in self.argv:
             self.start(name)
@@ -579,3 +582,8 @@ def test_hard_watchdog_ends_the_requests_of_a_stalled_engine_loop(services):
     assert m['mesh_watchdog_aborts_total{component="engine"}'] >= len(errors)
     assert m['mesh_engine_stalls_total{side="all"}'] >= 1
     assert ask(client, "Name a fruit.", 4)
+    # The stall left a report: what the watchdog saw and did.
+    reports = [json.loads(f.read_text()) for f in (services.tmp / "incidents").glob("*.json")]
+    stalls = [r for r in reports if r["kind"] == "engine_stall"]
+    assert len(stalls) == 1 and stalls[0]["details"]["watchdog"] == "hard", reports
+    assert float(stalls[0]["details"]["idle seconds"]) >= 1.0, stalls

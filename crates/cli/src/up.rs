@@ -715,6 +715,8 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
                 addr.to_string(),
                 "--model".into(),
                 model_arg.clone(),
+                "--incident-dir".into(),
+                incident_dir.clone(),
             ];
             if has_cache {
                 worker_args.extend(["--cache-url".into(), format!("http://{cache_addr}")]);

@@ -129,6 +129,10 @@ pub struct Config {
     /// freed and the peer told at once) and refuses new ones until the loop moves again.
     #[arg(long, env = "PDMESH_WATCHDOG", value_enum, default_value_t = Watchdog::Soft)]
     pub watchdog: Watchdog,
+    /// Where incident reports are written (an engine-loop stall), created owner-only;
+    /// unset: none are written (stalls are still logged and counted).
+    #[arg(long, env = "PDMESH_INCIDENT_DIR")]
+    pub incident_dir: Option<PathBuf>,
     /// DeepSeek models: the MLA latent's cache form, bf16 (1152 B per token per layer) or
     /// fp8 (656 B: fp8 values with per-128 f32 scales, bf16 rope part).
     #[arg(long, env = "PDMESH_KV_CACHE_DTYPE", value_enum, default_value_t = KvCacheDtype::Bf16)]
@@ -207,6 +211,7 @@ impl Config {
             transfer_timeout_ms: 60_000,
             watchdog_stall_ms: 10_000,
             watchdog: Watchdog::Soft,
+            incident_dir: None,
             kv_cache_dtype: KvCacheDtype::Bf16,
             index_k_dtype: IndexKDtypeArg::Fp8,
             faults: FaultArgs::default(),
@@ -437,9 +442,16 @@ pub async fn run(
             }
         })
     };
+    let incidents = match &cfg.incident_dir {
+        None => None,
+        Some(dir) => Some(
+            pdmesh_incident::Reporter::new(pdmesh_incident::Config::new(dir))
+                .map_err(|e| Error::Config(format!("--incident-dir: {e}")))?,
+        ),
+    };
     let watch = std::sync::Arc::new(watchdog::EngineWatch::start(
         handle.clone(),
-        cfg.watchdog,
+        (cfg.watchdog, incidents),
         std::time::Duration::from_millis(cfg.watchdog_stall_ms),
         shutdown.child_token(),
     ));

@@ -32,11 +32,44 @@ pub(crate) struct EngineWatch {
     engine: EngineHandle,
 }
 
+/// Files an `engine_stall` report.
+fn report_stall(r: &pdmesh_incident::Reporter, hard: bool, idle: f64, limit: Duration) {
+    let mut i = pdmesh_incident::Incident::new(
+        pdmesh_incident::Kind::EngineStall,
+        format!(
+            "The engine loop of this worker had work but finished no step for {idle:.1} s \
+             (the watchdog's limit is {:.1} s); {}.",
+            limit.as_secs_f64(),
+            if hard {
+                "the hard watchdog ended every request in flight with UNAVAILABLE and \
+                 refuses new ones until the loop moves again"
+            } else {
+                "the soft watchdog only logged and counted it"
+            }
+        ),
+        pdmesh_incident::Place {
+            service: "worker".into(),
+            host: pdmesh_incident::hostname(),
+            worker: format!("pid {}", std::process::id()),
+            ..Default::default()
+        },
+    );
+    i.details
+        .insert("idle seconds".into(), format!("{idle:.3}"));
+    i.details
+        .insert("watchdog".into(), if hard { "hard" } else { "soft" }.into());
+    i.config
+        .insert("watchdog_stall_ms".into(), limit.as_millis().to_string());
+    if let Err(e) = r.report(i) {
+        tracing::warn!(error = %e, "an incident report could not be written");
+    }
+}
+
 impl EngineWatch {
     /// Starts the watchdog task (ended by `stop`).
     pub(crate) fn start(
         engine: EngineHandle,
-        mode: Watchdog,
+        (mode, incidents): (Watchdog, Option<pdmesh_incident::Reporter>),
         limit: Duration,
         stop: tokio_util::sync::CancellationToken,
     ) -> Self {
@@ -70,8 +103,16 @@ impl EngineWatch {
                     if hard {
                         tx.send_modify(|n| *n += 1);
                     }
+                    if let Some(r) = &incidents {
+                        report_stall(r, hard, idle, limit);
+                    }
                 }
                 stalled = idle >= secs;
+                if let Some(r) = &incidents
+                    && let Err(e) = r.tick()
+                {
+                    tracing::warn!(error = %e, "incident reports: repeats not written");
+                }
             }
         });
         Self {
