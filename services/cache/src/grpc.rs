@@ -190,8 +190,8 @@ impl CacheService {
         .encode_to_vec();
         let done = match link.send(room, &out, Some(&commit)).await {
             Err(e) => {
-                if matches!(e, crate::transfer::TransferError::LayoutRefused { .. }) {
-                    self.shared.with(|s| s.count_peer_layout_refusal());
+                if let crate::transfer::TransferError::LayoutRefused { peer, reason } = &e {
+                    self.shared.with(|s| s.peer_layout_refused(peer, reason));
                 }
                 Err(e.status())
             }

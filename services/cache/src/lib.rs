@@ -312,7 +312,7 @@ async fn receive_pages(
             match served {
                 Ok(_) => {}
                 Err(transfer::TransferError::LayoutRefused { peer, reason }) => {
-                    shared.with(|s| s.count_peer_layout_refusal());
+                    shared.with(|s| s.peer_layout_refused(&peer, &reason));
                     tracing::warn!(%peer, %reason, "page transport refused a peer's layout");
                 }
                 Err(e) => tracing::warn!(error = %e, "page transport connection failed"),

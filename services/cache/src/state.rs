@@ -481,9 +481,28 @@ impl State {
         std::mem::take(&mut self.incidents)
     }
 
-    /// Counts a peer refused for its layout in the page transport's handshake.
-    pub fn count_peer_layout_refusal(&mut self) {
+    /// Counts a peer refused for its layout in the page transport's handshake (by
+    /// either side), and queues its report: the handshake carries the other side's
+    /// layout as a description only, so the report quotes it beside this side's layout.
+    pub fn peer_layout_refused(&mut self, peer: &str, reason: &str) {
         self.room_stats.peer.layout_refusals += 1;
+        let mut i = pdmesh_incident::Incident::new(
+            pdmesh_incident::Kind::LayoutRefused,
+            format!(
+                "The page transport between this host and {peer} refused the other side's KV \
+                 layout: no room's pages cross between the two hosts. {reason}"
+            ),
+            pdmesh_incident::Place {
+                worker: format!("peer {peer}"),
+                ..Default::default()
+            },
+        );
+        if let Some(ours) = &self.layout {
+            i.details
+                .insert("this host's layout".into(), crate::transfer::describe(ours));
+        }
+        i.details.insert("refusal".into(), reason.to_owned());
+        self.incidents.push(i);
     }
 
     /// One page of a room from a peer, its checksum already verified by the transport:
