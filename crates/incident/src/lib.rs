@@ -417,6 +417,21 @@ impl Reporter {
         })
     }
 
+    /// A service's reporter from its flags: none without `--incident-dir`; none either,
+    /// with a warning, when the directory cannot be made, so a service never fails to
+    /// serve because its reports could not be written.
+    pub fn from_flags(dir: Option<&Path>, trace_link: Option<String>) -> Option<Self> {
+        let mut cfg = Config::new(dir?);
+        cfg.trace_link = trace_link;
+        match Self::new(cfg) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!(error = %e, "incident reports are off: the directory cannot be made");
+                None
+            }
+        }
+    }
+
     pub fn dir(&self) -> &Path {
         &self.cfg.dir
     }

@@ -177,3 +177,14 @@ fn only_report_ids_are_read() {
     assert!(matches!(read(tmp.path(), "nope"), Err(Error::NotFound(_))));
     assert!(list(&tmp.path().join("none")).unwrap().is_empty());
 }
+
+#[test]
+fn a_directory_that_cannot_be_made_turns_reports_off_instead_of_failing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    assert!(Reporter::from_flags(Some(&file.join("incidents")), None).is_none());
+    assert!(Reporter::from_flags(None, None).is_none());
+    let r = Reporter::from_flags(Some(&tmp.path().join("ok")), Some("t/{trace_id}".into()));
+    assert!(r.is_some_and(|r| r.dir().is_dir()));
+}

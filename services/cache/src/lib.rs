@@ -189,19 +189,11 @@ pub async fn run(
         tls.clone(),
     ));
     let watchdog = cfg.watchdog;
-    let incidents = match &cfg.incident_dir {
-        None => None,
-        Some(dir) => {
-            let mut ic = pdmesh_incident::Config::new(dir);
-            ic.trace_link = cfg.incident_trace_link.clone();
-            Some(
-                pdmesh_incident::Reporter::new(ic)
-                    .map_err(|e| Error::Config(format!("--incident-dir: {e}")))?,
-            )
-        }
-    };
     let wedges = Wedges {
-        reporter: incidents,
+        reporter: pdmesh_incident::Reporter::from_flags(
+            cfg.incident_dir.as_deref(),
+            cfg.incident_trace_link.clone(),
+        ),
         config: config_table(&cfg, addr),
         host: pdmesh_incident::hostname(),
     };

@@ -88,17 +88,10 @@ impl AppState {
     ) -> Result<Self, Error> {
         let responses =
             crate::responses::new_store(cfg.responses_max_stored, cfg.responses_ttl_secs);
-        let incidents = match &cfg.incident_dir {
-            None => None,
-            Some(dir) => {
-                let mut ic = pdmesh_incident::Config::new(dir);
-                ic.trace_link = cfg.incident_trace_link.clone();
-                Some(
-                    pdmesh_incident::Reporter::new(ic)
-                        .map_err(|e| Error::Config(format!("--incident-dir: {e}")))?,
-                )
-            }
-        };
+        let incidents = pdmesh_incident::Reporter::from_flags(
+            cfg.incident_dir.as_deref(),
+            cfg.incident_trace_link.clone(),
+        );
         Ok(Self(Arc::new(Inner {
             responses,
             incidents,

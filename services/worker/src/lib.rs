@@ -442,13 +442,7 @@ pub async fn run(
             }
         })
     };
-    let incidents = match &cfg.incident_dir {
-        None => None,
-        Some(dir) => Some(
-            pdmesh_incident::Reporter::new(pdmesh_incident::Config::new(dir))
-                .map_err(|e| Error::Config(format!("--incident-dir: {e}")))?,
-        ),
-    };
+    let incidents = pdmesh_incident::Reporter::from_flags(cfg.incident_dir.as_deref(), None);
     let watch = std::sync::Arc::new(watchdog::EngineWatch::start(
         handle.clone(),
         (cfg.watchdog, incidents),
