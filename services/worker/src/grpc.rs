@@ -134,6 +134,10 @@ pub(crate) fn prompt_logprobs(tokens: &[u32], logprobs: &[Logprob]) -> Vec<pb::P
         .collect()
 }
 
+/// Most choices one prompt group may have (the gateway and the SGLang facade send at
+/// most 16).
+const MAX_GROUP: u32 = 64;
+
 /// The client's message for an event; `None` for the engine's internal hand-over events.
 fn response(event: Event) -> Option<pb::GenerateResponse> {
     let kind = match event {
@@ -289,6 +293,14 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let req = request.into_inner();
         let params = sampling_params(req.sampling)?;
+        // A group waits for all its choices: a size no caller sends would hold the ones
+        // that came until their clients leave.
+        if !req.prompt_group.is_empty() && !(1..=MAX_GROUP).contains(&req.prompt_group_size) {
+            return Err(Status::invalid_argument(format!(
+                "prompt_group_size must be between 1 and {MAX_GROUP} with a prompt_group, got {}",
+                req.prompt_group_size
+            )));
+        }
         self.watch.admit()?;
         let id = if req.request_id.is_empty() {
             uuid::Uuid::new_v4().to_string()

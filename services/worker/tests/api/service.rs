@@ -274,6 +274,14 @@ async fn bad_requests_are_invalid_argument_and_hold_nothing() {
         ),
         ("vocabulary", request("v", &out_of_vocab, greedy(4))),
         (
+            "prompt_group_size must be between 1 and 64",
+            pb::GenerateRequest {
+                prompt_group: "g".into(),
+                prompt_group_size: 1_000_000,
+                ..request("g", PROMPT, greedy(4))
+            },
+        ),
+        (
             "stop[1] is not valid UTF-8",
             request(
                 "s",
