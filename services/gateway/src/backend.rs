@@ -166,6 +166,9 @@ pub(crate) struct GenParams {
     pub prompt_logprobs: Option<u32>,
     /// Choices to generate (`n`); the handler runs one generation per choice.
     pub n: u32,
+    /// The request's body as it came (a reference, not a copy), for an incident report's
+    /// replay recipe; only with `--incident-dir`.
+    pub request: Option<axum::body::Bytes>,
     /// The name the choices of one `n` > 1 request share, and their number, so the
     /// worker computes their prompt once.
     pub prompt_group: Option<(String, u32)>,
@@ -737,9 +740,6 @@ pub(crate) struct Parsing {
     /// The prompt opened `<think>`: the output starts as reasoning.
     pub thinking: bool,
     pub call_id_prefix: String,
-    /// The request's body as an incident report's replay recipe shows it (its text
-    /// redacted unless `--incident-include-prompts`); only with `--incident-dir`.
-    pub request: Option<std::sync::Arc<serde_json::Value>>,
 }
 
 /// What a batch of ids completed: content, reasoning, tool-call deltas and parse failures.

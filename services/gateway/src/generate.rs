@@ -161,7 +161,7 @@ pub(crate) async fn start(
         } else {
             Vec::new()
         },
-        request: parsing.as_ref().and_then(|p| p.request.clone()),
+        request: params.request.clone(),
     };
     let mut guard = AbortGuard {
         backends: st.backends.clone(),
@@ -366,15 +366,7 @@ fn report_data_loss(st: &AppState, ev: &Evidence, message: &str) {
         },
     );
     i.details.insert("error".into(), message.to_owned());
-    i.replay = Some(pdmesh_incident::Replay {
-        body: ev
-            .request
-            .as_deref()
-            .cloned()
-            .unwrap_or(serde_json::Value::Null),
-        prompt_token_ids: ev.prompt.clone(),
-        command: String::new(),
-    });
+    i.replay = Some(ev.replay(st));
     st.incident(i);
 }
 
@@ -384,7 +376,49 @@ struct Evidence {
     trace_id: String,
     /// The prompt's ids (only when reports are written).
     prompt: Vec<u32>,
-    request: Option<std::sync::Arc<serde_json::Value>>,
+    request: Option<axum::body::Bytes>,
+}
+
+impl Evidence {
+    /// The replay part of a report: the body (parsed only now, when a report is filed),
+    /// its text redacted unless `--incident-include-prompts`, and the prompt's ids.
+    fn replay(&self, st: &AppState) -> pdmesh_incident::Replay {
+        let mut body: serde_json::Value = self
+            .request
+            .as_deref()
+            .and_then(|b| serde_json::from_slice(b).ok())
+            .unwrap_or_default();
+        if !st.cfg.incident_include_prompts {
+            redact_text(&mut body);
+        }
+        pdmesh_incident::Replay {
+            body,
+            prompt_token_ids: self.prompt.clone(),
+            command: String::new(),
+        }
+    }
+}
+
+/// A chat or completion body's text replaced: each message's content, and a prompt
+/// given as text (a prompt of token ids stays).
+fn redact_text(body: &mut serde_json::Value) {
+    use serde_json::Value;
+    const REDACTED: &str = "[redacted: --incident-include-prompts]";
+    if let Some(ms) = body.get_mut("messages").and_then(Value::as_array_mut) {
+        for c in ms.iter_mut().filter_map(|m| m.get_mut("content")) {
+            if !c.is_null() {
+                *c = Value::from(REDACTED);
+            }
+        }
+    }
+    if let Some(p) = body.get_mut("prompt") {
+        let text = p.is_string()
+            || p.as_array()
+                .is_some_and(|a| a.first().is_some_and(Value::is_string));
+        if text {
+            *p = Value::from(REDACTED);
+        }
+    }
 }
 
 /// Orders what one Detokenize answer completed into events: reasoning, content (through
@@ -421,13 +455,7 @@ fn split(
             "failures in this output".into(),
             p.failures.len().to_string(),
         );
-        if let Some(body) = &ev.request {
-            i.replay = Some(pdmesh_incident::Replay {
-                body: (**body).clone(),
-                prompt_token_ids: ev.prompt.clone(),
-                command: String::new(),
-            });
-        }
+        i.replay = Some(ev.replay(st));
         st.incident(i);
         return Err(ApiError::unparsable_output(&f.parser, &f.reason, &f.detail));
     }
@@ -670,6 +698,33 @@ mod tests {
             tokio_util::sync::CancellationToken::new(),
         )
         .unwrap()
+    }
+
+    #[test]
+    fn a_replay_body_keeps_everything_but_the_text() {
+        let mut chat = serde_json::json!({"model": "m", "temperature": 0, "messages": [
+            {"role": "user", "content": "my secret question"},
+            {"role": "assistant", "content": null, "tool_calls": []},
+        ]});
+        redact_text(&mut chat);
+        assert!(!chat.to_string().contains("secret"));
+        assert_eq!(chat["messages"][1]["content"], serde_json::Value::Null);
+        assert_eq!(
+            (&chat["model"], &chat["temperature"]),
+            (&"m".into(), &0.into())
+        );
+        for text in [serde_json::json!("secret"), serde_json::json!(["secret"])] {
+            let mut c = serde_json::json!({"prompt": text});
+            redact_text(&mut c);
+            assert!(!c.to_string().contains("secret"), "{c}");
+        }
+        let mut ids = serde_json::json!({"prompt": [1, 2, 3]});
+        redact_text(&mut ids);
+        assert_eq!(
+            ids["prompt"],
+            serde_json::json!([1, 2, 3]),
+            "token ids stay"
+        );
     }
 
     #[tokio::test]

@@ -761,10 +761,8 @@ async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respo
     let req: ChatRequest = openai::parse(&body)?;
     let fields = openai::parse::<SamplingFields>(&body)?;
     let mut chat = prepare_chat(&st, &req, &fields).await?;
-    if let Some(p) = &mut chat.parsing
-        && st.incidents.is_some()
-    {
-        p.request = Some(std::sync::Arc::new(replay_body(&st, &body)));
+    if st.incidents.is_some() {
+        chat.params.request = Some(body.clone());
     }
     let stream = req.stream.unwrap_or(false);
     respond(
@@ -778,24 +776,6 @@ async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respo
         req.include_usage(),
     )
     .await
-}
-
-/// A chat request's body as an incident report keeps it: the messages' text replaced
-/// unless the operator allowed it (`--incident-include-prompts`).
-fn replay_body(st: &AppState, body: &[u8]) -> Value {
-    let mut v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    if !st.cfg.incident_include_prompts
-        && let Some(ms) = v.get_mut("messages").and_then(Value::as_array_mut)
-    {
-        for m in ms {
-            if let Some(c) = m.get_mut("content")
-                && !c.is_null()
-            {
-                *c = json!("[redacted: --incident-include-prompts]");
-            }
-        }
-    }
-    v
 }
 
 /// A chat request made ready to generate: the served model's name, the prompt's ids
@@ -847,7 +827,6 @@ pub(crate) async fn prepare_chat(
         reasoning: format.reasoning,
         thinking,
         call_id_prefix: format!("call_{}_", &uuid::Uuid::new_v4().simple().to_string()[..12]),
-        request: None,
     });
 
     let t0 = Instant::now();
@@ -976,6 +955,9 @@ async fn completion(
     req.check_supported()?;
     params.logprobs = req.logprobs()?;
     check_logprobs(&st, &params).await?;
+    if st.incidents.is_some() {
+        params.request = Some(body.clone());
+    }
     let echo = req.echo == Some(true);
     if echo {
         // The prompt's logprobs too, with as many alternatives (what `echo` scores).

@@ -262,6 +262,7 @@ impl SamplingFields {
             logit_bias,
             min_tokens,
             n,
+            request: None,
             prompt_group: None,
             prompt_logprobs: None,
         })
