@@ -155,6 +155,19 @@ def wait_pages(mesh, want: float):
         time.sleep(0.2)
 
 
+def choices_through(smg, mesh) -> None:
+    """n choices through smg: greedy, each is pdmesh's greedy answer; sampled, each its own
+    draw."""
+    ask = dict(model=mesh.model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=12)
+    greedy = smg.client().chat.completions.create(n=3, temperature=0, **ask)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    one = mesh.client().chat.completions.create(temperature=0, **ask).choices[0].message.content
+    assert [c.message.content for c in greedy.choices] == [one] * 3
+    hot = smg.client().chat.completions.create(n=3, temperature=1.0, **ask)
+    assert sorted(c.index for c in hot.choices) == [0, 1, 2]
+    assert len({c.message.content for c in hot.choices}) > 1
+
+
 def test_smg_drives_a_unified_worker_like_pdmeshs_gateway(tmp_path):
     mesh = start_up(tmp_path, ["--unified"])
     smg = None
@@ -178,15 +191,7 @@ def test_smg_drives_a_unified_worker_like_pdmeshs_gateway(tmp_path):
         # routes by them: its cache-aware policy found the prompts' pages there.
         assert "does not implement SubscribeKvEvents" not in smg.log_path.read_text()
         assert smg.metric('smg_cache_aware_policy_branch_total{branch="event_hit"}') > 0
-        # n choices: greedy, each is the greedy answer; sampled, each its own draw.
-        ask = dict(model=mesh.model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=12)
-        greedy = smg.client().chat.completions.create(n=3, temperature=0, **ask)
-        assert [c.index for c in greedy.choices] == [0, 1, 2]
-        one = mesh.client().chat.completions.create(temperature=0, **ask).choices[0].message.content
-        assert [c.message.content for c in greedy.choices] == [one] * 3
-        hot = smg.client().chat.completions.create(n=3, temperature=1.0, **ask)
-        assert sorted(c.index for c in hot.choices) == [0, 1, 2]
-        assert len({c.message.content for c in hot.choices}) > 1
+        choices_through(smg, mesh)
         baseline = pages_in_use(mesh)
         leave_mid_stream(smg.client(), mesh.model)
         wait_pages(mesh, baseline)
@@ -210,15 +215,7 @@ def test_smg_drives_prefill_and_decode_workers_through_rooms(mesh, tmp_path):
         assert moved > 0, "the KV went through rooms"
         ours = answers(mesh.client(), mesh.model)
         assert theirs == ours
-        # n choices: greedy, each is the greedy answer; sampled, each its own draw.
-        ask = dict(model=mesh.model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=12)
-        greedy = smg.client().chat.completions.create(n=3, temperature=0, **ask)
-        assert [c.index for c in greedy.choices] == [0, 1, 2]
-        one = mesh.client().chat.completions.create(temperature=0, **ask).choices[0].message.content
-        assert [c.message.content for c in greedy.choices] == [one] * 3
-        hot = smg.client().chat.completions.create(n=3, temperature=1.0, **ask)
-        assert sorted(c.index for c in hot.choices) == [0, 1, 2]
-        assert len({c.message.content for c in hot.choices}) > 1
+        choices_through(smg, mesh)
         baseline = pages_in_use(mesh)
         leave_mid_stream(smg.client(), mesh.model)
         wait_pages(mesh, baseline)
