@@ -147,6 +147,15 @@ def test_chaos_flip_host_bytes_is_caught_by_the_checksums(restarting, tmp_path):
     assert v["answers"]["compared"] == 6 and v["answers"]["differing"] == 0, v["answers"]
     assert v["requests"]["ok"] == 6, v["requests"]
     assert "checksum failures seen" in r.stdout, r.stdout
+    # ...and each worker that loaded a flipped page filed a checksum report saying which
+    # page, with the checksum it was stored with and the one of the bytes found.
+    loads = [r for r in (json.loads(p.read_text()) for p in m.incident_dir.glob("*.json"))
+             if r["kind"] == "checksum" and r["place"].get("stage") == "host load-back"]
+    assert loads, sorted(p.name for p in m.incident_dir.iterdir())
+    pages = [p for r in loads for p in r["pages"]]
+    assert pages and all(p["page"].startswith("hash 0x") and p["expected"] != p["found"] for p in pages), pages
+    failing = [next(x for x in r["metrics"] if x["name"] == "host pages failing their checksum on load") for r in loads]
+    assert all(x["after"] >= 1 for x in failing), failing
     print(f"flip-host-bytes took {took:.1f} s")
     assert ask(m), "the mesh still answers"
 

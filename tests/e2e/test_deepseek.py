@@ -5,8 +5,10 @@ concurrent sessions sharing a long prefix answers bit-identically to a unified w
 no cache at all answering one request at a time (bf16-fp8 with prefill and decode on two
 hosts, network namespaces, the KV crossing between their cache services; the others on
 one host; bf16-bf16 both ways). And the seed's bug, forced on purpose (bf16 index-K sent
-through a buffer sized for fp8), is caught by the same comparison, on one host and
-across hosts."""
+through a buffer sized for fp8): with the seed's own after-the-loss checksums it is caught
+by the same comparison, on one host and across hosts; with the mesh's checksums (of the
+engine's bytes) the hand-over refuses it and a report names both layouts, 256 vs 132
+bytes per token of index-K."""
 
 from __future__ import annotations
 
@@ -143,10 +145,45 @@ def test_the_seeds_bug_forced_on_purpose_is_caught_by_the_differential(tmp_path,
     """bf16 index-K pages sent through a buffer sized for fp8 index-K: checksums pass (they
     are computed after the loss, as in the seed), the answers change. The fault is on only
     through the worker's explicit test flag, and the mesh says so loudly."""
-    pd = disaggregated(tmp_path / "pd", tiny, "bf16", "bf16", extra=["--worker-arg=--fault-missize-index-k"], faults=["missize-index-k"])
+    pd = disaggregated(tmp_path / "pd", tiny, "bf16", "bf16", extra=["--worker-arg=--fault-missize-index-k-unchecked"],
+                       faults=["missize-index-k-unchecked"])
     log = (tmp_path / "pd" / "up.log").read_text(errors="replace")
-    assert "FAULT INJECTION IS ON" in log and "missize-index-k" in log, log[-4000:]
+    assert "FAULT INJECTION IS ON" in log and "missize-index-k-unchecked" in log, log[-4000:]
     assert differences(pd, reference(tmp_path_factory, tiny, "bf16", "bf16")) > 0
+
+
+def test_the_seeds_bug_is_refused_by_the_hand_over_and_reported_with_both_layouts(tmp_path, tiny):
+    """The same mis-sized copy behind the mesh's own checksums (taken from the engine's
+    bytes before staging): the prefill's write into the mirror does not match them, the
+    request fails with DATA_LOSS before decode sees a page, and the prefill worker files a
+    checksum report whose layout section puts the engine's index-K (bf16, 256 B/token)
+    beside the staging buffer's (fp8, 132 B/token)."""
+    mesh = start_up(tmp_path, ["--model", str(tiny), "--no-smoke-test", "--worker-arg=--kv-cache-dtype=bf16",
+                               "--worker-arg=--index-k-dtype=bf16", "--worker-arg=--fault-missize-index-k"])
+    try:
+        client = mesh.client()
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model=mesh.model, messages=[{"role": "user", "content": SYSTEM}],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+        assert e.value.status_code >= 500 and e.value.body["code"] == "data_loss", e.value.body
+        assert "changed between the engine and the host mirror" in e.value.body["message"], e.value.body
+        reports = [json.loads(p.read_text()) for p in sorted(mesh.incident_dir.glob("*.json"))]
+        assert [(r["kind"], r["place"]["service"], r["place"]["stage"]) for r in reports] == [
+            ("checksum", "worker", "hand-over write")], reports
+        r = reports[0]
+        assert r["pages"] and all(p["expected"] != p["found"] for p in r["pages"]), r["pages"]
+        index_k = {side: next(c for c in r["layouts"][side]["components"] if c["name"] == "index_k")
+                   for side in ("ours", "theirs")}
+        assert (index_k["ours"]["bytes_per_token"], index_k["theirs"]["bytes_per_token"]) == (256, 132), index_k
+        assert (r["layouts"]["ours_label"], r["layouts"]["theirs_label"]) == ("prefill engine", "host staging buffer")
+        md = (mesh.incident_dir / f"{r['id']}.md").read_text()
+        assert "index_k: 256 B/token (bf16) vs 132 B/token (fp8_e4m3)" in md, md
+        assert r["config"]["faults (TEST ONLY)"] == "missize-index-k"
+        assert r["place"]["request_id"] and r["place"]["trace_id"] and r["replay"]["prompt_token_ids"], r["place"]
+        # No corrupted page reached decode, so the gateway saw no first-token mismatch.
+        assert not list(mesh.incident_dir.glob("*first_token_mismatch*")), list(mesh.incident_dir.iterdir())
+    finally:
+        stop_up(mesh)
 
 
 def across_hosts(tmp, tiny, index_k: str, prefill_args=()) -> list[list[tuple[str, str]]]:
@@ -173,7 +210,7 @@ def test_across_hosts_is_bit_identical_to_unified_no_cache(tmp_path, tmp_path_fa
 
 def test_the_seeds_bug_on_the_prefill_host_is_caught_across_hosts(tmp_path, tmp_path_factory, tiny):
     """The seed's mis-sized index-K copy, switched on in the prefill host's worker only."""
-    pd = across_hosts(tmp_path / "hosts", tiny, "bf16", prefill_args=["--fault-missize-index-k"])
+    pd = across_hosts(tmp_path / "hosts", tiny, "bf16", prefill_args=["--fault-missize-index-k-unchecked"])
     assert "FAULT INJECTION IS ON" in (tmp_path / "hosts" / "prefill.log").read_text(errors="replace")
     assert differences(pd, reference(tmp_path_factory, tiny, "bf16", "bf16")) > 0
 

@@ -127,7 +127,7 @@ def test_the_short_matrix_is_all_zero_corruption_with_valid_calls_and_no_leaks(t
 def test_the_seeds_bug_forced_on_shows_as_corruption_and_fails_the_matrix(tmp_path):
     out = tmp_path / "matrix"
     r = matrix(out, "--dsa-model", str(tmp_path / "dsa-tiny"), "--models", "dsa", "--index-k", "bf16",
-               "--mirror", "on", "--mode", "pd,unified", "--fault", "missize-index-k")
+               "--mirror", "on", "--mode", "pd,unified", "--fault", "missize-index-k-unchecked")
     assert r.returncode != 0, r.stdout + r.stderr[-4000:]
     assert "differ from their reference" in r.stderr, r.stderr[-4000:]
     rows = {row["name"]: row for row in json.loads((out / "matrix.json").read_text())["rows"]}
@@ -136,7 +136,7 @@ def test_the_seeds_bug_forced_on_shows_as_corruption_and_fails_the_matrix(tmp_pa
     # The mis-sized copy happens in the hand-over: only the disaggregated mesh corrupts.
     assert pd["corrupted"] > 0, pd
     assert rows["dsa-bf16-mirror-unified"]["summary"]["differential"]["corrupted"] == 0
-    assert all(row["fault"] == "missize-index-k" for row in rows.values())
+    assert all(row["fault"] == "missize-index-k-unchecked" for row in rows.values())
     md = (out / "matrix.md").read_text()
     assert "(fault injected)" in md
     charts_name_every_configuration(out, list(rows.values()))

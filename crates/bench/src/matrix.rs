@@ -59,8 +59,10 @@ pub struct MatrixArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Inject the seed's bug on purpose in every mesh measured (never in references):
-    /// `missize-index-k` sends bf16 index-K pages through a buffer sized for fp8. The
-    /// bf16 disaggregated rows must then show corruption: proof the instrument sees it.
+    /// `missize-index-k-unchecked` sends bf16 index-K pages through a buffer sized for fp8
+    /// with the checksums taken after the loss, as the seed's code did. The bf16
+    /// disaggregated rows must then show corruption: proof the instrument sees it.
+    /// (`missize-index-k` keeps the mesh's own checksums: those rows fail instead.)
     #[arg(long, value_enum)]
     pub fault: Option<Fault>,
     /// Extra flag for every worker of every mesh, references included (repeatable), e.g.
@@ -123,6 +125,7 @@ pub enum Mode {
 #[serde(rename_all = "kebab-case")]
 pub enum Fault {
     MissizeIndexK,
+    MissizeIndexKUnchecked,
 }
 
 impl Fault {
@@ -130,6 +133,7 @@ impl Fault {
     fn worker_flag(self) -> &'static str {
         match self {
             Self::MissizeIndexK => "--fault-missize-index-k",
+            Self::MissizeIndexKUnchecked => "--fault-missize-index-k-unchecked",
         }
     }
 }

@@ -54,7 +54,29 @@ pub struct Loaded {
     /// Leading pages copied and verified.
     pub pages: usize,
     /// The first page whose bytes did not match its checksum (the rest were not used).
-    pub corrupt: Option<u32>,
+    pub corrupt: Option<Corrupt>,
+}
+
+/// A page that failed its checksum on load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Corrupt {
+    pub hash: u64,
+    pub slot: u32,
+    /// The checksum the mirror recorded when the page was stored, and the one of the
+    /// bytes read now.
+    pub expected: u64,
+    pub found: u64,
+}
+
+impl Corrupt {
+    fn of(p: &PageRef, found: u64) -> Self {
+        Self {
+            hash: p.hash,
+            slot: p.slot,
+            expected: p.checksum,
+            found,
+        }
+    }
 }
 
 /// What [`HostClient::store`] did with the pages it was given.
@@ -245,7 +267,6 @@ impl HostClient {
         pages: &[PageRef],
         dsts: &mut [&mut [u8]],
     ) -> Result<Loaded, ClientError> {
-        let verify = |p: &PageRef, d: &[u8]| pdmesh_kv::page_checksum(d) == p.checksum;
         match (self.mirror.as_deref(), self.plane) {
             (Some(m), DataPlane::Shm) => {
                 // Pages are independent: copy and check them on several threads, each in
@@ -255,7 +276,7 @@ impl HostClient {
                     .min(pages.len().div_ceil(4))
                     .max(1);
                 let per = pages.len().div_ceil(threads);
-                let ok: Vec<bool> = std::thread::scope(|s| {
+                let found: Vec<u64> = std::thread::scope(|s| {
                     let jobs: Vec<_> = pages
                         .chunks(per)
                         .zip(dsts.chunks_mut(per))
@@ -263,8 +284,8 @@ impl HostClient {
                             s.spawn(move || {
                                 ps.iter()
                                     .zip(ds.iter_mut())
-                                    .map(|(p, d)| m.read_checked(p.slot, d) == p.checksum)
-                                    .collect::<Vec<bool>>()
+                                    .map(|(p, d)| m.read_checked(p.slot, d))
+                                    .collect::<Vec<u64>>()
                             })
                         })
                         .collect();
@@ -272,10 +293,10 @@ impl HostClient {
                         .flat_map(|j| j.join().expect("a page copy panicked"))
                         .collect()
                 });
-                if let Some(i) = ok.iter().position(|&g| !g) {
+                if let Some(i) = pages.iter().zip(&found).position(|(p, &f)| f != p.checksum) {
                     return Ok(Loaded {
                         pages: i,
-                        corrupt: Some(pages[i].slot),
+                        corrupt: Some(Corrupt::of(&pages[i], found[i])),
                     });
                 }
             }
@@ -306,10 +327,11 @@ impl HostClient {
                         });
                     }
                     d.copy_from_slice(&msg.data);
-                    if msg.slot != p.slot || !verify(p, d) {
+                    let found = pdmesh_kv::page_checksum(d);
+                    if msg.slot != p.slot || found != p.checksum {
                         return Ok(Loaded {
                             pages: i,
-                            corrupt: Some(p.slot),
+                            corrupt: Some(Corrupt::of(p, found)),
                         });
                     }
                 }

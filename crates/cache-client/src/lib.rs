@@ -12,7 +12,7 @@ pub mod mirror;
 mod tier;
 pub mod wire;
 
-pub use tier::{RemoteTier, TierConfig};
+pub use tier::{OnCorrupt, RemoteTier, TierConfig};
 
 /// What a watchdog does with work stuck past half its deadline: `soft` logs a table of
 /// it and counts stalls; `hard` also fails it. The cache service's rooms and a worker's

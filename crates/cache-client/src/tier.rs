@@ -12,7 +12,10 @@ use pdmesh_kv::{HostLoad, HostPage, HostTier, KvLayout};
 use pdmesh_proto::cache::v1 as pb;
 use tokio::sync::Mutex;
 
-use crate::client::{DataPlane, HostClient};
+use crate::client::{Corrupt, DataPlane, HostClient};
+
+/// Told of each host page that fails its checksum on load (an incident report).
+pub type OnCorrupt = Arc<dyn Fn(Corrupt) + Send + Sync>;
 
 /// Where and how to reach the cache service.
 #[derive(Clone, Debug)]
@@ -38,6 +41,7 @@ pub struct RemoteTier {
     /// Registrations so far: each one may face a mirror that lost everything.
     registrations: Arc<AtomicU64>,
     reconnect: tokio::task::JoinHandle<()>,
+    on_corrupt: Option<OnCorrupt>,
 }
 
 impl std::fmt::Debug for RemoteTier {
@@ -115,7 +119,14 @@ impl RemoteTier {
             failures: Arc::default(),
             registrations,
             reconnect,
+            on_corrupt: None,
         }
+    }
+
+    /// Calls `f` with each page that fails its checksum on load.
+    pub fn on_corrupt(mut self, f: OnCorrupt) -> Self {
+        self.on_corrupt = Some(f);
+        self
     }
 
     /// Calls that failed or timed out (each dropped the connection).
@@ -185,10 +196,15 @@ impl HostTier for RemoteTier {
             })
             .collect();
         match call!(self, c => c.load_into(&refs, dsts)) {
-            Some(l) => HostLoad {
-                pages: l.pages,
-                corrupt: l.corrupt.is_some(),
-            },
+            Some(l) => {
+                if let (Some(c), Some(f)) = (l.corrupt, &self.on_corrupt) {
+                    f(c);
+                }
+                HostLoad {
+                    pages: l.pages,
+                    corrupt: l.corrupt.is_some(),
+                }
+            }
             None => HostLoad::default(),
         }
     }

@@ -90,6 +90,10 @@ pub struct Place {
     pub host: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub worker: String,
+    /// Where in the component (`host load-back`, `hand-over write`): one cause, so
+    /// failures at different stages are separate reports.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub stage: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub room: Option<u64>,
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -307,7 +311,10 @@ impl Incident {
     /// What makes two reports the same cause in the same component (deduplication).
     fn key(&self) -> (Kind, String) {
         let p = &self.place;
-        (self.kind, format!("{}|{}|{}", p.service, p.host, p.worker))
+        (
+            self.kind,
+            format!("{}|{}|{}|{}", p.service, p.host, p.worker, p.stage),
+        )
     }
 }
 

@@ -28,6 +28,9 @@ pub fn render(i: &Incident) -> String {
     if !p.worker.is_empty() {
         rows.push(("worker", p.worker.clone()));
     }
+    if !p.stage.is_empty() {
+        rows.push(("stage", p.stage.clone()));
+    }
     if let Some(r) = p.room {
         rows.push(("room", r.to_string()));
     }

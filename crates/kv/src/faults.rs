@@ -4,19 +4,17 @@
 
 use crate::{Component, DType, KvLayout, ScalePlacement};
 
-/// The seed's bug: a page whose bf16 index-K went through a buffer sized for the fp8
-/// index-K layout (132 B per token instead of 256). Of each layer's index-K region only
-/// the bytes an fp8-sized buffer holds survive; the rest is lost (zeroed). Pages of a
-/// layout without a bf16 `index_k` are left alone. Returns whether the page changed shape.
-pub fn truncate_bf16_index_k_like_fp8(layout: &KvLayout, page: &mut [u8]) -> bool {
-    let Some(k) = layout.component_index("index_k") else {
-        return false;
-    };
+/// The layout the seed's host buffer was sized with: `layout` with its bf16 index-K
+/// counted as fp8 index-K (132 B per token, values and scales, instead of 256). `None`
+/// for a layout without a bf16 `index_k`.
+pub fn fp8_sized_index_k(layout: &KvLayout) -> Option<KvLayout> {
+    let k = layout.component_index("index_k")?;
     let comp = &layout.components()[k];
     if comp.dtype != DType::Bf16 {
-        return false;
+        return None;
     }
-    let fp8 = Component::scaled(
+    let mut components = layout.components().to_vec();
+    components[k] = Component::scaled(
         "index_k",
         DType::Fp8E4m3,
         comp.elems_per_token,
@@ -24,7 +22,21 @@ pub fn truncate_bf16_index_k_like_fp8(layout: &KvLayout, page: &mut [u8]) -> boo
         crate::FP8_SCALE_BLOCK,
         ScalePlacement::PageTail,
     );
-    let keep = fp8.bytes_per_token() * layout.page_size();
+    let name = format!("{} (index-K sized as fp8)", layout.name());
+    KvLayout::new(&name, layout.layers(), layout.page_size(), components).ok()
+}
+
+/// The seed's bug: a page whose bf16 index-K went through a buffer sized for the fp8
+/// index-K layout ([`fp8_sized_index_k`]: 132 B per token instead of 256). Of each
+/// layer's index-K region only the bytes an fp8-sized buffer holds survive; the rest is
+/// lost (zeroed). Pages of a layout without a bf16 `index_k` are left alone. Returns
+/// whether the page changed shape.
+pub fn truncate_bf16_index_k_like_fp8(layout: &KvLayout, page: &mut [u8]) -> bool {
+    let Some(sized) = fp8_sized_index_k(layout) else {
+        return false;
+    };
+    let k = layout.component_index("index_k").expect("checked above");
+    let keep = sized.component_bytes_per_page(k);
     let len = layout.component_bytes_per_page(k);
     for layer in 0..layout.layers() {
         let at = layout.region_offset(layer, k);
@@ -58,7 +70,12 @@ mod tests {
                     .all(|&b| b == 7)
             );
         }
+        // The buffer's layout is the fp8 form's, byte for byte (only the name differs).
+        let sized = fp8_sized_index_k(&bf16).unwrap();
         let fp8 = form(IndexKDtype::Fp8);
+        assert_eq!(sized.fingerprint(), fp8.fingerprint());
+        assert_eq!(sized.components()[k].bytes_per_token(), 132);
+        assert!(fp8_sized_index_k(&fp8).is_none());
         let mut page = vec![7u8; fp8.bytes_per_page()];
         assert!(!truncate_bf16_index_k_like_fp8(&fp8, &mut page));
         assert!(page.iter().all(|&b| b == 7));

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use pb::cache_client::CacheClient;
-use pdmesh_cache::client::{DataPlane, HostClient, Loaded};
+use pdmesh_cache::client::{Corrupt, DataPlane, HostClient, Loaded};
 use pdmesh_cache::{Config, MirrorSize};
 use pdmesh_kv::{DType, KvLayout, page_hashes};
 use pdmesh_proto::cache::v1 as pb;
@@ -205,11 +205,22 @@ async fn a_byte_flipped_in_the_mirror_is_caught_on_load_on_both_planes_and_disca
 
         let mut r = client(&s, "reader", plane).await;
         let (loaded, bufs) = load(&mut r, &hashes).await;
+        let found = {
+            let mut page = page_for(hashes[6]);
+            page[1234] ^= 0x10;
+            pdmesh_kv::page_checksum(&page)
+        };
         assert_eq!(
             loaded,
             Loaded {
                 pages: 6,
-                corrupt: Some(refs[6].slot)
+                // Which page, the checksum it was stored with, and the one of what is there.
+                corrupt: Some(Corrupt {
+                    hash: hashes[6],
+                    slot: refs[6].slot,
+                    expected: refs[6].checksum,
+                    found,
+                })
             },
             "{plane:?}"
         );

@@ -214,7 +214,9 @@ pub(crate) async fn start(
                     return;
                 }
                 Some(Err(e)) => {
-                    if e.code == Some(crate::error::DATA_LOSS) {
+                    if e.code == Some(crate::error::DATA_LOSS)
+                        && e.message.contains(crate::route::FIRST_TOKEN_MISMATCH)
+                    {
                         report_data_loss(&st, &evidence, &e.message);
                     }
                     yield Err(e);
@@ -540,7 +542,8 @@ mod tests {
     struct FakeWorker {
         aborts: mpsc::UnboundedSender<String>,
         closed: mpsc::UnboundedSender<()>,
-        data_loss: bool,
+        /// The DATA_LOSS message to fail with after the first token.
+        data_loss: Option<String>,
     }
 
     #[tonic::async_trait]
@@ -552,7 +555,7 @@ mod tests {
         ) -> Result<Response<Self::GenerateStream>, Status> {
             let (tx, rx) = mpsc::channel(1);
             let closed = self.closed.clone();
-            let data_loss = self.data_loss;
+            let data_loss = self.data_loss.clone();
             tokio::spawn(async move {
                 let chunk = || wk::GenerateResponse {
                     kind: Some(wk::generate_response::Kind::Chunk(wk::TokenChunk {
@@ -560,13 +563,9 @@ mod tests {
                         ..Default::default()
                     })),
                 };
-                if data_loss {
+                if let Some(m) = data_loss {
                     let _ = tx.send(Ok(chunk())).await;
-                    let _ = tx
-                        .send(Err(Status::data_loss(
-                            "prefill sent first token 7 but decode Some(5): the KV hand-over is corrupt",
-                        )))
-                        .await;
+                    let _ = tx.send(Err(Status::data_loss(m))).await;
                     return;
                 }
                 while tx.send(Ok(chunk())).await.is_ok() {}
@@ -736,7 +735,10 @@ mod tests {
         let worker = FakeWorker {
             aborts,
             closed,
-            data_loss: true,
+            data_loss: Some(format!(
+                "prefill sent first token 7 but decode Some(5): {}",
+                crate::route::FIRST_TOKEN_MISMATCH
+            )),
         };
         let st = fakes(worker, Some(&incidents)).await;
         let stream = start(
@@ -770,6 +772,31 @@ mod tests {
             m.contains(r#"mesh_incidents_total{kind="first_token_mismatch"} 1"#),
             "{m}"
         );
+        // A worker's own DATA_LOSS (a page failing its checksum) fails the request the
+        // same way; that worker files the report, so the gateway files none.
+        let (aborts, _a) = mpsc::unbounded_channel();
+        let (closed, _c) = mpsc::unbounded_channel();
+        let worker = FakeWorker {
+            aborts,
+            closed,
+            data_loss: Some("1 of 3 pages changed between the engine and the host mirror".into()),
+        };
+        let others = dir.path().join("others");
+        let st = fakes(worker, Some(&others)).await;
+        let stream = start(
+            &st,
+            "req-10".into(),
+            vec![1, 2, 3],
+            GenParams::default(),
+            None,
+            std::time::Instant::now(),
+        )
+        .await
+        .unwrap();
+        let events: Vec<_> = stream.collect().await;
+        let err = events.last().unwrap().as_ref().unwrap_err();
+        assert_eq!(err.code, Some(crate::error::DATA_LOSS), "{err:?}");
+        assert!(pdmesh_incident::list(&others).unwrap().is_empty());
     }
 
     #[tokio::test]
@@ -779,7 +806,7 @@ mod tests {
         let worker = FakeWorker {
             aborts: aborts_tx,
             closed: closed_tx,
-            data_loss: false,
+            data_loss: None,
         };
         let st = fakes(worker, None).await;
 

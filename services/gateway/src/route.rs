@@ -525,6 +525,11 @@ impl Workers {
     }
 }
 
+/// How the DATA_LOSS of a first token that differs between prefill and decode ends (the
+/// gateway's own check; the workers' checksum failures say otherwise and report
+/// themselves).
+pub(crate) const FIRST_TOKEN_MISMATCH: &str = "the KV hand-over is corrupt";
+
 /// A disaggregated request's two streams as the one its client sees. Prefill streams the
 /// first token before the hand-over, so it is shown first; decode streams it again, and
 /// its copy is checked against prefill's and dropped (a mismatch means decode got other
@@ -657,7 +662,7 @@ where
                 if let Some(Some(t)) = first {
                     if c.token_ids.first() != Some(&t) {
                         yield Err(Status::data_loss(format!(
-                            "prefill sent first token {t} but decode {:?}: the KV hand-over is corrupt",
+                            "prefill sent first token {t} but decode {:?}: {FIRST_TOKEN_MISMATCH}",
                             c.token_ids.first()
                         )));
                         break;

@@ -31,10 +31,29 @@ pub struct FaultArgs {
     /// watchdog tests).
     #[arg(long = "fault-stall-step", value_name = "STEP:MS", hide = true, value_parser = parse_stall)]
     pub stall_step: Option<StallStep>,
-    /// TEST ONLY, CORRUPTS KV. The seed's bug: a prefill sends its bf16 index-K through a
-    /// buffer sized for fp8, behind valid checksums.
+    /// TEST ONLY. The seed's bug: a prefill stages its bf16 index-K through a buffer
+    /// sized for fp8. The hand-over's checksums (of the engine's own bytes) catch it:
+    /// the request fails with DATA_LOSS and a checksum report shows both layouts.
     #[arg(long = "fault-missize-index-k", hide = true)]
     pub missize_index_k: bool,
+    /// TEST ONLY, CORRUPTS KV. The seed's bug as its code had it: the same mis-sized
+    /// copy, with the checksums taken after the loss, so nothing in the mesh can tell and
+    /// only the differential (`pdmesh matrix`, the DeepSeek tests) sees the answers change.
+    #[arg(
+        long = "fault-missize-index-k-unchecked",
+        hide = true,
+        conflicts_with = "missize_index_k"
+    )]
+    pub missize_index_k_unchecked: bool,
+}
+
+/// The seed's bug, when a `--fault-missize-index-k*` flag is on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Missize {
+    /// Caught by the hand-over's checksums.
+    Checked,
+    /// Checksummed after the loss: silent.
+    Unchecked,
 }
 
 /// `--fault-stall-step STEP:MS`.
@@ -70,7 +89,19 @@ impl FaultArgs {
         if self.missize_index_k {
             on.push("missize-index-k".to_owned());
         }
+        if self.missize_index_k_unchecked {
+            on.push("missize-index-k-unchecked".to_owned());
+        }
         on
+    }
+
+    /// The seed's bug, if switched on.
+    pub fn missize(&self) -> Option<Missize> {
+        match (self.missize_index_k, self.missize_index_k_unchecked) {
+            (true, _) => Some(Missize::Checked),
+            (_, true) => Some(Missize::Unchecked),
+            _ => None,
+        }
     }
 
     /// Says at start what is on, and that `PDMESH_FAULT_*` variables do nothing.
@@ -151,6 +182,22 @@ mod tests {
                 "stall-step=30:1500",
                 "missize-index-k"
             ]
+        );
+    }
+
+    #[test]
+    fn the_seeds_bug_is_checked_or_unchecked_never_both() {
+        let f = parse(&["--fault-missize-index-k-unchecked"]).unwrap();
+        assert_eq!(f.active(), ["missize-index-k-unchecked"]);
+        assert_eq!(f.missize(), Some(Missize::Unchecked));
+        let f = parse(&["--fault-missize-index-k"]).unwrap();
+        assert_eq!(f.missize(), Some(Missize::Checked));
+        assert!(
+            parse(&[
+                "--fault-missize-index-k",
+                "--fault-missize-index-k-unchecked"
+            ])
+            .is_err()
         );
     }
 

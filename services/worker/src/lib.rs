@@ -10,6 +10,7 @@ mod engine_core;
 mod error;
 mod faults;
 mod grpc;
+mod incidents;
 mod pd;
 mod sglang;
 mod watchdog;
@@ -129,10 +130,14 @@ pub struct Config {
     /// freed and the peer told at once) and refuses new ones until the loop moves again.
     #[arg(long, env = "PDMESH_WATCHDOG", value_enum, default_value_t = Watchdog::Soft)]
     pub watchdog: Watchdog,
-    /// Where incident reports are written (an engine-loop stall), created owner-only;
-    /// unset: none are written (stalls are still logged and counted).
+    /// Where incident reports are written (an engine-loop stall, a page failing its
+    /// checksum on load or in a hand-over), created owner-only; unset: none are written
+    /// (the failures are still logged and counted).
     #[arg(long, env = "PDMESH_INCIDENT_DIR")]
     pub incident_dir: Option<PathBuf>,
+    /// A trace viewer's link with `{trace_id}` in it (Tempo, Jaeger), for the reports.
+    #[arg(long, env = "PDMESH_INCIDENT_TRACE_LINK")]
+    pub incident_trace_link: Option<String>,
     /// DeepSeek models: the MLA latent's cache form, bf16 (1152 B per token per layer) or
     /// fp8 (656 B: fp8 values with per-128 f32 scales, bf16 rope part).
     #[arg(long, env = "PDMESH_KV_CACHE_DTYPE", value_enum, default_value_t = KvCacheDtype::Bf16)]
@@ -212,6 +217,7 @@ impl Config {
             watchdog_stall_ms: 10_000,
             watchdog: Watchdog::Soft,
             incident_dir: None,
+            incident_trace_link: None,
             kv_cache_dtype: KvCacheDtype::Bf16,
             index_k_dtype: IndexKDtypeArg::Fp8,
             faults: FaultArgs::default(),
@@ -268,6 +274,41 @@ impl Config {
             arch: self.gpu_arch.clone(),
             kernel_cache: None,
         }))
+    }
+
+    /// What an incident report shows of this worker's configuration.
+    fn report_config(
+        &self,
+        layout: &pdmesh_kv::KvLayout,
+    ) -> std::collections::BTreeMap<String, String> {
+        let faults = self.faults.active();
+        [
+            ("role", self.role.name().to_owned()),
+            ("kv layout", layout.describe()),
+            ("kv layout fingerprint", layout.fingerprint_hex()),
+            ("cache url", self.cache_url.clone().unwrap_or_default()),
+            ("host tier", (!self.no_host_tier).to_string()),
+            (
+                "cache write policy",
+                format!("{:?}", self.cache_write_policy),
+            ),
+            ("transfer timeout ms", self.transfer_timeout_ms.to_string()),
+            (
+                "watchdog",
+                format!("{:?} after {} ms", self.watchdog, self.watchdog_stall_ms),
+            ),
+            (
+                "faults (TEST ONLY)",
+                if faults.is_empty() {
+                    "none".into()
+                } else {
+                    faults.join(", ")
+                },
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
     }
 
     /// Checks the values and converts them to the engine's configuration.
@@ -373,6 +414,12 @@ pub async fn run(
         .map_err(|e| {
             Error::Thread(std::io::Error::other(format!("model loader panicked: {e}")))
         })??;
+    let incidents = incidents::Incidents::from_flags(
+        cfg.incident_dir.as_deref(),
+        cfg.incident_trace_link.clone(),
+        format!("{} pid {}", cfg.role.name(), std::process::id()),
+        cfg.report_config(engine.pool().layout().as_ref()),
+    );
     if let Some(url) = cfg.cache_url.as_ref().filter(|_| !cfg.no_host_tier) {
         let tier = pdmesh_cache_client::RemoteTier::start(
             tokio::runtime::Handle::current(),
@@ -386,6 +433,10 @@ pub async fn run(
             },
             engine.pool().layout().as_ref().clone(),
         );
+        let tier = match &incidents {
+            Some(inc) => tier.on_corrupt(inc.on_corrupt()),
+            None => tier,
+        };
         let policy = match cfg.cache_write_policy {
             WritePolicyArg::WriteThrough => WritePolicy::WriteThrough,
             WritePolicyArg::WriteThroughSelective => WritePolicy::WriteThroughSelective {
@@ -396,27 +447,44 @@ pub async fn run(
         tracing::info!(%url, plane = ?cfg.cache_data_plane, ?policy, "host tier enabled");
         engine.set_host_tier(Box::new(tier), policy);
     }
-    let pd = std::sync::Arc::new(pd::Pd::new(
-        cfg.role,
-        cfg.cache_url.as_deref(),
-        cfg.cache_advertise_url
-            .as_deref()
-            .or(cfg.cache_url.as_deref()),
-        engine.pool().layout(),
-        pd::PdTimes {
-            admission: std::time::Duration::from_millis(cfg.admission_timeout_ms),
-            transfer: std::time::Duration::from_millis(cfg.transfer_timeout_ms),
-            // Fault injection, only from explicit --fault-* flags (see `faults`).
-            write_delay: cfg
-                .faults
-                .write_delay_ms
-                .map(std::time::Duration::from_millis),
-            fault_count: cfg.faults.count.unwrap_or(u64::MAX),
-            missize_index_k: cfg.faults.missize_index_k,
-        },
-        engine.info().eos_token_ids,
-        tls.clone(),
-    ));
+    let pd = std::sync::Arc::new(
+        pd::Pd::new(
+            cfg.role,
+            cfg.cache_url.as_deref(),
+            cfg.cache_advertise_url
+                .as_deref()
+                .or(cfg.cache_url.as_deref()),
+            engine.pool().layout(),
+            pd::PdTimes {
+                admission: std::time::Duration::from_millis(cfg.admission_timeout_ms),
+                transfer: std::time::Duration::from_millis(cfg.transfer_timeout_ms),
+                // Fault injection, only from explicit --fault-* flags (see `faults`).
+                write_delay: cfg
+                    .faults
+                    .write_delay_ms
+                    .map(std::time::Duration::from_millis),
+                fault_count: cfg.faults.count.unwrap_or(u64::MAX),
+                missize: cfg.faults.missize(),
+            },
+            engine.info().eos_token_ids,
+            tls.clone(),
+        )
+        .with_incidents(incidents.clone()),
+    );
+    if let Some(inc) = &incidents {
+        let weak = std::sync::Arc::downgrade(&pd);
+        inc.set_source(move || weak.upgrade().map(|p| p.figures()).unwrap_or_default());
+        let (inc, stop) = (inc.clone(), shutdown.child_token());
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(std::time::Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = every.tick() => inc.tick(),
+                    () = stop.cancelled() => return,
+                }
+            }
+        });
+    }
     let info = engine.info();
     let addr = listener.local_addr().ok();
     tracing::info!(
@@ -442,7 +510,6 @@ pub async fn run(
             }
         })
     };
-    let incidents = pdmesh_incident::Reporter::from_flags(cfg.incident_dir.as_deref(), None);
     let watch = std::sync::Arc::new(watchdog::EngineWatch::start(
         handle.clone(),
         (cfg.watchdog, incidents),

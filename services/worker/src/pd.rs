@@ -22,6 +22,8 @@ use tracing::Instrument as _;
 
 use crate::actor::{EngineHandle, Generation};
 use crate::engine_core::{Event, Finish, Stages};
+use crate::faults::Missize;
+use crate::incidents::{BadPage, Figures, Handed, Incidents};
 
 /// What this worker runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -166,10 +168,11 @@ pub(crate) struct PdTimes {
     /// after the room's deadline.
     pub write_delay: Option<Duration>,
     pub fault_count: u64,
-    /// Test-only fault, the seed's bug: a prefill sends its bf16 index-K through a buffer
-    /// sized for fp8 index-K, so most of it is lost in transfer (checksummed after the
-    /// loss, so nothing downstream can tell).
-    pub missize_index_k: bool,
+    /// Test-only fault, the seed's bug: a prefill stages its bf16 index-K through a
+    /// buffer sized for fp8 index-K, so most of it is lost in transfer. `Checked`: the
+    /// hand-over's checksums catch it; `Unchecked`: checksummed after the loss, so
+    /// nothing downstream can tell.
+    pub missize: Option<crate::faults::Missize>,
 }
 
 /// One worker's disaggregation state.
@@ -187,6 +190,7 @@ pub(crate) struct Pd {
     /// When each hand-over under way began, by a key of its own.
     handovers: Mutex<HashMap<u64, Instant>>,
     next_handover: std::sync::atomic::AtomicU64,
+    incidents: Option<Arc<Incidents>>,
 }
 
 /// A hand-over under way, counted until dropped (however the request ends).
@@ -334,15 +338,17 @@ fn stage_pages(
 
 /// Writes the staged pages into their mirror slots. Each write checksums what it wrote,
 /// which must equal the checksum taken from the engine's bytes: a page that changed on
-/// the way is an error here, not a corrupted answer later. (The seed's fault,
-/// `missize`, loses most of each bf16 index-K behind a checksum of what is left.)
+/// the way is an error here (the pages that did, named), not a corrupted answer later.
+/// `missize` is the seed's fault: a copy through a buffer sized for fp8 index-K, either
+/// caught by these checksums or, `Unchecked`, checksummed after the loss as the seed's
+/// code did, so that nothing downstream can tell.
 fn write_pages(
     mirror: &pdmesh_cache_client::mirror::Mirror,
     staged: &[u8],
     slots: &[u32],
     sums: &[u64],
-    missize: Option<&KvLayout>,
-) -> Result<Vec<u64>, Status> {
+    missize: Option<(Missize, &KvLayout)>,
+) -> Result<Result<Vec<u64>, Vec<BadPage>>, Status> {
     let page_bytes = mirror.page_bytes();
     if staged.len() != slots.len() * page_bytes || sums.len() != slots.len() {
         return Err(Status::internal(format!(
@@ -352,25 +358,97 @@ fn write_pages(
             slots.len()
         )));
     }
-    staged
+    let mut bad = Vec::new();
+    let written = staged
         .chunks_exact(page_bytes)
         .zip(slots)
         .zip(sums)
         .enumerate()
-        .map(|(i, ((page, &slot), &sum))| match missize {
-            None => match mirror.write_checked(slot, page) {
-                got if got == sum => Ok(got),
-                got => Err(Status::data_loss(format!(
-                    "page {i} changed between the engine and mirror slot {slot}: checksum {got:#018x}, the engine's {sum:#018x}"
-                ))),
-            },
-            Some(layout) => {
-                let mut bad = page.to_vec();
-                pdmesh_kv::faults::truncate_bf16_index_k_like_fp8(layout, &mut bad);
-                Ok(mirror.write_checked(slot, &bad))
+        .map(|(index, ((page, &slot), &expected))| {
+            let found = match missize {
+                None => mirror.write_checked(slot, page),
+                Some((_, layout)) => {
+                    let mut copy = page.to_vec();
+                    pdmesh_kv::faults::truncate_bf16_index_k_like_fp8(layout, &mut copy);
+                    mirror.write_checked(slot, &copy)
+                }
+            };
+            if found != expected && missize.is_none_or(|(m, _)| m == Missize::Checked) {
+                bad.push(BadPage {
+                    index,
+                    slot,
+                    expected,
+                    found,
+                });
             }
+            found
         })
-        .collect()
+        .collect();
+    Ok(if bad.is_empty() {
+        Ok(written)
+    } else {
+        Err(bad)
+    })
+}
+
+/// Files the report of a hand-over whose pages changed between the prefill engine and
+/// the mirror: the pages, and the engine's layout beside the staging buffer's (another
+/// one only under the seed's fault, whose differences the report then marks).
+fn report_write(
+    inc: &Incidents,
+    (req, trace_id, room): (&GenRequest, &str, u64),
+    bad: &[BadPage],
+    pages: usize,
+    engine: &KvLayout,
+    missize: Option<Missize>,
+) {
+    let staging = missize
+        .and_then(|_| pdmesh_kv::faults::fp8_sized_index_k(engine))
+        .unwrap_or_else(|| engine.clone());
+    let layouts = pdmesh_incident::LayoutPair {
+        ours_label: "prefill engine".into(),
+        ours: pdmesh_incident::LayoutView::of(engine),
+        theirs_label: "host staging buffer".into(),
+        theirs: pdmesh_incident::LayoutView::of(&staging),
+    };
+    let diffs = layouts.differences();
+    let cause = if diffs.is_empty() {
+        "The staging buffer has the engine's layout, so the bytes changed in the copy \
+         itself (host memory, or a write into the wrong slot)."
+            .to_owned()
+    } else {
+        format!(
+            "The staging buffer was sized with another layout than the engine's ({}): \
+             a copy through it loses what does not fit.",
+            diffs.join("; ")
+        )
+    };
+    let summary = format!(
+        "Room {room}: {} of the {pages} pages this prefill wrote to the host mirror for \
+         decode do not match the checksums taken from the engine's own bytes. {cause} The \
+         request failed with DATA_LOSS before its room committed, so decode never used \
+         these pages and no corrupted answer was sent.",
+        bad.len()
+    );
+    let h = Handed {
+        req,
+        trace_id,
+        room,
+    };
+    inc.handover_checksum("hand-over write", &h, (bad, pages), Some(layouts), summary);
+}
+
+/// The DATA_LOSS a hand-over's changed pages end the request with.
+fn changed(bad: &[BadPage], of: usize, between: &str) -> Status {
+    let b = bad[0];
+    Status::data_loss(format!(
+        "{} of {of} pages changed between {between}: page {} (mirror slot {}) has checksum {:#018x}, the engine's {:#018x}",
+        bad.len(),
+        b.index,
+        b.slot,
+        b.found,
+        b.expected
+    ))
 }
 
 /// Runs `fut` until `deadline`; past it, DEADLINE_EXCEEDED naming `what`.
@@ -484,6 +562,25 @@ impl Pd {
             layout: layout.clone(),
             handovers: Mutex::default(),
             next_handover: Default::default(),
+            incidents: None,
+        }
+    }
+
+    /// Files incident reports through `incidents` (checksum failures in hand-overs).
+    pub(crate) fn with_incidents(mut self, incidents: Option<Arc<Incidents>>) -> Self {
+        self.incidents = incidents;
+        self
+    }
+
+    /// This worker's hand-over figures, for incident reports.
+    pub(crate) fn figures(&self) -> Figures {
+        let st = self.stats();
+        Figures {
+            handovers: st.handovers,
+            oldest_handover_seconds: st.handover_oldest_seconds,
+            transfers: st.transfers,
+            transfer_bytes: st.bytes,
+            failed_transfers: st.failures.values().sum(),
         }
     }
 
@@ -617,7 +714,8 @@ impl Pd {
                 tokio::spawn(
                     async move {
                         let _handover = handover;
-                        let work = pd.prefill(&engine, client, req, generation, guard, &tx);
+                        let work =
+                            pd.prefill(&engine, client, (req, trace_id), generation, guard, &tx);
                         pd.drive(work, &tx).await;
                     }
                     .instrument(span),
@@ -679,7 +777,7 @@ impl Pd {
         &self,
         engine: &EngineHandle,
         client: Arc<HostClient>,
-        req: GenRequest,
+        (req, trace_id): (GenRequest, String),
         mut generation: Generation,
         mut guard: RoomGuard,
         tx: &mpsc::Sender<Item>,
@@ -785,19 +883,46 @@ impl Pd {
                 < self.times.fault_count
         });
         let client2 = client.clone();
-        let (missize, layout) = (self.times.missize_index_k, self.layout.clone());
+        let (missize, layout) = (self.times.missize, self.layout.clone());
+        // Only what a report needs, and only when reports are written.
+        let report = self
+            .incidents
+            .clone()
+            .map(|inc| (inc, req.clone(), trace_id.clone()));
         let write_and_commit = async move {
             if let Some(d) = delay {
                 tracing::warn!(room, delay = ?d, "fault injection: a write that does not hear aborts, delayed");
                 tokio::time::sleep(d).await;
             }
-            let missize = missize.then_some(layout);
             let write_slots = slots.clone();
-            let sums = tokio::task::spawn_blocking(move || {
-                write_pages(&mirror, &staged, &write_slots, &sums, missize.as_ref())
+            let engine_layout = layout.clone();
+            let written = tokio::task::spawn_blocking(move || {
+                write_pages(
+                    &mirror,
+                    &staged,
+                    &write_slots,
+                    &sums,
+                    missize.map(|m| (m, &layout)),
+                )
             })
             .await
             .map_err(|e| Status::internal(format!("the page write failed: {e}")))??;
+            let sums = match written {
+                Ok(sums) => sums,
+                Err(bad) => {
+                    if let Some((inc, req, trace_id)) = &report {
+                        report_write(
+                            inc,
+                            (req, trace_id, room),
+                            &bad,
+                            pages,
+                            &engine_layout,
+                            missize,
+                        );
+                    }
+                    return Err(changed(&bad, pages, "the engine and the host mirror"));
+                }
+            };
             let secs = t0.elapsed().as_secs_f64();
             let aux = cpb::RoomAux {
                 room,
@@ -963,6 +1088,10 @@ impl Pd {
         );
         let t0 = Instant::now();
         let sent = got.pages;
+        let of = sent.len();
+        // The page that failed its checksum, if one does (for the report).
+        let bad: Arc<Mutex<Option<BadPage>>> = Arc::default();
+        let bad2 = bad.clone();
         let logprob = (!aux.first_logprob.is_nan()).then(|| Logprob {
             logprob: aux.first_logprob,
             top: aux
@@ -978,11 +1107,19 @@ impl Pd {
                 logprob,
                 aux.cached_tokens as usize,
                 Box::new(move |dst: &mut [&mut [u8]]| {
-                    for (i, (d, p)) in dst.iter_mut().zip(&sent).enumerate() {
-                        if mirror.read_checked(p.slot, d) != p.checksum {
+                    for (index, (d, p)) in dst.iter_mut().zip(&sent).enumerate() {
+                        let found = mirror.read_checked(p.slot, d);
+                        if found != p.checksum {
+                            *bad2.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                                Some(BadPage {
+                                    index,
+                                    slot: p.slot,
+                                    expected: p.checksum,
+                                    found,
+                                });
                             return Err(format!(
-                                "page {i} (mirror slot {}) does not match its checksum",
-                                p.slot
+                                "page {index} (mirror slot {}) does not match its checksum: {found:#018x}, committed {:#018x}",
+                                p.slot, p.checksum
                             ));
                         }
                     }
@@ -991,7 +1128,26 @@ impl Pd {
             )
             .await
             .map_err(|e| match e {
-                pdmesh_engine::EngineError::Transfer(m) => Status::data_loss(m),
+                pdmesh_engine::EngineError::Transfer(m) => {
+                    let b = *bad.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    if let (Some(inc), Some(b)) = (&self.incidents, b) {
+                        let summary = format!(
+                            "Room {room}: page {} of the {of} pages prefill committed did not \
+                             match its checksum when this decode worker read it from the \
+                             host mirror (slot {}): the bytes changed in the mirror after the \
+                             commit. The request failed with DATA_LOSS; nothing was \
+                             generated from those pages.",
+                            b.index, b.slot
+                        );
+                        let h = Handed {
+                            req: &req,
+                            trace_id: &trace_id,
+                            room,
+                        };
+                        inc.handover_checksum("hand-over read", &h, (&[b], of), None, summary);
+                    }
+                    Status::data_loss(m)
+                }
                 e => Status::from(crate::Error::from(e)),
             })?;
         let secs = t0.elapsed().as_secs_f64();
@@ -1136,7 +1292,7 @@ mod tests {
         let slots = [5, 0, 3];
         assert_eq!(
             write_pages(&mirror, &buf, &slots, &sums, None).unwrap(),
-            sums
+            Ok(sums.clone())
         );
         let mut scratch = Vec::new();
         for (i, &slot) in slots.iter().enumerate() {
@@ -1151,10 +1307,23 @@ mod tests {
         let mirror = Mirror::create(dir.path(), 256, 8).unwrap();
         let (buf, mut sums) = staged(256);
         sums[1] ^= 1;
-        let err = write_pages(&mirror, &buf, &[0, 1, 2], &sums, None).unwrap_err();
+        let bad = write_pages(&mirror, &buf, &[0, 4, 2], &sums, None)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(
+            bad,
+            [BadPage {
+                index: 1,
+                slot: 4,
+                expected: sums[1],
+                found: sums[1] ^ 1
+            }]
+        );
+        let err = changed(&bad, 3, "the engine and the host mirror");
         assert_eq!(err.code(), tonic::Code::DataLoss);
         assert!(
-            err.message().contains("page 1 changed"),
+            err.message().starts_with("1 of 3 pages changed")
+                && err.message().contains("page 1 (mirror slot 4)"),
             "{}",
             err.message()
         );
@@ -1174,25 +1343,88 @@ mod tests {
         assert_eq!(err.code(), tonic::Code::Internal, "{}", err.message());
     }
 
-    #[test]
-    fn the_seeds_fault_writes_its_loss_behind_valid_checksums() {
-        let layout = pdmesh_kv::KvLayout::deepseek_v32(
+    fn deepseek_bf16() -> KvLayout {
+        pdmesh_kv::KvLayout::deepseek_v32(
             1,
             pdmesh_kv::MlaDims::V32,
             pdmesh_kv::MlaCacheDtype::Bf16,
             pdmesh_kv::IndexKDtype::Bf16,
             1,
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn the_seeds_fault_unchecked_writes_its_loss_behind_valid_checksums() {
+        let layout = deepseek_bf16();
         let page_bytes = layout.bytes_per_page();
         let dir = tempfile::tempdir().unwrap();
         let mirror = Mirror::create(dir.path(), page_bytes, 4).unwrap();
         let (buf, sums) = staged(page_bytes);
-        let got = write_pages(&mirror, &buf, &[0, 1, 2], &sums, Some(&layout)).unwrap();
+        let got = write_pages(
+            &mirror,
+            &buf,
+            &[0, 1, 2],
+            &sums,
+            Some((Missize::Unchecked, &layout)),
+        )
+        .unwrap()
+        .unwrap();
         let mut scratch = Vec::new();
         for (i, &sum) in got.iter().enumerate() {
             assert_ne!(sum, sums[i], "page {i} lost nothing");
             assert_eq!(mirror.checksum(i as u32, &mut scratch), sum);
         }
+    }
+
+    #[test]
+    fn the_seeds_fault_is_caught_by_the_engines_checksums_and_reported_with_both_layouts() {
+        let layout = deepseek_bf16();
+        let page_bytes = layout.bytes_per_page();
+        let dir = tempfile::tempdir().unwrap();
+        let mirror = Mirror::create(dir.path(), page_bytes, 4).unwrap();
+        let (buf, sums) = staged(page_bytes);
+        let bad = write_pages(
+            &mirror,
+            &buf,
+            &[0, 1, 2],
+            &sums,
+            Some((Missize::Checked, &layout)),
+        )
+        .unwrap()
+        .unwrap_err();
+        assert_eq!(bad.iter().map(|b| b.index).collect::<Vec<_>>(), [0, 1, 2]);
+        let reports = tempfile::tempdir().unwrap();
+        let inc = Incidents::from_flags(
+            Some(reports.path()),
+            None,
+            "prefill pid 1".into(),
+            Default::default(),
+        )
+        .unwrap();
+        let req = GenRequest {
+            id: "req-1".into(),
+            prompt: vec![1, 2, 3],
+            params: Default::default(),
+        };
+        report_write(
+            &inc,
+            (&req, "trace-1", 9),
+            &bad,
+            3,
+            &layout,
+            Some(Missize::Checked),
+        );
+        let all = pdmesh_incident::list(reports.path()).unwrap();
+        let i = &all[0];
+        assert_eq!(i.kind, pdmesh_incident::Kind::Checksum);
+        assert_eq!(i.place.room, Some(9));
+        assert_eq!(i.pages.len(), 3);
+        let l = i.layouts.as_ref().unwrap();
+        assert_eq!(
+            l.differences(),
+            ["index_k: 256 B/token (bf16) vs 132 B/token (fp8_e4m3)"]
+        );
+        assert_eq!(i.replay.as_ref().unwrap().prompt_token_ids, [1, 2, 3]);
     }
 }

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use tonic::Status;
 
 use crate::actor::EngineHandle;
+use crate::incidents::Incidents;
 
 /// What the gRPC side needs from the watchdog.
 pub(crate) struct EngineWatch {
@@ -33,7 +34,7 @@ pub(crate) struct EngineWatch {
 }
 
 /// Files an `engine_stall` report.
-fn report_stall(r: &pdmesh_incident::Reporter, hard: bool, idle: f64, limit: Duration) {
+fn report_stall(r: &Incidents, hard: bool, idle: f64, limit: Duration) {
     let mut i = pdmesh_incident::Incident::new(
         pdmesh_incident::Kind::EngineStall,
         format!(
@@ -47,12 +48,7 @@ fn report_stall(r: &pdmesh_incident::Reporter, hard: bool, idle: f64, limit: Dur
                 "the soft watchdog only logged and counted it"
             }
         ),
-        pdmesh_incident::Place {
-            service: "worker".into(),
-            host: pdmesh_incident::hostname(),
-            worker: format!("pid {}", std::process::id()),
-            ..Default::default()
-        },
+        r.place("engine loop"),
     );
     i.details
         .insert("idle seconds".into(), format!("{idle:.3}"));
@@ -60,21 +56,22 @@ fn report_stall(r: &pdmesh_incident::Reporter, hard: bool, idle: f64, limit: Dur
         .insert("watchdog".into(), if hard { "hard" } else { "soft" }.into());
     i.config
         .insert("watchdog_stall_ms".into(), limit.as_millis().to_string());
-    if let Err(e) = r.report(i) {
-        tracing::warn!(error = %e, "an incident report could not be written");
-    }
+    r.file(i);
 }
 
 impl EngineWatch {
     /// Starts the watchdog task (ended by `stop`).
     pub(crate) fn start(
         engine: EngineHandle,
-        (mode, incidents): (Watchdog, Option<pdmesh_incident::Reporter>),
+        (mode, incidents): (Watchdog, Option<Arc<Incidents>>),
         limit: Duration,
         stop: tokio_util::sync::CancellationToken,
     ) -> Self {
         let (tx, stalls_rx) = watch::channel(0u64);
-        let stalls: Arc<AtomicU64> = Arc::default();
+        // The reports' stall count is this one.
+        let stalls: Arc<AtomicU64> = incidents
+            .as_ref()
+            .map_or_else(Arc::default, |i| i.stalls.clone());
         let (h, count) = (engine.clone(), stalls.clone());
         tokio::spawn(async move {
             if mode == Watchdog::Off {
@@ -108,11 +105,6 @@ impl EngineWatch {
                     }
                 }
                 stalled = idle >= secs;
-                if let Some(r) = &incidents
-                    && let Err(e) = r.tick()
-                {
-                    tracing::warn!(error = %e, "incident reports: repeats not written");
-                }
             }
         });
         Self {
