@@ -182,6 +182,10 @@ def test_the_seeds_bug_is_refused_by_the_hand_over_and_reported_with_both_layout
         assert r["place"]["request_id"] and r["place"]["trace_id"] and r["replay"]["prompt_token_ids"], r["place"]
         # No corrupted page reached decode, so the gateway saw no first-token mismatch.
         assert not list(mesh.incident_dir.glob("*first_token_mismatch*")), list(mesh.incident_dir.iterdir())
+        # The gateway's counter includes the worker's report.
+        m = mesh.metrics()
+        assert m['mesh_incidents_total{kind="checksum"}'] == 1, m
+        assert m['mesh_incidents_total{kind="first_token_mismatch"}'] == 0, m
     finally:
         stop_up(mesh)
 

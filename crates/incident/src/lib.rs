@@ -399,6 +399,8 @@ pub struct Reporter {
 struct State {
     open: HashMap<(Kind, String), Open>,
     seq: u64,
+    /// Failures reported, by kind (repeats counted).
+    counts: BTreeMap<Kind, u64>,
 }
 
 #[derive(Debug)]
@@ -443,6 +445,16 @@ impl Reporter {
         &self.cfg.dir
     }
 
+    /// Failures reported so far by kind's name, repeats counted (what a service exports
+    /// for `mesh_incidents_total`).
+    pub fn counts(&self) -> HashMap<String, u64> {
+        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        st.counts
+            .iter()
+            .map(|(k, &n)| (k.name().to_owned(), n))
+            .collect()
+    }
+
     /// Files `incident`: a new report, or one more repeat of the open report for the same
     /// cause in the same component. The report's path is logged when it is new.
     pub fn report(&self, mut incident: Incident) -> Result<Filed, Error> {
@@ -450,6 +462,7 @@ impl Reporter {
         let wall = timestamp(SystemTime::now());
         let key = incident.key();
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        *st.counts.entry(incident.kind).or_default() += 1;
         let window = self.cfg.window;
         let closed = st
             .open

@@ -107,6 +107,8 @@ pub(crate) struct CacheService {
     peers: Arc<Peers>,
     /// The tcp page transport's port, told to peers that register.
     peer_port: u16,
+    /// Where this service's incident reports go, for their counts in Stats.
+    incidents: Option<Arc<pdmesh_incident::Reporter>>,
 }
 
 impl CacheService {
@@ -121,7 +123,14 @@ impl CacheService {
             shutdown,
             peers,
             peer_port,
+            incidents: None,
         }
+    }
+
+    /// Counts the reports `r` files in Stats.
+    pub fn with_incidents(mut self, r: Option<Arc<pdmesh_incident::Reporter>>) -> Self {
+        self.incidents = r;
+        self
     }
 
     /// The link to the home of relayed `room`, if it is relayed from here.
@@ -442,6 +451,11 @@ impl pb::cache_server::Cache for CacheService {
             peer_bytes_sent: rooms.peer.bytes_sent,
             peer_transfer_failures: rooms.peer.transfer_failures,
             held_pages_skipped: rooms.peer.held_pages_skipped,
+            incidents: self
+                .incidents
+                .as_ref()
+                .map(|r| r.counts())
+                .unwrap_or_default(),
         }))
     }
 

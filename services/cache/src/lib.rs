@@ -189,11 +189,13 @@ pub async fn run(
         tls.clone(),
     ));
     let watchdog = cfg.watchdog;
+    let reporter = pdmesh_incident::Reporter::from_flags(
+        cfg.incident_dir.as_deref(),
+        cfg.incident_trace_link.clone(),
+    )
+    .map(std::sync::Arc::new);
     let wedges = Wedges {
-        reporter: pdmesh_incident::Reporter::from_flags(
-            cfg.incident_dir.as_deref(),
-            cfg.incident_trace_link.clone(),
-        ),
+        reporter: reporter.clone(),
         config: config_table(&cfg, addr),
         host: pdmesh_incident::hostname(),
     };
@@ -253,7 +255,8 @@ pub async fn run(
     let served = pdmesh_tls::server(tls.as_ref())?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(pdmesh_proto::cache::v1::cache_server::CacheServer::new(
-            grpc::CacheService::new(shared.clone(), shutdown.clone(), peers, peer_port),
+            grpc::CacheService::new(shared.clone(), shutdown.clone(), peers, peer_port)
+                .with_incidents(reporter),
         ))
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
@@ -324,11 +327,14 @@ impl transfer::Sink for HomeSink<'_> {
     fn trailer(&mut self, room: u64, trailer: &[u8]) -> Vec<u8> {
         grpc::peer_commit(self.0, room, trailer)
     }
+    fn checksum_failed(&mut self, bad: transfer::BadArrival<'_>) {
+        self.0.with(|s| s.arrival_checksum_failed(bad));
+    }
 }
 
 /// What the cache service's wedge reports need beside the stuck rooms.
 struct Wedges {
-    reporter: Option<pdmesh_incident::Reporter>,
+    reporter: Option<std::sync::Arc<pdmesh_incident::Reporter>>,
     config: std::collections::BTreeMap<String, String>,
     host: String,
 }

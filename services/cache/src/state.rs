@@ -505,6 +505,43 @@ impl State {
         self.incidents.push(i);
     }
 
+    /// A page of a room that arrived from a peer's cache service with bytes not matching
+    /// the checksum the peer sent it with: the batch was refused, so the sender's
+    /// hand-over fails with DATA_LOSS.
+    pub fn arrival_checksum_failed(&mut self, bad: crate::transfer::BadArrival<'_>) {
+        let story = self.rooms.story(bad.room).unwrap_or_default();
+        let mut i = pdmesh_incident::Incident::new(
+            pdmesh_incident::Kind::Checksum,
+            format!(
+                "Page {} of room {} arrived from the cache service at {} with bytes that do not \
+                 match the checksum it was sent with: they changed on the way (the network \
+                 path, or the sender's memory after it checksummed them). Its batch was \
+                 refused, so the page never landed here and the hand-over failed with \
+                 DATA_LOSS.",
+                bad.index, bad.room, bad.peer
+            ),
+            pdmesh_incident::Place {
+                worker: format!("peer {}", bad.peer),
+                stage: "page transport arrival".into(),
+                room: Some(bad.room),
+                request_id: story.request_id,
+                trace_id: story.trace_id,
+                ..Default::default()
+            },
+        );
+        i.timeline = story
+            .history
+            .iter()
+            .map(|(at, what)| pdmesh_incident::Step::new(*at, what.clone()))
+            .collect();
+        i.pages.push(pdmesh_incident::PageCheck {
+            page: format!("page {} of room {}", bad.index, bad.room),
+            expected: format!("{:016x}", bad.expected),
+            found: format!("{:016x}", bad.found),
+        });
+        self.incidents.push(i);
+    }
+
     /// One page of a room from a peer, its checksum already verified by the transport:
     /// written into the room's `index`th slot if the room is transferring with a peer as
     /// its sender. Checked and written under the state lock, so a page that arrives after
@@ -1496,6 +1533,38 @@ mod tests {
         assert_eq!("5000tokens".parse(), Ok(MirrorSize::Tokens(5000)));
         assert!("lots".parse::<MirrorSize>().is_err());
         assert!("3 parsecs".parse::<MirrorSize>().is_err());
+    }
+
+    #[test]
+    fn a_page_changed_on_the_way_from_a_peer_is_reported_with_both_checksums() {
+        let (mut s, _d) = state(10);
+        s.arrival_checksum_failed(crate::transfer::BadArrival {
+            peer: "10.7.0.2:40000",
+            room: 42,
+            index: 3,
+            expected: 0xaa,
+            found: 0xbb,
+        });
+        let seen = s.take_incidents();
+        assert_eq!(seen.len(), 1);
+        let i = &seen[0];
+        assert_eq!(i.kind, pdmesh_incident::Kind::Checksum);
+        assert_eq!(
+            (
+                i.place.worker.as_str(),
+                i.place.stage.as_str(),
+                i.place.room
+            ),
+            ("peer 10.7.0.2:40000", "page transport arrival", Some(42))
+        );
+        assert_eq!(
+            i.pages,
+            [pdmesh_incident::PageCheck {
+                page: "page 3 of room 42".into(),
+                expected: format!("{:016x}", 0xaa),
+                found: format!("{:016x}", 0xbb),
+            }]
+        );
     }
 
     #[test]

@@ -524,6 +524,20 @@ pub trait Sink {
     fn trailer(&mut self, _room: u64, _trailer: &[u8]) -> Vec<u8> {
         Vec::new()
     }
+    /// A page that arrived from `peer` with bytes not matching its checksum (refused,
+    /// with the rest of its batch).
+    fn checksum_failed(&mut self, _bad: BadArrival<'_>) {}
+}
+
+/// A page that failed its checksum on arrival.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BadArrival<'a> {
+    pub peer: &'a str,
+    pub room: u64,
+    pub index: u32,
+    /// The checksum the sender framed the page with, and the one of the bytes received.
+    pub expected: u64,
+    pub found: u64,
 }
 
 impl<F: FnMut(InPage<'_>) -> Result<(), String>> Sink for F {
@@ -653,9 +667,17 @@ pub async fn serve_connection(
                 let index = u32::from_le_bytes(f[..4].try_into().expect("4 bytes"));
                 let checksum = u64::from_le_bytes(f[4..PAGE_HEAD].try_into().expect("8 bytes"));
                 let bytes = &f[PAGE_HEAD..];
-                if page_checksum(bytes) != checksum {
+                let found = page_checksum(bytes);
+                if found != checksum {
                     got.checksum_failures += 1;
                     (status, bad_index) = (ACK_CHECKSUM, index);
+                    sink.checksum_failed(BadArrival {
+                        peer: &peer,
+                        room,
+                        index,
+                        expected: checksum,
+                        found,
+                    });
                     break;
                 }
                 let page = InPage {

@@ -48,6 +48,8 @@ pub(crate) struct WorkerInfo {
     pub pd: PdTotals,
     /// Test-only faults any worker was started with (`--fault-*`), sorted, no repeats.
     pub faults: Vec<String>,
+    /// Failures the workers filed incident reports for, by kind, summed.
+    pub incidents: std::collections::BTreeMap<String, u64>,
 }
 
 /// Disaggregation and engine-loop counters, summed over workers.
@@ -374,6 +376,9 @@ impl Backends {
             total.host.checksum_failures += w.host.checksum_failures;
             total.pd.add(&w.pd);
             total.faults.extend(w.faults);
+            for (kind, n) in w.incidents {
+                *total.incidents.entry(kind).or_default() += n;
+            }
         }
         total.faults.sort();
         total.faults.dedup();
@@ -391,6 +396,7 @@ impl Backends {
             cached_pages: r.cached_pages,
             evicted_pages: r.prefix_evicted_pages,
             device_hit_tokens: r.prefix_hit_tokens,
+            incidents: r.incidents.into_iter().collect(),
             host: HostTotals {
                 hit_tokens: r.host_hit_tokens,
                 load_bytes: r.host_load_bytes,
@@ -996,6 +1002,7 @@ fn add_stats(
     }
     add(&mut sum.room_timeouts, s.room_timeouts);
     add(&mut sum.room_aborts, s.room_aborts);
+    add(&mut sum.incidents, s.incidents);
     sum.rooms_finished += s.rooms_finished;
     sum.transfer_pages += s.transfer_pages;
     sum.transfer_bytes += s.transfer_bytes;

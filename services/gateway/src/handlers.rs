@@ -253,6 +253,7 @@ async fn metrics(State(st): State<AppState>) -> Response {
             m.engine_idle_seconds.set(info.pd.engine_idle_seconds);
             m.kv_checksum_failures
                 .observe("host", info.host.checksum_failures as f64);
+            m.remote_incidents("worker", &info.incidents);
             let (pd, side) = (&m.pd, "all");
             for (state, n) in [
                 ("waiting", info.pd.waiting_requests),
@@ -328,6 +329,7 @@ async fn metrics(State(st): State<AppState>) -> Response {
                 .set(i64::from(n));
         }
         m.host_mirror_leases.set(i64::from(c.leases));
+        m.remote_incidents("cache", &c.incidents);
         m.kv_evictions.observe("host", c.evicted_pages as f64);
         m.host_mirror_expired_leases
             .observe("host", c.expired_leases as f64);
@@ -1050,6 +1052,7 @@ mod tests {
             host: Default::default(),
             pd: Default::default(),
             faults: Vec::new(),
+            incidents: Default::default(),
         }
     }
 

@@ -87,6 +87,9 @@ const OTHER: &str = "other";
 /// Every metric the gateway exports.
 pub(crate) struct Metrics {
     registry: Registry,
+    /// The other services' incident counts as last read, by service and kind.
+    incidents_read:
+        std::sync::Mutex<std::collections::HashMap<(&'static str, pdmesh_incident::Kind), u64>>,
     requests: IntCounterVec,
     duration: HistogramVec,
     pub generated_tokens: IntCounter,
@@ -707,7 +710,7 @@ impl Metrics {
         let incidents = IntCounterVec::new(
             Opts::new(
                 "mesh_incidents_total",
-                "Failures the gateway filed an incident report for (repeats of one cause included), by kind.",
+                "Failures the mesh filed an incident report for (repeats of one cause included), by kind: the gateway's own, and the workers' and cache services' as last read.",
             ),
             &["kind"],
         )?;
@@ -746,6 +749,7 @@ impl Metrics {
         }
         Ok(Self {
             registry,
+            incidents_read: Default::default(),
             requests,
             duration,
             generated_tokens,
@@ -819,6 +823,29 @@ impl Metrics {
         self.errors.with_label_values(&[error_type.name()]).inc();
     }
 
+    /// The incident counts `service` (`worker`, the workers summed, or `cache`) reported
+    /// since it started: what grew since the last read is added to
+    /// `mesh_incidents_total` (all of it after a restart, when the count fell). Kinds
+    /// this gateway does not know are left out.
+    pub fn remote_incidents<'a>(
+        &self,
+        service: &'static str,
+        counts: impl IntoIterator<Item = (&'a String, &'a u64)>,
+    ) {
+        let mut seen = self.incidents_read.lock().expect("metrics lock");
+        for (name, &total) in counts {
+            let Some(kind) = pdmesh_incident::Kind::ALL
+                .into_iter()
+                .find(|k| k.name() == name)
+            else {
+                continue;
+            };
+            let last = seen.insert((service, kind), total).unwrap_or(0);
+            let new = if total >= last { total - last } else { total };
+            self.incidents.with_label_values(&[kind.name()]).inc_by(new);
+        }
+    }
+
     /// One failure an incident report was (or, without `--incident-dir`, would have
     /// been) filed for.
     pub fn incident(&self, kind: pdmesh_incident::Kind) {
@@ -851,6 +878,24 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_other_services_incident_counts_add_what_grew_since_the_last_read() {
+        let m = Metrics::new().unwrap();
+        let count = |m: &Metrics| m.incidents.with_label_values(&["checksum"]).get();
+        let c = |n: u64| [("checksum".to_owned(), n), ("no_such_kind".to_owned(), 9)];
+        m.remote_incidents("worker", c(2).iter().map(|(k, v)| (k, v)));
+        m.remote_incidents("cache", c(1).iter().map(|(k, v)| (k, v)));
+        assert_eq!(count(&m), 3);
+        m.remote_incidents("worker", c(5).iter().map(|(k, v)| (k, v)));
+        assert_eq!(count(&m), 6);
+        // The worker restarted: its count starts again from what it says.
+        m.remote_incidents("worker", c(1).iter().map(|(k, v)| (k, v)));
+        assert_eq!(count(&m), 7);
+        m.incident(pdmesh_incident::Kind::Checksum);
+        assert_eq!(count(&m), 8);
+        assert!(!m.render().contains("no_such_kind"));
+    }
 
     #[test]
     fn exposition_has_the_documented_names_and_labels() {

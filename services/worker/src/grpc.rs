@@ -231,6 +231,7 @@ fn model_info(info: ModelInfo, pool: PoolNow, w: &WorkerService) -> pb::ModelInf
         handover_oldest_seconds: pd.handover_oldest_seconds,
         faults: w.faults.clone(),
         cache_url: w.pd.home().to_owned(),
+        incidents: w.pd.incident_counts(),
     }
 }
 

@@ -79,6 +79,11 @@ impl Incidents {
         )
     }
 
+    /// Failures reported so far, by kind (ModelInfo's `incidents`).
+    pub(crate) fn counts(&self) -> std::collections::HashMap<String, u64> {
+        self.reporter.counts()
+    }
+
     /// This worker, at `stage`.
     pub(crate) fn place(&self, stage: &str) -> Place {
         Place {

@@ -572,6 +572,14 @@ impl Pd {
         self
     }
 
+    /// The failures this worker filed reports for, by kind.
+    pub(crate) fn incident_counts(&self) -> HashMap<String, u64> {
+        self.incidents
+            .as_ref()
+            .map(|i| i.counts())
+            .unwrap_or_default()
+    }
+
     /// This worker's hand-over figures, for incident reports.
     pub(crate) fn figures(&self) -> Figures {
         let st = self.stats();
