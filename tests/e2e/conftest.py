@@ -118,11 +118,13 @@ class Mesh:
         return metrics(self.base)
 
 
-def start_up(tmp: Path, extra_args: list[str] | None = None, env: dict | None = None) -> Mesh:
-    """Starts `pdmesh up` on a free port and waits until its gateway is healthy."""
+def start_up(tmp: Path, extra_args: list[str] | None = None, env: dict | None = None, port: int | None = None) -> Mesh:
+    """Starts `pdmesh up` on `port` (default: a free one) and waits until its gateway is
+    healthy."""
+    tmp.mkdir(parents=True, exist_ok=True)
     ports_json = tmp / "ports.json"
     log_path = tmp / "up.log"
-    port = free_port()
+    port = port or free_port()
     env = dict(os.environ, PDMESH_API_KEY=API_KEY, **(env or {}))
     cmd = [str(pdmesh_bin()), "up", "--port", str(port), "--ports-json", str(ports_json),
            "--incident-dir", str(tmp / "incidents"), *(extra_args or [])]

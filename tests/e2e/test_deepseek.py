@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import subprocess
 
 import openai
 import pytest
 
 from hosts import Hosts
-from conftest import http, pdmesh_bin, start_up, stop_up
+from conftest import API_KEY, http, pdmesh_bin, start_up, stop_up
 
 SESSIONS = 80
 TURNS = 2
@@ -157,14 +158,16 @@ def test_the_seeds_bug_is_refused_by_the_hand_over_and_reported_with_both_layout
     bytes before staging): the prefill's write into the mirror does not match them, the
     request fails with DATA_LOSS before decode sees a page, and the prefill worker files a
     checksum report whose layout section puts the engine's index-K (bf16, 256 B/token)
-    beside the staging buffer's (fp8, 132 B/token)."""
-    mesh = start_up(tmp_path, ["--model", str(tiny), "--no-smoke-test", "--worker-arg=--kv-cache-dtype=bf16",
-                               "--worker-arg=--index-k-dtype=bf16", "--worker-arg=--fault-missize-index-k"])
+    beside the staging buffer's (fp8, 132 B/token). Its replay command, run as written
+    once a healthy mesh serves on the same address, gives that mesh's answer."""
+    forms = ["--model", str(tiny), "--no-smoke-test", "--worker-arg=--kv-cache-dtype=bf16", "--worker-arg=--index-k-dtype=bf16"]
+    mesh = start_up(tmp_path / "faulty", [*forms, "--worker-arg=--fault-missize-index-k"])
+    ask = lambda client: client.chat.completions.create(model=mesh.model, messages=[{"role": "user", "content": SYSTEM}],
+                                                        max_tokens=MAX_TOKENS, temperature=0)
     try:
         client = mesh.client()
         with pytest.raises(openai.APIStatusError) as e:
-            client.chat.completions.create(model=mesh.model, messages=[{"role": "user", "content": SYSTEM}],
-                                           max_tokens=MAX_TOKENS, temperature=0)
+            ask(client)
         assert e.value.status_code >= 500 and e.value.body["code"] == "data_loss", e.value.body
         assert "changed between the engine and the host mirror" in e.value.body["message"], e.value.body
         reports = [json.loads(p.read_text()) for p in sorted(mesh.incident_dir.glob("*.json"))]
@@ -188,6 +191,27 @@ def test_the_seeds_bug_is_refused_by_the_hand_over_and_reported_with_both_layout
         assert m['mesh_incidents_total{kind="first_token_mismatch"}'] == 0, m
     finally:
         stop_up(mesh)
+    # The fault gone, the same address serves a healthy mesh; the report's command,
+    # run as written, replays the failed request there and gets that mesh's answer.
+    port = mesh.ports["gateway"]
+    assert f"--url http://127.0.0.1:{port}/v1" in r["replay"]["command"], r["replay"]
+    healthy = start_up(tmp_path / "healthy", forms, port=port)
+    try:
+        want = ask(healthy.client())
+        env = dict(os.environ, PDMESH_API_KEY=API_KEY, PATH=f"{pdmesh_bin().parent}{os.pathsep}{os.environ['PATH']}")
+        run = lambda *extra: subprocess.run(r["replay"]["command"] + "".join(f" {x}" for x in extra), shell=True,
+                                            env=env, capture_output=True, text=True, timeout=300)
+        out = run()
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        assert got["report"] == r["id"] and got["request"]["prompt"] == r["replay"]["prompt_token_ids"], got
+        assert (got["answer"]["text"], got["answer"]["finish_reason"]) == (want.choices[0].message.content, want.choices[0].finish_reason)
+        assert got["answer"]["completion_tokens"] == want.usage.completion_tokens
+        # With a reference, the command compares and says so.
+        out = run("--reference", healthy.base + "/v1")
+        assert out.returncode == 0 and json.loads(out.stdout)["same_as_reference"] is True, out.stdout + out.stderr
+    finally:
+        stop_up(healthy)
 
 
 def across_hosts(tmp, tiny, index_k: str, prefill_args=()) -> list[list[tuple[str, str]]]:

@@ -39,6 +39,10 @@ pub enum BenchCommand {
     /// compared with a unified worker's without any cache. Prints the table (corruption %,
     /// tool-call validity, TTFT, throughput); any corrupted answer fails the command.
     Matrix(Box<crate::matrix::MatrixArgs>),
+    /// Send the request an incident report recorded (its prompt's token ids and its
+    /// sampling, to `/completions`) to a mesh, and to a reference when given: the
+    /// answers must then be the same.
+    Replay(crate::replay::ReplayArgs),
 }
 
 /// One benchmark run.
@@ -131,6 +135,9 @@ pub async fn run(args: BenchArgs) -> Result<(), BenchError> {
             Ok(())
         }
         Some(BenchCommand::Matrix(m)) => crate::matrix::run(*m).await,
+        Some(BenchCommand::Replay(r)) => crate::replay::run(r)
+            .await
+            .map_err(|e| BenchError::Endpoint(e.to_string())),
         None => bench(args.run).await,
     }
 }

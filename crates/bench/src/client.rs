@@ -81,6 +81,25 @@ impl Client {
             .ok_or_else(|| format!("GET {}/models answered {status} with no model", self.base))
     }
 
+    /// One `/completions` request, not streamed: the answer's JSON, or why there is none
+    /// (the status and the error body).
+    pub async fn complete(&self, body: &Value) -> Result<Value, String> {
+        let url = format!("{}/completions", self.base);
+        let resp = self
+            .post("/completions")
+            .json(body)
+            .timeout(self.timeout)
+            .send()
+            .await
+            .map_err(|e| format!("POST {url}: {e}"))?;
+        let status = resp.status();
+        let text = resp.text().await.map_err(|e| format!("POST {url}: {e}"))?;
+        if !status.is_success() {
+            return Err(format!("POST {url} answered {status}: {text}"));
+        }
+        serde_json::from_str(&text).map_err(|e| format!("POST {url}: {e}: {text}"))
+    }
+
     /// Streams one chat completion (`body` without `stream`), timing it from now.
     pub async fn chat(&self, mut body: Value, t0_run: Instant) -> (Record, Answer) {
         body["stream"] = json!(true);

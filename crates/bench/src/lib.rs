@@ -7,6 +7,7 @@ pub mod cli;
 pub mod client;
 pub mod matrix;
 pub mod mesh;
+pub mod replay;
 pub mod report;
 pub mod run;
 pub mod summary;

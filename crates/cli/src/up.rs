@@ -681,6 +681,15 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         .unwrap_or_else(crate::incident::default_dir)
         .display()
         .to_string();
+    // Reports' replay commands name the gateway as this machine reaches it.
+    let replay_url = {
+        let ip = if gateway_listen.ip().is_unspecified() {
+            std::net::IpAddr::from([127, 0, 0, 1])
+        } else {
+            gateway_listen.ip()
+        };
+        format!("http://{}/v1", SocketAddr::new(ip, port))
+    };
 
     let mut services = Vec::new();
     let started = (|| -> Result<(), UpError> {
@@ -718,6 +727,9 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
                 "--incident-dir".into(),
                 incident_dir.clone(),
             ];
+            if has_gateway {
+                worker_args.extend(["--incident-replay-url".into(), replay_url.clone()]);
+            }
             if has_cache {
                 worker_args.extend(["--cache-url".into(), format!("http://{cache_addr}")]);
             }
@@ -748,6 +760,8 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             model_arg.clone(),
             "--incident-dir".into(),
             incident_dir.clone(),
+            "--incident-replay-url".into(),
+            replay_url.clone(),
         ];
         if role == UpRole::Gateway {
             gw_args.extend(["--prefill-url".into(), args.prefill_url.join(",")]);

@@ -367,6 +367,9 @@ pub struct Config {
     pub window: Duration,
     /// A trace link with `{trace_id}` in it (Tempo's or Jaeger's URL), if any.
     pub trace_link: Option<String>,
+    /// The mesh's OpenAI endpoint for the replay command (`http://host:port/v1`); unset:
+    /// the command's default.
+    pub replay_url: Option<String>,
 }
 
 impl Config {
@@ -376,6 +379,7 @@ impl Config {
             keep: 200,
             window: Duration::from_secs(300),
             trace_link: None,
+            replay_url: None,
         }
     }
 }
@@ -429,9 +433,14 @@ impl Reporter {
     /// A service's reporter from its flags: none without `--incident-dir`; none either,
     /// with a warning, when the directory cannot be made, so a service never fails to
     /// serve because its reports could not be written.
-    pub fn from_flags(dir: Option<&Path>, trace_link: Option<String>) -> Option<Self> {
+    pub fn from_flags(
+        dir: Option<&Path>,
+        trace_link: Option<String>,
+        replay_url: Option<String>,
+    ) -> Option<Self> {
         let mut cfg = Config::new(dir?);
         cfg.trace_link = trace_link;
+        cfg.replay_url = replay_url;
         match Self::new(cfg) {
             Ok(r) => Some(r),
             Err(e) => {
@@ -508,6 +517,9 @@ impl Reporter {
         if let (Some(link), false) = (&self.cfg.trace_link, incident.place.trace_id.is_empty()) {
             incident.place.trace_link = link.replace("{trace_id}", &incident.place.trace_id);
         }
+        if let Some(r) = incident.replay.as_mut().filter(|r| r.command.is_empty()) {
+            r.command = self.replay_command(&incident.id);
+        }
         st.open.insert(
             key,
             Open {
@@ -531,6 +543,20 @@ impl Reporter {
             path,
             new: true,
         })
+    }
+
+    /// The command that replays report `id`'s request on the mesh (the API key comes
+    /// from `PDMESH_API_KEY`, never from the report).
+    fn replay_command(&self, id: &str) -> String {
+        let path = self.cfg.dir.join(format!("{id}.json"));
+        let mut cmd = format!(
+            "pdmesh bench replay {}",
+            shell_quote(&path.display().to_string())
+        );
+        if let Some(url) = &self.cfg.replay_url {
+            cmd.push_str(&format!(" --url {}", shell_quote(url)));
+        }
+        cmd
     }
 
     /// Writes every open report's repeats not yet in its files.
@@ -621,6 +647,14 @@ fn merge(into: &mut Incident, new: Incident) {
             into.pages.push(p);
         }
     }
+}
+
+/// `s` as one word for a POSIX shell (NUL bytes, which no argument can hold, dropped).
+fn shell_quote(s: &str) -> String {
+    let s = s.replace('\0', "");
+    shlex::try_quote(&s)
+        .expect("no NUL byte is left")
+        .into_owned()
 }
 
 /// Configuration values whose names say they are secrets, replaced.

@@ -125,11 +125,7 @@ pub fn render(i: &Incident) -> String {
     if let Some(r) = &i.replay {
         let _ = writeln!(s, "## Replay\n");
         let _ = writeln!(s, "The request:\n\n```json");
-        let _ = writeln!(
-            s,
-            "{}",
-            serde_json::to_string_pretty(&r.body).unwrap_or_default()
-        );
+        let _ = writeln!(s, "{}", json(&r.body, 0));
         let _ = writeln!(s, "```\n");
         if !r.prompt_token_ids.is_empty() {
             let ids: Vec<String> = r.prompt_token_ids.iter().map(u32::to_string).collect();
@@ -140,11 +136,40 @@ pub fn render(i: &Incident) -> String {
             );
         }
         if !r.command.is_empty() {
-            let _ = writeln!(s, "Run against a healthy mesh and a reference:\n");
+            let _ = writeln!(
+                s,
+                "Replay it (the prompt's token ids with its sampling, to `/completions`) on \
+                 the mesh, with `PDMESH_API_KEY` set; add `--reference URL` to compare with \
+                 a reference mesh (a unified worker with no cache):\n"
+            );
             let _ = writeln!(s, "```sh\n{}\n```\n", r.command);
         }
     }
     s
+}
+
+/// `v` indented for people, with arrays of plain values (token ids) on one line.
+fn json(v: &serde_json::Value, depth: usize) -> String {
+    use serde_json::Value;
+    let pad = "  ".repeat(depth + 1);
+    let close = "  ".repeat(depth);
+    match v {
+        Value::Array(a) if a.iter().any(|x| x.is_array() || x.is_object()) => {
+            let items: Vec<String> = a
+                .iter()
+                .map(|x| format!("{pad}{}", json(x, depth + 1)))
+                .collect();
+            format!("[\n{}\n{close}]", items.join(",\n"))
+        }
+        Value::Object(o) if !o.is_empty() => {
+            let items: Vec<String> = o
+                .iter()
+                .map(|(k, x)| format!("{pad}{}: {}", Value::from(k.as_str()), json(x, depth + 1)))
+                .collect();
+            format!("{{\n{}\n{close}}}", items.join(",\n"))
+        }
+        _ => v.to_string(),
+    }
 }
 
 /// Both layouts side by side, the components that differ marked.

@@ -183,8 +183,59 @@ fn a_directory_that_cannot_be_made_turns_reports_off_instead_of_failing() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("a-file");
     std::fs::write(&file, b"x").unwrap();
-    assert!(Reporter::from_flags(Some(&file.join("incidents")), None).is_none());
-    assert!(Reporter::from_flags(None, None).is_none());
-    let r = Reporter::from_flags(Some(&tmp.path().join("ok")), Some("t/{trace_id}".into()));
+    assert!(Reporter::from_flags(Some(&file.join("incidents")), None, None).is_none());
+    assert!(Reporter::from_flags(None, None, None).is_none());
+    let r = Reporter::from_flags(
+        Some(&tmp.path().join("ok")),
+        Some("t/{trace_id}".into()),
+        None,
+    );
     assert!(r.is_some_and(|r| r.dir().is_dir()));
+}
+
+#[test]
+fn a_replay_gets_the_command_that_runs_it_with_the_reports_path_quoted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("my reports");
+    let r = Reporter::new(Config {
+        replay_url: Some("http://127.0.0.1:8080/v1".into()),
+        ..Config::new(&dir)
+    })
+    .unwrap();
+    let mut i = Incident::new(Kind::ToolParse, "a call did not parse", place("gateway"));
+    let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "[redacted]"}], "max_tokens": 4});
+    i.replay = Some(Replay {
+        body: body.clone(),
+        prompt_token_ids: vec![1, 2, 3],
+        command: String::new(),
+    });
+    let filed = r.report(i).unwrap();
+    let got = read(&dir, &filed.id).unwrap();
+    let cmd = &got.replay.as_ref().unwrap().command;
+    let path = dir.join(format!("{}.json", filed.id));
+    assert_eq!(
+        shlex::split(cmd).unwrap(),
+        [
+            "pdmesh",
+            "bench",
+            "replay",
+            &path.display().to_string(),
+            "--url",
+            "http://127.0.0.1:8080/v1"
+        ]
+    );
+    // The Markdown shows the body as JSON that reads back the same, and the command.
+    let md = std::fs::read_to_string(&filed.path).unwrap();
+    let block = md
+        .split("```json\n")
+        .nth(1)
+        .unwrap()
+        .split("\n```")
+        .next()
+        .unwrap();
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(block).unwrap(),
+        body
+    );
+    assert!(md.contains(cmd.as_str()), "{md}");
 }

@@ -192,6 +192,7 @@ pub async fn run(
     let reporter = pdmesh_incident::Reporter::from_flags(
         cfg.incident_dir.as_deref(),
         cfg.incident_trace_link.clone(),
+        None,
     )
     .map(std::sync::Arc::new);
     let wedges = Wedges {

@@ -85,6 +85,10 @@ pub struct Config {
     /// A trace viewer's link with `{trace_id}` in it (Tempo, Jaeger), for the reports.
     #[arg(long, env = "PDMESH_INCIDENT_TRACE_LINK")]
     pub incident_trace_link: Option<String>,
+    /// This gateway's OpenAI endpoint as operators reach it (`http://host:port/v1`), for
+    /// the reports' replay command (`pdmesh up` passes it).
+    #[arg(long, env = "PDMESH_INCIDENT_REPLAY_URL")]
+    pub incident_replay_url: Option<String>,
     /// Put the request's text in a report's replay recipe (by default only its token
     /// ids and the rest of its body go there).
     #[arg(long, env = "PDMESH_INCIDENT_INCLUDE_PROMPTS")]
@@ -112,6 +116,7 @@ impl Config {
             responses_ttl_secs: 3600,
             incident_dir: None,
             incident_trace_link: None,
+            incident_replay_url: None,
             incident_include_prompts: false,
             tls: pdmesh_tls::TlsArgs::default(),
         }

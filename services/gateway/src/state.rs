@@ -91,6 +91,7 @@ impl AppState {
         let incidents = pdmesh_incident::Reporter::from_flags(
             cfg.incident_dir.as_deref(),
             cfg.incident_trace_link.clone(),
+            cfg.incident_replay_url.clone(),
         );
         Ok(Self(Arc::new(Inner {
             responses,

@@ -48,11 +48,11 @@ impl Incidents {
     /// None without `--incident-dir` (or when it cannot be made: a warning says so).
     pub(crate) fn from_flags(
         dir: Option<&std::path::Path>,
-        trace_link: Option<String>,
+        (trace_link, replay_url): (Option<String>, Option<String>),
         worker: String,
         config: BTreeMap<String, String>,
     ) -> Option<Arc<Self>> {
-        let reporter = Reporter::from_flags(dir, trace_link)?;
+        let reporter = Reporter::from_flags(dir, trace_link, replay_url)?;
         Some(Arc::new(Self {
             reporter,
             worker,
@@ -266,7 +266,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let inc = Incidents::from_flags(
             Some(dir.path()),
-            None,
+            (None, None),
             "prefill pid 1".into(),
             BTreeMap::from([("role".into(), "prefill".into())]),
         )

@@ -138,6 +138,10 @@ pub struct Config {
     /// A trace viewer's link with `{trace_id}` in it (Tempo, Jaeger), for the reports.
     #[arg(long, env = "PDMESH_INCIDENT_TRACE_LINK")]
     pub incident_trace_link: Option<String>,
+    /// The mesh's OpenAI endpoint (`http://host:port/v1`) for the reports' replay
+    /// command (`pdmesh up` passes its gateway's).
+    #[arg(long, env = "PDMESH_INCIDENT_REPLAY_URL")]
+    pub incident_replay_url: Option<String>,
     /// DeepSeek models: the MLA latent's cache form, bf16 (1152 B per token per layer) or
     /// fp8 (656 B: fp8 values with per-128 f32 scales, bf16 rope part).
     #[arg(long, env = "PDMESH_KV_CACHE_DTYPE", value_enum, default_value_t = KvCacheDtype::Bf16)]
@@ -218,6 +222,7 @@ impl Config {
             watchdog: Watchdog::Soft,
             incident_dir: None,
             incident_trace_link: None,
+            incident_replay_url: None,
             kv_cache_dtype: KvCacheDtype::Bf16,
             index_k_dtype: IndexKDtypeArg::Fp8,
             faults: FaultArgs::default(),
@@ -416,7 +421,10 @@ pub async fn run(
         })??;
     let incidents = incidents::Incidents::from_flags(
         cfg.incident_dir.as_deref(),
-        cfg.incident_trace_link.clone(),
+        (
+            cfg.incident_trace_link.clone(),
+            cfg.incident_replay_url.clone(),
+        ),
         format!("{} pid {}", cfg.role.name(), std::process::id()),
         cfg.report_config(engine.pool().layout().as_ref()),
     );

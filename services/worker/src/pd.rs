@@ -1405,7 +1405,7 @@ mod tests {
         let reports = tempfile::tempdir().unwrap();
         let inc = Incidents::from_flags(
             Some(reports.path()),
-            None,
+            (None, None),
             "prefill pid 1".into(),
             Default::default(),
         )
