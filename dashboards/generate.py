@@ -168,6 +168,37 @@ def bargauge(title: str, description: str, targets: list, unit: str, *,
     return p
 
 
+def table(title: str, description: str, targets: list, unit: str, *, value: str,
+          w: int = 12, h: int = 8) -> dict:
+    """One row per series of instant queries: its labels, then its value named `value`."""
+    p = _panel("table", title, description,
+               [dict(t, instant=True, range=False, format="table") for t in targets], unit, w, h)
+    p["fieldConfig"]["defaults"]["thresholds"] = thresholds()
+    p["options"] = {"showHeader": True, "cellHeight": "sm",
+                    "sortBy": [{"displayName": value, "desc": True}]}
+    p["transformations"] = [{"id": "organize", "options": {
+        "excludeByName": {"Time": True}, "renameByName": {"Value": value}}}]
+    return p
+
+
+def prometheus_annotation(name: str, expr: str, title: str, text: str, tag: str,
+                          color: str) -> dict:
+    """Marks on every time panel where `expr` has a series: one per series and step."""
+    return {
+        "name": name,
+        "datasource": PROMETHEUS,
+        "enable": True,
+        "hide": False,
+        "iconColor": color,
+        "expr": expr,
+        "step": "1m",
+        "titleFormat": title,
+        "textFormat": text,
+        "tagKeys": tag,
+        "useValueForTime": False,
+    }
+
+
 def text(title: str, content: str, *, w: int = 24, h: int = 4) -> dict:
     return {
         "type": "text",
@@ -220,7 +251,8 @@ def tempo_explore_url(traceql: str) -> str:
     return "/explore?schemaVersion=1&orgId=1&panes=" + "".join(out)
 
 
-def dashboard(uid: str, title: str, description: str, panels: list) -> dict:
+def dashboard(uid: str, title: str, description: str, panels: list,
+              annotations: list = ()) -> dict:
     """A dashboard; panels flow left to right in rows of 24 columns."""
     x = y = row_h = 0
     placed = []
@@ -244,7 +276,7 @@ def dashboard(uid: str, title: str, description: str, panels: list) -> dict:
         "time": {"from": "now-30m", "to": "now"},
         "timepicker": {},
         "timezone": "browser",
-        "annotations": {"list": []},
+        "annotations": {"list": list(annotations)},
         "templating": {"list": []},
         "links": [
             {
@@ -650,9 +682,28 @@ def wedges() -> dict:
     oldest["links"] = [{"targetBlank": True,
                         "title": "Tempo: traces longer than the shortest room deadline",
                         "url": long_traces}]
+    reports = ("`pdmesh incident list` (then `pdmesh incident show ID`) on the reports' "
+               "directory, or `GET /debug/incidents` on the gateway with the API key")
+    incidents = prometheus_annotation(
+        "Incident reports",
+        "sum by (kind) (increase(mesh_incidents_total[1m])) > 0",
+        "Incident: {{kind}}",
+        "{{value}} failures of kind {{kind}} filed an incident report in this minute; read "
+        "them with " + reports + ".",
+        "kind", "red")
     return dashboard("pdmesh-wedges", "pdmesh / Wedge tracing",
                      "Where requests get stuck: rooms by state and age, hand-overs as the "
-                     "workers see them, reservations, stalls and watchdogs.", [
+                     "workers see them, reservations, stalls and watchdogs. Red marks: "
+                     "incident reports filed.", [
+        table("Incident reports in this time range",
+              "mesh_incidents_total: failures the mesh filed an incident report for in the "
+              "dashboard's time range, by kind (wedge, room_deadline, checksum, "
+              "layout_refused, engine_stall, tool_parse, first_token_mismatch), the gateway's "
+              "own and the workers' and cache services' as the gateway last read them. "
+              "Repeats of one cause in one component within five minutes share a report. "
+              "The reports: " + reports + ".",
+              [target("sum by (kind) (increase(mesh_incidents_total[$__range])) > 0")],
+              "short", value="failures reported", w=12, h=8),
         oldest,
         handover_oldest_panel(),
         timeseries("Rooms older than N seconds",
@@ -717,7 +768,7 @@ def wedges() -> dict:
                    f"threshold ({WATCHDOG_STALL_S} s), past which a stall is counted.",
                    [target("max(mesh_engine_idle_seconds)", "longest idle with work")], "s",
                    steps=((WATCHDOG_STALL_S, "orange"),)),
-    ])
+    ], annotations=[incidents])
 
 
 DASHBOARDS = {

@@ -99,6 +99,8 @@ def dashboard_exprs() -> list[tuple[str, str, str, str]]:
         for panel in board["panels"]:
             for t in panel.get("targets", []):
                 out.append((name, panel["title"], t.get("legendFormat", ""), t["expr"]))
+        for a in board["annotations"]["list"]:
+            out.append((name, f'annotation "{a["name"]}"', "", a["expr"]))
     return out
 
 
@@ -273,6 +275,13 @@ def test_dashboards_use_the_fixed_datasource_uids_and_refresh():
     wedges = json.loads((DASHBOARDS / "wedges.json").read_text())
     links = [l["url"] for p in wedges["panels"] for l in p.get("fieldConfig", {}).get("defaults", {}).get("links", [])]
     assert any("pdmesh-tempo" in u and "${__field.labels.state}" in u for u in links), links
+    # Incident reports: marks on every panel where one was filed, and a table by kind.
+    [incidents] = wedges["annotations"]["list"]
+    assert incidents["datasource"]["uid"] == "pdmesh-prometheus" and incidents["enable"], incidents
+    assert "mesh_incidents_total" in incidents["expr"] and incidents["tagKeys"] == "kind", incidents
+    [table] = [p for p in wedges["panels"] if p["type"] == "table"]
+    assert [t["expr"] for t in table["targets"]] == ["sum by (kind) (increase(mesh_incidents_total[$__range])) > 0"]
+    assert all(t["instant"] and t["format"] == "table" for t in table["targets"]), table["targets"]
 
 
 def test_rules_pass_promtool_check_and_their_unit_tests():
