@@ -398,7 +398,7 @@ impl Wedges {
         i.timeline = oldest
             .timeline
             .iter()
-            .map(|(at, what)| pdmesh_incident::Step::new(*at, what.clone()))
+            .map(|(at, what)| pdmesh_incident::Step::new(*at, what.to_string()))
             .collect();
         i.stuck_rooms = stuck
             .iter()

@@ -185,13 +185,46 @@ struct Room {
     /// Leading pages the receiver holds already: they do not travel.
     held: u32,
     /// What happened to it and when (wall clock), for an incident report's timeline.
-    history: Vec<(SystemTime, String)>,
+    history: Vec<(SystemTime, Step)>,
+}
+
+/// One step of a room's life, kept as data and worded only when a report is written (a
+/// room takes several on every hand-over's path).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    Opened,
+    Joined { side: Side, lease: u64 },
+    Entered(RoomState),
+    Stuck { seconds: f64 },
+    Failed(String),
+    FailedAfterHandOver(String),
+    ReceiverLeaseLost(u64),
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Opened => f.write_str("opened (bootstrapping)"),
+            Self::Joined { side, lease } => {
+                let who = match side {
+                    Side::Sender => "the sender (prefill)",
+                    Side::Receiver => "the receiver (decode)",
+                };
+                write!(f, "{who} joined (lease {lease})")
+            }
+            Self::Entered(st) => write!(f, "entered {}", st.name()),
+            Self::Stuck { seconds } => write!(f, "the watchdog found it stuck for {seconds:.1} s"),
+            Self::Failed(why) => write!(f, "failed: {why}"),
+            Self::FailedAfterHandOver(why) => write!(f, "failed after its hand-over: {why}"),
+            Self::ReceiverLeaseLost(lease) => write!(f, "failed: receiver lease {lease} lost"),
+        }
+    }
 }
 
 /// Most steps a room's history keeps (a room has a handful in a normal life).
 const HISTORY: usize = 32;
 
-fn note(r: &mut Room, what: String) {
+fn note(r: &mut Room, what: Step) {
     if r.history.len() < HISTORY {
         r.history.push((SystemTime::now(), what));
     }
@@ -202,7 +235,7 @@ fn note(r: &mut Room, what: String) {
 pub struct Story {
     pub request_id: String,
     pub trace_id: String,
-    pub history: Vec<(SystemTime, String)>,
+    pub history: Vec<(SystemTime, Step)>,
 }
 
 /// A room the watchdog found stuck.
@@ -214,7 +247,7 @@ pub struct Stuck {
     pub state: RoomState,
     pub age: Duration,
     /// Its history: when it opened, who joined, each state it entered.
-    pub timeline: Vec<(SystemTime, String)>,
+    pub timeline: Vec<(SystemTime, Step)>,
 }
 
 /// Every open room. Failed rooms are kept (so both sides learn why) until both sides
@@ -263,7 +296,7 @@ impl Rooms {
         r.state = next;
         r.entered = now;
         r.stalled = false;
-        note(r, format!("entered {}", next.name()));
+        note(r, Step::Entered(next));
     }
 
     /// A side joins `room` (creating it if it is new). Once both have, it waits for input.
@@ -289,7 +322,12 @@ impl Rooms {
                 trace_id: String::new(),
                 stalled: false,
                 held: 0,
-                history: vec![(SystemTime::now(), "opened (bootstrapping)".into())],
+                history: {
+                    // Room for a whole hand-over's steps without growing.
+                    let mut h = Vec::with_capacity(8);
+                    h.push((SystemTime::now(), Step::Opened));
+                    h
+                },
             }),
         };
         let slot = match side {
@@ -303,11 +341,7 @@ impl Rooms {
             Some(_) => {}
             None => {
                 *slot = Some(lease);
-                let who = match side {
-                    Side::Sender => "the sender (prefill)",
-                    Side::Receiver => "the receiver (decode)",
-                };
-                note(r, format!("{who} joined (lease {lease})"));
+                note(r, Step::Joined { side, lease });
             }
         }
         if r.state == RoomState::Bootstrapping && r.sender.is_some() && r.receiver.is_some() {
@@ -450,7 +484,9 @@ impl Rooms {
                 r.stalled = true;
                 note(
                     r,
-                    format!("the watchdog found it stuck for {:.1} s", age.as_secs_f64()),
+                    Step::Stuck {
+                        seconds: age.as_secs_f64(),
+                    },
                 );
                 out.push(Stuck {
                     room: id,
@@ -510,7 +546,7 @@ impl Rooms {
     fn fail(r: &mut Room, reason: String, sender_done: bool, now: Instant) -> Released {
         let writing = r.state == RoomState::Transferring && !sender_done;
         Self::advance(r, RoomState::Failed, now);
-        note(r, format!("failed: {reason}"));
+        note(r, Step::Failed(reason.clone()));
         r.reason = Some(reason);
         let slots = std::mem::take(&mut r.slots);
         match (writing, r.sender) {
@@ -548,7 +584,7 @@ impl Rooms {
                 r.state = RoomState::Failed;
                 r.entered = now;
                 r.stalled = false;
-                note(r, format!("failed after its hand-over: {reason}"));
+                note(r, Step::FailedAfterHandOver(reason.to_owned()));
                 r.reason = Some(reason.to_owned());
                 r.pages.clear();
                 Some(Released {
@@ -619,7 +655,7 @@ impl Rooms {
                     },
                 ));
                 r.state = RoomState::Failed;
-                note(r, format!("failed: receiver lease {lease} lost"));
+                note(r, Step::ReceiverLeaseLost(lease));
                 r.reason = Some(format!("receiver lease {lease} lost"));
             }
             if r.sender == Some(lease) {
@@ -849,13 +885,17 @@ mod tests {
             ),
             (1, Bootstrapping, "req-1", "trace-1")
         );
-        let steps: Vec<&str> = stuck[0].timeline.iter().map(|(_, w)| &w[..]).collect();
+        let steps: Vec<String> = stuck[0]
+            .timeline
+            .iter()
+            .map(|(_, w)| w.to_string())
+            .collect();
         assert_eq!(
             steps,
             [
-                "opened (bootstrapping)",
-                &format!("the receiver (decode) joined (lease {DEC})"),
-                "the watchdog found it stuck for 0.5 s",
+                "opened (bootstrapping)".to_owned(),
+                format!("the receiver (decode) joined (lease {DEC})"),
+                "the watchdog found it stuck for 0.5 s".to_owned(),
             ]
         );
         assert!(rooms.stuck(half(900), 0.5).is_empty(), "reported once");

@@ -532,7 +532,7 @@ impl State {
         i.timeline = story
             .history
             .iter()
-            .map(|(at, what)| pdmesh_incident::Step::new(*at, what.clone()))
+            .map(|(at, what)| pdmesh_incident::Step::new(*at, what.to_string()))
             .collect();
         i.pages.push(pdmesh_incident::PageCheck {
             page: format!("page {} of room {}", bad.index, bad.room),
@@ -960,7 +960,7 @@ impl State {
                 );
                 i.timeline = history
                     .into_iter()
-                    .map(|(at, what)| pdmesh_incident::Step::new(at, what))
+                    .map(|(at, what)| pdmesh_incident::Step::new(at, what.to_string()))
                     .collect();
                 self.incidents.push(i);
             }
