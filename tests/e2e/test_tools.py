@@ -359,6 +359,10 @@ def test_a_parse_failure_files_an_incident_report_without_secrets_or_prompt_text
     assert report["place"]["request_id"].startswith("chatcmpl-")
     assert report["replay"]["prompt_token_ids"] and report["replay"]["body"]["response_format"] == rf
     assert report["config"]["api_key"] == "[redacted]"
+    # The gateway's figures a second before and at the failure.
+    parse = next(m for m in report["metrics"] if m["name"] == "tool-call outputs that failed to parse")
+    assert parse["after"] >= 1 and parse["before"] is not None and parse["before"] <= parse["after"], report["metrics"]
+    assert report["replay"]["command"].startswith("pdmesh bench replay "), report["replay"]
     # `pdmesh incident` reads the directory, or asks the gateway.
     listed = subprocess.run([str(pdmesh_bin()), "incident", "list", "--dir", str(mesh.incident_dir)],
                             capture_output=True, text=True, check=True).stdout

@@ -765,6 +765,14 @@ mod tests {
         assert!(i.details["error"].contains("first token 7 but decode Some(5)"));
         assert_eq!(i.replay.as_ref().unwrap().prompt_token_ids, [1, 2, 3]);
         assert_eq!(i.config["api_key"], "[redacted]");
+        // The gateway's figures now (no tick ran yet, so no "before"), this failure
+        // counted among those reported.
+        let reported = i
+            .metrics
+            .iter()
+            .find(|m| m.name == "failures reported (every kind)")
+            .unwrap();
+        assert_eq!((reported.before, reported.after), (None, Some(1.0)));
         let md = std::fs::read_to_string(incidents.join(format!("{}.md", i.id))).unwrap();
         assert!(!md.contains("sk-test-secret"));
         let m = st.metrics.render();

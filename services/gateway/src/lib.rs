@@ -215,6 +215,7 @@ async fn write_incident_repeats(st: state::AppState, stop: CancellationToken) {
             () = stop.cancelled() => break,
             _ = tick.tick() => {}
         }
+        st.keep_figures();
         if let Err(e) = r.tick() {
             tracing::warn!(error = %e, "incident reports: repeats not written");
         }

@@ -846,6 +846,51 @@ impl Metrics {
         }
     }
 
+    /// The figures an incident report shows before and after: request failures by the
+    /// classes a mesh failure shows as, parse failures, tokens, first tokens, the free
+    /// KV pages at the last scrape, and failures reported.
+    pub fn figures(&self) -> Vec<(&'static str, f64)> {
+        let failed = |t: ErrorType| self.errors.with_label_values(&[t.name()]).get() as f64;
+        let parse: u64 = pdmesh_chat::PARSERS
+            .iter()
+            .chain([&OTHER])
+            .flat_map(|p| {
+                pdmesh_chat::FAILURE_REASONS
+                    .iter()
+                    .chain([&OTHER])
+                    .map(move |r| (*p, *r))
+            })
+            .map(|(p, r)| self.parse_failures.with_label_values(&[p, r]).get())
+            .sum();
+        let reported: u64 = pdmesh_incident::Kind::ALL
+            .iter()
+            .map(|k| self.incidents.with_label_values(&[k.name()]).get())
+            .sum();
+        vec![
+            (
+                "requests failed: backend_error",
+                failed(ErrorType::BackendError),
+            ),
+            (
+                "requests failed: backend_unavailable",
+                failed(ErrorType::BackendUnavailable),
+            ),
+            (
+                "requests failed: unparsable_output",
+                failed(ErrorType::UnparsableOutput),
+            ),
+            ("requests failed: timeout", failed(ErrorType::Timeout)),
+            ("tool-call outputs that failed to parse", parse as f64),
+            ("first tokens", self.ttft.get_sample_count() as f64),
+            ("tokens generated", self.generated_tokens.get() as f64),
+            (
+                "KV pages free (last scrape)",
+                self.kv_pages_free.get() as f64,
+            ),
+            ("failures reported (every kind)", reported as f64),
+        ]
+    }
+
     /// One failure an incident report was (or, without `--incident-dir`, would have
     /// been) filed for.
     pub fn incident(&self, kind: pdmesh_incident::Kind) {

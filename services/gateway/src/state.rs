@@ -29,6 +29,8 @@ pub(crate) struct Inner {
     pub responses: crate::responses::Store,
     /// Incident reports (`--incident-dir`).
     pub incidents: Option<pdmesh_incident::Reporter>,
+    /// The metrics' figures at the last second's tick (a report's "before"), and when.
+    figures_before: std::sync::Mutex<Option<(std::time::Instant, Vec<(&'static str, f64)>)>>,
     host: String,
     info: OnceCell<WorkerInfo>,
     output: OnceCell<OutputFormat>,
@@ -57,6 +59,15 @@ impl AppState {
     /// Counts `i` and, with `--incident-dir`, files its report (see `pdmesh_incident`):
     /// the gateway's host, its configuration (secrets replaced) and where to find the
     /// report are filled in here.
+    /// Keeps the metrics' figures as a report's "before" (once a second).
+    pub fn keep_figures(&self) {
+        *self
+            .figures_before
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some((std::time::Instant::now(), self.metrics.figures()));
+    }
+
     pub fn incident(&self, mut i: pdmesh_incident::Incident) {
         self.metrics.incident(i.kind);
         let Some(r) = &self.incidents else {
@@ -64,6 +75,27 @@ impl AppState {
         };
         i.place.service = "gateway".into();
         i.place.host = self.host.clone();
+        let before = self
+            .figures_before
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let now = self.metrics.figures();
+        i.metrics = now
+            .iter()
+            .enumerate()
+            .map(|(k, &(name, v))| pdmesh_incident::MetricDelta {
+                name: name.into(),
+                before: before.as_ref().map(|(_, b)| b[k].1),
+                after: Some(v),
+            })
+            .collect();
+        if let Some((at, _)) = before {
+            i.details.insert(
+                "metrics before".into(),
+                format!("{:.1} s before the report", at.elapsed().as_secs_f64()),
+            );
+        }
         let c = &self.cfg;
         for (k, v) in [
             ("worker_url", c.worker_url.clone()),
@@ -96,6 +128,7 @@ impl AppState {
         Ok(Self(Arc::new(Inner {
             responses,
             incidents,
+            figures_before: Default::default(),
             host: pdmesh_incident::hostname(),
             cfg,
             backends,
