@@ -220,7 +220,9 @@ def test_chaos_kill_decode_passes_on_a_restarting_mesh(restarting, tmp_path):
 def test_chaos_stall_cache_passes_and_leaves_the_cache_service_running(restarting, tmp_path):
     m = restarting
     cache = json.loads(m.ports_path.read_text())["pids"]["cache"]
-    v, _ = run_scenario(m, "stall-cache", tmp_path / "stall", *LOAD, "--fault-after-s", "0.3", "--stall-s", "4")
+    # Early: while the requests' rooms are open (each hand-over takes a fraction of a
+    # second; decoding the rest of the answer does not need the room).
+    v, _ = run_scenario(m, "stall-cache", tmp_path / "stall", *LOAD, "--fault-after-s", "0.1", "--stall-s", "4")
     names = [c["name"] for c in v["checks"]]
     assert names[3:] == ["fault under load", "answers after recovery"], names
     assert f"SIGSTOP to the cache service (pid {cache})" in v["fault"] and "SIGCONT" in v["fault"], v["fault"]
@@ -231,6 +233,16 @@ def test_chaos_stall_cache_passes_and_leaves_the_cache_service_running(restartin
     assert json.loads(m.ports_path.read_text())["pids"]["cache"] == cache
     assert proc_state(cache) not in ("", "T", "t"), proc_state(cache)
     assert m.metrics()["mesh_host_mirror_leases"] > 0
+    # The cache service reported its own stall: a wedge report listing the rooms under
+    # way when it resumed, with their requests' trace ids and the oldest one's timeline.
+    stalls = [r for r in (json.loads(p.read_text()) for p in m.incident_dir.glob("*.json"))
+              if r["kind"] == "wedge" and r["place"].get("stage") == "service stall"]
+    assert len(stalls) == 1, sorted(p.name for p in m.incident_dir.iterdir())
+    w = stalls[0]
+    assert float(w["details"]["stalled seconds"]) >= 3, w["details"]
+    assert w["stuck_rooms"] and all(r["trace_id"] and r["request_id"] for r in w["stuck_rooms"]), w["stuck_rooms"]
+    assert w["place"]["trace_id"] == w["stuck_rooms"][0]["trace_id"]
+    assert w["timeline"][0]["what"] == "opened (bootstrapping)", w["timeline"]
     assert ask(m), "the mesh still answers"
 
 

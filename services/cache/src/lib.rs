@@ -210,10 +210,27 @@ pub async fn run(
             let mut tick = tokio::time::interval(every);
             // The rooms' figures at the last tick: a wedge report's "before".
             let mut before = shared.with(|s| s.room_stats(Instant::now()));
+            // A gap this long between ticks is this service's own stall (stopped,
+            // starved of CPU, swapped out): long enough to put the workers' leases,
+            // which they could not renew meanwhile, at risk.
+            let stalled_after = (ttl / 2).max(Duration::from_secs(1));
+            let mut last = Instant::now();
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tick.tick() => {
+                        let gap = last.elapsed();
+                        last = Instant::now();
+                        if gap >= stalled_after {
+                            // What was under way when it stopped, before the leases it
+                            // could not renew expire and fail those rooms.
+                            let (rooms, now_stats) = shared.with(|s| {
+                                let now = Instant::now();
+                                (s.rooms_under_way(now), s.room_stats(now))
+                            });
+                            tracing::error!(seconds = gap.as_secs_f64(), rooms = rooms.len(), "this cache service made no progress: its reaper did not run");
+                            wedges.stalled(gap, every, &rooms, (&before, &now_stats));
+                        }
                         let (stuck, after, seen) = shared.with(|s| {
                             let now = Instant::now();
                             s.expire(now);
@@ -354,6 +371,32 @@ impl Wedges {
         }
     }
 
+    /// Files a `wedge` report of this service's own stall: it made no progress for
+    /// `gap` (its reaper runs every `every`), with the rooms under way when it resumed.
+    fn stalled(
+        &self,
+        gap: Duration,
+        every: Duration,
+        rooms: &[rooms::Stuck],
+        figures: (&state::RoomStats, &state::RoomStats),
+    ) {
+        let summary = format!(
+            "This cache service made no progress for {:.1} s: its reaper, due every {} ms, \
+             did not run (the process was stopped, starved of CPU or swapped out). {} \
+             room(s) were under way when it resumed; the workers could not renew their \
+             leases meanwhile, so leases past their time expire now and fail their rooms.",
+            gap.as_secs_f64(),
+            every.as_millis(),
+            rooms.len()
+        );
+        self.wedge(summary, "service stall", rooms, figures, |i| {
+            i.details.insert(
+                "stalled seconds".into(),
+                format!("{:.3}", gap.as_secs_f64()),
+            );
+        });
+    }
+
     /// Files a `wedge` report for the rooms the watchdog found stuck now: the oldest
     /// room's request, trace and timeline, every stuck room, and the rooms' figures
     /// before and after.
@@ -361,9 +404,9 @@ impl Wedges {
         &self,
         stuck: &[rooms::Stuck],
         mode: Watchdog,
-        (before, after): (&state::RoomStats, &state::RoomStats),
+        figures: (&state::RoomStats, &state::RoomStats),
     ) {
-        let (Some(r), Some(oldest)) = (&self.reporter, stuck.first()) else {
+        let Some(oldest) = stuck.first() else {
             return;
         };
         let done = if mode == Watchdog::Hard {
@@ -371,36 +414,59 @@ impl Wedges {
         } else {
             "the soft watchdog left them to their deadlines"
         };
+        let summary = format!(
+            "{} room(s) stayed in one state past half that state's deadline; {done}. \
+             The oldest, room {} of request {}, had been {} for {:.1} s.",
+            stuck.len(),
+            oldest.room,
+            if oldest.request_id.is_empty() {
+                "(unnamed)"
+            } else {
+                &oldest.request_id
+            },
+            oldest.state.name(),
+            oldest.age.as_secs_f64()
+        );
+        self.wedge(summary, "", stuck, figures, |i| {
+            i.details
+                .insert("watchdog".into(), format!("{mode:?}").to_lowercase());
+        });
+    }
+
+    /// A `wedge` report: `summary`, the first (oldest) room's request, trace and
+    /// timeline, every room listed, and the rooms' figures before and after.
+    fn wedge(
+        &self,
+        summary: String,
+        stage: &str,
+        rooms: &[rooms::Stuck],
+        (before, after): (&state::RoomStats, &state::RoomStats),
+        details: impl FnOnce(&mut pdmesh_incident::Incident),
+    ) {
+        let Some(r) = &self.reporter else {
+            return;
+        };
         let mut i = pdmesh_incident::Incident::new(
             pdmesh_incident::Kind::Wedge,
-            format!(
-                "{} room(s) stayed in one state past half that state's deadline; {done}. \
-                 The oldest, room {} of request {}, had been {} for {:.1} s.",
-                stuck.len(),
-                oldest.room,
-                if oldest.request_id.is_empty() {
-                    "(unnamed)"
-                } else {
-                    &oldest.request_id
-                },
-                oldest.state.name(),
-                oldest.age.as_secs_f64()
-            ),
+            summary,
             pdmesh_incident::Place {
                 service: "cache".into(),
                 host: self.host.clone(),
-                room: Some(oldest.room),
-                request_id: oldest.request_id.clone(),
-                trace_id: oldest.trace_id.clone(),
+                stage: stage.into(),
                 ..Default::default()
             },
         );
-        i.timeline = oldest
-            .timeline
-            .iter()
-            .map(|(at, what)| pdmesh_incident::Step::new(*at, what.to_string()))
-            .collect();
-        i.stuck_rooms = stuck
+        if let Some(oldest) = rooms.first() {
+            i.place.room = Some(oldest.room);
+            i.place.request_id = oldest.request_id.clone();
+            i.place.trace_id = oldest.trace_id.clone();
+            i.timeline = oldest
+                .timeline
+                .iter()
+                .map(|(at, what)| pdmesh_incident::Step::new(*at, what.to_string()))
+                .collect();
+        }
+        i.stuck_rooms = rooms
             .iter()
             .map(|s| pdmesh_incident::StuckRoom {
                 room: s.room,
@@ -420,8 +486,7 @@ impl Wedges {
             })
             .collect();
         i.config = self.config.clone();
-        i.details
-            .insert("watchdog".into(), format!("{mode:?}").to_lowercase());
+        details(&mut i);
         if let Err(e) = r.report(i) {
             tracing::warn!(error = %e, "a wedge report could not be written");
         }

@@ -442,6 +442,27 @@ impl Rooms {
         }
     }
 
+    /// Every room whose hand-over has not ended: not failed, and not yet finished by its
+    /// receiver (a room that succeeded waits for that), oldest in its state first (for a
+    /// report of the service's own stall; nothing is marked).
+    pub fn under_way(&self, now: Instant) -> Vec<Stuck> {
+        let mut out: Vec<Stuck> = self
+            .rooms
+            .iter()
+            .filter(|(_, r)| r.state != RoomState::Failed)
+            .map(|(&id, r)| Stuck {
+                room: id,
+                request_id: r.request_id.clone(),
+                trace_id: r.trace_id.clone(),
+                state: r.state,
+                age: now.duration_since(r.entered),
+                timeline: r.history.clone(),
+            })
+            .collect();
+        out.sort_by_key(|s| std::cmp::Reverse(s.age));
+        out
+    }
+
     /// Rooms by state and the oldest one's age in each.
     pub fn census(&self, now: Instant) -> Vec<(RoomState, usize, Duration)> {
         RoomState::ALL

@@ -1460,6 +1460,11 @@ impl State {
         stuck
     }
 
+    /// Every room under way now (see [`crate::rooms::Rooms::under_way`]).
+    pub fn rooms_under_way(&self, now: Instant) -> Vec<Stuck> {
+        self.rooms.under_way(now)
+    }
+
     pub fn room_stats(&self, now: Instant) -> RoomStats {
         let mut st = self.room_stats.clone();
         st.census = self.rooms.census(now);
