@@ -1,5 +1,5 @@
-//! Faults injected on purpose, for tests that prove the differential check catches the
-//! corruption it exists for. The worker calls them only when started with its hidden,
+//! Faults injected on purpose, for tests that prove the mesh's checksums and the
+//! differential check catch the corruption they exist for. The worker calls them only when started with its hidden,
 //! test-only `--fault-*` flags (its `faults` module), which it announces loudly.
 
 use crate::{Component, DType, KvLayout, ScalePlacement};
