@@ -1,6 +1,7 @@
 //! Faults injected on purpose, for tests that prove the mesh's checksums and the
-//! differential check catch the corruption they exist for. The worker calls them only when started with its hidden,
-//! test-only `--fault-*` flags (its `faults` module), which it announces loudly.
+//! differential check catch the corruption they exist for. The worker calls them only
+//! when started with its hidden, test-only `--fault-*` flags (its `faults` module),
+//! which it announces loudly.
 
 use crate::{Component, DType, KvLayout, ScalePlacement};
 
