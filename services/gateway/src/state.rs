@@ -18,6 +18,9 @@ use crate::tools::OutputFormat;
 #[derive(Clone)]
 pub(crate) struct AppState(Arc<Inner>);
 
+/// The metrics' figures a report shows (`Metrics::figures`).
+type Figures = Vec<(&'static str, f64)>;
+
 pub(crate) struct Inner {
     pub cfg: Config,
     pub backends: Backends,
@@ -30,7 +33,7 @@ pub(crate) struct Inner {
     /// Incident reports (`--incident-dir`).
     pub incidents: Option<pdmesh_incident::Reporter>,
     /// The metrics' figures at the last second's tick (a report's "before"), and when.
-    figures_before: std::sync::Mutex<Option<(std::time::Instant, Vec<(&'static str, f64)>)>>,
+    figures_before: std::sync::Mutex<Option<(std::time::Instant, Figures)>>,
     host: String,
     info: OnceCell<WorkerInfo>,
     output: OnceCell<OutputFormat>,
