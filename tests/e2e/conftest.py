@@ -145,6 +145,32 @@ def start_up(tmp: Path, extra_args: list[str] | None = None, env: dict | None = 
     return mesh
 
 
+def wait_baseline(metrics, logs, timeout: float = 30, caches: bool = False) -> dict[str, float]:
+    """Waits until nothing is held: no request in a worker, no reserved page, every pool
+    page free or cached, no room open, no mirror slot held by a room (and, with `caches`,
+    every cache service read). `metrics` scrapes the gateway; `logs` says what to show
+    when it does not come back."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics()
+        held = {
+            k: v for k, v in m.items()
+            if (k.startswith("mesh_worker_requests") or k.startswith("mesh_room_slots") or k == "mesh_kv_reserved_pages"
+                or (k.startswith("mesh_rooms{") and 'state="failed"' not in k))
+            and v != 0
+        }
+        pages = m["mesh_kv_pages_free"] + m["mesh_kv_pages_cached"]
+        # Only a scrape that read every worker tells: the worker gauges are stale otherwise.
+        read = m["mesh_workers_read"] == 1 and (not caches or m["mesh_caches_read"] == 1)
+        if read and not held and pages == m["mesh_kv_pages_capacity"]:
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"not back to baseline: workers read {m['mesh_workers_read']}, caches read "
+                        f"{m.get('mesh_caches_read')}, held {held}, free+cached {pages} of "
+                        f"{m['mesh_kv_pages_capacity']}\n{logs()}", pytrace=False)
+        time.sleep(0.25)
+
+
 def stop_up(mesh: Mesh) -> int:
     """SIGTERM to `up`; returns its exit code. Fails if it or any child outlives it."""
     if mesh.proc.poll() is None:

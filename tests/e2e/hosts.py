@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import API_KEY, ROOM_ARGS, WORKER_ARGS, http, pdmesh_bin
+from conftest import API_KEY, ROOM_ARGS, WORKER_ARGS, http, pdmesh_bin, wait_baseline
 from netns import Net
 
 REQUEST_DEADLINE_S = 40
@@ -184,21 +184,7 @@ class Hosts:
     def assert_baseline(self, timeout: float = 30) -> dict[str, float]:
         """Nothing held on any host: no request in a worker, no reserved page, no open
         room, no mirror slot held by a room on either cache service."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            held = {
-                k: v for k, v in m.items()
-                if (k.startswith("mesh_worker_requests") or k.startswith("mesh_room_slots") or k == "mesh_kv_reserved_pages"
-                    or (k.startswith("mesh_rooms{") and 'state="failed"' not in k))
-                and v != 0
-            }
-            pages = m["mesh_kv_pages_free"] + m["mesh_kv_pages_cached"]
-            if m["mesh_workers_read"] == 1 and m["mesh_caches_read"] == 1 and not held and pages == m["mesh_kv_pages_capacity"]:
-                return m
-            if time.monotonic() > deadline:
-                pytest.fail(f"not back to baseline: held {held}, caches read {m['mesh_caches_read']}\n{self.logs()}", pytrace=False)
-            time.sleep(0.25)
+        return wait_baseline(self.metrics, self.logs, timeout, caches=True)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.tmp.glob("*.log")))

@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import ROOM_ARGS, WORKER_ARGS, API_KEY, free_port, http, metrics, pdmesh_bin, start_up, stop_up
+from conftest import ROOM_ARGS, WORKER_ARGS, API_KEY, free_port, http, metrics, pdmesh_bin, start_up, stop_up, wait_baseline
 
 # Every request must end (answer or error) within this.
 REQUEST_DEADLINE_S = 40
@@ -116,23 +116,7 @@ class Services:
     def assert_baseline(self, timeout: float = 30) -> dict[str, float]:
         """Waits until nothing is held: no request in a worker, no reserved or exported
         page, every pool page free or cached, no room open, no mirror slot held by a room."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            held = {
-                k: v
-                for k, v in m.items()
-                if (k.startswith("mesh_worker_requests") or k.startswith("mesh_room_slots") or k == "mesh_kv_reserved_pages"
-                    or (k.startswith("mesh_rooms{") and 'state="failed"' not in k))
-                and v != 0
-            }
-            pages = m["mesh_kv_pages_free"] + m["mesh_kv_pages_cached"]
-            # Only a scrape that read every worker tells: the worker gauges are stale otherwise.
-            if m["mesh_workers_read"] == 1 and not held and pages == m["mesh_kv_pages_capacity"]:
-                return m
-            if time.monotonic() > deadline:
-                pytest.fail(f"not back to baseline: workers read {m['mesh_workers_read']}, held {held}, free+cached {pages} of {m['mesh_kv_pages_capacity']}\n{self.logs()}", pytrace=False)
-            time.sleep(0.25)
+        return wait_baseline(self.metrics, self.logs, timeout)
 
 
 @pytest.fixture

@@ -88,7 +88,13 @@ struct Target {
     /// Its host's cache service as other hosts reach it (ModelInfo's cache_url), asked
     /// once: which host it is on, and the home of the rooms it receives in.
     home: tokio::sync::OnceCell<String>,
+    /// When it last refused a start as UNAVAILABLE (draining at shutdown, its cache link
+    /// registering again): picks avoid it for [`AVOID_REFUSED`] while another can serve.
+    refused: Mutex<Option<std::time::Instant>>,
 }
+
+/// How long a worker that refused a start as UNAVAILABLE is passed over.
+const AVOID_REFUSED: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Target {
     fn new((url, client): (String, WorkerClient<Channel>)) -> Self {
@@ -97,7 +103,23 @@ impl Target {
             client,
             inflight: Default::default(),
             home: tokio::sync::OnceCell::new(),
+            refused: Mutex::default(),
         }
+    }
+
+    /// Notes `r`'s UNAVAILABLE, if it is one.
+    fn note<T>(&self, r: &Result<T, Status>) {
+        if matches!(r, Err(s) if s.code() == tonic::Code::Unavailable) {
+            *self.refused.lock().expect("refused lock") = Some(std::time::Instant::now());
+        }
+    }
+
+    /// Whether it refused a start within [`AVOID_REFUSED`].
+    fn avoided(&self) -> bool {
+        self.refused
+            .lock()
+            .expect("refused lock")
+            .is_some_and(|t| t.elapsed() < AVOID_REFUSED)
     }
 
     async fn home(&self) -> Result<&str, Status> {
@@ -217,9 +239,10 @@ pub(crate) struct Workers {
 /// How long a prompt group's route is kept: its choices start together, so a short time.
 const GROUP_TTL: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// The least loaded worker of `ts`, passing over those that just refused a start.
 fn least_loaded(ts: &[Target]) -> usize {
     (0..ts.len())
-        .min_by_key(|&i| ts[i].inflight.load(Ordering::Relaxed))
+        .min_by_key(|&i| (ts[i].avoided(), ts[i].inflight.load(Ordering::Relaxed)))
         .expect("at least one worker")
 }
 
@@ -372,7 +395,16 @@ impl Workers {
     /// half of the prompt: then the least loaded takes it (of equally loaded workers, the
     /// one whose cache holds the fewest pages).
     fn pick_prefill(&self, ids: &[u32], decode_home: Option<&str>) -> usize {
-        let load = |i: usize| self.prefill[i].inflight.load(Ordering::Relaxed);
+        // A worker that just refused a start counts as more loaded than any other.
+        let load = |i: usize| {
+            let t = &self.prefill[i];
+            let n = t.inflight.load(Ordering::Relaxed);
+            if t.avoided() {
+                n.saturating_add(usize::MAX / 2)
+            } else {
+                n
+            }
+        };
         let home = |i: usize| self.prefill[i].home.get().map(String::as_str);
         let hosts = self.hosts.lock().expect("hosts lock");
         let mut named = Vec::new();
@@ -520,6 +552,8 @@ impl Workers {
             pdmesh_telemetry::request(req),
         );
         let (ps, ds) = tokio::join!(pc.generate(preq), dc.generate(req));
+        pt.note(&ps);
+        dt.note(&ds);
         let (ps, ds) = (ps?.into_inner(), ds?.into_inner());
         Ok(merge(ps, ds, guards))
     }
@@ -844,6 +878,45 @@ mod tests {
             assert_eq!(ptold.lock().unwrap().len(), 2, "prefill refused {refused}");
             assert_eq!(dtold.lock().unwrap().len(), 2, "prefill refused {refused}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_decode_worker_that_refuses_starts_is_passed_over_for_the_other() {
+        // The first decode worker drains (it refuses every start as UNAVAILABLE): the
+        // retry goes to the second, and so do the requests after it.
+        let (draining, other) = (Arc::default(), Arc::default());
+        let p = Scripted {
+            script: vec![vec![5]],
+            ..Scripted::default()
+        };
+        let d1 = Scripted {
+            script: vec![vec![5], vec![7]],
+            told: Arc::clone(&draining),
+            refuse: usize::MAX.into(),
+            ..Scripted::default()
+        };
+        let d2 = Scripted {
+            script: vec![vec![5], vec![7]],
+            told: Arc::clone(&other),
+            ..Scripted::default()
+        };
+        let w = Workers::pd(vec![serve(p).await], vec![serve(d1).await, serve(d2).await]);
+        for _ in 0..3 {
+            let mut s = w.generate(wk::GenerateRequest::default()).await.unwrap();
+            let mut ids = Vec::new();
+            while let Some(m) = s.next().await {
+                if let Some(wk::generate_response::Kind::Chunk(c)) = m.unwrap().kind {
+                    ids.extend(c.token_ids);
+                }
+            }
+            assert_eq!(ids, [5, 7]);
+        }
+        assert_eq!(
+            draining.lock().unwrap().len(),
+            1,
+            "asked once, then passed over"
+        );
+        assert_eq!(other.lock().unwrap().len(), 3);
     }
 
     #[tokio::test]

@@ -378,6 +378,7 @@ impl pb::worker_server::Worker for WorkerService {
             ok: self.engine.connected()
                 && self.pd.ready()
                 && !self.watch.refusing()
+                && !self.watch.draining()
                 && self.engine.info().await.is_ok(),
             faults: self.faults.clone(),
         }))

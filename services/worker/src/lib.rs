@@ -138,6 +138,12 @@ pub struct Config {
     /// A trace viewer's link with `{trace_id}` in it (Tempo, Jaeger), for the reports.
     #[arg(long, env = "PDMESH_INCIDENT_TRACE_LINK")]
     pub incident_trace_link: Option<String>,
+    /// At SIGTERM the worker drains: it refuses new requests (UNAVAILABLE, and Health
+    /// says not ok, so gateways send them elsewhere) and lets the running ones finish
+    /// for up to this long, then aborts what is left (their rooms end cleanly) and
+    /// exits. Keep it under the pod's terminationGracePeriodSeconds.
+    #[arg(long, env = "PDMESH_DRAIN_TIMEOUT_MS", default_value_t = 20_000)]
+    pub drain_timeout_ms: u64,
     /// The mesh's OpenAI endpoint (`http://host:port/v1`) for the reports' replay
     /// command (`pdmesh up` passes its gateway's).
     #[arg(long, env = "PDMESH_INCIDENT_REPLAY_URL")]
@@ -223,6 +229,7 @@ impl Config {
             incident_dir: None,
             incident_trace_link: None,
             incident_replay_url: None,
+            drain_timeout_ms: 20_000,
             kv_cache_dtype: KvCacheDtype::Bf16,
             index_k_dtype: IndexKDtypeArg::Fp8,
             faults: FaultArgs::default(),
@@ -507,22 +514,20 @@ pub async fn run(
 
     let (handle, engine_thread) =
         actor::start(engine, cfg.faults.stall_step).map_err(Error::Thread)?;
-    // Graceful shutdown waits for open streams: end them by aborting what is running.
-    let aborter = {
-        let handle = handle.clone();
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            shutdown.cancelled().await;
-            if let Ok(n) = handle.abort_all().await {
-                tracing::info!(aborted = n, "worker shutting down");
-            }
-        })
-    };
     let watch = std::sync::Arc::new(watchdog::EngineWatch::start(
         handle.clone(),
         (cfg.watchdog, incidents),
         std::time::Duration::from_millis(cfg.watchdog_stall_ms),
         shutdown.child_token(),
+    ));
+    // At shutdown the worker drains (see --drain-timeout-ms), then stops serving: the
+    // server's graceful stop waits for open streams, which the drain has ended.
+    let serving = CancellationToken::new();
+    let drainer = tokio::spawn(drain(
+        (handle.clone(), pd.clone(), watch.clone()),
+        std::time::Duration::from_millis(cfg.drain_timeout_ms),
+        shutdown.clone(),
+        serving.clone(),
     ));
     let worker = std::sync::Arc::new(grpc::WorkerService::new(
         handle,
@@ -544,14 +549,57 @@ pub async fn run(
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown.cancelled_owned(),
+            serving.cancelled_owned(),
         )
         .await;
-    aborter.abort();
-    let _ = aborter.await;
+    drainer.abort();
+    let _ = drainer.await;
     engine_thread.stop().await;
     tracing::info!(?addr, "worker stopped");
     served.map_err(Error::from)
+}
+
+/// Once `shutdown` is cancelled: refuses new requests, waits until nothing runs (no
+/// request in the engine, no hand-over under way) or `timeout` passes, aborts what is
+/// left, then cancels `serving`.
+async fn drain(
+    (engine, pd, watch): (
+        actor::EngineHandle,
+        std::sync::Arc<pd::Pd>,
+        std::sync::Arc<watchdog::EngineWatch>,
+    ),
+    timeout: std::time::Duration,
+    shutdown: CancellationToken,
+    serving: CancellationToken,
+) {
+    shutdown.cancelled().await;
+    watch.drain();
+    tracing::info!(
+        ?timeout,
+        "draining: new requests are refused, running ones finish"
+    );
+    let until = tokio::time::Instant::now() + timeout;
+    loop {
+        let busy = match engine.info().await {
+            Ok((_, pool)) => {
+                pool.load.waiting + pool.load.reserved + pool.load.running + pd.stats().handovers
+            }
+            Err(_) => 0,
+        };
+        if busy == 0 {
+            tracing::info!("drained: nothing runs");
+            break;
+        }
+        if tokio::time::Instant::now() >= until {
+            tracing::warn!(left = busy, "drain timed out: aborting what is left");
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    if let Ok(n) = engine.abort_all().await {
+        tracing::info!(aborted = n, "worker shutting down");
+    }
+    serving.cancel();
 }
 
 #[cfg(test)]

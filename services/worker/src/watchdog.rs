@@ -30,6 +30,8 @@ pub(crate) struct EngineWatch {
     pub stalls: Arc<AtomicU64>,
     /// Requests the hard watchdog ended.
     pub aborts: Arc<AtomicU64>,
+    /// Set when the worker drains (SIGTERM): new requests are refused, Health says no.
+    draining: std::sync::atomic::AtomicBool,
     engine: EngineHandle,
 }
 
@@ -113,8 +115,18 @@ impl EngineWatch {
             stalls_rx,
             stalls,
             aborts: Arc::default(),
+            draining: Default::default(),
             engine,
         }
+    }
+
+    /// From now on new requests are refused (the worker is shutting down).
+    pub(crate) fn drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    pub(crate) fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
     }
 
     /// In hard mode, whether the loop is stuck now.
@@ -123,8 +135,13 @@ impl EngineWatch {
             && self.engine.progress().idle_seconds() >= self.limit.as_secs_f64()
     }
 
-    /// UNAVAILABLE while [`Self::refusing`].
+    /// UNAVAILABLE while [`Self::refusing`] or draining.
     pub(crate) fn admit(&self) -> Result<(), Status> {
+        if self.draining() {
+            return Err(Status::unavailable(
+                "this worker is draining (shutting down): it finishes what it runs and takes nothing new",
+            ));
+        }
         if self.refusing() {
             return Err(Status::unavailable(format!(
                 "the engine loop has made no step for over {:?}; refusing requests until it does",

@@ -1,0 +1,81 @@
+"""A decode worker told to stop (SIGTERM, as Kubernetes does before it removes a pod)
+drains: it refuses new requests, so the gateway sends them to the other decode worker;
+every stream it runs finishes; then it exits, well inside its drain bound, and nothing is
+left held anywhere."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import time
+
+from conftest import ROOM_ARGS, WORKER_ARGS, alive, start_up, stop_up, wait_baseline
+
+DRAIN_S = 20
+STREAMS = 6
+MAX_TOKENS = 48
+
+
+def stream(client, model: str, n: int, started: cf.Future | None = None) -> tuple[str, int, str]:
+    """One streamed chat answer: its text, its chunks with content, its finish reason.
+    `started` is set at the first content chunk."""
+    text, chunks, finish = "", 0, ""
+    s = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"Count from {n} upwards, one number a line."}],
+        max_tokens=MAX_TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    for c in s:
+        if not c.choices:
+            continue
+        if c.choices[0].delta.content:
+            text += c.choices[0].delta.content
+            chunks += 1
+            if started is not None and not started.done():
+                started.set_result(time.monotonic())
+        finish = c.choices[0].finish_reason or finish
+    return text, chunks, finish
+
+
+def test_sigterm_drains_a_decode_worker_under_load(tmp_path):
+    m = start_up(tmp_path, [
+        "--restart", "--no-smoke-test", "--decode", "2",
+        *(f"--cache-arg={a}" for a in ROOM_ARGS),
+        *(f"--worker-arg={a}" for a in WORKER_ARGS),
+        f"--decode-arg=--drain-timeout-ms={DRAIN_S * 1000}",
+    ])
+    try:
+        client, model = m.client(), m.model
+        victim = m.ports["pids"]["decode"][0]
+        with cf.ThreadPoolExecutor(STREAMS + 4) as pool:
+            started = [cf.Future() for _ in range(STREAMS)]
+            running = [pool.submit(stream, client, model, i, started[i]) for i in range(STREAMS)]
+            # Every stream is generating (least-loaded routing put half on each decode
+            # worker) when the victim is told to stop.
+            for f in started:
+                f.result(timeout=120)
+            t0 = time.monotonic()
+            os.kill(victim, signal.SIGTERM)
+            # New requests while it drains: all answered, by the other decode worker.
+            during = [pool.submit(stream, client, model, 100 + i) for i in range(4)]
+            answers = [f.result(timeout=120) for f in running + during]
+        # Every stream, those running on the victim included, ran to its length.
+        for text, chunks, finish in answers:
+            assert finish == "length" and chunks > 0, (text, chunks, finish)
+        # It exited once nothing ran, well before the bound.
+        while alive(victim):
+            assert time.monotonic() - t0 < DRAIN_S + 5, "the draining worker did not exit"
+            time.sleep(0.1)
+        took = time.monotonic() - t0
+        log = m.log()
+        assert "draining: new requests are refused" in log and "drained: nothing runs" in log, log[-4000:]
+        assert "drain timed out" not in log, log[-4000:]
+        assert took < DRAIN_S, took
+        print(f"the decode worker drained and exited {took:.1f} s after SIGTERM")
+        # Nothing held: every worker (the victim restarted by `up --restart`) idle, no
+        # room open, every page back.
+        wait_baseline(m.metrics, m.log, timeout=60)
+    finally:
+        # Restarted services have new pids: stop_up checks those are gone too.
+        m.ports = json.loads((tmp_path / "ports.json").read_text())
+        assert stop_up(m) == 0, m.log()[-4000:]
