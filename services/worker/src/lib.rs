@@ -12,6 +12,7 @@ mod faults;
 mod grpc;
 mod incidents;
 mod pd;
+mod probes;
 mod sglang;
 mod watchdog;
 
@@ -529,6 +530,14 @@ pub async fn run(
         shutdown.clone(),
         serving.clone(),
     ));
+    // grpc.health.v1 for the probes, refreshed until the server stops.
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let prober = tokio::spawn(probes::run(
+        health,
+        (handle.clone(), pd.clone(), watch.clone()),
+        std::time::Duration::from_millis(cfg.watchdog_stall_ms),
+        serving.clone(),
+    ));
     let worker = std::sync::Arc::new(grpc::WorkerService::new(
         handle,
         pd,
@@ -540,6 +549,7 @@ pub async fn run(
     let served = pdmesh_tls::server(tls.as_ref())?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::from_arc(worker))
+        .add_service(health_service)
         // The SGLang scheduler protocol on the same port, for gateways built for SGLang.
         .add_service(
             pdmesh_proto::sglang::grpc::scheduler::sglang_scheduler_server::SglangSchedulerServer::new(
@@ -554,6 +564,8 @@ pub async fn run(
         .await;
     drainer.abort();
     let _ = drainer.await;
+    prober.abort();
+    let _ = prober.await;
     engine_thread.stop().await;
     tracing::info!(?addr, "worker stopped");
     served.map_err(Error::from)

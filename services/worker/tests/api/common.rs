@@ -36,16 +36,22 @@ pub struct Server {
 }
 
 pub async fn start() -> Server {
+    start_with(|_| {}).await
+}
+
+/// [`start`] with `f` applied to the configuration.
+pub async fn start_with(f: impl FnOnce(&mut Config)) -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();
-    let cfg = Config {
+    let mut cfg = Config {
         kv_pages: KV_PAGES as usize,
         max_context: Some(MAX_CONTEXT),
         max_batch: 8,
         threads: 2,
         ..Config::new(pdmesh_gguf::models::require_default_model())
     };
+    f(&mut cfg);
     let task = tokio::spawn(run(cfg, listener, shutdown.clone()));
     // The listener is already bound: the connection waits in its backlog while the model
     // loads.

@@ -325,8 +325,9 @@ async fn bad_requests_are_invalid_argument_and_hold_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_aborts_running_requests_and_stops_the_server() {
-    let mut s = start().await;
+async fn shutdown_drains_then_aborts_what_is_left_and_stops_the_server() {
+    // A request without a length limit outlasts the drain's bound.
+    let mut s = start_with(|c| c.drain_timeout_ms = 300).await;
     let mut stream = s
         .client
         .generate(request("bye", PROMPT, greedy(0)))
@@ -503,4 +504,56 @@ async fn flush_cache_frees_the_cached_pages_and_subscribers_see_them_removed() {
         .into_inner();
     assert_eq!(empty.pages_flushed, 0);
     wait_free_pages(&mut s.client, KV_PAGES).await;
+}
+
+/// The standard gRPC health service Kubernetes' probes ask: ready and live once the
+/// model is loaded; at shutdown no longer ready while the running request finishes (the
+/// drain), and that request still runs to its length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_health_says_ready_and_live_then_not_ready_while_draining() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let mut s = start().await;
+    let channel = tonic::transport::Endpoint::from_shared(s.url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    let mut ask = async |service: &str| {
+        health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .map(|r| r.into_inner().status())
+    };
+    // The model is loaded once the worker answers its own calls.
+    s.client.model_info(pb::ModelInfoRequest {}).await.unwrap();
+    for name in ["", "readiness", "liveness"] {
+        assert_eq!(ask(name).await.unwrap(), ServingStatus::Serving, "{name:?}");
+    }
+    assert_eq!(ask("nope").await.unwrap_err().code(), tonic::Code::NotFound);
+    let mut running = s
+        .client
+        .generate(request("drained", PROMPT, greedy(48)))
+        .await
+        .unwrap()
+        .into_inner();
+    next_token(&mut running).await;
+    s.shutdown.cancel();
+    // Not ready within the probes' refresh; still live.
+    let mut ready = ServingStatus::Serving;
+    for _ in 0..40 {
+        ready = ask("readiness").await.unwrap();
+        if ready == ServingStatus::NotServing {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(ready, ServingStatus::NotServing);
+    assert_eq!(ask("liveness").await.unwrap(), ServingStatus::Serving);
+    let (ids, fin) = collect(running).await;
+    assert_eq!(ids.len() + 1, 48, "{fin:?}");
+    s.task.await.unwrap().unwrap();
 }
