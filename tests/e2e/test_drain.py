@@ -1,7 +1,8 @@
 """A decode worker told to stop (SIGTERM, as Kubernetes does before it removes a pod)
 drains: it refuses new requests, so the gateway sends them to the other decode worker;
 every stream it runs finishes; then it exits, well inside its drain bound, and nothing is
-left held anywhere."""
+left held anywhere. A gateway told to stop drains too: its open streams run to their
+end, `/health` says `draining` meanwhile, and it exits once they are done."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import signal
 import time
 
-from conftest import ROOM_ARGS, WORKER_ARGS, alive, start_up, stop_up, wait_baseline
+from conftest import ROOM_ARGS, WORKER_ARGS, alive, http, start_up, stop_up, wait_baseline
 
 DRAIN_S = 20
 STREAMS = 6
@@ -77,5 +78,44 @@ def test_sigterm_drains_a_decode_worker_under_load(tmp_path):
         wait_baseline(m.metrics, m.log, timeout=60)
     finally:
         # Restarted services have new pids: stop_up checks those are gone too.
+        m.ports = json.loads((tmp_path / "ports.json").read_text())
+        assert stop_up(m) == 0, m.log()[-4000:]
+
+
+def test_sigterm_drains_the_gateway_its_open_streams_run_to_their_end(tmp_path):
+    m = start_up(tmp_path, ["--restart", "--no-smoke-test", *(f"--worker-arg={a}" for a in WORKER_ARGS)])
+    try:
+        client, model = m.client(), m.model
+        gateway = m.ports["pids"]["gateway"]
+        with cf.ThreadPoolExecutor(3) as pool:
+            started = [cf.Future() for _ in range(3)]
+            running = [pool.submit(stream, client, model, i, started[i]) for i in range(3)]
+            for f in started:
+                f.result(timeout=120)
+            t0 = time.monotonic()
+            os.kill(gateway, signal.SIGTERM)
+            answers = [f.result(timeout=120) for f in running]
+        # The streams open at SIGTERM ran to their length through the draining gateway.
+        for text, chunks, finish in answers:
+            assert finish == "length" and chunks > 0, (text, chunks, finish)
+        while alive(gateway):
+            assert time.monotonic() - t0 < DRAIN_S + 5, "the draining gateway did not exit"
+            time.sleep(0.1)
+        log = m.log()
+        assert "draining: open streams run on" in log and "drained: no stream is open" in log, log[-4000:]
+        assert "drain timed out" not in log, log[-4000:]
+        # `up --restart` brings a gateway back on the same port, which answers again.
+        def healthy() -> bool:
+            try:
+                return http("GET", m.base + "/health", timeout=5)[0] == 200
+            except OSError:  # refused while `up` restarts it
+                return False
+
+        deadline = time.monotonic() + 60
+        while not healthy():
+            assert time.monotonic() < deadline, m.log()[-4000:]
+            time.sleep(0.2)
+        assert stream(client, model, 7)[2] == "length"
+    finally:
         m.ports = json.loads((tmp_path / "ports.json").read_text())
         assert stop_up(m) == 0, m.log()[-4000:]

@@ -91,15 +91,20 @@ def test_lint_images_resources_probes_and_security(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_workers_probe_the_grpc_health_service_and_drain_inside_their_grace(overlay):
+def test_workers_probe_grpc_health_and_the_gateway_and_workers_drain_inside_their_grace(overlay):
     workers = [(w, s) for w, s in pods(render(overlay)) if w["kind"] == "StatefulSet"]
     assert {w["metadata"]["name"] for w, _ in workers} == {"pdmesh-prefill", "pdmesh-decode"}
     for w, spec in workers:
         [c] = spec["containers"]
         assert c["readinessProbe"]["grpc"] == {"port": 50064, "service": "readiness"}, c["readinessProbe"]
         assert c["livenessProbe"]["grpc"] == {"port": 50064, "service": "liveness"}, c["livenessProbe"]
+    # The gateway and the workers drain at SIGTERM, inside their grace period.
+    for w, spec in pods(render(overlay)):
+        if w["metadata"]["name"] not in ("pdmesh-gateway", "pdmesh-prefill", "pdmesh-decode"):
+            continue
+        [c] = spec["containers"]
         drain = next(int(a.split("=", 1)[1]) for a in c["args"] if a.startswith("--drain-timeout-ms="))
-        assert drain / 1000 < spec["terminationGracePeriodSeconds"], (drain, spec["terminationGracePeriodSeconds"])
+        assert drain / 1000 < spec["terminationGracePeriodSeconds"], (w["metadata"]["name"], drain)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -204,6 +204,13 @@ async fn method_not_allowed() -> ApiError {
 
 /// 200 when both backends answer their Health call, else 503 naming the one that does not.
 async fn health(State(st): State<AppState>) -> Response {
+    if st.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "draining"})),
+        )
+            .into_response();
+    }
     let (tok, worker, faults) = st.backends.health().await;
     let word = |ok: bool| if ok { "ok" } else { "unavailable" };
     // `fault_injection` is true only for a worker started with test-only `--fault-*`

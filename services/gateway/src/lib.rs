@@ -93,6 +93,11 @@ pub struct Config {
     /// ids and the rest of its body go there).
     #[arg(long, env = "PDMESH_INCIDENT_INCLUDE_PROMPTS")]
     pub incident_include_prompts: bool,
+    /// At SIGTERM the gateway drains: it stops accepting connections, `/health` says
+    /// 503 `draining`, and the open streams run on for up to this long before they end
+    /// with "shutting down". Keep it under the pod's terminationGracePeriodSeconds.
+    #[arg(long, env = "PDMESH_DRAIN_TIMEOUT_MS", default_value_t = 20_000)]
+    pub drain_timeout_ms: u64,
     /// Mutual TLS for the gateway's connections to the tokenizer, workers and cache
     /// services (the HTTP API itself is served as before).
     #[command(flatten)]
@@ -117,6 +122,7 @@ impl Config {
             incident_dir: None,
             incident_trace_link: None,
             incident_replay_url: None,
+            drain_timeout_ms: 20_000,
             incident_include_prompts: false,
             tls: pdmesh_tls::TlsArgs::default(),
         }
@@ -187,7 +193,16 @@ pub async fn run(
             .map_err(|e| Error::Config(format!("loading --model's tokenizer panicked: {e}")))??,
         ),
     };
-    let state = state::AppState::new(cfg, backends, local, shutdown.child_token())?;
+    // Streams end only when the drain is over (see --drain-timeout-ms).
+    let streams_end = CancellationToken::new();
+    let drain_for = Duration::from_millis(cfg.drain_timeout_ms);
+    let state = state::AppState::new(cfg, backends, local, streams_end.clone())?;
+    let drainer = tokio::spawn(drain(
+        state.clone(),
+        drain_for,
+        shutdown.clone(),
+        streams_end,
+    ));
     tokio::spawn(watch_event_loop(state.clone(), shutdown.child_token()));
     tokio::spawn(write_incident_repeats(
         state.clone(),
@@ -200,8 +215,43 @@ pub async fn run(
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
         .map_err(Error::Serve)?;
+    // Every connection has closed, so every stream has ended: the drain says so.
+    let _ = drainer.await;
     tracing::info!(?addr, "gateway stopped");
     Ok(())
+}
+
+/// Once `shutdown` is cancelled (the server then stops accepting connections): says
+/// `draining` in `/health`, waits until no stream is open or `timeout` passes, then ends
+/// what is left (`streams_end`).
+async fn drain(
+    st: state::AppState,
+    timeout: Duration,
+    shutdown: CancellationToken,
+    streams_end: CancellationToken,
+) {
+    shutdown.cancelled().await;
+    st.draining
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    tracing::info!(
+        ?timeout,
+        open = st.backends.workers.in_flight(),
+        "draining: open streams run on"
+    );
+    let until = tokio::time::Instant::now() + timeout;
+    loop {
+        let open = st.backends.workers.in_flight();
+        if open == 0 {
+            tracing::info!("drained: no stream is open");
+            break;
+        }
+        if tokio::time::Instant::now() >= until {
+            tracing::warn!(open, "drain timed out: ending the open streams");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    streams_end.cancel();
 }
 
 /// Brings the incident reports' repeat counts up to date once a second, until `stop`.

@@ -239,6 +239,18 @@ pub(crate) struct Workers {
 /// How long a prompt group's route is kept: its choices start together, so a short time.
 const GROUP_TTL: std::time::Duration = std::time::Duration::from_secs(30);
 
+impl Workers {
+    /// Requests whose streams are open: on the unified worker, or at decode (a PD
+    /// request holds its decode worker until its stream ends).
+    pub fn in_flight(&self) -> usize {
+        self.unified
+            .iter()
+            .chain(&self.decode)
+            .map(|t| t.inflight.load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
 /// The least loaded worker of `ts`, passing over those that just refused a start.
 fn least_loaded(ts: &[Target]) -> usize {
     (0..ts.len())

@@ -25,7 +25,10 @@ pub(crate) struct Inner {
     pub cfg: Config,
     pub backends: Backends,
     pub metrics: Metrics,
+    /// Ends the open streams ("shutting down"): cancelled when the drain is over.
     pub shutdown: CancellationToken,
+    /// Set at SIGTERM: `/health` says `draining` (503) so no new traffic comes here.
+    pub draining: std::sync::atomic::AtomicBool,
     /// Unix time the gateway started: the `created` of `/v1/models`.
     pub started: u64,
     /// Stored responses (`/v1/responses`), for `previous_response_id` and `GET`.
@@ -137,6 +140,7 @@ impl AppState {
             backends,
             metrics: Metrics::new()?,
             shutdown,
+            draining: Default::default(),
             started: unix_now(),
             info: OnceCell::new(),
             output: OnceCell::new(),
