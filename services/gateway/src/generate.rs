@@ -840,4 +840,62 @@ mod tests {
             .await
             .expect("the Generate stream stayed open");
     }
+
+    #[tokio::test]
+    async fn a_draining_gateway_says_so_and_ends_open_streams_only_at_its_bound() {
+        let (aborts, _a) = mpsc::unbounded_channel();
+        let (closed, _c) = mpsc::unbounded_channel();
+        let worker = FakeWorker {
+            aborts,
+            closed,
+            data_loss: None,
+        };
+        let st = fakes(worker, None).await;
+        // A stream that never ends by itself is open when the drain starts.
+        let mut stream = start(
+            &st,
+            "req-7".into(),
+            vec![1, 2, 3],
+            GenParams::default(),
+            None,
+            std::time::Instant::now(),
+        )
+        .await
+        .unwrap();
+        assert!(matches!(stream.next().await, Some(Ok(GenEvent::Text(_)))));
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let bound = Duration::from_millis(300);
+        let drain = tokio::spawn(crate::drain(
+            st.clone(),
+            bound,
+            shutdown.clone(),
+            st.shutdown.clone(),
+        ));
+        let t0 = std::time::Instant::now();
+        shutdown.cancel();
+        // /health says draining (503) to anyone still connected.
+        let mut health = None;
+        for _ in 0..100 {
+            let r = crate::handlers::health(axum::extract::State(st.clone())).await;
+            if r.status() == axum::http::StatusCode::SERVICE_UNAVAILABLE {
+                health = Some(r);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let body = axum::body::to_bytes(health.expect("draining").into_body(), 1 << 16)
+            .await
+            .unwrap();
+        assert_eq!(
+            serde_json::from_slice::<serde_json::Value>(&body).unwrap()["status"],
+            "draining"
+        );
+        // The open stream holds the drain until its bound; then it ends with "shutting
+        // down" (the stream checks that first).
+        drain.await.unwrap();
+        assert!(t0.elapsed() >= bound, "{:?}", t0.elapsed());
+        assert_eq!(st.backends.workers.in_flight(), 1);
+        let err = stream.next().await.unwrap().unwrap_err();
+        assert!(err.message.contains("shutting down"), "{err:?}");
+    }
 }

@@ -203,7 +203,7 @@ async fn method_not_allowed() -> ApiError {
 }
 
 /// 200 when both backends answer their Health call, else 503 naming the one that does not.
-async fn health(State(st): State<AppState>) -> Response {
+pub(crate) async fn health(State(st): State<AppState>) -> Response {
     if st.draining.load(std::sync::atomic::Ordering::Relaxed) {
         return (
             StatusCode::SERVICE_UNAVAILABLE,

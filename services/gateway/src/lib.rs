@@ -224,7 +224,7 @@ pub async fn run(
 /// Once `shutdown` is cancelled (the server then stops accepting connections): says
 /// `draining` in `/health`, waits until no stream is open or `timeout` passes, then ends
 /// what is left (`streams_end`).
-async fn drain(
+pub(crate) async fn drain(
     st: state::AppState,
     timeout: Duration,
     shutdown: CancellationToken,
