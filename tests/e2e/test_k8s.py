@@ -86,6 +86,10 @@ def test_lint_images_resources_probes_and_security(overlay):
             assert not csc.get("privileged") and csc.get("allowPrivilegeEscalation") is False, where
             assert csc.get("readOnlyRootFilesystem") is True, where
             assert csc.get("capabilities", {}).get("drop") == ["ALL"], where
+            # A read-only root leaves no /tmp: `pdmesh model fetch` downloads there.
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            vols = {v["name"]: v for v in spec["volumes"]}
+            assert "emptyDir" in vols.get(mounts.get("/tmp"), {}), f"{where}: no writable /tmp"
         for c in spec["containers"]:
             assert "readinessProbe" in c and "livenessProbe" in c, f"{name}/{c['name']}: probes missing"
 
