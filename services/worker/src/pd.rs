@@ -892,11 +892,9 @@ impl Pd {
         });
         let client2 = client.clone();
         let (missize, layout) = (self.times.missize, self.layout.clone());
-        // Only what a report needs, and only when reports are written.
-        let report = self
-            .incidents
-            .clone()
-            .map(|inc| (inc, req.clone(), trace_id.clone()));
+        // What a report needs, only when reports are written: the request itself moves
+        // in (nothing after this needs it), so a hand-over copies nothing for it.
+        let report = self.incidents.clone().map(|inc| (inc, req, trace_id));
         let write_and_commit = async move {
             if let Some(d) = delay {
                 tracing::warn!(room, delay = ?d, "fault injection: a write that does not hear aborts, delayed");
