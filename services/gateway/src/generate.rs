@@ -673,6 +673,33 @@ mod tests {
 
     /// Fake backends: the worker (see [`FakeWorker`]) and the tokenizer; the gateway's
     /// state for them, writing incident reports into `incidents` when given.
+    /// A gateway before a fake worker that, with `data_loss`, fails with it after its
+    /// first token (and streams forever without), its reports in `incidents`.
+    async fn gateway(data_loss: Option<String>, incidents: Option<&std::path::Path>) -> AppState {
+        let (aborts, _) = mpsc::unbounded_channel();
+        let (closed, _) = mpsc::unbounded_channel();
+        let worker = FakeWorker {
+            aborts,
+            closed,
+            data_loss,
+        };
+        fakes(worker, incidents).await
+    }
+
+    /// Request `id`'s stream (prompt 1, 2, 3) through `st`.
+    async fn open(st: &AppState, id: &str) -> GenStream {
+        start(
+            st,
+            id.into(),
+            vec![1, 2, 3],
+            GenParams::default(),
+            None,
+            std::time::Instant::now(),
+        )
+        .await
+        .unwrap()
+    }
+
     async fn fakes(worker: FakeWorker, incidents: Option<&std::path::Path>) -> AppState {
         let (wl, wurl) = listener().await;
         let (tl, turl) = listener().await;
@@ -728,29 +755,14 @@ mod tests {
 
     #[tokio::test]
     async fn data_loss_fails_the_request_and_files_a_first_token_report() {
-        let (aborts, _a) = mpsc::unbounded_channel();
-        let (closed, _c) = mpsc::unbounded_channel();
         let dir = tempfile::tempdir().unwrap();
         let incidents = dir.path().join("incidents");
-        let worker = FakeWorker {
-            aborts,
-            closed,
-            data_loss: Some(format!(
-                "prefill sent first token 7 but decode Some(5): {}",
-                crate::route::FIRST_TOKEN_MISMATCH
-            )),
-        };
-        let st = fakes(worker, Some(&incidents)).await;
-        let stream = start(
-            &st,
-            "req-9".into(),
-            vec![1, 2, 3],
-            GenParams::default(),
-            None,
-            std::time::Instant::now(),
-        )
-        .await
-        .unwrap();
+        let loss = format!(
+            "prefill sent first token 7 but decode Some(5): {}",
+            crate::route::FIRST_TOKEN_MISMATCH
+        );
+        let st = gateway(Some(loss), Some(&incidents)).await;
+        let stream = open(&st, "req-9").await;
         let events: Vec<_> = stream.collect().await;
         let err = events.last().unwrap().as_ref().unwrap_err();
         assert_eq!(err.code, Some(crate::error::DATA_LOSS), "{err:?}");
@@ -782,25 +794,10 @@ mod tests {
         );
         // A worker's own DATA_LOSS (a page failing its checksum) fails the request the
         // same way; that worker files the report, so the gateway files none.
-        let (aborts, _a) = mpsc::unbounded_channel();
-        let (closed, _c) = mpsc::unbounded_channel();
-        let worker = FakeWorker {
-            aborts,
-            closed,
-            data_loss: Some("1 of 3 pages changed between the engine and the host mirror".into()),
-        };
         let others = dir.path().join("others");
-        let st = fakes(worker, Some(&others)).await;
-        let stream = start(
-            &st,
-            "req-10".into(),
-            vec![1, 2, 3],
-            GenParams::default(),
-            None,
-            std::time::Instant::now(),
-        )
-        .await
-        .unwrap();
+        let loss = "1 of 3 pages changed between the engine and the host mirror";
+        let st = gateway(Some(loss.into()), Some(&others)).await;
+        let stream = open(&st, "req-10").await;
         let events: Vec<_> = stream.collect().await;
         let err = events.last().unwrap().as_ref().unwrap_err();
         assert_eq!(err.code, Some(crate::error::DATA_LOSS), "{err:?}");
@@ -843,25 +840,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_draining_gateway_says_so_and_ends_open_streams_only_at_its_bound() {
-        let (aborts, _a) = mpsc::unbounded_channel();
-        let (closed, _c) = mpsc::unbounded_channel();
-        let worker = FakeWorker {
-            aborts,
-            closed,
-            data_loss: None,
-        };
-        let st = fakes(worker, None).await;
+        let st = gateway(None, None).await;
         // A stream that never ends by itself is open when the drain starts.
-        let mut stream = start(
-            &st,
-            "req-7".into(),
-            vec![1, 2, 3],
-            GenParams::default(),
-            None,
-            std::time::Instant::now(),
-        )
-        .await
-        .unwrap();
+        let mut stream = open(&st, "req-7").await;
         assert!(matches!(stream.next().await, Some(Ok(GenEvent::Text(_)))));
         let shutdown = tokio_util::sync::CancellationToken::new();
         let bound = Duration::from_millis(300);
