@@ -35,6 +35,12 @@ pub struct TlsArgs {
     /// PEM file of this service's private key.
     #[arg(long, env = "PDMESH_TLS_KEY", requires_all = ["tls_ca", "tls_cert"])]
     pub tls_key: Option<PathBuf>,
+    /// Check every peer's certificate for this one DNS name instead of the address it is
+    /// dialled at: one certificate for the whole mesh, for peers whose addresses are not
+    /// known when it is made (pods, nodes' addresses on Kubernetes). The CA still decides
+    /// who belongs to the mesh.
+    #[arg(long, env = "PDMESH_TLS_SERVER_NAME", requires = "tls_ca")]
+    pub tls_server_name: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -62,7 +68,13 @@ impl TlsArgs {
     pub fn load(&self) -> Result<Option<MeshTls>, TlsError> {
         match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
             (None, None, None) => Ok(None),
-            (Some(ca), Some(cert), Some(key)) => MeshTls::from_files(ca, cert, key).map(Some),
+            (Some(ca), Some(cert), Some(key)) => {
+                let tls = MeshTls::from_files(ca, cert, key)?;
+                match &self.tls_server_name {
+                    Some(name) => tls.with_server_name(name).map(Some),
+                    None => Ok(Some(tls)),
+                }
+            }
             (None, _, _) => Err(TlsError::Incomplete("--tls-ca")),
             (_, None, _) => Err(TlsError::Incomplete("--tls-cert")),
             (_, _, None) => Err(TlsError::Incomplete("--tls-key")),
@@ -82,6 +94,10 @@ impl TlsArgs {
                 out.push(p.display().to_string());
             }
         }
+        if let Some(name) = &self.tls_server_name {
+            out.push("--tls-server-name".to_owned());
+            out.push(name.clone());
+        }
         out
     }
 }
@@ -95,6 +111,9 @@ pub struct MeshTls {
     key_pem: Arc<[u8]>,
     server: Arc<rustls::ServerConfig>,
     client: Arc<rustls::ClientConfig>,
+    /// `--tls-server-name`: the name peers' certificates are checked for, whatever
+    /// address they are dialled at.
+    server_name: Option<ServerName<'static>>,
 }
 
 impl std::fmt::Debug for MeshTls {
@@ -198,7 +217,30 @@ impl MeshTls {
             key_pem: key.into(),
             server: Arc::new(server),
             client: Arc::new(client),
+            server_name: None,
         })
+    }
+
+    /// Peers' certificates are checked for `name` (a DNS name), not for the address they
+    /// are dialled at.
+    pub fn with_server_name(mut self, name: &str) -> Result<Self, TlsError> {
+        let checked = server_name(name)?;
+        if !matches!(checked, ServerName::DnsName(_)) {
+            return Err(TlsError::Config(format!(
+                "--tls-server-name {name:?} is an address, not a DNS name"
+            )));
+        }
+        self.server_name = Some(checked);
+        Ok(self)
+    }
+
+    /// The name a peer dialled as `host` must show in its certificate: `host` itself, or
+    /// `--tls-server-name` when given.
+    pub fn peer_name(&self, host: &str) -> Result<ServerName<'static>, TlsError> {
+        match &self.server_name {
+            Some(n) => Ok(n.clone()),
+            None => server_name(host),
+        }
     }
 
     /// A gRPC server's TLS: present this service's certificate, require the client's,
@@ -213,9 +255,13 @@ impl MeshTls {
 
     /// A gRPC client's TLS: trust only the mesh CA, present this service's certificate.
     pub fn grpc_client(&self) -> ClientTlsConfig {
-        ClientTlsConfig::new()
+        let c = ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(&self.ca_pem))
-            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
+            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem));
+        match &self.server_name {
+            Some(name) => c.domain_name(name.to_str()),
+            None => c,
+        }
     }
 
     /// The page transport's accepting side.

@@ -140,6 +140,87 @@ async fn a_server_known_by_a_dns_name_is_checked_against_that_name() {
 }
 
 #[tokio::test]
+async fn with_a_mesh_server_name_every_peer_is_checked_for_that_name_whatever_its_address() {
+    let ca = Ca::new("mesh");
+    // One certificate for the mesh, naming no address (Kubernetes pods and nodes).
+    let named = |tls: MeshTls| tls.with_server_name("pdmesh.mesh").unwrap();
+    let client = named(ca.mesh(&["pdmesh.mesh"]));
+    let (addr, server) = accept_one(named(ca.mesh(&["pdmesh.mesh"]))).await;
+    let name = client.peer_name(&addr.ip().to_string()).unwrap();
+    assert_eq!(name, server_name("pdmesh.mesh").unwrap());
+    let got = exchange_as(client.connector(), addr, "pdmesh.mesh").await;
+    assert_eq!(got.unwrap(), b"pong!");
+    assert_eq!(server.await.unwrap().unwrap(), b"ping!");
+    // A server whose certificate carries another name is still refused, and so is one
+    // from another CA carrying the mesh's name.
+    let (addr, server) = accept_one(ca.mesh(&["other.mesh"])).await;
+    let err = exchange_as(client.connector(), addr, "pdmesh.mesh")
+        .await
+        .unwrap_err();
+    assert!(
+        err.contains("NotValidForName") || err.contains("not valid"),
+        "{err}"
+    );
+    assert!(server.await.unwrap().is_err());
+    let (addr, server) = accept_one(Ca::new("intruder").mesh(&["pdmesh.mesh"])).await;
+    assert!(
+        exchange_as(client.connector(), addr, "pdmesh.mesh")
+            .await
+            .is_err()
+    );
+    assert!(server.await.unwrap().is_err());
+    // Without the flag the address dialled is what is checked.
+    assert_eq!(
+        ca.mesh(&["127.0.0.1"]).peer_name("10.0.0.2").unwrap(),
+        server_name("10.0.0.2").unwrap()
+    );
+}
+
+#[test]
+fn the_mesh_server_name_is_a_dns_name_and_needs_the_other_flags() {
+    let ca = Ca::new("mesh");
+    let err = ca
+        .mesh(&["127.0.0.1"])
+        .with_server_name("10.0.0.2")
+        .unwrap_err();
+    assert!(err.to_string().contains("not a DNS name"), "{err}");
+    assert!(
+        ca.mesh(&["127.0.0.1"])
+            .with_server_name("bad name!")
+            .is_err()
+    );
+    let err = Cli::try_parse_from(["svc", "--tls-server-name", "pdmesh.mesh"])
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("--tls-ca"), "{err}");
+    let all = Cli::try_parse_from([
+        "svc",
+        "--tls-ca",
+        "a",
+        "--tls-cert",
+        "b",
+        "--tls-key",
+        "c",
+        "--tls-server-name",
+        "m.x",
+    ])
+    .unwrap();
+    assert_eq!(
+        all.tls.to_args(),
+        [
+            "--tls-ca",
+            "a",
+            "--tls-cert",
+            "b",
+            "--tls-key",
+            "c",
+            "--tls-server-name",
+            "m.x"
+        ]
+    );
+}
+
+#[tokio::test]
 async fn a_plaintext_client_gets_no_answer() {
     let ca = Ca::new("mesh");
     let (addr, server) = accept_one(ca.mesh(&["127.0.0.1"])).await;

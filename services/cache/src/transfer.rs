@@ -284,7 +284,7 @@ impl TcpSender {
         let stream: Stream = match tls {
             None => Box::new(stream),
             Some((tls, host)) => {
-                let name = pdmesh_tls::server_name(host).map_err(|e| TransferError::Connect {
+                let name = tls.peer_name(host).map_err(|e| TransferError::Connect {
                     peer: peer.clone(),
                     source: io::Error::new(io::ErrorKind::InvalidInput, e.to_string()),
                 })?;

@@ -145,6 +145,12 @@ pub struct Config {
     /// exits. Keep it under the pod's terminationGracePeriodSeconds.
     #[arg(long, env = "PDMESH_DRAIN_TIMEOUT_MS", default_value_t = 20_000)]
     pub drain_timeout_ms: u64,
+    /// A second, plaintext port serving only grpc.health.v1 (`readiness`, `liveness`), for
+    /// probes that cannot speak the mesh's mutual TLS, such as Kubernetes' gRPC probes.
+    /// It answers nothing but SERVING or NOT_SERVING; the worker's own port serves health
+    /// as well.
+    #[arg(long, env = "PDMESH_HEALTH_LISTEN")]
+    pub health_listen: Option<std::net::SocketAddr>,
     /// The mesh's OpenAI endpoint (`http://host:port/v1`) for the reports' replay
     /// command (`pdmesh up` passes its gateway's).
     #[arg(long, env = "PDMESH_INCIDENT_REPLAY_URL")]
@@ -231,6 +237,7 @@ impl Config {
             incident_trace_link: None,
             incident_replay_url: None,
             drain_timeout_ms: 20_000,
+            health_listen: None,
             kv_cache_dtype: KvCacheDtype::Bf16,
             index_k_dtype: IndexKDtypeArg::Fp8,
             faults: FaultArgs::default(),
@@ -421,6 +428,13 @@ pub async fn run(
 ) -> Result<(), Error> {
     let engine_cfg = cfg.engine_config()?;
     let tls = cfg.tls.load().map_err(|e| Error::Config(e.to_string()))?;
+    // Bound before the model loads, so a taken port fails at once.
+    let health_listener = match cfg.health_listen {
+        Some(a) => Some(TcpListener::bind(a).await.map_err(|e| {
+            Error::Config(format!("--health-listen {a}: {e}"))
+        })?),
+        None => None,
+    };
     cfg.faults.announce();
     let mut engine = tokio::task::spawn_blocking(move || pdmesh_engine::Engine::load(engine_cfg))
         .await
@@ -546,6 +560,21 @@ pub async fn run(
         shutdown.clone(),
     ));
     let sglang = sglang::SglangService::new(worker.clone(), cfg.model.clone(), cfg.role);
+    let health_port = health_listener.map(|l| {
+        let (service, stop) = (health_service.clone(), serving.clone());
+        tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(l),
+                    stop.cancelled_owned(),
+                )
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "the health port stopped");
+            }
+        })
+    });
     let served = pdmesh_tls::server(tls.as_ref())?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::from_arc(worker))
@@ -564,6 +593,9 @@ pub async fn run(
         .await;
     drainer.abort();
     let _ = drainer.await;
+    if let Some(h) = health_port {
+        let _ = h.await;
+    }
     prober.abort();
     let _ = prober.await;
     engine_thread.stop().await;

@@ -557,3 +557,62 @@ async fn grpc_health_says_ready_and_live_then_not_ready_while_draining() {
     assert_eq!(ids.len() + 1, 48, "{fin:?}");
     s.task.await.unwrap().unwrap();
 }
+
+/// `--health-listen`: a plaintext port for probes that cannot speak the mesh's TLS
+/// (Kubernetes' gRPC probes). It answers readiness and liveness as the worker's own port
+/// does, and nothing else: the Worker service is not there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_port_answers_health_and_nothing_else() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = free.local_addr().unwrap();
+    drop(free);
+    let mut s = start_with(|c| c.health_listen = Some(addr)).await;
+    s.client.model_info(pb::ModelInfoRequest {}).await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel.clone());
+    for name in ["readiness", "liveness"] {
+        let mut status = ServingStatus::Unknown;
+        // The probes' first refresh may follow the model's load by one tick.
+        for _ in 0..40 {
+            status = health
+                .check(HealthCheckRequest {
+                    service: name.into(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .status();
+            if status == ServingStatus::Serving {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        assert_eq!(status, ServingStatus::Serving, "{name}");
+    }
+    let err = WorkerClient::new(channel)
+        .model_info(pb::ModelInfoRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unimplemented, "{err}");
+    s.shutdown.cancel();
+    s.task.await.unwrap().unwrap();
+    // Gone with the worker.
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}
+
+#[tokio::test]
+async fn a_taken_health_port_fails_the_start() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let mut cfg = Config::new(pdmesh_gguf::models::require_default_model());
+    cfg.health_listen = Some(addr);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let err = run(cfg, listener, CancellationToken::new()).await.unwrap_err();
+    assert!(err.to_string().contains("--health-listen"), "{err}");
+}
