@@ -18,12 +18,16 @@ use crate::error::{ApiError, Error};
 use crate::metrics::Stage;
 use crate::tools::{OutputFormat, ToolFormat};
 
+/// A host's cache service: its URL and a client.
+pub(crate) type Cache = (String, CacheClient<Channel>);
+
 /// Connected (lazily) clients for both backends. Cheap to clone: channels are shared.
 #[derive(Clone)]
 pub(crate) struct Backends {
     tokenizer: TokenizerClient<Channel>,
-    /// The cache service of every host, by URL.
-    caches: Vec<(String, CacheClient<Channel>)>,
+    /// The cache service of every host, by URL: those given, or those the workers name
+    /// as their homes (see [`Backends::learn_cache`]).
+    caches: std::sync::Arc<std::sync::RwLock<Vec<Cache>>>,
     /// Every worker, and how requests are spread over them.
     pub(crate) workers: std::sync::Arc<crate::route::Workers>,
     /// The mesh's mutual TLS for every backend connection, if on.
@@ -265,33 +269,46 @@ impl Backends {
         };
         Ok(Self {
             tokenizer: TokenizerClient::new(endpoint(tokenizer_url, tls.as_ref())?.connect_lazy()),
-            caches: Vec::new(),
+            caches: Default::default(),
             workers: std::sync::Arc::new(workers),
             tls,
         })
     }
 
     /// Also read the cache service's state (for `/metrics`).
-    pub fn with_cache(mut self, cache_url: &str) -> Result<Self, Error> {
-        self.caches.push((
-            cache_url.to_owned(),
-            CacheClient::new(endpoint(cache_url, self.tls.as_ref())?.connect_lazy()),
-        ));
+    pub fn with_cache(self, cache_url: &str) -> Result<Self, Error> {
+        self.learn_cache(cache_url)?;
         Ok(self)
     }
 
+    /// Adds the cache service at `cache_url` unless it is already known; returns it when
+    /// it is new.
+    pub fn learn_cache(
+        &self,
+        cache_url: &str,
+    ) -> Result<Option<Cache>, Error> {
+        let mut caches = self.caches.write().expect("caches lock");
+        if caches.iter().any(|(u, _)| u == cache_url) {
+            return Ok(None);
+        }
+        let client = CacheClient::new(endpoint(cache_url, self.tls.as_ref())?.connect_lazy());
+        caches.push((cache_url.to_owned(), client.clone()));
+        Ok(Some((cache_url.to_owned(), client)))
+    }
+
     /// Every host's cache service, by URL.
-    pub fn caches(&self) -> Vec<(String, CacheClient<Channel>)> {
-        self.caches.clone()
+    pub fn caches(&self) -> Vec<Cache> {
+        self.caches.read().expect("caches lock").clone()
     }
 
     /// Every host's cache service state summed (the oldest room ages are the oldest of
     /// any host), and whether every one of them answered in time. None without caches.
     pub async fn cache_stats(&self) -> Option<(pdmesh_proto::cache::v1::StatsResponse, bool)> {
-        if self.caches.is_empty() {
+        let caches = self.caches();
+        if caches.is_empty() {
             return None;
         }
-        let calls = self.caches.iter().map(|(_, c)| {
+        let calls = caches.iter().map(|(_, c)| {
             let mut c = c.clone();
             async move {
                 let call = c.stats(pdmesh_proto::cache::v1::StatsRequest {});
@@ -1018,4 +1035,30 @@ fn add_stats(
     sum.peer_bytes_sent += s.peer_bytes_sent;
     sum.peer_transfer_failures += s.peer_transfer_failures;
     sum.held_pages_skipped += s.held_pages_skipped;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_cache_service_is_learned_once_and_clones_share_what_was_learned() {
+        let b = Backends::connect_lazy("http://127.0.0.1:1", "http://127.0.0.1:2")
+            .unwrap()
+            .with_cache("http://10.0.0.1:50063")
+            .unwrap();
+        let other = b.clone();
+        assert!(
+            other
+                .learn_cache("http://10.0.0.1:50063")
+                .unwrap()
+                .is_none()
+        );
+        let (url, _) = other.learn_cache("http://10.0.0.2:50063").unwrap().unwrap();
+        assert_eq!(url, "http://10.0.0.2:50063");
+        let urls: Vec<String> = b.caches().into_iter().map(|(u, _)| u).collect();
+        assert_eq!(urls, ["http://10.0.0.1:50063", "http://10.0.0.2:50063"]);
+        assert!(b.learn_cache("not a url").is_err());
+        assert_eq!(b.caches().len(), 2);
+    }
 }

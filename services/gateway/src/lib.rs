@@ -52,7 +52,9 @@ pub struct Config {
     pub decode_url: Vec<String>,
     /// gRPC address of the cache service, whose host-mirror state `/metrics` reports;
     /// one per host when the mesh spans hosts (repeat the flag or separate with commas:
-    /// `/metrics` sums them).
+    /// `/metrics` sums them). Without it, a disaggregated gateway follows the cache
+    /// services its prefill and decode workers name as their homes (each worker's
+    /// --cache-advertise-url), as it learns them.
     #[arg(long, env = "PDMESH_CACHE_URL", value_delimiter = ',')]
     pub cache_url: Vec<String>,
     /// The model name clients must send; default: the model id the worker reports.
@@ -182,6 +184,9 @@ pub async fn run(
         .workers
         .watch_hosts(backends.caches(), shutdown.child_token());
     backends.workers.learn_homes(shutdown.child_token());
+    if cfg.cache_url.is_empty() && !cfg.decode_url.is_empty() {
+        tokio::spawn(learn_caches(backends.clone(), shutdown.child_token()));
+    }
     let local = match cfg.model.clone() {
         None => None,
         Some(path) => Some(
@@ -219,6 +224,36 @@ pub async fn run(
     let _ = drainer.await;
     tracing::info!(?addr, "gateway stopped");
     Ok(())
+}
+
+/// How often the workers' homes are looked at for cache services not yet followed.
+const LEARN_CACHES_EVERY: Duration = Duration::from_secs(1);
+
+/// Without --cache-url: follows (for routing by host tier and for `/metrics`) every cache
+/// service a prefill or decode worker names as its home, as the workers come to name
+/// them, until `stop`. On Kubernetes, where each node's cache service is known only to
+/// that node's workers, this is how the gateway finds them.
+async fn learn_caches(backends: backend::Backends, stop: CancellationToken) {
+    loop {
+        for home in backends.workers.homes() {
+            match backends.learn_cache(&home) {
+                Ok(Some(cache)) => {
+                    tracing::info!(cache = %home, "following a cache service a worker names as its home");
+                    backends
+                        .workers
+                        .watch_hosts(vec![cache], stop.child_token());
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(cache = %home, error = %e, "a worker names a cache service that cannot be dialled")
+                }
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(LEARN_CACHES_EVERY) => {}
+            () = stop.cancelled() => return,
+        }
+    }
 }
 
 /// Once `shutdown` is cancelled (the server then stops accepting connections): says

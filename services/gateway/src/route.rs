@@ -384,6 +384,17 @@ impl Workers {
         .flat_map(|(role, ts)| ts.iter().map(move |t| (role, t.url.as_str(), &t.client)))
     }
 
+    /// The cache services the prefill and decode workers named as their homes so far.
+    pub fn homes(&self) -> Vec<String> {
+        let mut homes: Vec<String> = (self.prefill.iter().chain(&self.decode))
+            .filter_map(|t| t.home.get().cloned())
+            .filter(|h| !h.is_empty())
+            .collect();
+        homes.sort();
+        homes.dedup();
+        homes
+    }
+
     /// Whether the host of every prefill and decode worker is known, learning it now where
     /// it is not: until then routing cannot tell which prefill worker shares decode's host.
     pub async fn hosts_known(&self) -> bool {
