@@ -80,6 +80,14 @@ class Net:
         """`argv` run inside `host`'s namespace (`ip netns exec` execs it: same pid)."""
         return ["ip", "netns", "exec", self.ns[host], *argv]
 
+    def etc(self, host: str, name: str, text: str) -> None:
+        """A file of `host`'s own /etc (`hosts`, say): `ip netns exec` mounts
+        /etc/netns/<namespace>/<name> over /etc/<name> for what it runs there."""
+        d = os.path.join("/etc/netns", self.ns[host])
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, name), "w") as f:
+            f.write(text)
+
     def threads(self, host: str, n: int) -> cf.ThreadPoolExecutor:
         """A thread pool whose threads are inside `host`: a client there, for real."""
         return cf.ThreadPoolExecutor(n, initializer=enter, initargs=(self.ns[host],))
@@ -152,3 +160,4 @@ class Net:
         self.delayed.clear()
         for ns in [*self.ns.values(), self.switch]:
             sh("ip", "netns", "del", ns, check=False)
+            shutil.rmtree(os.path.join("/etc/netns", ns), ignore_errors=True)

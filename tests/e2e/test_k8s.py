@@ -3,7 +3,11 @@ against the Kubernetes API's schemas (kubernetes-validate, strict), and a lint c
 a platform team would: images pinned, resources requested, probes on every container (on
 the workers, the gRPC health service's readiness and liveness), nothing privileged or
 root, every flag given to `pdmesh` one its `--help` lists, every Service port one its pods
-listen on, and the GPU overlay's workers on GPU nodes."""
+listen on, and the GPU overlay's workers on GPU nodes. Custom resources (LeaderWorkerSet,
+ServiceMonitor) validate against schemas of their published APIs kept in schemas/, their
+pod templates and metadata against Kubernetes' own; the dashboards and alert rules ship
+as ConfigMaps holding the very files the compose stack uses; every service speaks the
+mesh's mutual TLS from one Secret."""
 
 from __future__ import annotations
 
@@ -14,16 +18,31 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
+import copy
+import json
+
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from conftest import pdmesh_bin
 
-K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
 OVERLAYS = ["cpu", "gpu-pd"]
 IMAGE = re.compile(r"^pdmesh:\d+\.\d+\.\d+$")
-WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet"}
+WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "LeaderWorkerSet"}
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+# Custom resources and the schema each validates against (the rest are Kubernetes' own).
+CRDS = {"LeaderWorkerSet": "leaderworkerset.v1.json", "ServiceMonitor": "servicemonitor.v1.json"}
+# Secrets the operator creates (deploy/k8s/README.md says how); the manifests only name them.
+SECRETS = {"pdmesh-api-key", "pdmesh-mesh-tls"}
+# Environment variables pdmesh reads that no flag names, and the source that reads them.
+OUTSIDE_FLAGS_SOURCE = {"PDMESH_CACHE_DIR": "crates/gguf/src/models.rs"}
+OUTSIDE_FLAGS = frozenset(n for n, src in OUTSIDE_FLAGS_SOURCE.items() if f'"{n}"' in (REPO / src).read_text())
+# kubectl apply (client side) keeps the object in an annotation of at most 256 KiB.
+APPLY_ANNOTATION_LIMIT = 262144
 
 
 def kubectl() -> str:
@@ -41,9 +60,59 @@ def render(overlay: str) -> tuple[dict, ...]:
     return tuple(d for d in yaml.safe_load_all(r.stdout) if d)
 
 
+def templates(d: dict) -> list[dict]:
+    """A workload's pod templates: a LeaderWorkerSet's worker and leader templates."""
+    if d["kind"] == "LeaderWorkerSet":
+        lwt = d["spec"]["leaderWorkerTemplate"]
+        return [lwt["workerTemplate"], *([lwt["leaderTemplate"]] if "leaderTemplate" in lwt else [])]
+    return [d["spec"]["template"]]
+
+
 def pods(docs) -> list[tuple[dict, dict]]:
-    """(workload, pod spec) of every workload."""
-    return [(d, d["spec"]["template"]["spec"]) for d in docs if d["kind"] in WORKLOADS]
+    """(workload, pod spec) of every workload's every pod template."""
+    return [(d, t["spec"]) for d in docs if d["kind"] in WORKLOADS for t in templates(d)]
+
+
+def pod_labels(w: dict) -> list[dict]:
+    return [t["metadata"]["labels"] for t in templates(w)]
+
+
+def validate_builtin(d: dict) -> None:
+    try:
+        kubernetes_validate.validate(d, kubernetes_validate.utils.latest_version(), strict=True)
+    except kubernetes_validate.ValidationError as e:
+        name = d.get("metadata", {}).get("name", "?")
+        pytest.fail(f"{d['kind']} {name}: {e.message} at {list(e.path)}", pytrace=False)
+
+
+@cache
+def crd_schema(kind: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(json.loads((SCHEMAS / CRDS[kind]).read_text()))
+
+
+def crd_errors(d: dict) -> list[str]:
+    """What the custom resource's schema, and Kubernetes' own for its metadata and pod
+    templates, find wrong with `d`."""
+    errors = [f"{list(e.path)}: {e.message}" for e in crd_schema(d["kind"]).iter_errors(d)]
+    version = kubernetes_validate.utils.latest_version()
+    name = d.get("metadata", {}).get("name", "x")
+    wrapped = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": d["metadata"]}]
+    if d["kind"] in WORKLOADS and not errors:
+        wrapped += [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": t}
+                    for t in templates(d)]
+    for w in wrapped:
+        try:
+            kubernetes_validate.validate(w, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            errors.append(f"{w['kind']} {list(e.path)}: {e.message}")
+    return errors
+
+
+@cache
+def help_env(sub: str) -> frozenset[str]:
+    cmd = [str(pdmesh_bin()), *sub.split(), "--help"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return frozenset(re.findall(r"\[env: ([A-Z0-9_]+)[=\]]", out)) | OUTSIDE_FLAGS
 
 
 @cache
@@ -57,14 +126,56 @@ def help_flags(sub: str) -> frozenset[str]:
 def test_every_object_validates_against_the_kubernetes_schemas(overlay):
     docs = render(overlay)
     kinds = {d["kind"] for d in docs}
-    assert kinds >= {"Deployment", "StatefulSet", "DaemonSet", "Service", "HorizontalPodAutoscaler",
-                     "PodDisruptionBudget", "NetworkPolicy"}, kinds
-    version = kubernetes_validate.utils.latest_version()
+    assert kinds >= {"Deployment", "DaemonSet", "Service", "HorizontalPodAutoscaler",
+                     "PodDisruptionBudget", "NetworkPolicy", "ConfigMap"}, kinds
+    # The CPU overlay needs nothing installed beyond Kubernetes; the GPU overlay runs its
+    # workers as LeaderWorkerSets and is scraped through a ServiceMonitor.
+    workers = {d["kind"] for d in docs if d["metadata"]["name"] in ("pdmesh-prefill", "pdmesh-decode")
+               and d["kind"] in WORKLOADS}
+    assert workers == ({"StatefulSet"} if overlay == "cpu" else {"LeaderWorkerSet"}), workers
+    assert (kinds & set(CRDS)) == (set() if overlay == "cpu" else set(CRDS)), kinds
     for d in docs:
-        try:
-            kubernetes_validate.validate(d, version, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            pytest.fail(f"{d['kind']} {d['metadata']['name']}: {e.message} at {list(e.path)}", pytrace=False)
+        if d["kind"] in CRDS:
+            errors = crd_errors(d)
+            assert not errors, f"{d['kind']} {d['metadata']['name']}: {errors}"
+        else:
+            validate_builtin(d)
+
+
+def test_the_custom_resource_schemas_refuse_what_their_apis_refuse():
+    """The schemas are strict: the GPU overlay's objects pass, and each mistake below, of
+    the kind a hand-edited manifest makes, fails."""
+    docs = {d["kind"]: d for d in render("gpu-pd") if d["kind"] in CRDS}
+    lws, sm = docs["LeaderWorkerSet"], docs["ServiceMonitor"]
+    assert not crd_errors(lws) and not crd_errors(sm)
+
+    def broken(d, path, value):
+        out = at = copy.deepcopy(d)
+        *parents, last = path
+        for p in parents:
+            at = at[p]
+        at[last] = value
+        return out
+
+    lwt = ["spec", "leaderWorkerTemplate"]
+    wrong = [
+        broken(lws, ["spec", "replica"], 1),  # a misspelt field
+        broken(lws, ["spec", "startupPolicy"], "LeaderStarted"),
+        broken(lws, [*lwt, "restartPolicy"], "Always"),
+        broken(lws, [*lwt, "size"], "1"),
+        broken(lws, ["spec", "rolloutStrategy", "rollingUpdateConfiguration", "maxSurge"], "one"),
+        broken(lws, [*lwt, "workerTemplate", "spec", "containers", 0, "ports", 0, "containerPort"], "grpc"),
+        broken(lws, [*lwt, "workerTemplate", "spec", "containers", 0, "arg"], ["decode"]),
+        broken(lws, ["apiVersion"], "leaderworkerset.x-k8s.io/v1beta1"),
+        broken(sm, ["spec", "endpoints", 0, "interval"], "5 seconds"),
+        broken(sm, ["spec", "endpoints", 0, "scheme"], "grpc"),
+        broken(sm, ["spec", "endpoints", 0, "pathh"], "/metrics"),
+        broken(sm, ["spec", "endpoints", 0, "port"], 8080),
+        broken(sm, ["spec", "selector"], {"matchLabel": {"a": "b"}}),
+        broken(sm, ["metadata", "labels"], {"app": 5}),
+    ]
+    for d in wrong:
+        assert crd_errors(d), f"accepted: {json.dumps(d)}"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -72,7 +183,7 @@ def test_lint_images_resources_probes_and_security(overlay):
     for w, spec in pods(render(overlay)):
         name = w["metadata"]["name"]
         # The NetworkPolicy lets in only the mesh's own pods, known by this label.
-        assert w["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/part-of") == "pdmesh", name
+        assert all(lab.get("app.kubernetes.io/part-of") == "pdmesh" for lab in pod_labels(w)), name
         sc = spec.get("securityContext", {})
         assert sc.get("runAsNonRoot") is True and sc.get("runAsUser", 0) != 0, name
         assert not spec.get("hostNetwork") and not spec.get("hostPID"), name
@@ -96,19 +207,27 @@ def test_lint_images_resources_probes_and_security(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_workers_probe_grpc_health_and_the_gateway_and_workers_drain_inside_their_grace(overlay):
-    workers = [(w, s) for w, s in pods(render(overlay)) if w["kind"] == "StatefulSet"]
-    assert {w["metadata"]["name"] for w, _ in workers} == {"pdmesh-prefill", "pdmesh-decode"}
+    workers = [(w, s) for w, s in pods(render(overlay)) if w["metadata"]["name"] in ("pdmesh-prefill", "pdmesh-decode")]
+    assert sorted(w["metadata"]["name"] for w, _ in workers) == ["pdmesh-decode", "pdmesh-prefill"]
     for w, spec in workers:
         [c] = spec["containers"]
-        assert c["readinessProbe"]["grpc"] == {"port": 50064, "service": "readiness"}, c["readinessProbe"]
-        assert c["livenessProbe"]["grpc"] == {"port": 50064, "service": "liveness"}, c["livenessProbe"]
-    # The gateway and the workers drain at SIGTERM, inside their grace period.
+        # The kubelet's gRPC probes speak no TLS: they ask the plaintext health port.
+        assert "--health-listen=0.0.0.0:50065" in c["args"], c["args"]
+        assert {"name": "health", "containerPort": 50065} in c["ports"], c["ports"]
+        for probe in ("startupProbe", "readinessProbe"):
+            assert c[probe]["grpc"] == {"port": 50065, "service": "readiness"}, c[probe]
+        assert c["livenessProbe"]["grpc"] == {"port": 50065, "service": "liveness"}, c["livenessProbe"]
+    # The gateway and the workers drain at SIGTERM, after any preStop sleep, inside their
+    # grace period; the gateway sleeps first while the endpoints drop it.
     for w, spec in pods(render(overlay)):
         if w["metadata"]["name"] not in ("pdmesh-gateway", "pdmesh-prefill", "pdmesh-decode"):
             continue
         [c] = spec["containers"]
         drain = next(int(a.split("=", 1)[1]) for a in c["args"] if a.startswith("--drain-timeout-ms="))
-        assert drain / 1000 < spec["terminationGracePeriodSeconds"], (w["metadata"]["name"], drain)
+        pre = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        assert pre + drain / 1000 < spec["terminationGracePeriodSeconds"], (w["metadata"]["name"], pre, drain)
+        if w["metadata"]["name"] == "pdmesh-gateway":
+            assert pre >= 5, c.get("lifecycle")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -127,8 +246,8 @@ def test_every_service_port_is_one_its_pods_listen_on(overlay):
     docs = render(overlay)
     for svc in (d for d in docs if d["kind"] == "Service"):
         sel = svc["spec"]["selector"]
-        targets = [s for w, s in pods(docs)
-                   if all(w["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in sel.items())]
+        targets = [t["spec"] for w in docs if w["kind"] in WORKLOADS for t in templates(w)
+                   if all(t["metadata"]["labels"].get(k) == v for k, v in sel.items())]
         assert targets, f"Service {svc['metadata']['name']} selects no pods"
         for p in svc["spec"]["ports"]:
             for spec in targets:
@@ -144,7 +263,15 @@ def test_every_service_port_is_one_its_pods_listen_on(overlay):
 
 
 def test_the_gpu_overlay_puts_prefill_and_decode_on_separate_gpu_pools():
-    workers = {w["metadata"]["name"]: s for w, s in pods(render("gpu-pd")) if w["kind"] == "StatefulSet"}
+    workers = {w["metadata"]["name"]: s for w, s in pods(render("gpu-pd")) if w["kind"] == "LeaderWorkerSet"}
+    assert sorted(workers) == ["pdmesh-decode", "pdmesh-prefill"]
+    for w in (d for d in render("gpu-pd") if d["kind"] == "LeaderWorkerSet"):
+        # One group per tensor-parallel set: the ranks are one process, so one pod.
+        assert w["spec"]["leaderWorkerTemplate"]["size"] == 1, w["metadata"]["name"]
+    # Nothing of the base's StatefulSets or their Services is left to clash with the LWS
+    # controller's headless Services of the same names.
+    assert not [d for d in render("gpu-pd") if d["kind"] in ("StatefulSet", "Service")
+                and d["metadata"]["name"] in ("pdmesh-prefill", "pdmesh-decode")]
     pools = set()
     for name, spec in workers.items():
         [c] = spec["containers"]
@@ -153,5 +280,94 @@ def test_the_gpu_overlay_puts_prefill_and_decode_on_separate_gpu_pools():
         assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"]), name
         pools.add(spec["nodeSelector"]["pdmesh.io/pool"])
     assert pools == {"prefill", "decode"}
-    # The CPU overlay asks for no GPU anywhere.
-    assert "nvidia.com/gpu" not in yaml.safe_dump_all(render("cpu"))
+    # The CPU overlay asks for no GPU anywhere (the cache service only tolerates GPU
+    # nodes' taint: it must run wherever workers do).
+    for w, spec in pods(render("cpu")):
+        for c in spec["containers"]:
+            assert "nvidia.com/gpu" not in yaml.safe_dump(c.get("resources", {})), w["metadata"]["name"]
+    [cache] = [s for w, s in pods(render("gpu-pd")) if w["kind"] == "DaemonSet"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in cache["tolerations"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_env_var_is_one_pdmesh_reads_and_every_reference_resolves(overlay):
+    docs = render(overlay)
+    maps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    for w, spec in pods(docs):
+        vols = {v["name"]: v for v in spec["volumes"]}
+        for c in spec["containers"]:
+            where = f"{w['metadata']['name']}/{c['name']}"
+            names = {e["name"] for e in c.get("env", [])}
+            for src in c.get("envFrom", []):
+                ref = src["configMapRef"]["name"]
+                assert ref in maps, f"{where}: ConfigMap {ref} is not in the overlay"
+                names |= set(maps[ref]["data"])
+            sub = " ".join(a for a in c["args"][:2] if not a.startswith("-"))
+            unread = {n for n in names if n.startswith("PDMESH_")} - help_env(sub)
+            assert not unread, f"{where}: `pdmesh {sub}` reads no {sorted(unread)}"
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef", {}).get("name")
+                assert ref is None or ref in SECRETS, f"{where}: unknown Secret {ref}"
+        for v in vols.values():
+            if "secret" in v:
+                assert v["secret"]["secretName"] in SECRETS, v
+    readme = (K8S / "README.md").read_text()
+    for secret in SECRETS:
+        assert secret in readme, f"deploy/k8s/README.md does not say how to make {secret}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_mesh_service_speaks_the_meshs_mutual_tls_from_its_secret(overlay):
+    docs = render(overlay)
+    tls = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "pdmesh-mesh-tls")["data"]
+    assert tls["PDMESH_TLS_SERVER_NAME"] == "pdmesh.mesh", tls
+    services = set()
+    for w, spec in pods(docs):
+        vols = {v["name"]: v for v in spec["volumes"]}
+        [c] = spec["containers"]
+        services.add(c["args"][0])
+        where = f"{w['metadata']['name']}/{c['name']}"
+        assert {"configMapRef": {"name": "pdmesh-mesh-tls"}} in c.get("envFrom", []), where
+        mounts = [m for m in c["volumeMounts"] if "secret" in vols[m["name"]]
+                  and vols[m["name"]]["secret"]["secretName"] == "pdmesh-mesh-tls"]
+        assert len(mounts) == 1 and mounts[0].get("readOnly") is True, where
+        for key in ("PDMESH_TLS_CA", "PDMESH_TLS_CERT", "PDMESH_TLS_KEY"):
+            assert Path(tls[key]).parent == Path(mounts[0]["mountPath"]), (where, key, tls[key])
+        # Group-readable only: the pods run as group 10001 (fsGroup).
+        assert vols[mounts[0]["name"]]["secret"]["defaultMode"] == 0o440, where
+        assert spec["securityContext"]["fsGroup"] == 10001, where
+    assert services == {"gateway", "tokenizer", "cache", "prefill", "decode"}, services
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_dashboards_and_alert_rules_ship_as_configmaps_of_the_committed_files(overlay):
+    maps = {d["metadata"]["name"]: d for d in render(overlay) if d["kind"] == "ConfigMap"}
+    boards = maps["pdmesh-dashboards"]
+    # Grafana's sidecar loads ConfigMaps with this label.
+    assert boards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = sorted(p.name for p in (REPO / "dashboards").glob("*.json"))
+    assert sorted(boards["data"]) == files and len(files) == 5
+    for name in files:
+        assert boards["data"][name] == (REPO / "dashboards" / name).read_text(), name
+    rules = maps["pdmesh-prometheus-rules"]["data"]
+    # The rules, not their promtool tests (which would stop Prometheus from starting).
+    assert list(rules) == ["pdmesh.rules.yml"]
+    assert rules["pdmesh.rules.yml"] == (REPO / "deploy" / "prometheus" / "rules" / "pdmesh.rules.yml").read_text()
+    for m in maps.values():
+        assert len(json.dumps(m)) < APPLY_ANNOTATION_LIMIT, f"{m['metadata']['name']} is too big for kubectl apply"
+
+
+def test_the_service_monitor_scrapes_the_gateways_metrics_port():
+    docs = render("gpu-pd")
+    [sm] = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    sel = sm["spec"]["selector"]["matchLabels"]
+    [svc] = [d for d in docs if d["kind"] == "Service"
+             and all(d["metadata"].get("labels", {}).get(k) == v for k, v in sel.items())]
+    assert svc["metadata"]["name"] == "pdmesh-gateway"
+    [ep] = sm["spec"]["endpoints"]
+    assert ep["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert ep["path"] == "/metrics"
+    # The same port and path the pods' scrape annotations give.
+    [gw] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "pdmesh-gateway"]
+    ann = gw["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/path"] == ep["path"]

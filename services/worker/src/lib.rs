@@ -430,9 +430,11 @@ pub async fn run(
     let tls = cfg.tls.load().map_err(|e| Error::Config(e.to_string()))?;
     // Bound before the model loads, so a taken port fails at once.
     let health_listener = match cfg.health_listen {
-        Some(a) => Some(TcpListener::bind(a).await.map_err(|e| {
-            Error::Config(format!("--health-listen {a}: {e}"))
-        })?),
+        Some(a) => Some(
+            TcpListener::bind(a)
+                .await
+                .map_err(|e| Error::Config(format!("--health-listen {a}: {e}")))?,
+        ),
         None => None,
     };
     cfg.faults.announce();

@@ -613,6 +613,8 @@ async fn a_taken_health_port_fails_the_start() {
     let mut cfg = Config::new(pdmesh_gguf::models::require_default_model());
     cfg.health_listen = Some(addr);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let err = run(cfg, listener, CancellationToken::new()).await.unwrap_err();
+    let err = run(cfg, listener, CancellationToken::new())
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("--health-listen"), "{err}");
 }
