@@ -1,7 +1,7 @@
 """A decode worker told to stop (SIGTERM, as Kubernetes does before it removes a pod)
 drains: it refuses new requests, so the gateway sends them to the other decode worker;
 every stream it runs finishes; then it exits, well inside its drain bound, and nothing is
-left held anywhere. A gateway told to stop drains too: its open streams run to their
+left held anywhere; the gateway's `/ready` stays 200 all along.  A gateway told to stop drains too: its open streams run to their
 end, `/health` says `draining` meanwhile, and it exits once they are done."""
 
 from __future__ import annotations
@@ -38,6 +38,19 @@ def stream(client, model: str, n: int, started: cf.Future | None = None) -> tupl
     return text, chunks, finish
 
 
+def sample_ready_and_health(base: str, victim: int) -> tuple[list[int], list[int]]:
+    """`/ready`'s and `/health`'s statuses every 0.1 s until `victim` has exited and a
+    second more."""
+    ready, health, gone = [], [], None
+    while gone is None or time.monotonic() - gone < 1:
+        ready.append(http("GET", base + "/ready", timeout=5)[0])
+        health.append(http("GET", base + "/health", timeout=5)[0])
+        if gone is None and not alive(victim):
+            gone = time.monotonic()
+        time.sleep(0.1)
+    return ready, health
+
+
 def test_sigterm_drains_a_decode_worker_under_load(tmp_path):
     m = start_up(tmp_path, [
         "--restart", "--no-smoke-test", "--decode", "2",
@@ -59,7 +72,14 @@ def test_sigterm_drains_a_decode_worker_under_load(tmp_path):
             os.kill(victim, signal.SIGTERM)
             # New requests while it drains: all answered, by the other decode worker.
             during = [pool.submit(stream, client, model, 100 + i) for i in range(4)]
+            # The gateway's readiness (what a load balancer asks) holds all along, while
+            # `/health` (every worker) says one is missing: a rolling update of workers
+            # never takes the gateways out of their Service.
+            probes = pool.submit(sample_ready_and_health, m.base, victim)
             answers = [f.result(timeout=120) for f in running + during]
+            ready, health = probes.result(timeout=DRAIN_S + 30)
+        assert ready and set(ready) == {200}, ready
+        assert 503 in health, health
         # Every stream, those running on the victim included, ran to its length.
         for text, chunks, finish in answers:
             assert finish == "length" and chunks > 0, (text, chunks, finish)

@@ -228,6 +228,9 @@ def test_workers_probe_grpc_health_and_the_gateway_and_workers_drain_inside_thei
         assert pre + drain / 1000 < spec["terminationGracePeriodSeconds"], (w["metadata"]["name"], pre, drain)
         if w["metadata"]["name"] == "pdmesh-gateway":
             assert pre >= 5, c.get("lifecycle")
+            # Ready while it can serve, not only while every worker is up (a rolling
+            # update of workers must leave the gateways in their Service).
+            assert c["readinessProbe"]["httpGet"]["path"] == "/ready", c["readinessProbe"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

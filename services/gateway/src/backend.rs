@@ -18,6 +18,22 @@ use crate::error::{ApiError, Error};
 use crate::metrics::Stage;
 use crate::tools::{OutputFormat, ToolFormat};
 
+/// What the backends' Health calls say.
+#[derive(Debug)]
+pub(crate) struct Health {
+    pub tokenizer: bool,
+    /// Every worker answers ok, and every prefill and decode worker's host is known.
+    pub all_workers: bool,
+    /// Enough of them do to serve a request: the tokenizer and a unified worker, or a
+    /// prefill and a decode worker whose hosts are known.
+    pub serving: bool,
+    /// Workers that answer ok (and whose host is known), of `workers`.
+    pub workers_ok: usize,
+    pub workers: usize,
+    /// The test-only faults (`--fault-*`) any worker reports, sorted, no repeats.
+    pub faults: Vec<String>,
+}
+
 /// A host's cache service: its URL and a client.
 pub(crate) type Cache = (String, CacheClient<Channel>);
 
@@ -283,10 +299,7 @@ impl Backends {
 
     /// Adds the cache service at `cache_url` unless it is already known; returns it when
     /// it is new.
-    pub fn learn_cache(
-        &self,
-        cache_url: &str,
-    ) -> Result<Option<Cache>, Error> {
+    pub fn learn_cache(&self, cache_url: &str) -> Result<Option<Cache>, Error> {
         let mut caches = self.caches.write().expect("caches lock");
         if caches.iter().any(|(u, _)| u == cache_url) {
             return Ok(None);
@@ -327,37 +340,47 @@ impl Backends {
         Some((sum, all))
     }
 
-    /// Whether the tokenizer and every worker answer Health (and every prefill and decode
-    /// worker's host is known), and the test-only faults
-    /// (`--fault-*`) any worker reports, sorted, no repeats.
-    pub async fn health(&self) -> (bool, bool, Vec<String>) {
+    /// What the tokenizer's and every worker's Health calls say.
+    pub async fn health(&self) -> Health {
         let mut tok = self.tokenizer.clone();
         let t = tokio::time::timeout(
             crate::BACKEND_PROBE_TIMEOUT,
             tok.health(tk::HealthRequest {}),
         );
         // Every worker must answer: a mesh missing one side cannot serve.
-        let w = futures::future::join_all(self.workers.all().map(|c| {
+        let w = futures::future::join_all(self.workers.named().map(|(role, _, c)| {
             let mut c = c.clone();
             async move {
                 let call = c.health(wk::HealthRequest {});
                 match tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await {
                     Ok(Ok(r)) => {
                         let r = r.into_inner();
-                        (r.ok, r.faults)
+                        (role, r.ok, r.faults)
                     }
-                    _ => (false, Vec::new()),
+                    _ => (role, false, Vec::new()),
                 }
             }
         }));
         let (t, w, hosts) = tokio::join!(t, w, self.workers.hosts_known());
-        let ok_t = matches!(t, Ok(Ok(r)) if r.get_ref().ok);
-        // Ready to route across hosts only once each worker's host is known.
-        let ok_w = w.iter().all(|(ok, _)| *ok) && hosts;
-        let mut faults: Vec<String> = w.into_iter().flat_map(|(_, f)| f).collect();
+        let tokenizer = matches!(t, Ok(Ok(r)) if r.get_ref().ok);
+        // A prefill or decode worker takes requests only once its host is known.
+        let usable: Vec<(&str, bool)> = w
+            .iter()
+            .zip(self.workers.hosts_learned())
+            .map(|((role, ok, _), known)| (*role, *ok && known))
+            .collect();
+        let any = |role: &str| usable.iter().any(|&(r, ok)| r == role && ok);
+        let mut faults: Vec<String> = w.iter().flat_map(|(_, _, f)| f.clone()).collect();
         faults.sort();
         faults.dedup();
-        (ok_t, ok_w, faults)
+        Health {
+            tokenizer,
+            all_workers: w.iter().all(|(_, ok, _)| *ok) && hosts,
+            serving: tokenizer && (any("unified") || (any("prefill") && any("decode"))),
+            workers_ok: usable.iter().filter(|(_, ok)| *ok).count(),
+            workers: usable.len(),
+            faults,
+        }
     }
 
     /// The model's identity from the first worker, with pool and cache counters summed

@@ -839,6 +839,43 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn ready_while_the_tokenizer_and_a_worker_answer_and_not_once_the_worker_is_gone() {
+        let st = gateway(None, None).await;
+        let ask = || async {
+            let r = crate::handlers::ready(axum::extract::State(st.clone())).await;
+            let status = r.status();
+            let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+            (
+                status,
+                serde_json::from_slice::<serde_json::Value>(&body).unwrap(),
+            )
+        };
+        let (status, body) = ask().await;
+        assert_eq!(status, axum::http::StatusCode::OK, "{body}");
+        assert_eq!(
+            (body["workers_ok"].clone(), body["workers"].clone()),
+            (1.into(), 1.into())
+        );
+        // A gateway whose only worker is unreachable cannot serve.
+        let dead = format!("http://{}", {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        });
+        let mut cfg = st.cfg.clone();
+        cfg.worker_url = dead.clone();
+        let tokenizer = cfg.tokenizer_url.clone();
+        let st = AppState::new(
+            cfg,
+            Backends::connect_lazy(&tokenizer, &dead).unwrap(),
+            None,
+            tokio_util::sync::CancellationToken::new(),
+        )
+        .unwrap();
+        let r = crate::handlers::ready(axum::extract::State(st)).await;
+        assert_eq!(r.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE);
+    }
+
+    #[tokio::test]
     async fn a_draining_gateway_says_so_and_ends_open_streams_only_at_its_bound() {
         let st = gateway(None, None).await;
         // A stream that never ends by itself is open when the drain starts.
@@ -871,6 +908,9 @@ mod tests {
             serde_json::from_slice::<serde_json::Value>(&body).unwrap()["status"],
             "draining"
         );
+        // And so does /ready, which a load balancer asks.
+        let ready = crate::handlers::ready(axum::extract::State(st.clone())).await;
+        assert_eq!(ready.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE);
         // The open stream holds the drain until its bound; then it ends with "shutting
         // down" (the stream checks that first).
         drain.await.unwrap();

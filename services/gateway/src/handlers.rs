@@ -50,6 +50,7 @@ pub(crate) fn router(st: AppState) -> Router {
     Router::new()
         .merge(v1)
         .route("/health", get(health))
+        .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -211,18 +212,45 @@ pub(crate) async fn health(State(st): State<AppState>) -> Response {
         )
             .into_response();
     }
-    let (tok, worker, faults) = st.backends.health().await;
+    let h = st.backends.health().await;
     let word = |ok: bool| if ok { "ok" } else { "unavailable" };
     // `fault_injection` is true only for a worker started with test-only `--fault-*`
     // flags, which break requests on purpose.
     let body = json!({
-        "status": word(tok && worker),
-        "tokenizer": word(tok),
-        "worker": word(worker),
-        "fault_injection": !faults.is_empty(),
-        "faults": faults,
+        "status": word(h.tokenizer && h.all_workers),
+        "tokenizer": word(h.tokenizer),
+        "worker": word(h.all_workers),
+        "fault_injection": !h.faults.is_empty(),
+        "faults": h.faults,
     });
-    let status = if tok && worker {
+    let status = if h.tokenizer && h.all_workers {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
+}
+
+/// `/ready`: whether this gateway can serve a request now, for a load balancer's (or
+/// Kubernetes') readiness: the tokenizer and at least one worker of each side answer. A
+/// worker restarting or draining (a rolling update) leaves the gateway ready as long as
+/// another takes its place; `/health` asks for every one.
+pub(crate) async fn ready(State(st): State<AppState>) -> Response {
+    if st.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "draining"})),
+        )
+            .into_response();
+    }
+    let h = st.backends.health().await;
+    let body = json!({
+        "status": if h.serving { "ok" } else { "unavailable" },
+        "tokenizer": if h.tokenizer { "ok" } else { "unavailable" },
+        "workers_ok": h.workers_ok,
+        "workers": h.workers,
+    });
+    let status = if h.serving {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE

@@ -384,6 +384,17 @@ impl Workers {
         .flat_map(|(role, ts)| ts.iter().map(move |t| (role, t.url.as_str(), &t.client)))
     }
 
+    /// For every worker, in [`Workers::named`]'s order: whether its host is known (always,
+    /// for a unified worker).
+    pub fn hosts_learned(&self) -> impl Iterator<Item = bool> + '_ {
+        self.unified.iter().map(|_| true).chain(
+            self.prefill
+                .iter()
+                .chain(&self.decode)
+                .map(|t| t.home.get().is_some()),
+        )
+    }
+
     /// The cache services the prefill and decode workers named as their homes so far.
     pub fn homes(&self) -> Vec<String> {
         let mut homes: Vec<String> = (self.prefill.iter().chain(&self.decode))
