@@ -220,7 +220,7 @@ def test_workers_probe_grpc_health_and_the_gateway_and_workers_drain_inside_thei
     # The gateway and the workers drain at SIGTERM, after any preStop sleep, inside their
     # grace period; the gateway sleeps first while the endpoints drop it.
     for w, spec in pods(render(overlay)):
-        if w["metadata"]["name"] not in ("pdmesh-gateway", "pdmesh-prefill", "pdmesh-decode"):
+        if w["metadata"]["name"] not in ("pdmesh-gateway", "pdmesh-prefill", "pdmesh-decode", "pdmesh-cache"):
             continue
         [c] = spec["containers"]
         drain = next(int(a.split("=", 1)[1]) for a in c["args"] if a.startswith("--drain-timeout-ms="))

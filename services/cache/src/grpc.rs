@@ -26,7 +26,7 @@ impl From<CacheError> for Status {
             CacheError::LayoutMismatch { .. }
             | CacheError::PeerLayoutMismatch { .. }
             | CacheError::TooSmall { .. } => Status::failed_precondition(msg),
-            CacheError::NoLayoutYet => Status::unavailable(msg),
+            CacheError::NoLayoutYet | CacheError::Draining => Status::unavailable(msg),
             CacheError::BadLayout(_)
             | CacheError::WrongSize { .. }
             | CacheError::DuplicateSlot(_) => Status::invalid_argument(msg),

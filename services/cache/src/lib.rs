@@ -78,6 +78,12 @@ pub struct Config {
     /// A trace viewer's link with `{trace_id}` in it (Tempo, Jaeger), for the reports.
     #[arg(long, env = "PDMESH_INCIDENT_TRACE_LINK")]
     pub incident_trace_link: Option<String>,
+    /// At SIGTERM the cache service drains: it opens no new room (UNAVAILABLE, so the
+    /// gateway tries the request on another host) and keeps serving until every room
+    /// and relay under way has ended, or for this long; then it stops (0: at once). Keep
+    /// it under the pod's terminationGracePeriodSeconds.
+    #[arg(long, env = "PDMESH_DRAIN_TIMEOUT_MS", default_value_t = 20_000)]
+    pub drain_timeout_ms: u64,
     /// Mutual TLS for gRPC and the page transport (both ways).
     #[command(flatten)]
     pub tls: pdmesh_tls::TlsArgs,
@@ -98,6 +104,7 @@ impl Config {
             peer_io_timeout_ms: 5_000,
             incident_dir: None,
             incident_trace_link: None,
+            drain_timeout_ms: 20_000,
             tls: pdmesh_tls::TlsArgs::default(),
         }
     }
@@ -123,8 +130,9 @@ pub enum Error {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves `pdmesh.cache.v1.Cache` on `listener` until `shutdown` is cancelled; the mirror
-/// file is removed on the way out.
+/// Serves `pdmesh.cache.v1.Cache` on `listener` until `shutdown` is cancelled and the
+/// drain that starts then is over (see [`Config::drain_timeout_ms`]); the mirror file is
+/// removed on the way out.
 pub async fn run(
     cfg: Config,
     listener: TcpListener,
@@ -152,6 +160,8 @@ pub async fn run(
     }
     let tls = cfg.tls.load()?;
     let ttl = Duration::from_millis(cfg.lease_ttl_ms);
+    // `shutdown` starts the drain; `serving` stops everything once it is over.
+    let serving = CancellationToken::new();
     let shared = grpc::Shared::new(state::State::with_rooms(
         cfg.host_mirror_size,
         cfg.shm_dir.clone(),
@@ -178,7 +188,13 @@ pub async fn run(
         shared.clone(),
         opts,
         tls.clone(),
+        serving.clone(),
+    ));
+    let drainer = tokio::spawn(drain(
+        shared.clone(),
+        Duration::from_millis(cfg.drain_timeout_ms),
         shutdown.clone(),
+        serving.clone(),
     ));
     let peers = std::sync::Arc::new(peers::Peers::new(
         format!(
@@ -202,7 +218,7 @@ pub async fn run(
     };
     let reaper = {
         let shared = shared.clone();
-        let shutdown = shutdown.clone();
+        let shutdown = serving.clone();
         let peers = peers.clone();
         tokio::spawn(async move {
             // Fine enough for room deadlines of a fraction of a second.
@@ -273,21 +289,60 @@ pub async fn run(
     let served = pdmesh_tls::server(tls.as_ref())?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(pdmesh_proto::cache::v1::cache_server::CacheServer::new(
-            grpc::CacheService::new(shared.clone(), shutdown.clone(), peers, peer_port)
+            grpc::CacheService::new(shared.clone(), serving.clone(), peers, peer_port)
                 .with_incidents(reporter),
         ))
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown.cancelled_owned(),
+            serving.cancelled_owned(),
         )
         .await;
+    drainer.abort();
+    let _ = drainer.await;
     reaper.abort();
     let _ = reaper.await;
     receiver.abort();
     let _ = receiver.await;
     tracing::info!(?addr, "cache service stopped");
     served.map_err(Error::from)
+}
+
+/// How often the drain looks for rooms still under way.
+const DRAIN_POLL: Duration = Duration::from_millis(50);
+
+/// Once `shutdown` is cancelled: opens no new room or relay, waits until none is under
+/// way (the reaper still fails those past their deadlines) or `timeout` passes, then
+/// cancels `serving`.
+async fn drain(
+    shared: grpc::Shared,
+    timeout: Duration,
+    shutdown: CancellationToken,
+    serving: CancellationToken,
+) {
+    shutdown.cancelled().await;
+    shared.with(|s| s.drain());
+    tracing::info!(
+        ?timeout,
+        "draining: no new room opens, those under way finish"
+    );
+    let until = tokio::time::Instant::now() + timeout;
+    loop {
+        let busy = shared.with(|s| s.busy(Instant::now()));
+        if busy == 0 {
+            tracing::info!("drained: no room is under way");
+            break;
+        }
+        if tokio::time::Instant::now() >= until {
+            tracing::warn!(
+                left = busy,
+                "drain timed out: stopping with rooms under way"
+            );
+            break;
+        }
+        tokio::time::sleep(DRAIN_POLL).await;
+    }
+    serving.cancel();
 }
 
 /// Accepts page transport connections from other hosts' cache services until `stop`;

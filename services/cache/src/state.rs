@@ -56,6 +56,10 @@ impl std::str::FromStr for MirrorSize {
 
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
+    #[error(
+        "this cache service is draining (shutting down): it opens no new room; try another host"
+    )]
+    Draining,
     #[error("KV layout mismatch: the host mirror holds {ours}; this worker has {theirs}")]
     LayoutMismatch { ours: String, theirs: String },
     #[error("invalid KV layout: {0}")]
@@ -268,6 +272,8 @@ pub struct State {
     rooms_version: u64,
     relays: HashMap<u64, Relay>,
     dropped_relays: Vec<DroppedRelay>,
+    /// Set at shutdown: no new room or relay opens; those under way finish.
+    draining: bool,
     /// Pages a peer wrote into each room transferring from it: its commit must cover all.
     peer_pages: HashMap<u64, usize>,
     /// Failures seen under the lock, for the service to file as incident reports
@@ -331,6 +337,7 @@ impl State {
             rooms_version: 0,
             relays: HashMap::new(),
             dropped_relays: Vec::new(),
+            draining: false,
             peer_pages: HashMap::new(),
             incidents: Vec::new(),
         }
@@ -1036,6 +1043,9 @@ impl State {
         if room == 0 {
             return Err(CacheError::BadRoomCall("room 0 is not a room".into()));
         }
+        if self.draining && self.rooms.state(room).is_none() {
+            return Err(CacheError::Draining);
+        }
         if held > 0 && side != Side::Receiver {
             return Err(CacheError::BadRoomCall(
                 "only a receiver says which pages it holds".into(),
@@ -1243,6 +1253,9 @@ impl State {
         self.lease_mut(lease)?;
         if room == 0 {
             return Err(CacheError::BadRoomCall("room 0 is not a room".into()));
+        }
+        if self.draining {
+            return Err(CacheError::Draining);
         }
         if self.rooms.state(room).is_some() {
             return Err(CacheError::BadRoomCall(format!(
@@ -1463,6 +1476,17 @@ impl State {
     /// Every room under way now (see [`crate::rooms::Rooms::under_way`]).
     pub fn rooms_under_way(&self, now: Instant) -> Vec<Stuck> {
         self.rooms.under_way(now)
+    }
+
+    /// From now on no new room or relay opens (the other side of a room already open
+    /// still joins it): the service is shutting down.
+    pub fn drain(&mut self) {
+        self.draining = true;
+    }
+
+    /// Rooms whose hand-over has not ended, and relays carrying one to another host.
+    pub fn busy(&self, now: Instant) -> usize {
+        self.rooms.under_way(now).len() + self.relays.len()
     }
 
     pub fn room_stats(&self, now: Instant) -> RoomStats {

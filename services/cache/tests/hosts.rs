@@ -51,6 +51,8 @@ async fn host(layout: &KvLayout, lease_ttl_ms: u64, transfer_ms: u64) -> Host {
     cfg.lease_ttl_ms = lease_ttl_ms;
     cfg.room_transfer_ms = transfer_ms;
     cfg.peer_io_timeout_ms = 1_000;
+    // A stopped host vanishes at once, rooms under way or not (no drain).
+    cfg.drain_timeout_ms = 0;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();

@@ -51,10 +51,19 @@ async fn start(pages: u64, lease_ttl_ms: u64) -> Server {
 }
 
 async fn start_at(addr: SocketAddr, pages: u64, lease_ttl_ms: u64) -> Server {
+    start_with(addr, pages, |c| {
+        c.lease_ttl_ms = lease_ttl_ms;
+        // Tests that stop the service with a room open do not wait for it long.
+        c.drain_timeout_ms = 300;
+    })
+    .await
+}
+
+async fn start_with(addr: SocketAddr, pages: u64, f: impl FnOnce(&mut Config)) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config::new(MirrorSize::Bytes(pages * layout().bytes_per_page() as u64));
     cfg.shm_dir = Some(dir.path().to_owned());
-    cfg.lease_ttl_ms = lease_ttl_ms;
+    f(&mut cfg);
     let listener = TcpListener::bind(addr).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();
@@ -446,4 +455,76 @@ async fn a_full_mirror_evicts_the_least_recently_used_pages_and_says_so() {
     let (l, _) = load(&mut w, &[a[0].0]).await;
     assert_eq!(l.pages, 1, "the recently used prefix survived");
     s.stop().await;
+}
+
+/// At shutdown (SIGTERM) the service drains: a new room is refused as UNAVAILABLE (the
+/// gateway then tries another host), while a room already open still gets its other side
+/// and the service keeps answering; it stops once that room has ended.
+#[tokio::test]
+async fn at_shutdown_no_new_room_opens_and_the_service_stops_once_the_rooms_under_way_end() {
+    let s = start_with("127.0.0.1:0".parse().unwrap(), 16, |c| {
+        c.drain_timeout_ms = 60_000;
+    })
+    .await;
+    let receiver = client(&s, "decode", DataPlane::Grpc).await;
+    let sender = client(&s, "prefill", DataPlane::Grpc).await;
+    receiver
+        .room_open(1, pb::RoomSide::Receiver, "r1", "")
+        .await
+        .unwrap();
+    s.shutdown.cancel();
+    let mut refused = None;
+    for _ in 0..200 {
+        match sender.room_open(2, pb::RoomSide::Sender, "r2", "").await {
+            Err(e) if e.code() == tonic::Code::Unavailable && e.message().contains("draining") => {
+                refused = Some(e);
+                break;
+            }
+            Err(e) => panic!("{e}"),
+            // Not draining yet: this room is under way too; end it.
+            Ok(_) => sender.room_abort(2, "not yet draining").await.unwrap(),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let refused = refused.expect("a new room is refused while draining");
+    assert!(refused.message().contains("try another host"), "{refused}");
+    // The room under way still takes its sender, and the service still answers.
+    sender
+        .room_open(1, pb::RoomSide::Sender, "r1", "")
+        .await
+        .unwrap();
+    let census: u32 = s.stats().await.rooms.values().sum();
+    assert!(census >= 1, "the open room is counted");
+    assert!(!s.task.is_finished(), "the drain waits for the room");
+    sender.room_abort(1, "done").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), s.task)
+        .await
+        .expect("the service stops once no room is under way")
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_room_that_never_ends_holds_the_drain_only_to_its_bound() {
+    let s = start_with("127.0.0.1:0".parse().unwrap(), 16, |c| {
+        c.drain_timeout_ms = 300;
+    })
+    .await;
+    let receiver = client(&s, "decode", DataPlane::Grpc).await;
+    receiver
+        .room_open(1, pb::RoomSide::Receiver, "r1", "")
+        .await
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    s.shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(10), s.task)
+        .await
+        .expect("the drain ends at its bound")
+        .unwrap()
+        .unwrap();
+    assert!(
+        t0.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        t0.elapsed()
+    );
 }
