@@ -876,6 +876,37 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_drain_waits_for_a_request_still_in_its_handler() {
+        let st = gateway(None, None).await;
+        // A request being tokenized when SIGTERM comes: no stream is open yet.
+        st.handling
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let mut drain = tokio::spawn(crate::drain(
+            st.clone(),
+            Duration::from_secs(30),
+            shutdown.clone(),
+            st.shutdown.clone(),
+        ));
+        shutdown.cancel();
+        // It does not end while the request is in its handler...
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut drain)
+                .await
+                .is_err()
+        );
+        assert!(!st.shutdown.is_cancelled());
+        // ...and ends once it has answered (its stream, if any, is counted by then).
+        st.handling
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        tokio::time::timeout(Duration::from_secs(5), drain)
+            .await
+            .expect("drained")
+            .unwrap();
+        assert!(st.shutdown.is_cancelled());
+    }
+
+    #[tokio::test]
     async fn a_draining_gateway_says_so_and_ends_open_streams_only_at_its_bound() {
         let st = gateway(None, None).await;
         // A stream that never ends by itself is open when the drain starts.

@@ -62,6 +62,7 @@ pub(crate) fn router(st: AppState) -> Router {
 /// Counts every response by endpoint and status, and every error by class.
 async fn observe(State(st): State<AppState>, req: Request, next: Next) -> Response {
     let start = Instant::now();
+    let _handling = Handling::new(&st);
     let endpoint = req
         .extensions()
         .get::<MatchedPath>()
@@ -76,6 +77,26 @@ async fn observe(State(st): State<AppState>, req: Request, next: Next) -> Respon
         st.metrics.error(*class);
     }
     resp
+}
+
+/// Counts a request in `handling` until its handler has answered (a stream it started is
+/// counted by its worker from then on).
+struct Handling(AppState);
+
+impl Handling {
+    fn new(st: &AppState) -> Self {
+        st.handling
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self(st.clone())
+    }
+}
+
+impl Drop for Handling {
+    fn drop(&mut self) {
+        self.0
+            .handling
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Constant-time comparison, so the key cannot be guessed byte by byte from timings.

@@ -275,7 +275,9 @@ pub(crate) async fn drain(
     );
     let until = tokio::time::Instant::now() + timeout;
     loop {
-        let open = st.backends.workers.in_flight();
+        // A request still in its handler starts a stream soon: wait for it too.
+        let open = st.backends.workers.in_flight()
+            + st.handling.load(std::sync::atomic::Ordering::Relaxed);
         if open == 0 {
             tracing::info!("drained: no stream is open");
             break;

@@ -29,6 +29,9 @@ pub(crate) struct Inner {
     pub shutdown: CancellationToken,
     /// Set at SIGTERM: `/health` says `draining` (503) so no new traffic comes here.
     pub draining: std::sync::atomic::AtomicBool,
+    /// Requests inside a handler (reading the body, tokenizing, starting on a worker):
+    /// the drain waits for them as for open streams.
+    pub handling: std::sync::atomic::AtomicUsize,
     /// Unix time the gateway started: the `created` of `/v1/models`.
     pub started: u64,
     /// Stored responses (`/v1/responses`), for `previous_response_id` and `GET`.
@@ -141,6 +144,7 @@ impl AppState {
             metrics: Metrics::new()?,
             shutdown,
             draining: Default::default(),
+            handling: Default::default(),
             started: unix_now(),
             info: OnceCell::new(),
             output: OnceCell::new(),
