@@ -34,6 +34,10 @@ pub(crate) struct Health {
     pub faults: Vec<String>,
 }
 
+/// Each cache service's incident counts by kind, by its URL.
+pub(crate) type CacheIncidents =
+    std::collections::BTreeMap<String, std::collections::BTreeMap<String, u64>>;
+
 /// A host's cache service: its URL and a client.
 pub(crate) type Cache = (String, CacheClient<Channel>);
 
@@ -68,8 +72,9 @@ pub(crate) struct WorkerInfo {
     pub pd: PdTotals,
     /// Test-only faults any worker was started with (`--fault-*`), sorted, no repeats.
     pub faults: Vec<String>,
-    /// Failures the workers filed incident reports for, by kind, summed.
-    pub incidents: std::collections::BTreeMap<String, u64>,
+    /// Failures each worker filed incident reports for, by kind, by worker URL (kept
+    /// apart: one worker's restart must not look like every worker's).
+    pub incidents: std::collections::BTreeMap<String, std::collections::BTreeMap<String, u64>>,
 }
 
 /// Disaggregation and engine-loop counters, summed over workers.
@@ -315,18 +320,21 @@ impl Backends {
     }
 
     /// Every host's cache service state summed (the oldest room ages are the oldest of
-    /// any host), and whether every one of them answered in time. None without caches.
-    pub async fn cache_stats(&self) -> Option<(pdmesh_proto::cache::v1::StatsResponse, bool)> {
+    /// any host; incident counts are kept by URL, beside), and whether every one of them
+    /// answered in time. None without caches.
+    pub async fn cache_stats(
+        &self,
+    ) -> Option<(pdmesh_proto::cache::v1::StatsResponse, bool, CacheIncidents)> {
         let caches = self.caches();
         if caches.is_empty() {
             return None;
         }
-        let calls = caches.iter().map(|(_, c)| {
+        let calls = caches.iter().map(|(url, c)| {
             let mut c = c.clone();
             async move {
                 let call = c.stats(pdmesh_proto::cache::v1::StatsRequest {});
                 match tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await {
-                    Ok(Ok(r)) => Some(r.into_inner()),
+                    Ok(Ok(r)) => Some((url.clone(), r.into_inner())),
                     _ => None,
                 }
             }
@@ -334,10 +342,12 @@ impl Backends {
         let got = futures::future::join_all(calls).await;
         let all = got.iter().all(Option::is_some);
         let mut sum = pdmesh_proto::cache::v1::StatsResponse::default();
-        for s in got.into_iter().flatten() {
+        let mut incidents = CacheIncidents::new();
+        for (url, mut s) in got.into_iter().flatten() {
+            incidents.insert(url, std::mem::take(&mut s.incidents).into_iter().collect());
             add_stats(&mut sum, s);
         }
-        Some((sum, all))
+        Some((sum, all, incidents))
     }
 
     /// What the tokenizer's and every worker's Health calls say.
@@ -386,7 +396,7 @@ impl Backends {
     /// The model's identity from the first worker, with pool and cache counters summed
     /// over every worker.
     pub async fn model_info(&self) -> Result<WorkerInfo, ApiError> {
-        let all = futures::future::join_all(self.workers.all().map(|c| {
+        let all = futures::future::join_all(self.workers.named().map(|(_, url, c)| {
             let mut c = c.clone();
             async move {
                 let call = c.model_info(wk::ModelInfoRequest {});
@@ -395,14 +405,13 @@ impl Backends {
                     .map_err(|_| {
                         ApiError::unavailable("a worker did not answer ModelInfo in time")
                     })??;
-                Ok::<_, ApiError>(r.into_inner())
+                Ok::<_, ApiError>(Self::info_of(url, r.into_inner()))
             }
         }))
         .await;
         let mut infos = all.into_iter().collect::<Result<Vec<_>, _>>()?.into_iter();
-        let mut total = Self::info_of(infos.next().expect("at least one worker"));
-        for r in infos {
-            let w = Self::info_of(r);
+        let mut total = infos.next().expect("at least one worker");
+        for w in infos {
             total.total_pages += w.total_pages;
             total.free_pages += w.free_pages;
             total.cached_pages += w.cached_pages;
@@ -416,8 +425,8 @@ impl Backends {
             total.host.checksum_failures += w.host.checksum_failures;
             total.pd.add(&w.pd);
             total.faults.extend(w.faults);
-            for (kind, n) in w.incidents {
-                *total.incidents.entry(kind).or_default() += n;
+            for (url, counts) in w.incidents {
+                total.incidents.insert(url, counts);
             }
         }
         total.faults.sort();
@@ -425,7 +434,7 @@ impl Backends {
         Ok(total)
     }
 
-    fn info_of(r: wk::ModelInfoResponse) -> WorkerInfo {
+    fn info_of(url: &str, r: wk::ModelInfoResponse) -> WorkerInfo {
         let failed: u64 = r.transfer_failures.values().sum();
         WorkerInfo {
             model_id: r.model_id,
@@ -436,7 +445,7 @@ impl Backends {
             cached_pages: r.cached_pages,
             evicted_pages: r.prefix_evicted_pages,
             device_hit_tokens: r.prefix_hit_tokens,
-            incidents: r.incidents.into_iter().collect(),
+            incidents: [(url.to_owned(), r.incidents.into_iter().collect())].into(),
             host: HostTotals {
                 hit_tokens: r.host_hit_tokens,
                 load_bytes: r.host_load_bytes,

@@ -309,7 +309,9 @@ async fn metrics(State(st): State<AppState>) -> Response {
             m.engine_idle_seconds.set(info.pd.engine_idle_seconds);
             m.kv_checksum_failures
                 .observe("host", info.host.checksum_failures as f64);
-            m.remote_incidents("worker", &info.incidents);
+            for (url, counts) in &info.incidents {
+                m.remote_incidents(&format!("worker {url}"), counts);
+            }
             let (pd, side) = (&m.pd, "all");
             for (state, n) in [
                 ("waiting", info.pd.waiting_requests),
@@ -360,7 +362,7 @@ async fn metrics(State(st): State<AppState>) -> Response {
         pd.route_prefill
             .observe("load", w.counts.load.load(Ordering::Relaxed) as f64);
     }
-    if let Some((c, all)) = st.backends.cache_stats().await {
+    if let Some((c, all, incidents)) = st.backends.cache_stats().await {
         let m = &st.metrics;
         m.caches_read.set(i64::from(all));
         m.pd.peer_pages.observe("sent", c.peer_pages_sent as f64);
@@ -385,7 +387,9 @@ async fn metrics(State(st): State<AppState>) -> Response {
                 .set(i64::from(n));
         }
         m.host_mirror_leases.set(i64::from(c.leases));
-        m.remote_incidents("cache", &c.incidents);
+        for (url, counts) in &incidents {
+            m.remote_incidents(&format!("cache {url}"), counts);
+        }
         m.kv_evictions.observe("host", c.evicted_pages as f64);
         m.host_mirror_expired_leases
             .observe("host", c.expired_leases as f64);

@@ -87,9 +87,10 @@ const OTHER: &str = "other";
 /// Every metric the gateway exports.
 pub(crate) struct Metrics {
     registry: Registry,
-    /// The other services' incident counts as last read, by service and kind.
+    /// The other services' incident counts as last read, by service (its role and URL)
+    /// and kind.
     incidents_read:
-        std::sync::Mutex<std::collections::HashMap<(&'static str, pdmesh_incident::Kind), u64>>,
+        std::sync::Mutex<std::collections::HashMap<(String, pdmesh_incident::Kind), u64>>,
     requests: IntCounterVec,
     duration: HistogramVec,
     pub generated_tokens: IntCounter,
@@ -829,7 +830,7 @@ impl Metrics {
     /// this gateway does not know are left out.
     pub fn remote_incidents<'a>(
         &self,
-        service: &'static str,
+        service: &str,
         counts: impl IntoIterator<Item = (&'a String, &'a u64)>,
     ) {
         let mut seen = self.incidents_read.lock().expect("metrics lock");
@@ -840,7 +841,7 @@ impl Metrics {
             else {
                 continue;
             };
-            let last = seen.insert((service, kind), total).unwrap_or(0);
+            let last = seen.insert((service.to_owned(), kind), total).unwrap_or(0);
             let new = if total >= last { total - last } else { total };
             self.incidents.with_label_values(&[kind.name()]).inc_by(new);
         }
@@ -929,16 +930,21 @@ mod tests {
         let m = Metrics::new().unwrap();
         let count = |m: &Metrics| m.incidents.with_label_values(&["checksum"]).get();
         let c = |n: u64| [("checksum".to_owned(), n), ("no_such_kind".to_owned(), 9)];
-        m.remote_incidents("worker", c(2).iter().map(|(k, v)| (k, v)));
-        m.remote_incidents("cache", c(1).iter().map(|(k, v)| (k, v)));
-        assert_eq!(count(&m), 3);
-        m.remote_incidents("worker", c(5).iter().map(|(k, v)| (k, v)));
-        assert_eq!(count(&m), 6);
-        // The worker restarted: its count starts again from what it says.
-        m.remote_incidents("worker", c(1).iter().map(|(k, v)| (k, v)));
+        let (w1, w2) = ("worker http://a:1", "worker http://b:1");
+        m.remote_incidents(w1, c(2).iter().map(|(k, v)| (k, v)));
+        m.remote_incidents(w2, c(4).iter().map(|(k, v)| (k, v)));
+        m.remote_incidents("cache http://a:2", c(1).iter().map(|(k, v)| (k, v)));
         assert_eq!(count(&m), 7);
+        m.remote_incidents(w1, c(5).iter().map(|(k, v)| (k, v)));
+        assert_eq!(count(&m), 10);
+        // One worker restarted: its count starts again from what it says, and the other
+        // worker's, unchanged, adds nothing (read summed, the fall from 9 to 5 would have
+        // counted all 5 again).
+        m.remote_incidents(w1, c(1).iter().map(|(k, v)| (k, v)));
+        m.remote_incidents(w2, c(4).iter().map(|(k, v)| (k, v)));
+        assert_eq!(count(&m), 11);
         m.incident(pdmesh_incident::Kind::Checksum);
-        assert_eq!(count(&m), 8);
+        assert_eq!(count(&m), 12);
         assert!(!m.render().contains("no_such_kind"));
     }
 
