@@ -374,3 +374,23 @@ def test_the_service_monitor_scrapes_the_gateways_metrics_port():
     [gw] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "pdmesh-gateway"]
     ann = gw["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/path"] == ep["path"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_finds_the_ready_workers_through_headless_services(overlay):
+    docs = render(overlay)
+    [gw] = [s for w, s in pods(docs) if w["metadata"]["name"] == "pdmesh-gateway"]
+    args = gw["containers"][0]["args"]
+    # No worker is listed by name: scaling a StatefulSet or LeaderWorkerSet needs no
+    # change to the gateway.
+    assert not [a for a in args if a.startswith(("--prefill-url", "--decode-url"))], args
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    for side in ("prefill", "decode"):
+        [name] = [a.split("=", 1)[1] for a in args if a.startswith(f"--{side}-dns=")]
+        host, port = name.rsplit(":", 1)
+        svc = services[host]
+        # Headless (the name resolves to the pods) and ready pods only.
+        assert svc["spec"]["clusterIP"] == "None", svc
+        assert not svc["spec"].get("publishNotReadyAddresses"), svc
+        assert svc["spec"]["selector"] == {"app.kubernetes.io/name": f"pdmesh-{side}"}, svc
+        assert int(port) in [p["port"] for p in svc["spec"]["ports"]], svc

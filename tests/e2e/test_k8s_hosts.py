@@ -108,8 +108,8 @@ def dns(docs, pods, addr) -> dict[str, str]:
         sel = svc["spec"]["selector"]
         hit = [p for p in pods if all(p["labels"].get(k) == v for k, v in sel.items())]
         assert hit, f"Service {svc['metadata']['name']} selects no pod"
-        if svc["spec"].get("clusterIP") != "None":
-            names[svc["metadata"]["name"]] = addr[hit[0]["node"]]
+        # A Service's name: its ClusterIP, or, headless, its pods' addresses (one pod here).
+        names[svc["metadata"]["name"]] = addr[hit[0]["node"]]
     for p in pods:
         w = p["workload"]
         # Headless names: a StatefulSet's serviceName, a LeaderWorkerSet's own Service.
@@ -328,6 +328,10 @@ def test_the_gpu_overlays_topology_serves_the_single_host_answer_across_its_node
         # their homes (their nodes' addresses), and reads them all.
         assert m["mesh_caches_read"] == 1, m
         assert m['mesh_kv_peer_bytes_total{direction="received"}'] > 0, json.dumps({k: v for k, v in m.items() if v and ("kv" in k or "hand" in k)})
+
+        # The gateway was given no worker: it found both through DNS.
+        log = (c.tmp / "pdmesh-gateway.gateway.log").read_text()
+        assert log.count("workers found through DNS") == 2, log[-3000:]
 
         # The workers' own port speaks only the mesh's mutual TLS; a client holding the
         # mesh's certificate gets in, checking the server for the mesh's one name.

@@ -257,17 +257,16 @@ impl Backends {
     /// Clients that connect on first use (and reconnect after a backend restarts).
     #[cfg(test)]
     pub fn connect_lazy(tokenizer_url: &str, worker_url: &str) -> Result<Self, Error> {
-        Self::connect_pd(tokenizer_url, worker_url, &[], &[], None)
+        Self::connect_pd(tokenizer_url, worker_url, (false, &[], &[]), None)
     }
 
-    /// With prefill and decode workers (both lists non-empty), requests are disaggregated:
-    /// each goes to one prefill and one decode worker, which meet in a room of the cache
-    /// service. Otherwise `worker_url` serves them whole.
+    /// Disaggregated (`pd`): each request goes to one prefill and one decode worker (those
+    /// given here, and those DNS finds: [`Backends::discover`]), which meet in a room of
+    /// the cache service. Otherwise `worker_url` serves them whole.
     pub fn connect_pd(
         tokenizer_url: &str,
         worker_url: &str,
-        prefill: &[String],
-        decode: &[String],
+        (pd, prefill, decode): (bool, &[String], &[String]),
         tls: Option<pdmesh_tls::MeshTls>,
     ) -> Result<Self, Error> {
         let client = |url: &str| {
@@ -275,7 +274,7 @@ impl Backends {
                 endpoint(url, tls.as_ref())?.connect_lazy(),
             ))
         };
-        let workers = if prefill.is_empty() {
+        let workers = if !pd {
             crate::route::Workers::unified(worker_url, client(worker_url)?)
         } else {
             let p = prefill
@@ -294,6 +293,55 @@ impl Backends {
             workers: std::sync::Arc::new(workers),
             tls,
         })
+    }
+
+    /// Looks up `names` (`host:port`) every `every` until `stop`, and makes the prefill (or
+    /// decode) workers found through DNS every address they name. A look-up that fails
+    /// (the name is unknown, DNS does not answer) leaves the workers as they were.
+    pub fn discover(
+        &self,
+        prefill: bool,
+        names: Vec<String>,
+        every: Duration,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        let (workers, tls) = (self.workers.clone(), self.tls.clone());
+        let side = if prefill { "prefill" } else { "decode" };
+        tokio::spawn(async move {
+            loop {
+                let mut urls = Vec::new();
+                let mut failed = false;
+                for name in &names {
+                    match tokio::net::lookup_host(name.as_str()).await {
+                        Ok(addrs) => urls.extend(addrs.map(|a| format!("http://{a}"))),
+                        Err(e) => {
+                            tracing::warn!(side, name = %name, error = %e, "DNS look-up failed; the workers stay as they were");
+                            failed = true;
+                        }
+                    }
+                }
+                if !failed {
+                    urls.sort();
+                    urls.dedup();
+                    let changed = workers.set_discovered(prefill, &urls, |url| {
+                        match endpoint(url, tls.as_ref()) {
+                            Ok(ep) => Some(WorkerClient::new(ep.connect_lazy())),
+                            Err(e) => {
+                                tracing::warn!(side, url, error = %e, "a discovered worker cannot be dialled");
+                                None
+                            }
+                        }
+                    });
+                    if !changed.added.is_empty() || !changed.removed.is_empty() {
+                        tracing::info!(side, added = ?changed.added, removed = ?changed.removed, "workers found through DNS");
+                    }
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(every) => {}
+                    () = stop.cancelled() => return,
+                }
+            }
+        });
     }
 
     /// Also read the cache service's state (for `/metrics`).
@@ -358,8 +406,11 @@ impl Backends {
             tok.health(tk::HealthRequest {}),
         );
         // Every worker must answer: a mesh missing one side cannot serve.
-        let w = futures::future::join_all(self.workers.named().map(|(role, _, c)| {
-            let mut c = c.clone();
+        // Every worker's host first (learned now where it is not), then their health.
+        let hosts = self.workers.hosts_known().await;
+        let named = self.workers.named();
+        let w = futures::future::join_all(named.iter().map(|(role, t)| {
+            let (role, mut c) = (*role, t.client());
             async move {
                 let call = c.health(wk::HealthRequest {});
                 match tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await {
@@ -371,13 +422,13 @@ impl Backends {
                 }
             }
         }));
-        let (t, w, hosts) = tokio::join!(t, w, self.workers.hosts_known());
+        let (t, w) = tokio::join!(t, w);
         let tokenizer = matches!(t, Ok(Ok(r)) if r.get_ref().ok);
         // A prefill or decode worker takes requests only once its host is known.
         let usable: Vec<(&str, bool)> = w
             .iter()
-            .zip(self.workers.hosts_learned())
-            .map(|((role, ok, _), known)| (*role, *ok && known))
+            .zip(&named)
+            .map(|((role, ok, _), (_, t))| (*role, *ok && (*role == "unified" || t.host_known())))
             .collect();
         let any = |role: &str| usable.iter().any(|&(r, ok)| r == role && ok);
         let mut faults: Vec<String> = w.iter().flat_map(|(_, _, f)| f.clone()).collect();
@@ -396,9 +447,14 @@ impl Backends {
     /// The model's identity from the first worker, with pool and cache counters summed
     /// over every worker.
     pub async fn model_info(&self) -> Result<WorkerInfo, ApiError> {
-        let all = futures::future::join_all(self.workers.named().map(|(_, url, c)| {
-            let mut c = c.clone();
+        let named = self.workers.named();
+        if named.is_empty() {
+            return Err(ApiError::unavailable("no worker is known yet"));
+        }
+        let all = futures::future::join_all(named.into_iter().map(|(_, t)| {
+            let mut c = t.client();
             async move {
+                let url = t.url();
                 let call = c.model_info(wk::ModelInfoRequest {});
                 let r = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call)
                     .await
@@ -616,7 +672,7 @@ impl Backends {
             request_id: request_id.to_owned(),
         };
         // Few workers: ask each (in PD mode both sides hold something).
-        let calls = self.workers.all().map(|c| {
+        let calls = self.workers.all().into_iter().map(|c| {
             let (mut c, req) = (c.clone(), req.clone());
             async move {
                 let call = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, c.abort(req));
@@ -636,9 +692,10 @@ impl Backends {
     /// Asks every worker to evict the cached pages no request uses: each worker's role,
     /// URL, and the pages it freed or why it could not.
     pub async fn flush_cache(&self) -> Vec<Flushed> {
-        let calls = self.workers.named().map(|(role, url, c)| {
-            let mut c = c.clone();
+        let calls = self.workers.named().into_iter().map(|(role, t)| {
+            let mut c = t.client();
             async move {
+                let url = t.url();
                 let call =
                     tokio::time::timeout(FLUSH_TIMEOUT, c.flush_cache(wk::FlushCacheRequest {}));
                 let pages = match call.await {
@@ -1092,5 +1149,56 @@ mod tests {
         assert_eq!(urls, ["http://10.0.0.1:50063", "http://10.0.0.2:50063"]);
         assert!(b.learn_cache("not a url").is_err());
         assert_eq!(b.caches().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn dns_names_become_workers_and_a_failed_look_up_changes_nothing() {
+        let b = Backends::connect_pd(
+            "http://127.0.0.1:1",
+            "http://127.0.0.1:2",
+            (true, &["http://127.0.0.1:3".to_owned()], &[]),
+            None,
+        )
+        .unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let every = Duration::from_millis(20);
+        // `localhost` is in every /etc/hosts; the name below is in none (.invalid is
+        // reserved never to resolve).
+        b.discover(false, vec!["localhost:4".into()], every, stop.clone());
+        b.discover(
+            true,
+            vec!["no-such-host.invalid:4".into()],
+            every,
+            stop.clone(),
+        );
+        let decode = || -> Vec<String> {
+            b.workers
+                .named()
+                .into_iter()
+                .filter(|(r, _)| *r == "decode")
+                .map(|(_, t)| t.url().to_owned())
+                .collect()
+        };
+        let mut found = Vec::new();
+        for _ in 0..250 {
+            found = decode();
+            if !found.is_empty() {
+                break;
+            }
+            tokio::time::sleep(every).await;
+        }
+        assert!(
+            found.contains(&"http://127.0.0.1:4".to_owned()),
+            "{found:?}"
+        );
+        let prefill: Vec<String> = b
+            .workers
+            .named()
+            .into_iter()
+            .filter(|(r, _)| *r == "prefill")
+            .map(|(_, t)| t.url().to_owned())
+            .collect();
+        assert_eq!(prefill, ["http://127.0.0.1:3"]);
+        stop.cancel();
     }
 }

@@ -50,6 +50,19 @@ pub struct Config {
     /// Decode workers (repeat the flag or separate with commas).
     #[arg(long, env = "PDMESH_DECODE_URL", value_delimiter = ',')]
     pub decode_url: Vec<String>,
+    /// Prefill workers found through DNS: `name:port` (repeat the flag or separate with
+    /// commas), looked up every --discovery-interval-ms; every address the name has is a
+    /// worker (`http://address:port`), and one the name no longer has leaves once its
+    /// requests end. On Kubernetes: the workers' headless Service
+    /// (`pdmesh-prefill:50064`), which names the ready pods. Adds to --prefill-url.
+    #[arg(long, env = "PDMESH_PREFILL_DNS", value_delimiter = ',')]
+    pub prefill_dns: Vec<String>,
+    /// Decode workers found through DNS, as --prefill-dns.
+    #[arg(long, env = "PDMESH_DECODE_DNS", value_delimiter = ',')]
+    pub decode_dns: Vec<String>,
+    /// How often --prefill-dns and --decode-dns are looked up.
+    #[arg(long, env = "PDMESH_DISCOVERY_INTERVAL_MS", default_value_t = 5_000)]
+    pub discovery_interval_ms: u64,
     /// gRPC address of the cache service, whose host-mirror state `/metrics` reports;
     /// one per host when the mesh spans hosts (repeat the flag or separate with commas:
     /// `/metrics` sums them). Without it, a disaggregated gateway follows the cache
@@ -114,6 +127,9 @@ impl Config {
             worker_url: worker_url.into(),
             prefill_url: Vec::new(),
             decode_url: Vec::new(),
+            prefill_dns: Vec::new(),
+            decode_dns: Vec::new(),
+            discovery_interval_ms: 5_000,
             cache_url: Vec::new(),
             model_name: None,
             api_key: None,
@@ -148,12 +164,35 @@ impl Config {
                     .into(),
             ));
         }
-        if self.prefill_url.is_empty() != self.decode_url.is_empty() {
+        let prefill = !self.prefill_url.is_empty() || !self.prefill_dns.is_empty();
+        let decode = !self.decode_url.is_empty() || !self.decode_dns.is_empty();
+        if prefill != decode {
             return Err(Error::Config(
-                "disaggregation needs both --prefill-url and --decode-url".into(),
+                "disaggregation needs prefill and decode workers: --prefill-url or --prefill-dns, and --decode-url or --decode-dns".into(),
+            ));
+        }
+        for name in self.prefill_dns.iter().chain(&self.decode_dns) {
+            if name.contains("://")
+                || name
+                    .rsplit_once(':')
+                    .is_none_or(|(_, p)| p.parse::<u16>().is_err())
+            {
+                return Err(Error::Config(format!(
+                    "--prefill-dns and --decode-dns take name:port, not {name:?}"
+                )));
+            }
+        }
+        if self.discovery_interval_ms == 0 {
+            return Err(Error::Config(
+                "--discovery-interval-ms must be at least 1".into(),
             ));
         }
         Ok(())
+    }
+
+    /// Whether requests are disaggregated (prefill and decode workers, given or found).
+    pub fn disaggregated(&self) -> bool {
+        !self.prefill_url.is_empty() || !self.prefill_dns.is_empty()
     }
 }
 
@@ -172,19 +211,23 @@ pub async fn run(
     let mut backends = backend::Backends::connect_pd(
         &cfg.tokenizer_url,
         &cfg.worker_url,
-        &cfg.prefill_url,
-        &cfg.decode_url,
+        (cfg.disaggregated(), &cfg.prefill_url, &cfg.decode_url),
         cfg.tls.load().map_err(|e| Error::Config(e.to_string()))?,
     )?;
     for url in &cfg.cache_url {
         backends = backends.with_cache(url)?;
     }
-    backends.workers.watch_caches(shutdown.child_token());
+    backends.workers.run_tasks(shutdown.child_token());
+    let every = Duration::from_millis(cfg.discovery_interval_ms);
+    for (prefill, names) in [(true, &cfg.prefill_dns), (false, &cfg.decode_dns)] {
+        if !names.is_empty() {
+            backends.discover(prefill, names.clone(), every, shutdown.child_token());
+        }
+    }
     backends
         .workers
         .watch_hosts(backends.caches(), shutdown.child_token());
-    backends.workers.learn_homes(shutdown.child_token());
-    if cfg.cache_url.is_empty() && !cfg.decode_url.is_empty() {
+    if cfg.cache_url.is_empty() && cfg.disaggregated() {
         tokio::spawn(learn_caches(backends.clone(), shutdown.child_token()));
     }
     let local = match cfg.model.clone() {
@@ -323,5 +366,37 @@ async fn watch_event_loop(st: state::AppState, stop: CancellationToken) {
         }
         let late = tokio::time::Instant::now().saturating_duration_since(due);
         st.metrics.event_loop_delay.observe(late.as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dns_discovery_flags_need_both_sides_and_name_port() {
+        let base = || Config::new("http://t:1", "http://w:1");
+        let mut c = base();
+        c.decode_dns = vec!["pdmesh-decode:50064".into()];
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("--prefill-url or --prefill-dns"), "{err}");
+        c.prefill_url = vec!["http://p:1".into()];
+        c.validate().unwrap();
+        assert!(c.disaggregated());
+        for bad in [
+            "http://pdmesh-decode:50064",
+            "pdmesh-decode",
+            "pdmesh-decode:http",
+        ] {
+            c.decode_dns = vec![bad.into()];
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("name:port"), "{bad}: {err}");
+        }
+        let mut c = base();
+        c.prefill_dns = vec!["p:1".into()];
+        c.decode_dns = vec!["d:1".into()];
+        c.discovery_interval_ms = 0;
+        assert!(c.validate().is_err());
+        assert!(!base().disaggregated());
     }
 }

@@ -80,9 +80,16 @@ const MIN_MATCH: f64 = 0.5;
 /// How long a lost KV event stream waits before subscribing again.
 const RESUBSCRIBE: Duration = Duration::from_millis(500);
 
-struct Target {
+pub(crate) struct Target {
     url: String,
     client: WorkerClient<Channel>,
+    /// A prefill worker's device cache, as its KV events tell it.
+    view: Arc<Mutex<CacheView>>,
+    /// Found through DNS (`--prefill-dns`, `--decode-dns`): dropped from the pool once
+    /// DNS no longer names it. Workers given by URL stay.
+    discovered: bool,
+    /// Ends its background tasks (its KV events, learning its host) when it leaves.
+    tasks: tokio_util::sync::CancellationToken,
     /// Requests routed here and not yet finished.
     inflight: std::sync::Arc<AtomicUsize>,
     /// Its host's cache service as other hosts reach it (ModelInfo's cache_url), asked
@@ -101,10 +108,26 @@ impl Target {
         Self {
             url,
             client,
+            view: Arc::default(),
+            discovered: false,
+            tasks: tokio_util::sync::CancellationToken::new(),
             inflight: Default::default(),
             home: tokio::sync::OnceCell::new(),
             refused: Mutex::default(),
         }
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn client(&self) -> WorkerClient<Channel> {
+        self.client.clone()
+    }
+
+    /// Whether its host is known.
+    pub fn host_known(&self) -> bool {
+        self.home.get().is_some()
     }
 
     /// Notes `r`'s UNAVAILABLE, if it is one.
@@ -222,49 +245,51 @@ pub(crate) struct RouteCounts {
 pub(crate) type GenStream =
     Pin<Box<dyn Stream<Item = Result<wk::GenerateResponse, Status>> + Send>>;
 
+/// The prefill and decode workers requests are routed to now. Swapped whole when DNS
+/// finds workers coming or going; a request holds the targets it picked.
+#[derive(Default)]
+struct Pool {
+    prefill: Vec<Arc<Target>>,
+    decode: Vec<Arc<Target>>,
+}
+
 pub(crate) struct Workers {
-    unified: Vec<Target>,
-    prefill: Vec<Target>,
-    decode: Vec<Target>,
-    /// One per prefill worker.
-    views: Vec<Arc<Mutex<CacheView>>>,
+    unified: Vec<Arc<Target>>,
+    pool: std::sync::RwLock<Arc<Pool>>,
+    /// Cancelled at shutdown; set by [`Workers::run_tasks`], which starts every target's
+    /// background tasks (and those of targets found later).
+    stop: std::sync::OnceLock<tokio_util::sync::CancellationToken>,
     /// Each host's host tier, by its cache service's URL, as its KV events tell it.
     hosts: Mutex<std::collections::HashMap<String, Arc<Mutex<CacheView>>>>,
-    /// Where each prompt group's first choice went (prefill, decode), so the group's
-    /// other choices meet it there and share its prompt; dropped after [`GROUP_TTL`].
-    groups: Mutex<std::collections::HashMap<String, (usize, usize, std::time::Instant)>>,
+    /// Where each prompt group's first choice went (prefill and decode URLs), so the
+    /// group's other choices meet it there and share its prompt; dropped after
+    /// [`GROUP_TTL`].
+    groups: Mutex<std::collections::HashMap<String, (String, String, std::time::Instant)>>,
     pub counts: RouteCounts,
 }
 
 /// How long a prompt group's route is kept: its choices start together, so a short time.
 const GROUP_TTL: std::time::Duration = std::time::Duration::from_secs(30);
 
-impl Workers {
-    /// Requests whose streams are open: on the unified worker, or at decode (a PD
-    /// request holds its decode worker until its stream ends).
-    pub fn in_flight(&self) -> usize {
-        self.unified
-            .iter()
-            .chain(&self.decode)
-            .map(|t| t.inflight.load(Ordering::Relaxed))
-            .sum()
-    }
+/// The least loaded worker of `ts`, passing over those that just refused a start; `None`
+/// when there is none.
+fn least_loaded(ts: &[Arc<Target>]) -> Option<usize> {
+    (0..ts.len()).min_by_key(|&i| (ts[i].avoided(), ts[i].inflight.load(Ordering::Relaxed)))
 }
 
-/// The least loaded worker of `ts`, passing over those that just refused a start.
-fn least_loaded(ts: &[Target]) -> usize {
-    (0..ts.len())
-        .min_by_key(|&i| (ts[i].avoided(), ts[i].inflight.load(Ordering::Relaxed)))
-        .expect("at least one worker")
+/// Workers found or lost by one DNS look-up.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Changed {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
 }
 
 impl Workers {
     pub fn unified(url: &str, client: WorkerClient<Channel>) -> Self {
         Self {
-            unified: vec![Target::new((url.to_owned(), client))],
-            prefill: Vec::new(),
-            decode: Vec::new(),
-            views: Vec::new(),
+            unified: vec![Arc::new(Target::new((url.to_owned(), client)))],
+            pool: Default::default(),
+            stop: std::sync::OnceLock::new(),
             hosts: Mutex::default(),
             groups: Mutex::default(),
             counts: RouteCounts::default(),
@@ -275,20 +300,36 @@ impl Workers {
         prefill: Vec<(String, WorkerClient<Channel>)>,
         decode: Vec<(String, WorkerClient<Channel>)>,
     ) -> Self {
-        let n = prefill.len();
+        let targets = |v: Vec<_>| v.into_iter().map(|w| Arc::new(Target::new(w))).collect();
         Self {
             unified: Vec::new(),
-            prefill: prefill.into_iter().map(Target::new).collect(),
-            decode: decode.into_iter().map(Target::new).collect(),
-            views: (0..n).map(|_| Arc::default()).collect(),
+            pool: std::sync::RwLock::new(Arc::new(Pool {
+                prefill: targets(prefill),
+                decode: targets(decode),
+            })),
+            stop: std::sync::OnceLock::new(),
             hosts: Mutex::default(),
             groups: Mutex::default(),
             counts: RouteCounts::default(),
         }
     }
 
-    /// Follows every host's cache service's KV events (its host tier) until `stop`, and
-    /// asks every worker which host it is on.
+    fn pool(&self) -> Arc<Pool> {
+        self.pool.read().expect("pool lock").clone()
+    }
+
+    /// Requests whose streams are open: on the unified worker, or at decode (a PD
+    /// request holds its decode worker until its stream ends).
+    pub fn in_flight(&self) -> usize {
+        let pool = self.pool();
+        self.unified
+            .iter()
+            .chain(&pool.decode)
+            .map(|t| t.inflight.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Follows every host's cache service's KV events (its host tier) until `stop`.
     pub fn watch_hosts(
         &self,
         caches: Vec<(String, CacheClient<Channel>)>,
@@ -319,85 +360,171 @@ impl Workers {
         }
     }
 
-    /// Asks every prefill and decode worker which host it is on, in the background, so
-    /// routing knows before the first request.
-    pub fn learn_homes(self: &Arc<Self>, stop: tokio_util::sync::CancellationToken) {
-        for i in 0..self.prefill.len() + self.decode.len() {
-            let (w, stop) = (self.clone(), stop.clone());
-            tokio::spawn(async move {
-                let t = if i < w.prefill.len() {
-                    &w.prefill[i]
-                } else {
-                    &w.decode[i - w.prefill.len()]
-                };
-                while t.home().await.is_err() {
-                    tokio::select! {
-                        _ = tokio::time::sleep(RESUBSCRIBE) => {}
-                        _ = stop.cancelled() => return,
-                    }
-                }
-            });
+    /// Starts, until `stop`, every prefill and decode worker's background tasks, and
+    /// those of workers found later: following a prefill worker's KV events (subscribing
+    /// again whenever its stream ends: a worker that restarts starts with an empty view),
+    /// and asking each which host it is on, so routing knows before the first request.
+    pub fn run_tasks(&self, stop: tokio_util::sync::CancellationToken) {
+        if self.stop.set(stop).is_err() {
+            return;
+        }
+        let pool = self.pool();
+        for t in &pool.prefill {
+            self.follow(t, true);
+        }
+        for t in &pool.decode {
+            self.follow(t, false);
         }
     }
 
-    /// Follows every prefill worker's KV events until `stop`, subscribing again whenever a
-    /// stream ends (a worker that restarts starts with an empty view).
-    pub fn watch_caches(&self, stop: tokio_util::sync::CancellationToken) {
-        for (t, view) in self.prefill.iter().zip(&self.views) {
-            let (client, url, view, stop) =
-                (t.client.clone(), t.url.clone(), view.clone(), stop.clone());
-            tokio::spawn(async move {
-                loop {
-                    let followed = follow(client.clone(), &view);
-                    let err = tokio::select! {
-                        e = followed => e,
-                        _ = stop.cancelled() => return,
-                    };
-                    tracing::debug!(worker = %url, error = %err.message(), "KV event stream ended; subscribing again");
-                    *view.lock().expect("view lock") = CacheView::default();
-                    tokio::select! {
-                        _ = tokio::time::sleep(RESUBSCRIBE) => {}
-                        _ = stop.cancelled() => return,
-                    }
+    /// Starts `t`'s background tasks (once [`Workers::run_tasks`] has run), ending at
+    /// shutdown or when `t` leaves the pool.
+    fn follow(&self, t: &Arc<Target>, prefill: bool) {
+        let Some(stop) = self.stop.get() else {
+            return;
+        };
+        let until = |stop: &tokio_util::sync::CancellationToken, t: &Target| {
+            let (stop, gone) = (stop.clone(), t.tasks.clone());
+            async move {
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = gone.cancelled() => {}
                 }
-            });
+            }
+        };
+        let (t2, ended) = (t.clone(), until(stop, t));
+        tokio::spawn(async move {
+            let learn = async {
+                while t2.home().await.is_err() {
+                    tokio::time::sleep(RESUBSCRIBE).await;
+                }
+            };
+            tokio::select! {
+                _ = learn => {}
+                _ = ended => {}
+            }
+        });
+        if !prefill {
+            return;
         }
+        let (t, ended) = (t.clone(), until(stop, t));
+        tokio::spawn(async move {
+            let watch = async {
+                loop {
+                    let err = follow(t.client.clone(), &t.view).await;
+                    tracing::debug!(worker = %t.url, error = %err.message(), "KV event stream ended; subscribing again");
+                    *t.view.lock().expect("view lock") = CacheView::default();
+                    tokio::time::sleep(RESUBSCRIBE).await;
+                }
+            };
+            tokio::select! {
+                _ = watch => {}
+                _ = ended => {}
+            }
+        });
+    }
+
+    /// Makes the discovered prefill (or decode) workers those at `urls`: adds those not in
+    /// the pool (clients from `client`), drops discovered ones DNS no longer names
+    /// (requests they serve finish; their tasks end). Workers given by URL stay.
+    pub fn set_discovered(
+        &self,
+        prefill: bool,
+        urls: &[String],
+        client: impl Fn(&str) -> Option<WorkerClient<Channel>>,
+    ) -> Changed {
+        let mut changed = Changed::default();
+        let mut added = Vec::new();
+        {
+            let mut guard = self.pool.write().expect("pool lock");
+            let old = if prefill {
+                &guard.prefill
+            } else {
+                &guard.decode
+            };
+            let mut next: Vec<Arc<Target>> = Vec::new();
+            for t in old {
+                if !t.discovered || urls.contains(&t.url) {
+                    next.push(t.clone());
+                } else {
+                    t.tasks.cancel();
+                    changed.removed.push(t.url.clone());
+                }
+            }
+            for url in urls {
+                if next.iter().any(|t| &t.url == url) {
+                    continue;
+                }
+                let Some(c) = client(url) else { continue };
+                let mut t = Target::new((url.clone(), c));
+                t.discovered = true;
+                let t = Arc::new(t);
+                next.push(t.clone());
+                added.push(t);
+                changed.added.push(url.clone());
+            }
+            if changed.added.is_empty() && changed.removed.is_empty() {
+                return changed;
+            }
+            let mut pool = Pool {
+                prefill: guard.prefill.clone(),
+                decode: guard.decode.clone(),
+            };
+            if prefill {
+                pool.prefill = next;
+            } else {
+                pool.decode = next;
+            }
+            *guard = Arc::new(pool);
+        }
+        for t in &added {
+            self.follow(t, prefill);
+        }
+        changed
     }
 
     /// Each prefill worker's URL and the pages its view holds (for `/metrics`).
     pub fn cache_views(&self) -> Vec<(String, usize)> {
-        self.prefill
+        self.pool()
+            .prefill
             .iter()
-            .zip(&self.views)
-            .map(|(t, v)| (t.url.clone(), v.lock().expect("view lock").pages.len()))
+            .map(|t| (t.url.clone(), t.view.lock().expect("view lock").pages.len()))
             .collect()
     }
 
-    /// Every worker with its role (`unified`, `prefill`, `decode`) and URL.
-    pub fn named(&self) -> impl Iterator<Item = (&'static str, &str, &WorkerClient<Channel>)> {
+    /// Every worker with its role (`unified`, `prefill`, `decode`).
+    pub fn named(&self) -> Vec<(&'static str, Arc<Target>)> {
+        let pool = self.pool();
+        let role = |r: &'static str, ts: &[Arc<Target>]| {
+            ts.iter().map(|t| (r, t.clone())).collect::<Vec<_>>()
+        };
         [
-            ("unified", &self.unified),
-            ("prefill", &self.prefill),
-            ("decode", &self.decode),
+            role("unified", &self.unified),
+            role("prefill", &pool.prefill),
+            role("decode", &pool.decode),
         ]
-        .into_iter()
-        .flat_map(|(role, ts)| ts.iter().map(move |t| (role, t.url.as_str(), &t.client)))
+        .concat()
     }
 
-    /// For every worker, in [`Workers::named`]'s order: whether its host is known (always,
-    /// for a unified worker).
-    pub fn hosts_learned(&self) -> impl Iterator<Item = bool> + '_ {
-        self.unified.iter().map(|_| true).chain(
-            self.prefill
-                .iter()
-                .chain(&self.decode)
-                .map(|t| t.home.get().is_some()),
-        )
+    /// Whether there is a prefill and a decode worker (or the unified one) and the host
+    /// of every prefill and decode worker is known, learning it now where it is not:
+    /// until then routing cannot tell which prefill worker shares decode's host.
+    pub async fn hosts_known(&self) -> bool {
+        let pool = self.pool();
+        if self.unified.is_empty() && (pool.prefill.is_empty() || pool.decode.is_empty()) {
+            return false;
+        }
+        let all = pool.prefill.iter().chain(&pool.decode).map(|t| t.home());
+        futures::future::join_all(all)
+            .await
+            .iter()
+            .all(Result::is_ok)
     }
 
     /// The cache services the prefill and decode workers named as their homes so far.
     pub fn homes(&self) -> Vec<String> {
-        let mut homes: Vec<String> = (self.prefill.iter().chain(&self.decode))
+        let pool = self.pool();
+        let mut homes: Vec<String> = (pool.prefill.iter().chain(&pool.decode))
             .filter_map(|t| t.home.get().cloned())
             .filter(|h| !h.is_empty())
             .collect();
@@ -406,32 +533,20 @@ impl Workers {
         homes
     }
 
-    /// Whether the host of every prefill and decode worker is known, learning it now where
-    /// it is not: until then routing cannot tell which prefill worker shares decode's host.
-    pub async fn hosts_known(&self) -> bool {
-        let all = self.prefill.iter().chain(&self.decode).map(|t| t.home());
-        futures::future::join_all(all)
-            .await
-            .iter()
-            .all(Result::is_ok)
+    pub fn all(&self) -> Vec<WorkerClient<Channel>> {
+        self.named().into_iter().map(|(_, t)| t.client()).collect()
     }
 
-    pub fn all(&self) -> impl Iterator<Item = &WorkerClient<Channel>> {
-        self.unified
-            .iter()
-            .chain(&self.prefill)
-            .chain(&self.decode)
-            .map(|t| &t.client)
-    }
-
-    /// The prefill worker for `ids`: the one holding the longest prefix (the least loaded
-    /// of those), unless it is much busier than the least loaded worker or holds less than
-    /// half of the prompt: then the least loaded takes it (of equally loaded workers, the
-    /// one whose cache holds the fewest pages).
-    fn pick_prefill(&self, ids: &[u32], decode_home: Option<&str>) -> usize {
+    /// The prefill worker of `pool` for `ids`: the one holding the longest prefix (the
+    /// least loaded of those), unless it is much busier than the least loaded worker or
+    /// holds less than half of the prompt: then the least loaded takes it (of equally
+    /// loaded workers, the one whose cache holds the fewest pages). `None` without
+    /// prefill workers.
+    fn pick_prefill(&self, pool: &Pool, ids: &[u32], decode_home: Option<&str>) -> Option<usize> {
+        let prefill = &pool.prefill;
         // A worker that just refused a start counts as more loaded than any other.
         let load = |i: usize| {
-            let t = &self.prefill[i];
+            let t = &prefill[i];
             let n = t.inflight.load(Ordering::Relaxed);
             if t.avoided() {
                 n.saturating_add(usize::MAX / 2)
@@ -439,15 +554,14 @@ impl Workers {
                 n
             }
         };
-        let home = |i: usize| self.prefill[i].home.get().map(String::as_str);
+        let home = |i: usize| prefill[i].home.get().map(String::as_str);
         let hosts = self.hosts.lock().expect("hosts lock");
         let mut named = Vec::new();
-        let (matched, (held, device)): (Vec<usize>, (Vec<usize>, Vec<usize>)) = self
-            .views
+        let (matched, (held, device)): (Vec<usize>, (Vec<usize>, Vec<usize>)) = prefill
             .iter()
             .enumerate()
-            .map(|(i, v)| {
-                let v = v.lock().expect("view lock");
+            .map(|(i, t)| {
+                let v = t.view.lock().expect("view lock");
                 let device = v.matched(ids, &mut named);
                 // What its host's tier holds loads from shared memory instead of being
                 // computed: as good as its own device cache for routing.
@@ -466,23 +580,20 @@ impl Workers {
         // Among the least loaded, one on decode's host (its KV then stays on the host),
         // then the emptiest cache: new prefixes spread over workers.
         let elsewhere = |i: usize| decode_home.is_some() && home(i) != decode_home;
-        let idle = (0..self.prefill.len())
-            .min_by_key(|&i| (load(i), elsewhere(i), held[i]))
-            .expect("at least one prefill worker");
+        let idle = (0..prefill.len()).min_by_key(|&i| (load(i), elsewhere(i), held[i]))?;
         let best = matched.iter().copied().max().unwrap_or(0);
-        let pages = self
-            .views
+        let pages = prefill
             .iter()
-            .find_map(|v| v.lock().expect("view lock").naming)
+            .find_map(|t| t.view.lock().expect("view lock").naming)
             .map_or(0, |(_, page)| ids.len() / page);
         let cached = (best > 0 && best as f64 >= MIN_MATCH * pages as f64).then(|| {
-            (0..self.prefill.len())
+            (0..prefill.len())
                 .filter(|&i| matched[i] == best)
                 // Its own device cache first (nothing to load), then load, then host.
                 .min_by_key(|&i| (std::cmp::Reverse(device[i]), load(i), elsewhere(i)))
                 .expect("a best match exists")
         });
-        match cached {
+        Some(match cached {
             Some(i)
                 if load(i) <= load(idle) + BALANCE_ABS
                     || (load(i) as f64) <= load(idle) as f64 * BALANCE_REL =>
@@ -494,32 +605,51 @@ impl Workers {
                 self.counts.load.fetch_add(1, Ordering::Relaxed);
                 idle
             }
-        }
+        })
     }
 
     /// The prefill and decode workers for `req`: those its prompt group's first choice
-    /// went to, else the least loaded decode worker and the best prefill worker for it.
-    async fn pick_pair(&self, req: &wk::GenerateRequest) -> Result<(usize, usize), Status> {
+    /// went to (while both are still in the pool), else the least loaded decode worker
+    /// and the best prefill worker for it.
+    async fn pick_pair(
+        &self,
+        req: &wk::GenerateRequest,
+    ) -> Result<(Arc<Target>, Arc<Target>), Status> {
+        let pool = self.pool();
+        let by_url = |ts: &[Arc<Target>], url: &str| ts.iter().find(|t| t.url == url).cloned();
         let group = &req.prompt_group;
         if !group.is_empty() {
             let mut groups = self.groups.lock().expect("groups lock");
             let now = std::time::Instant::now();
             groups.retain(|_, (_, _, at)| now.duration_since(*at) < GROUP_TTL);
-            if let Some(&(p, d, _)) = groups.get(group) {
+            if let Some((p, d, _)) = groups.get(group)
+                && let (Some(p), Some(d)) = (by_url(&pool.prefill, p), by_url(&pool.decode, d))
+            {
                 return Ok((p, d));
             }
         }
-        let d = least_loaded(&self.decode);
-        let dhome = self.decode[d].home().await?.to_owned();
-        let p = self.pick_prefill(&req.input_ids, Some(&dhome));
+        let none = |side: &str| {
+            Status::unavailable(format!(
+                "no {side} worker is known yet (none given, or DNS names none)"
+            ))
+        };
+        let d = pool.decode[least_loaded(&pool.decode).ok_or_else(|| none("decode"))?].clone();
+        let dhome = d.home().await?.to_owned();
+        let p = pool.prefill[self
+            .pick_prefill(&pool, &req.input_ids, Some(&dhome))
+            .ok_or_else(|| none("prefill"))?]
+        .clone();
         if !group.is_empty() {
             // A choice that raced this one to the pick may have set it: the first stays.
             let mut groups = self.groups.lock().expect("groups lock");
-            let &mut (p, d, _) =
-                groups
-                    .entry(group.clone())
-                    .or_insert((p, d, std::time::Instant::now()));
-            return Ok((p, d));
+            let (pu, du, _) = groups.entry(group.clone()).or_insert((
+                p.url.clone(),
+                d.url.clone(),
+                std::time::Instant::now(),
+            ));
+            if let (Some(p), Some(d)) = (by_url(&pool.prefill, pu), by_url(&pool.decode, du)) {
+                return Ok((p, d));
+            }
         }
         Ok((p, d))
     }
@@ -556,7 +686,7 @@ impl Workers {
                 m
             })));
         }
-        let (p, d) = self.pick_pair(&req).await?;
+        let (pt, dt) = self.pick_pair(&req).await?;
         req.room = loop {
             let r = uuid::Uuid::new_v4().as_u64_pair().0;
             if r != 0 {
@@ -570,7 +700,6 @@ impl Workers {
                 .unwrap_or_else(|| format!("{:032x}", uuid::Uuid::new_v4().as_u128()));
         }
         tracing::Span::current().record("pdmesh.room", req.room);
-        let (pt, dt) = (&self.prefill[p], &self.decode[d]);
         tracing::debug!(request_id = %req.request_id, room = req.room, prefill = %pt.url, decode = %dt.url, "routed");
         let guards = (Inflight::new(&pt.inflight), Inflight::new(&dt.inflight));
         let (mut pc, mut dc) = (pt.client.clone(), dt.client.clone());
@@ -750,6 +879,14 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Workers {
+        /// The prefill worker `pick_prefill` gives for `ids`, by index.
+        fn pick(&self, ids: &[u32], decode_home: Option<&str>) -> usize {
+            self.pick_prefill(&self.pool(), ids, decode_home)
+                .expect("a prefill worker")
+        }
+    }
 
     /// A worker whose Generate streams `script` (token chunks), then Finished; it says it
     /// is on the host whose cache service is `home`, and records the room homes it is told.
@@ -1007,15 +1144,15 @@ mod tests {
         assert!(w.hosts_known().await);
         // Learned: routing sees them without asking again.
         assert_eq!(
-            w.prefill[0].home.get().map(String::as_str),
+            w.pool().prefill[0].home.get().map(String::as_str),
             Some("http://10.0.0.2:7100")
         );
         assert_eq!(
-            w.decode[0].home.get().map(String::as_str),
+            w.pool().decode[0].home.get().map(String::as_str),
             Some("http://10.0.0.3:7100")
         );
         assert!(
-            Workers::unified("http://x", w.prefill[0].client.clone())
+            Workers::unified("http://x", w.pool().prefill[0].client.clone())
                 .hosts_known()
                 .await
         );
@@ -1189,7 +1326,8 @@ mod tests {
     /// Tells worker `i`'s view that it holds `ids`' whole pages, as its events would.
     fn holds(w: &Workers, i: usize, ids: &[u32]) {
         let hashes = pdmesh_kv::page_hashes(SEED, ids, 16);
-        let mut v = w.views[i].lock().unwrap();
+        let view = w.pool().prefill[i].view.clone();
+        let mut v = view.lock().unwrap();
         v.naming = Some((SEED, 16));
         v.apply(&cpb::KvEvent {
             seq: 1,
@@ -1214,26 +1352,27 @@ mod tests {
         let ask: Vec<u32> = system.iter().copied().chain(100..120).collect();
         // Worker 2 holds 5 of its pages, worker 1 two: 2 wins though busier than 0.
         let _busy: Vec<_> = (0..5)
-            .map(|_| Inflight::new(&w.prefill[2].inflight))
+            .map(|_| Inflight::new(&w.pool().prefill[2].inflight))
             .collect();
-        assert_eq!(w.pick_prefill(&ask, None), 2);
+        assert_eq!(w.pick(&ask, None), 2);
         assert_eq!(w.counts.prefix.load(Ordering::Relaxed), 1);
         // A prompt nobody holds goes to the least loaded: 0 (1 is as idle, but holds more).
-        assert_eq!(w.pick_prefill(&(500..600).collect::<Vec<_>>(), None), 0);
-        let _one = Inflight::new(&w.prefill[0].inflight);
-        assert_eq!(w.pick_prefill(&(500..600).collect::<Vec<_>>(), None), 1);
+        assert_eq!(w.pick(&(500..600).collect::<Vec<_>>(), None), 0);
+        let _one = Inflight::new(&w.pool().prefill[0].inflight);
+        assert_eq!(w.pick(&(500..600).collect::<Vec<_>>(), None), 1);
         drop(_one);
         // Worker 1 holds 2 of this prompt's 6 pages: too little to decide.
         let thin: Vec<u32> = system[..32].iter().copied().chain(700..764).collect();
-        assert_eq!(w.pick_prefill(&thin, None), 0);
+        assert_eq!(w.pick(&thin, None), 0);
         // Far busier than the least loaded: the cache is not worth the queue.
         let _more: Vec<_> = (0..BALANCE_ABS)
-            .map(|_| Inflight::new(&w.prefill[2].inflight))
+            .map(|_| Inflight::new(&w.pool().prefill[2].inflight))
             .collect();
-        assert_eq!(w.pick_prefill(&ask, None), 0);
+        assert_eq!(w.pick(&ask, None), 0);
         assert_eq!(w.counts.load.load(Ordering::Relaxed), 4);
         // Removed pages stop counting; `cleared` forgets everything.
-        let mut v = w.views[1].lock().unwrap();
+        let view = w.pool().prefill[1].view.clone();
+        let mut v = view.lock().unwrap();
         v.apply(&cpb::KvEvent {
             seq: 2,
             kind: Some(cpb::kv_event::Kind::Cleared(cpb::PagesCleared {})),
@@ -1241,7 +1380,8 @@ mod tests {
         assert_eq!(v.matched(&ask, &mut Vec::new()), 0);
         drop(v);
         let h = pdmesh_kv::page_hashes(SEED, &long, 16);
-        let mut v = w.views[2].lock().unwrap();
+        let view = w.pool().prefill[2].view.clone();
+        let mut v = view.lock().unwrap();
         v.apply(&cpb::KvEvent {
             seq: 3,
             kind: Some(cpb::kv_event::Kind::Removed(cpb::PagesRemoved {
@@ -1260,12 +1400,12 @@ mod tests {
         let w = workers(2);
         for (i, home) in ["http://a", "http://b"].into_iter().enumerate() {
             holds(&w, i, &[]);
-            w.prefill[i].home.set(home.into()).unwrap();
+            w.pool().prefill[i].home.set(home.into()).unwrap();
         }
         let ask: Vec<u32> = (0..100).collect();
         // Nothing cached anywhere: of two idle workers, the one on decode's host.
-        assert_eq!(w.pick_prefill(&ask, Some("http://a")), 0);
-        assert_eq!(w.pick_prefill(&ask, Some("http://b")), 1);
+        assert_eq!(w.pick(&ask, Some("http://a")), 0);
+        assert_eq!(w.pick(&ask, Some("http://b")), 1);
         // Host b's tier holds the prompt (its device caches are empty): b, wherever decode is.
         let hv: Arc<Mutex<CacheView>> = Arc::default();
         hv.lock().unwrap().apply(&cpb::KvEvent {
@@ -1277,24 +1417,98 @@ mod tests {
             })),
         });
         w.hosts.lock().unwrap().insert("http://b".into(), hv);
-        assert_eq!(w.pick_prefill(&ask, Some("http://a")), 1);
+        assert_eq!(w.pick(&ask, Some("http://a")), 1);
         assert_eq!(w.counts.prefix.load(Ordering::Relaxed), 1);
         // Much busier than the worker on decode's host: load wins again.
         let _busy: Vec<_> = (0..BALANCE_ABS + 1)
-            .map(|_| Inflight::new(&w.prefill[1].inflight))
+            .map(|_| Inflight::new(&w.pool().prefill[1].inflight))
             .collect();
-        assert_eq!(w.pick_prefill(&ask, Some("http://a")), 0);
+        assert_eq!(w.pick(&ask, Some("http://a")), 0);
+    }
+
+    #[tokio::test]
+    async fn workers_found_through_dns_come_and_go_and_those_given_by_url_stay() {
+        let ch = || {
+            WorkerClient::new(
+                tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy(),
+            )
+        };
+        let w = Workers::pd(vec![("given".into(), ch())], Vec::new());
+        let stop = tokio_util::sync::CancellationToken::new();
+        w.run_tasks(stop.clone());
+        let urls = |w: &Workers, role: &str| -> Vec<String> {
+            w.named()
+                .into_iter()
+                .filter(|(r, _)| *r == role)
+                .map(|(_, t)| t.url().to_owned())
+                .collect()
+        };
+        // No decode worker yet: a request is refused as UNAVAILABLE, saying why.
+        let req = wk::GenerateRequest {
+            input_ids: vec![1, 2, 3],
+            ..Default::default()
+        };
+        let err = w.pick_pair(&req).await.err().expect("no decode worker");
+        assert_eq!(err.code(), tonic::Code::Unavailable);
+        assert!(err.message().contains("no decode worker"), "{err}");
+        assert!(!w.hosts_known().await);
+
+        let found = |u: &[&str]| u.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let changed = w.set_discovered(false, &found(&["d1", "d2"]), |_| Some(ch()));
+        assert_eq!(changed.added, ["d1", "d2"]);
+        assert_eq!(urls(&w, "decode"), ["d1", "d2"]);
+        let d1 = w.pool().decode[0].clone();
+        let _busy = Inflight::new(&d1.inflight);
+        // DNS names d2 and d3 now: d1 leaves (its tasks end; the request it serves keeps
+        // its target), d3 comes; unchanged names change nothing.
+        let changed = w.set_discovered(false, &found(&["d2", "d3"]), |_| Some(ch()));
+        assert_eq!(
+            (changed.added, changed.removed),
+            (vec!["d3".to_owned()], vec!["d1".to_owned()])
+        );
+        assert!(d1.tasks.is_cancelled());
+        assert_eq!(d1.inflight.load(Ordering::Relaxed), 1);
+        assert_eq!(urls(&w, "decode"), ["d2", "d3"]);
+        assert_eq!(w.in_flight(), 0, "only the pool's decode workers count");
+        assert_eq!(
+            w.set_discovered(false, &found(&["d3", "d2"]), |_| Some(ch())),
+            Changed::default()
+        );
+        // The prefill worker given by URL stays whatever DNS says.
+        w.set_discovered(true, &found(&["p1"]), |_| Some(ch()));
+        assert_eq!(urls(&w, "prefill"), ["given", "p1"]);
+        w.set_discovered(true, &[], |_| Some(ch()));
+        assert_eq!(urls(&w, "prefill"), ["given"]);
+        // A worker whose client cannot be made is left out.
+        w.set_discovered(true, &found(&["bad"]), |_| None);
+        assert_eq!(urls(&w, "prefill"), ["given"]);
+        stop.cancel();
     }
 
     #[tokio::test]
     async fn a_view_without_naming_matches_nothing_and_partial_pages_do_not_count() {
         let w = workers(1);
         let ids: Vec<u32> = (0..40).collect();
-        assert_eq!(w.views[0].lock().unwrap().matched(&ids, &mut Vec::new()), 0);
-        holds(&w, 0, &ids);
-        assert_eq!(w.views[0].lock().unwrap().matched(&ids, &mut Vec::new()), 2);
         assert_eq!(
-            w.views[0]
+            w.pool().prefill[0]
+                .view
+                .lock()
+                .unwrap()
+                .matched(&ids, &mut Vec::new()),
+            0
+        );
+        holds(&w, 0, &ids);
+        assert_eq!(
+            w.pool().prefill[0]
+                .view
+                .lock()
+                .unwrap()
+                .matched(&ids, &mut Vec::new()),
+            2
+        );
+        assert_eq!(
+            w.pool().prefill[0]
+                .view
                 .lock()
                 .unwrap()
                 .matched(&ids[..31], &mut Vec::new()),

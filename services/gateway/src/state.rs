@@ -110,6 +110,8 @@ impl AppState {
             ("worker_url", c.worker_url.clone()),
             ("prefill_url", c.prefill_url.join(",")),
             ("decode_url", c.decode_url.join(",")),
+            ("prefill_dns", c.prefill_dns.join(",")),
+            ("decode_dns", c.decode_dns.join(",")),
             ("cache_url", c.cache_url.join(",")),
             ("model_name", c.model_name.clone().unwrap_or_default()),
             ("api_key", c.api_key.clone().unwrap_or_default()),
