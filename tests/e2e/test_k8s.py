@@ -226,6 +226,10 @@ def test_workers_probe_grpc_health_and_the_gateway_and_workers_drain_inside_thei
         drain = next(int(a.split("=", 1)[1]) for a in c["args"] if a.startswith("--drain-timeout-ms="))
         pre = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
         assert pre + drain / 1000 < spec["terminationGracePeriodSeconds"], (w["metadata"]["name"], pre, drain)
+        if w["metadata"]["name"] in ("pdmesh-prefill", "pdmesh-decode"):
+            # Longer than the gateways' DNS look-up interval (--discovery-interval-ms,
+            # 5 s by default): they stop routing to it before it starts refusing.
+            assert pre > 5, c.get("lifecycle")
         if w["metadata"]["name"] == "pdmesh-gateway":
             assert pre >= 5, c.get("lifecycle")
             # Ready while it can serve, not only while every worker is up (a rolling
