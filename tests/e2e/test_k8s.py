@@ -235,6 +235,11 @@ def test_workers_probe_grpc_health_and_the_gateway_and_workers_drain_inside_thei
             # Ready while it can serve, not only while every worker is up (a rolling
             # update of workers must leave the gateways in their Service).
             assert c["readinessProbe"]["httpGet"]["path"] == "/ready", c["readinessProbe"]
+            # /ready asks the backends for up to 3 s (BACKEND_PROBE_TIMEOUT): the probe
+            # waits longer than that.
+            assert c["readinessProbe"]["timeoutSeconds"] > 3, c["readinessProbe"]
+            # Liveness asks no backend: a hung worker must not restart the gateway.
+            assert c["livenessProbe"]["httpGet"]["path"] == "/live", c["livenessProbe"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

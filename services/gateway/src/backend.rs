@@ -406,8 +406,6 @@ impl Backends {
             tok.health(tk::HealthRequest {}),
         );
         // Every worker must answer: a mesh missing one side cannot serve.
-        // Every worker's host first (learned now where it is not), then their health.
-        let hosts = self.workers.hosts_known().await;
         let named = self.workers.named();
         let w = futures::future::join_all(named.iter().map(|(role, t)| {
             let (role, mut c) = (*role, t.client());
@@ -422,7 +420,9 @@ impl Backends {
                 }
             }
         }));
-        let (t, w) = tokio::join!(t, w);
+        // At once, so a worker that does not answer costs one probe timeout, not two:
+        // every worker's health, and its host (learned now where it is not).
+        let (t, w, hosts) = tokio::join!(t, w, self.workers.hosts_known());
         let tokenizer = matches!(t, Ok(Ok(r)) if r.get_ref().ok);
         // A prefill or decode worker takes requests only once its host is known.
         let usable: Vec<(&str, bool)> = w

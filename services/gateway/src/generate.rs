@@ -873,6 +873,11 @@ mod tests {
         .unwrap();
         let r = crate::handlers::ready(axum::extract::State(st)).await;
         assert_eq!(r.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE);
+        // Liveness asks nothing of the backends.
+        assert_eq!(
+            crate::handlers::live().await.status(),
+            axum::http::StatusCode::OK
+        );
     }
 
     #[tokio::test]

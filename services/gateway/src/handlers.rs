@@ -51,6 +51,7 @@ pub(crate) fn router(st: AppState) -> Router {
         .merge(v1)
         .route("/health", get(health))
         .route("/ready", get(ready))
+        .route("/live", get(live))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -250,6 +251,12 @@ pub(crate) async fn health(State(st): State<AppState>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, Json(body)).into_response()
+}
+
+/// `/live`: the gateway's own event loop answers (it asks no backend, so a worker that
+/// hangs cannot make a liveness probe restart the gateway). 200 while draining too.
+pub(crate) async fn live() -> Response {
+    (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
 }
 
 /// `/ready`: whether this gateway can serve a request now, for a load balancer's (or
