@@ -444,6 +444,29 @@ impl Backends {
         }
     }
 
+    /// The model's facts (id, context length, vocabulary) from the first worker that
+    /// answers ModelInfo: one worker that hangs or is gone holds no request. The workers
+    /// serve one model (their KV layouts and the tokenizer's fingerprint are checked).
+    pub async fn model_facts(&self) -> Result<WorkerInfo, ApiError> {
+        let named = self.workers.named();
+        if named.is_empty() {
+            return Err(ApiError::unavailable("no worker is known yet"));
+        }
+        let calls = named.into_iter().map(|(_, t)| {
+            Box::pin(async move {
+                let mut c = t.client();
+                let call = c.model_info(wk::ModelInfoRequest {});
+                let r = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call)
+                    .await
+                    .map_err(|_| ApiError::unavailable("no worker answered ModelInfo in time"))??;
+                Ok::<_, ApiError>(Self::info_of(t.url(), r.into_inner()))
+            })
+        });
+        futures::future::select_ok(calls)
+            .await
+            .map(|(info, _)| info)
+    }
+
     /// The model's identity from the first worker, with pool and cache counters summed
     /// over every worker.
     pub async fn model_info(&self) -> Result<WorkerInfo, ApiError> {

@@ -593,7 +593,12 @@ mod tests {
             &self,
             _r: Request<wk::ModelInfoRequest>,
         ) -> Result<Response<wk::ModelInfoResponse>, Status> {
-            Err(Status::unimplemented("fake"))
+            Ok(Response::new(wk::ModelInfoResponse {
+                model_id: "fake-model".into(),
+                context_length: 4096,
+                vocab_size: 100,
+                ..Default::default()
+            }))
         }
         async fn flush_cache(
             &self,
@@ -878,6 +883,48 @@ mod tests {
             crate::handlers::live().await.status(),
             axum::http::StatusCode::OK
         );
+    }
+
+    /// A worker that accepts connections and never answers (a hung or stopped process).
+    async fn hung_worker() -> (String, tokio::task::JoinHandle<()>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = l.accept().await {
+                held.push(s);
+            }
+        });
+        (url, task)
+    }
+
+    #[tokio::test]
+    async fn the_models_facts_come_from_the_first_worker_that_answers() {
+        let st = gateway(None, None).await;
+        let alive = st.cfg.worker_url.clone();
+        let (hung, _task) = hung_worker().await;
+        let b = Backends::connect_pd(
+            &st.cfg.tokenizer_url,
+            "http://127.0.0.1:1",
+            (true, &[hung.clone()], &[alive.clone(), hung]),
+            None,
+        )
+        .unwrap();
+        let t0 = std::time::Instant::now();
+        let info = b.model_facts().await.unwrap();
+        assert_eq!(
+            (info.model_id.as_str(), info.context_length),
+            ("fake-model", 4096)
+        );
+        // Without waiting for the hung workers' probe timeout.
+        assert!(
+            t0.elapsed() < crate::BACKEND_PROBE_TIMEOUT,
+            "{:?}",
+            t0.elapsed()
+        );
+        // The summed figures (for /metrics) still need every worker.
+        let err = b.model_info().await.unwrap_err();
+        assert!(err.message.contains("in time"), "{}", err.message);
     }
 
     #[tokio::test]

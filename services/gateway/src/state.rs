@@ -158,10 +158,11 @@ impl AppState {
         })))
     }
 
-    /// The worker's model facts; a 503 while the worker cannot be reached.
+    /// The model's facts, from the first worker that answers; a 503 while none can be
+    /// reached.
     pub async fn worker_info(&self) -> Result<&WorkerInfo, ApiError> {
         self.info
-            .get_or_try_init(|| self.backends.model_info())
+            .get_or_try_init(|| self.backends.model_facts())
             .await
     }
 
