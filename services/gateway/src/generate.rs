@@ -906,7 +906,11 @@ mod tests {
         let b = Backends::connect_pd(
             &st.cfg.tokenizer_url,
             "http://127.0.0.1:1",
-            (true, &[hung.clone()], &[alive.clone(), hung]),
+            (
+                true,
+                std::slice::from_ref(&hung),
+                &[alive.clone(), hung.clone()],
+            ),
             None,
         )
         .unwrap();
