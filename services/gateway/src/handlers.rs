@@ -227,12 +227,8 @@ async fn method_not_allowed() -> ApiError {
 
 /// 200 when both backends answer their Health call, else 503 naming the one that does not.
 pub(crate) async fn health(State(st): State<AppState>) -> Response {
-    if st.draining.load(std::sync::atomic::Ordering::Relaxed) {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "draining"})),
-        )
-            .into_response();
+    if let Some(r) = draining(&st) {
+        return r;
     }
     let h = st.backends.health().await;
     let word = |ok: bool| if ok { "ok" } else { "unavailable" };
@@ -245,12 +241,28 @@ pub(crate) async fn health(State(st): State<AppState>) -> Response {
         "fault_injection": !h.faults.is_empty(),
         "faults": h.faults,
     });
-    let status = if h.tokenizer && h.all_workers {
+    (ok_or_503(h.tokenizer && h.all_workers), Json(body)).into_response()
+}
+
+/// 503 `draining` once SIGTERM has come (for `/health` and `/ready`).
+fn draining(st: &AppState) -> Option<Response> {
+    st.draining
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .then(|| {
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(json!({"status": "draining"})),
+            )
+                .into_response()
+        })
+}
+
+fn ok_or_503(ok: bool) -> StatusCode {
+    if ok {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
-    };
-    (status, Json(body)).into_response()
+    }
 }
 
 /// `/live`: the gateway's own event loop answers (it asks no backend, so a worker that
@@ -264,12 +276,8 @@ pub(crate) async fn live() -> Response {
 /// worker restarting or draining (a rolling update) leaves the gateway ready as long as
 /// another takes its place; `/health` asks for every one.
 pub(crate) async fn ready(State(st): State<AppState>) -> Response {
-    if st.draining.load(std::sync::atomic::Ordering::Relaxed) {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "draining"})),
-        )
-            .into_response();
+    if let Some(r) = draining(&st) {
+        return r;
     }
     let h = st.backends.health().await;
     let body = json!({
@@ -278,12 +286,7 @@ pub(crate) async fn ready(State(st): State<AppState>) -> Response {
         "workers_ok": h.workers_ok,
         "workers": h.workers,
     });
-    let status = if h.serving {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (status, Json(body)).into_response()
+    (ok_or_503(h.serving), Json(body)).into_response()
 }
 
 /// Prometheus text; the KV page gauges are read from the worker at scrape time.
