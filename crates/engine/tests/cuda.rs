@@ -10,6 +10,8 @@
 //! - Load-back: pages imported into a GPU engine (a prefill/decode hand-over, written into
 //!   the pinned host pool and copied up layer by layer) give the same bits as the GPU
 //!   computing them itself.
+//! - Device memory per token of KV, as the driver counts it, is `KvLayout`'s figure (both
+//!   models, every DeepSeek cache form); the figures are printed.
 
 #![cfg(feature = "cuda")]
 
@@ -270,5 +272,78 @@ fn dsa_tiny_gpu_logits_do_not_depend_on_batch_or_chunking() {
                 );
             }
         }
+    }
+}
+
+// ---- Device memory per token of KV ----
+
+/// Device memory used per page of KV (as the driver counts it) and the layout's own bytes
+/// per page: two engines that differ only in their page count, the difference in memory
+/// in use divided by the pages added. Weights, kernels and the context cancel out.
+fn device_bytes_per_page(make: impl Fn(usize) -> Engine, few: usize, many: usize) -> (f64, usize) {
+    let probe = pdmesh_engine::cuda::MemProbe::open(gpu().devices[0]).expect("the GPU opens");
+    let with = |pages: usize| {
+        let e = make(pages);
+        assert_eq!(
+            e.pool().total_pages(),
+            pages,
+            "the engine has the pages asked for"
+        );
+        let used = probe.used().expect("device memory in use");
+        let layout = e.pool().layout().bytes_per_page();
+        drop(e);
+        (used, layout)
+    };
+    let (small, layout) = with(few);
+    let (large, layout_again) = with(many);
+    assert_eq!(layout, layout_again);
+    assert!(large > small, "more pages took no more device memory");
+    ((large - small) as f64 / (many - few) as f64, layout)
+}
+
+/// The figure and the layout's must agree within the allocator's rounding (2 MiB chunks:
+/// well under 1% of what the extra pages take here).
+fn assert_agrees(what: &str, measured: f64, layout: usize, page_size: usize) {
+    let ratio = measured / layout as f64;
+    println!(
+        "{what}: device {:.1} B per token of KV, KvLayout {:.1} B (ratio {ratio:.4})",
+        measured / page_size as f64,
+        layout as f64 / page_size as f64
+    );
+    assert!(
+        (ratio - 1.0).abs() < 0.01,
+        "{what}: the device holds {measured:.0} B per page, the layout says {layout}"
+    );
+}
+
+#[test]
+fn device_memory_per_token_of_kv_is_the_layouts_figure() {
+    // SmolLM2: 2048 extra pages of 16 tokens are about 750 MB.
+    let (measured, layout) = device_bytes_per_page(
+        |pages| {
+            engine(|c| {
+                c.gpu = Some(gpu());
+                c.kv_pages = pages;
+            })
+        },
+        64,
+        64 + 2048,
+    );
+    assert_agrees("SmolLM2", measured, layout, 16);
+    for (mla, ik) in DS_FORMS {
+        // The tiny model's pages are small: 16384 extra pages are 400 MB or more.
+        let (measured, layout) = device_bytes_per_page(
+            |pages| {
+                common::tiny_engine(|c| {
+                    c.kv_cache_dtype = mla;
+                    c.index_k_dtype = ik;
+                    c.gpu = Some(gpu());
+                    c.kv_pages = pages;
+                })
+            },
+            64,
+            64 + 16384,
+        );
+        assert_agrees(&format!("dsa-tiny {mla:?}/{ik:?}"), measured, layout, 16);
     }
 }

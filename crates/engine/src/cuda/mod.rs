@@ -438,13 +438,15 @@ impl Drop for CudaModel {
 }
 
 /// Host → device load-back bandwidth, measured the way the forward pass copies pages (one
-/// async copy per page and layer, from the pinned host pool, on the load stream) beside
-/// one `cuMemcpyHtoD` of the same bytes, pinned and pageable.
+/// async copy per page and layer, from the pinned host pool, on the load stream), one copy
+/// per whole page, and one `cuMemcpyHtoD` of the same bytes, pinned and pageable.
 #[derive(Clone, Copy, Debug, serde::Serialize)]
 pub struct LoadBack {
     pub bytes: usize,
     /// The engine's copies: per page and layer, pinned source.
     pub per_layer_gb_s: f64,
+    /// One copy per page (all its layers), pinned source.
+    pub per_page_gb_s: f64,
     /// One copy of all bytes, pinned source.
     pub bulk_pinned_gb_s: f64,
     /// One copy of all bytes, pageable source.
@@ -516,12 +518,64 @@ pub fn measure_load_back(
         }
         Ok(())
     })?;
+    let per_page_gb_s = time(&mut || {
+        for p in 0..pages {
+            let (start, end) = (layout.page_offset(p), layout.page_offset(p + 1));
+            // SAFETY: in bounds of both buffers.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    base + start as u64,
+                    &host[start..end],
+                    load.cu_stream(),
+                )
+            }
+            .map_err(cuda_err)?;
+        }
+        Ok(())
+    })?;
     // SAFETY: registered above with this pointer.
     unsafe { sys::cuMemHostUnregister(host.as_ptr() as *mut _) };
     Ok(LoadBack {
         bytes,
         per_layer_gb_s,
+        per_page_gb_s,
         bulk_pinned_gb_s,
         bulk_pageable_gb_s,
     })
+}
+
+/// Device memory in use on one GPU as the driver counts it (total − free), for measuring
+/// what an engine allocates. The probe holds the device's primary context, so the
+/// context's own memory stays the same between readings.
+pub struct MemProbe {
+    ctx: Arc<cudarc::driver::CudaContext>,
+}
+
+impl MemProbe {
+    pub fn open(ordinal: usize) -> Result<Self, CudaError> {
+        let ctx = device::catch_missing_library(|| cudarc::driver::CudaContext::new(ordinal))?
+            .map_err(cuda_err)?;
+        Ok(Self { ctx })
+    }
+
+    /// Bytes in use now, after the device's pending work, with the default memory pool
+    /// (stream-ordered allocations) trimmed, so memory freed by an engine that was
+    /// dropped is not counted.
+    pub fn used(&self) -> Result<usize, CudaError> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread().map_err(cuda_err)?;
+        self.ctx.synchronize().map_err(cuda_err)?;
+        if self.ctx.has_async_alloc() {
+            let mut pool = std::ptr::null_mut();
+            // SAFETY: a valid device of a bound context; trimming frees only unused memory.
+            unsafe {
+                sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device())
+                    .result()
+                    .map_err(cuda_err)?;
+                sys::cuMemPoolTrimTo(pool, 0).result().map_err(cuda_err)?;
+            }
+        }
+        let (free, total) = cudarc::driver::result::mem_get_info().map_err(cuda_err)?;
+        Ok(total - free)
+    }
 }
