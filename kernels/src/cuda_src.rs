@@ -38,7 +38,7 @@ static SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "matmul",
         code: include_str!("../cuda/matmul.cu"),
-        kernels: &["matmul_rows", "swiglu", "add_in_place"],
+        kernels: &["matmul_rows", "matmul_tiles", "swiglu", "add_in_place"],
     },
     KernelSource {
         name: "attention",
@@ -137,6 +137,7 @@ mod tests {
         "kv_write_f16",
         "paged_attention_f16",
         "matmul_rows",
+        "matmul_tiles",
         "swiglu",
         "add_in_place",
         "argmax_rows",

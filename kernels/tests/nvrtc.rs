@@ -19,6 +19,7 @@ const KERNELS: &[&str] = &[
     "kv_write_f16",
     "paged_attention_f16",
     "matmul_rows",
+    "matmul_tiles",
     "swiglu",
     "add_in_place",
     "argmax_rows",

@@ -16,7 +16,7 @@ import sys
 
 
 def main():
-    runs, loads = {}, []
+    runs, loads, mm = {}, [], {}
     for line in open(sys.argv[1]):
         line = line.strip()
         if not line.startswith("{"):
@@ -24,6 +24,10 @@ def main():
         r = json.loads(line)
         if "load_back" in r:
             loads.append(r)
+            continue
+        if "matmul" in r:
+            m = r["matmul"]
+            mm.setdefault((m["rows"], m["cols"], m["tokens"]), {})[m["kernel"]] = m["gflop_s"]
             continue
         kind = r["device"]
         if kind == "cuda":
@@ -49,6 +53,15 @@ def main():
                 if not goal:
                     notes.append(f"{model}: invariant within 2x of fast: NOT met at batch {batch}")
         print("".join(f"\n- {n}" for n in notes))
+    if mm:
+        print("\nmatrix products alone, GFLOP/s (rows x cols weights, tokens)\n")
+        print("| rows x cols | tokens | matmul_rows | matmul_tiles | cuBLAS | tiles / rows | cuBLAS / tiles |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for (rows, cols, tokens), k in sorted(mm.items()):
+            r_, t_, c_ = k.get("Rows"), k.get("Tiles"), k.get("Cublas")
+            ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
+            print(f"| {rows} x {cols} | {tokens} | {r_ or 0:.0f} | {t_ or 0:.0f} | {c_ or 0:.0f} "
+                  f"| {ratio(t_, r_)} | {ratio(c_, t_)} |")
     for r in loads:
         lb = r["load_back"]
         print(f"\nload-back of {r['pages']} pages ({lb['bytes'] / 1e6:.0f} MB): per page and layer "

@@ -2,7 +2,8 @@
 //!
 //! `cargo run --release -p pdmesh-engine [--features cuda] --example bench_backend --
 //!  [--model PATH] [--device cpu|cuda] [--gpus 0,1] [--fast] [--batches 1,16,64]
-//!  [--prompt-len 128] [--tokens 64] [--threads N] [--tp N] [--load-back PAGES]`
+//!  [--prompt-len 128] [--tokens 64] [--threads N] [--tp N] [--load-back PAGES]
+//!  [--matmul]`
 //!
 //! Prefill: B distinct prompts of `--prompt-len` tokens submitted at once, timed until
 //! every first token (prompt tokens per second). Decode: the following `--tokens` steps
@@ -12,6 +13,10 @@
 //! `--load-back PAGES` (cuda builds, `--device cuda`): host → device copy bandwidth of that
 //! many of the model's KV pages, as the engine copies them (per page and layer, pinned),
 //! one copy per page, and one cudaMemcpy of the same bytes, pinned and pageable.
+//! `--matmul` (cuda builds): instead of the model, each matrix-product kernel
+//! (`matmul_rows`, `matmul_tiles`, cuBLAS) timed alone on SmolLM2's shapes and a larger
+//! one, at 1 to 8192 tokens: where the tiled kernel overtakes the row kernel, and how far
+//! the invariant kernels are from cuBLAS.
 
 use std::time::Instant;
 
@@ -28,6 +33,7 @@ struct Args {
     threads: usize,
     tp: usize,
     load_back: usize,
+    matmul: bool,
 }
 
 fn parse() -> Args {
@@ -42,6 +48,7 @@ fn parse() -> Args {
         threads: 0,
         tp: 1,
         load_back: 0,
+        matmul: false,
     };
     let mut it = std::env::args().skip(1);
     let list = |s: String| -> Vec<usize> {
@@ -68,6 +75,7 @@ fn parse() -> Args {
             "--threads" => a.threads = val().parse().expect("a number"),
             "--tp" => a.tp = val().parse().expect("a number"),
             "--load-back" => a.load_back = val().parse().expect("a number"),
+            "--matmul" => a.matmul = true,
             other => panic!("unknown flag {other}"),
         }
     }
@@ -120,6 +128,9 @@ fn run(e: &mut Engine, batch: usize, prompt_len: usize, tokens: u32, round: usiz
 
 fn main() {
     let a = parse();
+    if a.matmul {
+        return matmul(&a);
+    }
     let _tiny; // keeps a synthesized checkpoint's directory alive
     let model = match a.model.as_deref() {
         None => pdmesh_gguf::models::require_default_model(),
@@ -208,6 +219,32 @@ fn load_back(a: &Args, model: &std::path::Path) {
             "per_page_vs_bulk": r.per_page_gb_s / r.bulk_pinned_gb_s,
         })
     );
+}
+
+#[cfg(feature = "cuda")]
+fn matmul(a: &Args) {
+    // SmolLM2's products (q/o, k/v, gate/up, down, the vocabulary) and a 4096² one.
+    let shapes = [
+        (576, 576),
+        (192, 576),
+        (1536, 576),
+        (576, 1536),
+        (49152, 576),
+        (4096, 4096),
+    ];
+    let all: Vec<_> = shapes
+        .iter()
+        .flat_map(|&(r, c)| [1, 8, 16, 64, 512, 2048, 8192].map(|t| (r, c, t)))
+        .collect();
+    let times = pdmesh_engine::cuda::measure_matmul(a.gpus[0], &all).expect("matmul measurement");
+    for t in times {
+        println!("{}", serde_json::json!({ "matmul": t }));
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn matmul(_: &Args) {
+    panic!("--matmul needs a build with --features cuda");
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -673,6 +673,88 @@ fn matmul_rows_is_accurate_batch_invariant_and_placed() {
     }
 }
 
+// ---- matmul_tiles ----------------------------------------------------------------------
+
+#[allow(clippy::too_many_arguments)]
+fn launch_tiles(
+    g: &Gpu,
+    w: &CudaSlice<f32>,
+    x: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+    out_stride: usize,
+    out_col0: usize,
+) {
+    let (ri, ci, ti) = (rows as i32, cols as i32, tokens as i32);
+    let (si, c0) = (out_stride as i32, out_col0 as i32);
+    let mut b = g.compute.launch_builder(g.kernel("matmul_tiles"));
+    b.arg(w)
+        .arg(x)
+        .arg(out)
+        .arg(&ri)
+        .arg(&ci)
+        .arg(&ti)
+        .arg(&si)
+        .arg(&c0);
+    let blocks = (rows.div_ceil(32) as u32, tokens.div_ceil(16) as u32, 1);
+    // SAFETY: matmul_tiles(const float*, const float*, float*, int, int, int, int, int); w
+    // is rows × cols, x tokens × cols, out tokens rows of out_stride ≥ out_col0 + rows.
+    unsafe { b.launch(grid(blocks, 256)) }.unwrap();
+}
+
+/// matmul_tiles gives matmul_rows's bits (exact) for every token and row: SmolLM2's
+/// shapes, DeepSeek-like ones, rows not a multiple of 8 or 32, cols not of 32, token
+/// counts that leave partial tiles; placed at out_col0 of a wider stride with the other
+/// columns untouched (exact). The engine picks between the two by the number of tokens,
+/// so this is what keeps its invariant path batch-invariant.
+#[test]
+fn matmul_tiles_gives_matmul_rows_bits() {
+    let g = gpu();
+    let s = &g.compute;
+    let mut r = rng(17);
+    let shapes = [
+        (576usize, 576usize),
+        (1536, 576),
+        (576, 1536),
+        (49152, 576),
+        (37, 300),
+        (5, 7),
+    ];
+    for (rows, cols) in shapes {
+        let w = uniform(&mut r, rows * cols, -1.0, 1.0);
+        let dw = up(s, &w);
+        for t in [1usize, 7, 16, 33, 200] {
+            let x = uniform(&mut r, t * cols, -1.0, 1.0);
+            let dx = up(s, &x);
+            let mut by_rows = s.alloc_zeros::<f32>(t * rows).unwrap();
+            launch_matmul(&g, &dw, &dx, &mut by_rows, rows, cols, t, rows, 0);
+            let (stride, col0) = (rows + 9, 4usize);
+            const SENTINEL: f32 = -555.0;
+            let mut by_tiles = up(s, &vec![SENTINEL; t * stride]);
+            launch_tiles(&g, &dw, &dx, &mut by_tiles, rows, cols, t, stride, col0);
+            let (want, got) = (down(s, &by_rows), down(s, &by_tiles));
+            for ti in 0..t {
+                let row = &got[ti * stride..(ti + 1) * stride];
+                // Tolerance: exact.
+                assert_bits_eq(
+                    &row[col0..col0 + rows],
+                    &want[ti * rows..(ti + 1) * rows],
+                    &format!("matmul_tiles {rows}x{cols}, {t} tokens: token {ti}"),
+                );
+                assert!(
+                    row[..col0]
+                        .iter()
+                        .chain(&row[col0 + rows..])
+                        .all(|&v| v == SENTINEL),
+                    "matmul_tiles {rows}x{cols}, {t} tokens: token {ti} wrote outside its columns"
+                );
+            }
+        }
+    }
+}
+
 // ---- swiglu, add_in_place ---------------------------------------------------------------
 
 /// swiglu against `g / (1 + exp(-g)) * u` (model.rs, deepseek.rs): expf may differ from

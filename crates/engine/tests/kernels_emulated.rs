@@ -450,6 +450,8 @@ fn dsa_index_scores_bit_exact() {
 // matmul.cu
 
 type MatmulFn = unsafe extern "C" fn(*const f32, *const f32, *mut f32, i32, i32, i32, i32);
+type MatmulTilesFn =
+    unsafe extern "C" fn(*const f32, *const f32, *mut f32, i32, i32, i32, i32, i32);
 type AddFn = unsafe extern "C" fn(*mut f32, *const f32, i32);
 
 /// matmul_rows's documented order: lane l fuses k = l, l+32, ... into its accumulator,
@@ -527,6 +529,35 @@ fn matmul_rows_reference_and_batch_invariance() {
         });
     }
     assert_bits_eq("matmul_rows batch invariance", &parts, &full);
+
+    // matmul_tiles: matmul_rows's bits for every token and row, whatever the number of
+    // tokens (partial tiles of tokens and rows at both ends), placed by out_stride and
+    // out_col0 with the other columns untouched.
+    let tiles: MatmulTilesFn = e.kernel("matmul_tiles");
+    for n in [tokens, 1, 19] {
+        let x = randv(&mut r, n * cols, 2.0);
+        let (mut by_rows, mut by_tiles) = (vec![-1f32; n * stride], vec![-1f32; n * stride]);
+        let (px, pr, pt) = (c(&x), m(&mut by_rows), m(&mut by_tiles));
+        let ni = n as i32;
+        e.launch((rows.div_ceil(8) as u32, n as u32), 256, || unsafe {
+            kern(pw.p(), px.p(), pr.p(), ri, ci, si, col0)
+        });
+        e.launch(
+            (rows.div_ceil(32) as u32, n.div_ceil(16) as u32),
+            256,
+            || unsafe { tiles(pw.p(), px.p(), pt.p(), ri, ci, ni, si, col0) },
+        );
+        assert_bits_eq(
+            &format!("matmul_tiles vs matmul_rows, {n} tokens"),
+            &by_tiles,
+            &by_rows,
+        );
+        assert!(
+            by_tiles
+                .chunks(stride)
+                .all(|row| row[0] == -1.0 && row[1] == -1.0 && row[stride - 1] == -1.0)
+        );
+    }
 
     // add_in_place: exact.
     let add: AddFn = e.kernel("add_in_place");

@@ -6,8 +6,9 @@
 //!
 //! Weights are dequantized from the GGUF to f32 on the host at load and kept on the
 //! device; the matrix products are `matmul_rows` (one warp per output, a fixed order:
-//! batch-invariant) or, in the fast mode, cuBLAS SGEMM (its algorithm depends on the
-//! batch, so it is not).
+//! batch-invariant) for a few tokens, `matmul_tiles` (the same order and bits, 8 tokens ×
+//! 8 rows per warp) for more, or, in the fast mode, cuBLAS SGEMM (its algorithm depends on
+//! the batch, so it is not).
 //!
 //! The device holds a full copy of the engine's page pool. Before a forward, pages whose
 //! host version moved (imported from prefill, loaded from the host tier) are copied up on
@@ -39,7 +40,7 @@ pub struct RankSpec {
     pub rank: usize,
     /// The CPU's plan (`tp::ShardPlan`): the same split on every backend.
     pub plan: Arc<ShardPlan>,
-    /// Batch-invariant matrix products (`matmul_rows`) instead of cuBLAS.
+    /// Batch-invariant matrix products (`matmul_rows` / `matmul_tiles`) instead of cuBLAS.
     pub invariant: bool,
     pub build: KernelBuild,
 }
@@ -663,6 +664,24 @@ pub(crate) fn swiglu(
     Ok(())
 }
 
+/// From this many tokens the invariant product runs as `matmul_tiles`, which loads each
+/// weight once per 8 tokens; below it, `matmul_rows`, which spreads a few tokens over more
+/// warps. Both give the same bits, so the choice cannot change a token's result; the
+/// point where one gets faster than the other is to be measured on each GPU
+/// (`bench_backend --matmul`).
+const TILES_FROM: usize = 16;
+
+/// How a matrix product is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum MatmulKernel {
+    /// `matmul_rows`: one warp per output (batch-invariant).
+    Rows,
+    /// `matmul_tiles`: `matmul_rows`'s bits, 8 tokens × 8 rows per warp.
+    Tiles,
+    /// cuBLAS SGEMM, TF32 off (not batch-invariant).
+    Cublas,
+}
+
 /// `out[t·stride + col0 + r] = w[r] · x[t]` for `rows` rows of `cols` and `t` tokens.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul(
@@ -678,17 +697,63 @@ pub(crate) fn matmul(
     out_stride: usize,
     out_col0: usize,
 ) -> Result<(), CudaError> {
+    let kernel = match (invariant, t < TILES_FROM) {
+        (false, _) => MatmulKernel::Cublas,
+        (true, true) => MatmulKernel::Rows,
+        (true, false) => MatmulKernel::Tiles,
+    };
+    matmul_with(
+        gpu, s, kernel, w, rows, cols, x, t, out, out_stride, out_col0,
+    )
+}
+
+/// [`matmul`] with the kernel named.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_with(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    kernel: MatmulKernel,
+    w: &CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+    x: &CudaSlice<f32>,
+    t: usize,
+    out: &mut CudaSlice<f32>,
+    out_stride: usize,
+    out_col0: usize,
+) -> Result<(), CudaError> {
     if t == 0 || rows == 0 {
         return Ok(());
     }
-    if invariant {
-        let (ri, ci, si, c0) = (rows as i32, cols as i32, out_stride as i32, out_col0 as i32);
-        let mut b = s.launch_builder(gpu.kernel("matmul_rows"));
-        b.arg(w).arg(x).arg(out).arg(&ri).arg(&ci).arg(&si).arg(&c0);
-        // SAFETY: matches matmul_rows; w is rows × cols, x is t × cols, out has t rows
-        // of out_stride.
-        unsafe { b.launch(grid((rows.div_ceil(8) as u32, t as u32, 1), 256)) }.map_err(cuda_err)?;
-        return Ok(());
+    let (ri, ci, si, c0) = (rows as i32, cols as i32, out_stride as i32, out_col0 as i32);
+    match kernel {
+        MatmulKernel::Rows => {
+            let mut b = s.launch_builder(gpu.kernel("matmul_rows"));
+            b.arg(w).arg(x).arg(out).arg(&ri).arg(&ci).arg(&si).arg(&c0);
+            // SAFETY: matches matmul_rows; w is rows × cols, x is t × cols, out has t rows
+            // of out_stride.
+            unsafe { b.launch(grid((rows.div_ceil(8) as u32, t as u32, 1), 256)) }
+                .map_err(cuda_err)?;
+            return Ok(());
+        }
+        MatmulKernel::Tiles => {
+            let ti = t as i32;
+            let mut b = s.launch_builder(gpu.kernel("matmul_tiles"));
+            b.arg(w)
+                .arg(x)
+                .arg(out)
+                .arg(&ri)
+                .arg(&ci)
+                .arg(&ti)
+                .arg(&si)
+                .arg(&c0);
+            let blocks = (rows.div_ceil(32) as u32, t.div_ceil(16) as u32, 1);
+            // SAFETY: matches matmul_tiles; w is rows × cols, x is t × cols, out has t
+            // rows of out_stride.
+            unsafe { b.launch(grid(blocks, 256)) }.map_err(cuda_err)?;
+            return Ok(());
+        }
+        MatmulKernel::Cublas => {}
     }
     // Column-major view: out (rows × t, ld out_stride) = wᵀ (rows × cols) · x (cols × t).
     let cfg = GemmConfig {

@@ -579,3 +579,65 @@ impl MemProbe {
         Ok(total - free)
     }
 }
+
+/// One matrix product's time: `rows × cols` weights by `tokens` activations.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct MatmulTime {
+    pub kernel: llama::MatmulKernel,
+    pub rows: usize,
+    pub cols: usize,
+    pub tokens: usize,
+    /// Mean time of one product over the timed launches, microseconds.
+    pub us: f64,
+    pub gflop_s: f64,
+}
+
+/// Time each matrix-product kernel on device `ordinal` for each `(rows, cols, tokens)`:
+/// a warm-up launch, then launches back to back on the compute stream (about 2 GFLOP of
+/// them, 3 to 200).
+pub fn measure_matmul(
+    ordinal: usize,
+    shapes: &[(usize, usize, usize)],
+) -> Result<Vec<MatmulTime>, CudaError> {
+    use llama::MatmulKernel;
+    let gpu = device::Gpu::open(ordinal, &KernelBuild::default())?;
+    let s = gpu.compute.clone();
+    // Not zeros: a product of zeros can run faster than one of data.
+    let fill = |n: usize| -> Vec<f32> { (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect() };
+    let mut times = Vec::new();
+    for &(rows, cols, tokens) in shapes {
+        let w = s.clone_htod(&fill(rows * cols)).map_err(cuda_err)?;
+        let x = s.clone_htod(&fill(tokens * cols)).map_err(cuda_err)?;
+        let mut out = s.alloc_zeros::<f32>(tokens * rows).map_err(cuda_err)?;
+        let flop = 2.0 * rows as f64 * cols as f64 * tokens as f64;
+        let reps = (2e9 / flop).clamp(3.0, 200.0) as usize;
+        for kernel in [
+            MatmulKernel::Rows,
+            MatmulKernel::Tiles,
+            MatmulKernel::Cublas,
+        ] {
+            let mut once = || {
+                llama::matmul_with(
+                    &gpu, &s, kernel, &w, rows, cols, &x, tokens, &mut out, rows, 0,
+                )
+            };
+            once()?;
+            s.synchronize().map_err(cuda_err)?;
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                once()?;
+            }
+            s.synchronize().map_err(cuda_err)?;
+            let us = t0.elapsed().as_secs_f64() * 1e6 / reps as f64;
+            times.push(MatmulTime {
+                kernel,
+                rows,
+                cols,
+                tokens,
+                us,
+                gflop_s: flop / us / 1e3,
+            });
+        }
+    }
+    Ok(times)
+}
