@@ -252,6 +252,17 @@ impl DsRank {
 
     /// One forward pass; see the module docs.
     pub fn forward(&mut self, job: &Job) -> Result<RankOut, CudaError> {
+        let out = self.forward_queued(job);
+        if out.is_err() {
+            // Copies from the pinned host pool and kernels may still be queued: let them
+            // finish before the error lets anyone free the pool or unpin it.
+            let _ = self.gpu.load.synchronize();
+            let _ = self.gpu.compute.synchronize();
+        }
+        out
+    }
+
+    fn forward_queued(&mut self, job: &Job) -> Result<RankOut, CudaError> {
         self.pinned.register(job.host);
         let events = upload_layers(&self.gpu.load, &mut self.pool, &self.layout, job)?;
         let c = self.cfg.clone();

@@ -15,18 +15,26 @@ use super::{CudaError, cuda_err};
 pub(crate) struct PinnedHost {
     ctx: Arc<CudaContext>,
     arena: Option<HostArena>,
+    /// Registration was tried (and logged if it failed): not tried again each forward.
+    tried: bool,
 }
 
 impl PinnedHost {
     pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
-        Self { ctx, arena: None }
+        Self {
+            ctx,
+            arena: None,
+            tried: false,
+        }
     }
 
-    /// Pin `host`, once. Failing to is only slower (pageable copies), so it is logged.
+    /// Pin `host`, once. Failing to is only slower (pageable copies), so it is logged,
+    /// once.
     pub(crate) fn register(&mut self, host: HostArena) {
-        if self.arena.is_some() {
+        if self.tried {
             return;
         }
+        self.tried = true;
         // SAFETY: the arena is alive until this is dropped (see the type's docs).
         let r = unsafe {
             sys::cuMemHostRegister_v2(

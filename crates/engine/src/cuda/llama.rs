@@ -273,6 +273,17 @@ impl LlamaRank {
 
     /// Run one forward for this rank. See the module docs.
     pub fn forward(&mut self, job: &Job) -> Result<RankOut, CudaError> {
+        let out = self.forward_queued(job);
+        if out.is_err() {
+            // Copies from the pinned host pool and kernels may still be queued: let them
+            // finish before the error lets anyone free the pool or unpin it.
+            let _ = self.gpu.load.synchronize();
+            let _ = self.gpu.compute.synchronize();
+        }
+        out
+    }
+
+    fn forward_queued(&mut self, job: &Job) -> Result<RankOut, CudaError> {
         if self.spec.rank == 0 {
             self.pinned.register(job.host);
         }
@@ -725,19 +736,31 @@ pub(crate) fn matmul_with(
     if t == 0 || rows == 0 {
         return Ok(());
     }
-    let (ri, ci, si, c0) = (rows as i32, cols as i32, out_stride as i32, out_col0 as i32);
+    // The kernels take int sizes and offsets: a product past them is refused, not wrapped.
+    let int = |v: usize, what: &str| {
+        i32::try_from(v).map_err(|_| {
+            CudaError(format!(
+                "matrix product: {what} {v} is past the kernels' int"
+            ))
+        })
+    };
+    let (ri, ci) = (int(rows, "rows")?, int(cols, "cols")?);
+    let (si, c0) = (int(out_stride, "out_stride")?, int(out_col0, "out_col0")?);
     match kernel {
+        MatmulKernel::Rows if t > 65_535 => Err(CudaError(format!(
+            "matmul_rows: {t} tokens is past the grid's 65535"
+        ))),
         MatmulKernel::Rows => {
             let mut b = s.launch_builder(gpu.kernel("matmul_rows"));
             b.arg(w).arg(x).arg(out).arg(&ri).arg(&ci).arg(&si).arg(&c0);
             // SAFETY: matches matmul_rows; w is rows × cols, x is t × cols, out has t rows
             // of out_stride.
             unsafe { b.launch(grid((rows.div_ceil(8) as u32, t as u32, 1), 256)) }
-                .map_err(cuda_err)?;
-            return Ok(());
+                .map(|_| ())
+                .map_err(cuda_err)
         }
         MatmulKernel::Tiles => {
-            let ti = t as i32;
+            let ti = int(t, "tokens")?;
             let mut b = s.launch_builder(gpu.kernel("matmul_tiles"));
             b.arg(w)
                 .arg(x)
@@ -750,11 +773,27 @@ pub(crate) fn matmul_with(
             let blocks = (rows.div_ceil(32) as u32, t.div_ceil(16) as u32, 1);
             // SAFETY: matches matmul_tiles; w is rows × cols, x is t × cols, out has t
             // rows of out_stride.
-            unsafe { b.launch(grid(blocks, 256)) }.map_err(cuda_err)?;
-            return Ok(());
+            unsafe { b.launch(grid(blocks, 256)) }
+                .map(|_| ())
+                .map_err(cuda_err)
         }
-        MatmulKernel::Cublas => {}
+        MatmulKernel::Cublas => cublas(gpu, w, rows, cols, x, t, out, out_stride, out_col0),
     }
+}
+
+/// cuBLAS SGEMM for [`matmul_with`].
+#[allow(clippy::too_many_arguments)]
+fn cublas(
+    gpu: &Gpu,
+    w: &CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+    x: &CudaSlice<f32>,
+    t: usize,
+    out: &mut CudaSlice<f32>,
+    out_stride: usize,
+    out_col0: usize,
+) -> Result<(), CudaError> {
     // Column-major view: out (rows × t, ld out_stride) = wᵀ (rows × cols) · x (cols × t).
     let cfg = GemmConfig {
         transa: cublasOperation_t::CUBLAS_OP_T,
@@ -768,7 +807,6 @@ pub(crate) fn matmul_with(
         beta: 0.0f32,
         ldc: out_stride as i32,
     };
-    let _ = s;
     let mut c = out.slice_mut(out_col0..);
     // SAFETY: the shapes above fit the buffers (w rows × cols, x t × cols, out t rows of
     // out_stride from out_col0).

@@ -453,6 +453,35 @@ pub struct LoadBack {
     pub bulk_pageable_gb_s: f64,
 }
 
+/// Host memory registered as pinned while this lives (declared after the memory it pins,
+/// so it drops first).
+struct Registered(*mut std::ffi::c_void);
+
+impl Registered {
+    fn new(bytes: &[u8]) -> Result<Self, CudaError> {
+        use cudarc::driver::sys;
+        let ptr = bytes.as_ptr() as *mut std::ffi::c_void;
+        // SAFETY: the caller keeps `bytes` alive and in place while the guard lives.
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(ptr, bytes.len(), sys::CU_MEMHOSTREGISTER_PORTABLE)
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(CudaError(format!("cuMemHostRegister: {r:?}")));
+        }
+        Ok(Self(ptr))
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        // SAFETY: registered by `new` with this pointer.
+        let r = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.0) };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(?r, "cuMemHostUnregister");
+        }
+    }
+}
+
 /// Measure [`LoadBack`] on device `ordinal` for `pages` pages of `layout`, best of `reps`.
 pub fn measure_load_back(
     ordinal: usize,
@@ -460,7 +489,7 @@ pub fn measure_load_back(
     pages: usize,
     reps: usize,
 ) -> Result<LoadBack, CudaError> {
-    use cudarc::driver::{DevicePtrMut, sys};
+    use cudarc::driver::DevicePtrMut;
     let ctx = device::catch_missing_library(|| cudarc::driver::CudaContext::new(ordinal))?
         .map_err(cuda_err)?;
     ctx.bind_to_thread().map_err(cuda_err)?;
@@ -486,17 +515,8 @@ pub fn measure_load_back(
             .map_err(cuda_err)
     };
     let bulk_pageable_gb_s = time(&mut || bulk(&host))?;
-    // SAFETY: `host` outlives the registration (unregistered below before it drops).
-    let r = unsafe {
-        sys::cuMemHostRegister_v2(
-            host.as_ptr() as *mut _,
-            bytes,
-            sys::CU_MEMHOSTREGISTER_PORTABLE,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(CudaError(format!("cuMemHostRegister: {r:?}")));
-    }
+    // Pinned from here; the guard unregisters before `host` drops, on every return.
+    let _pinned = Registered::new(&host)?;
     let bulk_pinned_gb_s = time(&mut || bulk(&host))?;
     let per_layer_gb_s = time(&mut || {
         for layer in 0..layout.layers() {
@@ -533,8 +553,6 @@ pub fn measure_load_back(
         }
         Ok(())
     })?;
-    // SAFETY: registered above with this pointer.
-    unsafe { sys::cuMemHostUnregister(host.as_ptr() as *mut _) };
     Ok(LoadBack {
         bytes,
         per_layer_gb_s,
@@ -544,9 +562,10 @@ pub fn measure_load_back(
     })
 }
 
-/// Device memory in use on one GPU as the driver counts it (total − free), for measuring
-/// what an engine allocates. The probe holds the device's primary context, so the
-/// context's own memory stays the same between readings.
+/// Device memory this process holds for stream-ordered allocations on one GPU (every
+/// buffer an engine allocates), as the driver counts it: the default memory pool's
+/// reserved bytes after trimming what no allocation uses. Other processes on the GPU do
+/// not count, so tests can run beside it. The probe holds the device's primary context.
 pub struct MemProbe {
     ctx: Arc<cudarc::driver::CudaContext>,
 }
@@ -555,28 +574,38 @@ impl MemProbe {
     pub fn open(ordinal: usize) -> Result<Self, CudaError> {
         let ctx = device::catch_missing_library(|| cudarc::driver::CudaContext::new(ordinal))?
             .map_err(cuda_err)?;
+        if !ctx.has_async_alloc() {
+            return Err(CudaError(
+                "this device has no stream-ordered allocator (cuMemAllocAsync)".into(),
+            ));
+        }
         Ok(Self { ctx })
     }
 
-    /// Bytes in use now, after the device's pending work, with the default memory pool
-    /// (stream-ordered allocations) trimmed, so memory freed by an engine that was
-    /// dropped is not counted.
+    /// Bytes held now, after the device's pending work, with memory freed by an engine
+    /// that was dropped given back.
     pub fn used(&self) -> Result<usize, CudaError> {
         use cudarc::driver::sys;
         self.ctx.bind_to_thread().map_err(cuda_err)?;
         self.ctx.synchronize().map_err(cuda_err)?;
-        if self.ctx.has_async_alloc() {
-            let mut pool = std::ptr::null_mut();
-            // SAFETY: a valid device of a bound context; trimming frees only unused memory.
-            unsafe {
-                sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device())
-                    .result()
-                    .map_err(cuda_err)?;
-                sys::cuMemPoolTrimTo(pool, 0).result().map_err(cuda_err)?;
-            }
+        let mut pool = std::ptr::null_mut();
+        let mut reserved: u64 = 0;
+        // SAFETY: a valid device of a bound context; trimming frees only unused memory;
+        // the attribute is a u64.
+        unsafe {
+            sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device())
+                .result()
+                .map_err(cuda_err)?;
+            sys::cuMemPoolTrimTo(pool, 0).result().map_err(cuda_err)?;
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                &mut reserved as *mut u64 as *mut std::ffi::c_void,
+            )
+            .result()
+            .map_err(cuda_err)?;
         }
-        let (free, total) = cudarc::driver::result::mem_get_info().map_err(cuda_err)?;
-        Ok(total - free)
+        Ok(reserved as usize)
     }
 }
 
