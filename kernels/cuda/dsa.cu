@@ -47,15 +47,14 @@ PD_DEV pd_u32 pd_total_order_key(float x) {
 // (the lowest-indexed ones). Each thread owns one contiguous chunk of indices; exclusive
 // scans of the per-chunk counts (> T, == T) place each thread's output, so the indices
 // come out in ascending order. Everything is integer; the result is unique.
-extern "C" __global__ void __launch_bounds__(PD_TOPK_BLOCK)
-topk_indices(const float* scores, int n, int k, int* out) {
+//
+// The selection of one row by the block, shared by both entry points below.
+static __device__ void pd_topk_row(const float* row, int n, int k, int* o) {
     __shared__ int hist[256];
     __shared__ int gt_scan[PD_TOPK_BLOCK];
     __shared__ int eq_scan[PD_TOPK_BLOCK];
     __shared__ pd_u32 sel_digit;
     __shared__ int sel_remaining;
-    const float* row = scores + (pd_i64)blockIdx.x * n;
-    int* o = out + (pd_i64)blockIdx.x * k;
     int tid = threadIdx.x;
     if (k <= 0) return;
     if (n <= k) {
@@ -121,4 +120,20 @@ topk_indices(const float* scores, int n, int k, int* out) {
         pd_u32 key = pd_total_order_key(row[i]);
         if (key > T || (key == T && eq_rank++ < take)) o[at++] = i;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(PD_TOPK_BLOCK)
+topk_indices(const float* scores, int n, int k, int* out) {
+    pd_topk_row(scores + (pd_i64)blockIdx.x * n, n, k, out + (pd_i64)blockIdx.x * k);
+}
+
+// topk_indices_rows — grid.x = count, block 256 (exactly). Block b selects row
+// r = rows[b] of a matrix of stride `row_stride`, whose first ns[b] scores are its own,
+// into out + r*out_stride: topk_indices's selection for each row, with a length per row,
+// so the indexer's sparse tokens of a layer (each with its own context) take one launch.
+extern "C" __global__ void __launch_bounds__(PD_TOPK_BLOCK)
+topk_indices_rows(const float* scores, int row_stride, const int* rows, const int* ns, int k,
+                  int* out, int out_stride) {
+    pd_i64 r = rows[blockIdx.x];
+    pd_topk_row(scores + r * row_stride, ns[blockIdx.x], k, out + r * out_stride);
 }

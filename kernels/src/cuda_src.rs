@@ -58,7 +58,7 @@ static SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "dsa",
         code: include_str!("../cuda/dsa.cu"),
-        kernels: &["dsa_index_scores", "topk_indices"],
+        kernels: &["dsa_index_scores", "topk_indices", "topk_indices_rows"],
     },
     KernelSource {
         name: "sampling",
@@ -148,6 +148,7 @@ mod tests {
         "fp8_dequantize_blocks",
         "dsa_index_scores",
         "topk_indices",
+        "topk_indices_rows",
         "page_checksum_xxh3",
         "ds_rms_norm_inplace",
         "ds_rope_interleaved",

@@ -30,6 +30,7 @@ const KERNELS: &[&str] = &[
     "fp8_dequantize_blocks",
     "dsa_index_scores",
     "topk_indices",
+    "topk_indices_rows",
     "page_checksum_xxh3",
     "ds_rms_norm_inplace",
     "ds_rope_interleaved",

@@ -1387,6 +1387,51 @@ fn topk_indices_matches_the_indexer() {
     }
 }
 
+/// topk_indices_rows: chosen rows of a wider score matrix, each over its own length (one
+/// at most k: every position), at their rows of `out` (stride past k); rows not chosen and
+/// the slots past k keep their sentinel. Each row is the CPU's selection (exact).
+#[test]
+fn topk_indices_rows_selects_each_row_over_its_own_length() {
+    let g = gpu();
+    let s = &g.compute;
+    let mut r = rng(19);
+    let (stride, k, out_stride, total) = (5000usize, 2048usize, 2050usize, 7usize);
+    let flat: Vec<f32> = (0..total * stride)
+        .map(|_| r.random_range(-40..40) as f32 * 0.125)
+        .collect();
+    let rows = [6i32, 0, 3, 2, 5];
+    let ns = [5000i32, 2049, 2048, 3000, 4097];
+    let dsc = up(s, &flat);
+    let (drows, dns) = (up(s, &rows[..]), up(s, &ns[..]));
+    let mut out = up(s, &vec![-7i32; total * out_stride]);
+    let (si, ki, oi) = (stride as i32, k as i32, out_stride as i32);
+    let mut b = s.launch_builder(g.kernel("topk_indices_rows"));
+    b.arg(&dsc)
+        .arg(&si)
+        .arg(&drows)
+        .arg(&dns)
+        .arg(&ki)
+        .arg(&mut out)
+        .arg(&oi);
+    // SAFETY: topk_indices_rows(const float*, int, const int*, const int*, int, int*, int);
+    // each chosen row holds its n ≤ stride scores, out holds total rows of out_stride ≥ k.
+    unsafe { b.launch(grid((rows.len() as u32, 1, 1), 256)) }.unwrap();
+    let got = down(s, &out);
+    for row in 0..total {
+        let gr = &got[row * out_stride..(row + 1) * out_stride];
+        match rows.iter().position(|&x| x as usize == row) {
+            Some(bi) => {
+                let n = ns[bi] as usize;
+                let want = topk_cpu(&flat[row * stride..row * stride + n], k);
+                // Tolerance: exact.
+                assert_eq!(&gr[..k], &want[..], "topk_indices_rows row {row} (n {n})");
+                assert!(gr[k..].iter().all(|&v| v == -7), "row {row}: wrote past k");
+            }
+            None => assert!(gr.iter().all(|&v| v == -7), "row {row} was not chosen"),
+        }
+    }
+}
+
 // ---- page_checksum_xxh3 -----------------------------------------------------------------
 
 /// Bit-exact with `pdmesh_kv::page_checksum` for every XXH3 length class (0, 1–3, 4–8,

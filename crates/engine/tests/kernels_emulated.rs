@@ -188,6 +188,10 @@ impl Emu {
             // SAFETY: ctx is the &F passed below, alive for the whole launch.
             unsafe { (*(ctx as *const F))() }
         }
+        // The launcher's state (grid, barriers, `__shared__` statics) is global: one
+        // launch at a time, also when the tests run as threads of one process.
+        static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: the launcher returns after every thread has finished.
         let rc = unsafe {
             (self.launch)(
@@ -331,6 +335,7 @@ fn page_checksum_xxh3_bit_exact() {
 // dsa.cu
 
 type TopkFn = unsafe extern "C" fn(*const f32, i32, i32, *mut i32);
+type TopkRowsFn = unsafe extern "C" fn(*const f32, i32, *const i32, *const i32, i32, *mut i32, i32);
 type DsaScoresFn =
     unsafe extern "C" fn(*const f32, *const f32, *const f32, *mut f32, i32, i32, i32, i32);
 
@@ -350,6 +355,41 @@ fn cpu_topk(scores: &[f32], k: usize) -> Vec<i32> {
     let mut keep: Vec<i32> = scored[..k].iter().map(|s| s.1 as i32).collect();
     keep.sort_unstable();
     keep
+}
+
+/// topk_indices_rows: chosen rows of a wider matrix, each with its own length (some at
+/// most k, so every position), written at their rows of `out`; rows not chosen keep
+/// their sentinel. Each row equals the CPU's selection over its own scores.
+#[test]
+fn topk_indices_rows_selects_each_row_over_its_own_length() {
+    let e = emu();
+    let kern: TopkRowsFn = e.kernel("topk_indices_rows");
+    let mut r = rng(13);
+    let (stride, k, out_stride) = (700usize, 64usize, 70usize);
+    let total = 6usize;
+    let s: Vec<f32> = (0..total * stride)
+        .map(|_| r.random_range(-3i32..3) as f32 * 0.25)
+        .collect();
+    let rows = [5i32, 0, 3, 2];
+    let ns = [700i32, 65, 64, 300];
+    let mut out = vec![-7i32; total * out_stride];
+    let (ps, pr, pn, po) = (c(&s), c(&rows), c(&ns), m(&mut out));
+    let (si, ki, oi) = (stride as i32, k as i32, out_stride as i32);
+    e.launch((rows.len() as u32, 1), 256, || unsafe {
+        kern(ps.p(), si, pr.p(), pn.p(), ki, po.p(), oi)
+    });
+    for row in 0..total {
+        let got = &out[row * out_stride..(row + 1) * out_stride];
+        match rows.iter().position(|&x| x as usize == row) {
+            Some(b) => {
+                let n = ns[b] as usize;
+                let want = cpu_topk(&s[row * stride..row * stride + n], k);
+                assert_eq!(&got[..k], &want[..], "row {row} (n {n})");
+                assert!(got[k..].iter().all(|&v| v == -7), "row {row}: past k");
+            }
+            None => assert!(got.iter().all(|&v| v == -7), "row {row} was not chosen"),
+        }
+    }
 }
 
 #[test]

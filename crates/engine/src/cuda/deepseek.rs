@@ -334,6 +334,16 @@ impl DsRank {
         let cos_d = s.clone_htod(&cos).map_err(cuda_err)?;
         let sin_d = s.clone_htod(&sin).map_err(cuda_err)?;
         let has_d = up_i32(&sparse)?;
+        // The sparse tokens and their context lengths: each layer's top-k over them is
+        // one launch.
+        let sparse_rows: Vec<i32> = (0..t as i32).filter(|&i| sparse[i as usize] != 0).collect();
+        let sparse_ns: Vec<i32> = sparse_rows
+            .iter()
+            .map(|&i| job.pos[i as usize] + 1)
+            .collect();
+        // (A device buffer is never empty: a zero-byte allocation is an error.)
+        let sparse_rows_d = up_i32(if any_sparse { &sparse_rows } else { &[0] })?;
+        let sparse_ns_d = up_i32(if any_sparse { &sparse_ns } else { &[0] })?;
         let mut sel = up_i32(&sel_h)?;
         let sel_n_d = up_i32(&sel_n)?;
         let z = |n: usize| s.alloc_zeros::<f32>(n.max(1)).map_err(cuda_err);
@@ -508,17 +518,19 @@ impl DsRank {
                 // every position read is below its token's pos + 1.
                 unsafe { b.launch(grid((t as u32, max_len.div_ceil(128) as u32, 1), 128)) }
                     .map_err(cuda_err)?;
-                for i in (0..t).filter(|&i| sparse[i] != 0) {
-                    let n = job.pos[i] + 1;
-                    let k = topk as i32;
-                    let row = iscores.slice(i * max_len..i * max_len + n as usize);
-                    let mut out = sel.slice_mut(i * cap..(i + 1) * cap);
-                    let mut b = s.launch_builder(gpu.kernel("topk_indices"));
-                    b.arg(&row).arg(&n).arg(&k).arg(&mut out);
-                    // SAFETY: matches topk_indices; the row holds n scores and out k = cap
-                    // slots (n > k for a sparse token).
-                    unsafe { b.launch(grid((1, 1, 1), 256)) }.map_err(cuda_err)?;
-                }
+                let (k, cs) = (topk as i32, cap as i32);
+                let mut b = s.launch_builder(gpu.kernel("topk_indices_rows"));
+                b.arg(&iscores)
+                    .arg(&ml)
+                    .arg(&sparse_rows_d)
+                    .arg(&sparse_ns_d)
+                    .arg(&k)
+                    .arg(&mut sel)
+                    .arg(&cs);
+                // SAFETY: matches topk_indices_rows; each sparse token's row of iscores
+                // holds its pos + 1 scores (> k), and its row of sel has cap = k slots.
+                let blocks = (sparse_rows.len() as u32, 1, 1);
+                unsafe { b.launch(grid(blocks, 256)) }.map_err(cuda_err)?;
             }
             if t > 0 {
                 let (cs, hs, ri, dri, dni, dvi) = (
