@@ -722,6 +722,11 @@ impl Workers {
     }
 }
 
+/// How long decode's ABORTED (its room failed) waits for prefill's own error, the cause
+/// when prefill failed: it aborts the room as it fails, and which of the two errors reaches
+/// the gateway first is a race. A prefill that ends well ends the wait at once.
+const PREFILL_CAUSE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// How the DATA_LOSS of a first token that differs between prefill and decode ends (the
 /// gateway's own check; the workers' checksum failures say otherwise and report
 /// themselves).
@@ -812,7 +817,21 @@ where
                     m = ds.next(), if decode_open => {
                         let m = match m {
                             Some(Ok(m)) => Some(m),
-                            Some(Err(s)) => { yield Err(s); break; }
+                            Some(Err(s)) => {
+                                // ABORTED: decode's room failed, which is what a prefill
+                                // that failed does to it. Prefill's own error says why.
+                                let s = match (s.code(), fail_rx.take()) {
+                                    (tonic::Code::Aborted, Some(rx)) => {
+                                        match tokio::time::timeout(PREFILL_CAUSE_GRACE, rx).await {
+                                            Ok(Ok(p)) => Status::new(p.code(), format!("prefill: {}", p.message())),
+                                            _ => s,
+                                        }
+                                    }
+                                    _ => s,
+                                };
+                                yield Err(s);
+                                break;
+                            }
                             None => { decode_open = false; None }
                         };
                         if first.is_none() {
@@ -1307,6 +1326,29 @@ mod tests {
         let out = watch(merge_of(ps, ds));
         assert!(p.send(Err(Status::aborted("the room failed"))).await);
         assert_eq!(rest(out).await, ["Aborted: prefill: the room failed"]);
+    }
+
+    #[tokio::test]
+    async fn a_room_that_failed_under_decode_reports_prefills_error_as_the_cause() {
+        // Prefill found its pages corrupt and aborted the room; decode's ABORTED about the
+        // room reached the gateway first. The client hears prefill's DATA_LOSS.
+        let ((p, ps), (d, ds)) = (Feed::new(), Feed::new());
+        let out = watch(merge_of(ps, ds));
+        let room = "KV transfer failed: aborted: prefill ended before its pages were sent";
+        assert!(d.send(Err(Status::aborted(room))).await);
+        assert!(p.send(Err(Status::data_loss("pages changed"))).await);
+        assert_eq!(rest(out).await, ["DataLoss: prefill: pages changed"]);
+        // A prefill that ended without an error leaves decode's error as it was.
+        let ((p, ps), (d, ds)) = (Feed::new(), Feed::new());
+        let out = watch(merge_of(ps, ds));
+        assert!(d.send(Err(Status::aborted(room))).await);
+        drop(p);
+        assert_eq!(rest(out).await, [format!("Aborted: {room}")]);
+        // Decode's other errors do not wait for prefill.
+        let ((_p, ps), (d, ds)) = (Feed::new(), Feed::new());
+        let out = watch(merge_of(ps, ds));
+        assert!(d.send(Err(Status::unavailable("gone"))).await);
+        assert_eq!(rest(out).await, ["Unavailable: gone"]);
     }
 
     fn workers(n: usize) -> Workers {
