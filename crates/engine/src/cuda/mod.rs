@@ -562,10 +562,11 @@ pub fn measure_load_back(
     })
 }
 
-/// Device memory this process holds for stream-ordered allocations on one GPU (every
-/// buffer an engine allocates), as the driver counts it: the default memory pool's
-/// reserved bytes after trimming what no allocation uses. Other processes on the GPU do
-/// not count, so tests can run beside it. The probe holds the device's primary context.
+/// Device memory this process's stream-ordered allocations on one GPU hold (every buffer
+/// an engine allocates), as the driver counts it: the device's memory pool's bytes in use
+/// by allocations (not what the pool keeps reserved around them, which grows in chunks).
+/// Other processes on the GPU do not count, so tests can run beside it. The probe holds
+/// the device's primary context.
 pub struct MemProbe {
     ctx: Arc<cudarc::driver::CudaContext>,
 }
@@ -582,30 +583,27 @@ impl MemProbe {
         Ok(Self { ctx })
     }
 
-    /// Bytes held now, after the device's pending work, with memory freed by an engine
-    /// that was dropped given back.
+    /// Bytes in use now, after the device's pending work (frees included).
     pub fn used(&self) -> Result<usize, CudaError> {
         use cudarc::driver::sys;
         self.ctx.bind_to_thread().map_err(cuda_err)?;
         self.ctx.synchronize().map_err(cuda_err)?;
         let mut pool = std::ptr::null_mut();
-        let mut reserved: u64 = 0;
-        // SAFETY: a valid device of a bound context; trimming frees only unused memory;
-        // the attribute is a u64.
+        let mut used: u64 = 0;
+        // SAFETY: a valid device of a bound context; the attribute is a u64.
         unsafe {
-            sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device())
+            sys::cuDeviceGetMemPool(&mut pool, self.ctx.cu_device())
                 .result()
                 .map_err(cuda_err)?;
-            sys::cuMemPoolTrimTo(pool, 0).result().map_err(cuda_err)?;
             sys::cuMemPoolGetAttribute(
                 pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-                &mut reserved as *mut u64 as *mut std::ffi::c_void,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                &mut used as *mut u64 as *mut std::ffi::c_void,
             )
             .result()
             .map_err(cuda_err)?;
         }
-        Ok(reserved as usize)
+        Ok(used as usize)
     }
 }
 
