@@ -2,7 +2,8 @@
 drains: it refuses new requests, so the gateway sends them to the other decode worker;
 every stream it runs finishes; then it exits, well inside its drain bound, and nothing is
 left held anywhere; the gateway's `/ready` stays 200 all along.  A gateway told to stop drains too: its open streams run to their
-end, `/health` says `draining` meanwhile, and it exits once they are done."""
+end, `/health` says `draining` meanwhile, and it exits once they are done. A decode worker
+that stops answering without exiting holds no request past the gateway's start timeout."""
 
 from __future__ import annotations
 
@@ -138,4 +139,32 @@ def test_sigterm_drains_the_gateway_its_open_streams_run_to_their_end(tmp_path):
         assert stream(client, model, 7)[2] == "length"
     finally:
         m.ports = json.loads((tmp_path / "ports.json").read_text())
+        assert stop_up(m) == 0, m.log()[-4000:]
+
+
+def test_a_stopped_decode_worker_is_passed_over_after_the_start_timeout(tmp_path):
+    """A decode worker that stops answering (SIGSTOP: its connections stay open, nothing
+    comes back, as on a host whose link black-holes packets) holds no request: the one
+    routed to it is tried again on the other decode worker once the gateway's start
+    timeout passes, and the gateway says which worker it passed over. Every request gets
+    the answer it gets with both workers up."""
+    m = start_up(tmp_path, ["--no-smoke-test", "--decode", "2", "--gateway-arg=--worker-start-timeout-ms=1000"])
+    victim = m.ports["pids"]["decode"][0]
+    try:
+        client, model = m.client(), m.model
+        # A client that waits no longer than a test should: a request left with the
+        # stopped worker fails here instead of hanging.
+        client = client.with_options(timeout=60)
+        want = stream(client, model, 1)
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            # At once, so least-loaded routing gives each decode worker some of them.
+            with cf.ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(lambda _: stream(client, model, 1), range(4)))
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        assert got == [want] * 4, (got, want)
+        log = m.log()
+        assert "did not start the request within 1000 ms: passed over" in log, log[-4000:]
+    finally:
         assert stop_up(m) == 0, m.log()[-4000:]

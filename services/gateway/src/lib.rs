@@ -63,6 +63,14 @@ pub struct Config {
     /// How often --prefill-dns and --decode-dns are looked up.
     #[arg(long, env = "PDMESH_DISCOVERY_INTERVAL_MS", default_value_t = 5_000)]
     pub discovery_interval_ms: u64,
+    /// How long a worker may take to start a request (to answer the Generate call; the
+    /// tokens may take as long as they take). A worker that does not (a stopped process,
+    /// a host whose link black-holes packets) fails the start as UNAVAILABLE: the request
+    /// is tried once more on another worker, and new requests pass that one over for a
+    /// while. Without it, requests picked for a hung worker would wait for it.
+    #[arg(long, env = "PDMESH_WORKER_START_TIMEOUT_MS",
+          default_value_t = route::START_TIMEOUT.as_millis() as u64)]
+    pub worker_start_timeout_ms: u64,
     /// gRPC address of the cache service, whose host-mirror state `/metrics` reports;
     /// one per host when the mesh spans hosts (repeat the flag or separate with commas:
     /// `/metrics` sums them). Without it, a disaggregated gateway follows the cache
@@ -130,6 +138,7 @@ impl Config {
             prefill_dns: Vec::new(),
             decode_dns: Vec::new(),
             discovery_interval_ms: 5_000,
+            worker_start_timeout_ms: route::START_TIMEOUT.as_millis() as u64,
             cache_url: Vec::new(),
             model_name: None,
             api_key: None,
@@ -187,6 +196,11 @@ impl Config {
                 "--discovery-interval-ms must be at least 1".into(),
             ));
         }
+        if self.worker_start_timeout_ms == 0 {
+            return Err(Error::Config(
+                "--worker-start-timeout-ms must be at least 1".into(),
+            ));
+        }
         Ok(())
     }
 
@@ -217,6 +231,9 @@ pub async fn run(
     for url in &cfg.cache_url {
         backends = backends.with_cache(url)?;
     }
+    backends
+        .workers
+        .set_start_timeout(Duration::from_millis(cfg.worker_start_timeout_ms));
     backends.workers.run_tasks(shutdown.child_token());
     let every = Duration::from_millis(cfg.discovery_interval_ms);
     for (prefill, names) in [(true, &cfg.prefill_dns), (false, &cfg.decode_dns)] {

@@ -266,7 +266,13 @@ pub(crate) struct Workers {
     /// [`GROUP_TTL`].
     groups: Mutex<std::collections::HashMap<String, (String, String, std::time::Instant)>>,
     pub counts: RouteCounts,
+    /// How long a worker may take to start a request (answer Generate with its stream's
+    /// headers), in milliseconds; see [`Workers::set_start_timeout`].
+    start_timeout_ms: std::sync::atomic::AtomicU64,
 }
+
+/// How long a worker may take to start a request unless the gateway is told otherwise.
+pub(crate) const START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// How long a prompt group's route is kept: its choices start together, so a short time.
 const GROUP_TTL: std::time::Duration = std::time::Duration::from_secs(30);
@@ -293,6 +299,7 @@ impl Workers {
             hosts: Mutex::default(),
             groups: Mutex::default(),
             counts: RouteCounts::default(),
+            start_timeout_ms: (START_TIMEOUT.as_millis() as u64).into(),
         }
     }
 
@@ -311,11 +318,24 @@ impl Workers {
             hosts: Mutex::default(),
             groups: Mutex::default(),
             counts: RouteCounts::default(),
+            start_timeout_ms: (START_TIMEOUT.as_millis() as u64).into(),
         }
     }
 
     fn pool(&self) -> Arc<Pool> {
         self.pool.read().expect("pool lock").clone()
+    }
+
+    /// How long a worker may take to start a request. One that takes longer (a stopped
+    /// process, a host that black-holes packets) fails the start as UNAVAILABLE: the
+    /// request is tried once more elsewhere, and picks pass the worker over for a while.
+    pub fn set_start_timeout(&self, limit: std::time::Duration) {
+        self.start_timeout_ms
+            .store(limit.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn start_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.start_timeout_ms.load(Ordering::Relaxed))
     }
 
     /// Requests whose streams are open: on the unified worker, or at decode (a PD
@@ -673,12 +693,11 @@ impl Workers {
     }
 
     async fn start(&self, mut req: wk::GenerateRequest) -> Result<GenStream, Status> {
+        let limit = self.start_timeout();
         if let Some(t) = self.unified.first() {
             let guard = Inflight::new(&t.inflight);
-            let s = t
-                .client
-                .clone()
-                .generate(pdmesh_telemetry::request(req))
+            let mut c = t.client.clone();
+            let s = started(t, limit, c.generate(pdmesh_telemetry::request(req)))
                 .await?
                 .into_inner();
             return Ok(Box::pin(s.map(move |m| {
@@ -714,12 +733,37 @@ impl Workers {
             pdmesh_telemetry::request(preq),
             pdmesh_telemetry::request(req),
         );
-        let (ps, ds) = tokio::join!(pc.generate(preq), dc.generate(req));
-        pt.note(&ps);
-        dt.note(&ds);
+        let (ps, ds) = tokio::join!(
+            started(&pt, limit, pc.generate(preq)),
+            started(&dt, limit, dc.generate(req))
+        );
         let (ps, ds) = (ps?.into_inner(), ds?.into_inner());
         Ok(merge(ps, ds, guards))
     }
+}
+
+/// `call`, worker `t`'s Generate, bounded by `limit` until the worker answers with its
+/// stream's headers: one that does not is UNAVAILABLE. Either UNAVAILABLE is noted, so
+/// picks pass the worker over for a while.
+async fn started<T>(
+    t: &Target,
+    limit: std::time::Duration,
+    call: impl std::future::Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    let r = match tokio::time::timeout(limit, call).await {
+        Ok(r) => r,
+        Err(_) => {
+            let e = format!(
+                "worker {} did not start the request within {} ms",
+                t.url,
+                limit.as_millis()
+            );
+            tracing::warn!("{e}: passed over for {} s", AVOID_REFUSED.as_secs());
+            Err(Status::unavailable(e))
+        }
+    };
+    t.note(&r);
+    r
 }
 
 /// How long decode's ABORTED (its room failed) waits for prefill's own error, the cause
@@ -916,6 +960,8 @@ mod tests {
         told: Arc<Mutex<Vec<String>>>,
         /// How many Generate calls to refuse as UNAVAILABLE first.
         refuse: std::sync::atomic::AtomicUsize,
+        /// Never answer Generate (a stopped process).
+        hang: bool,
     }
 
     #[tonic::async_trait]
@@ -926,6 +972,9 @@ mod tests {
             r: tonic::Request<wk::GenerateRequest>,
         ) -> Result<tonic::Response<GenStream>, Status> {
             self.told.lock().unwrap().push(r.into_inner().kv_home);
+            if self.hang {
+                std::future::pending::<()>().await;
+            }
             if self
                 .refuse
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
@@ -1068,6 +1117,67 @@ mod tests {
             assert_eq!(ptold.lock().unwrap().len(), 2, "prefill refused {refused}");
             assert_eq!(dtold.lock().unwrap().len(), 2, "prefill refused {refused}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_does_not_start_requests_is_passed_over_after_the_timeout() {
+        // The first decode worker accepts the connection but never answers (a stopped
+        // process): the start fails after the timeout, the retry goes to the second,
+        // and so do the requests after it.
+        let (hung, other) = (Arc::default(), Arc::default());
+        let p = Scripted {
+            script: vec![vec![5]],
+            ..Scripted::default()
+        };
+        let d1 = Scripted {
+            told: Arc::clone(&hung),
+            hang: true,
+            ..Scripted::default()
+        };
+        let d2 = Scripted {
+            script: vec![vec![5], vec![7]],
+            told: Arc::clone(&other),
+            ..Scripted::default()
+        };
+        let w = Workers::pd(vec![serve(p).await], vec![serve(d1).await, serve(d2).await]);
+        w.set_start_timeout(std::time::Duration::from_millis(300));
+        for _ in 0..3 {
+            let mut s = w.generate(wk::GenerateRequest::default()).await.unwrap();
+            let mut ids = Vec::new();
+            while let Some(m) = s.next().await {
+                if let Some(wk::generate_response::Kind::Chunk(c)) = m.unwrap().kind {
+                    ids.extend(c.token_ids);
+                }
+            }
+            assert_eq!(ids, [5, 7]);
+        }
+        assert_eq!(
+            hung.lock().unwrap().len(),
+            1,
+            "asked once, then passed over"
+        );
+        assert_eq!(other.lock().unwrap().len(), 3);
+        // With no other worker, the request fails as UNAVAILABLE and says why.
+        let p = Scripted {
+            script: vec![vec![5]],
+            ..Scripted::default()
+        };
+        let d = Scripted {
+            hang: true,
+            ..Scripted::default()
+        };
+        let w = Workers::pd(vec![serve(p).await], vec![serve(d).await]);
+        w.set_start_timeout(std::time::Duration::from_millis(200));
+        let e = match w.generate(wk::GenerateRequest::default()).await {
+            Err(e) => e,
+            Ok(_) => panic!("a hung decode worker started the request"),
+        };
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+        assert!(
+            e.message()
+                .contains("did not start the request within 200 ms"),
+            "{e:?}"
+        );
     }
 
     #[tokio::test]
