@@ -3,7 +3,8 @@ drains: it refuses new requests, so the gateway sends them to the other decode w
 every stream it runs finishes; then it exits, well inside its drain bound, and nothing is
 left held anywhere; the gateway's `/ready` stays 200 all along.  A gateway told to stop drains too: its open streams run to their
 end, `/health` says `draining` meanwhile, and it exits once they are done. A decode worker
-that stops answering without exiting holds no request past the gateway's start timeout."""
+that stops answering without exiting holds no request past the gateway's start timeout,
+and is taken back once it answers again."""
 
 from __future__ import annotations
 
@@ -146,8 +147,9 @@ def test_a_stopped_decode_worker_is_passed_over_after_the_start_timeout(tmp_path
     """A decode worker that stops answering (SIGSTOP: its connections stay open, nothing
     comes back, as on a host whose link black-holes packets) holds no request: the one
     routed to it is tried again on the other decode worker once the gateway's start
-    timeout passes, and the gateway says which worker it passed over. Every request gets
-    the answer it gets with both workers up."""
+    timeout passes, and the gateway says which worker it passed over, until the worker
+    answers its health probe again. Every request gets the answer it gets with both
+    workers up."""
     m = start_up(tmp_path, ["--no-smoke-test", "--decode", "2", "--gateway-arg=--worker-start-timeout-ms=1000"])
     victim = m.ports["pids"]["decode"][0]
     try:
@@ -166,5 +168,12 @@ def test_a_stopped_decode_worker_is_passed_over_after_the_start_timeout(tmp_path
         assert got == [want] * 4, (got, want)
         log = m.log()
         assert "did not start the request within 1000 ms: passed over" in log, log[-4000:]
+        # Running again, it answers the gateway's health probe and is taken back.
+        deadline = time.monotonic() + 30
+        while "answers again: no longer passed over" not in m.log():
+            assert time.monotonic() < deadline, m.log()[-4000:]
+            time.sleep(0.2)
+        with cf.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda _: stream(client, model, 1), range(4))) == [want] * 4
     finally:
         assert stop_up(m) == 0, m.log()[-4000:]

@@ -66,8 +66,9 @@ pub struct Config {
     /// How long a worker may take to start a request (to answer the Generate call; the
     /// tokens may take as long as they take). A worker that does not (a stopped process,
     /// a host whose link black-holes packets) fails the start as UNAVAILABLE: the request
-    /// is tried once more on another worker, and new requests pass that one over for a
-    /// while. Without it, requests picked for a hung worker would wait for it.
+    /// is tried once more on another worker, and new requests pass that one over until it
+    /// answers a health probe (every 2 s). Without it, requests picked for a hung worker
+    /// would wait for it.
     #[arg(long, env = "PDMESH_WORKER_START_TIMEOUT_MS",
           default_value_t = route::START_TIMEOUT.as_millis() as u64)]
     pub worker_start_timeout_ms: u64,

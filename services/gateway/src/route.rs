@@ -98,10 +98,16 @@ pub(crate) struct Target {
     /// When it last refused a start as UNAVAILABLE (draining at shutdown, its cache link
     /// registering again): picks avoid it for [`AVOID_REFUSED`] while another can serve.
     refused: Mutex<Option<std::time::Instant>>,
+    /// It did not start a request in time (a stopped process, a black-holed link): picks
+    /// pass it over until it answers a health probe again (see [`Target::probe_until_it_answers`]).
+    hung: std::sync::atomic::AtomicBool,
 }
 
 /// How long a worker that refused a start as UNAVAILABLE is passed over.
 const AVOID_REFUSED: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How often a worker that did not start a request in time is asked for its health.
+const HUNG_PROBE_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl Target {
     fn new((url, client): (String, WorkerClient<Channel>)) -> Self {
@@ -114,6 +120,7 @@ impl Target {
             inflight: Default::default(),
             home: tokio::sync::OnceCell::new(),
             refused: Mutex::default(),
+            hung: Default::default(),
         }
     }
 
@@ -137,12 +144,39 @@ impl Target {
         }
     }
 
-    /// Whether it refused a start within [`AVOID_REFUSED`].
+    /// Whether it refused a start within [`AVOID_REFUSED`], or did not start one in time
+    /// and has not answered since.
     fn avoided(&self) -> bool {
-        self.refused
-            .lock()
-            .expect("refused lock")
-            .is_some_and(|t| t.elapsed() < AVOID_REFUSED)
+        self.hung.load(Ordering::Relaxed)
+            || self
+                .refused
+                .lock()
+                .expect("refused lock")
+                .is_some_and(|t| t.elapsed() < AVOID_REFUSED)
+    }
+
+    /// Marks it hung, and asks for its health every [`HUNG_PROBE_EVERY`] until it answers
+    /// (then picks take it again) or it leaves. One prober at a time.
+    fn probe_until_it_answers(self: &Arc<Self>) {
+        if self.hung.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let t = Arc::clone(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = t.tasks.cancelled() => return,
+                    () = tokio::time::sleep(HUNG_PROBE_EVERY) => {}
+                }
+                let mut c = t.client.clone();
+                let call = c.health(wk::HealthRequest {});
+                if let Ok(Ok(_)) = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await {
+                    t.hung.store(false, Ordering::Relaxed);
+                    tracing::info!(worker = %t.url, "answers again: no longer passed over");
+                    return;
+                }
+            }
+        });
     }
 
     async fn home(&self) -> Result<&str, Status> {
@@ -743,27 +777,29 @@ impl Workers {
 }
 
 /// `call`, worker `t`'s Generate, bounded by `limit` until the worker answers with its
-/// stream's headers: one that does not is UNAVAILABLE. Either UNAVAILABLE is noted, so
-/// picks pass the worker over for a while.
+/// stream's headers: one that does not is UNAVAILABLE, and passed over until it answers a
+/// health probe. A refusal as UNAVAILABLE is noted too (passed over for a while).
 async fn started<T>(
-    t: &Target,
+    t: &Arc<Target>,
     limit: std::time::Duration,
     call: impl std::future::Future<Output = Result<T, Status>>,
 ) -> Result<T, Status> {
-    let r = match tokio::time::timeout(limit, call).await {
-        Ok(r) => r,
+    match tokio::time::timeout(limit, call).await {
+        Ok(r) => {
+            t.note(&r);
+            r
+        }
         Err(_) => {
             let e = format!(
                 "worker {} did not start the request within {} ms",
                 t.url,
                 limit.as_millis()
             );
-            tracing::warn!("{e}: passed over for {} s", AVOID_REFUSED.as_secs());
+            tracing::warn!("{e}: passed over until it answers a health probe");
+            t.probe_until_it_answers();
             Err(Status::unavailable(e))
         }
-    };
-    t.note(&r);
-    r
+    }
 }
 
 /// How long decode's ABORTED (its room failed) waits for prefill's own error, the cause
@@ -960,8 +996,8 @@ mod tests {
         told: Arc<Mutex<Vec<String>>>,
         /// How many Generate calls to refuse as UNAVAILABLE first.
         refuse: std::sync::atomic::AtomicUsize,
-        /// Never answer Generate (a stopped process).
-        hang: bool,
+        /// While set, answer neither Generate nor Health (a stopped process).
+        hang: Arc<std::sync::atomic::AtomicBool>,
     }
 
     #[tonic::async_trait]
@@ -972,7 +1008,7 @@ mod tests {
             r: tonic::Request<wk::GenerateRequest>,
         ) -> Result<tonic::Response<GenStream>, Status> {
             self.told.lock().unwrap().push(r.into_inner().kv_home);
-            if self.hang {
+            if self.hang.load(Ordering::Relaxed) {
                 std::future::pending::<()>().await;
             }
             if self
@@ -1000,6 +1036,9 @@ mod tests {
             &self,
             _r: tonic::Request<wk::HealthRequest>,
         ) -> Result<tonic::Response<wk::HealthResponse>, Status> {
+            if self.hang.load(Ordering::Relaxed) {
+                std::future::pending::<()>().await;
+            }
             Ok(tonic::Response::new(wk::HealthResponse {
                 ok: true,
                 ..Default::default()
@@ -1119,19 +1158,33 @@ mod tests {
         }
     }
 
+    /// Runs one PD request through `w` and wants decode's `[5, 7]`.
+    async fn answered(w: &Workers) {
+        let mut s = w.generate(wk::GenerateRequest::default()).await.unwrap();
+        let mut ids = Vec::new();
+        while let Some(m) = s.next().await {
+            if let Some(wk::generate_response::Kind::Chunk(c)) = m.unwrap().kind {
+                ids.extend(c.token_ids);
+            }
+        }
+        assert_eq!(ids, [5, 7]);
+    }
+
     #[tokio::test]
-    async fn a_worker_that_does_not_start_requests_is_passed_over_after_the_timeout() {
-        // The first decode worker accepts the connection but never answers (a stopped
-        // process): the start fails after the timeout, the retry goes to the second,
-        // and so do the requests after it.
+    async fn a_worker_that_does_not_start_requests_is_passed_over_until_it_answers() {
+        // The first decode worker accepts connections but answers nothing (a stopped
+        // process): the start fails after the timeout, the retry goes to the second, and
+        // so do the requests after it, for as long as it does not answer.
         let (hung, other) = (Arc::default(), Arc::default());
+        let stopped = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let p = Scripted {
             script: vec![vec![5]],
             ..Scripted::default()
         };
         let d1 = Scripted {
+            script: vec![vec![5], vec![7]],
             told: Arc::clone(&hung),
-            hang: true,
+            hang: Arc::clone(&stopped),
             ..Scripted::default()
         };
         let d2 = Scripted {
@@ -1142,14 +1195,7 @@ mod tests {
         let w = Workers::pd(vec![serve(p).await], vec![serve(d1).await, serve(d2).await]);
         w.set_start_timeout(std::time::Duration::from_millis(300));
         for _ in 0..3 {
-            let mut s = w.generate(wk::GenerateRequest::default()).await.unwrap();
-            let mut ids = Vec::new();
-            while let Some(m) = s.next().await {
-                if let Some(wk::generate_response::Kind::Chunk(c)) = m.unwrap().kind {
-                    ids.extend(c.token_ids);
-                }
-            }
-            assert_eq!(ids, [5, 7]);
+            answered(&w).await;
         }
         assert_eq!(
             hung.lock().unwrap().len(),
@@ -1157,13 +1203,27 @@ mod tests {
             "asked once, then passed over"
         );
         assert_eq!(other.lock().unwrap().len(), 3);
+        assert!(w.pool().decode[0].avoided());
+        // It answers again (SIGCONT): a health probe finds it, and picks take it again.
+        stopped.store(false, Ordering::Relaxed);
+        let deadline = std::time::Instant::now() + HUNG_PROBE_EVERY * 5;
+        while w.pool().decode[0].avoided() {
+            assert!(std::time::Instant::now() < deadline, "never taken back");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        answered(&w).await;
+        assert_eq!(
+            hung.lock().unwrap().len(),
+            2,
+            "taken again once it answered"
+        );
         // With no other worker, the request fails as UNAVAILABLE and says why.
         let p = Scripted {
             script: vec![vec![5]],
             ..Scripted::default()
         };
         let d = Scripted {
-            hang: true,
+            hang: Arc::new(true.into()),
             ..Scripted::default()
         };
         let w = Workers::pd(vec![serve(p).await], vec![serve(d).await]);
