@@ -13,6 +13,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, PushKernelArg};
 use half::f16;
 use pdmesh_engine::cuda::device::{Gpu, KernelBuild, grid};
+use pdmesh_engine::cuda::llama::{MatmulKernel, matmul};
 use pdmesh_engine::deepseek::index_score;
 use pdmesh_kv::fp8::{ScaleRule, dequantize_block, quantize_block};
 use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
@@ -575,9 +576,11 @@ fn paged_attention_of_a_tensor_parallel_rank() {
 
 // ---- matmul_rows ------------------------------------------------------------------------
 
+/// A product through the engine's own launch (`cuda::llama::matmul`), with `kernel`.
 #[allow(clippy::too_many_arguments)]
-fn launch_matmul(
+fn launch_mm(
     g: &Gpu,
+    kernel: MatmulKernel,
     w: &CudaSlice<f32>,
     x: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
@@ -587,12 +590,11 @@ fn launch_matmul(
     out_stride: usize,
     out_col0: usize,
 ) {
-    let (ri, ci, si, c0) = (rows as i32, cols as i32, out_stride as i32, out_col0 as i32);
-    let mut b = g.compute.launch_builder(g.kernel("matmul_rows"));
-    b.arg(w).arg(x).arg(out).arg(&ri).arg(&ci).arg(&si).arg(&c0);
-    // SAFETY: matmul_rows(const float*, const float*, float*, int, int, int, int); w is
-    // rows × cols, x tokens × cols, out tokens rows of out_stride ≥ out_col0 + rows.
-    unsafe { b.launch(grid((rows.div_ceil(8) as u32, tokens as u32, 1), 256)) }.unwrap();
+    let s = g.compute.clone();
+    matmul(
+        g, &s, kernel, w, rows, cols, x, tokens, out, out_stride, out_col0,
+    )
+    .unwrap();
 }
 
 /// Against an f64 reference (tolerance 1e-5 relative to Σ|w·x|); batch invariance (each
@@ -610,7 +612,18 @@ fn matmul_rows_is_accurate_batch_invariant_and_placed() {
         let x = uniform(&mut r, t * cols, -1.0, 1.0);
         let (dw, dx) = (up(s, &w), up(s, &x));
         let mut out = s.alloc_zeros::<f32>(t * rows).unwrap();
-        launch_matmul(&g, &dw, &dx, &mut out, rows, cols, t, rows, 0);
+        launch_mm(
+            &g,
+            MatmulKernel::Rows,
+            &dw,
+            &dx,
+            &mut out,
+            rows,
+            cols,
+            t,
+            rows,
+            0,
+        );
         let batch = down(s, &out);
         for ti in 0..t {
             for ri in 0..rows {
@@ -637,7 +650,18 @@ fn matmul_rows_is_accurate_batch_invariant_and_placed() {
         for ti in 0..t {
             let dxi = up(s, &x[ti * cols..(ti + 1) * cols]);
             let mut alone = s.alloc_zeros::<f32>(rows).unwrap();
-            launch_matmul(&g, &dw, &dxi, &mut alone, rows, cols, 1, rows, 0);
+            launch_mm(
+                &g,
+                MatmulKernel::Rows,
+                &dw,
+                &dxi,
+                &mut alone,
+                rows,
+                cols,
+                1,
+                rows,
+                0,
+            );
             // Tolerance: exact (batch invariance).
             assert_bits_eq(
                 &down(s, &alone),
@@ -649,7 +673,18 @@ fn matmul_rows_is_accurate_batch_invariant_and_placed() {
         let (stride, col0) = (rows + 50, 20usize);
         const SENTINEL: f32 = -777.0;
         let mut placed = up(s, &vec![SENTINEL; t * stride]);
-        launch_matmul(&g, &dw, &dx, &mut placed, rows, cols, t, stride, col0);
+        launch_mm(
+            &g,
+            MatmulKernel::Rows,
+            &dw,
+            &dx,
+            &mut placed,
+            rows,
+            cols,
+            t,
+            stride,
+            col0,
+        );
         let placed = down(s, &placed);
         for ti in 0..t {
             let row = &placed[ti * stride..(ti + 1) * stride];
@@ -674,35 +709,6 @@ fn matmul_rows_is_accurate_batch_invariant_and_placed() {
 }
 
 // ---- matmul_tiles ----------------------------------------------------------------------
-
-#[allow(clippy::too_many_arguments)]
-fn launch_tiles(
-    g: &Gpu,
-    w: &CudaSlice<f32>,
-    x: &CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    rows: usize,
-    cols: usize,
-    tokens: usize,
-    out_stride: usize,
-    out_col0: usize,
-) {
-    let (ri, ci, ti) = (rows as i32, cols as i32, tokens as i32);
-    let (si, c0) = (out_stride as i32, out_col0 as i32);
-    let mut b = g.compute.launch_builder(g.kernel("matmul_tiles"));
-    b.arg(w)
-        .arg(x)
-        .arg(out)
-        .arg(&ri)
-        .arg(&ci)
-        .arg(&ti)
-        .arg(&si)
-        .arg(&c0);
-    let blocks = (rows.div_ceil(32) as u32, tokens.div_ceil(16) as u32, 1);
-    // SAFETY: matmul_tiles(const float*, const float*, float*, int, int, int, int, int); w
-    // is rows × cols, x tokens × cols, out tokens rows of out_stride ≥ out_col0 + rows.
-    unsafe { b.launch(grid(blocks, 256)) }.unwrap();
-}
 
 /// matmul_tiles gives matmul_rows's bits (exact) for every token and row: SmolLM2's
 /// shapes, DeepSeek-like ones, rows not a multiple of 8 or 32, cols not of 32, token
@@ -729,12 +735,54 @@ fn matmul_tiles_gives_matmul_rows_bits() {
             let x = uniform(&mut r, t * cols, -1.0, 1.0);
             let dx = up(s, &x);
             let mut by_rows = s.alloc_zeros::<f32>(t * rows).unwrap();
-            launch_matmul(&g, &dw, &dx, &mut by_rows, rows, cols, t, rows, 0);
+            launch_mm(
+                &g,
+                MatmulKernel::Rows,
+                &dw,
+                &dx,
+                &mut by_rows,
+                rows,
+                cols,
+                t,
+                rows,
+                0,
+            );
             let (stride, col0) = (rows + 9, 4usize);
             const SENTINEL: f32 = -555.0;
             let mut by_tiles = up(s, &vec![SENTINEL; t * stride]);
-            launch_tiles(&g, &dw, &dx, &mut by_tiles, rows, cols, t, stride, col0);
+            launch_mm(
+                &g,
+                MatmulKernel::Tiles,
+                &dw,
+                &dx,
+                &mut by_tiles,
+                rows,
+                cols,
+                t,
+                stride,
+                col0,
+            );
+            // The engine's own choice for t tokens (rows below 16, tiles from there).
+            let mut by_choice = s.alloc_zeros::<f32>(t * rows).unwrap();
+            launch_mm(
+                &g,
+                MatmulKernel::Invariant,
+                &dw,
+                &dx,
+                &mut by_choice,
+                rows,
+                cols,
+                t,
+                rows,
+                0,
+            );
             let (want, got) = (down(s, &by_rows), down(s, &by_tiles));
+            // Tolerance: exact.
+            assert_bits_eq(
+                &down(s, &by_choice),
+                &want,
+                &format!("invariant {rows}x{cols}, {t} tokens"),
+            );
             for ti in 0..t {
                 let row = &got[ti * stride..(ti + 1) * stride];
                 // Tolerance: exact.

@@ -1085,7 +1085,15 @@ mod tests {
 
     /// The token ids a PD request's merged stream shows, or its error.
     async fn merged(prefill: Scripted, decode: Scripted) -> Result<Vec<u32>, Status> {
-        let w = Workers::pd(vec![serve(prefill).await], vec![serve(decode).await]);
+        ids_of(&Workers::pd(
+            vec![serve(prefill).await],
+            vec![serve(decode).await],
+        ))
+        .await
+    }
+
+    /// The token ids one request through `w` shows, or its error.
+    async fn ids_of(w: &Workers) -> Result<Vec<u32>, Status> {
         let mut s = w.generate(wk::GenerateRequest::default()).await?;
         let mut ids = Vec::new();
         while let Some(m) = s.next().await {
@@ -1158,16 +1166,29 @@ mod tests {
         }
     }
 
+    type Told = Arc<Mutex<Vec<String>>>;
+
+    /// A prefill worker and two decode workers streaming `[5]` then `[7]`, the first of
+    /// them `first` otherwise; and what each decode worker was told, one entry a start.
+    async fn two_decode(first: Scripted) -> (Workers, Told, Told) {
+        let (t1, t2): (Told, Told) = (Arc::default(), Arc::default());
+        let p = Scripted {
+            script: vec![vec![5]],
+            ..Scripted::default()
+        };
+        let d = |told: &Told, base: Scripted| Scripted {
+            script: vec![vec![5], vec![7]],
+            told: Arc::clone(told),
+            ..base
+        };
+        let (d1, d2) = (d(&t1, first), d(&t2, Scripted::default()));
+        let w = Workers::pd(vec![serve(p).await], vec![serve(d1).await, serve(d2).await]);
+        (w, t1, t2)
+    }
+
     /// Runs one PD request through `w` and wants decode's `[5, 7]`.
     async fn answered(w: &Workers) {
-        let mut s = w.generate(wk::GenerateRequest::default()).await.unwrap();
-        let mut ids = Vec::new();
-        while let Some(m) = s.next().await {
-            if let Some(wk::generate_response::Kind::Chunk(c)) = m.unwrap().kind {
-                ids.extend(c.token_ids);
-            }
-        }
-        assert_eq!(ids, [5, 7]);
+        assert_eq!(ids_of(w).await.unwrap(), [5, 7]);
     }
 
     #[tokio::test]
@@ -1175,24 +1196,12 @@ mod tests {
         // The first decode worker accepts connections but answers nothing (a stopped
         // process): the start fails after the timeout, the retry goes to the second, and
         // so do the requests after it, for as long as it does not answer.
-        let (hung, other) = (Arc::default(), Arc::default());
         let stopped = Arc::new(std::sync::atomic::AtomicBool::new(true));
-        let p = Scripted {
-            script: vec![vec![5]],
-            ..Scripted::default()
-        };
-        let d1 = Scripted {
-            script: vec![vec![5], vec![7]],
-            told: Arc::clone(&hung),
+        let (w, hung, other) = two_decode(Scripted {
             hang: Arc::clone(&stopped),
             ..Scripted::default()
-        };
-        let d2 = Scripted {
-            script: vec![vec![5], vec![7]],
-            told: Arc::clone(&other),
-            ..Scripted::default()
-        };
-        let w = Workers::pd(vec![serve(p).await], vec![serve(d1).await, serve(d2).await]);
+        })
+        .await;
         w.set_start_timeout(std::time::Duration::from_millis(300));
         for _ in 0..3 {
             answered(&w).await;
@@ -1244,32 +1253,13 @@ mod tests {
     async fn a_decode_worker_that_refuses_starts_is_passed_over_for_the_other() {
         // The first decode worker drains (it refuses every start as UNAVAILABLE): the
         // retry goes to the second, and so do the requests after it.
-        let (draining, other) = (Arc::default(), Arc::default());
-        let p = Scripted {
-            script: vec![vec![5]],
-            ..Scripted::default()
-        };
-        let d1 = Scripted {
-            script: vec![vec![5], vec![7]],
-            told: Arc::clone(&draining),
+        let (w, draining, other) = two_decode(Scripted {
             refuse: usize::MAX.into(),
             ..Scripted::default()
-        };
-        let d2 = Scripted {
-            script: vec![vec![5], vec![7]],
-            told: Arc::clone(&other),
-            ..Scripted::default()
-        };
-        let w = Workers::pd(vec![serve(p).await], vec![serve(d1).await, serve(d2).await]);
+        })
+        .await;
         for _ in 0..3 {
-            let mut s = w.generate(wk::GenerateRequest::default()).await.unwrap();
-            let mut ids = Vec::new();
-            while let Some(m) = s.next().await {
-                if let Some(wk::generate_response::Kind::Chunk(c)) = m.unwrap().kind {
-                    ids.extend(c.token_ids);
-                }
-            }
-            assert_eq!(ids, [5, 7]);
+            answered(&w).await;
         }
         assert_eq!(
             draining.lock().unwrap().len(),

@@ -26,7 +26,7 @@ use pdmesh_kv::{IndexKDtype, KvLayout, MlaCacheDtype};
 
 use super::device::{Gpu, KernelBuild, grid};
 use super::host::{PinnedHost, upload_layers};
-use super::llama::{Job, KvSpan, RankOut, add_in_place, matmul, rms_norm, swiglu};
+use super::llama::{Job, KvSpan, MatmulKernel, RankOut, add_in_place, matmul, rms_norm, swiglu};
 use super::{CudaError, cuda_err};
 use crate::deepseek::{DeepSeekModel, DsConfig, Ffn, Lin, Mlp};
 
@@ -137,7 +137,7 @@ impl Comps {
 
 /// DeepSeek V3.2 on one device: its weights and its copy of the pool.
 pub struct DsRank {
-    gpu: Gpu,
+    pub(super) gpu: Gpu,
     cfg: DsConfig,
     invariant: bool,
     dense: bool,
@@ -252,17 +252,6 @@ impl DsRank {
 
     /// One forward pass; see the module docs.
     pub fn forward(&mut self, job: &Job) -> Result<RankOut, CudaError> {
-        let out = self.forward_queued(job);
-        if out.is_err() {
-            // Copies from the pinned host pool and kernels may still be queued: let them
-            // finish before the error lets anyone free the pool or unpin it.
-            let _ = self.gpu.load.synchronize();
-            let _ = self.gpu.compute.synchronize();
-        }
-        out
-    }
-
-    fn forward_queued(&mut self, job: &Job) -> Result<RankOut, CudaError> {
         self.pinned.register(job.host);
         let events = upload_layers(&self.gpu.load, &mut self.pool, &self.layout, job)?;
         let c = self.cfg.clone();
@@ -365,7 +354,7 @@ impl DsRank {
             // SAFETY: matches embed_gather; x holds t × d.
             unsafe { b.launch(grid((t as u32, 1, 1), 256)) }.map_err(cuda_err)?;
         }
-        let inv = self.invariant;
+        let inv = MatmulKernel::of(self.invariant);
         let mm = |w: &DLin, x: &CudaSlice<f32>, rows_t: usize, out: &mut CudaSlice<f32>| {
             matmul(
                 gpu, &s, inv, &w.w, w.rows, w.cols, x, rows_t, out, w.rows, 0,
@@ -620,7 +609,7 @@ impl DsRank {
         matmul(
             gpu,
             s,
-            self.invariant,
+            MatmulKernel::of(self.invariant),
             &w.w,
             w.rows,
             w.cols,
@@ -703,7 +692,7 @@ fn gather_f32_rows(
 fn mlp(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
-    inv: bool,
+    inv: MatmulKernel,
     m: &DMlp,
     x: &CudaSlice<f32>,
     t: usize,
@@ -754,7 +743,7 @@ fn mlp(
 fn ffn(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
-    inv: bool,
+    inv: MatmulKernel,
     c: &DsConfig,
     ffn: &DFfn,
     x: &CudaSlice<f32>,

@@ -146,7 +146,7 @@ pub struct RankOut {
 
 /// One rank: its device, its shard of the weights, its copy of the pool.
 pub struct LlamaRank {
-    gpu: Gpu,
+    pub(super) gpu: Gpu,
     cfg: LlamaConfig,
     spec: RankSpec,
     layout: Arc<KvLayout>,
@@ -273,17 +273,6 @@ impl LlamaRank {
 
     /// Run one forward for this rank. See the module docs.
     pub fn forward(&mut self, job: &Job) -> Result<RankOut, CudaError> {
-        let out = self.forward_queued(job);
-        if out.is_err() {
-            // Copies from the pinned host pool and kernels may still be queued: let them
-            // finish before the error lets anyone free the pool or unpin it.
-            let _ = self.gpu.load.synchronize();
-            let _ = self.gpu.compute.synchronize();
-        }
-        out
-    }
-
-    fn forward_queued(&mut self, job: &Job) -> Result<RankOut, CudaError> {
         if self.spec.rank == 0 {
             self.pinned.register(job.host);
         }
@@ -337,7 +326,7 @@ impl LlamaRank {
                 matmul(
                     gpu,
                     &s,
-                    spec.invariant,
+                    MatmulKernel::of(spec.invariant),
                     w,
                     rows,
                     cols,
@@ -527,7 +516,7 @@ impl LlamaRank {
         matmul(
             gpu,
             s,
-            self.spec.invariant,
+            MatmulKernel::of(self.spec.invariant),
             w,
             c.vocab,
             d,
@@ -685,7 +674,10 @@ const TILES_FROM: usize = 16;
 /// How a matrix product is computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum MatmulKernel {
-    /// `matmul_rows`: one warp per output (batch-invariant).
+    /// Batch-invariant: `Rows` below [`TILES_FROM`] tokens, `Tiles` from there (the same
+    /// bits either way).
+    Invariant,
+    /// `matmul_rows`: one warp per output.
     Rows,
     /// `matmul_tiles`: `matmul_rows`'s bits, 8 tokens × 8 rows per warp.
     Tiles,
@@ -693,34 +685,21 @@ pub enum MatmulKernel {
     Cublas,
 }
 
-/// `out[t·stride + col0 + r] = w[r] · x[t]` for `rows` rows of `cols` and `t` tokens.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul(
-    gpu: &Gpu,
-    s: &Arc<CudaStream>,
-    invariant: bool,
-    w: &CudaSlice<f32>,
-    rows: usize,
-    cols: usize,
-    x: &CudaSlice<f32>,
-    t: usize,
-    out: &mut CudaSlice<f32>,
-    out_stride: usize,
-    out_col0: usize,
-) -> Result<(), CudaError> {
-    let kernel = match (invariant, t < TILES_FROM) {
-        (false, _) => MatmulKernel::Cublas,
-        (true, true) => MatmulKernel::Rows,
-        (true, false) => MatmulKernel::Tiles,
-    };
-    matmul_with(
-        gpu, s, kernel, w, rows, cols, x, t, out, out_stride, out_col0,
-    )
+impl MatmulKernel {
+    /// The engine's choice: invariant, or cuBLAS (`--gpu-fast`).
+    pub fn of(invariant: bool) -> Self {
+        if invariant {
+            Self::Invariant
+        } else {
+            Self::Cublas
+        }
+    }
 }
 
-/// [`matmul`] with the kernel named.
+/// `out[t·stride + col0 + r] = w[r] · x[t]` for `rows` rows of `cols` and `t` tokens,
+/// on stream `s` (cuBLAS runs on the GPU's compute stream).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul_with(
+pub fn matmul(
     gpu: &Gpu,
     s: &Arc<CudaStream>,
     kernel: MatmulKernel,
@@ -746,70 +725,54 @@ pub(crate) fn matmul_with(
     };
     let (ri, ci) = (int(rows, "rows")?, int(cols, "cols")?);
     let (si, c0) = (int(out_stride, "out_stride")?, int(out_col0, "out_col0")?);
-    match kernel {
-        MatmulKernel::Rows if t > 65_535 => Err(CudaError(format!(
-            "matmul_rows: {t} tokens is past the grid's 65535"
-        ))),
-        MatmulKernel::Rows => {
-            let mut b = s.launch_builder(gpu.kernel("matmul_rows"));
-            b.arg(w).arg(x).arg(out).arg(&ri).arg(&ci).arg(&si).arg(&c0);
-            // SAFETY: matches matmul_rows; w is rows × cols, x is t × cols, out has t rows
-            // of out_stride.
-            unsafe { b.launch(grid((rows.div_ceil(8) as u32, t as u32, 1), 256)) }
-                .map(|_| ())
-                .map_err(cuda_err)
-        }
-        MatmulKernel::Tiles => {
-            let ti = int(t, "tokens")?;
-            let mut b = s.launch_builder(gpu.kernel("matmul_tiles"));
-            b.arg(w)
-                .arg(x)
-                .arg(out)
-                .arg(&ri)
-                .arg(&ci)
-                .arg(&ti)
-                .arg(&si)
-                .arg(&c0);
-            let blocks = (rows.div_ceil(32) as u32, t.div_ceil(16) as u32, 1);
-            // SAFETY: matches matmul_tiles; w is rows × cols, x is t × cols, out has t
-            // rows of out_stride.
-            unsafe { b.launch(grid(blocks, 256)) }
-                .map(|_| ())
-                .map_err(cuda_err)
-        }
-        MatmulKernel::Cublas => cublas(gpu, w, rows, cols, x, t, out, out_stride, out_col0),
-    }
-}
-
-/// cuBLAS SGEMM for [`matmul_with`].
-#[allow(clippy::too_many_arguments)]
-fn cublas(
-    gpu: &Gpu,
-    w: &CudaSlice<f32>,
-    rows: usize,
-    cols: usize,
-    x: &CudaSlice<f32>,
-    t: usize,
-    out: &mut CudaSlice<f32>,
-    out_stride: usize,
-    out_col0: usize,
-) -> Result<(), CudaError> {
-    // Column-major view: out (rows × t, ld out_stride) = wᵀ (rows × cols) · x (cols × t).
-    let cfg = GemmConfig {
-        transa: cublasOperation_t::CUBLAS_OP_T,
-        transb: cublasOperation_t::CUBLAS_OP_N,
-        m: rows as i32,
-        n: t as i32,
-        k: cols as i32,
-        alpha: 1.0f32,
-        lda: cols as i32,
-        ldb: cols as i32,
-        beta: 0.0f32,
-        ldc: out_stride as i32,
+    let kernel = match kernel {
+        MatmulKernel::Invariant if t < TILES_FROM => MatmulKernel::Rows,
+        MatmulKernel::Invariant => MatmulKernel::Tiles,
+        k => k,
     };
-    let mut c = out.slice_mut(out_col0..);
-    // SAFETY: the shapes above fit the buffers (w rows × cols, x t × cols, out t rows of
-    // out_stride from out_col0).
-    unsafe { gpu.blas.gemm(cfg, w, x, &mut c) }.map_err(|e| CudaError(format!("cuBLAS: {e}")))?;
-    Ok(())
+    let ti = int(t, "tokens")?;
+    let (name, blocks) = match kernel {
+        MatmulKernel::Rows if t > 65_535 => {
+            return Err(CudaError(format!(
+                "matmul_rows: {t} tokens is past the grid's 65535"
+            )));
+        }
+        MatmulKernel::Rows => ("matmul_rows", (rows.div_ceil(8) as u32, t as u32, 1)),
+        MatmulKernel::Tiles => (
+            "matmul_tiles",
+            (rows.div_ceil(32) as u32, t.div_ceil(16) as u32, 1),
+        ),
+        _ => {
+            // Column-major: out (rows × t, ld out_stride) = wᵀ (rows × cols) · x (cols × t).
+            let cfg = GemmConfig {
+                transa: cublasOperation_t::CUBLAS_OP_T,
+                transb: cublasOperation_t::CUBLAS_OP_N,
+                m: ri,
+                n: ti,
+                k: ci,
+                alpha: 1.0f32,
+                lda: ci,
+                ldb: ci,
+                beta: 0.0f32,
+                ldc: si,
+            };
+            let mut c = out.slice_mut(out_col0..);
+            // SAFETY: the shapes above fit the buffers (w rows × cols, x t × cols, out t
+            // rows of out_stride from out_col0).
+            return unsafe { gpu.blas.gemm(cfg, w, x, &mut c) }
+                .map_err(|e| CudaError(format!("cuBLAS: {e}")));
+        }
+    };
+    let mut b = s.launch_builder(gpu.kernel(name));
+    b.arg(w).arg(x).arg(out).arg(&ri).arg(&ci);
+    if kernel == MatmulKernel::Tiles {
+        b.arg(&ti);
+    }
+    b.arg(&si).arg(&c0);
+    // SAFETY: matches matmul_rows (w, x, out, rows, cols, out_stride, out_col0) and
+    // matmul_tiles (the same with tokens after cols); w is rows × cols, x is t × cols, out
+    // has t rows of out_stride from out_col0.
+    unsafe { b.launch(grid(blocks, 256)) }
+        .map(|_| ())
+        .map_err(cuda_err)
 }

@@ -68,10 +68,21 @@ pub enum Rank {
 
 impl Rank {
     fn forward(&mut self, job: &Job) -> Result<RankOut, CudaError> {
-        match self {
+        let out = match self {
             Rank::Llama(r) => r.forward(job),
             Rank::DeepSeek(r) => r.forward(job),
+        };
+        if out.is_err() {
+            // Copies from the pinned host pool and kernels may still be queued: let them
+            // finish before the error lets anyone free the pool or unpin it.
+            let gpu = match self {
+                Rank::Llama(r) => &r.gpu,
+                Rank::DeepSeek(r) => &r.gpu,
+            };
+            let _ = gpu.load.synchronize();
+            let _ = gpu.compute.synchronize();
         }
+        out
     }
 }
 
@@ -509,49 +520,35 @@ pub fn measure_load_back(
         Ok(bytes as f64 / best / 1e9)
     };
     let (base, _sync) = dev.device_ptr_mut(&load);
-    let bulk = |src: &[u8]| -> Result<(), CudaError> {
-        // SAFETY: `base` holds `bytes` bytes, as does `src`.
-        unsafe { cudarc::driver::result::memcpy_htod_async(base, src, load.cu_stream()) }
-            .map_err(cuda_err)
+    // One async copy of host[range] to the same offsets of the device buffer.
+    let copy = |r: std::ops::Range<usize>| -> Result<(), CudaError> {
+        // SAFETY: `r` lies in both buffers, which hold `bytes` bytes each.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                base + r.start as u64,
+                &host[r],
+                load.cu_stream(),
+            )
+        }
+        .map_err(cuda_err)
     };
-    let bulk_pageable_gb_s = time(&mut || bulk(&host))?;
+    let bulk_pageable_gb_s = time(&mut || copy(0..bytes))?;
     // Pinned from here; the guard unregisters before `host` drops, on every return.
     let _pinned = Registered::new(&host)?;
-    let bulk_pinned_gb_s = time(&mut || bulk(&host))?;
+    let bulk_pinned_gb_s = time(&mut || copy(0..bytes))?;
     let per_layer_gb_s = time(&mut || {
         for layer in 0..layout.layers() {
             let within = layout.layer_range(layer);
             for p in 0..pages {
                 let off = layout.page_offset(p);
-                let (start, end) = (off + within.start, off + within.end);
-                // SAFETY: in bounds of both buffers.
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(
-                        base + start as u64,
-                        &host[start..end],
-                        load.cu_stream(),
-                    )
-                }
-                .map_err(cuda_err)?;
+                copy(off + within.start..off + within.end)?;
             }
             load.record_event(None).map_err(cuda_err)?;
         }
         Ok(())
     })?;
     let per_page_gb_s = time(&mut || {
-        for p in 0..pages {
-            let (start, end) = (layout.page_offset(p), layout.page_offset(p + 1));
-            // SAFETY: in bounds of both buffers.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    base + start as u64,
-                    &host[start..end],
-                    load.cu_stream(),
-                )
-            }
-            .map_err(cuda_err)?;
-        }
-        Ok(())
+        (0..pages).try_for_each(|p| copy(layout.page_offset(p)..layout.page_offset(p + 1)))
     })?;
     Ok(LoadBack {
         bytes,
@@ -644,7 +641,7 @@ pub fn measure_matmul(
             MatmulKernel::Cublas,
         ] {
             let mut once = || {
-                llama::matmul_with(
+                llama::matmul(
                     &gpu, &s, kernel, &w, rows, cols, &x, tokens, &mut out, rows, 0,
                 )
             };
