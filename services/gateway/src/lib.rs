@@ -417,4 +417,16 @@ mod tests {
         assert!(c.validate().is_err());
         assert!(!base().disaggregated());
     }
+
+    #[test]
+    fn a_worker_start_timeout_of_zero_is_refused() {
+        let mut c = Config::new("http://t:1", "http://w:1");
+        c.validate().unwrap();
+        c.worker_start_timeout_ms = 0;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("--worker-start-timeout-ms must be at least 1"),
+            "{err}"
+        );
+    }
 }
