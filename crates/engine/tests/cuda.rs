@@ -9,7 +9,7 @@
 //!   and however its prompt was chunked (batch-invariant matrix products).
 //! - Load-back: pages imported into a GPU engine (a prefill/decode hand-over, written into
 //!   the pinned host pool and copied up layer by layer) give the same bits as the GPU
-//!   computing them itself.
+//!   computing them itself, for SmolLM2 and for DeepSeek in every cache form.
 //! - Device memory per token of KV, as the driver counts it, is `KvLayout`'s figure (both
 //!   models, every DeepSeek cache form); the figures are printed.
 
@@ -110,19 +110,23 @@ fn step_all(e: &mut Engine) -> Vec<StepEvent> {
     out
 }
 
-#[test]
-fn pages_handed_over_into_a_gpu_engine_give_the_gpus_own_bits() {
-    let unified = outcomes(&mut engine(|c| c.gpu = Some(gpu())));
-    let mut p = engine(|c| c.gpu = Some(gpu()));
-    let mut d = engine(|c| c.gpu = Some(gpu()));
+/// A prefill engine's exported pages imported into a decode engine (both on the GPU, as
+/// in a PD hand-over) give the decode the unified GPU engine's tokens and logits, bit for
+/// bit: a page of the wrong size or layout anywhere on the way shows here.
+fn handover_gives_the_gpus_own_bits(make: impl Fn() -> Engine, prompts: &[Vec<u32>], new: u32) {
+    let reqs = |ps: &[Vec<u32>]| -> Vec<_> {
+        ps.iter()
+            .enumerate()
+            .map(|(i, p)| greedy(&format!("p{i}"), p, new))
+            .collect()
+    };
+    let unified = run_all(&mut make(), reqs(prompts));
+    let (mut p, mut d) = (make(), make());
     let mut got: HashMap<String, Vec<u32>> = HashMap::new();
     let mut logits: HashMap<String, Vec<Vec<f32>>> = HashMap::new();
-    for (i, prompt) in prompts().iter().enumerate() {
-        let id = format!("p{i}");
-        p.submit_part(greedy(&id, prompt, NEW), Part::Prefill)
-            .unwrap();
-        d.submit_part(greedy(&id, prompt, NEW), Part::Decode)
-            .unwrap();
+    for r in reqs(prompts) {
+        p.submit_part(r.clone(), Part::Prefill).unwrap();
+        d.submit_part(r, Part::Decode).unwrap();
     }
     let firsts: HashMap<String, (u32, Option<Logprob>)> = step_all(&mut p)
         .into_iter()
@@ -133,14 +137,18 @@ fn pages_handed_over_into_a_gpu_engine_give_the_gpus_own_bits() {
             _ => None,
         })
         .collect();
-    assert_eq!(firsts.len(), 5, "every prompt was prefilled and exported");
+    assert_eq!(
+        firsts.len(),
+        prompts.len(),
+        "every prompt was prefilled and exported"
+    );
     // The decode engine reserves its pages first.
     let reserved = d
         .step()
         .into_iter()
         .filter(|ev| matches!(ev, StepEvent::Reserved { .. }))
         .count();
-    assert_eq!(reserved, 5);
+    assert_eq!(reserved, prompts.len());
     for (id, (token, logprob)) in &firsts {
         let kv: Vec<Vec<u8>> = p
             .export(id, |src| src.iter().map(|b| b.to_vec()).collect())
@@ -172,7 +180,7 @@ fn pages_handed_over_into_a_gpu_engine_give_the_gpus_own_bits() {
         // Decode's logits are the unified run's after its first token.
         assert_eq!(
             logits[id].len(),
-            NEW as usize - 1,
+            new as usize - 1,
             "{id}: decode captured its logits"
         );
         let tail = &want.logits[want.logits.len() - logits[id].len()..];
@@ -180,6 +188,11 @@ fn pages_handed_over_into_a_gpu_engine_give_the_gpus_own_bits() {
             assert_eq!(bits(x), bits(y), "{id}: loaded pages changed the logits");
         }
     }
+}
+
+#[test]
+fn pages_handed_over_into_a_gpu_engine_give_the_gpus_own_bits() {
+    handover_gives_the_gpus_own_bits(|| engine(|c| c.gpu = Some(gpu())), &prompts(), NEW);
 }
 
 // ---- DeepSeek V3.2 (the tiny synthetic checkpoint) ----
@@ -272,6 +285,22 @@ fn dsa_tiny_gpu_logits_do_not_depend_on_batch_or_chunking() {
                 );
             }
         }
+    }
+}
+
+/// The seed's bug class on the GPU: DeepSeek's pages (latent, rope, index-K and their
+/// scales, in every cache form) handed over into a GPU engine give its own bits.
+#[test]
+fn dsa_tiny_pages_handed_over_into_a_gpu_engine_give_the_gpus_own_bits() {
+    for (mla, ik) in DS_FORMS {
+        let make = || {
+            common::tiny_engine(|c| {
+                c.kv_cache_dtype = mla;
+                c.index_k_dtype = ik;
+                c.gpu = Some(gpu());
+            })
+        };
+        handover_gives_the_gpus_own_bits(make, &ds_prompts(), DS_NEW);
     }
 }
 
