@@ -6,11 +6,29 @@
 //! worker writes only slots it reserved and has not committed, and reads only slots it has
 //! pinned. A peer that breaks the protocol can only spoil bytes, and every consumer
 //! verifies a page's checksum before using it.
+//!
+//! A mirror outlives a creator that is killed outright, and shared memory is RAM until the
+//! file goes, so the creator holds an exclusive `flock` on it for its whole life (the
+//! kernel drops it when the process dies, however it dies) and a starting cache service
+//! [`sweep`]s its directory: a mirror file nobody holds the lock of is removed. Workers
+//! never lock: a worker maps the file and closes it, so the mapping of a swept file stays
+//! valid until the worker registers with the new service and lets the old one go.
 
 use std::fs::{File, OpenOptions};
+use std::io::ErrorKind;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use memmap2::MmapRaw;
+
+/// A published mirror file's name starts with this.
+pub const FILE_PREFIX: &str = "pdmesh-mirror-";
+/// A mirror file being created starts with this, until its creator holds the lock and
+/// renames it (a creator that dies in between leaves one; [`sweep`] removes those too).
+const PENDING_PREFIX: &str = "pdmesh-new-mirror-";
+/// A creator whose pending file a sweep removed before it held the lock tries again under
+/// a new name, this many times in all.
+const CREATE_TRIES: usize = 16;
 
 /// A mapped mirror file.
 pub struct Mirror {
@@ -18,8 +36,9 @@ pub struct Mirror {
     map: MmapRaw,
     page_bytes: usize,
     pages: usize,
-    /// The creator removes the file when dropped.
-    owner: bool,
+    /// The creator's open file, holding the lock that says the mirror is in use; the
+    /// creator removes the file when dropped. `None` for a worker's mapping.
+    owner: Option<File>,
 }
 
 impl std::fmt::Debug for Mirror {
@@ -36,6 +55,11 @@ impl Mirror {
     /// Creates a mirror file of `pages` slots of `page_bytes` in `dir`. The directory must
     /// have room for all of it: a shared-memory file that outgrows its filesystem would
     /// fault the processes writing to it later, so that is refused now.
+    ///
+    /// The file is created under a pending name, locked for the mirror's whole life, and
+    /// only then renamed to its `pdmesh-mirror-*` name, so a [`sweep`] by another cache
+    /// service on the same directory never finds it unlocked under that name. The lock's
+    /// descriptor is close-on-exec (as every file Rust opens), so no child inherits it.
     pub fn create(dir: &Path, page_bytes: usize, pages: usize) -> std::io::Result<Self> {
         let need = (page_bytes * pages) as u64;
         let free = fs4::available_space(dir)?;
@@ -46,16 +70,40 @@ impl Mirror {
                 dir.display()
             )));
         }
-        let path = dir.join(format!("pdmesh-mirror-{}", uuid::Uuid::new_v4().simple()));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)?;
-        file.set_len((page_bytes * pages) as u64)?;
-        let mut m = Self::map(path, &file, page_bytes, pages)?;
-        m.owner = true;
-        Ok(m)
+        for _ in 0..CREATE_TRIES {
+            let id = uuid::Uuid::new_v4().simple();
+            let pending = dir.join(format!("{PENDING_PREFIX}{id}"));
+            let path = dir.join(format!("{FILE_PREFIX}{id}"));
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&pending)?;
+            match lock_and_publish(&file, &pending, &path, need) {
+                Ok(true) => {}
+                // A sweep took the pending file between its creation and the lock.
+                Ok(false) => continue,
+                Err(e) => {
+                    let _ = std::fs::remove_file(&pending);
+                    return Err(e);
+                }
+            }
+            return match Self::map(path.clone(), &file, page_bytes, pages) {
+                Ok(mut m) => {
+                    m.owner = Some(file);
+                    Ok(m)
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_file(&path);
+                    Err(e)
+                }
+            };
+        }
+        Err(std::io::Error::other(format!(
+            "could not create the host mirror in {}: {CREATE_TRIES} pending files were \
+             removed before they could be locked",
+            dir.display()
+        )))
     }
 
     /// Maps an existing mirror file; its size must be exactly `pages` slots.
@@ -78,7 +126,7 @@ impl Mirror {
             map,
             page_bytes,
             pages,
-            owner: false,
+            owner: None,
         })
     }
 
@@ -168,10 +216,145 @@ impl Mirror {
 
 impl Drop for Mirror {
     fn drop(&mut self) {
-        if self.owner {
+        // Removed before the lock goes with `owner`: a sweep never sees it unlocked.
+        if self.owner.is_some() {
             let _ = std::fs::remove_file(&self.path);
         }
     }
+}
+
+/// Locks `file` (just created at `pending`), sizes it to `len` and renames it to `path`.
+/// False when `pending` no longer names `file` once the lock is held: a sweep found the
+/// file before it was locked and removed it.
+fn lock_and_publish(file: &File, pending: &Path, path: &Path, len: u64) -> std::io::Result<bool> {
+    // Blocks only while a sweep holds it, which is for one unlink at most. Without the lock
+    // another cache service's sweep would take the mirror for a dead one's: no mirror then.
+    file.lock().map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!(
+                "cannot lock {} ({e}): put --shm-dir on a filesystem with flock",
+                pending.display()
+            ),
+        )
+    })?;
+    if !names(pending, &file.metadata()?)? {
+        return Ok(false);
+    }
+    file.set_len(len)?;
+    // Nobody else can take the lock now, so nothing removes the file between the check
+    // and the rename; names are never reused, so the rename replaces nothing.
+    std::fs::rename(pending, path)?;
+    Ok(true)
+}
+
+/// Whether `path` names the file `meta` describes (not a symbolic link to it).
+fn names(path: &Path, meta: &std::fs::Metadata) -> std::io::Result<bool> {
+    match std::fs::symlink_metadata(path) {
+        Ok(at) => Ok(at.dev() == meta.dev() && at.ino() == meta.ino()),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// A mirror file [`sweep`] removed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Swept {
+    pub path: PathBuf,
+    /// Its size (the mirror's; the memory it held is at most this).
+    pub bytes: u64,
+}
+
+/// Removes every mirror file in `dir` whose creator is gone — nobody holds its lock —,
+/// published or pending, and returns them. A live mirror's lock is held, so it is never
+/// removed, whoever runs the sweep. Files this process may not open or remove (another
+/// user's) are left alone, as is anything not a regular file.
+pub fn sweep(dir: &Path) -> std::io::Result<Vec<Swept>> {
+    let mut swept = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !name.starts_with(FILE_PREFIX) && !name.starts_with(PENDING_PREFIX) {
+            continue;
+        }
+        let path = entry.path();
+        match sweep_one(&path) {
+            Ok(Some(bytes)) => {
+                tracing::info!(path = %path.display(), bytes, "removed a host mirror file no cache service holds");
+                swept.push(Swept { path, bytes });
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(path = %path.display(), error = %e, "left a host mirror file alone");
+            }
+        }
+    }
+    Ok(swept)
+}
+
+/// Removes `path` if it is a mirror file nobody holds the lock of; its size if removed.
+fn sweep_one(path: &Path) -> std::io::Result<Option<u64>> {
+    let file = OpenOptions::new()
+        .read(true)
+        // Never through a link, and never waiting on a FIFO put there.
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Ok(None);
+    }
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => return Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => return Err(e),
+    }
+    // Held now, so its creator is gone, or is a creator that has not locked its pending
+    // file yet (it sees the file go and tries again under another name). Another sweep
+    // may have removed it since it was opened; names are never reused, so if `path` still
+    // names it, it stays so until removed here.
+    if !names(path, &meta)? {
+        return Ok(None);
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(Some(meta.len())),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The directories a mirror may be in: `configured` (`--shm-dir`) if given, else each
+/// one [`default_dir`] may pick.
+fn dirs(configured: Option<&Path>) -> Vec<PathBuf> {
+    match configured {
+        Some(dir) => vec![dir.to_owned()],
+        None => {
+            let shm = Path::new("/dev/shm");
+            let tmp = std::env::temp_dir();
+            let mut out = Vec::from_iter(shm.is_dir().then(|| shm.to_owned()));
+            if !out.contains(&tmp) {
+                out.push(tmp);
+            }
+            out
+        }
+    }
+}
+
+/// [`sweep`]s the directories a mirror may be in (`configured`, the `--shm-dir`, else
+/// every one [`default_dir`] may pick): what a cache service does as it starts, so a
+/// mirror its killed predecessor (or any other dead cache service on the host) left is
+/// not kept in memory until the host reboots. Failures are logged, never fatal.
+pub fn sweep_dirs(configured: Option<&Path>) -> Vec<Swept> {
+    let mut swept = Vec::new();
+    for dir in dirs(configured) {
+        match sweep(&dir) {
+            Ok(s) => swept.extend(s),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "could not look for host mirror files left behind");
+            }
+        }
+    }
+    swept
 }
 
 /// Where a mirror of `bytes` goes by default: /dev/shm (memory) when the host has it with
@@ -211,5 +394,187 @@ mod tests {
         let path = owner.path().to_owned();
         drop(owner);
         assert!(!path.exists());
+    }
+
+    /// Names of the mirror files (published or pending) in `dir`, sorted.
+    fn mirror_files(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(FILE_PREFIX) || n.starts_with(PENDING_PREFIX))
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// What a creator killed outright leaves: its file, with the lock gone (the kernel
+    /// closes a dead process's descriptors, which is what dropping `owner` does here).
+    fn abandon(mut m: Mirror) -> PathBuf {
+        let path = m.path.clone();
+        drop(m.owner.take());
+        drop(m);
+        assert!(path.exists(), "only the lock goes, not the file");
+        path
+    }
+
+    #[test]
+    fn a_mirror_whose_creator_is_alive_is_never_swept_even_while_workers_map_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let owner = Mirror::create(dir.path(), 64, 4).unwrap();
+        let name = owner
+            .path()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        assert!(name.starts_with(FILE_PREFIX), "{name}");
+        let worker = Mirror::open(owner.path(), 64, 4).unwrap();
+        for _ in 0..3 {
+            assert_eq!(sweep(dir.path()).unwrap(), vec![]);
+        }
+        assert_eq!(mirror_files(dir.path()), vec![name]);
+        // The worker's mapping still reaches the creator's.
+        worker.write(1, &[7; 64]);
+        let mut back = vec![0; 64];
+        owner.read(1, &mut back);
+        assert_eq!(back, vec![7; 64]);
+    }
+
+    #[test]
+    fn a_mirror_whose_creator_is_gone_is_swept_and_a_worker_mapping_it_reads_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let live = Mirror::create(dir.path(), 64, 4).unwrap();
+        let dead = Mirror::create(dir.path(), 64, 8).unwrap();
+        let worker = Mirror::open(dead.path(), 64, 8).unwrap();
+        worker.write(3, &[9; 64]);
+        let path = abandon(dead);
+        assert_eq!(
+            sweep(dir.path()).unwrap(),
+            vec![Swept {
+                path: path.clone(),
+                bytes: 64 * 8
+            }]
+        );
+        assert!(!path.exists());
+        assert!(live.path().exists(), "the live one stays");
+        // The worker's mapping outlives the name until the worker lets it go.
+        let mut back = vec![0; 64];
+        worker.read(3, &mut back);
+        assert_eq!(back, vec![9; 64]);
+        assert_eq!(sweep(dir.path()).unwrap(), vec![], "nothing left to sweep");
+    }
+
+    #[test]
+    fn a_pending_file_its_creator_left_is_swept_and_files_of_other_names_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        // A creator killed between creating its pending file and renaming it.
+        let pending = dir.path().join(format!("{PENDING_PREFIX}0123"));
+        std::fs::write(&pending, [0; 128]).unwrap();
+        let other = dir.path().join("not-a-mirror");
+        std::fs::write(&other, b"x").unwrap();
+        assert_eq!(
+            sweep(dir.path()).unwrap(),
+            vec![Swept {
+                path: pending.clone(),
+                bytes: 128
+            }]
+        );
+        assert!(!pending.exists() && other.exists());
+    }
+
+    #[test]
+    fn a_link_or_directory_named_like_a_mirror_is_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("target");
+        std::fs::write(&target, [0; 64]).unwrap();
+        let link = dir.path().join(format!("{FILE_PREFIX}link"));
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        std::fs::create_dir(dir.path().join(format!("{FILE_PREFIX}dir"))).unwrap();
+        assert_eq!(sweep(dir.path()).unwrap(), vec![]);
+        assert!(link.symlink_metadata().is_ok() && target.exists());
+    }
+
+    #[test]
+    fn creating_mirrors_while_others_sweep_never_loses_a_live_one() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let stop = AtomicBool::new(false);
+        let (made, swept) = std::thread::scope(|s| {
+            let sweepers: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut swept = Vec::new();
+                        while !stop.load(Ordering::Relaxed) {
+                            swept.extend(sweep(dir.path()).unwrap());
+                        }
+                        swept
+                    })
+                })
+                .collect();
+            let creators: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        let (mut live, mut dead) = (Vec::new(), Vec::new());
+                        for i in 0..200 {
+                            let m = Mirror::create(dir.path(), 64, 2).unwrap();
+                            if i % 2 == 0 {
+                                live.push(m);
+                            } else {
+                                dead.push(abandon(m));
+                            }
+                            // Every mirror created so far and still owned is there.
+                            assert!(live.iter().all(|m: &Mirror| m.path().exists()));
+                        }
+                        (live, dead)
+                    })
+                })
+                .collect();
+            let made: Vec<_> = creators.into_iter().map(|c| c.join().unwrap()).collect();
+            stop.store(true, Ordering::Relaxed);
+            let swept: Vec<Swept> = sweepers
+                .into_iter()
+                .flat_map(|s| s.join().unwrap())
+                .collect();
+            (made, swept)
+        });
+        // Whatever the sweepers removed had no owner; a last sweep takes the dead ones left.
+        let mut swept: Vec<PathBuf> = swept.into_iter().map(|s| s.path).collect();
+        swept.extend(sweep(dir.path()).unwrap().into_iter().map(|s| s.path));
+        let mut owned = Vec::new();
+        for (live, dead) in &made {
+            for m in live {
+                assert!(
+                    !swept.iter().any(|p| p == m.path()),
+                    "{} was swept alive",
+                    m.path().display()
+                );
+                owned.push(m.path().file_name().unwrap().to_string_lossy().into_owned());
+            }
+            for p in dead {
+                assert!(swept.contains(p), "{} (dead) was not swept", p.display());
+            }
+        }
+        owned.sort();
+        assert_eq!(
+            mirror_files(dir.path()),
+            owned,
+            "exactly the live mirrors remain"
+        );
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_creators_lock_is_not_inherited_by_its_children() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let m = Mirror::create(dir.path(), 64, 1).unwrap();
+        let fd = m.owner.as_ref().unwrap().as_raw_fd();
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).unwrap();
+        let flags = info
+            .lines()
+            .find_map(|l| l.strip_prefix("flags:"))
+            .map(|f| u32::from_str_radix(f.trim(), 8).unwrap())
+            .unwrap();
+        assert_ne!(flags & libc::O_CLOEXEC as u32, 0, "{info}");
     }
 }

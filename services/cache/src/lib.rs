@@ -38,7 +38,8 @@ pub struct Config {
     #[arg(long, env = "PDMESH_HOST_MIRROR_SIZE", default_value = "1GiB")]
     pub host_mirror_size: MirrorSize,
     /// Directory of the mirror file (default: /dev/shm if it has room, else the temporary
-    /// directory).
+    /// directory). At start the service removes the mirror files there (in both defaults
+    /// when unset) whose cache service died without removing them.
     #[arg(long, env = "PDMESH_SHM_DIR")]
     pub shm_dir: Option<PathBuf>,
     /// A worker that does not heartbeat for this long loses its pins and reservations.
@@ -159,6 +160,7 @@ pub async fn run(
         )));
     }
     let tls = cfg.tls.load()?;
+    mirror::sweep_dirs(cfg.shm_dir.as_deref());
     let ttl = Duration::from_millis(cfg.lease_ttl_ms);
     // `shutdown` starts the drain; `serving` stops everything once it is over.
     let serving = CancellationToken::new();

@@ -305,6 +305,16 @@ fn layout_incident(
     i
 }
 
+/// The first lease number this service hands out: random, so a restarted cache service
+/// never hands out a lease its killed predecessor did. A worker still heartbeating the old
+/// lease then hears NOT_FOUND and registers again (mapping the new mirror file), instead of
+/// keeping another worker's lease alive and reading the new mirror's slots through the old
+/// file's mapping.
+fn first_lease() -> u64 {
+    // 62 random bits, never 0: counting up from there never wraps.
+    (uuid::Uuid::new_v4().as_u64_pair().0 >> 2).max(1)
+}
+
 impl State {
     #[cfg(test)]
     pub fn new(size: MirrorSize, dir: Option<PathBuf>, ttl: Duration) -> Self {
@@ -328,7 +338,7 @@ impl State {
             index: HashMap::new(),
             lru: BTreeSet::new(),
             leases: HashMap::new(),
-            next_lease: 1,
+            next_lease: first_lease(),
             tick: 0,
             stats: Stats::default(),
             events: Vec::new(),
@@ -1594,6 +1604,32 @@ mod tests {
                 found: format!("{:016x}", 0xbb),
             }]
         );
+    }
+
+    #[test]
+    fn a_restarted_service_knows_none_of_the_leases_its_predecessor_handed_out() {
+        let now = Instant::now();
+        let (mut old, _d) = state(4);
+        let olds: Vec<u64> = ["decode", "prefill", "tier"]
+            .map(|w| old.register(w, layout(), now).unwrap().lease)
+            .into();
+        drop(old);
+        // The new one registers the workers in another order: a worker still heartbeating
+        // its old lease must hear that it is unknown, whoever registered first.
+        let (mut new, _d) = state(4);
+        for w in ["tier", "prefill"] {
+            let lease = new.register(w, layout(), now).unwrap().lease;
+            assert!(
+                !olds.contains(&lease),
+                "{lease} was handed out before the restart"
+            );
+        }
+        for lease in olds {
+            assert!(matches!(
+                new.heartbeat(lease, now),
+                Err(CacheError::UnknownLease(l)) if l == lease
+            ));
+        }
     }
 
     #[test]
