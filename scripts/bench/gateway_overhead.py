@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pd_vs_unified import PROMPT, ROOT, free_port, run, up  # noqa: E402
+from pd_vs_unified import PROMPT, ROOT, fixed_ports, run, up  # noqa: E402
 
 
 def stubs():
@@ -83,10 +83,11 @@ def direct(ports: dict, conc: int, n: int, max_tokens: int, offset: int):
 
 
 def smg(ports: dict):
-    port = free_port()
+    # smg refuses port 0 (a bench run by hand: no second draw when one is taken).
+    port = fixed_ports.outside_ephemeral()
     proc = subprocess.Popen(
         [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(fixed_ports.outside_ephemeral()),
          "--worker-urls", f"grpc://127.0.0.1:{ports['worker']}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

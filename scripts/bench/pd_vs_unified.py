@@ -13,7 +13,6 @@ import concurrent.futures as cf
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,20 +23,17 @@ from pathlib import Path
 import openai
 
 ROOT = Path(__file__).resolve().parents[2]
+# Ports for the programs that cannot bind port 0 (smg, llama.cpp's server).
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+import ports as fixed_ports  # noqa: E402,F401
 PROMPT = "Summarize: " + " ".join(f"Fact {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i} coins." for i in range(40))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def up(extra: list[str], env: dict | None = None):
     tmp = Path(tempfile.mkdtemp())
     ports = tmp / "ports.json"
     proc = subprocess.Popen(
-        [os.environ.get("PDMESH_BIN", str(ROOT / "target/release/pdmesh")), "up", "--port", str(free_port()),
+        [os.environ.get("PDMESH_BIN", str(ROOT / "target/release/pdmesh")), "up", "--port", "0",
          "--ports-json", str(ports), "--no-smoke-test", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, **(env or {})),
     )

@@ -44,7 +44,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pd_vs_unified import ROOT, free_port, up  # noqa: E402
+from pd_vs_unified import ROOT, fixed_ports, up  # noqa: E402
 
 PDMESH = os.environ.get("PDMESH_BIN", str(ROOT / "target/release/pdmesh"))
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -191,7 +191,8 @@ def pdmesh_round(label: str, extra: list[str], model: Path, out: Path, names) ->
 
 
 def llama_round(binary: Path, model: Path, threads: int, out: Path, names) -> dict[str, float]:
-    port = free_port()
+    # llama.cpp's server does not say which port 0 gave it.
+    port = fixed_ports.outside_ephemeral()
     # 64 slots sharing one 32k-token KV buffer: room for 64 streams or one 4k prompt.
     server = subprocess.Popen(
         [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -46,12 +45,6 @@ def pdmesh_bin() -> Path:
     if not p.is_file():
         pytest.fail(f"{p} does not exist: build it first (cargo build --release -p pdmesh-cli)", pytrace=False)
     return p
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:
@@ -118,13 +111,13 @@ class Mesh:
         return metrics(self.base)
 
 
-def start_up(tmp: Path, extra_args: list[str] | None = None, env: dict | None = None, port: int | None = None) -> Mesh:
-    """Starts `pdmesh up` on `port` (default: a free one) and waits until its gateway is
-    healthy."""
+def start_up(tmp: Path, extra_args: list[str] | None = None, env: dict | None = None, port: int = 0) -> Mesh:
+    """Starts `pdmesh up` with its gateway on `port` (default 0: `up` binds any free port
+    and names it in its ports file, as it does every service's) and waits until its
+    gateway is healthy."""
     tmp.mkdir(parents=True, exist_ok=True)
     ports_json = tmp / "ports.json"
     log_path = tmp / "up.log"
-    port = port or free_port()
     env = dict(os.environ, PDMESH_API_KEY=API_KEY, **(env or {}))
     cmd = [str(pdmesh_bin()), "up", "--port", str(port), "--ports-json", str(ports_json),
            "--incident-dir", str(tmp / "incidents"), *(extra_args or [])]

@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import ROOM_ARGS, WORKER_ARGS, API_KEY, free_port, http, metrics, pdmesh_bin, start_up, stop_up, wait_baseline
+from conftest import ROOM_ARGS, WORKER_ARGS, API_KEY, http, metrics, pdmesh_bin, start_up, stop_up, wait_baseline
 
 # Every request must end (answer or error) within this.
 REQUEST_DEADLINE_S = 40
@@ -37,37 +37,50 @@ class Services:
         self.tmp = tmp
         self.procs: dict[str, subprocess.Popen] = {}
         self.prefills = ["prefill"] + [f"prefill{i}" for i in range(2, prefills + 1)]
-        self.ports = {n: free_port() for n in ("cache", "tokenizer", *self.prefills, "decode", "gateway")}
-        cache = f"http://127.0.0.1:{self.ports['cache']}"
+        # Each service binds port 0 and names its port in its ports file; a restart
+        # binds the port it had.
+        self.ports: dict[str, int] = {}
+        url = lambda name: f"http://127.0.0.1:{self.ports[name]}"
+        # Each service's flags, made when it starts (from the ports of those before it).
         self.argv = {
             # `cache_args` replace conftest's room deadlines they name.
-            "cache": ["cache", *replaced(ROOM_ARGS, cache_args)],
-            "tokenizer": ["tokenizer"],
+            "cache": lambda: ["cache", *replaced(ROOM_ARGS, cache_args)],
+            "tokenizer": lambda: ["tokenizer"],
             # `prefill_args` and `decode_args` replace conftest's worker flags they name.
-            **{p: ["prefill", "--cache-url", cache, *replaced(WORKER_ARGS, prefill_args)] for p in self.prefills},
-            "decode": ["decode", "--cache-url", cache, *replaced(WORKER_ARGS, decode_args)],
-            "gateway": [
+            **{p: lambda: ["prefill", "--cache-url", url("cache"), *replaced(WORKER_ARGS, prefill_args)]
+               for p in self.prefills},
+            "decode": lambda: ["decode", "--cache-url", url("cache"), *replaced(WORKER_ARGS, decode_args)],
+            "gateway": lambda: [
                 "gateway",
-                "--tokenizer-url", f"http://127.0.0.1:{self.ports['tokenizer']}",
-                "--prefill-url", ",".join(f"http://127.0.0.1:{self.ports[p]}" for p in self.prefills),
-                "--decode-url", f"http://127.0.0.1:{self.ports['decode']}",
-                "--cache-url", cache,
+                "--tokenizer-url", url("tokenizer"),
+                "--prefill-url", ",".join(url(p) for p in self.prefills),
+                "--decode-url", url("decode"),
+                "--cache-url", url("cache"),
             ],
         }
-        # Every service writes its incident reports here.
-        for name in ("cache", *self.prefills, "decode", "gateway"):
-            self.argv[name].append(f"--incident-dir={tmp / 'incidents'}")
         self.env = {p: prefill_env or {} for p in self.prefills} | {"decode": decode_env or {}}
         for name in self.argv:
             self.start(name)
-        self.base = f"http://127.0.0.1:{self.ports['gateway']}"
+        self.base = url("gateway")
         self.wait_healthy()
 
     def start(self, name: str) -> None:
         env = dict(os.environ, PDMESH_API_KEY=API_KEY, **self.env.get(name, {}))
         log = open(self.tmp / f"{name}.log", "ab")
-        argv = [str(pdmesh_bin()), *self.argv[name], "--listen", f"127.0.0.1:{self.ports[name]}"]
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        ports_file = self.tmp / f"{name}.ports.json"
+        ports_file.unlink(missing_ok=True)
+        # Every service but the tokenizer writes its incident reports here.
+        reports = [f"--incident-dir={self.tmp / 'incidents'}"] if name != "tokenizer" else []
+        argv = [str(pdmesh_bin()), *self.argv[name](), *reports,
+                "--listen", f"127.0.0.1:{self.ports.get(name, 0)}", "--ports-file", str(ports_file)]
+        self.procs[name] = p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        # Bound before the model loads: the file comes within moments.
+        deadline = time.monotonic() + 60
+        while not ports_file.exists():
+            assert p.poll() is None, f"{name} exited with {p.returncode}:\n{self.logs()}"
+            assert time.monotonic() < deadline, f"{name} wrote no ports file:\n{self.logs()}"
+            time.sleep(0.02)
+        self.ports[name] = json.loads(ports_file.read_text())["listen"]
 
     def wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout

@@ -15,7 +15,8 @@ import time
 import openai
 import pytest
 
-from conftest import free_port, http, start_up, stop_up
+import ports
+from conftest import http, start_up, stop_up
 
 PROMPTS = [
     "What is the capital of France?",
@@ -26,30 +27,42 @@ PROMPTS = [
 
 class Smg:
     def __init__(self, args: list[str], log_path):
-        self.port, self.metrics_port = free_port(), free_port()
+        # smg refuses port 0: its two ports are drawn outside the ephemeral range, and
+        # drawn again if another program holds one (see ports.py).
+        self.log_path = log_path
+        for _ in range(ports.TRIES):
+            self.port, self.metrics_port = ports.outside_ephemeral(), ports.outside_ephemeral()
+            if self.port != self.metrics_port and self.start(args):
+                return
+        pytest.fail(f"smg found its port taken {ports.TRIES} times:\n{log_path.read_text()}", pytrace=False)
+
+    def start(self, args: list[str]) -> bool:
+        """Starts smg and waits until it serves; False if its port was taken."""
         cmd = [
             sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port), *args,
         ]
-        self.log_path = log_path
-        with open(log_path, "wb") as log:
+        with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.base = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
-                pytest.fail(f"smg exited with {self.proc.returncode}:\n{log_path.read_text()}", pytrace=False)
+                log = self.log_path.read_text()
+                if ports.port_was_taken(log):
+                    return False
+                pytest.fail(f"smg exited with {self.proc.returncode}:\n{log}", pytrace=False)
             try:
                 status, body = http("GET", self.base + "/v1/models", timeout=5)
                 # Listing the model comes before smg has fetched its tokenizer from the
                 # worker (503 "not registered yet"): ready means a request is served.
                 if status == 200 and b"SmolLM2" in body and self.serves():
-                    break
+                    return True
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                pytest.fail(f"smg not ready:\n{log_path.read_text()}", pytrace=False)
+                pytest.fail(f"smg not ready:\n{self.log_path.read_text()}", pytrace=False)
             time.sleep(0.5)
 
     def serves(self) -> bool:

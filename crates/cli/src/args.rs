@@ -86,6 +86,8 @@ pub enum Service {
         #[arg(long, env = "PDMESH_LISTEN", default_value = TOKENIZER_LISTEN)]
         listen: SocketAddr,
         #[command(flatten)]
+        bind: crate::serve::ListenArgs,
+        #[command(flatten)]
         cfg: pdmesh_tokenizer::Config,
     },
     /// Run a worker service (the inference engine).
@@ -93,6 +95,8 @@ pub enum Service {
         /// Address to listen on (port 0: any free port).
         #[arg(long, env = "PDMESH_LISTEN", default_value = WORKER_LISTEN)]
         listen: SocketAddr,
+        #[command(flatten)]
+        bind: crate::serve::ListenArgs,
         #[command(flatten)]
         cfg: pdmesh_worker::Config,
     },
@@ -103,6 +107,8 @@ pub enum Service {
         #[arg(long, env = "PDMESH_LISTEN", default_value = PREFILL_LISTEN)]
         listen: SocketAddr,
         #[command(flatten)]
+        bind: crate::serve::ListenArgs,
+        #[command(flatten)]
         cfg: pdmesh_worker::Config,
     },
     /// Run a decode worker: it reserves pages, receives a prompt's KV from a prefill
@@ -112,6 +118,8 @@ pub enum Service {
         #[arg(long, env = "PDMESH_LISTEN", default_value = DECODE_LISTEN)]
         listen: SocketAddr,
         #[command(flatten)]
+        bind: crate::serve::ListenArgs,
+        #[command(flatten)]
         cfg: pdmesh_worker::Config,
     },
     /// Run the OpenAI-compatible HTTP gateway.
@@ -120,6 +128,8 @@ pub enum Service {
         #[arg(long, env = "PDMESH_LISTEN", default_value = GATEWAY_LISTEN)]
         listen: SocketAddr,
         #[command(flatten)]
+        bind: crate::serve::ListenArgs,
+        #[command(flatten)]
         cfg: pdmesh_gateway::Config,
     },
     /// Run the cache service (the shared-memory host mirror of the KV cache).
@@ -127,6 +137,8 @@ pub enum Service {
         /// Address to listen on (port 0: any free port).
         #[arg(long, env = "PDMESH_LISTEN", default_value = CACHE_LISTEN)]
         listen: SocketAddr,
+        #[command(flatten)]
+        bind: crate::serve::ListenArgs,
         #[command(flatten)]
         cfg: pdmesh_cache::Config,
     },
@@ -370,7 +382,7 @@ mod tests {
             "x",
         ])
         .unwrap();
-        let Command::Service(Service::Gateway { listen, cfg }) = cli.command else {
+        let Command::Service(Service::Gateway { listen, cfg, .. }) = cli.command else {
             panic!("not gateway")
         };
         assert_eq!(listen.port(), 0);
@@ -385,8 +397,8 @@ mod tests {
             &["pdmesh", "cache", "--host-mirror-size", "64MiB"][..],
         ] {
             let cli = Cli::try_parse_from(argv).unwrap();
-            let (Command::Service(Service::Cache { listen, cfg })
-            | Command::Serve(Service::Cache { listen, cfg })) = cli.command
+            let (Command::Service(Service::Cache { listen, cfg, .. })
+            | Command::Serve(Service::Cache { listen, cfg, .. })) = cli.command
             else {
                 panic!("not cache: {argv:?}")
             };

@@ -44,44 +44,70 @@ fn run_service(service: Service) -> anyhow::Result<()> {
 }
 
 fn serve_one(rt: &tokio::runtime::Runtime, service: Service) -> anyhow::Result<()> {
-    match service {
-        Service::Tokenizer { listen, cfg } => {
-            rt.block_on(serve::serve("tokenizer", listen, |l, s| {
-                pdmesh_tokenizer::run(cfg, l, s)
-            }))?
+    use serve::PortsFile;
+    let name = service.name();
+    rt.block_on(async move {
+        match service {
+            Service::Tokenizer { listen, bind, cfg } => {
+                let l = bind.listener(listen).await?;
+                serve::serve(name, l, (&bind, PortsFile::default()), |l, s| {
+                    pdmesh_tokenizer::run(cfg, l, s)
+                })
+                .await?;
+            }
+            Service::Worker { listen, bind, cfg } => serve_worker(name, listen, &bind, cfg).await?,
+            Service::Prefill { listen, bind, cfg } => {
+                let role = pdmesh_worker::Role::Prefill;
+                let cfg = pdmesh_worker::Config { role, ..cfg };
+                serve_worker(name, listen, &bind, cfg).await?;
+            }
+            Service::Decode { listen, bind, cfg } => {
+                let role = pdmesh_worker::Role::Decode;
+                let cfg = pdmesh_worker::Config { role, ..cfg };
+                serve_worker(name, listen, &bind, cfg).await?;
+            }
+            Service::Gateway { listen, bind, cfg } => {
+                let l = bind.listener(listen).await?;
+                serve::serve(name, l, (&bind, PortsFile::default()), |l, s| {
+                    pdmesh_gateway::run(cfg, l, s)
+                })
+                .await?;
+            }
+            Service::Cache { listen, bind, cfg } => {
+                let l = bind.listener(listen).await?;
+                let peer = pdmesh_cache::bind_peer(&cfg, l.local_addr().ok()).await?;
+                let ports = PortsFile {
+                    peer: Some(serve::port(&peer)),
+                    ..PortsFile::default()
+                };
+                serve::serve(name, l, (&bind, ports), |grpc, s| {
+                    let peer = Some(peer);
+                    pdmesh_cache::run(cfg, pdmesh_cache::Listeners { grpc, peer }, s)
+                })
+                .await?;
+            }
         }
-        Service::Worker { listen, cfg } => {
-            rt.block_on(serve::serve("worker", listen, |l, s| {
-                pdmesh_worker::run(cfg, l, s)
-            }))?
-        }
-        Service::Prefill { listen, cfg } => {
-            let cfg = pdmesh_worker::Config {
-                role: pdmesh_worker::Role::Prefill,
-                ..cfg
-            };
-            rt.block_on(serve::serve("prefill", listen, |l, s| {
-                pdmesh_worker::run(cfg, l, s)
-            }))?
-        }
-        Service::Decode { listen, cfg } => {
-            let cfg = pdmesh_worker::Config {
-                role: pdmesh_worker::Role::Decode,
-                ..cfg
-            };
-            rt.block_on(serve::serve("decode", listen, |l, s| {
-                pdmesh_worker::run(cfg, l, s)
-            }))?
-        }
-        Service::Gateway { listen, cfg } => {
-            rt.block_on(serve::serve("gateway", listen, |l, s| {
-                pdmesh_gateway::run(cfg, l, s)
-            }))?
-        }
-        Service::Cache { listen, cfg } => rt.block_on(serve::serve("cache", listen, |l, s| {
-            pdmesh_cache::run(cfg, l, s)
-        }))?,
-    }
+        Ok(())
+    })
+}
+
+/// A worker of any role, with its health port when `--health-listen` asks for one.
+async fn serve_worker(
+    name: &'static str,
+    listen: std::net::SocketAddr,
+    bind: &serve::ListenArgs,
+    cfg: pdmesh_worker::Config,
+) -> anyhow::Result<()> {
+    let grpc = bind.listener(listen).await?;
+    let health = pdmesh_worker::bind_health(&cfg).await?;
+    let ports = serve::PortsFile {
+        health: health.as_ref().map(serve::port),
+        ..serve::PortsFile::default()
+    };
+    serve::serve(name, grpc, (bind, ports), |grpc, s| {
+        pdmesh_worker::run(cfg, pdmesh_worker::Listeners { grpc, health }, s)
+    })
+    .await?;
     Ok(())
 }
 

@@ -137,11 +137,8 @@ mod tests {
 
     #[tokio::test]
     async fn nothing_listening_is_unhealthy_not_an_error() {
-        // Bind then drop: the port is (almost certainly) closed now.
-        let addr = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap();
+        let refusing = pdmesh_testkit::Refusing::new();
+        let addr = refusing.addr();
         assert_eq!(http_status(addr, "/health").await, None);
         assert!(!worker_healthy(addr, None).await);
         assert!(!tokenizer_healthy(addr, None).await);

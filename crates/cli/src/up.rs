@@ -10,8 +10,10 @@
 //! tokenizer and the gateway, in front of the other hosts' workers).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::select_all;
@@ -35,8 +37,12 @@ pub enum UpError {
     Fetch(#[from] FetchError),
     #[error("cannot find this executable to start the services")]
     CurrentExe(#[source] std::io::Error),
-    #[error("cannot pick a free port")]
-    Port(#[source] std::io::Error),
+    #[error("cannot listen on {addr}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot start the {name}")]
     Spawn {
         name: &'static str,
@@ -95,6 +101,8 @@ struct Service {
     api_key: Option<String>,
     pid: u32,
     child: Child,
+    /// Its listening socket, which `up` holds (see [`listen_on`]), and where to reach it.
+    listener: Arc<std::net::TcpListener>,
     addr: SocketAddr,
     started: Instant,
 }
@@ -124,49 +132,19 @@ impl Backoff {
     }
 }
 
-/// Free loopback ports, each held until the picker is dropped, so one `up` never hands
-/// the same port to two services (a released port can come back from the next bind),
-/// and never one the user asked for by number (`--port`): that port may be free at
-/// pick time and still be the kernel's next answer to a bind of port 0.
-struct Ports {
-    held: Vec<std::net::TcpListener>,
-    reserved: Vec<u16>,
-    /// Binds one loopback port the kernel chooses (a test may choose for it).
-    bind: Box<dyn FnMut() -> std::io::Result<std::net::TcpListener>>,
+/// Binds a listening socket for one service. `up` holds it for its whole life and the
+/// service inherits it as [`LISTEN_FD`] (`--listen-fd`) at its start and at every
+/// restart: no port is released and picked again (another process could take it in
+/// between), and a restarted service serves on the same port (connections made while it
+/// restarts wait in the backlog).
+fn listen_on(addr: SocketAddr) -> Result<Arc<std::net::TcpListener>, UpError> {
+    std::net::TcpListener::bind(addr)
+        .map(Arc::new)
+        .map_err(|source| UpError::Listen { addr, source })
 }
 
-impl Default for Ports {
-    fn default() -> Self {
-        Self::avoiding(&[])
-    }
-}
-
-impl Ports {
-    /// A picker that never returns any of `reserved`.
-    fn avoiding(reserved: &[u16]) -> Self {
-        Self {
-            held: Vec::new(),
-            reserved: reserved.to_vec(),
-            bind: Box::new(|| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))),
-        }
-    }
-
-    fn pick(&mut self) -> Result<u16, UpError> {
-        // Each refused port stays held, so the next bind gets another; a handful of
-        // reserved ports cannot exhaust the tries.
-        for _ in 0..=self.reserved.len() {
-            let l = (self.bind)().map_err(UpError::Port)?;
-            let port = l.local_addr().map_err(UpError::Port)?.port();
-            self.held.push(l);
-            if !self.reserved.contains(&port) {
-                return Ok(port);
-            }
-        }
-        Err(UpError::Port(std::io::Error::other(
-            "every picked port was reserved",
-        )))
-    }
-}
+/// The descriptor a service finds its listening socket at.
+const LISTEN_FD: i32 = 3;
 
 /// The model to serve: `--model`, else the cached default, fetched when missing.
 fn resolve_model(arg: Option<&Path>) -> Result<PathBuf, UpError> {
@@ -185,13 +163,14 @@ fn resolve_model(arg: Option<&Path>) -> Result<PathBuf, UpError> {
     }
 }
 
-/// Starts `exe ARGS` as a child in its own process group (so a terminal's Ctrl-C reaches
-/// only `up`, which then stops it in order) that is killed if `up` dies.
+/// Starts `exe SUBCOMMAND --listen ADDR FLAGS --listen-fd 3` as a child in its own process group (so a terminal's
+/// Ctrl-C reaches only `up`, which then stops it in order) that is killed if `up` dies,
+/// with `listener` as its descriptor 3.
 fn spawn(
     name: &'static str,
     exe: &Path,
     args: &[String],
-    addr: SocketAddr,
+    (listener, addr): (Arc<std::net::TcpListener>, SocketAddr),
     api_key: Option<&str>,
 ) -> Result<Service, UpError> {
     let mut cmd = Command::new(exe);
@@ -208,17 +187,37 @@ fn spawn(
     for var in ["PDMESH_TLS_CA", "PDMESH_TLS_CERT", "PDMESH_TLS_KEY"] {
         cmd.env_remove(var);
     }
-    cmd.args(args)
+    // `--listen` names the inherited socket's address for whoever reads the command
+    // line (`ps`, `pdmesh chaos`); the service serves on the socket itself.
+    let bound = listener
+        .local_addr()
+        .map_err(|source| UpError::Spawn { name, source })?;
+    let (sub, flags) = args.split_first().expect("a service subcommand");
+    cmd.arg(sub)
+        .args(["--listen", &bound.to_string()])
+        .args(flags)
+        .args(["--listen-fd", &LISTEN_FD.to_string()])
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
     cmd.process_group(0);
     let parent = std::process::id();
+    let fd = listener.as_raw_fd();
     // SAFETY: the closure runs in the forked child before exec and only calls
-    // async-signal-safe functions (prctl, getppid); it allocates nothing.
+    // async-signal-safe functions (prctl, getppid, dup2, fcntl); it allocates nothing.
     unsafe {
         cmd.pre_exec(move || {
+            // The listener at LISTEN_FD, kept open across exec (dup2 clears close-on-exec
+            // on the copy; a listener already there keeps its flag, so clear it).
+            let kept = if fd == LISTEN_FD {
+                libc::fcntl(fd, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(fd, LISTEN_FD)
+            };
+            if kept < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             if libc::prctl(
                 libc::PR_SET_PDEATHSIG,
                 libc::SIGKILL as libc::c_ulong,
@@ -246,6 +245,7 @@ fn spawn(
         api_key: api_key.map(str::to_owned),
         pid,
         child,
+        listener,
         addr,
         started: Instant::now(),
     })
@@ -258,7 +258,7 @@ impl Service {
             self.name,
             exe,
             &self.args,
-            self.addr,
+            (self.listener.clone(), self.addr),
             self.api_key.as_deref(),
         )
     }
@@ -606,15 +606,23 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         matches!(role, UpRole::All | UpRole::Gateway),
         !args.no_host_cache && role != UpRole::Gateway,
     );
-    let explicit: Vec<u16> = [args.port].into_iter().filter(|&p| p != 0).collect();
-    let mut ports = Ports::avoiding(&explicit);
-    let mut local = || Ok::<_, UpError>(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), ports.pick()?));
-    let tok_addr = local()?;
-    // (name, role subcommand, address, extra flags): the decode worker (or the unified
+    // Every service's socket, bound here and held (see `listen_on`); the gateway's first,
+    // so that a port the user named is taken before the kernel picks any other.
+    let gateway_sock = has_gateway
+        .then(|| listen_on(SocketAddr::new(args.host, args.port)))
+        .transpose()?;
+    let local = || listen_on(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0));
+    let tok_sock = has_gateway.then(local).transpose()?;
+    // (name, role subcommand, socket, extra flags): the decode worker (or the unified
     // one) first.
-    let mut workers: Vec<(&'static str, &'static str, SocketAddr, &[String])> = Vec::new();
+    let mut workers: Vec<(
+        &'static str,
+        &'static str,
+        Arc<std::net::TcpListener>,
+        &[String],
+    )> = Vec::new();
     // This host's part of a mesh over several: its services on --host at fixed ports.
-    let on_host = |port: u16| SocketAddr::new(args.host, port);
+    let on_host = |port: u16| listen_on(SocketAddr::new(args.host, port));
     let part = match role {
         UpRole::Decode => Some(("decode", args.decode, &args.decode_args)),
         UpRole::Prefill => Some(("prefill", args.prefill, &args.prefill_args)),
@@ -632,7 +640,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
                         args.worker_port
                     ))
                 })?;
-            workers.push((worker_name(kind, i), kind, on_host(port), extra));
+            workers.push((worker_name(kind, i), kind, on_host(port)?, extra));
         }
     } else if role == UpRole::Gateway {
         // No workers here: they are on the other hosts.
@@ -656,23 +664,34 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     } else {
         workers.push(("worker", "worker", local()?, &[]));
     }
+    let bound = |l: &std::net::TcpListener| {
+        l.local_addr()
+            .map(|a| reachable(a.ip(), a.port()))
+            .map_err(|source| UpError::Listen {
+                addr: SocketAddr::new(args.host, 0),
+                source,
+            })
+    };
+    let workers = workers
+        .into_iter()
+        .map(|(name, sub, l, extra)| Ok((name, sub, bound(&l)?, extra, l)))
+        .collect::<Result<Vec<_>, UpError>>()?;
     let worker_addr = match role {
         // The model id comes from the first decode worker on another host.
         UpRole::Gateway => url_addr(&args.decode_url[0]).await?,
         _ => workers[0].2,
     };
-    let cache_addr = match role {
-        UpRole::Prefill | UpRole::Decode => on_host(args.cache_port),
-        _ => local()?,
+    let cache_sock = match role {
+        _ if !has_cache => None,
+        UpRole::Prefill | UpRole::Decode => Some(on_host(args.cache_port)?),
+        _ => Some(local()?),
     };
-    let port = if args.port == 0 {
-        local()?.port()
-    } else {
-        args.port
+    let cache_addr = cache_sock.as_deref().map(bound).transpose()?;
+    let tok_addr = tok_sock.as_deref().map(bound).transpose()?;
+    let port = match &gateway_sock {
+        Some(l) => bound(l)?.port(),
+        None => args.port,
     };
-    // Released only now, all at once, for the services to bind.
-    drop(ports);
-    let gateway_listen = SocketAddr::new(args.host, port);
     let model_arg = model.to_string_lossy().into_owned();
     // Every service writes its incident reports into one directory.
     let incident_dir = args
@@ -682,46 +701,40 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         .display()
         .to_string();
     // Reports' replay commands name the gateway as this machine reaches it.
-    let replay_url = {
-        let ip = if gateway_listen.ip().is_unspecified() {
-            std::net::IpAddr::from([127, 0, 0, 1])
-        } else {
-            gateway_listen.ip()
-        };
-        format!("http://{}/v1", SocketAddr::new(ip, port))
-    };
+    let replay_url = format!("http://{}/v1", reachable(args.host, port));
 
     let mut services = Vec::new();
     let started = (|| -> Result<(), UpError> {
-        let tok_args = vec![
-            "tokenizer".into(),
-            "--listen".into(),
-            tok_addr.to_string(),
-            "--model".into(),
-            model_arg.clone(),
-        ];
-        if has_gateway {
-            let mut tok_args = tok_args;
+        if let (Some(sock), Some(addr)) = (&tok_sock, tok_addr) {
+            let mut tok_args = vec!["tokenizer".into(), "--model".into(), model_arg.clone()];
             tok_args.extend(tls_args.iter().cloned());
-            services.push(spawn("tokenizer", &exe, &tok_args, tok_addr, None)?);
+            services.push(spawn(
+                "tokenizer",
+                &exe,
+                &tok_args,
+                (sock.clone(), addr),
+                None,
+            )?);
         }
-        if has_cache {
+        if let (Some(sock), Some(addr)) = (&cache_sock, cache_addr) {
             let mut cache_args = vec![
                 "cache".into(),
-                "--listen".into(),
-                cache_addr.to_string(),
                 "--incident-dir".into(),
                 incident_dir.clone(),
             ];
             cache_args.extend(tls_args.iter().cloned());
             cache_args.extend(args.cache_args.iter().cloned());
-            services.push(spawn("cache", &exe, &cache_args, cache_addr, None)?);
+            services.push(spawn(
+                "cache",
+                &exe,
+                &cache_args,
+                (sock.clone(), addr),
+                None,
+            )?);
         }
-        for &(name, sub, addr, extra) in &workers {
+        for (name, sub, addr, extra, sock) in &workers {
             let mut worker_args = vec![
-                sub.into(),
-                "--listen".into(),
-                addr.to_string(),
+                (*sub).into(),
                 "--model".into(),
                 model_arg.clone(),
                 "--incident-dir".into(),
@@ -730,17 +743,23 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             if has_gateway {
                 worker_args.extend(["--incident-replay-url".into(), replay_url.clone()]);
             }
-            if has_cache {
-                worker_args.extend(["--cache-url".into(), format!("http://{cache_addr}")]);
+            if let Some(cache) = cache_addr {
+                worker_args.extend(["--cache-url".into(), format!("http://{cache}")]);
             }
             worker_args.extend(tls_args.iter().cloned());
             worker_args.extend(args.worker_args.iter().cloned());
             worker_args.extend(extra.iter().cloned());
-            services.push(spawn(name, &exe, &worker_args, addr, None)?);
+            services.push(spawn(
+                name,
+                &exe,
+                &worker_args,
+                (sock.clone(), *addr),
+                None,
+            )?);
         }
-        if !has_gateway {
+        let (Some(gateway_sock), Some(tok_addr)) = (&gateway_sock, tok_addr) else {
             return Ok(());
-        }
+        };
         let urls = |kind: &str| {
             workers
                 .iter()
@@ -751,8 +770,6 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         };
         let mut gw_args = vec![
             "gateway".into(),
-            "--listen".into(),
-            gateway_listen.to_string(),
             "--tokenizer-url".into(),
             format!("http://{tok_addr}"),
             // The tokenizer's own model file: the gateway detokenizes in process.
@@ -775,8 +792,8 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         } else {
             gw_args.extend(["--worker-url".into(), format!("http://{worker_addr}")]);
         }
-        if has_cache {
-            gw_args.extend(["--cache-url".into(), format!("http://{cache_addr}")]);
+        if let Some(cache) = cache_addr {
+            gw_args.extend(["--cache-url".into(), format!("http://{cache}")]);
         }
         gw_args.extend(tls_args.iter().cloned());
         gw_args.extend(args.gateway_args.iter().cloned());
@@ -784,7 +801,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             "gateway",
             &exe,
             &gw_args,
-            reachable(args.host, port),
+            (gateway_sock.clone(), reachable(args.host, port)),
             args.api_key.as_deref(),
         )?);
         Ok(())
@@ -839,9 +856,9 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         host: shown.ip(),
         pd,
         gateway: if has_gateway { port } else { 0 },
-        tokenizer: if has_gateway { tok_addr.port() } else { 0 },
+        tokenizer: tok_addr.map_or(0, |a| a.port()),
         workers: workers.iter().map(|w| (w.0, w.1, w.2.port())).collect(),
-        cache: if has_cache { cache_addr.port() } else { 0 },
+        cache: cache_addr.map_or(0, |a| a.port()),
         model: model_id.clone(),
         restart: args.restart,
     };
@@ -865,9 +882,10 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     } else {
         let kind = role.name();
         let list: Vec<String> = workers.iter().map(|w| format!("http://{}", w.2)).collect();
-        println!("pdmesh {kind} host is up (model {model_id}): cache service http://{cache_addr}");
+        let cache = cache_addr.map_or_else(String::new, |a| format!("http://{a}"));
+        println!("pdmesh {kind} host is up (model {model_id}): cache service {cache}");
         println!(
-            "  give the gateway host --{kind}-url {} --cache-url http://{cache_addr}",
+            "  give the gateway host --{kind}-url {} --cache-url {cache}",
             list.join(",")
         );
     }
@@ -1083,40 +1101,5 @@ mod tests {
         );
         assert_eq!(v["pids"]["worker"], 7);
         assert_eq!(v["prefill"], serde_json::json!([]));
-    }
-
-    #[test]
-    fn picked_ports_are_distinct_and_free_once_the_picker_is_dropped() {
-        let mut ports = Ports::default();
-        let picked: Vec<u16> = (0..64).map(|_| ports.pick().unwrap()).collect();
-        let distinct: std::collections::HashSet<_> = picked.iter().collect();
-        assert_eq!(distinct.len(), picked.len());
-        assert!(!picked.contains(&0));
-        drop(ports);
-        std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, picked[0])).expect("free again");
-    }
-
-    #[test]
-    fn a_port_the_user_named_is_never_picked_even_when_the_kernel_offers_it() {
-        // The kernel may answer a bind of port 0 with the very port the user named for
-        // the gateway (free until the gateway binds it): once it gave it to the cache.
-        let named = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let mut ports = Ports::avoiding(&[named]);
-        let mut offers = 0;
-        ports.bind = Box::new(move || {
-            offers += 1;
-            let port = if offers == 1 { named } else { 0 };
-            std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port))
-        });
-        let picked = ports.pick().unwrap();
-        assert_ne!(picked, named);
-        assert_ne!(picked, 0);
-        drop(ports);
-        std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, named))
-            .expect("the named port is free again");
     }
 }

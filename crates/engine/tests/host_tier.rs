@@ -240,16 +240,12 @@ fn a_byte_flipped_in_the_mirror_is_caught_recomputed_and_counted() {
 fn without_a_cache_service_requests_are_served_from_the_device_tier() {
     // Nothing listens here: the tier never connects, and nothing waits on it.
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let refusing = pdmesh_testkit::Refusing::new();
     let mut e = common::engine(|_| {});
     let tier = RemoteTier::start(
         rt.handle().clone(),
         TierConfig {
-            url: format!("http://127.0.0.1:{port}"),
+            url: refusing.url(),
             worker_id: "lonely".into(),
             plane: DataPlane::Shm,
             call_timeout: Duration::from_secs(1),

@@ -131,14 +131,54 @@ pub enum Error {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves `pdmesh.cache.v1.Cache` on `listener` until `shutdown` is cancelled and the
-/// drain that starts then is over (see [`Config::drain_timeout_ms`]); the mirror file is
-/// removed on the way out.
+/// The cache service's listeners: its gRPC port and its tcp page transport's (without
+/// one, `run` binds it with [`bind_peer`]).
+#[derive(Debug)]
+pub struct Listeners {
+    pub grpc: TcpListener,
+    pub peer: Option<TcpListener>,
+}
+
+impl From<TcpListener> for Listeners {
+    fn from(grpc: TcpListener) -> Self {
+        Self { grpc, peer: None }
+    }
+}
+
+/// The page transport's listener as `cfg` says: [`Config::peer_listen`], or any free
+/// port on the IP of `grpc`, the service's own address.
+pub async fn bind_peer(
+    cfg: &Config,
+    grpc: Option<std::net::SocketAddr>,
+) -> Result<TcpListener, Error> {
+    let peer_at = cfg.peer_listen.unwrap_or_else(|| {
+        let ip = grpc.map_or(std::net::Ipv4Addr::LOCALHOST.into(), |a| a.ip());
+        std::net::SocketAddr::new(ip, 0)
+    });
+    TcpListener::bind(peer_at).await.map_err(|e| {
+        Error::Config(format!(
+            "the page transport cannot listen on {peer_at}: {e}"
+        ))
+    })
+}
+
+/// Serves `pdmesh.cache.v1.Cache` on the gRPC listener until `shutdown` is cancelled and
+/// the drain that starts then is over (see [`Config::drain_timeout_ms`]); the mirror file
+/// is removed on the way out.
 pub async fn run(
     cfg: Config,
-    listener: TcpListener,
+    listeners: impl Into<Listeners>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let Listeners {
+        grpc: listener,
+        peer,
+    } = listeners.into();
+    let addr = listener.local_addr().ok();
+    let peer_listener = match peer {
+        Some(l) => l,
+        None => bind_peer(&cfg, addr).await?,
+    };
     for (flag, v) in [
         ("lease-ttl-ms", cfg.lease_ttl_ms),
         ("room-bootstrap-ms", cfg.room_bootstrap_ms),
@@ -170,20 +210,10 @@ pub async fn run(
         ttl,
         cfg.room_deadlines(),
     ));
-    let addr = listener.local_addr().ok();
     let opts = transfer::TcpOptions {
         io_timeout: Duration::from_millis(cfg.peer_io_timeout_ms),
         ..transfer::TcpOptions::default()
     };
-    let peer_at = cfg.peer_listen.unwrap_or_else(|| {
-        let ip = addr.map_or(std::net::Ipv4Addr::LOCALHOST.into(), |a| a.ip());
-        std::net::SocketAddr::new(ip, 0)
-    });
-    let peer_listener = TcpListener::bind(peer_at).await.map_err(|e| {
-        Error::Config(format!(
-            "the page transport cannot listen on {peer_at}: {e}"
-        ))
-    })?;
     let peer_port = peer_listener.local_addr().map_or(0, |a| a.port());
     let receiver = tokio::spawn(receive_pages(
         peer_listener,

@@ -862,10 +862,8 @@ mod tests {
             (1.into(), 1.into())
         );
         // A gateway whose only worker is unreachable cannot serve.
-        let dead = format!("http://{}", {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap()
-        });
+        let refusing = pdmesh_testkit::Refusing::new();
+        let dead = refusing.url();
         let mut cfg = st.cfg.clone();
         cfg.worker_url = dead.clone();
         let tokenizer = cfg.tokenizer_url.clone();

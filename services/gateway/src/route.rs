@@ -1308,10 +1308,9 @@ mod tests {
         let p = serve(scripted("http://10.0.0.2:7100")).await;
         let d = serve(scripted("http://10.0.0.3:7100")).await;
         // A second prefill worker that is not up: its host is unknown.
+        let refusing = pdmesh_testkit::Refusing::new();
         let down = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            let url = format!("http://{}", l.local_addr().unwrap());
-            drop(l);
+            let url = refusing.url();
             let ch = tonic::transport::Endpoint::from_shared(url.clone())
                 .unwrap()
                 .connect_lazy();

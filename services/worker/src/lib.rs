@@ -418,24 +418,50 @@ impl Config {
     }
 }
 
-/// Loads the model named by `cfg`, then serves `pdmesh.worker.v1.Worker` on `listener`
-/// until `shutdown` is cancelled. At shutdown running requests finish with `abort`, and
-/// the function returns once the engine has been released.
+/// The worker's listeners: its gRPC port and, for `--health-listen`, the plaintext port
+/// that serves only health (without one, `run` binds `cfg.health_listen` if set).
+#[derive(Debug)]
+pub struct Listeners {
+    pub grpc: TcpListener,
+    pub health: Option<TcpListener>,
+}
+
+impl From<TcpListener> for Listeners {
+    fn from(grpc: TcpListener) -> Self {
+        Self { grpc, health: None }
+    }
+}
+
+/// Binds `--health-listen` when it is set.
+pub async fn bind_health(cfg: &Config) -> Result<Option<TcpListener>, Error> {
+    match cfg.health_listen {
+        Some(a) => {
+            Ok(Some(TcpListener::bind(a).await.map_err(|e| {
+                Error::Config(format!("--health-listen {a}: {e}"))
+            })?))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Loads the model named by `cfg`, then serves `pdmesh.worker.v1.Worker` on the gRPC
+/// listener until `shutdown` is cancelled. At shutdown running requests finish with
+/// `abort`, and the function returns once the engine has been released.
 pub async fn run(
     cfg: Config,
-    listener: TcpListener,
+    listeners: impl Into<Listeners>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let Listeners {
+        grpc: listener,
+        health,
+    } = listeners.into();
     let engine_cfg = cfg.engine_config()?;
     let tls = cfg.tls.load().map_err(|e| Error::Config(e.to_string()))?;
     // Bound before the model loads, so a taken port fails at once.
-    let health_listener = match cfg.health_listen {
-        Some(a) => Some(
-            TcpListener::bind(a)
-                .await
-                .map_err(|e| Error::Config(format!("--health-listen {a}: {e}")))?,
-        ),
-        None => None,
+    let health_listener = match health {
+        Some(l) => Some(l),
+        None => bind_health(&cfg).await?,
     };
     cfg.faults.announce();
     let mut engine = tokio::task::spawn_blocking(move || pdmesh_engine::Engine::load(engine_cfg))

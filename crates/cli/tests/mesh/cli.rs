@@ -206,3 +206,95 @@ fn up_fails_naming_the_child_that_died_and_leaves_no_process_behind() {
         assert!(!alive(pid), "pid {pid} outlived `pdmesh up`");
     }
 }
+
+/// Waits for `file` (a service's `--ports-file`) while `child` runs.
+fn ports_file(child: &mut std::process::Child, file: &std::path::Path) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(text) = std::fs::read_to_string(file) {
+            return serde_json::from_str(&text).unwrap();
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("exited with {status} before writing its ports file");
+        }
+        assert!(std::time::Instant::now() < deadline, "no ports file");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_service_on_port_0_names_every_port_it_bound_in_its_ports_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cache.json");
+    let mut child = pdmesh()
+        .args(["cache", "--listen", "127.0.0.1:0", "--shm-dir"])
+        .arg(dir.path())
+        .arg("--ports-file")
+        .arg(&file)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let v = ports_file(&mut child, &file);
+    assert_eq!(v["pid"], child.id(), "{v}");
+    let (grpc, peer) = (v["listen"].as_u64().unwrap(), v["peer"].as_u64().unwrap());
+    assert!(grpc != 0 && peer != 0 && grpc != peer, "{v}");
+    // Both are bound and held by the service: they answer (gRPC and the page transport).
+    for port in [grpc, peer] {
+        std::net::TcpStream::connect(("127.0.0.1", port as u16))
+            .unwrap_or_else(|e| panic!("port {port} of {v}: {e}"));
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let addr = SocketAddr::from(([127, 0, 0, 1], grpc as u16));
+    assert!(rt.block_on(pdmesh_cli::probe::cache_healthy(addr, None)));
+    drop(rt);
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    // A worker's health port is in its file beside its gRPC port.
+    let file = dir.path().join("worker.json");
+    let mut child = pdmesh()
+        .args(["worker", "--listen", "127.0.0.1:0", "--health-listen"])
+        .args(["127.0.0.1:0", "--model"])
+        .arg(pdmesh_gguf::models::require_default_model())
+        .arg("--ports-file")
+        .arg(&file)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let v = ports_file(&mut child, &file);
+    let (grpc, health) = (v["listen"].as_u64(), v["health"].as_u64());
+    assert!(grpc.is_some() && health.is_some() && grpc != health, "{v}");
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[test]
+fn a_listen_fd_that_is_not_a_listening_socket_is_refused_clearly() {
+    // Descriptor 3 of the child is a plain file here, not a socket.
+    let dir = tempfile::tempdir().unwrap();
+    let f = std::fs::File::create(dir.path().join("not-a-socket")).unwrap();
+    let mut cmd = pdmesh();
+    cmd.args(["cache", "--listen-fd", "3", "--shm-dir"])
+        .arg(dir.path())
+        .stderr(Stdio::piped());
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+    // SAFETY: dup2 in the forked child before exec, async-signal-safe, no allocation.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+            if libc::dup2(fd, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--listen-fd 3 is not a listening TCP socket"),
+        "{err}"
+    );
+}

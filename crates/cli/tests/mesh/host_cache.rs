@@ -3,19 +3,15 @@
 //! pages back; a cache service killed and restarted under load fails no request, and the
 //! worker registers with the new one.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_proto::worker::v1 as wpb;
 
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
+/// Any free loopback port: the service binds port 0 and says which in its ports file.
+const ANY: &str = "127.0.0.1:0";
 
 /// A child process killed (SIGKILL) when dropped.
 struct Proc(Child);
@@ -34,45 +30,68 @@ impl Drop for Proc {
     }
 }
 
-fn spawn(args: &[String]) -> Proc {
-    Proc(
+/// Starts `pdmesh ARGS --listen LISTEN` and waits for its ports file: the process and
+/// the address it bound.
+fn spawn(listen: &str, args: &[String]) -> (Proc, SocketAddr) {
+    let ports = tempfile::tempdir().unwrap();
+    let file = ports.path().join("ports.json");
+    let mut p = Proc(
         Command::new(env!("CARGO_BIN_EXE_pdmesh"))
             .args(args)
+            .args(["--listen", listen])
+            .arg("--ports-file")
+            .arg(&file)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let port = loop {
+        if let Ok(text) = std::fs::read_to_string(&file) {
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            break v["listen"].as_u64().unwrap() as u16;
+        }
+        if let Ok(Some(status)) = p.0.try_wait() {
+            panic!("{args:?} exited with {status} before binding");
+        }
+        assert!(Instant::now() < deadline, "{args:?} wrote no ports file");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (p, SocketAddr::from(([127, 0, 0, 1], port)))
+}
+
+/// A cache service on `listen` (`ANY`, or the port of the one it replaces).
+fn cache(listen: &str, dir: &std::path::Path) -> (Proc, SocketAddr) {
+    spawn(
+        listen,
+        &[
+            "cache".into(),
+            "--host-mirror-size".into(),
+            "2000tokens".into(),
+            "--lease-ttl-ms".into(),
+            "600".into(),
+            "--shm-dir".into(),
+            dir.display().to_string(),
+        ],
     )
 }
 
-fn cache(addr: SocketAddr, dir: &std::path::Path) -> Proc {
-    spawn(&[
-        "cache".into(),
-        "--listen".into(),
-        addr.to_string(),
-        "--host-mirror-size".into(),
-        "2000tokens".into(),
-        "--lease-ttl-ms".into(),
-        "600".into(),
-        "--shm-dir".into(),
-        dir.display().to_string(),
-    ])
-}
-
-fn worker(addr: SocketAddr, cache: SocketAddr) -> Proc {
+fn worker(cache: SocketAddr) -> (Proc, SocketAddr) {
     let model = pdmesh_gguf::models::require_default_model();
-    spawn(&[
-        "worker".into(),
-        "--listen".into(),
-        addr.to_string(),
-        "--model".into(),
-        model.display().to_string(),
-        "--kv-pages".into(),
-        "256".into(),
-        "--cache-url".into(),
-        format!("http://{cache}"),
-    ])
+    spawn(
+        ANY,
+        &[
+            "worker".into(),
+            "--model".into(),
+            model.display().to_string(),
+            "--kv-pages".into(),
+            "256".into(),
+            "--cache-url".into(),
+            format!("http://{cache}"),
+        ],
+    )
 }
 
 async fn until<T>(what: &str, secs: u64, mut f: impl AsyncFnMut() -> Option<T>) -> T {
@@ -158,9 +177,8 @@ fn prompt(seed: u32, n: usize) -> Vec<u32> {
 #[test]
 fn a_worker_killed_with_sigkill_loses_its_lease_and_the_mirror_reclaims_its_pages() {
     let dir = tempfile::tempdir().unwrap();
-    let (caddr, waddr) = (free_addr(), free_addr());
-    let _cache = cache(caddr, dir.path());
-    let mut w = worker(waddr, caddr);
+    let (_cache, caddr) = cache(ANY, dir.path());
+    let (mut w, waddr) = worker(caddr);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let mut c = worker_client(waddr).await;
@@ -183,8 +201,7 @@ fn a_worker_killed_with_sigkill_loses_its_lease_and_the_mirror_reclaims_its_page
         .await;
         assert_eq!((after.leases, after.pinned_pages), (0, 0), "{after:?}");
         // Its pages are evictable: a new worker stores its own in their place.
-        let w2addr = free_addr();
-        let _w2 = worker(w2addr, caddr);
+        let (_w2, w2addr) = worker(caddr);
         let mut c2 = worker_client(w2addr).await;
         for i in 100..106 {
             generate(&mut c2, &format!("new{i}"), &prompt(i, 200))
@@ -199,9 +216,8 @@ fn a_worker_killed_with_sigkill_loses_its_lease_and_the_mirror_reclaims_its_page
 #[test]
 fn restarting_the_cache_service_under_load_fails_no_request() {
     let dir = tempfile::tempdir().unwrap();
-    let (caddr, waddr) = (free_addr(), free_addr());
-    let mut cache_proc = cache(caddr, dir.path());
-    let _w = worker(waddr, caddr);
+    let (mut cache_proc, caddr) = cache(ANY, dir.path());
+    let (_w, waddr) = worker(caddr);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = worker_client(waddr).await;
@@ -246,7 +262,8 @@ fn restarting_the_cache_service_under_load_fails_no_request() {
         tokio::time::sleep(Duration::from_millis(300)).await;
         cache_proc.kill9();
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let _cache2 = cache(caddr, dir.path());
+        // On its port: the worker knows the service by its address.
+        let _cache2 = cache(&caddr.to_string(), dir.path());
         let mut done = 0;
         for t in load {
             done += t.await.unwrap();

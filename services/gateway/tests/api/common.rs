@@ -17,6 +17,8 @@ pub struct Mesh {
     pub worker: SocketAddr,
     pub tokenizer: SocketAddr,
     shutdown: CancellationToken,
+    /// Holds the worker's port when no worker runs: it refuses every connection.
+    _refusing: Option<pdmesh_testkit::Refusing>,
 }
 
 impl Drop for Mesh {
@@ -29,14 +31,6 @@ async fn bind() -> (TcpListener, SocketAddr) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let a = l.local_addr().unwrap();
     (l, a)
-}
-
-/// An address where nothing listens.
-pub fn dead_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
 }
 
 pub struct Options {
@@ -71,6 +65,7 @@ pub async fn start(opts: Options) -> Mesh {
     let tok_cfg = pdmesh_tokenizer::Config::new(&model);
     tokio::spawn(pdmesh_tokenizer::run(tok_cfg, tl, shutdown.child_token()));
 
+    let refusing = (!opts.worker).then(pdmesh_testkit::Refusing::new);
     let worker = if opts.worker {
         let (wl, worker) = bind().await;
         let mut wcfg = pdmesh_worker::Config::new(&model);
@@ -85,7 +80,7 @@ pub async fn start(opts: Options) -> Mesh {
         });
         worker
     } else {
-        dead_addr()
+        refusing.as_ref().expect("made when no worker runs").addr()
     };
 
     let (gl, gateway) = bind().await;
@@ -103,6 +98,7 @@ pub async fn start(opts: Options) -> Mesh {
         worker,
         tokenizer,
         shutdown,
+        _refusing: refusing,
     };
     // Wait until the gateway answers and the backends we started are healthy.
     for _ in 0..600 {

@@ -41,6 +41,11 @@ pub async fn start() -> Server {
 
 /// [`start`] with `f` applied to the configuration.
 pub async fn start_with(f: impl FnOnce(&mut Config)) -> Server {
+    start_with_health(f, None).await
+}
+
+/// A worker with `health` as its plaintext health port.
+pub async fn start_with_health(f: impl FnOnce(&mut Config), health: Option<TcpListener>) -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();
@@ -52,7 +57,11 @@ pub async fn start_with(f: impl FnOnce(&mut Config)) -> Server {
         ..Config::new(pdmesh_gguf::models::require_default_model())
     };
     f(&mut cfg);
-    let task = tokio::spawn(run(cfg, listener, shutdown.clone()));
+    let listeners = pdmesh_worker::Listeners {
+        grpc: listener,
+        health,
+    };
+    let task = tokio::spawn(run(cfg, listeners, shutdown.clone()));
     // The listener is already bound: the connection waits in its backlog while the model
     // loads.
     let client = WorkerClient::connect(format!("http://{addr}"))

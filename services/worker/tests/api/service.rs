@@ -565,10 +565,9 @@ async fn grpc_health_says_ready_and_live_then_not_ready_while_draining() {
 async fn the_health_port_answers_health_and_nothing_else() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
-    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = free.local_addr().unwrap();
-    drop(free);
-    let mut s = start_with(|c| c.health_listen = Some(addr)).await;
+    let health = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = health.local_addr().unwrap();
+    let mut s = start_with_health(|_| {}, Some(health)).await;
     s.client.model_info(pb::ModelInfoRequest {}).await.unwrap();
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()

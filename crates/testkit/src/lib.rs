@@ -1,0 +1,61 @@
+//! What pdmesh's tests share. Tests never pick a port by binding one and letting it go: a
+//! test running beside them could take it in between. A listener a test needs is bound on
+//! port 0 and handed to the service as it is; an address where nothing may answer is
+//! [`Refusing`], a socket that holds its port and never listens.
+
+use std::net::SocketAddr;
+
+/// A loopback port that refuses every connection for as long as this lives: the socket is
+/// bound, so no other process can take the port, and never listens, so the kernel
+/// answers each connection attempt with a reset (ECONNREFUSED).
+#[derive(Debug)]
+pub struct Refusing {
+    addr: SocketAddr,
+    _socket: tokio::net::TcpSocket,
+}
+
+impl Refusing {
+    pub fn new() -> Self {
+        let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+        socket
+            .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .expect("bind a loopback port");
+        let addr = socket.local_addr().expect("the bound address");
+        Self {
+            addr,
+            _socket: socket,
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Default for Refusing {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusing_port_refuses_and_cannot_be_taken() {
+        let r = Refusing::new();
+        let err = std::net::TcpStream::connect(r.addr()).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+        assert!(
+            std::net::TcpListener::bind(r.addr()).is_err(),
+            "the port is held"
+        );
+        drop(r);
+    }
+}
