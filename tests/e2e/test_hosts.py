@@ -5,11 +5,11 @@ links (nothing between hosts goes over 127.0.0.1). The KV of every request cross
 the prefill host's cache service to the decode host's over the tcp page transport.
 
 Answers equal a unified worker's with no cache; another KV layout on the decode host is
-refused naming both; killing the prefill host, taking its link down, 50 ms delay with 5%
-loss, and a stopped remote cache service each end every request within its deadline with
-an answer or a clean error, leave nothing held on any host, and leave a mesh that serves
-again with the same answers. With the mesh's mutual TLS the answers are the same and
-nothing without the mesh's certificate gets in."""
+refused naming both; killing the prefill host, taking its link down (for a moment, and
+past its leases), 50 ms delay with 5% loss, and a stopped remote cache service each end
+every request within its deadline with an answer or a clean error, leave nothing held on
+any host, and leave a mesh that serves again with the same answers. With the mesh's
+mutual TLS the answers are the same and nothing without the mesh's certificate gets in."""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import start_up, stop_up
+from conftest import ROOM_ARGS, start_up, stop_up
 from hosts import MODEL, REQUEST_DEADLINE_S, Hosts, make_certs
+
+# A worker's or a relay's lease at a cache service, as the fault tests run it.
+LEASE_S = next(int(a.split("=", 1)[1]) for a in ROOM_ARGS if a.startswith("--lease-ttl-ms=")) / 1000
 
 
 LONG = " ".join(f"item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(120))
@@ -192,6 +195,30 @@ def test_the_prefill_hosts_link_down_mid_transfer_then_up(hosts, reference):
         time.sleep(3)  # the outage itself: how long the link stays down
         hosts.net.link("prefill", up=True)
     results = ask_all(hosts, N, fault)
+    check_after(hosts, reference, results)
+
+
+def test_the_prefill_hosts_link_down_past_its_leases_then_every_request_is_answered(hosts, reference):
+    """The prefill host's link stays down for several leases' time while requests hand
+    their KV over: the decode host's cache service lets the prefill host's relay lease
+    expire, and the rooms under way with it. Once the link is back, every request is
+    answered with the reference answer, the first one included: the relay registers
+    again rather than naming the lease that expired, and nothing the outage left behind
+    turns into a refusal."""
+    expired = 'mesh_host_mirror_expired_leases_total{tier="host"}'
+    before = hosts.metrics()[expired]
+
+    def fault():
+        hosts.net.link("prefill", up=False)
+        time.sleep(3 * LEASE_S)  # the outage itself: how long the link stays down
+        hosts.net.link("prefill", up=True)
+    results = ask_all(hosts, N, fault)
+    # The link is back once the gateway reaches the prefill host's worker again: the
+    # first requests then, all at once, are answered, and so is every one after them.
+    hosts.wait_healthy()
+    first = ask_all(hosts, N)
+    assert hosts.metrics()[expired] > before, "a lease expired during the outage"
+    assert first == reference, f"the first requests after the link came back: {first}"
     check_after(hosts, reference, results)
 
 

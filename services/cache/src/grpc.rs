@@ -133,15 +133,27 @@ impl CacheService {
         self
     }
 
-    /// The link to the home of relayed `room`, if it is relayed from here.
+    /// The link to the home of relayed `room`, if it is relayed from here: the one the
+    /// home opened the room for. The room lives there only as long as that link's lease;
+    /// once the link registered again (the lease ran out, over a partition say), the room
+    /// is gone at its home, and it fails here too.
     async fn relay(&self, room: u64) -> Result<Option<Arc<Link>>, Status> {
-        let Some((home, layout)) = self.shared.with(|s| {
-            let home = s.relay_home(room)?.to_owned();
-            Some((home, s.layout()?.clone()))
+        let Some((home, lease)) = self.shared.with(|s| {
+            s.relay_link(room)
+                .map(|(home, lease)| (home.to_owned(), lease))
         }) else {
             return Ok(None);
         };
-        self.peers.link(&home, &layout).await.map(Some)
+        match self.peers.existing(&home).await {
+            Some(link) if Some(link.lease) == lease => Ok(Some(link)),
+            _ => {
+                self.shared.with(|s| s.relay_end(room, true));
+                let reason = format!(
+                    "this host's link to the room's home {home} lost the lease the room was opened with"
+                );
+                Err(CacheError::Room(RoomError::Failed { room, reason }).into())
+            }
+        }
     }
 
     /// Ends relayed `room` here and tells its home (bounded, in the background).
@@ -483,14 +495,30 @@ impl pb::cache_server::Cache for CacheService {
             })?;
             let opened = async {
                 let link = self.peers.link(&r.home, &layout).await?;
-                link.room_open(r.room, &r.request_id, &r.trace_id).await
+                match link.room_open(r.room, &r.request_id, &r.trace_id).await {
+                    // A room open names no room the home must know (it makes it): NOT_FOUND
+                    // is this host's lease there, which ran out while the hosts could not
+                    // reach each other, before a heartbeat could tell. Nothing was opened:
+                    // register again and open once more.
+                    Err(e) if e.code() == tonic::Code::NotFound => {
+                        link.lost();
+                        let link = self.peers.link(&r.home, &layout).await?;
+                        let st = link.room_open(r.room, &r.request_id, &r.trace_id).await?;
+                        Ok((link, st))
+                    }
+                    opened => opened.map(|st| (link, st)),
+                }
             }
             .await;
             return match opened {
-                Ok(st) => {
-                    if st.state == pb::RoomState::Failed as i32 {
-                        self.shared.with(|s| s.relay_end(r.room, true));
-                    }
+                Ok((link, st)) => {
+                    self.shared.with(|s| {
+                        if st.state == pb::RoomState::Failed as i32 {
+                            s.relay_end(r.room, true);
+                        } else {
+                            s.relay_linked(r.room, link.lease);
+                        }
+                    });
                     Ok(Response::new(st))
                 }
                 Err(e) => {
@@ -498,7 +526,15 @@ impl pb::cache_server::Cache for CacheService {
                         tracing::warn!(room = r.room, home = %r.home, error = %e.message(), "the room's home refused this host");
                     }
                     self.shared.with(|s| s.relay_end(r.room, true));
-                    Err(e)
+                    // The home's NOT_FOUND names this host's lease there, never the
+                    // sender's here, which would take it for its own and register again.
+                    Err(match e.code() {
+                        tonic::Code::NotFound => Status::unavailable(format!(
+                            "the room's home does not know this host's link: {}",
+                            e.message()
+                        )),
+                        _ => e,
+                    })
                 }
             };
         }

@@ -202,21 +202,39 @@ impl Link {
         let heartbeat = {
             let (mut rpc, alive, lease, url) =
                 (rpc.clone(), alive.clone(), reg.lease, url.to_owned());
-            let every = Duration::from_millis(u64::from(reg.lease_ttl_ms) / 3)
-                .max(Duration::from_millis(1));
+            let ttl = Duration::from_millis(u64::from(reg.lease_ttl_ms));
+            let every = (ttl / 3).max(Duration::from_millis(1));
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(every);
+                // When the home last renewed the lease, at the latest: it lets the lease
+                // go a lease's time after that.
+                let mut renewed = Instant::now();
                 loop {
                     tick.tick().await;
                     let beat = rpc.heartbeat(request(pb::HeartbeatRequest { lease }, every));
                     match tokio::time::timeout(every, beat).await {
+                        Ok(Ok(_)) => {
+                            renewed = Instant::now();
+                            if !alive.swap(true, Ordering::Relaxed) {
+                                tracing::info!(peer = %url, lease, "the peer renews the lease again");
+                            }
+                        }
                         Ok(Err(s)) if s.code() == tonic::Code::NotFound => {
                             tracing::warn!(peer = %url, lease, "peer lease expired; the next room registers again");
                             alive.store(false, Ordering::Relaxed);
                             return;
                         }
-                        // Unreachable for now: the lease runs out there if it stays so.
-                        _ => {}
+                        // Unreachable (a partition, a stopped home): once no beat has
+                        // landed for a lease's time, the home has let the lease go, so
+                        // the next room registers again on a fresh connection instead
+                        // of naming it. Beats go on meanwhile: one that lands says the
+                        // lease lived after all.
+                        _ => {
+                            let lost = renewed.elapsed() >= ttl;
+                            if lost && alive.swap(false, Ordering::Relaxed) {
+                                tracing::warn!(peer = %url, lease, "no heartbeat reached the peer for a lease's time; the next room registers again");
+                            }
+                        }
                     }
                 }
             })
@@ -239,6 +257,14 @@ impl Link {
 
     fn t(&self) -> Duration {
         self.opts.io_timeout
+    }
+
+    /// The home no longer knows this link's lease (it said so): the next room registers
+    /// again.
+    pub fn lost(&self) {
+        if self.alive.swap(false, Ordering::Relaxed) {
+            tracing::warn!(peer = %self.url, lease = self.lease, "the peer no longer knows the lease; the next room registers again");
+        }
     }
 
     pub async fn room_open(
@@ -381,6 +407,74 @@ mod tests {
     use tokio_util::sync::CancellationToken;
 
     use super::*;
+
+    /// A cache service of `layout`'s pages at `addr` (port 0: any) with leases of
+    /// `ttl_ms`, with a worker registered (which fixes its layout); it stops, at once, when
+    /// `stop` is cancelled.
+    async fn home(
+        addr: SocketAddr,
+        layout: &KvLayout,
+        ttl_ms: u64,
+        dir: &std::path::Path,
+        stop: CancellationToken,
+    ) -> (
+        String,
+        HostClient,
+        tokio::task::JoinHandle<Result<(), crate::Error>>,
+    ) {
+        let mut cfg = crate::Config::new(crate::MirrorSize::Bytes(
+            (8 * layout.bytes_per_page()) as u64,
+        ));
+        cfg.shm_dir = Some(dir.to_owned());
+        cfg.lease_ttl_ms = ttl_ms;
+        cfg.drain_timeout_ms = 0;
+        let listener = TcpListener::bind(addr).await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let served = tokio::spawn(crate::run(cfg, listener, stop));
+        let worker = HostClient::connect(&url, "w", layout, DataPlane::Shm)
+            .await
+            .unwrap();
+        (url, worker, served)
+    }
+
+    #[tokio::test]
+    async fn a_link_whose_heartbeats_stop_landing_for_a_lease_is_given_up_for_a_new_one() {
+        let layout = Arc::new(KvLayout::llama(2, 1, 8, DType::F16, 16));
+        let dir = tempfile::tempdir().unwrap();
+        let stop = CancellationToken::new();
+        let any = "127.0.0.1:0".parse().unwrap();
+        let (url, worker, served) = home(any, &layout, 300, dir.path(), stop.clone()).await;
+        let opts = TcpOptions {
+            io_timeout: Duration::from_secs(1),
+            ..TcpOptions::default()
+        };
+        let peers = Peers::new("here".into(), opts, None);
+        let link = peers.link(&url, &layout).await.unwrap();
+        assert!(Arc::ptr_eq(
+            &link,
+            &peers.link(&url, &layout).await.unwrap()
+        ));
+        // The home goes away: no heartbeat lands, and none says the lease is unknown.
+        drop(worker);
+        stop.cancel();
+        served.await.unwrap().unwrap();
+        let until = Instant::now() + Duration::from_secs(10);
+        while link.alive.load(Ordering::Relaxed) {
+            assert!(Instant::now() < until, "the link still counts on its lease");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Back on the same address: the next room links again rather than name the lease
+        // the home let go.
+        let stop = CancellationToken::new();
+        let addr = url.trim_start_matches("http://").parse().unwrap();
+        let (_, worker, served) = home(addr, &layout, 300, dir.path(), stop.clone()).await;
+        let again = peers.link(&url, &layout).await.unwrap();
+        assert!(!Arc::ptr_eq(&link, &again), "a new link");
+        assert!(again.alive.load(Ordering::Relaxed));
+        drop((link, again, worker));
+        stop.cancel();
+        served.await.unwrap().unwrap();
+    }
 
     #[tokio::test]
     async fn a_home_that_never_answers_does_not_hold_up_links_to_other_homes() {

@@ -183,6 +183,9 @@ pub struct PeerStats {
 struct Relay {
     lease: u64,
     home: String,
+    /// This service's lease at the home, the one the room was opened there with (none
+    /// until the home answered): the room lives there only as long as that lease.
+    link: Option<u64>,
     /// This mirror's slots the sender writes (empty until it starts).
     slots: Vec<u32>,
     /// The home host's slots for the same pages, in order.
@@ -1285,6 +1288,7 @@ impl State {
                     Relay {
                         lease,
                         home: home.to_owned(),
+                        link: None,
                         slots: Vec::new(),
                         remote_slots: Vec::new(),
                         since: now,
@@ -1304,6 +1308,19 @@ impl State {
     /// The home of `room` if it is relayed from here.
     pub fn relay_home(&self, room: u64) -> Option<&str> {
         self.relays.get(&room).map(|r| r.home.as_str())
+    }
+
+    /// The home opened relayed `room` for this service's lease `link` there.
+    pub fn relay_linked(&mut self, room: u64, link: u64) {
+        if let Some(r) = self.relays.get_mut(&room) {
+            r.link = Some(link);
+        }
+    }
+
+    /// The home of `room` if it is relayed from here, and the lease there it was opened
+    /// with (none while its opening is under way).
+    pub fn relay_link(&self, room: u64) -> Option<(&str, Option<u64>)> {
+        self.relays.get(&room).map(|r| (r.home.as_str(), r.link))
     }
 
     fn relay_mut(&mut self, lease: u64, room: u64) -> Result<&mut Relay, CacheError> {

@@ -361,3 +361,119 @@ async fn a_sender_that_gives_up_fails_the_room_at_its_home() {
     a.stop().await;
     b.stop().await;
 }
+
+/// A network link between the hosts that can go down and come back: while down, its
+/// connections stay open and nothing crosses them, nor any it accepts meanwhile (a
+/// partition, not a refusal); back up, what waited crosses [`RETRANSMIT`] later, as TCP
+/// sends it again only when its backed-off timer fires.
+struct Wire {
+    addr: SocketAddr,
+    up: tokio::sync::watch::Sender<bool>,
+}
+
+/// How long after the wire came back what waited on it crosses.
+const RETRANSMIT: Duration = Duration::from_millis(500);
+
+impl Wire {
+    async fn to(target: SocketAddr) -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (up, _) = tokio::sync::watch::channel(true);
+        let ups = up.clone();
+        tokio::spawn(async move {
+            while let Ok((near, _)) = l.accept().await {
+                let Ok(far) = tokio::net::TcpStream::connect(target).await else {
+                    continue;
+                };
+                let ((nr, nw), (fr, fw)) = (near.into_split(), far.into_split());
+                tokio::spawn(Self::pump(nr, fw, ups.subscribe()));
+                tokio::spawn(Self::pump(fr, nw, ups.subscribe()));
+            }
+        });
+        Self { addr, up }
+    }
+
+    async fn pump(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut up: tokio::sync::watch::Receiver<bool>,
+    ) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut buf = vec![0u8; 64 << 10];
+        while let Ok(n @ 1..) = from.read(&mut buf).await {
+            if !*up.borrow() {
+                if up.wait_for(|&up| up).await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(RETRANSMIT).await;
+            }
+            if to.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn set(&self, up: bool) {
+        self.up.send_replace(up);
+    }
+}
+
+/// One room from `a`'s sender to `b`'s receiver, home `home`, to the end: the pages
+/// arrive bit for bit and the receiver takes them.
+async fn cross(a: &HostClient, b: &HostClient, home: &str, room: u64) {
+    let slots = open_pair(a, b, home, room).await;
+    let pages = write(a, &slots);
+    a.room_commit(room, pages.clone(), aux(room)).await.unwrap();
+    let st = b
+        .room_wait(room, pb::RoomState::Success, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(st.state, pb::RoomState::Success as i32, "{st:?}");
+    let got = b.room_result(room).await.unwrap();
+    let m = b.shared_mirror().unwrap();
+    for (i, p) in got.pages.iter().enumerate() {
+        let mut buf = vec![0u8; m.page_bytes()];
+        assert_eq!(m.read_checked(p.slot, &mut buf), pages[i].checksum);
+        assert!(buf == page(i, m.page_bytes()), "page {i} differs");
+    }
+    b.room_finish(room).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_partition_past_the_relays_lease_the_next_room_registers_again_and_crosses() {
+    let (a, b) = (
+        host(&smol(), 600, 30_000).await,
+        host(&smol(), 600, 30_000).await,
+    );
+    let (pa, db) = (
+        worker(&a, "prefill", &smol()).await,
+        worker(&b, "decode", &smol()).await,
+    );
+    // The hosts' room calls cross the wire; each worker talks to its own host.
+    let wire = Wire::to(b.addr).await;
+    let home = wire.url();
+    cross(&pa, &db, &home, 61).await;
+    let expired = b.stats().await.expired_leases;
+    wire.set(false);
+    eventually(
+        Duration::from_secs(10),
+        "the home let the relay's lease go",
+        || async { b.stats().await.expired_leases > expired },
+    )
+    .await;
+    wire.set(true);
+    // At once: the relay's lease is gone at the home, and the room after the partition is
+    // served all the same (the relay registers again), not refused naming that lease.
+    cross(&pa, &db, &home, 62).await;
+    eventually(Duration::from_secs(5), "both hosts at baseline", || async {
+        at_baseline(&a).await && at_baseline(&b).await
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+}

@@ -223,7 +223,11 @@ pub(crate) const DATA_LOSS: &str = "data_loss";
 
 impl From<tonic::Status> for ApiError {
     /// The one place gRPC errors become HTTP errors: the backend's message is kept for
-    /// client errors, because it names the field that is wrong.
+    /// client errors, because it names the field that is wrong. Only the codes that blame
+    /// the request (a backend's own validation of it: INVALID_ARGUMENT, OUT_OF_RANGE,
+    /// FAILED_PRECONDITION) are 4xx, and RESOURCE_EXHAUSTED, the mesh's "overloaded, try
+    /// again" (429); everything else is the mesh's fault, a 5xx. Backends keep their own
+    /// failures out of those codes (a worker re-classifies its cache service's).
     fn from(status: tonic::Status) -> Self {
         use tonic::Code;
         let msg = status.message().to_owned();
@@ -252,7 +256,9 @@ impl From<tonic::Status> for ApiError {
                 error_type: ErrorType::Timeout,
                 ..Self::backend(format!("backend timed out: {msg}"))
             },
-            Code::NotFound => Self::not_found(msg),
+            // A backend's NOT_FOUND names something of its own (a room, a lease, a
+            // request id), never what the client asked for: the gateway answers those
+            // 404s itself.
             // Corrupt KV: the request fails, and an incident report says why.
             Code::DataLoss => Self {
                 code: Some(DATA_LOSS),
@@ -299,6 +305,45 @@ mod tests {
             ApiError::from(tonic::Status::internal("boom")).status,
             StatusCode::INTERNAL_SERVER_ERROR
         );
+    }
+
+    #[test]
+    fn every_grpc_code_a_backend_answers_with_has_one_http_status() {
+        use tonic::Code::*;
+        let table = [
+            (Ok, 500),
+            (Cancelled, 503),
+            (Unknown, 500),
+            (InvalidArgument, 400),
+            (DeadlineExceeded, 504),
+            (NotFound, 500),
+            (AlreadyExists, 500),
+            (PermissionDenied, 500),
+            (ResourceExhausted, 429),
+            (FailedPrecondition, 400),
+            (Aborted, 503),
+            (OutOfRange, 400),
+            (Unimplemented, 500),
+            (Internal, 500),
+            (Unavailable, 503),
+            (DataLoss, 500),
+            (Unauthenticated, 500),
+        ];
+        assert_eq!(table.len(), 17, "every gRPC code");
+        for (code, want) in table {
+            let e = ApiError::from(tonic::Status::new(code, "the backend's words"));
+            assert_eq!(e.status.as_u16(), want, "{code:?}");
+            assert!(e.message.contains("the backend's words"), "{code:?}: {e:?}");
+            // A client error names the request; a server error is the mesh's.
+            let kind = if want == 429 {
+                "rate_limit_error"
+            } else if want < 500 {
+                "invalid_request_error"
+            } else {
+                "server_error"
+            };
+            assert_eq!(e.kind, kind, "{code:?}");
+        }
     }
 
     #[test]

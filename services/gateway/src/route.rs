@@ -715,7 +715,8 @@ impl Workers {
     /// channel whose connection broke (a link that went down and came back) fails its
     /// next call once before it connects again, and a worker whose cache service link is
     /// registering again says UNAVAILABLE too. Nothing of the request has run then; the
-    /// other side's call of the first try is dropped, which aborts its room.
+    /// other side's call of the first try is dropped, which aborts its room, and that side
+    /// has let go of the request before the second try names it again (see [`let_go`]).
     pub async fn generate(&self, req: wk::GenerateRequest) -> Result<GenStream, Status> {
         match self.start(req.clone()).await {
             Err(s) if s.code() == tonic::Code::Unavailable => {
@@ -767,13 +768,40 @@ impl Workers {
             pdmesh_telemetry::request(preq),
             pdmesh_telemetry::request(req),
         );
-        let (ps, ds) = tokio::join!(
+        let id = req.get_ref().request_id.clone();
+        let (ps, ds) = match tokio::join!(
             started(&pt, limit, pc.generate(preq)),
             started(&dt, limit, dc.generate(req))
-        );
-        let (ps, ds) = (ps?.into_inner(), ds?.into_inner());
+        ) {
+            (Ok(ps), Ok(ds)) => (ps.into_inner(), ds.into_inner()),
+            (Err(e), Ok(_)) => return Err(let_go(&dt, &id, e).await),
+            (Ok(_), Err(e)) => return Err(let_go(&pt, &id, e).await),
+            (Err(e), Err(_)) => return Err(e),
+        };
         Ok(merge(ps, ds, guards))
     }
+}
+
+/// Worker `t` started request `id`, whose other side failed with `e`: `t` is told to let
+/// go of it, and answers (within the probe timeout) before `e` returns. Dropping its
+/// stream would too, but in its own time: a second try of the request, under the same
+/// id, could reach `t` first and be refused as a duplicate (a client error, for a fault
+/// of the mesh's).
+async fn let_go(t: &Target, id: &str, e: Status) -> Status {
+    let mut c = t.client.clone();
+    let call = c.abort(wk::AbortRequest {
+        request_id: id.to_owned(),
+    });
+    match tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(s)) => {
+            tracing::debug!(worker = %t.url, request_id = id, error = %s, "letting go of a half-started request failed")
+        }
+        Err(_) => {
+            tracing::debug!(worker = %t.url, request_id = id, "letting go of a half-started request: no answer in time")
+        }
+    }
+    e
 }
 
 /// `call`, worker `t`'s Generate, bounded by `limit` until the worker answers with its
@@ -998,6 +1026,10 @@ mod tests {
         refuse: std::sync::atomic::AtomicUsize,
         /// While set, answer neither Generate nor Health (a stopped process).
         hang: Arc<std::sync::atomic::AtomicBool>,
+        /// Refuse a request id it runs already, as an engine does, until told to abort it
+        /// (a dropped stream alone is not seen in time).
+        exclusive: bool,
+        running: Mutex<HashSet<String>>,
     }
 
     #[tonic::async_trait]
@@ -1007,7 +1039,8 @@ mod tests {
             &self,
             r: tonic::Request<wk::GenerateRequest>,
         ) -> Result<tonic::Response<GenStream>, Status> {
-            self.told.lock().unwrap().push(r.into_inner().kv_home);
+            let r = r.into_inner();
+            self.told.lock().unwrap().push(r.kv_home);
             if self.hang.load(Ordering::Relaxed) {
                 std::future::pending::<()>().await;
             }
@@ -1017,6 +1050,12 @@ mod tests {
                 .is_ok()
             {
                 return Err(Status::unavailable("scripted: connection reset"));
+            }
+            if self.exclusive && !self.running.lock().unwrap().insert(r.request_id.clone()) {
+                return Err(Status::invalid_argument(format!(
+                    "request id {:?} is already running",
+                    r.request_id
+                )));
             }
             let script = self.script.clone();
             Ok(tonic::Response::new(Box::pin(async_stream::stream! {
@@ -1028,9 +1067,14 @@ mod tests {
         }
         async fn abort(
             &self,
-            _r: tonic::Request<wk::AbortRequest>,
+            r: tonic::Request<wk::AbortRequest>,
         ) -> Result<tonic::Response<wk::AbortResponse>, Status> {
-            Ok(tonic::Response::new(wk::AbortResponse { found: false }))
+            let found = self
+                .running
+                .lock()
+                .unwrap()
+                .remove(&r.into_inner().request_id);
+            Ok(tonic::Response::new(wk::AbortResponse { found }))
         }
         async fn health(
             &self,
@@ -1164,6 +1208,28 @@ mod tests {
             assert_eq!(ptold.lock().unwrap().len(), 2, "prefill refused {refused}");
             assert_eq!(dtold.lock().unwrap().len(), 2, "prefill refused {refused}");
         }
+    }
+
+    #[tokio::test]
+    async fn the_second_try_finds_the_side_that_started_the_first_free_of_it() {
+        // Prefill refuses the first start, which decode took: decode must have let go of
+        // the request before the second try names it again.
+        let (ptold, dtold) = (Arc::default(), Arc::default());
+        let p = Scripted {
+            script: vec![vec![5]],
+            told: Arc::clone(&ptold),
+            refuse: 1.into(),
+            ..Scripted::default()
+        };
+        let d = Scripted {
+            script: vec![vec![5], vec![7]],
+            told: Arc::clone(&dtold),
+            exclusive: true,
+            ..Scripted::default()
+        };
+        assert_eq!(merged(p, d).await.unwrap(), [5, 7]);
+        assert_eq!(ptold.lock().unwrap().len(), 2);
+        assert_eq!(dtold.lock().unwrap().len(), 2);
     }
 
     type Told = Arc<Mutex<Vec<String>>>;

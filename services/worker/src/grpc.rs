@@ -315,15 +315,17 @@ impl pb::worker_server::Worker for WorkerService {
             prompt: req.input_ids,
             params,
         };
+        // A room, or none, where the worker's role wants the other: the mesh routed the
+        // request wrong, which is no fault of the client's request.
         match (self.pd.role(), req.room) {
             (Role::Unified, 0) => {}
             (Role::Unified, room) => {
-                return Err(Status::failed_precondition(format!(
+                return Err(Status::internal(format!(
                     "this is a unified worker; it takes no room (got room {room})"
                 )));
             }
             (role, 0) => {
-                return Err(Status::failed_precondition(format!(
+                return Err(Status::internal(format!(
                     "this is a {} worker: a request needs a room",
                     role.name()
                 )));

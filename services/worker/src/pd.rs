@@ -263,8 +263,8 @@ type Item = Result<Event, Status>;
 
 /// A room open the cache service refused because it no longer knows this worker's lease
 /// (paused or restarted past the lease's time) is UNAVAILABLE, not a failed transfer:
-/// nothing of the request ran, the client registers again at once (see
-/// `HostClient::room_open_with`), and the gateway tries such a start once more.
+/// nothing of the request ran, and the client registers again at once (see
+/// `HostClient::room_open_with`); [`Pd::open_room`] opens once more with the new lease.
 async fn lease_checked<T>(fut: impl Future<Output = Result<T, Status>>) -> Result<T, Status> {
     fut.await.map_err(|s| {
         if s.code() == tonic::Code::NotFound {
@@ -276,6 +276,31 @@ async fn lease_checked<T>(fut: impl Future<Output = Result<T, Status>>) -> Resul
             s
         }
     })
+}
+
+/// What this worker tells its caller when the cache service refused a room call. Rooms,
+/// leases and the calls between the mesh's services are the mesh's business, never the
+/// client's: a code that would blame the caller's request (INVALID_ARGUMENT,
+/// FAILED_PRECONDITION, OUT_OF_RANGE: a room in the wrong state, a malformed call,
+/// another host's KV layout) is INTERNAL here; NOT_FOUND (the room or this worker's lease
+/// is gone) fails the hand-over, ABORTED; what says "not now" (UNAVAILABLE, a deadline, a
+/// full mirror) or names a real fault (ABORTED, DATA_LOSS, INTERNAL) stays as it is.
+fn from_cache(s: Status) -> Status {
+    use tonic::Code;
+    match s.code() {
+        Code::Unavailable
+        | Code::DeadlineExceeded
+        | Code::ResourceExhausted
+        | Code::Cancelled
+        | Code::Aborted
+        | Code::DataLoss
+        | Code::Internal => s,
+        Code::NotFound => failed(s.message()),
+        code => Status::internal(format!(
+            "the cache service refused a room call ({code:?}): {}",
+            s.message()
+        )),
+    }
 }
 
 fn failed(reason: &str) -> Status {
@@ -451,17 +476,15 @@ fn changed(bad: &[BadPage], of: usize, between: &str) -> Status {
     ))
 }
 
-/// Runs `fut` until `deadline`; past it, DEADLINE_EXCEEDED naming `what`.
+/// Runs room call `fut` until `deadline`; past it, DEADLINE_EXCEEDED naming `what`. Its
+/// failure is what this worker passes on ([`from_cache`]).
 async fn by<T>(
     deadline: tokio::time::Instant,
     what: &str,
     fut: impl Future<Output = Result<T, Status>>,
 ) -> Result<T, Status> {
     match tokio::time::timeout_at(deadline, fut).await {
-        // The room or this worker's lease is gone at the service (expired, or the service
-        // restarted): the transfer failed.
-        Ok(Err(s)) if s.code() == tonic::Code::NotFound => Err(failed(s.message())),
-        Ok(r) => r,
+        Ok(r) => r.map_err(from_cache),
         Err(_) => Err(Status::deadline_exceeded(format!(
             "KV transfer: {what} did not finish before the transfer deadline"
         ))),
@@ -650,9 +673,41 @@ impl Pd {
     async fn client(&self) -> Result<Arc<HostClient>, Status> {
         self.link
             .as_ref()
-            .ok_or_else(|| Status::failed_precondition("this worker has no cache service"))?
+            .ok_or_else(|| Status::internal("this worker has no cache service"))?
             .wait(RELINK_GRACE)
             .await
+    }
+
+    /// Opens `room` as `side` by `deadline`. A refusal because the cache service no
+    /// longer knows this worker's lease (it was paused or restarted past the lease's
+    /// time, before a heartbeat could tell) waits for the link to register again and
+    /// opens once more with the new lease: nothing of the request ran yet. Returns the
+    /// client the room was opened with, for the rest of the hand-over.
+    async fn open_room(
+        &self,
+        client: Arc<HostClient>,
+        deadline: tokio::time::Instant,
+        (room, side): (u64, cpb::RoomSide),
+        (request_id, trace_id): (&str, &str),
+        how: RoomOpen<'_>,
+    ) -> Result<(Arc<HostClient>, cpb::RoomStatus), Status> {
+        let open = async |c: &HostClient| {
+            by(
+                deadline,
+                "room open",
+                lease_checked(c.room_open_with(room, side, request_id, trace_id, how)),
+            )
+            .await
+        };
+        match open(&client).await {
+            Err(s) if !client.is_alive() => {
+                tracing::info!(room, lease = client.lease(), error = %s.message(), "room open refused for this worker's lease: opening again once registered again");
+                let client = self.client().await?;
+                let st = open(&client).await?;
+                Ok((client, st))
+            }
+            opened => opened.map(|st| (client, st)),
+        }
     }
 
     /// Runs one request's side of a room; the returned channel carries its events.
@@ -685,27 +740,19 @@ impl Pd {
                 // compute is spent.
                 // Bounded like every other room call: a cache service that stopped
                 // answering fails the request instead of holding it.
-                let st = by(
-                    tokio::time::Instant::now() + self.times.transfer,
-                    "room open",
-                    lease_checked(client.room_open_with(
-                        room,
-                        cpb::RoomSide::Sender,
-                        &req.id,
-                        &trace_id,
+                let (client, st) = self
+                    .open_room(
+                        client,
+                        tokio::time::Instant::now() + self.times.transfer,
+                        (room, cpb::RoomSide::Sender),
+                        (&req.id, &trace_id),
                         RoomOpen {
                             // This host's own service is no other home.
                             home: if kv_home == self.home { "" } else { &kv_home },
                             held_pages: 0,
                         },
-                    )),
-                )
-                .await
-                .map_err(|s| match s.code() {
-                    // The mesh's hosts disagree (another KV layout): not the client's fault.
-                    tonic::Code::FailedPrecondition => Status::internal(s.message().to_owned()),
-                    _ => s,
-                })?;
+                    )
+                    .await?;
                 if st.state == cpb::RoomState::Failed as i32 {
                     return Err(failed(&st.reason));
                 }
@@ -884,7 +931,7 @@ impl Pd {
         transfer_event("kv_cache_transfer_start", (pages, held), page_bytes, None);
         let mirror = client
             .shared_mirror()
-            .ok_or_else(|| Status::failed_precondition("rooms need the shm data plane"))?;
+            .ok_or_else(|| Status::internal("rooms need the shm data plane"))?;
         let delay = self.times.write_delay.filter(|_| {
             self.faults
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -954,7 +1001,7 @@ impl Pd {
                 .collect();
             let commit = client2.room_commit(room, pages_pb, aux);
             match delay {
-                Some(_) => commit.await?,
+                Some(_) => commit.await.map_err(from_cache)?,
                 None => by(deadline, "room commit", commit).await?,
             }
             Ok::<f64, Status>(secs)
@@ -1033,21 +1080,19 @@ impl Pd {
             }
         };
         let deadline = tokio::time::Instant::now() + self.times.transfer;
-        by(
-            deadline,
-            "room open",
-            lease_checked(client.room_open_with(
-                room,
-                cpb::RoomSide::Receiver,
-                &req.id,
-                &trace_id,
+        let (client, _) = self
+            .open_room(
+                client,
+                deadline,
+                (room, cpb::RoomSide::Receiver),
+                (&req.id, &trace_id),
                 RoomOpen {
                     home: "",
                     held_pages: held as u32,
                 },
-            )),
-        )
-        .await?;
+            )
+            .await?;
+        guard.client = client.clone();
         room_event("receiver_joined");
         // The prefill computes the prompt meanwhile. However long that takes on this
         // machine is bounded by the room's own deadline at the cache service
@@ -1085,7 +1130,7 @@ impl Pd {
         }
         let mirror = client
             .shared_mirror()
-            .ok_or_else(|| Status::failed_precondition("rooms need the shm data plane"))?;
+            .ok_or_else(|| Status::internal("rooms need the shm data plane"))?;
         transfer_event(
             "kv_cache_transfer_start",
             (pages, held),
@@ -1288,6 +1333,180 @@ mod tests {
             .await
             .unwrap();
         drop(link);
+        stop.cancel();
+        task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_room_open_refused_for_a_lease_the_service_forgot_opens_again_with_the_new_one() {
+        let layout = KvLayout::llama(2, 1, 8, pdmesh_kv::DType::F16, 4);
+        let dir = tempfile::tempdir().unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let any = "127.0.0.1:0".parse().unwrap();
+        let (addr, task) = cache_service(any, dir.path(), &layout, stop.clone()).await;
+        let times = PdTimes {
+            admission: Duration::from_secs(5),
+            transfer: Duration::from_secs(5),
+            write_delay: None,
+            fault_count: 0,
+            missize: None,
+        };
+        let url = format!("http://{addr}");
+        let pd = Pd::new(
+            Role::Prefill,
+            Some(&url),
+            None,
+            &layout,
+            times,
+            Vec::new(),
+            None,
+        );
+        let first = pd.client().await.unwrap();
+        // The service restarts, forgetting the lease, and no heartbeat comes to say so.
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (_, task) = cache_service(addr, dir.path(), &layout, stop.clone()).await;
+        // The broken connection fails a call before it connects again: a call that
+        // changes nothing takes that.
+        for _ in 0..3 {
+            match first.room_abort(9, "reconnecting").await {
+                Err(e) if e.code() == tonic::Code::Unavailable => continue,
+                _ => break,
+            }
+        }
+        // A request holding the old client opens its room.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let (again, st) = pd
+            .open_room(
+                first.clone(),
+                deadline,
+                (1, cpb::RoomSide::Sender),
+                ("r", ""),
+                RoomOpen::default(),
+            )
+            .await
+            .expect("opened with the lease registered again, not refused");
+        assert_eq!(st.state, cpb::RoomState::Bootstrapping as i32);
+        assert!(!first.is_alive());
+        assert!(!Arc::ptr_eq(&again, &first), "registered again");
+        drop((pd, first, again));
+        stop.cancel();
+        task.await.unwrap().unwrap();
+    }
+
+    /// The codes a gateway answers with a 4xx, blaming the client's request.
+    const CLIENT_ERRORS: [tonic::Code; 4] = [
+        tonic::Code::InvalidArgument,
+        tonic::Code::FailedPrecondition,
+        tonic::Code::OutOfRange,
+        tonic::Code::NotFound,
+    ];
+
+    #[test]
+    fn every_code_a_cache_service_refuses_a_room_call_with_is_passed_on_as_the_meshs_fault() {
+        use tonic::Code::*;
+        let table = [
+            (Ok, Internal),
+            (Cancelled, Cancelled),
+            (Unknown, Internal),
+            (InvalidArgument, Internal),
+            (DeadlineExceeded, DeadlineExceeded),
+            (NotFound, Aborted),
+            (AlreadyExists, Internal),
+            (PermissionDenied, Internal),
+            // A full mirror: the mesh's overload, retried until the transfer deadline.
+            (ResourceExhausted, ResourceExhausted),
+            (FailedPrecondition, Internal),
+            (Aborted, Aborted),
+            (OutOfRange, Internal),
+            (Unimplemented, Internal),
+            (Internal, Internal),
+            (Unavailable, Unavailable),
+            (DataLoss, DataLoss),
+            (Unauthenticated, Internal),
+        ];
+        assert_eq!(table.len(), 17, "every gRPC code");
+        for (code, want) in table {
+            let passed = from_cache(Status::new(code, "the cache service's words"));
+            assert_eq!(passed.code(), want, "{code:?}");
+            assert!(!CLIENT_ERRORS.contains(&passed.code()), "{code:?}");
+            assert!(
+                passed.message().contains("the cache service's words"),
+                "{code:?}: {passed:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cache_services_refusals_of_room_calls_never_reach_the_caller_as_client_errors() {
+        use tonic::Code::*;
+        let layout = KvLayout::llama(2, 1, 8, pdmesh_kv::DType::F16, 4);
+        let dir = tempfile::tempdir().unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let any = "127.0.0.1:0".parse().unwrap();
+        let (addr, task) = cache_service(any, dir.path(), &layout, stop.clone()).await;
+        let c = HostClient::connect(&format!("http://{addr}"), "w", &layout, DataPlane::Shm)
+            .await
+            .unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        // A room this worker sends in, with no receiver yet.
+        c.room_open(7, cpb::RoomSide::Sender, "r", "")
+            .await
+            .unwrap();
+        let refused = [
+            // A malformed call, a room in the wrong state, a side this lease is not, an
+            // unknown room: the service's own words, and what this worker passes on.
+            (
+                "room 0",
+                by(
+                    deadline,
+                    "open",
+                    c.room_open(0, cpb::RoomSide::Sender, "r", ""),
+                )
+                .await
+                .map(|_| ()),
+                InvalidArgument,
+                Internal,
+            ),
+            (
+                "a start before the receiver joined",
+                by(deadline, "start", c.room_start(7, 1)).await.map(|_| ()),
+                FailedPrecondition,
+                Internal,
+            ),
+            (
+                "the sender asking for the receiver's pages",
+                by(deadline, "result", c.room_result(7)).await.map(|_| ()),
+                PermissionDenied,
+                Internal,
+            ),
+            (
+                "a room never opened",
+                by(
+                    deadline,
+                    "wait",
+                    c.room_wait(8, cpb::RoomState::Success, Duration::from_millis(1)),
+                )
+                .await
+                .map(|_| ()),
+                NotFound,
+                Aborted,
+            ),
+        ];
+        for (what, got, said, want) in refused {
+            let e = got.expect_err(what);
+            assert_eq!(e.code(), want, "{what}: {e:?}");
+            assert!(!CLIENT_ERRORS.contains(&e.code()), "{what}: {e:?}");
+            // The service's words travel along, and its code with them where it changed.
+            if said != want {
+                assert!(
+                    e.message().contains(&format!("{said:?}")) || said == NotFound,
+                    "{what}: {e:?}"
+                );
+            }
+        }
+        drop(c);
         stop.cancel();
         task.await.unwrap().unwrap();
     }
