@@ -207,34 +207,22 @@ fn up_fails_naming_the_child_that_died_and_leaves_no_process_behind() {
     }
 }
 
-/// Waits for `file` (a service's `--ports-file`) while `child` runs.
-fn ports_file(child: &mut std::process::Child, file: &std::path::Path) -> serde_json::Value {
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(text) = std::fs::read_to_string(file) {
-            return serde_json::from_str(&text).unwrap();
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("exited with {status} before writing its ports file");
-        }
-        assert!(std::time::Instant::now() < deadline, "no ports file");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn a_service_on_port_0_names_every_port_it_bound_in_its_ports_file() {
     let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("cache.json");
-    let mut child = pdmesh()
-        .args(["cache", "--listen", "127.0.0.1:0", "--shm-dir"])
-        .arg(dir.path())
-        .arg("--ports-file")
-        .arg(&file)
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let v = ports_file(&mut child, &file);
+    let on_port_0 = |name: &str, args: &[&std::ffi::OsStr]| {
+        let file = dir.path().join(format!("{name}.json"));
+        let mut child = pdmesh()
+            .args([name, "--listen", "127.0.0.1:0", "--ports-file"])
+            .arg(&file)
+            .args(args)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let v = crate::ports_file(&mut child, &file);
+        (child, v)
+    };
+    let (mut child, v) = on_port_0("cache", &["--shm-dir".as_ref(), dir.path().as_os_str()]);
     assert_eq!(v["pid"], child.id(), "{v}");
     let (grpc, peer) = (v["listen"].as_u64().unwrap(), v["peer"].as_u64().unwrap());
     assert!(grpc != 0 && peer != 0 && grpc != peer, "{v}");
@@ -254,17 +242,16 @@ fn a_service_on_port_0_names_every_port_it_bound_in_its_ports_file() {
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
     assert!(child.wait().unwrap().success());
     // A worker's health port is in its file beside its gRPC port.
-    let file = dir.path().join("worker.json");
-    let mut child = pdmesh()
-        .args(["worker", "--listen", "127.0.0.1:0", "--health-listen"])
-        .args(["127.0.0.1:0", "--model"])
-        .arg(pdmesh_gguf::models::require_default_model())
-        .arg("--ports-file")
-        .arg(&file)
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let v = ports_file(&mut child, &file);
+    let model = pdmesh_gguf::models::require_default_model();
+    let (mut child, v) = on_port_0(
+        "worker",
+        &[
+            "--health-listen".as_ref(),
+            "127.0.0.1:0".as_ref(),
+            "--model".as_ref(),
+            model.as_os_str(),
+        ],
+    );
     let (grpc, health) = (v["listen"].as_u64(), v["health"].as_u64());
     assert!(grpc.is_some() && health.is_some() && grpc != health, "{v}");
     let _ = child.kill();

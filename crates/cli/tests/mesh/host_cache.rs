@@ -47,18 +47,9 @@ fn spawn(listen: &str, args: &[String]) -> (Proc, SocketAddr) {
             .spawn()
             .unwrap(),
     );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let port = loop {
-        if let Ok(text) = std::fs::read_to_string(&file) {
-            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-            break v["listen"].as_u64().unwrap() as u16;
-        }
-        if let Ok(Some(status)) = p.0.try_wait() {
-            panic!("{args:?} exited with {status} before binding");
-        }
-        assert!(Instant::now() < deadline, "{args:?} wrote no ports file");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let port = crate::ports_file(&mut p.0, &file)["listen"]
+        .as_u64()
+        .unwrap() as u16;
     (p, SocketAddr::from(([127, 0, 0, 1], port)))
 }
 

@@ -5,3 +5,18 @@
 mod cli;
 mod host_cache;
 mod watchdog;
+
+/// Waits for `file`, a service's `--ports-file`, while `child` runs: what it says.
+pub fn ports_file(child: &mut std::process::Child, file: &std::path::Path) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        if let Ok(text) = std::fs::read_to_string(file) {
+            return serde_json::from_str(&text).unwrap();
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("exited with {status} before writing its ports file");
+        }
+        assert!(std::time::Instant::now() < deadline, "no ports file");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
