@@ -52,8 +52,8 @@ pub struct ListenArgs {
     pub ports_file: Option<PathBuf>,
     /// Serve on this already listening socket instead of binding --listen, which then
     /// only names its address for whoever reads the command line (`pdmesh up` binds
-    /// every service's port itself and hands it over, so no port is ever released and
-    /// picked again).
+    /// every service's port before it starts any and hands each its socket, so no port
+    /// is ever released and picked again).
     #[arg(long, value_name = "FD", hide = true)]
     pub listen_fd: Option<i32>,
 }

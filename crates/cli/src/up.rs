@@ -13,7 +13,6 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::select_all;
@@ -101,8 +100,9 @@ struct Service {
     api_key: Option<String>,
     pid: u32,
     child: Child,
-    /// Its listening socket, which `up` holds (see [`listen_on`]), and where to reach it.
-    listener: Arc<std::net::TcpListener>,
+    /// Its listening socket's address (a restart binds it again, see [`listen_on`]), and
+    /// where to reach it.
+    bound: SocketAddr,
     addr: SocketAddr,
     started: Instant,
 }
@@ -132,15 +132,13 @@ impl Backoff {
     }
 }
 
-/// Binds a listening socket for one service. `up` holds it for its whole life and the
-/// service inherits it as [`LISTEN_FD`] (`--listen-fd`) at its start and at every
-/// restart: no port is released and picked again (another process could take it in
-/// between), and a restarted service serves on the same port (connections made while it
-/// restarts wait in the backlog).
-fn listen_on(addr: SocketAddr) -> Result<Arc<std::net::TcpListener>, UpError> {
-    std::net::TcpListener::bind(addr)
-        .map(Arc::new)
-        .map_err(|source| UpError::Listen { addr, source })
+/// Binds a listening socket for one service, which inherits it as [`LISTEN_FD`]
+/// (`--listen-fd`): `up` binds every port before it starts any service and lets go of its
+/// copy once the service has started, so no port is released and picked again (another
+/// process could take it in between), and a service that exits closes its port
+/// (connections are refused, not left waiting). A restart binds the same address again.
+fn listen_on(addr: SocketAddr) -> Result<std::net::TcpListener, UpError> {
+    std::net::TcpListener::bind(addr).map_err(|source| UpError::Listen { addr, source })
 }
 
 /// The descriptor a service finds its listening socket at.
@@ -163,14 +161,14 @@ fn resolve_model(arg: Option<&Path>) -> Result<PathBuf, UpError> {
     }
 }
 
-/// Starts `exe SUBCOMMAND --listen ADDR FLAGS --listen-fd 3` as a child in its own process group (so a terminal's
-/// Ctrl-C reaches only `up`, which then stops it in order) that is killed if `up` dies,
-/// with `listener` as its descriptor 3.
+/// Starts `exe SUBCOMMAND --listen ADDR FLAGS --listen-fd 3` as a child in its own
+/// process group (so a terminal's Ctrl-C reaches only `up`, which then stops it in order)
+/// that is killed if `up` dies, with `listener` as its descriptor 3.
 fn spawn(
     name: &'static str,
     exe: &Path,
     args: &[String],
-    (listener, addr): (Arc<std::net::TcpListener>, SocketAddr),
+    (listener, addr): (&std::net::TcpListener, SocketAddr),
     api_key: Option<&str>,
 ) -> Result<Service, UpError> {
     let mut cmd = Command::new(exe);
@@ -245,20 +243,22 @@ fn spawn(
         api_key: api_key.map(str::to_owned),
         pid,
         child,
-        listener,
+        bound,
         addr,
         started: Instant::now(),
     })
 }
 
 impl Service {
-    /// Starts this service again with the same command line, key and address.
+    /// Starts this service again with the same command line, key and address (bound
+    /// again: the exited service's socket closed with it).
     fn respawn(&self, exe: &Path) -> Result<Service, UpError> {
+        let listener = listen_on(self.bound)?;
         spawn(
             self.name,
             exe,
             &self.args,
-            (self.listener.clone(), self.addr),
+            (&listener, self.addr),
             self.api_key.as_deref(),
         )
     }
@@ -606,7 +606,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         matches!(role, UpRole::All | UpRole::Gateway),
         !args.no_host_cache && role != UpRole::Gateway,
     );
-    // Every service's socket, bound here and held (see `listen_on`); the gateway's first,
+    // Every service's socket, bound here before any starts (see `listen_on`); the gateway's first,
     // so that a port the user named is taken before the kernel picks any other.
     let gateway_sock = has_gateway
         .then(|| listen_on(SocketAddr::new(args.host, args.port)))
@@ -615,12 +615,8 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     let tok_sock = has_gateway.then(local).transpose()?;
     // (name, role subcommand, socket, extra flags): the decode worker (or the unified
     // one) first.
-    let mut workers: Vec<(
-        &'static str,
-        &'static str,
-        Arc<std::net::TcpListener>,
-        &[String],
-    )> = Vec::new();
+    let mut workers: Vec<(&'static str, &'static str, std::net::TcpListener, &[String])> =
+        Vec::new();
     // This host's part of a mesh over several: its services on --host at fixed ports.
     let on_host = |port: u16| listen_on(SocketAddr::new(args.host, port));
     let part = match role {
@@ -686,8 +682,8 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         UpRole::Prefill | UpRole::Decode => Some(on_host(args.cache_port)?),
         _ => Some(local()?),
     };
-    let cache_addr = cache_sock.as_deref().map(bound).transpose()?;
-    let tok_addr = tok_sock.as_deref().map(bound).transpose()?;
+    let cache_addr = cache_sock.as_ref().map(bound).transpose()?;
+    let tok_addr = tok_sock.as_ref().map(bound).transpose()?;
     let port = match &gateway_sock {
         Some(l) => bound(l)?.port(),
         None => args.port,
@@ -708,13 +704,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         if let (Some(sock), Some(addr)) = (&tok_sock, tok_addr) {
             let mut tok_args = vec!["tokenizer".into(), "--model".into(), model_arg.clone()];
             tok_args.extend(tls_args.iter().cloned());
-            services.push(spawn(
-                "tokenizer",
-                &exe,
-                &tok_args,
-                (sock.clone(), addr),
-                None,
-            )?);
+            services.push(spawn("tokenizer", &exe, &tok_args, (sock, addr), None)?);
         }
         if let (Some(sock), Some(addr)) = (&cache_sock, cache_addr) {
             let mut cache_args = vec![
@@ -724,13 +714,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             ];
             cache_args.extend(tls_args.iter().cloned());
             cache_args.extend(args.cache_args.iter().cloned());
-            services.push(spawn(
-                "cache",
-                &exe,
-                &cache_args,
-                (sock.clone(), addr),
-                None,
-            )?);
+            services.push(spawn("cache", &exe, &cache_args, (sock, addr), None)?);
         }
         for (name, sub, addr, extra, sock) in &workers {
             let mut worker_args = vec![
@@ -749,13 +733,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             worker_args.extend(tls_args.iter().cloned());
             worker_args.extend(args.worker_args.iter().cloned());
             worker_args.extend(extra.iter().cloned());
-            services.push(spawn(
-                name,
-                &exe,
-                &worker_args,
-                (sock.clone(), *addr),
-                None,
-            )?);
+            services.push(spawn(name, &exe, &worker_args, (sock, *addr), None)?);
         }
         let (Some(gateway_sock), Some(tok_addr)) = (&gateway_sock, tok_addr) else {
             return Ok(());
@@ -801,11 +779,18 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             "gateway",
             &exe,
             &gw_args,
-            (gateway_sock.clone(), reachable(args.host, port)),
+            (gateway_sock, reachable(args.host, port)),
             args.api_key.as_deref(),
         )?);
         Ok(())
     })();
+    // Each started service has its own copy of its socket: `up` lets go of its copies,
+    // so a service that exits closes its port.
+    drop((gateway_sock, tok_sock, cache_sock));
+    let workers: Vec<_> = workers
+        .into_iter()
+        .map(|(name, sub, addr, extra, _)| (name, sub, addr, extra))
+        .collect();
     let grace = Duration::from_secs(args.grace);
     if let Err(e) = started {
         stop_all(&mut services, grace).await;
