@@ -32,7 +32,11 @@ def test_up_stops_everything_and_fails_when_the_worker_dies(tmp_path):
 
 
 def test_up_stops_its_children_when_it_is_killed_outright(tmp_path):
-    mesh = start_up(tmp_path)
+    # The cache service dies by SIGKILL too, so its mirror file stays: in the test's own
+    # directory, not the host's /dev/shm (the next cache service there would sweep it).
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    mesh = start_up(tmp_path, [f"--cache-arg=--shm-dir={shm}", "--cache-arg=--host-mirror-size=64MiB"])
     mesh.proc.kill()  # SIGKILL: no chance to clean up; the parent-death signal must act
     mesh.proc.wait(timeout=30)
     deadline = time.monotonic() + 10
