@@ -82,24 +82,33 @@ fn inherited(fd: i32) -> std::io::Result<TcpListener> {
         return Err(std::io::Error::other("0, 1 and 2 are the standard streams"));
     }
     // Checked before ownership is taken: the descriptor must be open and a listening
-    // socket (SO_ACCEPTCONN), not a file or a connected stream that happens to sit there.
-    let mut listening: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `listening`, which is a c_int
-    // living on this stack frame; an invalid fd is reported as an error, not UB.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_ACCEPTCONN,
-            (&raw mut listening).cast(),
-            &raw mut len,
-        )
+    // TCP socket, not a file, a Unix socket or a connected stream that happens to sit there.
+    let opt = |name: libc::c_int| -> std::io::Result<libc::c_int> {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `v`, a c_int on this stack
+        // frame; an invalid fd is reported as an error, not UB.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                name,
+                (&raw mut v).cast(),
+                &raw mut len,
+            )
+        };
+        if rc == 0 {
+            Ok(v)
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
     };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
+    if !matches!(opt(libc::SO_DOMAIN)?, libc::AF_INET | libc::AF_INET6)
+        || opt(libc::SO_TYPE)? != libc::SOCK_STREAM
+    {
+        return Err(std::io::Error::other("not a TCP socket"));
     }
-    if listening == 0 {
+    if opt(libc::SO_ACCEPTCONN)? == 0 {
         return Err(std::io::Error::other("the socket is not listening"));
     }
     // SAFETY: `fd` is open (getsockopt succeeded) and was handed to this process to own;

@@ -260,28 +260,33 @@ fn a_service_on_port_0_names_every_port_it_bound_in_its_ports_file() {
 
 #[test]
 fn a_listen_fd_that_is_not_a_listening_socket_is_refused_clearly() {
-    // Descriptor 3 of the child is a plain file here, not a socket.
+    // Descriptor 3 of the child is a plain file, then a listening Unix socket.
     let dir = tempfile::tempdir().unwrap();
-    let f = std::fs::File::create(dir.path().join("not-a-socket")).unwrap();
-    let mut cmd = pdmesh();
-    cmd.args(["cache", "--listen-fd", "3", "--shm-dir"])
-        .arg(dir.path())
-        .stderr(Stdio::piped());
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
-    // SAFETY: dup2 in the forked child before exec, async-signal-safe, no allocation.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-            if libc::dup2(fd, 3) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
+    let file = std::fs::File::create(dir.path().join("not-a-socket")).unwrap();
+    let unix = std::os::unix::net::UnixListener::bind(dir.path().join("sock")).unwrap();
+    for fd in [
+        std::os::fd::AsRawFd::as_raw_fd(&file),
+        std::os::fd::AsRawFd::as_raw_fd(&unix),
+    ] {
+        let mut cmd = pdmesh();
+        cmd.args(["cache", "--listen-fd", "3", "--shm-dir"])
+            .arg(dir.path())
+            .stderr(Stdio::piped());
+        // SAFETY: dup2 in the forked child before exec, async-signal-safe, no allocation.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                if libc::dup2(fd, 3) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(
+            err.contains("--listen-fd 3 is not a listening TCP socket"),
+            "{err}"
+        );
     }
-    let out = cmd.output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("--listen-fd 3 is not a listening TCP socket"),
-        "{err}"
-    );
 }
