@@ -110,7 +110,8 @@ def main():
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     a = ap.parse_args()
-    proc, ports = up(["--unified"])
+    # smg presents no mesh credential to workers: the worker runs open.
+    proc, ports = up(["--unified", "--worker-arg=--insecure-plaintext"])
     gw = None
     out = {}
     try:

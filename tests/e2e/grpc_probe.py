@@ -4,12 +4,15 @@ prints `ok` or the call's status code name. The request is an empty message unle
 bytes in hex on a second line), so no stubs are needed.
 
     python3 grpc_probe.py ADDR /pkg.Service/Method [--ca CA [--cert CERT --key KEY]]
-        [--server-name NAME] [--request-hex HEX] [--show]
+        [--server-name NAME] [--request-hex HEX] [--show] [--no-token]
 
 Without --ca the channel is plaintext; with --ca alone it is TLS without a client
-certificate. --server-name checks the server's certificate for NAME instead of ADDR."""
+certificate. --server-name checks the server's certificate for NAME instead of ADDR. The
+call carries the mesh token from $PDMESH_MESH_TOKEN (as `authorization: Bearer`) unless
+--no-token is given or the variable is unset."""
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -23,7 +26,10 @@ p.add_argument("--key")
 p.add_argument("--server-name")
 p.add_argument("--request-hex", default="")
 p.add_argument("--show", action="store_true")
+p.add_argument("--no-token", action="store_true")
 a = p.parse_args()
+token = None if a.no_token else os.environ.get("PDMESH_MESH_TOKEN")
+metadata = [("authorization", f"Bearer {token}")] if token else None
 read = lambda path: open(path, "rb").read() if path else None
 if a.ca:
     creds = grpc.ssl_channel_credentials(read(a.ca), read(a.key), read(a.cert))
@@ -33,7 +39,7 @@ else:
     channel = grpc.insecure_channel(a.addr)
 call = channel.unary_unary(a.method, request_serializer=None, response_deserializer=None)
 try:
-    answer = call(bytes.fromhex(a.request_hex), timeout=5)
+    answer = call(bytes.fromhex(a.request_hex), timeout=5, metadata=metadata)
     print("ok")
     if a.show:
         print(answer.hex())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import time
@@ -83,9 +84,14 @@ class Hosts:
             ]),
         }
         self.certs = make_certs(tmp / "certs", {h: [a[h], "127.0.0.1"] for h in a}) if tls else None
-        if tls:
-            for name, (host, argv) in self.argv.items():
+        # One mesh token for every host (each process gets it in its environment). Without
+        # TLS the services listen beyond loopback in clear, which they refuse unless told.
+        self.token = secrets.token_hex(32)
+        for name, (host, argv) in self.argv.items():
+            if tls:
                 argv += ["--tls-ca", self.certs["ca"], "--tls-cert", self.certs[host][0], "--tls-key", self.certs[host][1]]
+            else:
+                argv.append("--insecure-plaintext")
         if via_up:
             assert not prefill_on_decode_host, "not combined"
             self.argv = self.up_argv(room_args, model_args, worker_args, prefill_args, decode_args)
@@ -112,7 +118,7 @@ class Hosts:
         if self.certs:
             tls = lambda h: ["--tls-ca", self.certs["ca"], "--tls-cert", self.certs[h][0], "--tls-key", self.certs[h][1]]
         else:
-            tls = lambda h: []
+            tls = lambda h: ["--insecure-plaintext"]
         part = lambda role, extra: (role, [
             "up", "--role", role, "--host", a[role], *model_args, *tls(role),
             *(f"--cache-arg={x}" for x in room_args), *(f"--worker-arg={x}" for x in worker_args),
@@ -128,7 +134,7 @@ class Hosts:
     def start(self, name: str) -> None:
         host, argv = self.argv[name]
         log = open(self.tmp / f"{name}.log", "ab")
-        env = dict(os.environ, PDMESH_API_KEY=API_KEY)
+        env = dict(os.environ, PDMESH_API_KEY=API_KEY, PDMESH_MESH_TOKEN=self.token)
         cmd = self.net.exec_argv(host, [str(pdmesh_bin()), *argv])
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 

@@ -28,7 +28,9 @@ SERVICES = {"model", *MESH, "prometheus", "grafana", "otel-collector", "tempo"}
 # pdmesh's service subcommands (`pdmesh serve <service>` is the same command).
 SERVICE_SUBCOMMANDS = {"tokenizer", "worker", "prefill", "decode", "gateway", "cache"}
 # Environment variables pdmesh reads outside clap (so they are not in `--help`).
-LIBRARY_ENV = {"PDMESH_CACHE_DIR", "PDMESH_PYTHON"}
+# Read by the code directly rather than as a flag's variable (the mesh token has no flag:
+# it must never be on a command line).
+LIBRARY_ENV = {"PDMESH_CACHE_DIR", "PDMESH_PYTHON", "PDMESH_MESH_TOKEN"}
 DEFAULT_PORTS = {"prometheus": 9090, "grafana": 3000}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -59,13 +60,15 @@ class Services:
             ],
         }
         self.env = {p: prefill_env or {} for p in self.prefills} | {"decode": decode_env or {}}
+        # The mesh's credential, in every service's environment (as `pdmesh up` gives it).
+        self.token = secrets.token_hex(32)
         for name in self.argv:
             self.start(name)
         self.base = url("gateway")
         self.wait_healthy()
 
     def start(self, name: str) -> None:
-        env = dict(os.environ, PDMESH_API_KEY=API_KEY, **self.env.get(name, {}))
+        env = dict(os.environ, PDMESH_API_KEY=API_KEY, PDMESH_MESH_TOKEN=self.token, **self.env.get(name, {}))
         log = open(self.tmp / f"{name}.log", "ab")
         ports_file = self.tmp / f"{name}.ports.json"
         ports_file.unlink(missing_ok=True)

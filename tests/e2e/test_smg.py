@@ -182,7 +182,8 @@ def choices_through(smg, mesh) -> None:
 
 
 def test_smg_drives_a_unified_worker_like_pdmeshs_gateway(tmp_path):
-    mesh = start_up(tmp_path, ["--unified"])
+    # smg presents no mesh credential to workers: theirs run open (--insecure-plaintext).
+    mesh = start_up(tmp_path, ["--unified", "--worker-arg=--insecure-plaintext"])
     smg = None
     try:
         smg = Smg(["--worker-urls", f"grpc://127.0.0.1:{mesh.ports['worker']}"], tmp_path / "smg.log")
@@ -214,14 +215,18 @@ def test_smg_drives_a_unified_worker_like_pdmeshs_gateway(tmp_path):
         stop_up(mesh)
 
 
-def test_smg_drives_prefill_and_decode_workers_through_rooms(mesh, tmp_path):
-    """The session mesh is disaggregated: smg sends the same Generate to prefill and
-    decode with its bootstrap room, and the KV travels through pdmesh's rooms."""
-    assert mesh.ports["mode"] == "pd"
-    p, d, cache = mesh.ports["prefill"][0], mesh.ports["decode"][0], mesh.ports["cache"]
-    smg = Smg(["--pd-disaggregation", "--prefill", f"grpc://127.0.0.1:{p}", str(cache),
-               "--decode", f"grpc://127.0.0.1:{d}"], tmp_path / "smg.log")
+def test_smg_drives_prefill_and_decode_workers_through_rooms(tmp_path):
+    """A disaggregated mesh whose workers run open (smg presents no mesh credential): smg
+    sends the same Generate to prefill and decode with its bootstrap room, and the KV
+    travels through pdmesh's rooms."""
+    mesh = start_up(tmp_path / "up", ["--worker-arg=--insecure-plaintext"])
+    smg = None
     try:
+        assert mesh.ports["mode"] == "pd"
+        p, d, cache = mesh.ports["prefill"][0], mesh.ports["decode"][0], mesh.ports["cache"]
+        smg = Smg(["--pd-disaggregation", "--prefill", f"grpc://127.0.0.1:{p}", str(cache),
+                   "--decode", f"grpc://127.0.0.1:{d}"], tmp_path / "smg.log")
+        assert mesh.metrics()['mesh_insecure_plaintext{service="worker"}'] == 1
         before = mesh.metrics()['mesh_kv_transfer_bytes_total{side="all"}']
         theirs = answers(smg.client(), mesh.model)
         moved = mesh.metrics()['mesh_kv_transfer_bytes_total{side="all"}'] - before
@@ -233,4 +238,6 @@ def test_smg_drives_prefill_and_decode_workers_through_rooms(mesh, tmp_path):
         leave_mid_stream(smg.client(), mesh.model)
         wait_pages(mesh, baseline)
     finally:
-        smg.stop()
+        if smg:
+            smg.stop()
+        stop_up(mesh)

@@ -7,6 +7,8 @@ character, through the real gateway and tokenizer."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 
 from conftest import WORKER_ARGS, pdmesh_bin, start_up, stop_up
@@ -53,6 +55,7 @@ def test_gpu_flags_are_refused_by_name():
     for args, want in cases:
         r = subprocess.run(
             [str(pdmesh_bin()), "worker", "--listen", "127.0.0.1:0", *args],
+            env=dict(os.environ, PDMESH_MESH_TOKEN=secrets.token_hex(32)),
             capture_output=True,
             text=True,
             timeout=120,

@@ -10,7 +10,6 @@ use std::time::Duration;
 use pb::cache_client::CacheClient;
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as pb;
-use tonic::transport::Channel;
 
 use crate::mirror::Mirror;
 use crate::wire::layout_to_pb;
@@ -91,7 +90,7 @@ pub struct Stored {
 
 /// A registered worker's connection to the cache service.
 pub struct HostClient {
-    rpc: CacheClient<Channel>,
+    rpc: CacheClient<pdmesh_tls::AuthChannel>,
     lease: u64,
     plane: DataPlane,
     page_bytes: usize,
@@ -117,26 +116,16 @@ impl Drop for HostClient {
 
 impl HostClient {
     /// Registers `worker_id` with `layout` at `endpoint` (e.g. `http://127.0.0.1:50063`)
-    /// and starts heartbeating. A service holding another layout answers
-    /// FAILED_PRECONDITION with both layouts in the message.
+    /// with the mesh credential `auth`, and starts heartbeating. A service holding
+    /// another layout answers FAILED_PRECONDITION with both layouts in the message.
     pub async fn connect(
         endpoint: &str,
         worker_id: &str,
         layout: &KvLayout,
         plane: DataPlane,
+        auth: &pdmesh_tls::MeshAuth,
     ) -> Result<Self, ClientError> {
-        Self::connect_with(endpoint, worker_id, layout, plane, None).await
-    }
-
-    /// [`Self::connect`], over the mesh's mutual TLS when `tls` is given.
-    pub async fn connect_with(
-        endpoint: &str,
-        worker_id: &str,
-        layout: &KvLayout,
-        plane: DataPlane,
-        tls: Option<&pdmesh_tls::MeshTls>,
-    ) -> Result<Self, ClientError> {
-        let channel = pdmesh_tls::endpoint(endpoint, tls)?.connect().await?;
+        let channel = auth.connect(endpoint).await?;
         let mut rpc = CacheClient::new(channel).max_decoding_message_size(usize::MAX);
         let reg = rpc
             .register(pb::RegisterRequest {

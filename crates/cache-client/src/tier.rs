@@ -28,8 +28,8 @@ pub struct TierConfig {
     pub call_timeout: Duration,
     /// Pause between registration attempts while disconnected.
     pub retry_every: Duration,
-    /// The mesh's mutual TLS, if on.
-    pub tls: Option<pdmesh_tls::MeshTls>,
+    /// The mesh credential.
+    pub auth: pdmesh_tls::MeshAuth,
 }
 
 /// See the module docs.
@@ -74,12 +74,12 @@ impl RemoteTier {
                     if !connected {
                         let attempt = tokio::time::timeout(
                             cfg.call_timeout.max(Duration::from_secs(1)),
-                            HostClient::connect_with(
+                            HostClient::connect(
                                 &cfg.url,
                                 &cfg.worker_id,
                                 &layout,
                                 cfg.plane,
-                                cfg.tls.as_ref(),
+                                &cfg.auth,
                             ),
                         )
                         .await;

@@ -11,21 +11,20 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// Longest a single probe may take.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
-async fn channel(
-    addr: SocketAddr,
-    tls: Option<&pdmesh_tls::MeshTls>,
-) -> Option<tonic::transport::Channel> {
-    let ep = pdmesh_tls::endpoint(&format!("http://{addr}"), tls)
+async fn channel(addr: SocketAddr, auth: &pdmesh_tls::MeshAuth) -> Option<pdmesh_tls::AuthChannel> {
+    let ep = auth
+        .endpoint(&format!("http://{addr}"))
         .ok()?
         .connect_timeout(PROBE_TIMEOUT);
-    tokio::time::timeout(PROBE_TIMEOUT, ep.connect())
+    let ch = tokio::time::timeout(PROBE_TIMEOUT, ep.connect())
         .await
         .ok()?
-        .ok()
+        .ok()?;
+    Some(auth.channel(ch))
 }
 
 /// Whether the tokenizer at `addr` answers Health with ok.
-pub async fn tokenizer_healthy(addr: SocketAddr, tls: Option<&pdmesh_tls::MeshTls>) -> bool {
+pub async fn tokenizer_healthy(addr: SocketAddr, tls: &pdmesh_tls::MeshAuth) -> bool {
     let Some(ch) = channel(addr, tls).await else {
         return false;
     };
@@ -34,7 +33,7 @@ pub async fn tokenizer_healthy(addr: SocketAddr, tls: Option<&pdmesh_tls::MeshTl
 }
 
 /// Whether the cache service at `addr` answers Stats.
-pub async fn cache_healthy(addr: SocketAddr, tls: Option<&pdmesh_tls::MeshTls>) -> bool {
+pub async fn cache_healthy(addr: SocketAddr, tls: &pdmesh_tls::MeshAuth) -> bool {
     let Some(ch) = channel(addr, tls).await else {
         return false;
     };
@@ -44,7 +43,7 @@ pub async fn cache_healthy(addr: SocketAddr, tls: Option<&pdmesh_tls::MeshTls>) 
 }
 
 /// Whether the worker at `addr` answers Health with ok.
-pub async fn worker_healthy(addr: SocketAddr, tls: Option<&pdmesh_tls::MeshTls>) -> bool {
+pub async fn worker_healthy(addr: SocketAddr, tls: &pdmesh_tls::MeshAuth) -> bool {
     let Some(ch) = channel(addr, tls).await else {
         return false;
     };
@@ -53,10 +52,7 @@ pub async fn worker_healthy(addr: SocketAddr, tls: Option<&pdmesh_tls::MeshTls>)
 }
 
 /// The model id the worker at `addr` serves.
-pub async fn worker_model_id(
-    addr: SocketAddr,
-    tls: Option<&pdmesh_tls::MeshTls>,
-) -> Option<String> {
+pub async fn worker_model_id(addr: SocketAddr, tls: &pdmesh_tls::MeshAuth) -> Option<String> {
     let mut c = wk::worker_client::WorkerClient::new(channel(addr, tls).await?);
     let r = tokio::time::timeout(PROBE_TIMEOUT, c.model_info(wk::ModelInfoRequest {}))
         .await
@@ -140,7 +136,7 @@ mod tests {
         let refusing = pdmesh_testkit::Refusing::new();
         let addr = refusing.addr();
         assert_eq!(http_status(addr, "/health").await, None);
-        assert!(!worker_healthy(addr, None).await);
-        assert!(!tokenizer_healthy(addr, None).await);
+        assert!(!worker_healthy(addr, &pdmesh_tls::test_ca::auth()).await);
+        assert!(!tokenizer_healthy(addr, &pdmesh_tls::test_ca::auth()).await);
     }
 }

@@ -94,10 +94,10 @@ pub enum Stopped {
 /// One running service.
 struct Service {
     name: &'static str,
-    /// Its command line after the executable, and the API key it gets: a restart starts it
-    /// the same way.
+    /// Its command line after the executable, and the secrets it gets in its environment
+    /// (the mesh token, the gateway's API key): a restart starts it the same way.
     args: Vec<String>,
-    api_key: Option<String>,
+    secrets: Secrets,
     pid: u32,
     child: Child,
     /// Its listening socket's address (a restart binds it again, see [`listen_on`]), and
@@ -161,6 +161,13 @@ fn resolve_model(arg: Option<&Path>) -> Result<PathBuf, UpError> {
     }
 }
 
+/// Environment variables a child gets that no command line may show.
+type Secrets = Vec<(&'static str, String)>;
+
+/// The environment variables [`Secrets`] may set: each is removed from every child that
+/// is not given it, so none reaches a child by inheritance.
+const SECRET_VARS: [&str; 2] = ["PDMESH_API_KEY", pdmesh_tls::auth::TOKEN_ENV];
+
 /// Starts `exe SUBCOMMAND --listen ADDR FLAGS --listen-fd 3` as a child in its own
 /// process group (so a terminal's Ctrl-C reaches only `up`, which then stops it in order)
 /// that is killed if `up` dies, with `listener` as its descriptor 3.
@@ -169,14 +176,16 @@ fn spawn(
     exe: &Path,
     args: &[String],
     (listener, addr): (&std::net::TcpListener, SocketAddr),
-    api_key: Option<&str>,
+    secrets: &[(&'static str, String)],
 ) -> Result<Service, UpError> {
     let mut cmd = Command::new(exe);
-    // The key travels in the environment, not argv, so `ps` does not show it.
-    match api_key {
-        Some(k) => cmd.env("PDMESH_API_KEY", k),
-        None => cmd.env_remove("PDMESH_API_KEY"),
-    };
+    // Secrets travel in the environment, not argv, so `ps` does not show them.
+    for var in SECRET_VARS {
+        cmd.env_remove(var);
+    }
+    for (var, value) in secrets {
+        cmd.env(var, value);
+    }
     // Each service names itself in traces (`pdmesh-<service>`); one name set for `up`
     // would merge them all.
     cmd.env_remove("OTEL_SERVICE_NAME");
@@ -240,7 +249,7 @@ fn spawn(
     Ok(Service {
         name,
         args: args.to_vec(),
-        api_key: api_key.map(str::to_owned),
+        secrets: secrets.to_vec(),
         pid,
         child,
         bound,
@@ -259,7 +268,7 @@ impl Service {
             exe,
             &self.args,
             (&listener, self.addr),
-            self.api_key.as_deref(),
+            &self.secrets,
         )
     }
 }
@@ -300,7 +309,7 @@ async fn stop_all(services: &mut [Service], grace: Duration) {
     }
 }
 
-async fn healthy(s: &Service, tls: Option<&pdmesh_tls::MeshTls>) -> bool {
+async fn healthy(s: &Service, tls: &pdmesh_tls::MeshAuth) -> bool {
     match s.name {
         "tokenizer" => probe::tokenizer_healthy(s.addr, tls).await,
         "cache" => probe::cache_healthy(s.addr, tls).await,
@@ -333,7 +342,7 @@ fn reachable(host: IpAddr, port: u16) -> SocketAddr {
 async fn wait_healthy(
     services: &mut [Service],
     timeout: Duration,
-    tls: Option<&pdmesh_tls::MeshTls>,
+    tls: &pdmesh_tls::MeshAuth,
 ) -> Result<(), UpError> {
     let start = Instant::now();
     let mut ready = vec![false; services.len()];
@@ -600,7 +609,21 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     }
     check_role(&args)?;
     let role = args.role;
-    let tls = args.tls.load()?;
+    // The mesh credential: the one given (TLS, a token file or PDMESH_MESH_TOKEN), else a
+    // token made for this mesh; every child gets the token in its environment.
+    let mut tls = args.tls.auth()?;
+    if tls.mesh_token().is_none() {
+        tls = pdmesh_tls::MeshAuth::new(
+            tls.tls().cloned(),
+            Some(pdmesh_tls::MeshToken::generate()),
+            tls.is_insecure(),
+        );
+    }
+    let mesh_env: Secrets = tls
+        .mesh_token()
+        .map(|t| (pdmesh_tls::auth::TOKEN_ENV, t.expose().to_owned()))
+        .into_iter()
+        .collect();
     let tls_args = args.tls.to_args();
     let (has_gateway, has_cache) = (
         matches!(role, UpRole::All | UpRole::Gateway),
@@ -704,7 +727,13 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         if let (Some(sock), Some(addr)) = (&tok_sock, tok_addr) {
             let mut tok_args = vec!["tokenizer".into(), "--model".into(), model_arg.clone()];
             tok_args.extend(tls_args.iter().cloned());
-            services.push(spawn("tokenizer", &exe, &tok_args, (sock, addr), None)?);
+            services.push(spawn(
+                "tokenizer",
+                &exe,
+                &tok_args,
+                (sock, addr),
+                &mesh_env,
+            )?);
         }
         if let (Some(sock), Some(addr)) = (&cache_sock, cache_addr) {
             let mut cache_args = vec![
@@ -714,7 +743,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             ];
             cache_args.extend(tls_args.iter().cloned());
             cache_args.extend(args.cache_args.iter().cloned());
-            services.push(spawn("cache", &exe, &cache_args, (sock, addr), None)?);
+            services.push(spawn("cache", &exe, &cache_args, (sock, addr), &mesh_env)?);
         }
         for (name, sub, addr, extra, sock) in &workers {
             let mut worker_args = vec![
@@ -733,7 +762,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             worker_args.extend(tls_args.iter().cloned());
             worker_args.extend(args.worker_args.iter().cloned());
             worker_args.extend(extra.iter().cloned());
-            services.push(spawn(name, &exe, &worker_args, (sock, *addr), None)?);
+            services.push(spawn(name, &exe, &worker_args, (sock, *addr), &mesh_env)?);
         }
         let (Some(gateway_sock), Some(tok_addr)) = (&gateway_sock, tok_addr) else {
             return Ok(());
@@ -780,7 +809,14 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             &exe,
             &gw_args,
             (gateway_sock, reachable(args.host, port)),
-            args.api_key.as_deref(),
+            &[
+                mesh_env.clone(),
+                args.api_key
+                    .iter()
+                    .map(|k| ("PDMESH_API_KEY", k.clone()))
+                    .collect(),
+            ]
+            .concat(),
         )?);
         Ok(())
     })();
@@ -804,7 +840,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     }
 
     let ready = tokio::select! {
-        r = wait_healthy(&mut services, Duration::from_secs(args.startup_timeout), tls.as_ref()) => r.map(|()| None),
+        r = wait_healthy(&mut services, Duration::from_secs(args.startup_timeout), &tls) => r.map(|()| None),
         sig = signals.recv() => Ok(Some(sig)),
     };
     match ready {
@@ -820,7 +856,7 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
         Ok(None) => {}
     }
 
-    let model_id = probe::worker_model_id(worker_addr, tls.as_ref())
+    let model_id = probe::worker_model_id(worker_addr, &tls)
         .await
         .unwrap_or_else(|| DEFAULT_MODEL.id.to_owned());
     let shown = reachable(args.host, port);

@@ -60,11 +60,9 @@ fn main() {
         .unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let shutdown = tokio_util::sync::CancellationToken::new();
-    rt.spawn(pdmesh_cache::run(
-        Config::new(MirrorSize::Bytes(1 << 30)),
-        listener,
-        shutdown.clone(),
-    ));
+    let mut cache = Config::new(MirrorSize::Bytes(1 << 30));
+    cache.tls = pdmesh_tls::test_ca::args();
+    rt.spawn(pdmesh_cache::run(cache, listener, shutdown.clone()));
 
     let engine = |tier: bool| {
         let mut cfg = EngineConfig::new(pdmesh_gguf::models::require_default_model());
@@ -81,7 +79,7 @@ fn main() {
                     plane: DataPlane::Shm,
                     call_timeout: Duration::from_secs(10),
                     retry_every: Duration::from_millis(20),
-                    tls: None,
+                    auth: pdmesh_tls::test_ca::auth(),
                 },
                 e.pool().layout().as_ref().clone(),
             );

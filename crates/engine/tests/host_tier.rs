@@ -33,6 +33,7 @@ impl Cache {
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = Config::new(size.parse::<MirrorSize>().unwrap());
+        cfg.tls = pdmesh_tls::test_ca::args();
         cfg.shm_dir = Some(dir.path().to_owned());
         let listener = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -65,7 +66,7 @@ impl Cache {
             plane,
             call_timeout: Duration::from_secs(5),
             retry_every: Duration::from_millis(50),
-            tls: None,
+            auth: pdmesh_tls::test_ca::auth(),
         };
         RemoteTier::start(self.rt.handle().clone(), cfg, layout)
     }
@@ -250,7 +251,7 @@ fn without_a_cache_service_requests_are_served_from_the_device_tier() {
             plane: DataPlane::Shm,
             call_timeout: Duration::from_secs(1),
             retry_every: Duration::from_millis(50),
-            tls: None,
+            auth: pdmesh_tls::test_ca::auth(),
         },
         e.pool().layout().as_ref().clone(),
     );

@@ -20,7 +20,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
 
-/// The `--tls-*` flags every service takes (all three or none).
+/// The mesh credential flags every service takes: `--tls-*` (all three or none),
+/// `--mesh-token-file` and `--insecure-plaintext` (see [`auth`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
 pub struct TlsArgs {
     /// PEM file of the mesh's certificate authority. With --tls-cert and --tls-key, every
@@ -41,6 +42,21 @@ pub struct TlsArgs {
     /// who belongs to the mesh.
     #[arg(long, env = "PDMESH_TLS_SERVER_NAME", requires = "tls_ca")]
     pub tls_server_name: Option<String>,
+    /// File holding the mesh token (one line, at least 32 characters, readable by this
+    /// user only): every call to another service carries it, and every call to this one
+    /// must. `pdmesh up` makes one per mesh itself. The token can also come from the
+    /// PDMESH_MESH_TOKEN environment variable.
+    #[arg(long, env = "PDMESH_MESH_TOKEN_FILE")]
+    pub mesh_token_file: Option<PathBuf>,
+    /// Serve open: every peer that can connect may call this service, with or without a
+    /// credential, and it may listen beyond loopback without TLS. Logged as a WARN at start and reported by the
+    /// pdmesh_insecure_plaintext gauge.
+    #[arg(long, env = "PDMESH_INSECURE_PLAINTEXT")]
+    pub insecure_plaintext: bool,
+    /// The mesh token handed over in code (embedders and tests), never from a command
+    /// line; it goes before --mesh-token-file and the environment.
+    #[arg(skip)]
+    pub mesh_token: Option<MeshToken>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +114,7 @@ impl TlsArgs {
             out.push("--tls-server-name".to_owned());
             out.push(name.clone());
         }
+        self.auth_args(&mut out);
         out
     }
 }
@@ -310,6 +327,9 @@ pub fn server(tls: Option<&MeshTls>) -> Result<tonic::transport::Server, tonic::
         None => Ok(s),
     }
 }
+
+pub mod auth;
+pub use auth::{AuthChannel, MeshAuth, MeshToken};
 
 #[cfg(any(test, feature = "test-ca"))]
 pub mod test_ca;

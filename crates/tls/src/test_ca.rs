@@ -1,5 +1,6 @@
 //! Certificates for tests: a throwaway CA and the services' certificates it signs
-//! (feature `test-ca`; never used by the services themselves).
+//! (feature `test-ca`; never used by the services themselves), and the mesh token of a
+//! test process.
 
 use crate::MeshTls;
 
@@ -47,4 +48,33 @@ impl Ca {
         let (cert, key) = self.leaf(names);
         MeshTls::from_pem(self.pem.as_bytes(), cert.as_bytes(), key.as_bytes()).unwrap()
     }
+}
+
+/// This test process's mesh token: random, one per process, so that services and clients
+/// a test starts in process agree on it.
+pub fn token() -> crate::MeshToken {
+    static TOKEN: std::sync::OnceLock<crate::MeshToken> = std::sync::OnceLock::new();
+    TOKEN.get_or_init(crate::MeshToken::generate).clone()
+}
+
+/// A token-only credential with [`token`].
+pub fn auth() -> crate::MeshAuth {
+    crate::MeshAuth::token(token())
+}
+
+/// The credential flags of a service a test starts in process: [`token`], in code.
+pub fn args() -> crate::TlsArgs {
+    crate::TlsArgs {
+        mesh_token: Some(token()),
+        ..Default::default()
+    }
+}
+
+/// A client made by `new` (a generated client's `new`) on a channel to `url` that carries
+/// [`token`].
+pub async fn client<C>(
+    url: impl AsRef<str>,
+    new: impl FnOnce(crate::AuthChannel) -> C,
+) -> Result<C, tonic::transport::Error> {
+    Ok(new(auth().connect(url.as_ref()).await?))
 }

@@ -46,12 +46,24 @@ async fn main() {
         other => panic!("unknown layout {other:?} (smol, deepseek-tiny)"),
     };
     let (pages, rounds): (usize, usize) = (pages.parse().unwrap(), rounds.parse().unwrap());
-    let a = HostClient::connect(a_url, "bench-sender", &layout, DataPlane::Shm)
-        .await
-        .expect("host A's cache service");
-    let b = HostClient::connect(b_url, "bench-receiver", &layout, DataPlane::Shm)
-        .await
-        .expect("host B's cache service");
+    let a = HostClient::connect(
+        a_url,
+        "bench-sender",
+        &layout,
+        DataPlane::Shm,
+        &pdmesh_tls::test_ca::auth(),
+    )
+    .await
+    .expect("host A's cache service");
+    let b = HostClient::connect(
+        b_url,
+        "bench-receiver",
+        &layout,
+        DataPlane::Shm,
+        &pdmesh_tls::test_ca::auth(),
+    )
+    .await
+    .expect("host B's cache service");
     let page_bytes = layout.bytes_per_page();
     let data: Vec<Vec<u8>> = (0..pages)
         .map(|i| (0..page_bytes).map(|x| (x ^ (i * 7)) as u8).collect())

@@ -33,12 +33,19 @@ async fn main() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let cfg = Config::new(MirrorSize::Bytes((pages * pb * 2) as u64));
+    let mut cfg = Config::new(MirrorSize::Bytes((pages * pb * 2) as u64));
+    cfg.tls = pdmesh_tls::test_ca::args();
     let server = tokio::spawn(pdmesh_cache::run(cfg, listener, shutdown.clone()));
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let mut c = HostClient::connect(&url, "bench", &layout, DataPlane::Shm)
-        .await
-        .unwrap();
+    let mut c = HostClient::connect(
+        &url,
+        "bench",
+        &layout,
+        DataPlane::Shm,
+        &pdmesh_tls::test_ca::auth(),
+    )
+    .await
+    .unwrap();
 
     let tokens: Vec<u32> = (0..(pages * 16) as u32).collect();
     let hashes = page_hashes(layout.fingerprint(), &tokens, 16);

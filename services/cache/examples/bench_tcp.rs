@@ -53,13 +53,18 @@ async fn main() {
     let listener = TcpListener::bind(addr).await.unwrap();
     let at = listener.local_addr().unwrap();
     let l2 = layout.clone();
+    // The mesh token, checked in the hello as in production.
+    let auth = pdmesh_tls::MeshAuth::token(pdmesh_tls::MeshToken::generate());
+    let theirs = auth.clone();
     tokio::spawn(async move {
         let (s, _) = listener.accept().await.unwrap();
-        serve_connection(s, None, &l2, TcpOptions::default(), |_: InPage<'_>| Ok(()))
-            .await
-            .unwrap();
+        serve_connection(s, &theirs, &l2, TcpOptions::default(), |_: InPage<'_>| {
+            Ok(())
+        })
+        .await
+        .unwrap();
     });
-    let mut tx = TcpSender::connect(at, &layout, TcpOptions::default(), None)
+    let mut tx = TcpSender::connect(at, &layout, TcpOptions::default(), (&auth, "127.0.0.1"), 1)
         .await
         .unwrap();
     let mut ours = Vec::new();

@@ -41,15 +41,28 @@ async fn main() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let cfg = Config::new(MirrorSize::Bytes((pages * pb_ * 2) as u64));
+    let mut cfg = Config::new(MirrorSize::Bytes((pages * pb_ * 2) as u64));
+    cfg.tls = pdmesh_tls::test_ca::args();
     let server = tokio::spawn(pdmesh_cache::run(cfg, listener, shutdown.clone()));
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let sender = HostClient::connect(&url, "prefill", &layout, DataPlane::Shm)
-        .await
-        .unwrap();
-    let receiver = HostClient::connect(&url, "decode", &layout, DataPlane::Shm)
-        .await
-        .unwrap();
+    let sender = HostClient::connect(
+        &url,
+        "prefill",
+        &layout,
+        DataPlane::Shm,
+        &pdmesh_tls::test_ca::auth(),
+    )
+    .await
+    .unwrap();
+    let receiver = HostClient::connect(
+        &url,
+        "decode",
+        &layout,
+        DataPlane::Shm,
+        &pdmesh_tls::test_ca::auth(),
+    )
+    .await
+    .unwrap();
     let (smirror, rmirror) = (
         sender.shared_mirror().expect("shm plane"),
         receiver.shared_mirror().expect("shm plane"),

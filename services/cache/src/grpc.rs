@@ -468,6 +468,8 @@ impl pb::cache_server::Cache for CacheService {
                 .as_ref()
                 .map(|r| r.counts())
                 .unwrap_or_default(),
+            auth_refused: pdmesh_tls::auth::refused_total(),
+            insecure_plaintext: pdmesh_tls::auth::insecure(),
         }))
     }
 
@@ -719,8 +721,8 @@ impl pb::cache_server::Cache for CacheService {
             let mine = self.shared.with(|s| s.relay_owner(r.room) == Some(r.lease));
             if !mine {
                 return Err(Status::permission_denied(format!(
-                    "lease {} is not the sender of room {}",
-                    r.lease, r.room
+                    "this lease is not the sender of room {}",
+                    r.room
                 )));
             }
             let link = self.peers.existing(&home).await;
@@ -849,7 +851,9 @@ fn aux_to_pb(a: Aux) -> pb::RoomAux {
 /// The page transport's trailer at a room's home: a peer's commit of `room` (an encoded
 /// RoomCommitRequest), run once its last pages landed. The reply is an encoded
 /// PeerCommitReply.
-pub(crate) fn peer_commit(shared: &Shared, room: u64, trailer: &[u8]) -> Vec<u8> {
+/// The commit riding on a peer's last batch for `room`, over the connection of `sender`'s
+/// lease: only that lease may commit with it.
+pub(crate) fn peer_commit(shared: &Shared, room: u64, sender: u64, trailer: &[u8]) -> Vec<u8> {
     let done = match pb::RoomCommitRequest::decode(trailer) {
         Err(e) => Err(Status::invalid_argument(format!(
             "a room commit that does not decode: {e}"
@@ -861,7 +865,10 @@ pub(crate) fn peer_commit(shared: &Shared, room: u64, trailer: &[u8]) -> Vec<u8>
         // The page transport carries peers' rooms only: a local worker's lease is not
         // one a peer may commit with.
         Ok(r) if !shared.with(|s| s.is_peer_lease(r.lease)) => Err(Status::permission_denied(
-            format!("lease {} is not a peer host's", r.lease),
+            "this lease is not a peer host's".to_owned(),
+        )),
+        Ok(r) if r.lease != sender => Err(Status::permission_denied(
+            "a commit with another lease than this connection's".to_owned(),
         )),
         Ok(r) => commit_here(shared, r),
     };
@@ -958,10 +965,11 @@ mod tests {
             Some(dir.path().to_owned()),
             Duration::from_secs(10),
         ));
-        let reply = |room, trailer: &[u8]| {
-            pb::PeerCommitReply::decode(&peer_commit(&shared, room, trailer)[..]).unwrap()
+        // Over the page-transport connection of lease `sender`.
+        let reply = |room, sender, trailer: &[u8]| {
+            pb::PeerCommitReply::decode(&peer_commit(&shared, room, sender, trailer)[..]).unwrap()
         };
-        let garbage = reply(7, &[0xff; 9]);
+        let garbage = reply(7, 0, &[0xff; 9]);
         assert_eq!(garbage.code, tonic::Code::InvalidArgument as i32);
         assert!(garbage.message.contains("does not decode"), "{garbage:?}");
         let other = pb::RoomCommitRequest {
@@ -969,11 +977,11 @@ mod tests {
             ..Default::default()
         }
         .encode_to_vec();
-        let other = reply(7, &other);
+        let other = reply(7, 0, &other);
         assert_eq!(other.code, tonic::Code::InvalidArgument as i32);
         assert!(other.message.contains("room 8"), "{other:?}");
         // A lease that is not a peer's (unknown here, or a local worker's) is refused.
-        let commit_with = |lease: u64| {
+        let commit_over = |lease: u64, sender: u64| {
             let req = pb::RoomCommitRequest {
                 lease,
                 room: 7,
@@ -983,8 +991,9 @@ mod tests {
                     ..Default::default()
                 }),
             };
-            reply(7, &req.encode_to_vec())
+            reply(7, sender, &req.encode_to_vec())
         };
+        let commit_with = |lease: u64| commit_over(lease, lease);
         let unknown = commit_with(99);
         assert_eq!(
             unknown.code,
@@ -994,7 +1003,7 @@ mod tests {
         assert!(unknown.status.is_none());
         let layout = pdmesh_kv::KvLayout::llama(2, 1, 8, pdmesh_kv::DType::F16, 16);
         let worker = shared
-            .with(|s| s.register("w", layout, std::time::Instant::now()))
+            .with(|s| s.register("w", layout.clone(), std::time::Instant::now()))
             .unwrap()
             .lease;
         let local = commit_with(worker);
@@ -1004,6 +1013,22 @@ mod tests {
             "{local:?}"
         );
         assert!(local.message.contains("not a peer"), "{local:?}");
+        // A peer's lease commits only over its own connection.
+        let peer = shared
+            .with(|s| s.register_peer("p", &layout, std::time::Instant::now()))
+            .unwrap()
+            .lease;
+        let other_peer = shared
+            .with(|s| s.register_peer("q", &layout, std::time::Instant::now()))
+            .unwrap()
+            .lease;
+        let stolen = commit_over(peer, other_peer);
+        assert_eq!(
+            stolen.code,
+            tonic::Code::PermissionDenied as i32,
+            "{stolen:?}"
+        );
+        assert!(stolen.message.contains("another lease"), "{stolen:?}");
     }
 
     #[test]

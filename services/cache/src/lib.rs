@@ -85,7 +85,8 @@ pub struct Config {
     /// it under the pod's terminationGracePeriodSeconds.
     #[arg(long, env = "PDMESH_DRAIN_TIMEOUT_MS", default_value_t = 20_000)]
     pub drain_timeout_ms: u64,
-    /// Mutual TLS for gRPC and the page transport (both ways).
+    /// The mesh credential for gRPC and the page transport (both ways): mutual TLS or
+    /// the mesh token.
     #[command(flatten)]
     pub tls: pdmesh_tls::TlsArgs,
 }
@@ -199,7 +200,13 @@ pub async fn run(
             dir.display()
         )));
     }
-    let tls = cfg.tls.load()?;
+    let auth = cfg.tls.auth()?;
+    if let Some(a) = addr {
+        auth.check_listen("the cache service", a)?;
+    }
+    if let Ok(a) = peer_listener.local_addr() {
+        auth.check_listen("the cache service's page transport", a)?;
+    }
     mirror::sweep_dirs(cfg.shm_dir.as_deref());
     let ttl = Duration::from_millis(cfg.lease_ttl_ms);
     // `shutdown` starts the drain; `serving` stops everything once it is over.
@@ -219,7 +226,7 @@ pub async fn run(
         peer_listener,
         shared.clone(),
         opts,
-        tls.clone(),
+        auth.clone(),
         serving.clone(),
     ));
     let drainer = tokio::spawn(drain(
@@ -234,7 +241,7 @@ pub async fn run(
             addr.map_or("?".into(), |a| a.to_string())
         ),
         opts,
-        tls.clone(),
+        auth.clone(),
     ));
     let watchdog = cfg.watchdog;
     let reporter = pdmesh_incident::Reporter::from_flags(
@@ -318,12 +325,15 @@ pub async fn run(
         })
     };
     tracing::info!(?addr, peer_port, size = ?cfg.host_mirror_size, "cache service listening");
-    let served = pdmesh_tls::server(tls.as_ref())?
+    let served = auth
+        .server()?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
-        .add_service(pdmesh_proto::cache::v1::cache_server::CacheServer::new(
-            grpc::CacheService::new(shared.clone(), serving.clone(), peers, peer_port)
-                .with_incidents(reporter),
-        ))
+        .add_service(
+            auth.guard(pdmesh_proto::cache::v1::cache_server::CacheServer::new(
+                grpc::CacheService::new(shared.clone(), serving.clone(), peers, peer_port)
+                    .with_incidents(reporter),
+            )),
+        )
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
@@ -383,7 +393,7 @@ async fn receive_pages(
     listener: TcpListener,
     shared: grpc::Shared,
     opts: transfer::TcpOptions,
-    tls: Option<pdmesh_tls::MeshTls>,
+    auth: pdmesh_tls::MeshAuth,
     stop: CancellationToken,
 ) {
     loop {
@@ -402,12 +412,12 @@ async fn receive_pages(
             tracing::warn!("a peer connected before any worker registered here: closed");
             continue;
         };
-        let (shared, stop, tls) = (shared.clone(), stop.clone(), tls.clone());
+        let (shared, stop, auth) = (shared.clone(), stop.clone(), auth.clone());
         tokio::spawn(async move {
             let sink = HomeSink(&shared);
             let served = tokio::select! {
                 () = stop.cancelled() => return,
-                r = transfer::serve_connection(stream, tls.as_ref(), &layout, opts, sink) => r,
+                r = transfer::serve_connection(stream, &auth, &layout, opts, sink) => r,
             };
             match served {
                 Ok(_) => {}
@@ -426,11 +436,12 @@ struct HomeSink<'a>(&'a grpc::Shared);
 
 impl transfer::Sink for HomeSink<'_> {
     fn page(&mut self, p: transfer::InPage<'_>) -> Result<(), String> {
-        self.0.with(|s| s.peer_write(p.room, p.index, p.bytes))
+        self.0
+            .with(|s| s.peer_write(p.sender, p.room, p.index, p.bytes))
     }
 
-    fn trailer(&mut self, room: u64, trailer: &[u8]) -> Vec<u8> {
-        grpc::peer_commit(self.0, room, trailer)
+    fn trailer(&mut self, room: u64, sender: u64, trailer: &[u8]) -> Vec<u8> {
+        grpc::peer_commit(self.0, room, sender, trailer)
     }
     fn checksum_failed(&mut self, bad: transfer::BadArrival<'_>) {
         self.0.with(|s| s.arrival_checksum_failed(bad));

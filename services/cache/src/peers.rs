@@ -17,7 +17,6 @@ use pb::cache_client::CacheClient;
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as pb;
 use tonic::Status;
-use tonic::transport::Channel;
 
 use crate::transfer::{Pages, Sent, TcpOptions, TcpSender, TransferError, Transport};
 use crate::wire::layout_to_pb;
@@ -32,17 +31,17 @@ pub(crate) struct Peers {
     pub opts: TcpOptions,
     /// How this service names itself when it registers at a peer.
     name: String,
-    /// The mesh's mutual TLS, for gRPC and pages alike.
-    tls: Option<pdmesh_tls::MeshTls>,
+    /// The mesh credential, for gRPC and pages alike.
+    auth: pdmesh_tls::MeshAuth,
 }
 
 impl Peers {
-    pub fn new(name: String, opts: TcpOptions, tls: Option<pdmesh_tls::MeshTls>) -> Self {
+    pub fn new(name: String, opts: TcpOptions, auth: pdmesh_tls::MeshAuth) -> Self {
         Self {
             links: Default::default(),
             opts,
             name,
-            tls,
+            auth,
         }
     }
 
@@ -64,7 +63,14 @@ impl Peers {
             return Ok(l.clone());
         }
         let link = Arc::new(
-            Link::connect(url, &self.name, layout.clone(), self.opts, self.tls.clone()).await?,
+            Link::connect(
+                url,
+                &self.name,
+                layout.clone(),
+                self.opts,
+                self.auth.clone(),
+            )
+            .await?,
         );
         *cur = Some(link.clone());
         Ok(link)
@@ -80,7 +86,7 @@ impl Peers {
 /// One registered link to a home host.
 pub(crate) struct Link {
     pub url: String,
-    rpc: CacheClient<Channel>,
+    rpc: CacheClient<pdmesh_tls::AuthChannel>,
     /// This service's lease at the home host.
     pub lease: u64,
     /// The home host's tcp page transport, and the host name its URL gives (which its
@@ -93,7 +99,7 @@ pub(crate) struct Link {
     senders: std::sync::Mutex<Vec<(TcpSender, Instant)>>,
     layout: Arc<KvLayout>,
     opts: TcpOptions,
-    tls: Option<pdmesh_tls::MeshTls>,
+    auth: pdmesh_tls::MeshAuth,
 }
 
 impl Drop for Link {
@@ -132,6 +138,7 @@ impl TransferError {
         let msg = self.to_string();
         match self {
             Self::LayoutRefused { .. } => Status::failed_precondition(msg),
+            Self::Unauthenticated { .. } => Status::unauthenticated(msg),
             Self::Checksum { .. } => Status::data_loss(msg),
             Self::Refused { .. } => Status::aborted(msg),
             Self::Deadline { .. } => Status::deadline_exceeded(msg),
@@ -151,10 +158,11 @@ impl Link {
         name: &str,
         layout: Arc<KvLayout>,
         opts: TcpOptions,
-        tls: Option<pdmesh_tls::MeshTls>,
+        auth: pdmesh_tls::MeshAuth,
     ) -> Result<Self, Status> {
         let t = opts.io_timeout;
-        let endpoint = pdmesh_tls::endpoint(url, tls.as_ref())
+        let endpoint = auth
+            .endpoint(url)
             .map_err(|e| Status::invalid_argument(format!("room home {url:?}: {e}")))?
             .connect_timeout(t)
             .tcp_nodelay(true)
@@ -167,7 +175,7 @@ impl Link {
                 .map_err(|e| Status::unavailable(format!("{e}")))
         })
         .await?;
-        let mut rpc = CacheClient::new(channel).max_decoding_message_size(64 << 20);
+        let mut rpc = CacheClient::new(auth.channel(channel)).max_decoding_message_size(64 << 20);
         let reg = bounded(url, "registering as a peer", t, async {
             Ok(rpc
                 .register(request(
@@ -251,7 +259,7 @@ impl Link {
             senders: Default::default(),
             layout,
             opts,
-            tls,
+            auth,
         })
     }
 
@@ -352,8 +360,8 @@ impl Link {
         .await
     }
 
-    fn dial(&self) -> Option<(&pdmesh_tls::MeshTls, &str)> {
-        self.tls.as_ref().map(|t| (t, self.host.as_str()))
+    fn dial(&self) -> (&pdmesh_tls::MeshAuth, &str) {
+        (&self.auth, self.host.as_str())
     }
 
     /// Moves `pages` of `room` to the home host over an idle transport connection (or a
@@ -375,7 +383,10 @@ impl Link {
         let reused = idle.is_some();
         let mut sender = match idle {
             Some(s) => s,
-            None => TcpSender::connect(self.data, &self.layout, self.opts, self.dial()).await?,
+            None => {
+                TcpSender::connect(self.data, &self.layout, self.opts, self.dial(), self.lease)
+                    .await?
+            }
         };
         let sent = match sender.send(room, pages, trailer).await {
             Ok(sent) => sent,
@@ -386,7 +397,8 @@ impl Link {
             // nothing lands twice.
             Err(TransferError::Io { .. }) if reused => {
                 sender =
-                    TcpSender::connect(self.data, &self.layout, self.opts, self.dial()).await?;
+                    TcpSender::connect(self.data, &self.layout, self.opts, self.dial(), self.lease)
+                        .await?;
                 sender.send(room, pages, trailer).await?
             }
             Err(e) => return Err(e),
@@ -425,15 +437,22 @@ mod tests {
         let mut cfg = crate::Config::new(crate::MirrorSize::Bytes(
             (8 * layout.bytes_per_page()) as u64,
         ));
+        cfg.tls = pdmesh_tls::test_ca::args();
         cfg.shm_dir = Some(dir.to_owned());
         cfg.lease_ttl_ms = ttl_ms;
         cfg.drain_timeout_ms = 0;
         let listener = TcpListener::bind(addr).await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let served = tokio::spawn(crate::run(cfg, listener, stop));
-        let worker = HostClient::connect(&url, "w", layout, DataPlane::Shm)
-            .await
-            .unwrap();
+        let worker = HostClient::connect(
+            &url,
+            "w",
+            layout,
+            DataPlane::Shm,
+            &pdmesh_tls::test_ca::auth(),
+        )
+        .await
+        .unwrap();
         (url, worker, served)
     }
 
@@ -448,7 +467,7 @@ mod tests {
             io_timeout: Duration::from_secs(1),
             ..TcpOptions::default()
         };
-        let peers = Peers::new("here".into(), opts, None);
+        let peers = Peers::new("here".into(), opts, pdmesh_tls::test_ca::auth());
         let link = peers.link(&url, &layout).await.unwrap();
         assert!(Arc::ptr_eq(
             &link,
@@ -484,14 +503,21 @@ mod tests {
         let mut cfg = crate::Config::new(crate::MirrorSize::Bytes(
             (8 * layout.bytes_per_page()) as u64,
         ));
+        cfg.tls = pdmesh_tls::test_ca::args();
         cfg.shm_dir = Some(dir.path().to_owned());
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let live = format!("http://{}", listener.local_addr().unwrap());
         let stop = CancellationToken::new();
         let served = tokio::spawn(crate::run(cfg, listener, stop.clone()));
-        let _worker = HostClient::connect(&live, "w", &layout, DataPlane::Shm)
-            .await
-            .unwrap();
+        let _worker = HostClient::connect(
+            &live,
+            "w",
+            &layout,
+            DataPlane::Shm,
+            &pdmesh_tls::test_ca::auth(),
+        )
+        .await
+        .unwrap();
         // A home that accepts connections and then says nothing.
         let silent = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let gone = format!("http://{}", silent.local_addr().unwrap());
@@ -500,7 +526,7 @@ mod tests {
             io_timeout: Duration::from_secs(30),
             ..TcpOptions::default()
         };
-        let peers = Arc::new(Peers::new("here".into(), opts, None));
+        let peers = Arc::new(Peers::new("here".into(), opts, pdmesh_tls::test_ca::auth()));
         let stuck = {
             let (peers, layout, gone) = (peers.clone(), layout.clone(), gone.clone());
             tokio::spawn(async move { peers.link(&gone, &layout).await.map(|_| ()) })

@@ -147,10 +147,10 @@ pub enum RoomError {
     Failed { room: u64, reason: String },
     #[error("room {0} does not exist (finished, failed long ago, or never opened)")]
     Unknown(u64),
-    #[error("room {room} already has a {side:?} (lease {holder})")]
-    SideTaken { room: u64, side: Side, holder: u64 },
-    #[error("lease {lease} is not the {side:?} of room {room}")]
-    NotYours { room: u64, side: Side, lease: u64 },
+    #[error("room {room} already has a {side:?}")]
+    SideTaken { room: u64, side: Side },
+    #[error("this lease is not the {side:?} of room {room}")]
+    NotYours { room: u64, side: Side },
     #[error("room {room} is {state:?}; this needs {need:?}")]
     WrongState {
         room: u64,
@@ -336,7 +336,7 @@ impl Rooms {
         };
         match *slot {
             Some(holder) if holder != lease => {
-                return Err(RoomError::SideTaken { room, side, holder });
+                return Err(RoomError::SideTaken { room, side });
             }
             Some(_) => {}
             None => {
@@ -358,7 +358,7 @@ impl Rooms {
         if holder == Some(lease) {
             Ok(())
         } else {
-            Err(RoomError::NotYours { room, side, lease })
+            Err(RoomError::NotYours { room, side })
         }
     }
 
@@ -664,7 +664,7 @@ impl Rooms {
                 continue;
             }
             if !r.state.is_final() {
-                let reason = format!("peer lease {lease} lost");
+                let reason = "the peer's lease was lost".to_owned();
                 out.push((id, Self::fail(r, reason, false, now)));
             } else if r.state == RoomState::Success && r.receiver == Some(lease) {
                 // Nobody will take these pages: the room ends here.
@@ -677,7 +677,7 @@ impl Rooms {
                 ));
                 r.state = RoomState::Failed;
                 note(r, Step::ReceiverLeaseLost(lease));
-                r.reason = Some(format!("receiver lease {lease} lost"));
+                r.reason = Some("the receiver's lease was lost".to_owned());
             }
             if r.sender == Some(lease) {
                 r.sender = None;

@@ -64,14 +64,11 @@ pub enum CacheError {
     LayoutMismatch { ours: String, theirs: String },
     #[error("invalid KV layout: {0}")]
     BadLayout(String),
-    #[error("lease {0} is unknown or expired: register again")]
+    // Leases are capabilities: no message names one.
+    #[error("this lease is unknown or expired: register again")]
     UnknownLease(u64),
-    #[error("slot {slot} is not {what} by lease {lease}")]
-    NotHeld {
-        slot: u32,
-        what: &'static str,
-        lease: u64,
-    },
+    #[error("slot {slot} is not {what} by this lease")]
+    NotHeld { slot: u32, what: &'static str },
     #[error("a page is {want} bytes, got {got}")]
     WrongSize { want: usize, got: usize },
     #[error("slot {0} appears twice in one request")]
@@ -265,7 +262,6 @@ pub struct State {
     /// Resident, unpinned pages by last use: the eviction order.
     lru: BTreeSet<(u64, u32)>,
     leases: HashMap<u64, Lease>,
-    next_lease: u64,
     tick: u64,
     stats: Stats,
     events: Vec<Event>,
@@ -308,14 +304,19 @@ fn layout_incident(
     i
 }
 
-/// The first lease number this service hands out: random, so a restarted cache service
-/// never hands out a lease its killed predecessor did. A worker still heartbeating the old
-/// lease then hears NOT_FOUND and registers again (mapping the new mirror file), instead of
-/// keeping another worker's lease alive and reading the new mirror's slots through the old
-/// file's mapping.
-fn first_lease() -> u64 {
-    // 62 random bits, never 0: counting up from there never wraps.
-    (uuid::Uuid::new_v4().as_u64_pair().0 >> 2).max(1)
+/// A lease number nobody holds: random, so that no caller can guess another's (a lease is
+/// the capability to pin, reserve and commit) and a restarted cache service never hands
+/// out a lease its killed predecessor did. A worker still heartbeating the old lease then
+/// hears NOT_FOUND and registers again (mapping the new mirror file), instead of keeping
+/// another worker's lease alive and reading the new mirror's slots through the old file's
+/// mapping.
+fn fresh_lease(taken: &HashMap<u64, Lease>) -> u64 {
+    loop {
+        let l = uuid::Uuid::new_v4().as_u64_pair().0;
+        if l != 0 && !taken.contains_key(&l) {
+            return l;
+        }
+    }
 }
 
 impl State {
@@ -341,7 +342,6 @@ impl State {
             index: HashMap::new(),
             lru: BTreeSet::new(),
             leases: HashMap::new(),
-            next_lease: first_lease(),
             tick: 0,
             stats: Stats::default(),
             events: Vec::new(),
@@ -428,8 +428,7 @@ impl State {
 
     /// A new lease for `name` (a worker, or a peer host's cache service) on the mirror.
     fn admit(&mut self, name: &str, peer: bool, now: Instant) -> Registration {
-        let lease = self.next_lease;
-        self.next_lease += 1;
+        let lease = fresh_lease(&self.leases);
         self.leases.insert(
             lease,
             Lease {
@@ -566,7 +565,15 @@ impl State {
     /// written into the room's `index`th slot if the room is transferring with a peer as
     /// its sender. Checked and written under the state lock, so a page that arrives after
     /// its room failed is refused and never lands in a slot someone else now uses.
-    pub fn peer_write(&mut self, room: u64, index: u32, bytes: &[u8]) -> Result<(), String> {
+    /// A page a peer host sent over the page transport for `room`, from the connection of
+    /// `sender`'s lease: it lands only in a room that lease sends in.
+    pub fn peer_write(
+        &mut self,
+        sender: u64,
+        room: u64,
+        index: u32,
+        bytes: &[u8],
+    ) -> Result<(), String> {
         let refuse = |why: String| {
             tracing::warn!(room, index, "page from a peer refused: {why}");
             why
@@ -590,6 +597,11 @@ impl State {
             .is_some_and(|l| l.peer);
         if !from_peer {
             return Err(refuse(format!("room {room}'s sender is not a peer host")));
+        }
+        if self.rooms.sender(room) != Some(sender) {
+            return Err(refuse(format!(
+                "room {room} is sent by another peer than this connection's"
+            )));
         }
         let Some(&slot) = self.rooms.slots(room).get(index as usize) else {
             return Err(refuse(format!(
@@ -720,7 +732,6 @@ impl State {
                     return Err(CacheError::NotHeld {
                         slot: p.slot,
                         what: "reserved for this page",
-                        lease,
                     });
                 }
             }
@@ -802,7 +813,6 @@ impl State {
             return Err(CacheError::NotHeld {
                 slot,
                 what: "pinned",
-                lease,
             });
         }
         Ok(slots
@@ -840,7 +850,6 @@ impl State {
                 return Err(CacheError::NotHeld {
                     slot,
                     what: "pinned or reserved",
-                    lease,
                 });
             }
         }
@@ -908,7 +917,7 @@ impl State {
                 .map(|(&room, _)| room)
                 .collect();
             for room in gone {
-                self.drop_relay(room, true, format!("sender lease {id} lost"));
+                self.drop_relay(room, true, "the sender's lease was lost".to_owned());
             }
             self.rooms_version += 1;
             self.stats.expired_leases += 1;
@@ -1279,7 +1288,6 @@ impl State {
             Some(r) if r.lease != lease => Err(CacheError::Room(RoomError::SideTaken {
                 room,
                 side: Side::Sender,
-                holder: r.lease,
             })),
             Some(_) => Ok(()),
             None => {
@@ -1330,7 +1338,6 @@ impl State {
             Some(_) => Err(CacheError::Room(RoomError::NotYours {
                 room,
                 side: Side::Sender,
-                lease,
             })),
             None => Err(CacheError::Room(RoomError::Unknown(room))),
         }
@@ -1958,14 +1965,18 @@ mod tests {
         s.room_open(d, 1, Side::Receiver, ("", ""), 0, t).unwrap();
         s.room_open(local, 1, Side::Sender, ("", ""), 0, t).unwrap();
         s.room_start(local, 1, 1, t).unwrap();
-        assert!(s.peer_write(1, 0, &page(3)).is_err());
+        assert!(s.peer_write(local, 1, 0, &page(3)).is_err());
+        assert!(s.peer_write(peer, 1, 0, &page(3)).is_err());
         // From the peer: a wrong index or size is refused; the right page lands.
         s.room_open(d, 2, Side::Receiver, ("", ""), 0, t).unwrap();
         s.room_open(peer, 2, Side::Sender, ("", ""), 0, t).unwrap();
         let slots = s.room_start(peer, 2, 2, t).unwrap();
-        assert!(s.peer_write(2, 2, &page(5)).is_err());
-        assert!(s.peer_write(2, 0, &page(5)[..64]).is_err());
-        s.peer_write(2, 0, &page(5)).unwrap();
+        assert!(s.peer_write(peer, 2, 2, &page(5)).is_err());
+        assert!(s.peer_write(peer, 2, 0, &page(5)[..64]).is_err());
+        // Another peer's connection may not write this peer's room.
+        let intruder = s.register_peer("intruder", &layout(), t).unwrap().lease;
+        assert!(s.peer_write(intruder, 2, 0, &page(6)).is_err());
+        s.peer_write(peer, 2, 0, &page(5)).unwrap();
         let mirror = s.mirror().unwrap();
         let mut got = vec![0u8; 128];
         mirror.read(slots[0], &mut got);
@@ -1984,7 +1995,7 @@ mod tests {
         s.room_abort(d, 2, "client left", t).unwrap();
         assert_eq!(s.room_stats(t).quarantined_slots, 0);
         let before = s.stats().used_pages;
-        assert!(s.peer_write(2, 1, &page(7)).is_err());
+        assert!(s.peer_write(peer, 2, 1, &page(7)).is_err());
         mirror.read(slots[1], &mut got);
         assert_ne!(got, page(7), "a late page never lands");
         assert_eq!(s.stats().used_pages, before);

@@ -20,11 +20,15 @@
 //!
 //! With the mesh's TLS on (`pdmesh_tls`), the connection is mutual TLS before the hello:
 //! the receiver accepts only senders holding a certificate the mesh CA signed, and the
-//! sender checks the receiver's certificate names the host its URL gives.
+//! sender checks the receiver's certificate names the host its URL gives. Without TLS the
+//! hello starts with the mesh token, checked (in constant time) before the receiver reads
+//! or allocates anything else; a sender without it is answered "refused" and cut off.
 //!
 //! Frames (integers little-endian):
-//! - hello: `PDKV` | version u16 | fingerprint u64 | page bytes u64 | description (u32 len + UTF-8)
-//! - hello reply: status u8 (0 accepted, 1 refused) | text (u32 len + UTF-8)
+//! - hello: `PDKV` | version u16 | token (u8 len + bytes) | the sender's lease at the
+//!   receiver u64 | fingerprint u64 | page bytes u64 | description (u32 len + UTF-8)
+//! - hello reply: status u8 (0 accepted, 1 layout refused, 2 credential refused) | text
+//!   (u32 len + UTF-8)
 //! - batch: room u64 | sequence u32 | pages u32 | trailer bytes u32 | per page: index u32 |
 //!   checksum u64 | bytes | then the trailer
 //! - ack: sequence u32 | status u8 (0 ok, 2 checksum, 3 refused) | page index u32 | reply
@@ -48,7 +52,7 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin> Conn for T {}
 type Stream = Box<dyn Conn>;
 
 const MAGIC: [u8; 4] = *b"PDKV";
-const VERSION: u16 = 2;
+const VERSION: u16 = 3;
 /// The read buffer in front of the socket: small, since pages are read in runs much larger
 /// than it, which bypass it (no copy through the buffer); headers gather in it.
 const READ_BUFFER: usize = 16 << 10;
@@ -154,6 +158,9 @@ pub enum TransferError {
     TrailerSize(usize),
     #[error("{peer} broke the protocol: {what}")]
     Protocol { peer: String, what: String },
+    /// The hello's credential was refused (by the receiver, or a sender's at the receiver).
+    #[error("the page transport with {peer} refused the mesh credential")]
+    Unauthenticated { peer: String },
     /// An earlier send on this connection failed; its framing cannot be trusted, so it
     /// carries nothing more (connect again).
     #[error("the connection to {peer} failed earlier ({first}); connect again")]
@@ -260,13 +267,15 @@ pub struct TcpSender {
 }
 
 impl TcpSender {
-    /// Connects (mutual TLS when `tls` is given: the receiver's certificate must name
-    /// `host`, the name the peer is known by) and performs the layout handshake.
+    /// Connects (mutual TLS when `auth` has it: the receiver's certificate must name
+    /// `host`, the name the peer is known by) and performs the hello: the mesh token,
+    /// then the layout handshake.
     pub async fn connect(
         addr: SocketAddr,
         layout: &KvLayout,
         opts: TcpOptions,
-        tls: Option<(&pdmesh_tls::MeshTls, &str)>,
+        (auth, host): (&pdmesh_tls::MeshAuth, &str),
+        lease: u64,
     ) -> Result<Self, TransferError> {
         let peer = addr.to_string();
         let stream = deadline(
@@ -281,9 +290,9 @@ impl TcpSender {
             other => other,
         })?;
         let _ = stream.set_nodelay(true);
-        let stream: Stream = match tls {
+        let stream: Stream = match auth.tls() {
             None => Box::new(stream),
-            Some((tls, host)) => {
+            Some(tls) => {
                 let name = tls.peer_name(host).map_err(|e| TransferError::Connect {
                     peer: peer.clone(),
                     source: io::Error::new(io::ErrorKind::InvalidInput, e.to_string()),
@@ -313,6 +322,11 @@ impl TcpSender {
         let mut hello = Vec::new();
         hello.extend_from_slice(&MAGIC);
         hello.extend_from_slice(&VERSION.to_le_bytes());
+        let token = auth.hello_token();
+        let token = &token[..token.len().min(usize::from(u8::MAX))];
+        hello.push(token.len() as u8);
+        hello.extend_from_slice(token);
+        hello.extend_from_slice(&lease.to_le_bytes());
         hello.extend_from_slice(&layout.fingerprint().to_le_bytes());
         hello.extend_from_slice(&(s.page_bytes as u64).to_le_bytes());
         put_text(&mut hello, &describe(layout));
@@ -330,6 +344,7 @@ impl TcpSender {
         match status {
             0 => Ok(s),
             1 => Err(TransferError::LayoutRefused { peer, reason: text }),
+            2 => Err(TransferError::Unauthenticated { peer }),
             other => Err(TransferError::Protocol {
                 peer,
                 what: format!("hello reply status {other}"),
@@ -500,6 +515,9 @@ impl TcpSender {
 /// bytes are the receiver's buffer, reused for the next page.
 #[derive(Debug)]
 pub struct InPage<'a> {
+    /// The sender's lease at this host, as its hello named it: pages may land only in the
+    /// rooms that lease sends in.
+    pub sender: u64,
     pub room: u64,
     pub index: u32,
     pub checksum: u64,
@@ -521,7 +539,7 @@ pub trait Sink {
     fn page(&mut self, page: InPage<'_>) -> Result<(), String>;
     /// A send's trailer, once every page of its batch was taken; the reply goes back to
     /// the sender. Never called for a batch that failed.
-    fn trailer(&mut self, _room: u64, _trailer: &[u8]) -> Vec<u8> {
+    fn trailer(&mut self, _room: u64, _sender: u64, _trailer: &[u8]) -> Vec<u8> {
         Vec::new()
     }
     /// A page that arrived from `peer` with bytes not matching its checksum (refused,
@@ -555,7 +573,7 @@ impl<F: FnMut(InPage<'_>) -> Result<(), String>> Sink for F {
 /// says why it ended early.
 pub async fn serve_connection(
     stream: TcpStream,
-    tls: Option<&pdmesh_tls::MeshTls>,
+    auth: &pdmesh_tls::MeshAuth,
     layout: &KvLayout,
     opts: TcpOptions,
     mut sink: impl Sink,
@@ -564,7 +582,7 @@ pub async fn serve_connection(
         .peer_addr()
         .map_or_else(|_| "?".to_owned(), |a| a.to_string());
     let _ = stream.set_nodelay(true);
-    let stream: Stream = match tls {
+    let stream: Stream = match auth.tls() {
         None => Box::new(stream),
         Some(tls) => Box::new(
             deadline(
@@ -580,28 +598,41 @@ pub async fn serve_connection(
     let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
     let mut wr = BufWriter::new(wr);
     let t = opts.io_timeout;
-    let (magic, version, fingerprint, page_bytes, theirs) =
-        deadline(&peer, "the hello", t, async {
-            let mut magic = [0u8; 4];
-            rd.read_exact(&mut magic).await?;
-            let version = rd.read_u16_le().await?;
-            let fingerprint = rd.read_u64_le().await?;
-            let page_bytes = rd.read_u64_le().await?;
-            Ok((
-                magic,
-                version,
-                fingerprint,
-                page_bytes,
-                read_text(&mut rd).await?,
-            ))
-        })
-        .await?;
+    // The credential first, into a fixed buffer: a peer without it gets nothing read,
+    // allocated or answered beyond "refused".
+    let (magic, version, token_len, token) = deadline(&peer, "the hello", t, async {
+        let mut magic = [0u8; 4];
+        rd.read_exact(&mut magic).await?;
+        let version = rd.read_u16_le().await?;
+        let n = usize::from(rd.read_u8().await?);
+        let mut token = [0u8; u8::MAX as usize];
+        rd.read_exact(&mut token[..n]).await?;
+        Ok((magic, version, n, token))
+    })
+    .await?;
     if magic != MAGIC || version != VERSION {
         return Err(TransferError::Protocol {
             peer,
             what: format!("hello {magic:?} version {version}"),
         });
     }
+    if !auth.admits_hello(&token[..token_len]) {
+        let mut reply = vec![2u8];
+        put_text(&mut reply, "the mesh credential is missing or wrong");
+        let _ = deadline(&peer, "the hello reply", t, async {
+            wr.write_all(&reply).await?;
+            wr.flush().await
+        })
+        .await;
+        return Err(TransferError::Unauthenticated { peer });
+    }
+    let (sender, fingerprint, page_bytes, theirs) = deadline(&peer, "the hello", t, async {
+        let sender = rd.read_u64_le().await?;
+        let fingerprint = rd.read_u64_le().await?;
+        let page_bytes = rd.read_u64_le().await?;
+        Ok((sender, fingerprint, page_bytes, read_text(&mut rd).await?))
+    })
+    .await?;
     let ours = describe(layout);
     let accepted =
         fingerprint == layout.fingerprint() && page_bytes == layout.bytes_per_page() as u64;
@@ -681,6 +712,7 @@ pub async fn serve_connection(
                     break;
                 }
                 let page = InPage {
+                    sender,
                     room,
                     index,
                     checksum,
@@ -697,7 +729,7 @@ pub async fn serve_connection(
             let mut trailer = vec![0u8; tail];
             deadline(&peer, "a trailer", t, rd.read_exact(&mut trailer)).await?;
             if status == ACK_OK {
-                reply = sink.trailer(room, &trailer);
+                reply = sink.trailer(room, sender, &trailer);
             }
         }
         if status != ACK_OK {
@@ -722,6 +754,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use pdmesh_kv::{Component, DType};
+    use pdmesh_tls::MeshAuth;
     use tokio::net::TcpListener;
 
     use super::*;
@@ -805,7 +838,7 @@ mod tests {
             Ok(())
         }
 
-        fn trailer(&mut self, room: u64, trailer: &[u8]) -> Vec<u8> {
+        fn trailer(&mut self, room: u64, _sender: u64, trailer: &[u8]) -> Vec<u8> {
             let landed = self.delivered.lock().unwrap().len();
             self.trailers
                 .lock()
@@ -824,15 +857,25 @@ mod tests {
         tokio::task::JoinHandle<Result<Received, TransferError>>,
         Delivered,
     ) {
-        let (addr, task, delivered, _) = receiver_with(layout, refuse_index, None).await;
+        let (addr, task, delivered, _) = receiver_with(layout, refuse_index, mesh()).await;
         (addr, task, delivered)
     }
 
-    /// As `receiver`, over the mesh's TLS when `tls` is given, also keeping the trailers.
+    /// The test process's mesh token.
+    fn mesh() -> MeshAuth {
+        pdmesh_tls::test_ca::auth()
+    }
+
+    /// Mutual TLS only.
+    fn over(tls: pdmesh_tls::MeshTls) -> MeshAuth {
+        MeshAuth::new(Some(tls), None, false)
+    }
+
+    /// As `receiver`, with the credential `auth`, also keeping the trailers.
     async fn receiver_with(
         layout: KvLayout,
         refuse_index: Option<u32>,
-        tls: Option<pdmesh_tls::MeshTls>,
+        auth: MeshAuth,
     ) -> (
         SocketAddr,
         tokio::task::JoinHandle<Result<Received, TransferError>>,
@@ -849,7 +892,7 @@ mod tests {
         let (delivered, trailers) = (sink.delivered.clone(), sink.trailers.clone());
         let task = tokio::spawn(async move {
             let (s, _) = l.accept().await.unwrap();
-            serve_connection(s, tls.as_ref(), &layout, quick(), sink).await
+            serve_connection(s, &auth, &layout, quick(), sink).await
         });
         (addr, task, delivered, trailers)
     }
@@ -857,9 +900,11 @@ mod tests {
     #[tokio::test]
     async fn a_trailer_reaches_the_sink_after_every_page_and_its_reply_comes_back() {
         let l = layout(DType::F16);
-        let (addr, task, delivered, trailers) = receiver_with(l.clone(), None, None).await;
+        let (addr, task, delivered, trailers) = receiver_with(l.clone(), None, mesh()).await;
         let data = pages(&l, 7);
-        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+            .await
+            .unwrap();
         // Batches of three: the trailer rides on the third.
         let sent = tx
             .send(9, &out(&data)[..], Some(b"commit 9"))
@@ -893,12 +938,14 @@ mod tests {
         // A page of the last batch refused, then (another connection) one changed on the way.
         for bad in ["refused", "checksum"] {
             let refuse = (bad == "refused").then_some(6);
-            let (addr, task, delivered, trailers) = receiver_with(l.clone(), refuse, None).await;
+            let (addr, task, delivered, trailers) = receiver_with(l.clone(), refuse, mesh()).await;
             let mut pages = out(&data);
             if bad == "checksum" {
                 pages[6].checksum ^= 1;
             }
-            let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+            let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+                .await
+                .unwrap();
             let err = tx.send(9, &pages[..], Some(b"commit")).await.unwrap_err();
             assert!(
                 matches!(
@@ -918,9 +965,11 @@ mod tests {
     #[tokio::test]
     async fn a_trailer_past_the_limit_is_refused_before_anything_is_sent() {
         let l = layout(DType::F16);
-        let (addr, task, delivered, trailers) = receiver_with(l.clone(), None, None).await;
+        let (addr, task, delivered, trailers) = receiver_with(l.clone(), None, mesh()).await;
         let data = pages(&l, 2);
-        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+            .await
+            .unwrap();
         let huge = vec![0u8; MAX_TRAILER + 1];
         let err = tx.send(1, &out(&data)[..], Some(&huge)).await.unwrap_err();
         assert!(matches!(err, TransferError::TrailerSize(_)), "{err}");
@@ -934,16 +983,52 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_sender_without_the_mesh_token_or_with_another_is_refused_at_the_hello_and_moves_nothing()
+     {
+        let l = layout(DType::F16);
+        let data = pages(&l, 3);
+        let other = MeshAuth::token(pdmesh_tls::MeshToken::generate());
+        for (auth, name) in [(other, "another token"), (MeshAuth::open(), "no token")] {
+            let before = pdmesh_tls::auth::refused_total();
+            let (addr, task, delivered, _) = receiver_with(l.clone(), None, mesh()).await;
+            let err = match TcpSender::connect(addr, &l, quick(), (&auth, "127.0.0.1"), 7).await {
+                Ok(_) => panic!("{name}: the receiver accepted the hello"),
+                Err(e) => e,
+            };
+            assert!(
+                matches!(err, TransferError::Unauthenticated { .. }),
+                "{name}: {err}"
+            );
+            let err = task.await.unwrap().unwrap_err();
+            assert!(
+                matches!(err, TransferError::Unauthenticated { .. }),
+                "{name}: {err}"
+            );
+            assert!(delivered.lock().unwrap().is_empty(), "{name}");
+            assert!(pdmesh_tls::auth::refused_total() > before, "{name}");
+        }
+        // The right token moves pages.
+        let (addr, task, delivered, _) = receiver_with(l.clone(), None, mesh()).await;
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+            .await
+            .unwrap();
+        assert_eq!(tx.send(1, &out(&data)[..], None).await.unwrap().pages, 3);
+        drop(tx);
+        task.await.unwrap().unwrap();
+        assert_eq!(delivered.lock().unwrap().len(), 3);
+    }
+
+    #[tokio::test]
     async fn over_the_meshs_tls_pages_arrive_whole_and_a_sender_without_its_certificate_moves_nothing()
      {
         use pdmesh_tls::test_ca::Ca;
         let ca = Ca::new("mesh");
         let l = layout(DType::F16);
         let (addr, task, delivered, _) =
-            receiver_with(l.clone(), None, Some(ca.mesh(&["127.0.0.1"]))).await;
+            receiver_with(l.clone(), None, over(ca.mesh(&["127.0.0.1"]))).await;
         let data = pages(&l, 8);
-        let sender = ca.mesh(&["127.0.0.2"]);
-        let mut tx = TcpSender::connect(addr, &l, quick(), Some((&sender, "127.0.0.1")))
+        let sender = over(ca.mesh(&["127.0.0.2"]));
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&sender, "127.0.0.1"), 7)
             .await
             .unwrap();
         assert_eq!(tx.send(5, &out(&data)[..], None).await.unwrap().pages, 8);
@@ -963,11 +1048,10 @@ mod tests {
         let foreign =
             pdmesh_tls::MeshTls::from_pem(ca.pem.as_bytes(), cert.as_bytes(), key.as_bytes())
                 .unwrap();
-        for tls in [Some(&foreign), None] {
+        for auth in [over(foreign), mesh()] {
             let (addr, task, delivered, _) =
-                receiver_with(l.clone(), None, Some(ca.mesh(&["127.0.0.1"]))).await;
-            if let Ok(mut tx) =
-                TcpSender::connect(addr, &l, quick(), tls.map(|t| (t, "127.0.0.1"))).await
+                receiver_with(l.clone(), None, over(ca.mesh(&["127.0.0.1"]))).await;
+            if let Ok(mut tx) = TcpSender::connect(addr, &l, quick(), (&auth, "127.0.0.1"), 7).await
             {
                 assert!(tx.send(5, &out(&data)[..], None).await.is_err());
             }
@@ -988,7 +1072,9 @@ mod tests {
         let l = layout(DType::F16);
         let (addr, task, delivered) = receiver(l.clone(), None).await;
         let data = pages(&l, 64);
-        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+            .await
+            .unwrap();
         let sent = tx.send(9, &out(&data)[..], None).await.unwrap();
         assert_eq!(
             sent,
@@ -1017,7 +1103,8 @@ mod tests {
     async fn another_layout_is_refused_naming_both_and_no_page_crosses() {
         let (addr, task, delivered) = receiver(layout(DType::F16), None).await;
         let theirs = layout(DType::Bf16);
-        let err = match TcpSender::connect(addr, &theirs, quick(), None).await {
+        let err = match TcpSender::connect(addr, &theirs, quick(), (&mesh(), "127.0.0.1"), 7).await
+        {
             Err(e) => e.to_string(),
             Ok(_) => panic!("a bf16 sender was accepted by an f16 host"),
         };
@@ -1038,7 +1125,9 @@ mod tests {
         let data = pages(&l, 6);
         let mut pages = out(&data);
         pages[4].checksum ^= 1; // as if a byte flipped after the checksum was taken
-        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+            .await
+            .unwrap();
         let err = tx.send(3, &pages[..], None).await.unwrap_err();
         assert!(
             matches!(
@@ -1068,7 +1157,9 @@ mod tests {
         let l = layout(DType::F16);
         let (addr, _task, _) = receiver(l.clone(), Some(1)).await;
         let data = pages(&l, 2);
-        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+            .await
+            .unwrap();
         let err = tx.send(5, &out(&data)[..], None).await.unwrap_err();
         assert!(
             matches!(&err, TransferError::Refused { room: 5, index: 1, reason, .. } if reason == "room failed"),
@@ -1108,7 +1199,9 @@ mod tests {
             std::future::pending::<()>().await;
         });
         let data = pages(&l, 64); // more than the socket buffers hold
-        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+            .await
+            .unwrap();
         let big: Vec<OutPage<'_>> = (0..40).flat_map(|_| out(&data)).collect();
         let err = tx.send(1, &big[..], None).await.unwrap_err();
         assert!(matches!(err, TransferError::Deadline { .. }), "{err}");
@@ -1128,7 +1221,9 @@ mod tests {
             rd.read_exact(&mut part).await.unwrap();
         });
         let data = pages(&l, 64);
-        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+            .await
+            .unwrap();
         let err = tx.send(1, &out(&data)[..], None).await.unwrap_err();
         // The reset arrives long before any deadline.
         assert!(matches!(err, TransferError::Io { .. }), "{err}");
@@ -1138,7 +1233,9 @@ mod tests {
     async fn a_page_of_the_wrong_size_is_refused_before_anything_is_sent() {
         let l = layout(DType::F16);
         let (addr, _task, delivered) = receiver(l.clone(), None).await;
-        let mut tx = TcpSender::connect(addr, &l, quick(), None).await.unwrap();
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+            .await
+            .unwrap();
         let short = vec![0u8; 10];
         let err = tx
             .send(

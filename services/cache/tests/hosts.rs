@@ -30,7 +30,9 @@ impl Host {
     }
 
     async fn stats(&self) -> pb::StatsResponse {
-        let mut c = CacheClient::connect(self.url()).await.unwrap();
+        let mut c = pdmesh_tls::test_ca::client(self.url(), CacheClient::new)
+            .await
+            .unwrap();
         c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
     }
 
@@ -47,6 +49,7 @@ async fn host(layout: &KvLayout, lease_ttl_ms: u64, transfer_ms: u64) -> Host {
     let mut cfg = Config::new(MirrorSize::Bytes(
         (2 * PAGES * layout.bytes_per_page()) as u64,
     ));
+    cfg.tls = pdmesh_tls::test_ca::args();
     cfg.shm_dir = Some(dir.path().to_owned());
     cfg.lease_ttl_ms = lease_ttl_ms;
     cfg.room_transfer_ms = transfer_ms;
@@ -71,9 +74,15 @@ fn smol() -> KvLayout {
 }
 
 async fn worker(h: &Host, name: &str, layout: &KvLayout) -> HostClient {
-    HostClient::connect(&h.url(), name, layout, DataPlane::Shm)
-        .await
-        .unwrap()
+    HostClient::connect(
+        &h.url(),
+        name,
+        layout,
+        DataPlane::Shm,
+        &pdmesh_tls::test_ca::auth(),
+    )
+    .await
+    .unwrap()
 }
 
 fn page(i: usize, bytes: usize) -> Vec<u8> {

@@ -28,12 +28,16 @@ impl Server {
     }
 
     async fn stats(&self) -> pb::StatsResponse {
-        let mut c = CacheClient::connect(self.url()).await.unwrap();
+        let mut c = pdmesh_tls::test_ca::client(self.url(), CacheClient::new)
+            .await
+            .unwrap();
         c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
     }
 
     async fn events(&self) -> tonic::Streaming<pb::KvEvent> {
-        let mut c = CacheClient::connect(self.url()).await.unwrap();
+        let mut c = pdmesh_tls::test_ca::client(self.url(), CacheClient::new)
+            .await
+            .unwrap();
         c.subscribe_events(pb::SubscribeEventsRequest {})
             .await
             .unwrap()
@@ -62,6 +66,7 @@ async fn start_at(addr: SocketAddr, pages: u64, lease_ttl_ms: u64) -> Server {
 async fn start_with(addr: SocketAddr, pages: u64, f: impl FnOnce(&mut Config)) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config::new(MirrorSize::Bytes(pages * layout().bytes_per_page() as u64));
+    cfg.tls = pdmesh_tls::test_ca::args();
     cfg.shm_dir = Some(dir.path().to_owned());
     f(&mut cfg);
     let listener = TcpListener::bind(addr).await.unwrap();
@@ -82,9 +87,15 @@ fn layout() -> KvLayout {
 }
 
 async fn client(s: &Server, name: &str, plane: DataPlane) -> HostClient {
-    HostClient::connect(&s.url(), name, &layout(), plane)
-        .await
-        .unwrap()
+    HostClient::connect(
+        &s.url(),
+        name,
+        &layout(),
+        plane,
+        &pdmesh_tls::test_ca::auth(),
+    )
+    .await
+    .unwrap()
 }
 
 /// Distinct page contents per hash.
@@ -184,7 +195,9 @@ async fn a_byte_flipped_in_the_mirror_is_caught_on_load_on_both_planes_and_disca
     let s = start(16, 10_000).await;
     let mut w = client(&s, "writer", DataPlane::Shm).await;
     let path = {
-        let mut rpc = CacheClient::connect(s.url()).await.unwrap();
+        let mut rpc = pdmesh_tls::test_ca::client(s.url(), CacheClient::new)
+            .await
+            .unwrap();
         rpc.register(pb::RegisterRequest {
             worker_id: "inspector".into(),
             layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
@@ -252,9 +265,15 @@ async fn a_worker_with_another_layout_is_refused_and_the_message_names_both() {
     let s = start(8, 10_000).await;
     let _first = client(&s, "fp16", DataPlane::Shm).await;
     let other = KvLayout::llama(30, 3, 64, DType::Bf16, 4);
-    let err = HostClient::connect(&s.url(), "bf16", &other, DataPlane::Grpc)
-        .await
-        .unwrap_err();
+    let err = HostClient::connect(
+        &s.url(),
+        "bf16",
+        &other,
+        DataPlane::Grpc,
+        &pdmesh_tls::test_ca::auth(),
+    )
+    .await
+    .unwrap_err();
     let pdmesh_cache::client::ClientError::Rpc(status) = err else {
         panic!("{err}")
     };
@@ -284,11 +303,17 @@ async fn the_seeds_bug_a_bf16_index_k_worker_is_refused_by_a_mirror_sized_for_fp
     let (fp8, bf16) = (form(IndexKDtype::Fp8), form(IndexKDtype::Bf16));
     let s = start(8, 10_000).await;
     // The first worker fixes the mirror's layout: fp8 index-K, 132 B per token per layer.
-    let _fp8_worker = HostClient::connect(&s.url(), "fp8", &fp8, DataPlane::Shm)
-        .await
-        .unwrap();
+    let _fp8_worker = HostClient::connect(
+        &s.url(),
+        "fp8",
+        &fp8,
+        DataPlane::Shm,
+        &pdmesh_tls::test_ca::auth(),
+    )
+    .await
+    .unwrap();
     for plane in [DataPlane::Shm, DataPlane::Grpc] {
-        let err = HostClient::connect(&s.url(), "bf16", &bf16, plane)
+        let err = HostClient::connect(&s.url(), "bf16", &bf16, plane, &pdmesh_tls::test_ca::auth())
             .await
             .unwrap_err();
         let pdmesh_cache::client::ClientError::Rpc(status) = err else {
@@ -313,10 +338,48 @@ async fn the_seeds_bug_a_bf16_index_k_worker_is_refused_by_a_mirror_sized_for_fp
     s.stop().await;
 }
 
+/// A client without the mesh token, or with another, registers nothing and reads
+/// nothing: every call is UNAUTHENTICATED, and the service's count of refusals grows.
+#[tokio::test]
+async fn a_caller_without_the_mesh_token_is_refused_everywhere_and_creates_nothing() {
+    let s = start(8, 10_000).await;
+    let strangers = [
+        pdmesh_tls::MeshAuth::open(),
+        pdmesh_tls::MeshAuth::token(pdmesh_tls::MeshToken::generate()),
+    ];
+    for auth in &strangers {
+        let mut rpc = CacheClient::new(auth.connect(&s.url()).await.unwrap());
+        let err = rpc
+            .register(pb::RegisterRequest {
+                worker_id: "intruder".into(),
+                layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
+                data_plane: pb::DataPlane::Shm.into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err}");
+        let err = rpc.stats(pb::StatsRequest {}).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err}");
+        let err = rpc
+            .subscribe_events(pb::SubscribeEventsRequest {})
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err}");
+    }
+    let st = s.stats().await;
+    assert_eq!((st.layout.as_str(), st.total_pages, st.leases), ("", 0, 0));
+    assert!(st.auth_refused >= 6, "{}", st.auth_refused);
+    assert!(!st.insecure_plaintext);
+    assert_eq!(std::fs::read_dir(s._dir.path()).unwrap().count(), 0);
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn malformed_registrations_are_refused_and_create_nothing() {
     let s = start(8, 10_000).await;
-    let mut rpc = CacheClient::connect(s.url()).await.unwrap();
+    let mut rpc = pdmesh_tls::test_ca::client(s.url(), CacheClient::new)
+        .await
+        .unwrap();
     let good = pdmesh_cache::wire::layout_to_pb(&layout());
     let mut huge = good.clone();
     huge.layers = u32::MAX; // a page far beyond any size the mirror could hold

@@ -8,10 +8,11 @@ use futures::{Stream, StreamExt};
 use pdmesh_proto::cache::v1::cache_client::CacheClient;
 use pdmesh_proto::tokenizer::v1 as tk;
 use pdmesh_proto::worker::v1 as wk;
+use pdmesh_tls::{AuthChannel, MeshAuth};
 use tk::tokenizer_client::TokenizerClient;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use wk::worker_client::WorkerClient;
 
 use crate::error::{ApiError, Error};
@@ -39,19 +40,19 @@ pub(crate) type CacheIncidents =
     std::collections::BTreeMap<String, std::collections::BTreeMap<String, u64>>;
 
 /// A host's cache service: its URL and a client.
-pub(crate) type Cache = (String, CacheClient<Channel>);
+pub(crate) type Cache = (String, CacheClient<AuthChannel>);
 
 /// Connected (lazily) clients for both backends. Cheap to clone: channels are shared.
 #[derive(Clone)]
 pub(crate) struct Backends {
-    tokenizer: TokenizerClient<Channel>,
+    tokenizer: TokenizerClient<AuthChannel>,
     /// The cache service of every host, by URL: those given, or those the workers name
     /// as their homes (see [`Backends::learn_cache`]).
     caches: std::sync::Arc<std::sync::RwLock<Vec<Cache>>>,
     /// Every worker, and how requests are spread over them.
     pub(crate) workers: std::sync::Arc<crate::route::Workers>,
     /// The mesh's mutual TLS for every backend connection, if on.
-    tls: Option<pdmesh_tls::MeshTls>,
+    auth: MeshAuth,
 }
 
 /// What the worker reports about the model it serves.
@@ -72,6 +73,10 @@ pub(crate) struct WorkerInfo {
     pub pd: PdTotals,
     /// Test-only faults any worker was started with (`--fault-*`), sorted, no repeats.
     pub faults: Vec<String>,
+    /// Calls the workers refused for their mesh credential, and whether any runs with
+    /// --insecure-plaintext.
+    pub auth_refused: u64,
+    pub insecure_plaintext: bool,
     /// Failures each worker filed incident reports for, by kind, by worker URL (kept
     /// apart: one worker's restart must not look like every worker's).
     pub incidents: std::collections::BTreeMap<String, std::collections::BTreeMap<String, u64>>,
@@ -245,19 +250,29 @@ pub(crate) enum WorkerEvent {
 
 pub(crate) type WorkerStream = Pin<Box<dyn Stream<Item = Result<WorkerEvent, ApiError>> + Send>>;
 
-fn endpoint(url: &str, tls: Option<&pdmesh_tls::MeshTls>) -> Result<Endpoint, Error> {
-    let ep = pdmesh_tls::endpoint(url, tls).map_err(|source| Error::BackendUrl {
+fn endpoint(url: &str, auth: &MeshAuth) -> Result<Endpoint, Error> {
+    let ep = auth.endpoint(url).map_err(|source| Error::BackendUrl {
         url: url.to_owned(),
         source,
     })?;
     Ok(ep.connect_timeout(Duration::from_secs(5)).tcp_nodelay(true))
 }
 
+/// A channel to `url` that connects on first use, the credential on every call.
+fn lazy(url: &str, auth: &MeshAuth) -> Result<AuthChannel, Error> {
+    Ok(auth.channel(endpoint(url, auth)?.connect_lazy()))
+}
+
 impl Backends {
     /// Clients that connect on first use (and reconnect after a backend restarts).
     #[cfg(test)]
     pub fn connect_lazy(tokenizer_url: &str, worker_url: &str) -> Result<Self, Error> {
-        Self::connect_pd(tokenizer_url, worker_url, (false, &[], &[]), None)
+        Self::connect_pd(
+            tokenizer_url,
+            worker_url,
+            (false, &[], &[]),
+            pdmesh_tls::test_ca::auth(),
+        )
     }
 
     /// Disaggregated (`pd`): each request goes to one prefill and one decode worker (those
@@ -267,13 +282,9 @@ impl Backends {
         tokenizer_url: &str,
         worker_url: &str,
         (pd, prefill, decode): (bool, &[String], &[String]),
-        tls: Option<pdmesh_tls::MeshTls>,
+        auth: MeshAuth,
     ) -> Result<Self, Error> {
-        let client = |url: &str| {
-            Ok::<_, Error>(WorkerClient::new(
-                endpoint(url, tls.as_ref())?.connect_lazy(),
-            ))
-        };
+        let client = |url: &str| Ok::<_, Error>(WorkerClient::new(lazy(url, &auth)?));
         let workers = if !pd {
             crate::route::Workers::unified(worker_url, client(worker_url)?)
         } else {
@@ -288,10 +299,10 @@ impl Backends {
             crate::route::Workers::pd(p, d)
         };
         Ok(Self {
-            tokenizer: TokenizerClient::new(endpoint(tokenizer_url, tls.as_ref())?.connect_lazy()),
+            tokenizer: TokenizerClient::new(lazy(tokenizer_url, &auth)?),
             caches: Default::default(),
             workers: std::sync::Arc::new(workers),
-            tls,
+            auth,
         })
     }
 
@@ -305,7 +316,7 @@ impl Backends {
         every: Duration,
         stop: tokio_util::sync::CancellationToken,
     ) {
-        let (workers, tls) = (self.workers.clone(), self.tls.clone());
+        let (workers, auth) = (self.workers.clone(), self.auth.clone());
         let side = if prefill { "prefill" } else { "decode" };
         tokio::spawn(async move {
             loop {
@@ -324,8 +335,8 @@ impl Backends {
                     urls.sort();
                     urls.dedup();
                     let changed = workers.set_discovered(prefill, &urls, |url| {
-                        match endpoint(url, tls.as_ref()) {
-                            Ok(ep) => Some(WorkerClient::new(ep.connect_lazy())),
+                        match lazy(url, &auth) {
+                            Ok(ch) => Some(WorkerClient::new(ch)),
                             Err(e) => {
                                 tracing::warn!(side, url, error = %e, "a discovered worker cannot be dialled");
                                 None
@@ -357,7 +368,7 @@ impl Backends {
         if caches.iter().any(|(u, _)| u == cache_url) {
             return Ok(None);
         }
-        let client = CacheClient::new(endpoint(cache_url, self.tls.as_ref())?.connect_lazy());
+        let client = CacheClient::new(lazy(cache_url, &self.auth)?);
         caches.push((cache_url.to_owned(), client.clone()));
         Ok(Some((cache_url.to_owned(), client)))
     }
@@ -504,6 +515,8 @@ impl Backends {
             total.host.checksum_failures += w.host.checksum_failures;
             total.pd.add(&w.pd);
             total.faults.extend(w.faults);
+            total.auth_refused += w.auth_refused;
+            total.insecure_plaintext |= w.insecure_plaintext;
             for (url, counts) in w.incidents {
                 total.incidents.insert(url, counts);
             }
@@ -524,6 +537,8 @@ impl Backends {
             cached_pages: r.cached_pages,
             evicted_pages: r.prefix_evicted_pages,
             device_hit_tokens: r.prefix_hit_tokens,
+            auth_refused: r.auth_refused,
+            insecure_plaintext: r.insecure_plaintext,
             incidents: [(url.to_owned(), r.incidents.into_iter().collect())].into(),
             host: HostTotals {
                 hit_tokens: r.host_hit_tokens,
@@ -987,7 +1002,7 @@ pub(crate) struct Detokenizer {
     /// Some ids were pushed (a stream that saw none ends with nothing, as a Detokenize
     /// call never opened).
     pushed: bool,
-    client: TokenizerClient<Channel>,
+    client: TokenizerClient<AuthChannel>,
     session: Option<(
         mpsc::Sender<tk::DetokenizeRequest>,
         tonic::Streaming<tk::DetokenizeResponse>,
@@ -1146,6 +1161,8 @@ fn add_stats(
     sum.peer_pages_sent += s.peer_pages_sent;
     sum.peer_bytes_sent += s.peer_bytes_sent;
     sum.peer_transfer_failures += s.peer_transfer_failures;
+    sum.auth_refused += s.auth_refused;
+    sum.insecure_plaintext |= s.insecure_plaintext;
     sum.held_pages_skipped += s.held_pages_skipped;
 }
 
@@ -1180,7 +1197,7 @@ mod tests {
             "http://127.0.0.1:1",
             "http://127.0.0.1:2",
             (true, &["http://127.0.0.1:3".to_owned()], &[]),
-            None,
+            pdmesh_tls::test_ca::auth(),
         )
         .unwrap();
         let stop = tokio_util::sync::CancellationToken::new();

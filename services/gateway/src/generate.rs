@@ -719,6 +719,7 @@ mod tests {
                 .serve_with_incoming(tl),
         );
         let mut cfg = Config::new(&turl, &wurl);
+        cfg.tls = pdmesh_tls::test_ca::args();
         cfg.api_key = Some("sk-test-secret".into());
         cfg.incident_dir = incidents.map(std::path::Path::to_owned);
         let backends = Backends::connect_lazy(&turl, &wurl).unwrap();
@@ -909,7 +910,7 @@ mod tests {
                 std::slice::from_ref(&hung),
                 &[alive.clone(), hung.clone()],
             ),
-            None,
+            pdmesh_tls::test_ca::auth(),
         )
         .unwrap();
         let t0 = std::time::Instant::now();

@@ -291,6 +291,10 @@ pub(crate) async fn ready(State(st): State<AppState>) -> Response {
 
 /// Prometheus text; the KV page gauges are read from the worker at scrape time.
 async fn metrics(State(st): State<AppState>) -> Response {
+    st.metrics
+        .insecure_plaintext
+        .with_label_values(&["gateway"])
+        .set(i64::from(pdmesh_tls::auth::insecure()));
     match st.backends.model_info().await {
         Ok(info) => {
             st.metrics.workers_read.set(1);
@@ -303,6 +307,10 @@ async fn metrics(State(st): State<AppState>) -> Response {
                 .set(i64::from(info.total_pages));
             st.metrics.kv_pages_cached.set(i64::from(info.cached_pages));
             let m = &st.metrics;
+            m.auth_refused.observe("worker", info.auth_refused as f64);
+            m.insecure_plaintext
+                .with_label_values(&["worker"])
+                .set(i64::from(info.insecure_plaintext));
             m.kv_evictions.observe("device", info.evicted_pages as f64);
             m.kv_hit_tokens
                 .observe("device", info.device_hit_tokens as f64);
@@ -387,6 +395,10 @@ async fn metrics(State(st): State<AppState>) -> Response {
             .observe("host", c.peer_transfer_failures as f64);
         m.pd.held_pages_skipped
             .observe("host", c.held_pages_skipped as f64);
+        m.auth_refused.observe("cache", c.auth_refused as f64);
+        m.insecure_plaintext
+            .with_label_values(&["cache"])
+            .set(i64::from(c.insecure_plaintext));
         for (state, n) in [
             ("total", c.total_pages),
             ("used", c.used_pages),
@@ -1122,6 +1134,8 @@ mod tests {
             host: Default::default(),
             pd: Default::default(),
             faults: Vec::new(),
+            auth_refused: 0,
+            insecure_plaintext: false,
             incidents: Default::default(),
         }
     }

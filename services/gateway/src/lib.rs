@@ -122,8 +122,8 @@ pub struct Config {
     /// with "shutting down". Keep it under the pod's terminationGracePeriodSeconds.
     #[arg(long, env = "PDMESH_DRAIN_TIMEOUT_MS", default_value_t = 20_000)]
     pub drain_timeout_ms: u64,
-    /// Mutual TLS for the gateway's connections to the tokenizer, workers and cache
-    /// services (the HTTP API itself is served as before).
+    /// The mesh credential (mutual TLS or the mesh token) for the gateway's calls to the
+    /// tokenizer, workers and cache services (the HTTP API has its own --api-key).
     #[command(flatten)]
     pub tls: pdmesh_tls::TlsArgs,
 }
@@ -223,11 +223,14 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     cfg.validate()?;
+    let auth = cfg.tls.auth().map_err(|e| Error::Config(e.to_string()))?;
+    auth.require("the gateway")
+        .map_err(|e| Error::Config(e.to_string()))?;
     let mut backends = backend::Backends::connect_pd(
         &cfg.tokenizer_url,
         &cfg.worker_url,
         (cfg.disaggregated(), &cfg.prefill_url, &cfg.decode_url),
-        cfg.tls.load().map_err(|e| Error::Config(e.to_string()))?,
+        auth,
     )?;
     for url in &cfg.cache_url {
         backends = backends.with_cache(url)?;

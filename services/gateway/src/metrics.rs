@@ -108,6 +108,10 @@ pub(crate) struct Metrics {
     pub caches_read: IntGauge,
     /// 1 when a worker runs test-only fault injection (`--fault-*`), else 0.
     pub fault_injection_enabled: IntGauge,
+    /// Internal calls refused for their mesh credential, by the service that refused them.
+    pub auth_refused: WorkerTotals,
+    /// 1 for each kind of service running with --insecure-plaintext.
+    pub insecure_plaintext: prometheus::IntGaugeVec,
     pub kv_pages_cached: IntGauge,
     /// Cache counters the worker keeps since it started, mirrored at each scrape.
     pub kv_evictions: WorkerTotals,
@@ -555,6 +559,24 @@ impl Metrics {
             "mesh_fault_injection_enabled",
             "1 when a worker was started with test-only fault injection (--fault-* flags), which breaks requests on purpose; 0 otherwise (read at scrape).",
         )?;
+        let auth_refused = WorkerTotals::labeled(
+            &registry,
+            "mesh_auth_refused_total",
+            "Internal calls and page-transport connections refused for a missing or wrong mesh credential, by the service that refused them (read at scrape).",
+            "service",
+            ["worker", "cache"],
+        )?;
+        let insecure_plaintext = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "mesh_insecure_plaintext",
+                "1 when a service runs with --insecure-plaintext: it serves without a mesh credential or beyond loopback in clear (read at scrape).",
+            ),
+            &["service"],
+        )?;
+        registry.register(Box::new(insecure_plaintext.clone()))?;
+        for s in ["gateway", "worker", "cache"] {
+            insecure_plaintext.with_label_values(&[s]);
+        }
         let kv_pages_cached = IntGauge::new(
             "mesh_kv_pages_cached",
             "KV pages only the worker's prefix cache holds, evictable (read at scrape).",
@@ -764,6 +786,8 @@ impl Metrics {
             workers_read,
             caches_read,
             fault_injection_enabled,
+            auth_refused,
+            insecure_plaintext,
             kv_pages_cached,
             kv_evictions,
             kv_hit_tokens,

@@ -14,8 +14,8 @@ use cpb::cache_client::CacheClient;
 use futures::{Stream, StreamExt};
 use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_proto::worker::v1 as wk;
+use pdmesh_tls::AuthChannel as Channel;
 use tonic::Status;
-use tonic::transport::Channel;
 use wk::worker_client::WorkerClient;
 
 /// Subscribes to one host's cache service's KV events (its host tier) and applies them to
@@ -1124,7 +1124,10 @@ mod tests {
         let ch = tonic::transport::Endpoint::from_shared(url.clone())
             .unwrap()
             .connect_lazy();
-        (url, WorkerClient::new(ch))
+        (
+            url,
+            WorkerClient::new(pdmesh_tls::test_ca::auth().channel(ch)),
+        )
     }
 
     /// The token ids a PD request's merged stream shows, or its error.
@@ -1380,7 +1383,10 @@ mod tests {
             let ch = tonic::transport::Endpoint::from_shared(url.clone())
                 .unwrap()
                 .connect_lazy();
-            (url, WorkerClient::new(ch))
+            (
+                url,
+                WorkerClient::new(pdmesh_tls::test_ca::auth().channel(ch)),
+            )
         };
         let w = Workers::pd(vec![p.clone(), down], vec![d.clone()]);
         assert!(!w.hosts_known().await);
@@ -1578,9 +1584,9 @@ mod tests {
 
     fn workers(n: usize) -> Workers {
         let ch = || {
-            WorkerClient::new(
+            WorkerClient::new(pdmesh_tls::test_ca::auth().channel(
                 tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy(),
-            )
+            ))
         };
         Workers::pd(
             (0..n).map(|i| (format!("p{i}"), ch())).collect(),
@@ -1696,9 +1702,9 @@ mod tests {
     #[tokio::test]
     async fn workers_found_through_dns_come_and_go_and_those_given_by_url_stay() {
         let ch = || {
-            WorkerClient::new(
+            WorkerClient::new(pdmesh_tls::test_ca::auth().channel(
                 tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy(),
-            )
+            ))
         };
         let w = Workers::pd(vec![("given".into(), ch())], Vec::new());
         let stop = tokio_util::sync::CancellationToken::new();

@@ -20,6 +20,7 @@ pub struct Config {
     /// GGUF model file whose metadata carries the tokenizer and chat template.
     #[arg(long = "model", env = "PDMESH_MODEL", default_value_os_t = pdmesh_gguf::models::default_model_path())]
     pub model: PathBuf,
+    /// The mesh credential callers must present (mutual TLS or the mesh token).
     #[command(flatten)]
     pub tls: pdmesh_tls::TlsArgs,
 }
@@ -54,10 +55,17 @@ pub async fn run(
     tracing::info!(?addr, model = %cfg.model.display(), vocab = tokenizer.vocab_size(), "tokenizer service listening");
 
     let service = grpc::TokenizerService::new(tokenizer);
-    let tls = cfg.tls.load()?;
-    pdmesh_tls::server(tls.as_ref())?
+    let auth = cfg.tls.auth()?;
+    if let Some(a) = addr {
+        auth.check_listen("the tokenizer service", a)?;
+    }
+    auth.server()?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
-        .add_service(pdmesh_proto::tokenizer::v1::tokenizer_server::TokenizerServer::new(service))
+        .add_service(
+            auth.guard(
+                pdmesh_proto::tokenizer::v1::tokenizer_server::TokenizerServer::new(service),
+            ),
+        )
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),

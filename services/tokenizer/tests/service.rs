@@ -6,12 +6,12 @@ use std::time::Duration;
 
 use pdmesh_proto::tokenizer::v1 as pb;
 use pdmesh_proto::tokenizer::v1::tokenizer_client::TokenizerClient;
+use pdmesh_tls::AuthChannel as Channel;
 use pdmesh_tokenizer::{Config, Error, run};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
-use tonic::transport::Channel;
 
 /// How long a test waits for something that should happen promptly before calling it hung.
 const HANG: Duration = Duration::from_secs(60);
@@ -35,11 +35,12 @@ async fn start_with(model: std::path::PathBuf) -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();
-    let cfg = Config::new(model);
+    let mut cfg = Config::new(model);
+    cfg.tls = pdmesh_tls::test_ca::args();
     let task = tokio::spawn(run(cfg, listener, shutdown.clone()));
     // The listener is already bound, so the connection waits in its backlog while the
     // service loads the tokenizer.
-    let client = TokenizerClient::connect(format!("http://{addr}"))
+    let client = pdmesh_tls::test_ca::client(format!("http://{addr}"), TokenizerClient::new)
         .await
         .unwrap();
     Server {
@@ -290,7 +291,7 @@ async fn cancelling_the_shutdown_token_stops_the_server() {
         .unwrap();
     assert!(result.is_ok(), "{result:?}");
     assert!(
-        TokenizerClient::connect(format!("http://{}", s.addr))
+        pdmesh_tls::test_ca::client(format!("http://{}", s.addr), TokenizerClient::new)
             .await
             .is_err(),
         "still accepting connections"

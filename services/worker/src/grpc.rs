@@ -232,6 +232,8 @@ fn model_info(info: ModelInfo, pool: PoolNow, w: &WorkerService) -> pb::ModelInf
         faults: w.faults.clone(),
         cache_url: w.pd.home().to_owned(),
         incidents: w.pd.incident_counts(),
+        auth_refused: pdmesh_tls::auth::refused_total(),
+        insecure_plaintext: pdmesh_tls::auth::insecure(),
     }
 }
 

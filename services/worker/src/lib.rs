@@ -166,7 +166,8 @@ pub struct Config {
     /// Test-only fault injection (`--fault-*`, hidden; no environment variables).
     #[command(flatten)]
     pub faults: FaultArgs,
-    /// Mutual TLS for this worker's gRPC server and its calls to the cache service.
+    /// The mesh credential (mutual TLS or the mesh token) for this worker's gRPC server
+    /// and its calls to the cache service.
     #[command(flatten)]
     pub tls: pdmesh_tls::TlsArgs,
 }
@@ -457,7 +458,11 @@ pub async fn run(
         health,
     } = listeners.into();
     let engine_cfg = cfg.engine_config()?;
-    let tls = cfg.tls.load().map_err(|e| Error::Config(e.to_string()))?;
+    let auth = cfg.tls.auth().map_err(|e| Error::Config(e.to_string()))?;
+    if let Ok(a) = listener.local_addr() {
+        auth.check_listen("the worker", a)
+            .map_err(|e| Error::Config(e.to_string()))?;
+    }
     // Bound before the model loads, so a taken port fails at once.
     let health_listener = match health {
         Some(l) => Some(l),
@@ -487,7 +492,7 @@ pub async fn run(
                 plane: cfg.cache_data_plane,
                 call_timeout: std::time::Duration::from_secs(2),
                 retry_every: std::time::Duration::from_secs(1),
-                tls: tls.clone(),
+                auth: auth.clone(),
             },
             engine.pool().layout().as_ref().clone(),
         );
@@ -525,7 +530,7 @@ pub async fn run(
                 missize: cfg.faults.missize(),
             },
             engine.info().eos_token_ids,
-            tls.clone(),
+            auth.clone(),
         )
         .with_incidents(incidents.clone()),
     );
@@ -603,16 +608,21 @@ pub async fn run(
             }
         })
     });
-    let served = pdmesh_tls::server(tls.as_ref())?
+    let served = auth
+        .server()?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
-        .add_service(pdmesh_proto::worker::v1::worker_server::WorkerServer::from_arc(worker))
+        .add_service(auth.guard(
+            pdmesh_proto::worker::v1::worker_server::WorkerServer::from_arc(worker),
+        ))
+        // The standard health check answers without the credential (it tells only
+        // whether the worker serves), for probes that cannot present one.
         .add_service(health_service)
         // The SGLang scheduler protocol on the same port, for gateways built for SGLang.
-        .add_service(
+        .add_service(auth.guard(
             pdmesh_proto::sglang::grpc::scheduler::sglang_scheduler_server::SglangSchedulerServer::new(
                 sglang,
             ),
-        )
+        ))
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),

@@ -82,12 +82,7 @@ impl Drop for RoomLink {
 const RELINK_GRACE: Duration = Duration::from_secs(3);
 
 impl RoomLink {
-    fn start(
-        url: String,
-        worker_id: String,
-        layout: KvLayout,
-        tls: Option<pdmesh_tls::MeshTls>,
-    ) -> Self {
+    fn start(url: String, worker_id: String, layout: KvLayout, auth: pdmesh_tls::MeshAuth) -> Self {
         let (cur, _) = tokio::sync::watch::channel(None::<Arc<HostClient>>);
         let task = {
             let cur = cur.clone();
@@ -98,13 +93,7 @@ impl RoomLink {
                     if !alive {
                         let attempt = tokio::time::timeout(
                             Duration::from_secs(2),
-                            HostClient::connect_with(
-                                &url,
-                                &worker_id,
-                                &layout,
-                                DataPlane::Shm,
-                                tls.as_ref(),
-                            ),
+                            HostClient::connect(&url, &worker_id, &layout, DataPlane::Shm, &auth),
                         )
                         .await;
                         match attempt {
@@ -563,7 +552,7 @@ impl Pd {
         layout: &KvLayout,
         times: PdTimes,
         eos: Vec<u32>,
-        tls: Option<pdmesh_tls::MeshTls>,
+        auth: pdmesh_tls::MeshAuth,
     ) -> Self {
         let link = match (role, cache_url) {
             (Role::Unified, _) | (_, None) => None,
@@ -571,7 +560,7 @@ impl Pd {
                 url.to_owned(),
                 format!("{}-{}", role.name(), std::process::id()),
                 layout.clone(),
-                tls,
+                auth,
             )),
         };
         Self {
@@ -1281,6 +1270,7 @@ mod tests {
         let mut cfg = pdmesh_cache::Config::new(pdmesh_cache::MirrorSize::Bytes(
             16 * layout.bytes_per_page() as u64,
         ));
+        cfg.tls = pdmesh_tls::test_ca::args();
         cfg.shm_dir = Some(shm.to_owned());
         // Long: no heartbeat comes between the restart and the request.
         cfg.lease_ttl_ms = 60_000;
@@ -1303,7 +1293,12 @@ mod tests {
             stop.clone(),
         )
         .await;
-        let link = RoomLink::start(format!("http://{addr}"), "w".into(), layout.clone(), None);
+        let link = RoomLink::start(
+            format!("http://{addr}"),
+            "w".into(),
+            layout.clone(),
+            pdmesh_tls::test_ca::auth(),
+        );
         let first = link.wait(Duration::from_secs(10)).await.unwrap();
         // The service restarts: the link's lease is gone, and the first room call says so.
         stop.cancel();
@@ -1359,7 +1354,7 @@ mod tests {
             &layout,
             times,
             Vec::new(),
-            None,
+            pdmesh_tls::test_ca::auth(),
         );
         let first = pd.client().await.unwrap();
         // The service restarts, forgetting the lease, and no heartbeat comes to say so.
@@ -1446,9 +1441,15 @@ mod tests {
         let stop = tokio_util::sync::CancellationToken::new();
         let any = "127.0.0.1:0".parse().unwrap();
         let (addr, task) = cache_service(any, dir.path(), &layout, stop.clone()).await;
-        let c = HostClient::connect(&format!("http://{addr}"), "w", &layout, DataPlane::Shm)
-            .await
-            .unwrap();
+        let c = HostClient::connect(
+            &format!("http://{addr}"),
+            "w",
+            &layout,
+            DataPlane::Shm,
+            &pdmesh_tls::test_ca::auth(),
+        )
+        .await
+        .unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         // A room this worker sends in, with no receiver yet.
         c.room_open(7, cpb::RoomSide::Sender, "r", "")

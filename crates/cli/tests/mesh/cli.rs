@@ -4,12 +4,10 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
-fn pdmesh() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_pdmesh"))
-}
+use crate::pdmesh;
 
 fn alive(pid: u32) -> bool {
     // A zombie still has /proc/PID; its state letter is Z.
@@ -148,7 +146,7 @@ fn a_service_announces_its_address_and_exits_cleanly_on_sigterm() {
         .unwrap();
     let healthy = rt.block_on(async {
         for _ in 0..100 {
-            if pdmesh_cli::probe::tokenizer_healthy(addr, None).await {
+            if pdmesh_cli::probe::tokenizer_healthy(addr, &pdmesh_tls::test_ca::auth()).await {
                 return true;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -236,7 +234,10 @@ fn a_service_on_port_0_names_every_port_it_bound_in_its_ports_file() {
         .build()
         .unwrap();
     let addr = SocketAddr::from(([127, 0, 0, 1], grpc as u16));
-    assert!(rt.block_on(pdmesh_cli::probe::cache_healthy(addr, None)));
+    assert!(rt.block_on(pdmesh_cli::probe::cache_healthy(
+        addr,
+        &pdmesh_tls::test_ca::auth()
+    )));
     drop(rt);
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
@@ -289,4 +290,57 @@ fn a_listen_fd_that_is_not_a_listening_socket_is_refused_clearly() {
             "{err}"
         );
     }
+}
+
+/// A service with no mesh credential, or one listening beyond loopback without TLS,
+/// refuses to start, saying which flag it needs; `--insecure-plaintext` lets it serve,
+/// with a warning.
+#[test]
+fn a_service_without_a_credential_or_beyond_loopback_in_clear_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    // Runs `pdmesh cache`; one that `serves` is stopped once it wrote its ports file.
+    let run = |listen: &str, token: bool, extra: &[&str], serves: bool| {
+        let ports = dir
+            .path()
+            .join(format!("ports-{listen}-{token}-{}", extra.len()));
+        let mut cmd = pdmesh();
+        if !token {
+            cmd.env_remove(pdmesh_tls::auth::TOKEN_ENV);
+        }
+        let mut child = cmd
+            .args(["cache", "--listen", listen, "--shm-dir"])
+            .arg(dir.path())
+            .arg("--ports-file")
+            .arg(&ports)
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stderr = child.stderr.take().unwrap();
+        if serves {
+            let v = crate::ports_file(&mut child, &ports);
+            assert_ne!(v["listen"], 0, "{v}");
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        }
+        let status = child.wait().unwrap();
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut err).unwrap();
+        (status.success(), err)
+    };
+    let (ok, err) = run("127.0.0.1:0", false, &[], false);
+    assert!(
+        !ok && err.contains("no mesh credential") && err.contains("--mesh-token-file"),
+        "{err}"
+    );
+    let (ok, err) = run("0.0.0.0:0", true, &[], false);
+    assert!(!ok && err.contains("beyond loopback without TLS"), "{err}");
+    let (ok, err) = run("0.0.0.0:0", true, &["--insecure-plaintext"], true);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("--insecure-plaintext") && err.contains("WARN"),
+        "{err}"
+    );
 }

@@ -4,7 +4,7 @@
 //! worker registers with the new one.
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use pdmesh_proto::cache::v1 as cpb;
@@ -36,7 +36,7 @@ fn spawn(listen: &str, args: &[String]) -> (Proc, SocketAddr) {
     let ports = tempfile::tempdir().unwrap();
     let file = ports.path().join("ports.json");
     let mut p = Proc(
-        Command::new(env!("CARGO_BIN_EXE_pdmesh"))
+        crate::pdmesh()
             .args(args)
             .args(["--listen", listen])
             .arg("--ports-file")
@@ -97,19 +97,25 @@ async fn until<T>(what: &str, secs: u64, mut f: impl AsyncFnMut() -> Option<T>) 
 }
 
 async fn stats(addr: SocketAddr) -> Option<cpb::StatsResponse> {
-    let mut c = cpb::cache_client::CacheClient::connect(format!("http://{addr}"))
-        .await
-        .ok()?;
+    let mut c = pdmesh_tls::test_ca::client(
+        format!("http://{addr}"),
+        cpb::cache_client::CacheClient::new,
+    )
+    .await
+    .ok()?;
     Some(c.stats(cpb::StatsRequest {}).await.ok()?.into_inner())
 }
 
 async fn worker_client(
     addr: SocketAddr,
-) -> wpb::worker_client::WorkerClient<tonic::transport::Channel> {
+) -> wpb::worker_client::WorkerClient<pdmesh_tls::AuthChannel> {
     until("the worker", 120, async || {
-        let mut c = wpb::worker_client::WorkerClient::connect(format!("http://{addr}"))
-            .await
-            .ok()?;
+        let mut c = pdmesh_tls::test_ca::client(
+            format!("http://{addr}"),
+            wpb::worker_client::WorkerClient::new,
+        )
+        .await
+        .ok()?;
         c.health(wpb::HealthRequest {})
             .await
             .ok()
@@ -121,7 +127,7 @@ async fn worker_client(
 
 /// Greedy tokens of `prompt`, and the prompt tokens served from a cache.
 async fn generate(
-    c: &mut wpb::worker_client::WorkerClient<tonic::transport::Channel>,
+    c: &mut wpb::worker_client::WorkerClient<pdmesh_tls::AuthChannel>,
     id: &str,
     prompt: &[u32],
 ) -> Result<(Vec<u32>, u32), tonic::Status> {

@@ -6,6 +6,18 @@ mod cli;
 mod host_cache;
 mod watchdog;
 
+/// The `pdmesh` binary, with the test process's mesh token in its environment (as `pdmesh
+/// up` hands its children theirs), so the services it starts and the test's own clients
+/// are of one mesh.
+pub fn pdmesh() -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_pdmesh"));
+    c.env(
+        pdmesh_tls::auth::TOKEN_ENV,
+        pdmesh_tls::test_ca::token().expose(),
+    );
+    c
+}
+
 /// Waits for `file`, a service's `--ports-file`, while `child` runs: what it says.
 pub fn ports_file(child: &mut std::process::Child, file: &std::path::Path) -> serde_json::Value {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -36,7 +36,7 @@ impl Cache {
     /// waiting for input, transferring and success.
     fn start(mode: &str, [boot, wait, transfer, success]: [u64; 4]) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_pdmesh"))
+        let mut child = crate::pdmesh()
             .args([
                 "cache",
                 "--listen",
@@ -95,16 +95,22 @@ impl Cache {
     }
 
     async fn stats(&self) -> pb::StatsResponse {
-        let mut c = pb::cache_client::CacheClient::connect(self.url())
+        let mut c = pdmesh_tls::test_ca::client(self.url(), pb::cache_client::CacheClient::new)
             .await
             .unwrap();
         c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
     }
 
     async fn client(&self, name: &str) -> HostClient {
-        HostClient::connect(&self.url(), name, &layout(), DataPlane::Grpc)
-            .await
-            .unwrap()
+        HostClient::connect(
+            &self.url(),
+            name,
+            &layout(),
+            DataPlane::Grpc,
+            &pdmesh_tls::test_ca::auth(),
+        )
+        .await
+        .unwrap()
     }
 
     /// Every row of every stuck-room table logged so far, with the table's heading (what

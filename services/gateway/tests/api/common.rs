@@ -62,13 +62,15 @@ pub async fn start(opts: Options) -> Mesh {
     let shutdown = CancellationToken::new();
 
     let (tl, tokenizer) = bind().await;
-    let tok_cfg = pdmesh_tokenizer::Config::new(&model);
+    let mut tok_cfg = pdmesh_tokenizer::Config::new(&model);
+    tok_cfg.tls = pdmesh_tls::test_ca::args();
     tokio::spawn(pdmesh_tokenizer::run(tok_cfg, tl, shutdown.child_token()));
 
     let refusing = (!opts.worker).then(pdmesh_testkit::Refusing::new);
     let worker = if opts.worker {
         let (wl, worker) = bind().await;
         let mut wcfg = pdmesh_worker::Config::new(&model);
+        wcfg.tls = pdmesh_tls::test_ca::args();
         if let Some(p) = opts.kv_pages {
             wcfg.kv_pages = p;
         }

@@ -9,11 +9,11 @@ pub use std::time::Duration;
 pub use pdmesh_proto::worker::v1 as pb;
 pub use pdmesh_proto::worker::v1::generate_response::Kind;
 pub use pdmesh_proto::worker::v1::worker_client::WorkerClient;
+pub use pdmesh_tls::AuthChannel as Channel;
 pub use pdmesh_worker::{Config, Error, run};
 pub use tokio::net::TcpListener;
 pub use tokio::task::JoinHandle;
 pub use tokio_util::sync::CancellationToken;
-pub use tonic::transport::Channel;
 pub use tonic::{Code, Streaming};
 
 /// How long a test waits for something that should happen promptly before calling it hung.
@@ -54,6 +54,7 @@ pub async fn start_with_health(f: impl FnOnce(&mut Config), health: Option<TcpLi
         max_context: Some(MAX_CONTEXT),
         max_batch: 8,
         threads: 2,
+        tls: pdmesh_tls::test_ca::args(),
         ..Config::new(pdmesh_gguf::models::require_default_model())
     };
     f(&mut cfg);
@@ -64,7 +65,7 @@ pub async fn start_with_health(f: impl FnOnce(&mut Config), health: Option<TcpLi
     let task = tokio::spawn(run(cfg, listeners, shutdown.clone()));
     // The listener is already bound: the connection waits in its backlog while the model
     // loads.
-    let client = WorkerClient::connect(format!("http://{addr}"))
+    let client = pdmesh_tls::test_ca::client(format!("http://{addr}"), WorkerClient::new)
         .await
         .unwrap();
     Server {

@@ -610,6 +610,7 @@ async fn a_taken_health_port_fails_the_start() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap();
     let mut cfg = Config::new(pdmesh_gguf::models::require_default_model());
+    cfg.tls = pdmesh_tls::test_ca::args();
     cfg.health_listen = Some(addr);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let err = run(cfg, listener, CancellationToken::new())

@@ -9,7 +9,7 @@ use s::sglang_scheduler_client::SglangSchedulerClient;
 use sha2::Digest;
 
 async fn sglang(srv: &Server) -> SglangSchedulerClient<Channel> {
-    SglangSchedulerClient::connect(srv.url.clone())
+    pdmesh_tls::test_ca::client(srv.url.clone(), SglangSchedulerClient::new)
         .await
         .unwrap()
 }
