@@ -89,12 +89,10 @@ pub(crate) fn chat_prompt(
     thinking: bool,
 ) -> Result<ChatPrompt, TextError> {
     let format = tok.chat_format();
-    if let ChatFormat::None = format {
-        return Err(TextError::NoChatFormat);
-    }
     let markup = match format {
         ChatFormat::Template(t) => t.own_texts(),
-        ChatFormat::DeepSeekV32 | ChatFormat::None => ["", "", ""],
+        ChatFormat::DeepSeekV32 => ["", "", ""],
+        ChatFormat::None => return Err(TextError::NoChatFormat),
     };
     let literal = tok.literal()?;
     let request = serde_json::to_string(&(messages, tools))
