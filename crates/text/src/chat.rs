@@ -254,6 +254,12 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// Every text the template can write of its own: its source and the BOS and EOS
+    /// texts it is given.
+    pub(crate) fn own_texts(&self) -> [&str; 3] {
+        [&self.source, &self.bos_token, &self.eos_token]
+    }
+
     /// Whether the template renders tools and tool calls itself (its source mentions
     /// `tools`). If not, [`Self::render`] writes them in the Hermes style
     /// ([`crate::hermes`]).

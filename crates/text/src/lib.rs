@@ -7,11 +7,13 @@ mod chat;
 mod detok;
 pub mod dsv32;
 pub mod hermes;
+mod prompt;
 mod stream;
 mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate, ToolCall, ToolCallError, ToolFormat};
 pub use detok::IncrementalDetokenizer;
+pub use prompt::ChatPrompt;
 pub use stream::TextStream;
 pub use tokenizer::{ChatFormat, PRE_TOKENIZER_SMOLLM, TextTokenizer};
 
@@ -34,6 +36,8 @@ pub enum TextError {
     UnknownTokenId { id: u32, vocab_size: usize },
     #[error("chat template: {0}")]
     Template(String),
+    #[error("this model has no chat template")]
+    NoChatFormat,
 }
 
 impl TextError {

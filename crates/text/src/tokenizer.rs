@@ -3,7 +3,7 @@
 //! separate tokenizer.json and produces the same token ids as llama.cpp.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use pdmesh_gguf::{GgufFile, MetaValue};
 use tokenizers::decoders::DecoderWrapper;
@@ -14,7 +14,8 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
-use crate::{ChatTemplate, IncrementalDetokenizer, TextError, ToolFormat};
+use crate::prompt::{self, ChatPrompt, Literal};
+use crate::{ChatMessage, ChatTemplate, IncrementalDetokenizer, TextError, ToolFormat};
 
 /// The regexes llama.cpp applies, in order, for `tokenizer.ggml.pre == "smollm"`: every
 /// digit on its own, then the GPT-2 split. (llama.cpp spells the second without the final
@@ -59,6 +60,8 @@ pub struct TextTokenizer {
     chat_template: Option<Arc<ChatTemplate>>,
     /// DeepSeek V3.2's encoding rules instead of a template ([`crate::dsv32`]).
     deepseek_v32: bool,
+    /// The plain-text tokenizer chat prompts use for request text, made on first need.
+    literal: Arc<OnceLock<Literal>>,
 }
 
 /// How a conversation becomes a prompt for this model.
@@ -180,6 +183,7 @@ impl TextTokenizer {
             // A DeepSeek V3.2 checkpoint ships no template: its prompts follow rules.
             deepseek_v32: config["chat_template"].is_null() && is_deepseek_v32(dir),
             chat_template,
+            literal: Arc::default(),
         })
     }
 
@@ -385,6 +389,7 @@ impl TextTokenizer {
             eos,
             chat_template,
             deepseek_v32: false,
+            literal: Arc::default(),
         })
     }
 
@@ -398,6 +403,31 @@ impl TextTokenizer {
             .encode_fast(text, add_special_tokens)
             .map_err(TextError::tokenizer)?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// The prompt for a conversation in this model's [chat format](Self::chat_format),
+    /// with `tools` (a JSON list of tool definitions) when given. Only the format's own
+    /// markup becomes control tokens: every string from the request is tokenized as
+    /// text, so a message holding `<|im_end|>` cannot end its turn. `add_generation_prompt` appends the header that opens the assistant's
+    /// turn (DeepSeek V3.2's prompt always ends there); `thinking` opens DeepSeek V3.2's
+    /// reasoning.
+    pub fn chat_prompt(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        thinking: bool,
+    ) -> Result<ChatPrompt, TextError> {
+        prompt::chat_prompt(self, messages, tools, add_generation_prompt, thinking)
+    }
+
+    /// What [`Self::chat_prompt`] needs beyond the tokenizer, made on its first call.
+    pub(crate) fn literal(&self) -> Result<&Literal, TextError> {
+        if let Some(l) = self.literal.get() {
+            return Ok(l);
+        }
+        let made = Literal::new(&self.inner)?;
+        Ok(self.literal.get_or_init(|| made))
     }
 
     /// The text of `ids`; with `skip_special`, control tokens (`<|im_end|>`, …) are left

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use pdmesh_chat::{Delta, Format, OutputParser};
 use pdmesh_proto::tokenizer::v1 as pb;
 use pdmesh_text::{
-    ChatFormat, ChatMessage, TextStream, TextTokenizer, ToolCall, ToolFormat, dsv32,
+    ChatFormat, ChatMessage, TextError, TextStream, TextTokenizer, ToolCall, ToolFormat,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -204,21 +204,25 @@ impl TokenizerService {
     fn chat_impl(&self, req: &pb::ChatTemplateRequest) -> Result<pb::ChatTemplateResponse, Error> {
         let messages = chat_messages(&req.messages)?;
         let tools = tools(&req.tools_json)?;
-        let prompt = match self.tok.chat_format() {
-            ChatFormat::Template(t) => t
-                .render(&messages, tools.as_ref(), req.add_generation_prompt)
-                .map_err(Error::Template)?,
-            // Its prompt always ends where the assistant's turn begins.
-            ChatFormat::DeepSeekV32 => {
-                let msgs: Vec<dsv32::Message> = messages.iter().map(dsv32::Message::from).collect();
-                let tools = pdmesh_text::hermes::tool_list(tools.as_ref());
-                dsv32::encode(&msgs, tools, req.thinking).map_err(Error::Template)?
-            }
-            ChatFormat::None => return Err(Error::NoChatTemplate),
-        };
-        // The rendered prompt already carries its special tokens.
-        let ids = self.tok.encode(&prompt, false).map_err(Error::Text)?;
-        Ok(pb::ChatTemplateResponse { prompt, ids })
+        // Control tokens come only from the chat format's markup: text in the request
+        // that spells one (`<|im_end|>`) is tokenized as text.
+        let prompt = self
+            .tok
+            .chat_prompt(
+                &messages,
+                tools.as_ref(),
+                req.add_generation_prompt,
+                req.thinking,
+            )
+            .map_err(|e| match e {
+                TextError::NoChatFormat => Error::NoChatTemplate,
+                e @ TextError::Template(_) => Error::Template(e),
+                e => Error::Text(e),
+            })?;
+        Ok(pb::ChatTemplateResponse {
+            prompt: prompt.text,
+            ids: prompt.ids,
+        })
     }
 }
 
