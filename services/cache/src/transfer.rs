@@ -600,14 +600,10 @@ pub async fn serve_connection(
     let t = opts.io_timeout;
     // The credential first, into a fixed buffer: a peer without it gets nothing read,
     // allocated or answered beyond "refused".
-    let (magic, version, token_len, token) = deadline(&peer, "the hello", t, async {
+    let (magic, version) = deadline(&peer, "the hello", t, async {
         let mut magic = [0u8; 4];
         rd.read_exact(&mut magic).await?;
-        let version = rd.read_u16_le().await?;
-        let n = usize::from(rd.read_u8().await?);
-        let mut token = [0u8; u8::MAX as usize];
-        rd.read_exact(&mut token[..n]).await?;
-        Ok((magic, version, n, token))
+        Ok((magic, rd.read_u16_le().await?))
     })
     .await?;
     if magic != MAGIC || version != VERSION {
@@ -616,6 +612,13 @@ pub async fn serve_connection(
             what: format!("hello {magic:?} version {version}"),
         });
     }
+    let (token_len, token) = deadline(&peer, "the hello", t, async {
+        let n = usize::from(rd.read_u8().await?);
+        let mut token = [0u8; u8::MAX as usize];
+        rd.read_exact(&mut token[..n]).await?;
+        Ok((n, token))
+    })
+    .await?;
     if !auth.admits_hello(&token[..token_len]) {
         let mut reply = vec![2u8];
         put_text(&mut reply, "the mesh credential is missing or wrong");
@@ -1178,8 +1181,11 @@ mod tests {
         let (s, _) = listener.accept().await.unwrap();
         let (rd, mut wr) = s.into_split();
         let mut rd = BufReader::new(rd);
-        let mut hello = vec![0u8; 4 + 2 + 8 + 8];
-        rd.read_exact(&mut hello).await.unwrap();
+        let mut head = vec![0u8; 4 + 2 + 1];
+        rd.read_exact(&mut head).await.unwrap();
+        // The token, then the lease, fingerprint and page size, then the description.
+        let mut rest = vec![0u8; usize::from(head[6]) + 8 + 8 + 8];
+        rd.read_exact(&mut rest).await.unwrap();
         read_text(&mut rd).await.unwrap();
         let mut reply = vec![0u8];
         put_text(&mut reply, &describe(layout));
@@ -1263,13 +1269,16 @@ mod tests {
     #[tokio::test]
     async fn a_stranger_or_a_bogus_length_is_refused_and_delivers_nothing() {
         let l = layout(DType::F16);
+        let token = pdmesh_tls::test_ca::token().expose().to_owned();
         for hello in [
             b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
-            // Our magic and version, then a description claiming 4 GiB.
+            // Our magic, version and token, then a description claiming 4 GiB.
             [
                 &MAGIC[..],
                 &VERSION.to_le_bytes(),
-                &[0; 16],
+                &[token.len() as u8],
+                token.as_bytes(),
+                &[0; 24],
                 &u32::MAX.to_le_bytes(),
             ]
             .concat(),
