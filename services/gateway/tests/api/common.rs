@@ -91,6 +91,7 @@ pub async fn start(opts: Options) -> Mesh {
     cfg.model_name = opts.model_name;
     cfg.api_key = opts.api_key;
     cfg.model = opts.gateway_model;
+    cfg.tls = pdmesh_tls::test_ca::args();
     if let Some(b) = opts.max_body_bytes {
         cfg.max_body_bytes = b;
     }
