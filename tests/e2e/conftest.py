@@ -58,12 +58,19 @@ def alive(pid: int) -> bool:
 
 def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 60):
     """(status, body bytes) of one request; HTTP errors are returned, not raised."""
+    status, body, _ = http_headers(method, url, body, headers, timeout)
+    return status, body
+
+
+def http_headers(method: str, url: str, body: bytes | None = None, headers: dict | None = None,
+                 timeout: float = 60):
+    """`http`, with the response's headers too ({lower-cased name: value})."""
     req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
+            return r.status, r.read(), {k.lower(): v for k, v in r.headers.items()}
     except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        return e.code, e.read(), {k.lower(): v for k, v in e.headers.items()}
 
 
 def metrics(base: str) -> dict[str, float]:

@@ -14,9 +14,24 @@
 //! The gateway builds its `json_schema` and forced-call grammars with [`json_rule`], and
 //! a worker the grammar of an SGLang `json_schema` constraint.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use serde_json::{Map, Value};
+
+/// The most schema nodes the rewrite visits for one schema, `$ref`s followed and every
+/// name it merges counted. A schema a person writes visits a few hundred; one built to
+/// grow exponentially through nested `allOf`s of `$ref`s is refused here instead of
+/// holding a CPU for minutes.
+pub const MAX_SCHEMA_WORK: usize = 200_000;
+
+/// A schema the rewrite refuses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchemaError {
+    #[error(
+        "schema too complex: preparing it takes more than {limit} steps (nested `$ref`s, `allOf`s and properties count)"
+    )]
+    TooComplex { limit: usize },
+}
 
 /// `schema` with every object schema that names properties closed to others, through
 /// properties, items, `$defs`, `anyOf`/`oneOf`/`allOf` and `$ref`s.
@@ -24,26 +39,40 @@ use serde_json::{Map, Value};
 /// Parts that are combined in place (the branches of an `allOf`, or a `$ref`, `anyOf` or
 /// `oneOf` next to the schema's own properties) each see only part of the object, so they
 /// stay open and the combining schema is closed instead, to the union of their names.
-pub fn strict(schema: &Value) -> Value {
-    // Local `$ref` targets used as parts, as JSON pointers. A part's own `$ref`s are parts
-    // too, so the set grows until it is stable.
-    let mut parts = HashSet::new();
-    loop {
-        let before = parts.len();
-        find_parts(schema, String::new(), false, &mut parts);
-        if parts.len() == before {
-            break;
+///
+/// Every `$ref` target is looked at once (memoized by JSON pointer), and the whole walk
+/// has a budget of [`MAX_SCHEMA_WORK`] steps.
+pub fn strict(schema: &Value) -> Result<Value, SchemaError> {
+    strict_within(schema, MAX_SCHEMA_WORK)
+}
+
+/// [`strict`] with a budget of `limit` steps.
+pub fn strict_within(schema: &Value, limit: usize) -> Result<Value, SchemaError> {
+    let mut walk = Walk {
+        root: schema,
+        parts: HashSet::new(),
+        names: HashMap::new(),
+        left: limit,
+        limit,
+    };
+    // Local `$ref` targets used as parts, as JSON pointers. Everything inside a part is a
+    // part too, so each new part's subtree is walked again as one.
+    let mut found = Vec::new();
+    walk.find_parts(schema, String::new(), false, &mut found)?;
+    while let Some(r) = found.pop() {
+        if let Some(target) = schema.pointer(&r) {
+            walk.find_parts(target, r, true, &mut found)?;
         }
     }
     let mut out = schema.clone();
-    close(&mut out, schema, String::new(), false, &parts);
-    out
+    walk.close(&mut out, String::new(), false)?;
+    Ok(out)
 }
 
 /// The llguidance Lark rule `%json{…}` for `schema`: [`strict`], with compact, fixed
 /// whitespace unless the schema sets its own `x-guidance` options.
-pub fn json_rule(schema: &Value) -> String {
-    let mut s = strict(schema);
+pub fn json_rule(schema: &Value) -> Result<String, SchemaError> {
+    let mut s = strict(schema)?;
     if let Value::Object(m) = &mut s
         && !m.contains_key("x-guidance")
     {
@@ -55,11 +84,8 @@ pub fn json_rule(schema: &Value) -> String {
             )])),
         );
     }
-    format!("%json{s}")
+    Ok(format!("%json{s}"))
 }
-
-/// The most `$ref`s followed while collecting a combination's property names (cycles).
-const MAX_REF_DEPTH: usize = 32;
 
 /// A JSON-pointer path segment.
 fn escape(key: &str) -> String {
@@ -110,82 +136,156 @@ fn subschemas(m: &Map<String, Value>, is_part: bool) -> Vec<(String, bool)> {
     out
 }
 
-fn find_parts(node: &Value, path: String, is_part: bool, parts: &mut HashSet<String>) {
-    let Some(m) = node.as_object() else { return };
-    let is_part = is_part || parts.contains(&path);
-    if combined(m, is_part)
-        && let Some(r) = local_ref(m)
-    {
-        parts.insert(r.to_owned());
-    }
-    for (sub, sub_is_part) in subschemas(m, is_part) {
-        if let Some(child) = node.pointer(&sub) {
-            find_parts(child, format!("{path}{sub}"), sub_is_part, parts);
-        }
-    }
+/// One rewrite: the schema, what is known of it so far, and the steps left.
+struct Walk<'a> {
+    root: &'a Value,
+    /// Pointers of `$ref` targets used as parts of a combination.
+    parts: HashSet<String>,
+    /// The property names a `$ref` target declares as a part ([`Walk::part_names`]), by
+    /// pointer; `None` inside: being computed (a cycle) or open.
+    names: HashMap<String, Option<Vec<String>>>,
+    left: usize,
+    limit: usize,
 }
 
-fn close(node: &mut Value, root: &Value, path: String, is_part: bool, parts: &HashSet<String>) {
-    let is_part = match node.as_object() {
-        Some(_) => is_part || parts.contains(&path),
-        None => return,
-    };
-    let subs = node.as_object().map(|m| subschemas(m, is_part));
-    for (sub, sub_is_part) in subs.into_iter().flatten() {
-        if let Some(child) = node.pointer_mut(&sub) {
-            close(child, root, format!("{path}{sub}"), sub_is_part, parts);
-        }
+impl Walk<'_> {
+    fn spend(&mut self, n: usize) -> Result<(), SchemaError> {
+        self.left = self.left.checked_sub(n).ok_or(SchemaError::TooComplex {
+            limit: self.limit,
+        })?;
+        Ok(())
     }
-    let Some(m) = node.as_object_mut() else {
-        return;
-    };
-    if is_part || m.contains_key("additionalProperties") || m.contains_key("unevaluatedProperties")
-    {
-        return;
-    }
-    if !combined(m, false) {
-        if m.get("properties").is_some_and(Value::is_object)
-            || m.get("patternProperties").is_some_and(Value::is_object)
+
+    /// Collects the `$ref` targets used as parts under `node`; new ones go to `found`.
+    fn find_parts(
+        &mut self,
+        node: &Value,
+        path: String,
+        is_part: bool,
+        found: &mut Vec<String>,
+    ) -> Result<(), SchemaError> {
+        self.spend(1)?;
+        let Some(m) = node.as_object() else {
+            return Ok(());
+        };
+        let is_part = is_part || self.parts.contains(&path);
+        if combined(m, is_part)
+            && let Some(r) = local_ref(m)
+            && self.parts.insert(r.to_owned())
         {
-            m.insert("additionalProperties".into(), Value::Bool(false));
+            found.push(r.to_owned());
         }
-        return;
-    }
-    // A combination: every name its parts declare is allowed here (`true`: the parts
-    // constrain the value), and nothing else.
-    let Some(names) = part_names(root, m, 0) else {
-        return;
-    };
-    if names.is_empty() && !m.contains_key("patternProperties") {
-        return;
-    }
-    let props = m
-        .entry("properties")
-        .or_insert_with(|| Value::Object(Map::new()));
-    let Value::Object(props) = props else { return };
-    for n in names {
-        props.entry(n).or_insert(Value::Bool(true));
-    }
-    m.insert("additionalProperties".into(), Value::Bool(false));
-}
-
-/// The property names `m` and its in-place parts declare, in order; `None` when a part
-/// allows other properties in a way a closed combination would change (its own
-/// `additionalProperties`, `patternProperties`, a `$ref` that is not local).
-fn part_names(root: &Value, m: &Map<String, Value>, depth: usize) -> Option<Vec<String>> {
-    let mut names: Vec<String> = m
-        .get("properties")
-        .and_then(Value::as_object)
-        .map(|p| p.keys().cloned().collect())
-        .unwrap_or_default();
-    let mut add = |more: Vec<String>| {
-        for n in more {
-            if !names.contains(&n) {
-                names.push(n);
+        for (sub, sub_is_part) in subschemas(m, is_part) {
+            if let Some(child) = node.pointer(&sub) {
+                self.find_parts(child, format!("{path}{sub}"), sub_is_part, found)?;
             }
         }
-    };
-    let part = |v: &Value, depth: usize| -> Option<Vec<String>> {
+        Ok(())
+    }
+
+    fn close(&mut self, node: &mut Value, path: String, is_part: bool) -> Result<(), SchemaError> {
+        self.spend(1)?;
+        let is_part = match node.as_object() {
+            Some(_) => is_part || self.parts.contains(&path),
+            None => return Ok(()),
+        };
+        let subs = node.as_object().map(|m| subschemas(m, is_part));
+        for (sub, sub_is_part) in subs.into_iter().flatten() {
+            if let Some(child) = node.pointer_mut(&sub) {
+                self.close(child, format!("{path}{sub}"), sub_is_part)?;
+            }
+        }
+        let Some(m) = node.as_object_mut() else {
+            return Ok(());
+        };
+        if is_part
+            || m.contains_key("additionalProperties")
+            || m.contains_key("unevaluatedProperties")
+        {
+            return Ok(());
+        }
+        if !combined(m, false) {
+            if m.get("properties").is_some_and(Value::is_object)
+                || m.get("patternProperties").is_some_and(Value::is_object)
+            {
+                m.insert("additionalProperties".into(), Value::Bool(false));
+            }
+            return Ok(());
+        }
+        // A combination: every name its parts declare is allowed here (`true`: the parts
+        // constrain the value), and nothing else.
+        let Some(names) = self.part_names(m)? else {
+            return Ok(());
+        };
+        if names.is_empty() && !m.contains_key("patternProperties") {
+            return Ok(());
+        }
+        self.spend(names.len())?;
+        let props = m
+            .entry("properties")
+            .or_insert_with(|| Value::Object(Map::new()));
+        let Value::Object(props) = props else {
+            return Ok(());
+        };
+        for n in names {
+            props.entry(n).or_insert(Value::Bool(true));
+        }
+        m.insert("additionalProperties".into(), Value::Bool(false));
+        Ok(())
+    }
+
+    /// The property names `m` and its in-place parts declare, in order; `None` when a part
+    /// allows other properties in a way a closed combination would change (its own
+    /// `additionalProperties`, `patternProperties`, a `$ref` that is not local or that
+    /// comes back to itself).
+    fn part_names(&mut self, m: &Map<String, Value>) -> Result<Option<Vec<String>>, SchemaError> {
+        self.spend(1)?;
+        let mut names: Vec<String> = m
+            .get("properties")
+            .and_then(Value::as_object)
+            .map(|p| p.keys().cloned().collect())
+            .unwrap_or_default();
+        let mut seen: HashSet<String> = names.iter().cloned().collect();
+        let mut parts: Vec<&Value> = Vec::new();
+        for key in ["allOf", "anyOf", "oneOf"] {
+            parts.extend(m.get(key).and_then(Value::as_array).into_iter().flatten());
+        }
+        for branch in parts {
+            let Some(more) = self.part(branch)? else {
+                return Ok(None);
+            };
+            self.spend(more.len())?;
+            names.extend(more.into_iter().filter(|n| seen.insert(n.clone())));
+        }
+        if m.contains_key("$ref") {
+            let Some(r) = local_ref(m) else {
+                return Ok(None);
+            };
+            let more = match self.names.get(r) {
+                Some(known) => known.clone(),
+                None => {
+                    // Marked open while it is computed: a `$ref` cycle leaves it open.
+                    self.names.insert(r.to_owned(), None);
+                    let root = self.root;
+                    let more = match root.pointer(r) {
+                        Some(target) => self.part(target)?,
+                        None => None,
+                    };
+                    self.names.insert(r.to_owned(), more.clone());
+                    more
+                }
+            };
+            let Some(more) = more else {
+                return Ok(None);
+            };
+            self.spend(more.len())?;
+            names.extend(more.into_iter().filter(|n| seen.insert(n.clone())));
+        }
+        Ok(Some(names))
+    }
+
+    /// The names one part declares ([`Walk::part_names`]).
+    fn part(&mut self, v: &Value) -> Result<Option<Vec<String>>, SchemaError> {
         match v {
             Value::Object(p) => {
                 let opens = |k: &str| p.get(k).is_some_and(|v| v != &Value::Bool(false));
@@ -193,26 +293,13 @@ fn part_names(root: &Value, m: &Map<String, Value>, depth: usize) -> Option<Vec<
                     || opens("unevaluatedProperties")
                     || p.contains_key("patternProperties")
                 {
-                    return None;
+                    return Ok(None);
                 }
-                part_names(root, p, depth)
+                self.part_names(p)
             }
-            _ => Some(Vec::new()),
-        }
-    };
-    for key in ["allOf", "anyOf", "oneOf"] {
-        for branch in m.get(key).and_then(Value::as_array).into_iter().flatten() {
-            add(part(branch, depth)?);
+            _ => Ok(Some(Vec::new())),
         }
     }
-    if m.contains_key("$ref") {
-        if depth >= MAX_REF_DEPTH {
-            return None;
-        }
-        let target = root.pointer(local_ref(m)?)?;
-        add(part(target, depth + 1)?);
-    }
-    Some(names)
 }
 
 #[cfg(test)]
@@ -252,6 +339,10 @@ mod tests {
         lark_accepts(&format!("start: %json{s}"), text)
     }
 
+    fn closed(schema: &Value) -> Value {
+        strict(schema).unwrap()
+    }
+
     fn city() -> Value {
         json!({
             "type": "object",
@@ -266,7 +357,7 @@ mod tests {
 
     #[test]
     fn a_silent_object_takes_only_its_properties() {
-        let s = strict(&city());
+        let s = closed(&city());
         assert_eq!(s["additionalProperties"], json!(false));
         let answer = r#"{"name":"Cairo","country":"Egypt","population_millions":22.1"#;
         assert!(accepts(&s, &format!("{answer}}}")));
@@ -282,7 +373,7 @@ mod tests {
 
     #[test]
     fn the_rule_is_strict_and_compact() {
-        let rule = |schema: &Value| format!("start: {}", json_rule(schema));
+        let rule = |schema: &Value| format!("start: {}", json_rule(schema).unwrap());
         let answer = r#"{"name":"Cairo","country":"Egypt","population_millions":22.1"#;
         let g = rule(&city());
         assert!(lark_accepts(&g, &format!("{answer}}}")), "{g}");
@@ -305,7 +396,7 @@ mod tests {
     #[test]
     fn nested_objects_arrays_and_definitions_are_closed() {
         let person = json!({"type": "object", "properties": {"name": {"type": "string"}}});
-        let s = strict(&json!({
+        let s = closed(&json!({
             "type": "object",
             "properties": {
                 "passenger": {"$ref": "#/$defs/person"},
@@ -354,20 +445,20 @@ mod tests {
     #[test]
     fn what_a_schema_says_about_other_properties_is_kept() {
         let open = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": true});
-        assert_eq!(strict(&open), open);
-        assert!(accepts(&strict(&open), r#"{"a":1,"b":"x"}"#));
+        assert_eq!(closed(&open), open);
+        assert!(accepts(&closed(&open), r#"{"a":1,"b":"x"}"#));
 
         let typed = json!({
             "type": "object",
             "properties": {"a": {"type": "integer"}},
             "additionalProperties": {"type": "integer"},
         });
-        assert_eq!(strict(&typed), typed);
-        assert!(accepts(&strict(&typed), r#"{"a":1,"b":2}"#));
-        assert!(!accepts(&strict(&typed), r#"{"a":1,"b":"x"}"#));
+        assert_eq!(closed(&typed), typed);
+        assert!(accepts(&closed(&typed), r#"{"a":1,"b":2}"#));
+        assert!(!accepts(&closed(&typed), r#"{"a":1,"b":"x"}"#));
 
         // Inside a schema the user gave for other properties, objects are closed as usual.
-        let s = strict(&json!({
+        let s = closed(&json!({
             "type": "object",
             "additionalProperties": {"type": "object", "properties": {"n": {"type": "integer"}}},
         }));
@@ -379,13 +470,13 @@ mod tests {
         assert!(!accepts(&s, r#"{"x":{"n":1,"m":2}}"#));
 
         let unevaluated = json!({"properties": {"a": {}}, "unevaluatedProperties": true});
-        assert_eq!(strict(&unevaluated), unevaluated);
+        assert_eq!(closed(&unevaluated), unevaluated);
     }
 
     #[test]
     fn a_combination_is_closed_to_the_union_of_its_parts() {
         // Closing each branch of an allOf would make them forbid one another's keys.
-        let s = strict(&json!({
+        let s = closed(&json!({
             "allOf": [
                 {"$ref": "#/$defs/base"},
                 {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]},
@@ -399,7 +490,7 @@ mod tests {
         assert!(!accepts(&s, r#"{"a":1,"b":2,"c":3}"#), "{s}");
 
         // Own properties next to alternatives: each alternative adds its own names.
-        let s = strict(&json!({
+        let s = closed(&json!({
             "type": "object",
             "properties": {"kind": {"type": "string"}},
             "anyOf": [
@@ -417,7 +508,7 @@ mod tests {
                 {"properties": {"b": {}}},
             ],
         });
-        assert_eq!(strict(&open), open);
+        assert_eq!(closed(&open), open);
     }
 
     #[test]
@@ -426,20 +517,70 @@ mod tests {
             "type": "object",
             "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
         });
-        let s = strict(&tree);
+        let s = closed(&tree);
         assert_eq!(s["additionalProperties"], json!(false));
         assert!(accepts(&s, r#"{"v":1,"kids":[{"v":2}]}"#));
         assert!(!accepts(&s, r#"{"v":1,"kids":[{"w":2}]}"#));
 
         let cycle = json!({"allOf": [{"$ref": "#"}], "properties": {"a": {}}});
-        let _ = strict(&cycle);
+        assert_eq!(
+            closed(&cycle),
+            cycle,
+            "a combination whose part comes back to itself stays open"
+        );
         for v in [
             json!(true),
             json!({}),
             json!({"type": "string"}),
             json!({"enum": [1, 2]}),
         ] {
-            assert_eq!(strict(&v), v);
+            assert_eq!(closed(&v), v);
         }
+    }
+
+    /// `levels` nested `allOf`s of two `$ref`s to the next level: 2^levels paths to the
+    /// leaf when each `$ref` is followed anew.
+    fn doubling(levels: usize) -> Value {
+        let mut defs = Map::new();
+        for i in 0..levels {
+            let next = format!("#/$defs/l{}", i + 1);
+            defs.insert(
+                format!("l{i}"),
+                json!({"allOf": [{"$ref": next}, {"$ref": next}]}),
+            );
+        }
+        defs.insert(
+            format!("l{levels}"),
+            json!({"type": "object", "properties": {"x": {"type": "integer"}}}),
+        );
+        json!({"$ref": "#/$defs/l0", "properties": {"y": {}}, "$defs": defs})
+    }
+
+    #[test]
+    fn a_doubling_schema_costs_steps_in_proportion_to_its_size() {
+        for levels in [23, 40] {
+            let s = strict_within(&doubling(levels), 2_000).unwrap();
+            assert_eq!(s["additionalProperties"], json!(false), "{s}");
+            assert_eq!(s["properties"]["x"], json!(true), "{s}");
+            // llguidance writes the `$ref`'s properties first.
+            assert!(accepts(&s, r#"{"x":2,"y":1}"#));
+            assert!(!accepts(&s, r#"{"x":2,"z":2}"#), "closed");
+        }
+    }
+
+    #[test]
+    fn a_schema_past_the_budget_is_too_complex() {
+        let wide = json!({
+            "type": "object",
+            "properties": (0..500).map(|i| (format!("p{i}"), json!({"type": "object", "properties": {"a": {}}})))
+                .collect::<Map<String, Value>>(),
+        });
+        assert_eq!(
+            strict_within(&wide, 100),
+            Err(SchemaError::TooComplex { limit: 100 })
+        );
+        assert!(strict_within(&wide, 5_000).is_ok());
+        let msg = SchemaError::TooComplex { limit: 100 }.to_string();
+        assert!(msg.starts_with("schema too complex") && msg.contains("100"), "{msg}");
     }
 }

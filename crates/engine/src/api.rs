@@ -73,6 +73,13 @@ impl Default for SamplingParams {
 /// Most alternatives a request may ask for per token (OpenAI's `top_logprobs` limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
+/// Most stop strings one request may give: every generated token is matched against
+/// each, so the count and the length bound a request's work per token.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// Longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 256;
+
 /// A sampled token's log-probability under the model's own distribution: the log-softmax
 /// of the raw logits, before penalties, logit bias, temperature, top-k/top-p/min-p and
 /// grammar masks (vLLM's default `raw_logprobs`). The logits are bit-identical whatever
@@ -160,6 +167,24 @@ impl SamplingParams {
         }
         if self.stop.iter().any(String::is_empty) {
             return bad("stop", "stop strings must not be empty".into());
+        }
+        if self.stop.len() > MAX_STOP_STRINGS {
+            return bad(
+                "stop",
+                format!(
+                    "at most {MAX_STOP_STRINGS} stop strings, got {}",
+                    self.stop.len()
+                ),
+            );
+        }
+        if let Some(long) = self.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return bad(
+                "stop",
+                format!(
+                    "a stop string is at most {MAX_STOP_BYTES} bytes, got one of {}",
+                    long.len()
+                ),
+            );
         }
         if self.top_logprobs > MAX_TOP_LOGPROBS {
             return bad(

@@ -16,7 +16,7 @@ use pdmesh_kv::{
 
 use crate::budget::PrefillBudget;
 use crate::deepseek::DeepSeekModel;
-use crate::grammar::{Constraint, Grammars};
+use crate::grammar::{Constraint, GrammarCompiler, Grammars};
 use crate::model::{BatchToken, LlamaModel};
 use crate::sampler::Sampler;
 use crate::tp::{RankWork, TpLlama};
@@ -64,7 +64,14 @@ pub struct EngineConfig {
     /// Run the model on GPUs (the CUDA backend, cargo feature `cuda`); `None`: the CPU.
     /// The GPUs are the tensor-parallel ranks, so `tp` must be 1 or their number.
     pub gpu: Option<crate::GpuConfig>,
+    /// Most requests waiting for admission; one more is refused with
+    /// [`EngineError::QueueFull`] (the gateway's 429) instead of growing the queue
+    /// without bound. `None`: no limit.
+    pub max_queued: Option<usize>,
 }
+
+/// The default of [`EngineConfig::max_queued`] (and the worker's `--max-queued-requests`).
+pub const DEFAULT_MAX_QUEUED: usize = 1024;
 
 impl EngineConfig {
     pub fn new(model_path: impl Into<PathBuf>) -> Self {
@@ -84,6 +91,7 @@ impl EngineConfig {
             index_k_dtype: IndexKDtype::Fp8,
             tp: 1,
             gpu: None,
+            max_queued: Some(DEFAULT_MAX_QUEUED),
         }
     }
 }
@@ -151,7 +159,7 @@ pub struct Engine {
     info: ModelInfo,
     token_bytes: Vec<Vec<u8>>,
     eog: Vec<u32>,
-    grammars: Grammars,
+    grammars: Arc<Grammars>,
     context: usize,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
@@ -284,7 +292,7 @@ impl Engine {
             pool,
             tp,
             info,
-            grammars: Grammars::new(token_bytes.clone(), eog.clone()),
+            grammars: Arc::new(Grammars::new(token_bytes.clone(), eog.clone())),
             token_bytes,
             eog,
             context,
@@ -426,6 +434,12 @@ impl Engine {
         )
     }
 
+    /// Compiles grammars for this engine on other threads: a request whose grammar was
+    /// prepared with it costs the engine thread a lookup, not a compilation.
+    pub fn grammar_compiler(&self) -> GrammarCompiler {
+        GrammarCompiler(self.grammars.clone())
+    }
+
     /// Validate and queue a request.
     pub fn submit(&mut self, req: GenRequest) -> Result<(), EngineError> {
         self.submit_part(req, Part::Whole)
@@ -433,6 +447,7 @@ impl Engine {
 
     /// Validate and queue `part` of a request (see [`Part`]).
     pub fn submit_part(&mut self, req: GenRequest, part: Part) -> Result<(), EngineError> {
+        self.check_queue()?;
         let s = self.new_seq(req, part)?;
         self.queue(s);
         Ok(())
@@ -454,6 +469,7 @@ impl Engine {
         group: &str,
         size: usize,
     ) -> Result<(), EngineError> {
+        self.check_queue()?;
         let s = self.new_seq(req, part)?;
         if part == Part::Decode || size <= 1 {
             self.queue(s);
@@ -496,6 +512,16 @@ impl Engine {
             self.followers.insert(leader.id.clone(), followers);
         }
         self.queue(leader);
+    }
+
+    /// Refuses a new request while [`EngineConfig::max_queued`] wait already.
+    fn check_queue(&self) -> Result<(), EngineError> {
+        match self.cfg.max_queued {
+            Some(limit) if self.waiting.len() + self.ready.len() >= limit => {
+                Err(EngineError::QueueFull { limit })
+            }
+            _ => Ok(()),
+        }
     }
 
     fn queue(&mut self, s: Seq) {

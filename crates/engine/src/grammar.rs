@@ -3,14 +3,22 @@
 //! can only write text the grammar accepts. The vocabulary comes from the engine's own
 //! token-bytes table (the engine never tokenizes); the mask for a step is computed on
 //! another thread while the forward pass runs.
+//!
+//! Compiling a grammar can take long (a large JSON schema): callers compile it on their
+//! own thread first ([`GrammarCompiler::prepare`]), and the engine thread only clones
+//! the prepared parser when the request arrives.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
-use llguidance::{Matcher, ParserFactory};
+use llguidance::{Matcher, ParserFactory, TokenParser};
 
 use crate::EngineError;
+
+/// Most grammars prepared and not yet taken by a request; past it the oldest is dropped
+/// (its request, if it still comes, compiles it on the engine thread).
+const MAX_PREPARED: usize = 64;
 
 /// Builds matchers for one vocabulary. The token trie is built on first use (a grammar
 /// request), not at load.
@@ -18,6 +26,32 @@ pub(crate) struct Grammars {
     token_bytes: Vec<Vec<u8>>,
     eog: Vec<u32>,
     factory: OnceLock<Result<Arc<ParserFactory>, String>>,
+    /// Parsers compiled ahead by [`GrammarCompiler::prepare`], by their grammar, oldest
+    /// first: each is taken by one request.
+    prepared: Mutex<Vec<(String, TokenParser)>>,
+}
+
+/// Compiles grammars for an engine off its thread. Cheap to clone.
+#[derive(Clone)]
+pub struct GrammarCompiler(pub(crate) Arc<Grammars>);
+
+impl GrammarCompiler {
+    /// Compiles `lark` (a caller's error if it does not) and keeps the parser for the next
+    /// request with this grammar. Blocking: call it where blocking is fine.
+    pub fn prepare(&self, lark: &str) -> Result<(), EngineError> {
+        let parser = self.0.parser(lark)?;
+        let mut prepared = self.0.prepared.lock().unwrap_or_else(PoisonError::into_inner);
+        if prepared.len() >= MAX_PREPARED {
+            prepared.remove(0);
+        }
+        prepared.push((lark.to_owned(), parser));
+        Ok(())
+    }
+
+    /// How many prepared parsers wait for their request.
+    pub fn prepared(&self) -> usize {
+        self.0.prepared.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
 }
 
 impl Grammars {
@@ -28,6 +62,7 @@ impl Grammars {
             token_bytes,
             eog,
             factory: OnceLock::new(),
+            prepared: Mutex::new(Vec::new()),
         }
     }
 
@@ -65,16 +100,30 @@ impl Grammars {
             .map_err(|e| EngineError::Unsupported(format!("grammar: {e}")))
     }
 
-    /// Compiles `lark` into a fresh matcher; a grammar that does not compile is the
-    /// caller's error.
-    pub fn matcher(&self, lark: &str) -> Result<Constraint, EngineError> {
-        let factory = self.factory()?;
-        let parser = factory
+    /// Compiles `lark`; a grammar that does not compile is the caller's error.
+    fn parser(&self, lark: &str) -> Result<TokenParser, EngineError> {
+        self.factory()?
             .create_parser(TopLevelGrammar::from_lark(lark.to_owned()))
             .map_err(|e| EngineError::InvalidParam {
                 field: "grammar",
                 msg: e.to_string(),
-            })?;
+            })
+    }
+
+    /// A fresh matcher for `lark`: the parser prepared for it if there is one, else
+    /// compiled here.
+    pub fn matcher(&self, lark: &str) -> Result<Constraint, EngineError> {
+        let ready = {
+            let mut prepared = self.prepared.lock().unwrap_or_else(PoisonError::into_inner);
+            prepared
+                .iter()
+                .position(|(g, _)| g == lark)
+                .map(|i| prepared.remove(i).1)
+        };
+        let parser = match ready {
+            Some(p) => p,
+            None => self.parser(lark)?,
+        };
         Ok(Constraint {
             matcher: Matcher::new(Ok(parser)),
             mask: None,
@@ -233,6 +282,31 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         assert_eq!(v["name"], "get_weather");
         assert!(c.done(), "the grammar is complete after the closing tag");
+    }
+
+    #[test]
+    fn a_prepared_grammar_is_taken_once_by_its_request_and_a_bad_one_is_refused_ahead() {
+        let compiler = GrammarCompiler(Arc::new(toy()));
+        let lark = r#"start: "<tool_call>" /[a-z]+/"#;
+        compiler.prepare(lark).unwrap();
+        compiler.prepare(lark).unwrap();
+        assert_eq!(compiler.prepared(), 2);
+        // Each request takes one; the engine thread compiles only what was not prepared.
+        let g = &compiler.0;
+        let mut taken = g.matcher(lark).unwrap();
+        assert_eq!(compiler.prepared(), 1);
+        let mut logits = vec![0.0f32; g.token_bytes.len()];
+        assert!(taken.apply(&mut logits, &g.eog), "a working matcher");
+        g.matcher(lark).unwrap();
+        g.matcher(lark).unwrap();
+        assert_eq!(compiler.prepared(), 0);
+        let e = compiler.prepare("start: (").unwrap_err();
+        assert!(matches!(e, EngineError::InvalidParam { field: "grammar", .. }), "{e}");
+        // Bounded: the oldest prepared parser makes room.
+        for _ in 0..MAX_PREPARED + 3 {
+            compiler.prepare(lark).unwrap();
+        }
+        assert_eq!(compiler.prepared(), MAX_PREPARED);
     }
 
     #[test]

@@ -14,15 +14,16 @@ pub mod deepseek_synth;
 mod engine;
 mod gpu;
 mod grammar;
+pub use grammar::GrammarCompiler;
 mod model;
 mod sampler;
 pub mod tp;
 mod vocab;
 
 pub use api::{
-    FinishReason, GenRequest, Logprob, MAX_TOP_LOGPROBS, ModelInfo, Part, SamplingParams, StepEvent,
+    FinishReason, GenRequest, Logprob, MAX_STOP_BYTES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, ModelInfo, Part, SamplingParams, StepEvent,
 };
-pub use engine::{Engine, EngineConfig, HostStats, WritePolicy};
+pub use engine::{DEFAULT_MAX_QUEUED, Engine, EngineConfig, HostStats, WritePolicy};
 pub use gpu::{CUDA_BUILT, GpuConfig};
 pub use model::BatchToken;
 
@@ -59,6 +60,9 @@ pub enum EngineError {
     /// did not match their checksum).
     #[error("KV transfer: {0}")]
     Transfer(String),
+    /// The engine's queue holds its limit of waiting requests; try again later.
+    #[error("the engine's queue is full ({limit} requests waiting); retry later")]
+    QueueFull { limit: usize },
 }
 
 impl EngineError {
@@ -74,6 +78,7 @@ impl EngineError {
             Self::Model(_) | Self::Unsupported(_) => "model",
             Self::Offline => "offline",
             Self::Transfer(_) => "transfer",
+            Self::QueueFull { .. } => "queue_full",
         }
     }
 
@@ -81,7 +86,11 @@ impl EngineError {
     pub fn is_client_error(&self) -> bool {
         !matches!(
             self,
-            Self::Model(_) | Self::Unsupported(_) | Self::Offline | Self::Transfer(_)
+            Self::Model(_)
+                | Self::Unsupported(_)
+                | Self::Offline
+                | Self::Transfer(_)
+                | Self::QueueFull { .. }
         )
     }
 }

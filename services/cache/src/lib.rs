@@ -21,7 +21,10 @@ pub mod transfer;
 
 pub use pdmesh_cache_client::{Watchdog, client, mirror, wire};
 
+use std::collections::HashMap;
+use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
@@ -396,11 +399,12 @@ async fn receive_pages(
     auth: pdmesh_tls::MeshAuth,
     stop: CancellationToken,
 ) {
+    let admitted = Admitted::default();
     loop {
-        let stream = tokio::select! {
+        let (stream, from) = tokio::select! {
             () = stop.cancelled() => return,
             a = listener.accept() => match a {
-                Ok((s, _)) => s,
+                Ok(s) => s,
                 Err(e) => {
                     tracing::warn!(error = %e, "accepting a page transport connection");
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -412,8 +416,13 @@ async fn receive_pages(
             tracing::warn!("a peer connected before any worker registered here: closed");
             continue;
         };
+        let Some(slot) = admitted.take(from.ip(), &opts) else {
+            tracing::warn!(peer = %from, "page transport connection limit reached: closed");
+            continue;
+        };
         let (shared, stop, auth) = (shared.clone(), stop.clone(), auth.clone());
         tokio::spawn(async move {
+            let _slot = slot;
             let sink = HomeSink(&shared);
             let served = tokio::select! {
                 () = stop.cancelled() => return,
@@ -428,6 +437,45 @@ async fn receive_pages(
                 Err(e) => tracing::warn!(error = %e, "page transport connection failed"),
             }
         });
+    }
+}
+
+/// The page transport connections being served, in all and by peer address, so that no
+/// peer (nor all of them) holds more than `TcpOptions::max_connections` / `max_per_peer`.
+#[derive(Clone, Default)]
+struct Admitted(Arc<Mutex<(usize, HashMap<IpAddr, usize>)>>);
+
+impl Admitted {
+    /// A slot for one more connection from `ip`, released when dropped; `None` at a limit.
+    fn take(&self, ip: IpAddr, opts: &transfer::TcpOptions) -> Option<AdmittedSlot> {
+        let mut g = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let (total, by_peer) = &mut *g;
+        let mine = by_peer.entry(ip).or_default();
+        if *total >= opts.max_connections || *mine >= opts.max_per_peer {
+            if *mine == 0 {
+                by_peer.remove(&ip);
+            }
+            return None;
+        }
+        *mine += 1;
+        *total += 1;
+        Some(AdmittedSlot(self.clone(), ip))
+    }
+}
+
+struct AdmittedSlot(Admitted, IpAddr);
+
+impl Drop for AdmittedSlot {
+    fn drop(&mut self) {
+        let mut g = self.0.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let (total, by_peer) = &mut *g;
+        *total -= 1;
+        if let Some(n) = by_peer.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                by_peer.remove(&self.1);
+            }
+        }
     }
 }
 
@@ -661,4 +709,34 @@ fn log_stuck(stuck: &[rooms::Stuck], mode: Watchdog) {
         "left to their deadlines"
     };
     tracing::warn!(rooms = stuck.len(), "stuck rooms ({action}):\n{table}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_transport_connections_are_capped_per_peer_and_in_all() {
+        let opts = transfer::TcpOptions {
+            max_connections: 3,
+            max_per_peer: 2,
+            ..transfer::TcpOptions::default()
+        };
+        let (a, b, c): (IpAddr, IpAddr, IpAddr) = (
+            "10.0.0.1".parse().unwrap(),
+            "10.0.0.2".parse().unwrap(),
+            "10.0.0.3".parse().unwrap(),
+        );
+        let admitted = Admitted::default();
+        let a1 = admitted.take(a, &opts).unwrap();
+        let a2 = admitted.take(a, &opts).unwrap();
+        assert!(admitted.take(a, &opts).is_none(), "a third from one peer");
+        let b1 = admitted.take(b, &opts).unwrap();
+        assert!(admitted.take(c, &opts).is_none(), "a fourth in all");
+        drop(a1);
+        let c1 = admitted.take(c, &opts).unwrap();
+        drop((a2, b1, c1));
+        let g = admitted.0.lock().unwrap();
+        assert_eq!((g.0, g.1.len()), (0, 0), "every slot given back, no peer remembered");
+    }
 }

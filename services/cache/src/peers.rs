@@ -25,6 +25,9 @@ use crate::wire::layout_to_pb;
 /// takes up to the I/O deadline) never holds up rooms bound for another home.
 type Slot = Arc<tokio::sync::Mutex<Option<Arc<Link>>>>;
 
+/// Most homes one cache service links to at once.
+pub(crate) const MAX_LINKS: usize = 64;
+
 /// Every link of this service, by the home's URL.
 pub(crate) struct Peers {
     links: std::sync::Mutex<HashMap<String, Slot>>,
@@ -47,14 +50,26 @@ impl Peers {
 
     /// The link to `url`, connecting (and registering with `layout`) if there is none or
     /// the last one lost its lease.
+    ///
+    /// At most [`MAX_LINKS`] homes are kept; a home that could not be reached is
+    /// forgotten, so URLs named in room opens cannot grow the map.
     pub async fn link(&self, url: &str, layout: &Arc<KvLayout>) -> Result<Arc<Link>, Status> {
-        let slot = self
-            .links
-            .lock()
-            .expect("links lock")
-            .entry(url.to_owned())
-            .or_default()
-            .clone();
+        let slot = {
+            let mut links = self.links.lock().expect("links lock");
+            if !links.contains_key(url) && links.len() >= MAX_LINKS {
+                // Make room from links that are down (or still being made and failed).
+                links.retain(|_, slot| {
+                    slot.try_lock()
+                        .map_or(true, |l| l.as_ref().is_some_and(|l| l.alive.load(Ordering::Relaxed)))
+                });
+                if links.len() >= MAX_LINKS {
+                    return Err(Status::resource_exhausted(format!(
+                        "this host already links to {MAX_LINKS} other cache services"
+                    )));
+                }
+            }
+            links.entry(url.to_owned()).or_default().clone()
+        };
         let mut cur = slot.lock().await;
         if let Some(l) = cur.as_ref()
             && l.alive.load(Ordering::Relaxed)
@@ -62,18 +77,39 @@ impl Peers {
         {
             return Ok(l.clone());
         }
-        let link = Arc::new(
-            Link::connect(
-                url,
-                &self.name,
-                layout.clone(),
-                self.opts,
-                self.auth.clone(),
-            )
-            .await?,
-        );
-        *cur = Some(link.clone());
-        Ok(link)
+        let connected = Link::connect(
+            url,
+            &self.name,
+            layout.clone(),
+            self.opts,
+            self.auth.clone(),
+        )
+        .await;
+        match connected {
+            Ok(link) => {
+                let link = Arc::new(link);
+                *cur = Some(link.clone());
+                Ok(link)
+            }
+            Err(e) => {
+                *cur = None;
+                drop(cur);
+                let mut links = self.links.lock().expect("links lock");
+                // Forget it, unless another call is using the slot right now.
+                if links.get(url).is_some_and(|s| Arc::ptr_eq(s, &slot))
+                    && Arc::strong_count(&slot) == 2
+                {
+                    links.remove(url);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// How many homes are linked (or being linked) now.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.links.lock().expect("links lock").len()
     }
 
     /// The link to `url` if one is up (for telling a home that a room failed here).
@@ -493,6 +529,18 @@ mod tests {
         drop((link, again, worker));
         stop.cancel();
         served.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn homes_that_cannot_be_reached_are_forgotten() {
+        let layout = Arc::new(KvLayout::llama(2, 1, 8, DType::F16, 16));
+        let peers = Peers::new("here".into(), TcpOptions::default(), pdmesh_tls::test_ca::auth());
+        for _ in 0..5 {
+            // A port that refuses every connection.
+            let closed = pdmesh_testkit::Refusing::new();
+            assert!(peers.link(&closed.url(), &layout).await.is_err());
+        }
+        assert_eq!(peers.len(), 0, "no failed home is kept");
     }
 
     #[tokio::test]

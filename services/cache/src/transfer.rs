@@ -61,8 +61,9 @@ const READ_BUFFER: usize = 16 << 10;
 const READ_RUN: usize = 256 << 10;
 /// Longest text a peer may send in a hello.
 const MAX_TEXT: u32 = 64 << 10;
-/// Longest trailer, and longest reply to one.
-pub const MAX_TRAILER: usize = 16 << 20;
+/// Longest trailer, and longest reply to one. A trailer is a room's commit (a checksum
+/// per page: a 128k-token prompt's is about 200 KB).
+pub const MAX_TRAILER: usize = 1 << 20;
 const HEAD: usize = 20;
 const PAGE_HEAD: usize = 12;
 
@@ -178,6 +179,11 @@ pub struct TcpOptions {
     pub batch_bytes: usize,
     /// Batches sent before the first acknowledgement must arrive.
     pub window: usize,
+    /// A receiver serves at most this many connections at once; one more is closed at
+    /// once.
+    pub max_connections: usize,
+    /// ... and at most this many from one peer address.
+    pub max_per_peer: usize,
 }
 
 impl Default for TcpOptions {
@@ -187,6 +193,8 @@ impl Default for TcpOptions {
             idle_timeout: Duration::from_secs(60),
             batch_bytes: 4 << 20,
             window: 4,
+            max_connections: 256,
+            max_per_peer: 16,
         }
     }
 }
@@ -566,8 +574,8 @@ impl<F: FnMut(InPage<'_>) -> Result<(), String>> Sink for F {
 
 /// Serves one incoming connection for a cache service whose layout is `layout`: the TLS
 /// handshake when `tls` is given (a sender without the mesh's certificate is refused
-/// there), the layout handshake, then batches until the sender closes or stays idle past
-/// `idle_timeout`.
+/// there), the layout handshake, then batches until the sender closes or sends no page for
+/// `idle_timeout` (a batch without pages, a trailer alone, does not keep it open).
 /// `sink` gets each page whose checksum matched, and each trailer (see [`Sink`]). A page
 /// with a bad checksum never reaches the sink. Returns when the connection ends; an error
 /// says why it ended early.
@@ -667,10 +675,12 @@ pub async fn serve_connection(
     // One buffer for every run of pages: no allocation (nor fresh memory to fault in) per
     // page.
     let mut run = vec![0u8; per_run * frame_bytes];
+    // Only pages move it: a sender that sends none for `idle_timeout` is closed.
+    let mut idle_until = tokio::time::Instant::now() + opts.idle_timeout;
     loop {
         // Between batches the connection may idle; inside one every read has a deadline.
         let mut head = [0u8; HEAD];
-        match tokio::time::timeout(opts.idle_timeout, rd.read_exact(&mut head[..1])).await {
+        match tokio::time::timeout_at(idle_until, rd.read_exact(&mut head[..1])).await {
             Err(_) => return Ok(got),
             Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(got),
             Ok(Err(source)) => return Err(TransferError::Io { peer, source }),
@@ -686,6 +696,9 @@ pub async fn serve_connection(
                 peer,
                 what: format!("a trailer of {tail} bytes"),
             });
+        }
+        if count > 0 {
+            idle_until = tokio::time::Instant::now() + opts.idle_timeout;
         }
         let (mut status, mut bad_index, mut text) = (ACK_OK, 0u32, String::new());
         let mut left = count;
@@ -803,6 +816,7 @@ mod tests {
             idle_timeout: Duration::from_secs(5),
             batch_bytes: 3 * layout(DType::F16).bytes_per_page(),
             window: 2,
+            ..TcpOptions::default()
         }
     }
 
@@ -963,6 +977,45 @@ mod tests {
             assert!(trailers.lock().unwrap().is_empty(), "{bad}");
             assert_eq!(delivered.lock().unwrap().len(), 6);
         }
+    }
+
+    #[tokio::test]
+    async fn batches_without_pages_do_not_keep_a_connection_open() {
+        let l = layout(DType::F16);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let opts = TcpOptions {
+            idle_timeout: Duration::from_millis(300),
+            ..quick()
+        };
+        let sink = Keep {
+            delivered: Delivered::default(),
+            trailers: Trailers::default(),
+            refuse_index: None,
+        };
+        let (layout, auth) = (l.clone(), mesh());
+        let task = tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            serve_connection(s, &auth, &layout, opts, sink).await
+        });
+        let mut tx = TcpSender::connect(addr, &l, opts, (&mesh(), "127.0.0.1"), 7)
+            .await
+            .unwrap();
+        tx.send(1, &out(&pages(&l, 1))[..], None).await.unwrap();
+        // Trailers alone, back to back: the receiver still closes once no page came for
+        // the idle timeout, and the sender's next batch fails.
+        let none: Vec<OutPage<'_>> = Vec::new();
+        let mut sent = 0;
+        let failed = loop {
+            match tx.send(2, &none[..], Some(b"again")).await {
+                Ok(_) if sent < 1_000_000 => sent += 1,
+                Ok(_) => break None,
+                Err(e) => break Some(e),
+            }
+        };
+        assert!(failed.is_some(), "{sent} trailer batches kept it open");
+        let got = task.await.unwrap().unwrap();
+        assert_eq!((got.pages, got.batches), (1, sent + 1));
     }
 
     #[tokio::test]

@@ -163,6 +163,20 @@ impl ApiError {
         }
     }
 
+    /// The gateway already serves its `--max-concurrent-requests` (503, `Retry-After`).
+    pub fn shed(limit: usize) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            code: Some("overloaded"),
+            param: None,
+            message: format!(
+                "the gateway is serving its limit of {limit} concurrent requests; retry later"
+            ),
+            error_type: ErrorType::Overloaded,
+        }
+    }
+
     /// A backend answered something it should not have (500).
     pub fn backend(message: impl Into<String>) -> Self {
         Self {
@@ -214,9 +228,19 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut resp = (self.status, axum::Json(self.body())).into_response();
         resp.extensions_mut().insert(ErrorClass(self.error_type));
+        if self.error_type == ErrorType::Overloaded {
+            // Overloaded, not broken: a client may come back after this many seconds.
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static(RETRY_AFTER_SECS),
+            );
+        }
         resp
     }
 }
+
+/// The `Retry-After` of a shed or refused-for-load request, in seconds.
+pub(crate) const RETRY_AFTER_SECS: &str = "1";
 
 /// The `code` of an error whose cause is corrupt KV (gRPC's DATA_LOSS).
 pub(crate) const DATA_LOSS: &str = "data_loss";
@@ -305,6 +329,25 @@ mod tests {
             ApiError::from(tonic::Status::internal("boom")).status,
             StatusCode::INTERNAL_SERVER_ERROR
         );
+    }
+
+    #[test]
+    fn an_overloaded_answer_says_when_to_come_back() {
+        for e in [
+            ApiError::from(tonic::Status::resource_exhausted("the engine's queue is full")),
+            ApiError::shed(4),
+        ] {
+            let resp = e.clone().into_response();
+            assert_eq!(
+                resp.headers().get("retry-after").map(|v| v.as_bytes()),
+                Some(RETRY_AFTER_SECS.as_bytes()),
+                "{e:?}"
+            );
+            assert_eq!(e.code, Some("overloaded"));
+        }
+        assert_eq!(ApiError::shed(4).status, StatusCode::SERVICE_UNAVAILABLE);
+        let other = ApiError::unavailable("a worker is down").into_response();
+        assert!(other.headers().get("retry-after").is_none());
     }
 
     #[test]

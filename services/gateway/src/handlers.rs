@@ -30,14 +30,17 @@ use crate::state::{AppState, unix_now};
 use crate::tools::{self, ToolFormat};
 
 pub(crate) fn router(st: AppState) -> Router {
-    let v1 = Router::new()
+    let generating = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(crate::anthropic::messages))
+        .route("/v1/responses", post(crate::responses::create))
+        .route_layer(middleware::from_fn_with_state(st.clone(), admit));
+    let v1 = Router::new()
+        .merge(generating)
         .route("/v1/models", get(list_models))
         .route("/v1/models/{model}", get(get_model))
         .route("/flush_cache", post(flush_cache))
-        .route("/v1/messages", post(crate::anthropic::messages))
-        .route("/v1/responses", post(crate::responses::create))
         .route(
             "/v1/responses/{id}",
             get(crate::responses::get).delete(crate::responses::delete),
@@ -58,6 +61,23 @@ pub(crate) fn router(st: AppState) -> Router {
         .layer(middleware::from_fn_with_state(st.clone(), observe))
         .layer(DefaultBodyLimit::max(st.cfg.max_body_bytes))
         .with_state(st)
+}
+
+/// Admission: a generating request takes a permit for as long as its answer is being
+/// sent (a stream's body holds it to its last event); with none left it is shed at once,
+/// 503 with `Retry-After`, before its body is read. Runs after `auth`, so a caller
+/// without the key cannot take permits.
+async fn admit(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let Ok(permit) = st.admission.clone().try_acquire_owned() else {
+        // Counted by `observe` as mesh_errors_total{error_type="overloaded"}.
+        return ApiError::shed(st.cfg.max_concurrent_requests).into_response();
+    };
+    let (parts, body) = next.run(req).await.into_parts();
+    let body = body.into_data_stream().map(move |chunk| {
+        let _held = &permit;
+        chunk
+    });
+    Response::from_parts(parts, axum::body::Body::from_stream(body))
 }
 
 /// Counts every response by endpoint and status, and every error by class.
@@ -891,15 +911,20 @@ pub(crate) async fn prepare_chat(
     let info = st.worker_info().await?.clone();
     check_max_tokens(&info, params.max_tokens)?;
     let format = st.output_format().await?;
-    let plan = tools::plan(
-        &tools,
-        req.tools_json(),
-        &choice,
-        req.parallel_tool_calls.unwrap_or(true),
-        schema,
-        format,
-        thinking,
-    )?;
+    let plan = {
+        let (tools_json, parallel) = (req.tools_json(), req.parallel_tool_calls.unwrap_or(true));
+        let choice = choice.clone();
+        // Schemas become grammars off the async runtime, within a step budget and a
+        // deadline: no request holds the gateway's threads (its `/live` must answer).
+        let work = tokio::task::spawn_blocking(move || {
+            tools::plan(&tools, tools_json, &choice, parallel, schema, format, thinking)
+        });
+        match tokio::time::timeout(tools::SCHEMA_DEADLINE, work).await {
+            Ok(Ok(plan)) => plan?,
+            Ok(Err(e)) => return Err(ApiError::backend(format!("preparing the grammar failed: {e}"))),
+            Err(_) => return Err(tools::past_deadline()),
+        }
+    };
     params.grammar = plan.grammar;
     let parsing = (plan.parse_tools.is_some() || format.reasoning).then(|| Parsing {
         tool_format: if plan.parse_tools.is_some() {

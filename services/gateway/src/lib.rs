@@ -85,6 +85,11 @@ pub struct Config {
     /// When set, every `/v1/*` request must carry `Authorization: Bearer <key>`.
     #[arg(long, env = "PDMESH_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Most generating requests (chat, completions, messages, responses) served at once,
+    /// streams included until their last event; one more is shed at once with 503 and
+    /// `Retry-After` instead of queueing without bound.
+    #[arg(long, env = "PDMESH_MAX_CONCURRENT_REQUESTS", default_value_t = DEFAULT_MAX_CONCURRENT_REQUESTS)]
+    pub max_concurrent_requests: usize,
     /// Largest accepted request body.
     #[arg(long, env = "PDMESH_MAX_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -98,6 +103,10 @@ pub struct Config {
     /// memory; the oldest is forgotten first; 0 keeps none).
     #[arg(long, env = "PDMESH_RESPONSES_MAX_STORED", default_value_t = 1024)]
     pub responses_max_stored: usize,
+    /// Most bytes of stored responses (their JSON and the conversation they continue);
+    /// the oldest is forgotten first, and one larger than this is not stored.
+    #[arg(long, env = "PDMESH_RESPONSES_MAX_STORED_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub responses_max_stored_bytes: usize,
     /// Seconds a stored response is kept.
     #[arg(long, env = "PDMESH_RESPONSES_TTL_SECS", default_value_t = 3600)]
     pub responses_ttl_secs: u64,
@@ -144,8 +153,10 @@ impl Config {
             model_name: None,
             api_key: None,
             max_body_bytes: 4 * 1024 * 1024,
+            max_concurrent_requests: DEFAULT_MAX_CONCURRENT_REQUESTS,
             model: None,
             responses_max_stored: 1024,
+            responses_max_stored_bytes: 256 * 1024 * 1024,
             responses_ttl_secs: 3600,
             incident_dir: None,
             incident_trace_link: None,
@@ -159,6 +170,11 @@ impl Config {
     fn validate(&self) -> Result<(), Error> {
         if self.max_body_bytes == 0 {
             return Err(Error::Config("--max-body-bytes must be at least 1".into()));
+        }
+        if !(1..=tokio::sync::Semaphore::MAX_PERMITS).contains(&self.max_concurrent_requests) {
+            return Err(Error::Config(
+                "--max-concurrent-requests must be at least 1".into(),
+            ));
         }
         if self.api_key.as_deref() == Some("") {
             return Err(Error::Config(
@@ -210,6 +226,9 @@ impl Config {
         !self.prefill_url.is_empty() || !self.prefill_dns.is_empty()
     }
 }
+
+/// The default of `--max-concurrent-requests`.
+pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 1024;
 
 /// How long a unary backend call (health, model info) may take before it counts as down.
 pub(crate) const BACKEND_PROBE_TIMEOUT: Duration = Duration::from_secs(3);

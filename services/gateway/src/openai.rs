@@ -13,6 +13,10 @@ use crate::generate::{Collected, LogprobEntry, TokenText, Usage};
 /// Most stop strings per request (OpenAI's limit).
 pub(crate) const MAX_STOP: usize = 4;
 
+/// Longest stop string, in bytes (the worker's engine refuses longer ones too: each is
+/// matched after every generated token).
+pub(crate) const MAX_STOP_BYTES: usize = 256;
+
 /// Most alternatives per token: chat's `top_logprobs` and completions' `logprobs`
 /// (OpenAI's limits).
 const MAX_TOP_LOGPROBS: i64 = 20;
@@ -206,6 +210,15 @@ impl SamplingFields {
             return Err(ApiError::invalid_param(
                 "stop",
                 "stop strings must not be empty",
+            ));
+        }
+        if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(ApiError::invalid_param(
+                "stop",
+                format!(
+                    "a stop string is at most {MAX_STOP_BYTES} bytes, got one of {}",
+                    long.len()
+                ),
             ));
         }
         let mut logit_bias = Vec::new();
@@ -932,6 +945,7 @@ mod tests {
 
     #[test]
     fn out_of_range_sampling_params_are_rejected_by_name() {
+        let long_stop = format!(r#"{{"stop": ["{}"]}}"#, "x".repeat(MAX_STOP_BYTES + 1));
         for (body, param) in [
             (r#"{"max_tokens": 0}"#, "max_tokens"),
             (r#"{"max_tokens": -5}"#, "max_tokens"),
@@ -944,6 +958,7 @@ mod tests {
             (r#"{"top_k": -2}"#, "top_k"),
             (r#"{"stop": ["a","b","c","d","e"]}"#, "stop"),
             (r#"{"stop": ""}"#, "stop"),
+            (long_stop.as_str(), "stop"),
             (r#"{"n": 0}"#, "n"),
             (r#"{"n": 17}"#, "n"),
         ] {

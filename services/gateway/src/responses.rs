@@ -49,8 +49,8 @@ pub(crate) struct Stored {
 pub(crate) type Store = store::Store<Stored>;
 
 /// The gateway's store, sized by its configuration.
-pub(crate) fn new_store(max: usize, ttl_secs: u64) -> Store {
-    Store::new(max, Duration::from_secs(ttl_secs))
+pub(crate) fn new_store(max: usize, max_bytes: usize, ttl_secs: u64) -> Store {
+    Store::new(max, max_bytes, Duration::from_secs(ttl_secs))
 }
 
 /// Top-level fields acted on (the request struct's, and the chat endpoint's extra sampling
@@ -123,6 +123,41 @@ fn check_fields(body: &Map<String, Value>) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// OpenAI's bounds on `metadata`, which is stored with the response: at most this many
+/// pairs, keys of at most [`MAX_METADATA_KEY`] characters, values of at most
+/// [`MAX_METADATA_VALUE`].
+const MAX_METADATA_PAIRS: usize = 16;
+const MAX_METADATA_KEY: usize = 64;
+const MAX_METADATA_VALUE: usize = 512;
+
+fn check_metadata(m: Option<&BTreeMap<String, String>>) -> Result<(), ApiError> {
+    let Some(m) = m else { return Ok(()) };
+    if m.len() > MAX_METADATA_PAIRS {
+        return Err(ApiError::invalid_param(
+            "metadata",
+            format!(
+                "metadata holds at most {MAX_METADATA_PAIRS} pairs, got {}",
+                m.len()
+            ),
+        ));
+    }
+    for (k, v) in m {
+        if k.chars().count() > MAX_METADATA_KEY {
+            return Err(ApiError::invalid_param(
+                "metadata",
+                format!("a metadata key is at most {MAX_METADATA_KEY} characters"),
+            ));
+        }
+        if v.chars().count() > MAX_METADATA_VALUE {
+            return Err(ApiError::invalid_param(
+                &format!("metadata.{k}"),
+                format!("a metadata value is at most {MAX_METADATA_VALUE} characters"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// `POST /v1/responses` (the fields acted on; [`check_fields`] refuses the others).
 #[derive(Debug, Deserialize)]
 struct ResponsesRequest {
@@ -188,6 +223,22 @@ pub(crate) enum Item {
         text: String,
     },
     Reasoning(String),
+}
+
+impl Item {
+    /// The bytes of its text, what it costs the store.
+    fn bytes(&self) -> usize {
+        match self {
+            Self::Message { role, text } => role.len() + text.len(),
+            Self::Call {
+                call_id,
+                name,
+                arguments,
+            } => call_id.len() + name.len() + arguments.len(),
+            Self::Output { call_id, text } => call_id.len() + text.len(),
+            Self::Reasoning(text) => text.len(),
+        }
+    }
 }
 
 /// Input items on the wire, one struct per `type` (deserialized apart, so an error names
@@ -937,6 +988,7 @@ async fn run(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respon
     let body = body_bytes(&st, body)?;
     check_fields(&openai::parse::<Map<String, Value>>(&body)?)?;
     let req: ResponsesRequest = openai::parse(&body)?;
+    check_metadata(req.metadata.as_ref())?;
     if let Some(m) = req.max_output_tokens.filter(|&m| m < 1) {
         return Err(ApiError::invalid_param(
             "max_output_tokens",
@@ -1006,13 +1058,19 @@ async fn run(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respon
 fn remember(st: &AppState, echo: &Echo, obj: &Value, mut history: Vec<Item>, output: Vec<Item>) {
     if echo.store {
         history.extend(output);
-        st.responses.insert(
-            echo.id.clone(),
-            Stored {
-                body: obj.clone(),
-                history,
-            },
-        );
+        let bytes = obj.to_string().len() + history.iter().map(Item::bytes).sum::<usize>();
+        let stored = Stored {
+            body: obj.clone(),
+            history,
+        };
+        if !st.responses.insert(echo.id.clone(), stored, bytes) {
+            tracing::warn!(
+                id = %echo.id,
+                bytes,
+                limit = st.cfg.responses_max_stored_bytes,
+                "a response larger than --responses-max-stored-bytes is not stored"
+            );
+        }
     }
 }
 
@@ -1420,6 +1478,21 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn metadata_past_openais_bounds_is_a_400_naming_it() {
+        let meta = |pairs: Vec<(String, String)>| pairs.into_iter().collect::<BTreeMap<_, _>>();
+        let ok = meta((0..16).map(|i| (format!("k{i}"), "v".repeat(512))).collect());
+        assert!(check_metadata(Some(&ok)).is_ok());
+        for (bad, param) in [
+            (meta((0..17).map(|i| (format!("k{i}"), "v".into())).collect()), "metadata"),
+            (meta(vec![("k".repeat(65), "v".into())]), "metadata"),
+            (meta(vec![("k".into(), "v".repeat(513))]), "metadata.k"),
+        ] {
+            let e = check_metadata(Some(&bad)).unwrap_err();
+            assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some(param)));
+        }
     }
 
     #[test]

@@ -32,6 +32,9 @@ pub(crate) struct Inner {
     /// Requests inside a handler (reading the body, tokenizing, starting on a worker):
     /// the drain waits for them as for open streams.
     pub handling: std::sync::atomic::AtomicUsize,
+    /// One permit per generating request, held until its answer has been sent
+    /// (`--max-concurrent-requests`); none left: shed with 503.
+    pub admission: Arc<tokio::sync::Semaphore>,
     /// Unix time the gateway started: the `created` of `/v1/models`.
     pub started: u64,
     /// Stored responses (`/v1/responses`), for `previous_response_id` and `GET`.
@@ -130,7 +133,12 @@ impl AppState {
         shutdown: CancellationToken,
     ) -> Result<Self, Error> {
         let responses =
-            crate::responses::new_store(cfg.responses_max_stored, cfg.responses_ttl_secs);
+            crate::responses::new_store(
+                cfg.responses_max_stored,
+                cfg.responses_max_stored_bytes,
+                cfg.responses_ttl_secs,
+            );
+        let admission = Arc::new(tokio::sync::Semaphore::new(cfg.max_concurrent_requests));
         let incidents = pdmesh_incident::Reporter::from_flags(
             cfg.incident_dir.as_deref(),
             cfg.incident_trace_link.clone(),
@@ -147,6 +155,7 @@ impl AppState {
             shutdown,
             draining: Default::default(),
             handling: Default::default(),
+            admission,
             started: unix_now(),
             info: OnceCell::new(),
             output: OnceCell::new(),

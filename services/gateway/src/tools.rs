@@ -6,7 +6,7 @@
 
 use serde_json::{Map, Value, json};
 
-use pdmesh_chat::schema::json_rule;
+use pdmesh_chat::schema::{SchemaError, json_rule};
 
 use crate::error::ApiError;
 
@@ -251,9 +251,12 @@ pub(crate) fn plan(
                 ));
             }
             let many = parallel && matches!(choice, ToolChoice::Required);
-            Some(calls_grammar(out.tools, &forced, many))
+            Some(calls_grammar(out.tools, &forced, many).map_err(|e| too_complex("tools", e))?)
         }
-        (true, Some(schema)) => Some(format!("start: {}\n", json_rule(&schema))),
+        (true, Some(schema)) => Some(format!(
+            "start: {}\n",
+            json_rule(&schema).map_err(|e| too_complex("response_format.json_schema.schema", e))?
+        )),
         (true, None) => None,
     };
     plan.grammar = body.map(|g| {
@@ -287,13 +290,32 @@ fn with_definitions(mut schema: Value, parameters: &Value) -> Value {
     schema
 }
 
+/// How long a request's schemas may take to become its grammar.
+pub(crate) const SCHEMA_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The 400 for schemas that did not become a grammar within [`SCHEMA_DEADLINE`].
+pub(crate) fn past_deadline() -> ApiError {
+    ApiError::invalid_request(
+        format!(
+            "schema too complex: the request's schemas did not become a grammar within {} s",
+            SCHEMA_DEADLINE.as_secs()
+        ),
+        None,
+    )
+}
+
+/// A schema the grammar rewrite refused, as the 400 naming the field it came from.
+fn too_complex(param: &str, e: SchemaError) -> ApiError {
+    ApiError::invalid_param(param, e.to_string())
+}
+
 /// A Lark string literal.
 fn lit(s: &str) -> String {
     Value::String(s.to_owned()).to_string()
 }
 
 /// The grammar of one or more calls (`many`) of `tools` in `format`.
-fn calls_grammar(format: ToolFormat, tools: &[&Tool], many: bool) -> String {
+fn calls_grammar(format: ToolFormat, tools: &[&Tool], many: bool) -> Result<String, SchemaError> {
     let rep = if many { "+" } else { "" };
     let mut g = String::new();
     let alts: Vec<String> = (0..tools.len()).map(|i| format!("call{i}")).collect();
@@ -319,7 +341,7 @@ fn calls_grammar(format: ToolFormat, tools: &[&Tool], many: bool) -> String {
                     }),
                     &t.parameters,
                 );
-                g.push_str(&format!("call{i}: {}\n", json_rule(&schema)));
+                g.push_str(&format!("call{i}: {}\n", json_rule(&schema)?));
             }
         }
         ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => {
@@ -337,7 +359,7 @@ fn calls_grammar(format: ToolFormat, tools: &[&Tool], many: bool) -> String {
                 g.push_str(&format!(
                     "call{i}: \"<｜tool▁call▁begin｜>{before}\" {} \"{between}\" {} \"{after}<｜tool▁call▁end｜>\"\n",
                     lit(&t.name),
-                    json_rule(&t.parameters)
+                    json_rule(&t.parameters)?
                 ));
             }
         }
@@ -368,7 +390,7 @@ fn calls_grammar(format: ToolFormat, tools: &[&Tool], many: bool) -> String {
                             .collect::<Vec<_>>()
                             .join(" | "),
                         _ if is_string => "/[^<]*/".to_owned(),
-                        _ => json_rule(&with_definitions(schema.clone(), &t.parameters)),
+                        _ => json_rule(&with_definitions(schema.clone(), &t.parameters))?,
                     };
                     g.push_str(&format!(
                         "{rule}: {} ({value}) {}\n",
@@ -393,7 +415,7 @@ fn calls_grammar(format: ToolFormat, tools: &[&Tool], many: bool) -> String {
         }
         ToolFormat::None => unreachable!("checked by plan"),
     }
-    g
+    Ok(g)
 }
 
 #[cfg(test)]

@@ -21,6 +21,8 @@ use crate::watchdog::EngineWatch;
 /// The tonic service: a handle to the engine actor and the disaggregation state.
 pub(crate) struct WorkerService {
     engine: EngineHandle,
+    /// Compiles requests' grammars here, before the engine thread sees them.
+    grammars: pdmesh_engine::GrammarCompiler,
     pd: Arc<Pd>,
     watch: Arc<EngineWatch>,
     /// The test-only faults switched on (`--fault-*`), reported in Health and ModelInfo.
@@ -31,7 +33,7 @@ pub(crate) struct WorkerService {
 
 impl WorkerService {
     pub(crate) fn new(
-        engine: EngineHandle,
+        (engine, grammars): (EngineHandle, pdmesh_engine::GrammarCompiler),
         pd: Arc<Pd>,
         watch: Arc<EngineWatch>,
         faults: Vec<String>,
@@ -39,13 +41,33 @@ impl WorkerService {
     ) -> Self {
         Self {
             engine,
+            grammars,
             pd,
             watch,
             faults,
             shutdown,
         }
     }
+
+    /// Compiles `grammar` on a blocking thread within [`GRAMMAR_DEADLINE`], so that the
+    /// engine thread only looks it up: a grammar that takes long to compile delays its own
+    /// request, never the batch.
+    async fn prepare_grammar(&self, grammar: &str) -> Result<(), Status> {
+        let (compiler, lark) = (self.grammars.clone(), grammar.to_owned());
+        let work = tokio::task::spawn_blocking(move || compiler.prepare(&lark));
+        match tokio::time::timeout(GRAMMAR_DEADLINE, work).await {
+            Ok(Ok(prepared)) => prepared.map_err(|e| Status::from(Error::from(e))),
+            Ok(Err(e)) => Err(Status::internal(format!("compiling the grammar: {e}"))),
+            Err(_) => Err(Status::invalid_argument(format!(
+                "grammar too complex: it did not compile within {} s",
+                GRAMMAR_DEADLINE.as_secs()
+            ))),
+        }
+    }
 }
+
+/// How long a request's grammar may take to compile.
+const GRAMMAR_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A prefix cache change as the wire has it.
 fn kv_event(seq: u64, e: &CacheEvent) -> cpb::KvEvent {
@@ -305,6 +327,9 @@ impl pb::worker_server::Worker for WorkerService {
             )));
         }
         self.watch.admit()?;
+        if let Some(g) = &params.grammar {
+            self.prepare_grammar(g).await?;
+        }
         let id = if req.request_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
         } else {

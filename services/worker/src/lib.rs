@@ -116,6 +116,10 @@ pub struct Config {
     /// (RESOURCE_EXHAUSTED) instead of queueing further.
     #[arg(long, env = "PDMESH_ADMISSION_TIMEOUT_MS", default_value_t = 30_000)]
     pub admission_timeout_ms: u64,
+    /// Most requests waiting in the engine's queue; one more is refused with
+    /// RESOURCE_EXHAUSTED (the gateway's 429) instead of waiting without bound.
+    #[arg(long, env = "PDMESH_MAX_QUEUED_REQUESTS", default_value_t = pdmesh_engine::DEFAULT_MAX_QUEUED)]
+    pub max_queued_requests: usize,
     /// Prefill and decode: the longest one request's KV hand-over may take on this side
     /// (DEADLINE_EXCEEDED past it). Prefill's runs from its first token to the commit;
     /// decode's from when prefill starts writing. While prefill computes, the room's
@@ -231,6 +235,7 @@ impl Config {
             no_host_tier: false,
             role: Role::Unified,
             admission_timeout_ms: 30_000,
+            max_queued_requests: pdmesh_engine::DEFAULT_MAX_QUEUED,
             transfer_timeout_ms: 60_000,
             watchdog_stall_ms: 10_000,
             watchdog: Watchdog::Soft,
@@ -340,6 +345,7 @@ impl Config {
             ("page-size", self.page_size),
             ("prefill-chunk", self.prefill_chunk),
             ("tp", self.tp),
+            ("max-queued-requests", self.max_queued_requests),
         ] {
             if value == 0 {
                 return Err(Error::Config(format!("--{name} must be at least 1")));
@@ -415,6 +421,7 @@ impl Config {
                 IndexKDtypeArg::Fp8 => pdmesh_kv::IndexKDtype::Fp8,
                 IndexKDtypeArg::Bf16 => pdmesh_kv::IndexKDtype::Bf16,
             },
+            max_queued: Some(self.max_queued_requests),
         })
     }
 }
@@ -560,6 +567,7 @@ pub async fn run(
         "worker listening"
     );
 
+    let grammars = engine.grammar_compiler();
     let (handle, engine_thread) =
         actor::start(engine, cfg.faults.stall_step).map_err(Error::Thread)?;
     let watch = std::sync::Arc::new(watchdog::EngineWatch::start(
@@ -586,7 +594,7 @@ pub async fn run(
         serving.clone(),
     ));
     let worker = std::sync::Arc::new(grpc::WorkerService::new(
-        handle,
+        (handle, grammars),
         pd,
         watch,
         cfg.faults.active(),

@@ -126,7 +126,10 @@ fn invalid(field: &str, msg: impl std::fmt::Display) -> Status {
 fn json_schema_grammar(schema: &str) -> Result<String, Status> {
     let v: serde_json::Value = serde_json::from_str(schema)
         .map_err(|e| invalid("sampling_params.json_schema", format!("not JSON: {e}")))?;
-    Ok(format!("start: {}\n", pdmesh_chat::schema::json_rule(&v)))
+    // The rewrite has a step budget, so this stays short on the async runtime.
+    let rule = pdmesh_chat::schema::json_rule(&v)
+        .map_err(|e| invalid("sampling_params.json_schema", e))?;
+    Ok(format!("start: {rule}\n"))
 }
 
 /// SGLang sampling parameters → pdmesh's. `None` means the proto's zero values.

@@ -618,3 +618,48 @@ async fn a_taken_health_port_fails_the_start() {
         .unwrap_err();
     assert!(err.to_string().contains("--health-listen"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_queue_limit_a_request_is_resource_exhausted_and_the_queue_moves_on() {
+    let mut s = start_with(|c| {
+        c.max_batch = 1;
+        c.max_queued_requests = 1;
+    })
+    .await;
+    let baseline = free_pages(&mut s.client).await;
+    // One runs (the batch is full), one waits: the queue is at its limit.
+    let mut running = s
+        .client
+        .generate(request("running", PROMPT, greedy(0)))
+        .await
+        .unwrap()
+        .into_inner();
+    next_token(&mut running).await;
+    let waiting = s
+        .client
+        .generate(request("waiting", PROMPT, greedy(2)))
+        .await
+        .unwrap()
+        .into_inner();
+    let refused = s
+        .client
+        .generate(request("refused", PROMPT, greedy(2)))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(refused.message().contains("queue is full"), "{refused:?}");
+    // The running one leaves: the waiting one runs, and the queue takes requests again.
+    drop(running);
+    let (tokens, _) = collect(waiting).await;
+    assert_eq!(tokens.len(), 2);
+    let (tokens, _) = collect(
+        s.client
+            .generate(request("later", PROMPT, greedy(1)))
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await;
+    assert_eq!(tokens.len(), 1);
+    wait_free_pages(&mut s.client, baseline).await;
+}
