@@ -22,6 +22,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "e2e-secret-key"
+# The gateway's --admin-key, for /debug/*.
+ADMIN_KEY = "e2e-admin-key"
 STARTUP_TIMEOUT_S = float(os.environ.get("PDMESH_E2E_STARTUP_TIMEOUT", "600"))
 
 
@@ -125,7 +127,7 @@ def start_up(tmp: Path, extra_args: list[str] | None = None, env: dict | None = 
     tmp.mkdir(parents=True, exist_ok=True)
     ports_json = tmp / "ports.json"
     log_path = tmp / "up.log"
-    env = dict(os.environ, PDMESH_API_KEY=API_KEY, **(env or {}))
+    env = dict(os.environ, PDMESH_API_KEY=API_KEY, PDMESH_ADMIN_KEY=ADMIN_KEY, **(env or {}))
     cmd = [str(pdmesh_bin()), "up", "--port", str(port), "--ports-json", str(ports_json),
            "--incident-dir", str(tmp / "incidents"), *(extra_args or [])]
     with open(log_path, "wb") as log:

@@ -27,8 +27,12 @@ KILLS = 3
 
 
 def mirror_files(shm: Path) -> list[str]:
-    """The published mirror files in `shm`, and any file a creator has not yet published."""
-    return sorted(p.name for p in shm.iterdir() if p.name.startswith(("pdmesh-mirror-", "pdmesh-new-mirror-")))
+    """The published mirror files under `shm` (in the user's private directory there), and
+    any file a creator has not yet published."""
+    own = shm / f"pdmesh-mirrors-{os.geteuid()}"
+    if not own.exists():
+        return []
+    return sorted(p.name for p in own.iterdir() if p.name.startswith(("pdmesh-mirror-", "pdmesh-new-mirror-")))
 
 
 def mapped_mirrors(pid: int) -> set[str]:

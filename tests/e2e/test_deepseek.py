@@ -161,7 +161,9 @@ def test_the_seeds_bug_is_refused_by_the_hand_over_and_reported_with_both_layout
     beside the staging buffer's (fp8, 132 B/token). Its replay command, run as written
     once a healthy mesh serves on the same address, gives that mesh's answer."""
     forms = ["--model", str(tiny), "--no-smoke-test", "--worker-arg=--kv-cache-dtype=bf16", "--worker-arg=--index-k-dtype=bf16"]
-    mesh = start_up(tmp_path / "faulty", [*forms, "--worker-arg=--fault-missize-index-k"])
+    # The replay needs the prompt's token ids, which a report keeps only with the flag.
+    mesh = start_up(tmp_path / "faulty", [*forms, "--worker-arg=--fault-missize-index-k",
+                                          "--worker-arg=--incident-include-prompts"])
     ask = lambda client: client.chat.completions.create(model=mesh.model, messages=[{"role": "user", "content": SYSTEM}],
                                                         max_tokens=MAX_TOKENS, temperature=0)
     try:

@@ -243,6 +243,30 @@ def test_workers_probe_grpc_health_and_the_gateway_and_workers_drain_inside_thei
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_mirror_and_incident_reports_stay_private_to_the_pods_user(overlay):
+    """The cache service keeps the host mirror in a 0700 directory of its own user under
+    the node's /dev/shm, so every pod that maps it must run as that user; and a service
+    refuses a world-writable incident directory (what an emptyDir is), so reports go into
+    a subdirectory of the mount, which the service creates owner-only."""
+    users = {}
+    for w, spec in pods(render(overlay)):
+        name = w["metadata"]["name"]
+        sc = spec["securityContext"]
+        vols = {v["name"]: v for v in spec["volumes"]}
+        for c in spec["containers"]:
+            mounts = {m["mountPath"]: vols[m["name"]] for m in c.get("volumeMounts", [])}
+            if "/dev/shm" in mounts and "hostPath" in mounts["/dev/shm"]:
+                users[f"{name}/{c['name']}"] = (sc["runAsUser"], sc["runAsGroup"])
+            for a in c.get("args", []):
+                if a.startswith("--incident-dir="):
+                    d = a.split("=", 1)[1]
+                    assert d not in mounts, f"{name}: --incident-dir is the mount {d} itself, not a directory inside it"
+                    assert any(d.startswith(m.rstrip("/") + "/") for m in mounts), f"{name}: {d} is on no volume"
+    assert any(k.startswith("pdmesh-cache/") for k in users), users
+    assert len(set(users.values())) == 1, f"the pods mapping the mirror run as different users: {users}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_flag_given_to_pdmesh_exists_in_its_help(overlay):
     for w, spec in pods(render(overlay)):
         for c in spec.get("initContainers", []) + spec["containers"]:

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import API_KEY, http, pdmesh_bin
+from conftest import ADMIN_KEY, API_KEY, http, pdmesh_bin
 
 WEATHER = {
     "type": "function",
@@ -339,37 +339,42 @@ def test_a_parse_failure_files_an_incident_report_without_secrets_or_prompt_text
     rf = {"type": "json_schema", "json_schema": {"name": "leak", "schema": schema}}
     with pytest.raises(openai.InternalServerError):
         chat(client, mesh, messages=ASK, tools=[WEATHER], response_format=rf)
-    # The gateway lists it (behind the API key); one report per cause, its repeats counted.
-    status, raw = http("GET", mesh.base + "/debug/incidents", None, {"Authorization": f"Bearer {API_KEY}"})
+    # The gateway lists it (behind the admin key, never the API key); one report per
+    # cause, its repeats counted.
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    status, raw = http("GET", mesh.base + "/debug/incidents", None, admin)
     assert status == 200, raw
     found = [i for i in json.loads(raw)["data"] if i["kind"] == "tool_parse"]
     assert len(found) == 1 and found[0]["repeats"] >= 1 and found[0]["service"] == "gateway", found
     assert http("GET", mesh.base + "/debug/incidents", None, {})[0] == 401
+    assert http("GET", mesh.base + "/debug/incidents", None, {"Authorization": f"Bearer {API_KEY}"})[0] == 401
     report_id = found[0]["id"]
-    status, md = http("GET", f"{mesh.base}/debug/incidents/{report_id}?format=markdown", None,
-                      {"Authorization": f"Bearer {API_KEY}"})
+    status, md = http("GET", f"{mesh.base}/debug/incidents/{report_id}?format=markdown", None, admin)
     assert status == 200 and md.decode().startswith("# Output failed to parse"), md
-    # On disk, owner-only, Markdown and JSON: the evidence, never the key or the prompt.
+    # On disk, owner-only, Markdown and JSON: the evidence, never the key, the prompt's
+    # text or ids, the tools or the output that failed (no --incident-include-prompts).
     assert (mesh.incident_dir.stat().st_mode & 0o777) == 0o700
     text = (mesh.incident_dir / f"{report_id}.md").read_text()
     report = json.loads((mesh.incident_dir / f"{report_id}.json").read_text())
-    for leaked in (API_KEY, ASK[0]["content"]):
+    for leaked in (API_KEY, ADMIN_KEY, ASK[0]["content"], "get_weather", "oops"):
         assert leaked not in text and leaked not in json.dumps(report), leaked
     assert report["details"]["parser"] == "hermes" and report["details"]["reason"] == "unterminated"
+    assert "detail" not in report["details"], report["details"]
+    assert int(report["details"]["prompt tokens"]) > 0, report["details"]
     assert report["place"]["request_id"].startswith("chatcmpl-")
-    assert report["replay"]["prompt_token_ids"] and report["replay"]["body"]["response_format"] == rf
+    assert not report["replay"].get("prompt_token_ids") and "messages" not in report["replay"]["body"], report["replay"]
     assert report["config"]["api_key"] == "[redacted]"
     # The gateway's figures a second before and at the failure.
     parse = next(m for m in report["metrics"] if m["name"] == "tool-call outputs that failed to parse")
     assert parse["after"] >= 1 and parse["before"] is not None and parse["before"] <= parse["after"], report["metrics"]
     assert report["replay"]["command"].startswith("pdmesh bench replay "), report["replay"]
-    # `pdmesh incident` reads the directory, or asks the gateway.
+    # `pdmesh incident` reads the directory, or asks the gateway with the admin key.
     listed = subprocess.run([str(pdmesh_bin()), "incident", "list", "--dir", str(mesh.incident_dir)],
                             capture_output=True, text=True, check=True).stdout
     assert report_id in listed and "tool_parse" in listed
     shown = subprocess.run([str(pdmesh_bin()), "incident", "show", report_id, "--gateway", mesh.base],
                            capture_output=True, text=True, check=True,
-                           env=dict(os.environ, PDMESH_API_KEY=API_KEY)).stdout
+                           env=dict(os.environ, PDMESH_ADMIN_KEY=ADMIN_KEY)).stdout
     assert shown == md.decode()
 
 

@@ -13,6 +13,14 @@
 //! [`sweep`]s its directory: a mirror file nobody holds the lock of is removed. Workers
 //! never lock: a worker maps the file and closes it, so the mapping of a swept file stays
 //! valid until the worker registers with the new service and lets the old one go.
+//!
+//! A mirror holds every tenant's KV, so it is private to the service's user: it lives in
+//! `<dir>/pdmesh-mirrors-<uid>` ([`private_dir`]), a directory of mode 0700 that the
+//! service creates, or refuses to use when someone else owns it or others may reach it,
+//! and the file is created 0600, exclusively and never through a link. Workers run as
+//! the same user. Bytes in the mapping are moved only by volatile copies to and from
+//! private buffers, since another process may write them at any time; a checksum is
+//! computed over a private buffer, never over the mapping.
 
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
@@ -21,6 +29,9 @@ use std::path::{Path, PathBuf};
 
 use memmap2::MmapRaw;
 
+/// The private directory of a user's mirrors, under the configured one, is this and the
+/// user's uid.
+pub const DIR_PREFIX: &str = "pdmesh-mirrors-";
 /// A published mirror file's name starts with this.
 pub const FILE_PREFIX: &str = "pdmesh-mirror-";
 /// A mirror file being created starts with this, until its creator holds the lock and
@@ -77,7 +88,10 @@ impl Mirror {
             let file = OpenOptions::new()
                 .read(true)
                 .write(true)
+                // O_EXCL, owner-only, never through a link planted at the name.
                 .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
                 .open(&pending)?;
             match lock_and_publish(&file, &pending, &path, need) {
                 Ok(true) => {}
@@ -106,10 +120,26 @@ impl Mirror {
         )))
     }
 
-    /// Maps an existing mirror file; its size must be exactly `pages` slots.
+    /// Maps an existing mirror file; its size must be exactly `pages` slots, and it must
+    /// be a regular file (not reached through a link) that only its owner may open.
     pub fn open(path: &Path, page_bytes: usize, pages: usize) -> std::io::Result<Self> {
-        let file = OpenOptions::new().read(true).write(true).open(path)?;
-        let len = file.metadata()?.len();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path)?;
+        let meta = file.metadata()?;
+        if !meta.is_file() || meta.mode() & 0o077 != 0 {
+            return Err(std::io::Error::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "mirror file {} is not a private regular file (mode {:o}): refusing to map it",
+                    path.display(),
+                    meta.mode() & 0o7777
+                ),
+            ));
+        }
+        let len = meta.len();
         if len != (page_bytes * pages) as u64 {
             return Err(std::io::Error::other(format!(
                 "mirror file {} is {len} bytes, expected {pages} pages of {page_bytes}",
@@ -163,9 +193,8 @@ impl Mirror {
             self.page_bytes
         );
         // SAFETY: the source is one slot inside the live mapping (checked in slot_ptr) and
-        // `dst` is a distinct Rust buffer of the same length. Raw copies never form a
-        // reference to memory another process may write.
-        unsafe { std::ptr::copy_nonoverlapping(self.slot_ptr(slot), dst.as_mut_ptr(), dst.len()) }
+        // `dst` is a distinct Rust buffer of the same length.
+        unsafe { copy_from_shared(self.slot_ptr(slot), dst) }
     }
 
     /// Copies one page from `src` into slot `slot`.
@@ -177,34 +206,22 @@ impl Mirror {
             self.page_bytes
         );
         // SAFETY: as in `read`, with the roles swapped.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.slot_ptr(slot), src.len()) }
+        unsafe { copy_to_shared(src, self.slot_ptr(slot)) }
     }
 
-    /// Copies slot `slot` into `dst` and returns the page checksum of the bytes copied,
-    /// reading the slot once.
+    /// Copies slot `slot` into `dst` and returns the page checksum of `dst`: of the bytes
+    /// copied, whatever another process writes into the slot meanwhile or later.
     pub fn read_checked(&self, slot: u32, dst: &mut [u8]) -> u64 {
-        assert_eq!(
-            dst.len(),
-            self.page_bytes,
-            "a page is {} bytes",
-            self.page_bytes
-        );
-        // SAFETY: the source is one slot inside the live mapping (checked in slot_ptr),
-        // `dst` a distinct Rust buffer of the same length.
-        unsafe { pdmesh_kv::copy_and_checksum(self.slot_ptr(slot), dst) }
+        self.read(slot, dst);
+        pdmesh_kv::page_checksum(dst)
     }
 
-    /// Copies one page from `src` into slot `slot` and returns the page checksum of `src`,
-    /// reading `src` once.
+    /// Copies one page from `src` into slot `slot` and returns the page checksum of `src`
+    /// (never of the slot, which another process may change).
     pub fn write_checked(&self, slot: u32, src: &[u8]) -> u64 {
-        assert_eq!(
-            src.len(),
-            self.page_bytes,
-            "a page is {} bytes",
-            self.page_bytes
-        );
-        // SAFETY: as in `read_checked`, with the roles swapped.
-        unsafe { pdmesh_kv::copy_to_and_checksum(src, self.slot_ptr(slot)) }
+        let sum = pdmesh_kv::page_checksum(src);
+        self.write(slot, src);
+        sum
     }
 
     /// The page checksum of the slot's bytes, read through a private copy.
@@ -221,6 +238,115 @@ impl Drop for Mirror {
             let _ = std::fs::remove_file(&self.path);
         }
     }
+}
+
+/// Copies `dst.len()` bytes of shared memory at `src` into `dst` with volatile reads, a
+/// word at a time where `src` is aligned: each byte of the mapping is read exactly once,
+/// and the compiler may neither add reads nor assume the bytes stay put.
+///
+/// # Safety
+/// `src` must be valid for reads of `dst.len()` bytes for the whole call.
+unsafe fn copy_from_shared(src: *const u8, dst: &mut [u8]) {
+    const W: usize = std::mem::size_of::<u64>();
+    let mut i = 0;
+    if src.cast::<u64>().is_aligned() {
+        while i + W <= dst.len() {
+            // SAFETY: src + i is aligned and i + W <= len, inside what the caller vouches for.
+            let w = unsafe { std::ptr::read_volatile(src.add(i).cast::<u64>()) };
+            dst[i..i + W].copy_from_slice(&w.to_ne_bytes());
+            i += W;
+        }
+    }
+    while i < dst.len() {
+        // SAFETY: i < len.
+        dst[i] = unsafe { std::ptr::read_volatile(src.add(i)) };
+        i += 1;
+    }
+}
+
+/// Copies `src` into shared memory at `dst` with volatile writes (as [`copy_from_shared`]).
+///
+/// # Safety
+/// `dst` must be valid for writes of `src.len()` bytes for the whole call.
+unsafe fn copy_to_shared(src: &[u8], dst: *mut u8) {
+    const W: usize = std::mem::size_of::<u64>();
+    let mut i = 0;
+    if dst.cast::<u64>().is_aligned() {
+        while i + W <= src.len() {
+            let w = u64::from_ne_bytes(src[i..i + W].try_into().expect("a word"));
+            // SAFETY: dst + i is aligned and i + W <= len, inside what the caller vouches for.
+            unsafe { std::ptr::write_volatile(dst.add(i).cast::<u64>(), w) };
+            i += W;
+        }
+    }
+    while i < src.len() {
+        // SAFETY: i < len.
+        unsafe { std::ptr::write_volatile(dst.add(i), src[i]) };
+        i += 1;
+    }
+}
+
+/// The directory of this user's mirrors under `base` (`<base>/pdmesh-mirrors-<uid>`),
+/// created with mode 0700 if missing. An existing one must be a directory (not a link)
+/// owned by this user that neither its group nor others may reach, else this is an error
+/// saying which and what to do: the service refuses to start rather than put its
+/// tenants' KV where others can read it.
+pub fn private_dir(base: &Path) -> std::io::Result<PathBuf> {
+    let uid = effective_uid();
+    let dir = base.join(format!("{DIR_PREFIX}{uid}"));
+    let mut b = std::fs::DirBuilder::new();
+    std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
+    match b.create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+        Err(e) => {
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot create the host mirror's directory {}: {e}",
+                    dir.display()
+                ),
+            ));
+        }
+    }
+    check_private_dir(&dir, uid)?;
+    Ok(dir)
+}
+
+/// Why `dir` may not hold mirrors of user `uid`, as an error; `Ok` when it may.
+fn check_private_dir(dir: &Path, uid: u32) -> std::io::Result<()> {
+    let meta = std::fs::symlink_metadata(dir)?;
+    let refuse = |why: String| {
+        Err(std::io::Error::new(
+            ErrorKind::PermissionDenied,
+            format!(
+                "refusing the host mirror's directory {}: {why}; remove it (the service \
+                 creates it afresh, mode 0700) or pass another --shm-dir",
+                dir.display()
+            ),
+        ))
+    };
+    if !meta.file_type().is_dir() {
+        return refuse("it is not a directory (a link or a file is there)".into());
+    }
+    if meta.uid() != uid {
+        return refuse(format!(
+            "it is owned by uid {}, not by this service's uid {uid}",
+            meta.uid()
+        ));
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return refuse(format!(
+            "its mode is {mode:04o}: its group or others may reach the mirror (0700 wanted)"
+        ));
+    }
+    Ok(())
+}
+
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
 }
 
 /// Locks `file` (just created at `pending`), sizes it to `len` and renames it to `path`.
@@ -323,9 +449,19 @@ fn sweep_one(path: &Path) -> std::io::Result<Option<u64>> {
     }
 }
 
-/// The directories a mirror may be in: `configured` (`--shm-dir`) if given, else each
-/// one [`default_dir`] may pick.
-fn dirs(configured: Option<&Path>) -> Vec<PathBuf> {
+/// The directories a mirror may be in: this user's [`private_dir`] under `configured`
+/// (`--shm-dir`) if given, else under each base [`default_dir`] may pick.
+pub fn dirs(configured: Option<&Path>) -> Vec<PathBuf> {
+    let uid = effective_uid();
+    bases(configured)
+        .into_iter()
+        .map(|b| b.join(format!("{DIR_PREFIX}{uid}")))
+        .collect()
+}
+
+/// The directories [`dirs`] are in: `configured`, else /dev/shm (if the host has it)
+/// and the temporary directory.
+pub fn bases(configured: Option<&Path>) -> Vec<PathBuf> {
     match configured {
         Some(dir) => vec![dir.to_owned()],
         None => {
@@ -349,6 +485,7 @@ pub fn sweep_dirs(configured: Option<&Path>) -> Vec<Swept> {
     for dir in dirs(configured) {
         match sweep(&dir) {
             Ok(s) => swept.extend(s),
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
             Err(e) => {
                 tracing::warn!(dir = %dir.display(), error = %e, "could not look for host mirror files left behind");
             }
@@ -357,20 +494,23 @@ pub fn sweep_dirs(configured: Option<&Path>) -> Vec<Swept> {
     swept
 }
 
-/// Where a mirror of `bytes` goes by default: /dev/shm (memory) when the host has it with
-/// room enough, else the temporary directory.
-pub fn default_dir(bytes: u64) -> PathBuf {
+/// Where a mirror of `bytes` goes by default: this user's [`private_dir`] in /dev/shm
+/// (memory) when the host has it with room enough, else in the temporary directory.
+pub fn default_dir(bytes: u64) -> std::io::Result<PathBuf> {
     let shm = Path::new("/dev/shm");
     if shm.is_dir() && fs4::available_space(shm).is_ok_and(|free| free >= bytes) {
-        shm.to_owned()
+        private_dir(shm)
     } else {
-        std::env::temp_dir()
+        let tmp = std::env::temp_dir();
+        tracing::warn!(dir = %tmp.display(), bytes, "/dev/shm is missing or too small for the host mirror: it goes under the temporary directory");
+        private_dir(&tmp)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn a_page_written_by_one_mapping_is_read_by_another_and_the_file_goes_with_its_creator() {
@@ -563,6 +703,78 @@ mod tests {
             owned,
             "exactly the live mirrors remain"
         );
+    }
+
+    #[test]
+    fn the_mirror_file_is_owner_only_and_pages_of_any_length_copy_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        // 61 bytes: slots after the first start unaligned and end in a partial word.
+        let m = Mirror::create(dir.path(), 61, 3).unwrap();
+        let meta = std::fs::symlink_metadata(m.path()).unwrap();
+        assert!(meta.is_file());
+        assert_eq!(meta.mode() & 0o777, 0o600);
+        let peer = Mirror::open(m.path(), 61, 3).unwrap();
+        for slot in 0..3 {
+            let page: Vec<u8> = (0..61).map(|i| (i * 7 + slot * 3) as u8).collect();
+            let sum = peer.write_checked(slot, &page);
+            assert_eq!(sum, pdmesh_kv::page_checksum(&page));
+            let mut back = vec![0; 61];
+            assert_eq!(m.read_checked(slot, &mut back), sum);
+            assert_eq!(back, page, "slot {slot}");
+        }
+    }
+
+    #[test]
+    fn a_mirror_file_others_may_open_or_a_link_to_one_is_not_mapped() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Mirror::create(dir.path(), 64, 1).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(m.path(), &link).unwrap();
+        let e = Mirror::open(&link, 64, 1).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{e}");
+        let loose = dir.path().join("loose");
+        std::fs::write(&loose, [0; 64]).unwrap();
+        std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = Mirror::open(&loose, 64, 1).unwrap_err();
+        assert!(e.to_string().contains("not a private regular file"), "{e}");
+    }
+
+    #[test]
+    fn the_private_dir_is_made_0700_and_a_loose_foreign_or_linked_one_is_refused() {
+        let base = tempfile::tempdir().unwrap();
+        let dir = private_dir(base.path()).unwrap();
+        assert_eq!(
+            dir.file_name().unwrap().to_string_lossy(),
+            format!("{DIR_PREFIX}{}", effective_uid())
+        );
+        let meta = std::fs::symlink_metadata(&dir).unwrap();
+        assert!(meta.is_dir());
+        assert_eq!(meta.mode() & 0o7777, 0o700);
+        assert_eq!(
+            private_dir(base.path()).unwrap(),
+            dir,
+            "an existing private one is used"
+        );
+
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = private_dir(base.path()).unwrap_err();
+        assert!(e.to_string().contains("mode is 0777"), "{e}");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o750)).unwrap();
+        let e = private_dir(base.path()).unwrap_err();
+        assert!(e.to_string().contains("mode is 0750"), "{e}");
+
+        // Someone else's (checked against another uid, so this runs as any user).
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let other = effective_uid().wrapping_add(1);
+        let e = check_private_dir(&dir, other).unwrap_err();
+        assert!(e.to_string().contains("not by this service's uid"), "{e}");
+
+        // A link planted at the name, even to a private directory of ours.
+        std::fs::remove_dir(&dir).unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(elsewhere.path(), &dir).unwrap();
+        let e = private_dir(base.path()).unwrap_err();
+        assert!(e.to_string().contains("not a directory"), "{e}");
     }
 
     #[cfg(target_os = "linux")]

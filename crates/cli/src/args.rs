@@ -60,9 +60,9 @@ pub struct IncidentArgs {
     /// Ask this gateway (`http://HOST:PORT`) instead of reading a directory.
     #[arg(long, global = true)]
     pub gateway: Option<String>,
-    /// The gateway's API key.
-    #[arg(long, global = true, env = "PDMESH_API_KEY", hide_env_values = true)]
-    pub api_key: Option<String>,
+    /// The gateway's admin key (its `--admin-key`), which `/debug/incidents` requires.
+    #[arg(long, global = true, env = "PDMESH_ADMIN_KEY", hide_env_values = true)]
+    pub admin_key: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -218,6 +218,10 @@ pub struct UpArgs {
     /// Require `Authorization: Bearer <key>` on the gateway's `/v1/*` routes.
     #[arg(long, env = "PDMESH_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Open the gateway's `/debug/*` routes (incident reports) to `Authorization: Bearer
+    /// <key>`; without it they answer 403. Passed to the gateway alone, by environment.
+    #[arg(long, env = "PDMESH_ADMIN_KEY", hide_env_values = true)]
+    pub admin_key: Option<String>,
     /// Where the services write incident reports (`pdmesh incident list` reads them);
     /// default `$XDG_STATE_HOME/pdmesh/incidents` or `~/.local/state/pdmesh/incidents`.
     #[arg(long, env = "PDMESH_INCIDENT_DIR")]

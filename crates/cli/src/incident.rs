@@ -56,7 +56,7 @@ pub async fn run(args: IncidentArgs) -> anyhow::Result<()> {
                 IncidentCommand::Show { id, json: true } => format!("/debug/incidents/{id}"),
             };
             let mut req = reqwest::Client::new().get(format!("{base}{path}"));
-            if let Some(key) = &args.api_key {
+            if let Some(key) = &args.admin_key {
                 req = req.bearer_auth(key);
             }
             let resp = req.send().await.with_context(|| format!("asking {base}"))?;

@@ -166,7 +166,11 @@ type Secrets = Vec<(&'static str, String)>;
 
 /// The environment variables [`Secrets`] may set: each is removed from every child that
 /// is not given it, so none reaches a child by inheritance.
-const SECRET_VARS: [&str; 2] = ["PDMESH_API_KEY", pdmesh_tls::auth::TOKEN_ENV];
+const SECRET_VARS: [&str; 3] = [
+    "PDMESH_API_KEY",
+    "PDMESH_ADMIN_KEY",
+    pdmesh_tls::auth::TOKEN_ENV,
+];
 
 /// Starts `exe SUBCOMMAND --listen ADDR FLAGS --listen-fd 3` as a child in its own
 /// process group (so a terminal's Ctrl-C reaches only `up`, which then stops it in order)
@@ -814,6 +818,10 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
                 args.api_key
                     .iter()
                     .map(|k| ("PDMESH_API_KEY", k.clone()))
+                    .collect(),
+                args.admin_key
+                    .iter()
+                    .map(|k| ("PDMESH_ADMIN_KEY", k.clone()))
                     .collect(),
             ]
             .concat(),

@@ -71,9 +71,10 @@ impl Cache {
         RemoteTier::start(self.rt.handle().clone(), cfg, layout)
     }
 
-    /// The mirror file's path.
+    /// The mirror file's path (in the service user's private directory under --shm-dir).
     fn file(&self) -> std::path::PathBuf {
-        let mut files: Vec<_> = std::fs::read_dir(self.dir.path())
+        let dirs = pdmesh_cache::mirror::dirs(Some(self.dir.path()));
+        let mut files: Vec<_> = std::fs::read_dir(&dirs[0])
             .unwrap()
             .map(|f| f.unwrap().path())
             .collect();

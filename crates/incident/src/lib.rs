@@ -7,13 +7,20 @@
 //! KV layouts side by side with the differences marked; the pages with their expected and
 //! found checksums; metrics before and after; the configuration; the stuck rooms; and a
 //! replay recipe. The reporter writes it as Markdown for people and JSON for tools into
-//! one directory (created owner-only), keeps at most a bounded number, and deduplicates:
-//! the same cause in the same component within a window is one report whose repeat count
-//! grows. What it writes never holds a secret: configuration values whose names say key,
-//! token, secret or password are replaced, and a request's text is the caller's to
-//! include (token ids otherwise; see [`Replay`]).
+//! one directory (created owner-only; an existing one must be the service user's and
+//! writable by nobody else, else the service refuses to start), keeps at most a bounded
+//! number, and deduplicates: the same cause in the same component within a window is one
+//! report whose repeat count grows.
+//!
+//! What it writes never holds a secret: configuration values whose names say key, token,
+//! secret or password are replaced, and unless the operator passed
+//! `--incident-include-prompts` ([`Config::include_prompts`]) a report keeps only what an
+//! allowlist names ([`redact`]): ids, lengths, timings, layouts and fingerprints, error
+//! classes and the request's sampling parameters, never the prompt's text or token ids,
+//! tool definitions or arguments, system text or the model's output.
 
 use std::collections::{BTreeMap, HashMap};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
@@ -339,6 +346,11 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "incident directory {path}: {why}; reports may hold a request's evidence, so the \
+         service refuses it: remove it (the service creates it owner-only) or chmod go-w it"
+    )]
+    Unsafe { path: PathBuf, why: String },
     #[error("incident {0:?} is not a report id")]
     BadId(String),
     #[error("no incident {0:?}")]
@@ -370,6 +382,9 @@ pub struct Config {
     /// The mesh's OpenAI endpoint for the replay command (`http://host:port/v1`); unset:
     /// the command's default.
     pub replay_url: Option<String>,
+    /// Keep the prompt (text and token ids), tool definitions and arguments and the
+    /// model's output in reports (`--incident-include-prompts`); off: [`redact`].
+    pub include_prompts: bool,
 }
 
 impl Config {
@@ -380,6 +395,7 @@ impl Config {
             window: Duration::from_secs(300),
             trace_link: None,
             replay_url: None,
+            include_prompts: false,
         }
     }
 }
@@ -421,33 +437,34 @@ struct Open {
 const REWRITE_EVERY: Duration = Duration::from_secs(1);
 
 impl Reporter {
-    /// A reporter writing under `cfg.dir`, created now (owner-only) if missing.
+    /// A reporter writing under `cfg.dir`, created now (owner-only) if missing; an
+    /// existing directory must be owned by this process's user and writable by nobody
+    /// else ([`Error::Unsafe`] otherwise).
     pub fn new(cfg: Config) -> Result<Self, Error> {
         create_dir(&cfg.dir)?;
+        check_dir(&cfg.dir)?;
         Ok(Self {
             cfg,
             state: Mutex::new(State::default()),
         })
     }
 
-    /// A service's reporter from its flags: none without `--incident-dir`; none either,
-    /// with a warning, when the directory cannot be made, so a service never fails to
-    /// serve because its reports could not be written.
+    /// A service's reporter from its flags: none without `--incident-dir`; an error when
+    /// the directory cannot be made or is not safe, which stops the service at start.
     pub fn from_flags(
         dir: Option<&Path>,
         trace_link: Option<String>,
         replay_url: Option<String>,
-    ) -> Option<Self> {
-        let mut cfg = Config::new(dir?);
+        include_prompts: bool,
+    ) -> Result<Option<Self>, Error> {
+        let Some(dir) = dir else {
+            return Ok(None);
+        };
+        let mut cfg = Config::new(dir);
         cfg.trace_link = trace_link;
         cfg.replay_url = replay_url;
-        match Self::new(cfg) {
-            Ok(r) => Some(r),
-            Err(e) => {
-                tracing::warn!(error = %e, "incident reports are off: the directory cannot be made");
-                None
-            }
-        }
+        cfg.include_prompts = include_prompts;
+        Self::new(cfg).map(Some)
     }
 
     pub fn dir(&self) -> &Path {
@@ -466,7 +483,12 @@ impl Reporter {
 
     /// Files `incident`: a new report, or one more repeat of the open report for the same
     /// cause in the same component. The report's path is logged when it is new.
-    pub fn report(&self, mut incident: Incident) -> Result<Filed, Error> {
+    pub fn report(&self, incident: Incident) -> Result<Filed, Error> {
+        let mut incident = if self.cfg.include_prompts {
+            incident
+        } else {
+            redact(incident)
+        };
         let now = Instant::now();
         let wall = timestamp(SystemTime::now());
         let key = incident.key();
@@ -686,22 +708,192 @@ fn sanitize(s: &str) -> String {
     if out.is_empty() { "mesh".into() } else { out }
 }
 
+/// Request fields a report keeps without `--incident-include-prompts`: how it sampled
+/// and how long it could run, never text it carried.
+const BODY_KEPT: &[&str] = &[
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "n",
+    "stream",
+    "ignore_eos",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "parallel_tool_calls",
+];
+
+/// Evidence a report keeps without `--incident-include-prompts`: counts, timings, layouts,
+/// error classes and messages the mesh itself wrote. Anything else (the unparsable
+/// output's text, `detail`) is dropped.
+const DETAILS_KEPT: &[&str] = &[
+    "error",
+    "failures in this output",
+    "idle seconds",
+    "metrics before",
+    "pages failing",
+    "parser",
+    "reason",
+    "refusal",
+    "stalled seconds",
+    "this host's layout",
+    "watchdog",
+];
+
+/// `i` with only what the allowlists keep: every field of [`Incident`] is named here, so a
+/// new one is not written until someone decides whether it may hold a request's text.
+/// The replay keeps the body's [`BODY_KEPT`] fields with a number, a boolean or (for
+/// `model`) a string as value, and loses the prompt's token ids; the details keep
+/// [`DETAILS_KEPT`]. What was left out is named (field names, and the prompt's length).
+pub fn redact(i: Incident) -> Incident {
+    let Incident {
+        id,
+        kind,
+        summary,
+        first_seen,
+        last_seen,
+        repeats,
+        place,
+        timeline,
+        layouts,
+        pages,
+        metrics,
+        config,
+        stuck_rooms,
+        replay,
+        mut details,
+    } = i;
+    let mut dropped: Vec<String> = details
+        .keys()
+        .filter(|k| !DETAILS_KEPT.contains(&k.as_str()))
+        .cloned()
+        .collect();
+    details.retain(|k, _| DETAILS_KEPT.contains(&k.as_str()));
+    let replay = replay.map(|r| {
+        let mut body = serde_json::Map::new();
+        if let serde_json::Value::Object(fields) = r.body {
+            for (k, v) in fields {
+                let scalar = v.is_number() || v.is_boolean() || (k == "model" && v.is_string());
+                if BODY_KEPT.contains(&k.as_str()) && scalar {
+                    body.insert(k, v);
+                } else {
+                    dropped.push(format!("request {k}"));
+                }
+            }
+        }
+        if !r.prompt_token_ids.is_empty() {
+            details.insert("prompt tokens".into(), r.prompt_token_ids.len().to_string());
+            dropped.push("prompt token ids".into());
+        }
+        Replay {
+            body: serde_json::Value::Object(body),
+            prompt_token_ids: Vec::new(),
+            command: r.command,
+        }
+    });
+    if !dropped.is_empty() {
+        details.insert(
+            "left out (--incident-include-prompts keeps them)".into(),
+            dropped.join(", "),
+        );
+    }
+    Incident {
+        id,
+        kind,
+        summary,
+        first_seen,
+        last_seen,
+        repeats,
+        place,
+        timeline,
+        layouts,
+        pages,
+        metrics,
+        config,
+        stuck_rooms,
+        replay,
+        details,
+    }
+}
+
 fn create_dir(dir: &Path) -> Result<(), Error> {
     let mut b = std::fs::DirBuilder::new();
     b.recursive(true);
-    #[cfg(unix)]
     std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
     b.create(dir).map_err(io(dir))
 }
 
+/// Refuses a directory this process's user does not own, or that its group or others
+/// may write to (they could plant or replace reports, or links in their place).
+fn check_dir(dir: &Path) -> Result<(), Error> {
+    let meta = std::fs::metadata(dir).map_err(io(dir))?;
+    let unsafe_dir = |why: String| Error::Unsafe {
+        path: dir.to_owned(),
+        why,
+    };
+    if !meta.is_dir() {
+        return Err(unsafe_dir("it is not a directory".into()));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    if meta.uid() != uid {
+        return Err(unsafe_dir(format!(
+            "it is owned by uid {}, not by this service's uid {uid}",
+            meta.uid()
+        )));
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(unsafe_dir(format!(
+            "its mode is {mode:04o}: its group or others may write to it"
+        )));
+    }
+    Ok(())
+}
+
+/// Writes `bytes` to `path`, owner-only, through a temporary file beside it (a reader
+/// never sees half a report). The temporary file is created exclusively and never through
+/// a link: whatever is at its name (one a crash left, or a link someone planted) is
+/// removed, not followed, and the create tried again.
 fn write_private(path: &Path, bytes: &[u8]) -> Result<(), Error> {
-    // Written beside, then renamed: a reader never sees half a report.
-    let tmp = path.with_extension("tmp");
-    let mut o = std::fs::OpenOptions::new();
-    o.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
-    std::io::Write::write_all(&mut o.open(&tmp).map_err(io(&tmp))?, bytes).map_err(io(&tmp))?;
+    let tmp = path.with_extension(format!(
+        "{}.tmp",
+        path.extension()
+            .and_then(|e| e.to_str())
+            .unwrap_or_default()
+    ));
+    let open = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)
+    };
+    let mut file = match open() {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            // unlink removes a link itself, never what it points to.
+            std::fs::remove_file(&tmp).map_err(io(&tmp))?;
+            open()
+        }
+        other => other,
+    }
+    .map_err(io(&tmp))?;
+    let written = std::io::Write::write_all(&mut file, bytes).map_err(io(&tmp));
+    drop(file);
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     std::fs::rename(&tmp, path).map_err(io(path))
 }
 
@@ -739,7 +931,15 @@ pub fn read(dir: &Path, id: &str) -> Result<Incident, Error> {
         return Err(Error::BadId(id.to_owned()));
     }
     let path = dir.join(format!("{id}.json"));
-    let bytes = match std::fs::read(&path) {
+    // Never through a link put in the report's place.
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&path);
+    let bytes = match opened.and_then(|mut f| {
+        let mut b = Vec::new();
+        std::io::Read::read_to_end(&mut f, &mut b).map(|_| b)
+    }) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(Error::NotFound(id.to_owned()));

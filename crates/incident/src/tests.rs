@@ -179,18 +179,171 @@ fn only_report_ids_are_read() {
 }
 
 #[test]
-fn a_directory_that_cannot_be_made_turns_reports_off_instead_of_failing() {
+fn a_directory_that_cannot_be_made_or_others_may_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("a-file");
     std::fs::write(&file, b"x").unwrap();
-    assert!(Reporter::from_flags(Some(&file.join("incidents")), None, None).is_none());
-    assert!(Reporter::from_flags(None, None, None).is_none());
+    let e = Reporter::from_flags(Some(&file.join("incidents")), None, None, false).unwrap_err();
+    assert!(matches!(e, Error::Io { .. }), "{e}");
+    assert!(
+        Reporter::from_flags(None, None, None, false)
+            .unwrap()
+            .is_none()
+    );
     let r = Reporter::from_flags(
         Some(&tmp.path().join("ok")),
         Some("t/{trace_id}".into()),
         None,
-    );
+        false,
+    )
+    .unwrap();
     assert!(r.is_some_and(|r| r.dir().is_dir()));
+    // World-writable, or group-writable: refused with what and why.
+    for mode in [0o777, 0o1777, 0o770] {
+        let loose = tmp.path().join(format!("loose-{mode:o}"));
+        std::fs::create_dir(&loose).unwrap();
+        std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(mode)).unwrap();
+        let e = Reporter::from_flags(Some(&loose), None, None, false).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Unsafe { .. }), "{msg}");
+        assert!(
+            msg.contains(&format!("mode is {mode:04o}"))
+                && msg.contains(&loose.display().to_string()),
+            "{msg}"
+        );
+    }
+    // Readable by others but writable by the owner alone is fine.
+    let shared = tmp.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert!(Reporter::from_flags(Some(&shared), None, None, false).is_ok());
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let foreign = tmp.path().join("foreign");
+        std::fs::create_dir(&foreign).unwrap();
+        std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+        let e = Reporter::from_flags(Some(&foreign), None, None, false).unwrap_err();
+        assert!(e.to_string().contains("owned by uid 65534"), "{e}");
+    }
+}
+
+/// A failure's evidence as a gateway files it: a chat request carrying a secret in its
+/// system text, user text and tool arguments, its prompt's ids, and the output that failed.
+fn with_prompt(secret: &str) -> Incident {
+    let mut i = Incident::new(Kind::ToolParse, "a call did not parse", place("gateway"));
+    i.replay = Some(Replay {
+        body: serde_json::json!({
+            "model": "m",
+            "max_tokens": 4,
+            "temperature": 0.5,
+            "stop": [secret],
+            "messages": [
+                {"role": "system", "content": format!("system {secret}")},
+                {"role": "user", "content": format!("user {secret}")},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                    "function": {"name": "f", "arguments": format!("{{\"q\": \"{secret}\"}}")}}]},
+            ],
+            "tools": [{"type": "function", "function": {"name": "f", "description": secret}}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": secret}}},
+        }),
+        prompt_token_ids: vec![91_919, 92_929, 93_939],
+        command: String::new(),
+    });
+    i.details.insert("parser".into(), "hermes".into());
+    i.details
+        .insert("detail".into(), format!("<tool_call>{secret}"));
+    i
+}
+
+#[test]
+fn without_the_flag_a_report_keeps_only_the_allowlist_and_with_it_the_prompt() {
+    const SECRET: &str = "s3cr3t-canary-7f1";
+    let tmp = tempfile::tempdir().unwrap();
+    let r = reporter(tmp.path(), |_| {});
+    let f = r.report(with_prompt(SECRET)).unwrap();
+    for ext in ["json", "md"] {
+        let text = std::fs::read_to_string(r.dir().join(format!("{}.{ext}", f.id))).unwrap();
+        assert!(!text.contains(SECRET), "{ext}: {text}");
+        assert!(
+            !text.contains("91919") && !text.contains("92929"),
+            "{ext}: {text}"
+        );
+    }
+    let got = read(r.dir(), &f.id).unwrap();
+    let replay = got.replay.unwrap();
+    assert_eq!(
+        replay.body,
+        serde_json::json!({"model": "m", "max_tokens": 4, "temperature": 0.5})
+    );
+    assert!(replay.prompt_token_ids.is_empty());
+    assert_eq!(got.details["prompt tokens"], "3");
+    assert_eq!(got.details["parser"], "hermes");
+    assert!(!got.details.contains_key("detail"));
+    let left_out = &got.details["left out (--incident-include-prompts keeps them)"];
+    for name in [
+        "detail",
+        "request messages",
+        "request tools",
+        "prompt token ids",
+    ] {
+        assert!(left_out.contains(name), "{left_out}");
+    }
+
+    let tmp = tempfile::tempdir().unwrap();
+    let r = reporter(tmp.path(), |c| c.include_prompts = true);
+    let f = r.report(with_prompt(SECRET)).unwrap();
+    let text = std::fs::read_to_string(r.dir().join(format!("{}.json", f.id))).unwrap();
+    assert!(text.contains(&format!("user {SECRET}")), "{text}");
+    let got = read(r.dir(), &f.id).unwrap();
+    assert_eq!(
+        got.replay.unwrap().prompt_token_ids,
+        vec![91_919, 92_929, 93_939]
+    );
+    assert_eq!(got.details["detail"], format!("<tool_call>{SECRET}"));
+}
+
+#[test]
+fn a_link_planted_at_a_temporary_files_name_is_not_followed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = reporter(tmp.path(), |c| c.window = Duration::from_secs(600));
+    let f = r
+        .report(Incident::new(Kind::Wedge, "stuck", place("cache")))
+        .unwrap();
+    // Links where the next write of this report puts its temporary files.
+    let victim = tmp.path().join("victim");
+    std::fs::write(&victim, b"untouched").unwrap();
+    let mut links = Vec::new();
+    for ext in ["json", "md"] {
+        let link = r.dir().join(format!("{}.{ext}.tmp", f.id));
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        links.push(link);
+    }
+    r.report(Incident::new(Kind::Wedge, "stuck", place("cache")))
+        .unwrap();
+    r.flush().unwrap();
+    assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
+    assert_eq!(read(r.dir(), &f.id).unwrap().repeats, 2);
+    for ext in ["json", "md"] {
+        let p = r.dir().join(format!("{}.{ext}", f.id));
+        assert!(
+            std::fs::symlink_metadata(&p).unwrap().is_file(),
+            "{}",
+            p.display()
+        );
+    }
+    for link in links {
+        assert!(
+            std::fs::symlink_metadata(&link).is_err(),
+            "{} left",
+            link.display()
+        );
+    }
+    // A link in a report's own place is not read through either.
+    let planted = r.dir().join("20000101T000000000Z-wedge-x-1.json");
+    std::os::unix::fs::symlink(&victim, &planted).unwrap();
+    let e = read(r.dir(), "20000101T000000000Z-wedge-x-1").unwrap_err();
+    assert!(matches!(e, Error::Io { .. }), "{e}");
 }
 
 #[test]
@@ -199,6 +352,7 @@ fn a_replay_gets_the_command_that_runs_it_with_the_reports_path_quoted() {
     let dir = tmp.path().join("my reports");
     let r = Reporter::new(Config {
         replay_url: Some("http://127.0.0.1:8080/v1".into()),
+        include_prompts: true,
         ..Config::new(&dir)
     })
     .unwrap();

@@ -41,8 +41,12 @@ pub struct Config {
     #[arg(long, env = "PDMESH_HOST_MIRROR_SIZE", default_value = "1GiB")]
     pub host_mirror_size: MirrorSize,
     /// Directory of the mirror file (default: /dev/shm if it has room, else the temporary
-    /// directory). At start the service removes the mirror files there (in both defaults
-    /// when unset) whose cache service died without removing them.
+    /// directory). The file goes into this user's own subdirectory there,
+    /// `pdmesh-mirrors-<uid>`, made mode 0700 (the file is 0600): the service refuses to
+    /// start when that subdirectory is someone else's or its group or others may reach
+    /// it. Workers mapping the mirror run as the same user. At start the service removes
+    /// the mirror files there (in both defaults when unset) whose cache service died
+    /// without removing them.
     #[arg(long, env = "PDMESH_SHM_DIR")]
     pub shm_dir: Option<PathBuf>,
     /// A worker that does not heartbeat for this long loses its pins and reservations.
@@ -203,6 +207,17 @@ pub async fn run(
             dir.display()
         )));
     }
+    // The mirror's own directory, this user's alone, made or checked now: a loose or
+    // foreign one stops the service here rather than at the first registration.
+    let mirror_dir = match &cfg.shm_dir {
+        Some(base) => Some(mirror::private_dir(base).map_err(|e| Error::Config(e.to_string()))?),
+        None => {
+            for base in mirror::bases(None) {
+                mirror::private_dir(&base).map_err(|e| Error::Config(e.to_string()))?;
+            }
+            None
+        }
+    };
     let auth = cfg.tls.auth()?;
     if let Some(a) = addr {
         auth.check_listen("the cache service", a)?;
@@ -216,7 +231,7 @@ pub async fn run(
     let serving = CancellationToken::new();
     let shared = grpc::Shared::new(state::State::with_rooms(
         cfg.host_mirror_size,
-        cfg.shm_dir.clone(),
+        mirror_dir,
         ttl,
         cfg.room_deadlines(),
     ));
@@ -251,7 +266,9 @@ pub async fn run(
         cfg.incident_dir.as_deref(),
         cfg.incident_trace_link.clone(),
         None,
+        false,
     )
+    .map_err(|e| Error::Config(e.to_string()))?
     .map(std::sync::Arc::new);
     let wedges = Wedges {
         reporter: reporter.clone(),

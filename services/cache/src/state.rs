@@ -409,10 +409,10 @@ impl State {
                         page_bytes,
                     });
                 }
-                let dir = self
-                    .dir
-                    .clone()
-                    .unwrap_or_else(|| crate::mirror::default_dir((page_bytes * pages) as u64));
+                let dir = match &self.dir {
+                    Some(d) => d.clone(),
+                    None => crate::mirror::default_dir((page_bytes * pages) as u64)?,
+                };
                 let mirror = Mirror::create(&dir, page_bytes, pages)?;
                 tracing::info!(path = %mirror.path().display(), pages, page_bytes, layout = %layout, "host mirror created");
                 self.mirror = Some(Arc::new(mirror));

@@ -48,6 +48,11 @@ impl Server {
         self.shutdown.cancel();
         self.task.await.unwrap().unwrap();
     }
+
+    /// The service user's private directory under --shm-dir, where the mirror goes.
+    fn mirror_dir(&self) -> std::path::PathBuf {
+        pdmesh_cache::mirror::dirs(Some(self._dir.path())).remove(0)
+    }
 }
 
 async fn start(pages: u64, lease_ttl_ms: u64) -> Server {
@@ -370,7 +375,7 @@ async fn a_caller_without_the_mesh_token_is_refused_everywhere_and_creates_nothi
     assert_eq!((st.layout.as_str(), st.total_pages, st.leases), ("", 0, 0));
     assert!(st.auth_refused >= 6, "{}", st.auth_refused);
     assert!(!st.insecure_plaintext);
-    assert_eq!(std::fs::read_dir(s._dir.path()).unwrap().count(), 0);
+    assert_eq!(std::fs::read_dir(s.mirror_dir()).unwrap().count(), 0);
     s.stop().await;
 }
 
@@ -408,7 +413,7 @@ async fn malformed_registrations_are_refused_and_create_nothing() {
     // Nothing was created: no layout fixed, no mirror file, no lease.
     let st = s.stats().await;
     assert_eq!((st.layout.as_str(), st.total_pages, st.leases), ("", 0, 0));
-    assert_eq!(std::fs::read_dir(s._dir.path()).unwrap().count(), 0);
+    assert_eq!(std::fs::read_dir(s.mirror_dir()).unwrap().count(), 0);
     // A lease that does not exist is NOT_FOUND everywhere.
     let err = rpc
         .r#match(pb::MatchRequest {
@@ -590,4 +595,132 @@ async fn a_room_that_never_ends_holds_the_drain_only_to_its_bound() {
         "{:?}",
         t0.elapsed()
     );
+}
+
+/// The mirror's directory and file are the service user's alone: the directory is made
+/// 0700 as the service starts, the file 0600, and another local user (nobody, by a child
+/// that drops root before trying) can open neither, though the --shm-dir above is open to
+/// all (as /dev/shm is).
+#[tokio::test]
+async fn the_mirror_is_private_to_the_service_user_and_another_user_cannot_open_it() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let s = start(4, 10_000).await;
+    std::fs::set_permissions(s._dir.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    // Serving (a Stats answer) means the start-up checks are behind it.
+    s.stats().await;
+    let dir = s.mirror_dir();
+    let meta = std::fs::symlink_metadata(&dir).unwrap();
+    assert!(meta.is_dir());
+    assert_eq!(meta.mode() & 0o7777, 0o700, "{}", dir.display());
+    let _w = client(&s, "writer", DataPlane::Shm).await;
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let file = &files[0];
+    let meta = std::fs::symlink_metadata(file).unwrap();
+    assert!(meta.is_file());
+    assert_eq!(meta.mode() & 0o7777, 0o600, "{}", file.display());
+    assert_eq!(meta.uid(), effective_uid());
+
+    if effective_uid() == 0 {
+        // A control: a file others may read, beside the private directory, is read by
+        // nobody; the mirror and its directory are not.
+        let open_to_all = s._dir.path().join("open-to-all");
+        std::fs::write(&open_to_all, b"x").unwrap();
+        std::fs::set_permissions(&open_to_all, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(open_as_nobody(&open_to_all).map_err(|e| e.kind()), Ok(()));
+        for path in [file, &dir] {
+            let e = open_as_nobody(path).unwrap_err();
+            assert_eq!(
+                e.raw_os_error(),
+                Some(libc::EACCES),
+                "{}: {e}",
+                path.display()
+            );
+        }
+    } else {
+        // Not root, so no other user to become: the mode bits (no group or other bit on
+        // the directory or the file) are what keeps other users out.
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o077, 0);
+        assert_eq!(std::fs::metadata(file).unwrap().mode() & 0o077, 0);
+    }
+    s.stop().await;
+}
+
+/// Opens `path` read-only in a child that first becomes nobody (uid and gid 65534, no
+/// supplementary groups): `Ok` if it could, else the error it got. The open runs between
+/// fork and exec, so its error comes back as the spawn's.
+fn open_as_nobody(path: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    let mut cmd = std::process::Command::new("/bin/true");
+    // SAFETY: the closure only makes async-signal-safe calls (setgroups, setgid, setuid,
+    // open, close) on memory allocated before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setgid(65534) != 0
+                || libc::setuid(65534) != 0
+            {
+                return Err(std::io::Error::other("could not become nobody"));
+            }
+            let fd = libc::open(c_path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            libc::close(fd);
+            Ok(())
+        });
+    }
+    let status = cmd.status()?;
+    assert!(status.success());
+    Ok(())
+}
+
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
+/// A private directory someone made loose (0777), or one owned by another user, stops
+/// the service at start with an error naming the directory and why.
+#[tokio::test]
+async fn a_loose_or_foreign_mirror_directory_makes_the_service_refuse_to_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let base = tempfile::tempdir().unwrap();
+    let dir = pdmesh_cache::mirror::dirs(Some(base.path())).remove(0);
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let refused = |base: &std::path::Path| {
+        let mut cfg = Config::new(MirrorSize::Bytes(4 * layout().bytes_per_page() as u64));
+        cfg.tls = pdmesh_tls::test_ca::args();
+        cfg.shm_dir = Some(base.to_owned());
+        async move {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            // Refused before serving: it returns without being shut down.
+            tokio::time::timeout(
+                Duration::from_secs(30),
+                pdmesh_cache::run(cfg, listener, CancellationToken::new()),
+            )
+            .await
+            .expect("the service started instead of refusing")
+            .unwrap_err()
+            .to_string()
+        }
+    };
+    let e = refused(base.path()).await;
+    assert!(
+        e.contains(&dir.display().to_string()) && e.contains("mode is 0777"),
+        "{e}"
+    );
+    if effective_uid() == 0 {
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+        let e = refused(base.path()).await;
+        assert!(e.contains("owned by uid 65534"), "{e}");
+    }
+    // Not root, no directory of another user can be made here: the owner check is then
+    // covered by pdmesh-cache-client's mirror tests, which check against another uid.
 }

@@ -140,6 +140,18 @@ impl ApiError {
         }
     }
 
+    /// A 403: the route is closed to every caller (no key could open it).
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::FORBIDDEN,
+            kind: "permission_error",
+            code: Some("forbidden"),
+            param: None,
+            message: message.into(),
+            error_type: ErrorType::Authentication,
+        }
+    }
+
     pub fn payload_too_large(limit: usize) -> Self {
         Self {
             status: StatusCode::PAYLOAD_TOO_LARGE,

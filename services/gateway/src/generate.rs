@@ -368,7 +368,7 @@ fn report_data_loss(st: &AppState, ev: &Evidence, message: &str) {
         },
     );
     i.details.insert("error".into(), message.to_owned());
-    i.replay = Some(ev.replay(st));
+    i.replay = Some(ev.replay());
     st.incident(i);
 }
 
@@ -382,43 +382,19 @@ struct Evidence {
 }
 
 impl Evidence {
-    /// The replay part of a report: the body (parsed only now, when a report is filed),
-    /// its text redacted unless `--incident-include-prompts`, and the prompt's ids.
-    fn replay(&self, st: &AppState) -> pdmesh_incident::Replay {
-        let mut body: serde_json::Value = self
+    /// The replay part of a report: the body (parsed only now, when a report is filed)
+    /// and the prompt's ids; the reporter keeps only its allowlist of them unless
+    /// `--incident-include-prompts` (see `pdmesh_incident::redact`).
+    fn replay(&self) -> pdmesh_incident::Replay {
+        let body: serde_json::Value = self
             .request
             .as_deref()
             .and_then(|b| serde_json::from_slice(b).ok())
             .unwrap_or_default();
-        if !st.cfg.incident_include_prompts {
-            redact_text(&mut body);
-        }
         pdmesh_incident::Replay {
             body,
             prompt_token_ids: self.prompt.clone(),
             command: String::new(),
-        }
-    }
-}
-
-/// A chat or completion body's text replaced: each message's content, and a prompt
-/// given as text (a prompt of token ids stays).
-fn redact_text(body: &mut serde_json::Value) {
-    use serde_json::Value;
-    const REDACTED: &str = "[redacted: --incident-include-prompts]";
-    if let Some(ms) = body.get_mut("messages").and_then(Value::as_array_mut) {
-        for c in ms.iter_mut().filter_map(|m| m.get_mut("content")) {
-            if !c.is_null() {
-                *c = Value::from(REDACTED);
-            }
-        }
-    }
-    if let Some(p) = body.get_mut("prompt") {
-        let text = p.is_string()
-            || p.as_array()
-                .is_some_and(|a| a.first().is_some_and(Value::is_string));
-        if text {
-            *p = Value::from(REDACTED);
         }
     }
 }
@@ -457,7 +433,7 @@ fn split(
             "failures in this output".into(),
             p.failures.len().to_string(),
         );
-        i.replay = Some(ev.replay(st));
+        i.replay = Some(ev.replay());
         st.incident(i);
         return Err(ApiError::unparsable_output(&f.parser, &f.reason, &f.detail));
     }
@@ -732,33 +708,6 @@ mod tests {
         .unwrap()
     }
 
-    #[test]
-    fn a_replay_body_keeps_everything_but_the_text() {
-        let mut chat = serde_json::json!({"model": "m", "temperature": 0, "messages": [
-            {"role": "user", "content": "my secret question"},
-            {"role": "assistant", "content": null, "tool_calls": []},
-        ]});
-        redact_text(&mut chat);
-        assert!(!chat.to_string().contains("secret"));
-        assert_eq!(chat["messages"][1]["content"], serde_json::Value::Null);
-        assert_eq!(
-            (&chat["model"], &chat["temperature"]),
-            (&"m".into(), &0.into())
-        );
-        for text in [serde_json::json!("secret"), serde_json::json!(["secret"])] {
-            let mut c = serde_json::json!({"prompt": text});
-            redact_text(&mut c);
-            assert!(!c.to_string().contains("secret"), "{c}");
-        }
-        let mut ids = serde_json::json!({"prompt": [1, 2, 3]});
-        redact_text(&mut ids);
-        assert_eq!(
-            ids["prompt"],
-            serde_json::json!([1, 2, 3]),
-            "token ids stay"
-        );
-    }
-
     #[tokio::test]
     async fn data_loss_fails_the_request_and_files_a_first_token_report() {
         let dir = tempfile::tempdir().unwrap();
@@ -781,7 +730,9 @@ mod tests {
             ("gateway", "req-9")
         );
         assert!(i.details["error"].contains("first token 7 but decode Some(5)"));
-        assert_eq!(i.replay.as_ref().unwrap().prompt_token_ids, [1, 2, 3]);
+        // Without --incident-include-prompts: the prompt's length, never its ids.
+        assert!(i.replay.as_ref().unwrap().prompt_token_ids.is_empty());
+        assert_eq!(i.details["prompt tokens"], "3");
         assert_eq!(i.config["api_key"], "[redacted]");
         // The gateway's figures now (no tick ran yet, so no "before"), this failure
         // counted among those reported.

@@ -47,11 +47,14 @@ pub(crate) fn router(st: AppState) -> Router {
         )
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route_layer(middleware::from_fn_with_state(st.clone(), auth));
+    let admin = Router::new()
         .route("/debug/incidents", get(list_incidents))
         .route("/debug/incidents/{id}", get(get_incident))
-        .route_layer(middleware::from_fn_with_state(st.clone(), auth));
+        .route_layer(middleware::from_fn_with_state(st.clone(), admin_auth));
     Router::new()
         .merge(v1)
+        .merge(admin)
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/live", get(live))
@@ -122,12 +125,37 @@ impl Drop for Handling {
 
 /// Constant-time comparison, so the key cannot be guessed byte by byte from timings.
 fn same_key(given: &[u8], expected: &[u8]) -> bool {
-    given.len() == expected.len()
-        && given
-            .iter()
-            .zip(expected)
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+    subtle::ConstantTimeEq::ct_eq(given, expected).into()
+}
+
+/// `/debug/*` requires `Authorization: Bearer <admin key>`: 403 when the gateway has no
+/// `--admin-key` (nobody may read them), 401 when the key is missing or wrong. The API
+/// key opens nothing here.
+async fn admin_auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let Some(key) = &st.cfg.admin_key else {
+        return ApiError::forbidden(
+            "The operators' routes are closed: start the gateway with --admin-key (PDMESH_ADMIN_KEY) to open them.",
+        )
+        .into_response();
+    };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        });
+    match given {
+        None => ApiError::unauthorized(
+            "You didn't provide the admin key. Send it in an `Authorization: Bearer <key>` header.",
+        )
+        .into_response(),
+        Some(k) if !same_key(k.trim().as_bytes(), key.as_bytes()) => {
+            ApiError::unauthorized("Incorrect admin key provided.").into_response()
+        }
+        Some(_) => next.run(req).await,
+    }
 }
 
 /// With `--api-key`, `/v1/*` requires `Authorization: Bearer <key>` (or `x-api-key`).

@@ -90,6 +90,10 @@ pub struct Config {
     /// `Retry-After` instead of queueing without bound.
     #[arg(long, env = "PDMESH_MAX_CONCURRENT_REQUESTS", default_value_t = DEFAULT_MAX_CONCURRENT_REQUESTS)]
     pub max_concurrent_requests: usize,
+    /// The key of the operators' routes, `/debug/*` (incident reports): they need
+    /// `Authorization: Bearer <admin key>`, never the --api-key. Unset: they answer 403.
+    #[arg(long, env = "PDMESH_ADMIN_KEY", hide_env_values = true)]
+    pub admin_key: Option<String>,
     /// Largest accepted request body.
     #[arg(long, env = "PDMESH_MAX_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -152,6 +156,7 @@ impl Config {
             cache_url: Vec::new(),
             model_name: None,
             api_key: None,
+            admin_key: None,
             max_body_bytes: 4 * 1024 * 1024,
             max_concurrent_requests: DEFAULT_MAX_CONCURRENT_REQUESTS,
             model: None,
@@ -179,6 +184,16 @@ impl Config {
         if self.api_key.as_deref() == Some("") {
             return Err(Error::Config(
                 "--api-key must not be empty (unset it to disable auth)".into(),
+            ));
+        }
+        if self.admin_key.as_deref() == Some("") {
+            return Err(Error::Config(
+                "--admin-key must not be empty (unset it to close /debug/*)".into(),
+            ));
+        }
+        if self.admin_key.is_some() && self.admin_key == self.api_key {
+            return Err(Error::Config(
+                "--admin-key must differ from --api-key: every API client holds that one".into(),
             ));
         }
         if self.model_name.as_deref() == Some("") {

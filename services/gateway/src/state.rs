@@ -143,7 +143,9 @@ impl AppState {
             cfg.incident_dir.as_deref(),
             cfg.incident_trace_link.clone(),
             cfg.incident_replay_url.clone(),
-        );
+            cfg.incident_include_prompts,
+        )
+        .map_err(|e| Error::Config(e.to_string()))?;
         Ok(Self(Arc::new(Inner {
             responses,
             incidents,

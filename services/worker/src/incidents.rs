@@ -45,15 +45,18 @@ struct Counts {
 }
 
 impl Incidents {
-    /// None without `--incident-dir` (or when it cannot be made: a warning says so).
+    /// None without `--incident-dir`; an error when it cannot be made or is not safe.
     pub(crate) fn from_flags(
         dir: Option<&std::path::Path>,
-        (trace_link, replay_url): (Option<String>, Option<String>),
+        (trace_link, replay_url, include_prompts): (Option<String>, Option<String>, bool),
         worker: String,
         config: BTreeMap<String, String>,
-    ) -> Option<Arc<Self>> {
-        let reporter = Reporter::from_flags(dir, trace_link, replay_url)?;
-        Some(Arc::new(Self {
+    ) -> Result<Option<Arc<Self>>, pdmesh_incident::Error> {
+        let Some(reporter) = Reporter::from_flags(dir, trace_link, replay_url, include_prompts)?
+        else {
+            return Ok(None);
+        };
+        Ok(Some(Arc::new(Self {
             reporter,
             worker,
             config,
@@ -61,7 +64,7 @@ impl Incidents {
             before: Mutex::default(),
             stalls: Arc::default(),
             load_failures: AtomicU64::new(0),
-        }))
+        })))
     }
 
     /// Where the worker's figures come from (set once, when the PD state exists).
@@ -266,10 +269,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let inc = Incidents::from_flags(
             Some(dir.path()),
-            (None, None),
+            (None, None, false),
             "prefill pid 1".into(),
             BTreeMap::from([("role".into(), "prefill".into())]),
         )
+        .unwrap()
         .unwrap();
         let transfers = Arc::new(AtomicU64::new(3));
         let t = transfers.clone();

@@ -159,6 +159,10 @@ pub struct Config {
     /// command (`pdmesh up` passes its gateway's).
     #[arg(long, env = "PDMESH_INCIDENT_REPLAY_URL")]
     pub incident_replay_url: Option<String>,
+    /// Keep the request's prompt token ids in incident reports (by default a report
+    /// holds only ids, lengths, timings, layouts and error classes, never the prompt).
+    #[arg(long, env = "PDMESH_INCIDENT_INCLUDE_PROMPTS")]
+    pub incident_include_prompts: bool,
     /// DeepSeek models: the MLA latent's cache form, bf16 (1152 B per token per layer) or
     /// fp8 (656 B: fp8 values with per-128 f32 scales, bf16 rope part).
     #[arg(long, env = "PDMESH_KV_CACHE_DTYPE", value_enum, default_value_t = KvCacheDtype::Bf16)]
@@ -242,6 +246,7 @@ impl Config {
             incident_dir: None,
             incident_trace_link: None,
             incident_replay_url: None,
+            incident_include_prompts: false,
             drain_timeout_ms: 20_000,
             health_listen: None,
             kv_cache_dtype: KvCacheDtype::Bf16,
@@ -486,10 +491,12 @@ pub async fn run(
         (
             cfg.incident_trace_link.clone(),
             cfg.incident_replay_url.clone(),
+            cfg.incident_include_prompts,
         ),
         format!("{} pid {}", cfg.role.name(), std::process::id()),
         cfg.report_config(engine.pool().layout().as_ref()),
-    );
+    )
+    .map_err(|e| Error::Config(e.to_string()))?;
     if let Some(url) = cfg.cache_url.as_ref().filter(|_| !cfg.no_host_tier) {
         let tier = pdmesh_cache_client::RemoteTier::start(
             tokio::runtime::Handle::current(),

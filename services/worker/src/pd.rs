@@ -1625,10 +1625,11 @@ mod tests {
         let reports = tempfile::tempdir().unwrap();
         let inc = Incidents::from_flags(
             Some(reports.path()),
-            (None, None),
+            (None, None, false),
             "prefill pid 1".into(),
             Default::default(),
         )
+        .unwrap()
         .unwrap();
         let req = GenRequest {
             id: "req-1".into(),
@@ -1653,6 +1654,9 @@ mod tests {
             l.differences(),
             ["index_k: 256 B/token (bf16) vs 132 B/token (fp8_e4m3)"]
         );
-        assert_eq!(i.replay.as_ref().unwrap().prompt_token_ids, [1, 2, 3]);
+        // Without --incident-include-prompts: the prompt's length, not its ids.
+        let replay = i.replay.as_ref().unwrap();
+        assert!(replay.prompt_token_ids.is_empty() && replay.body.get("prompt").is_none());
+        assert_eq!(i.details["prompt tokens"], "3");
     }
 }

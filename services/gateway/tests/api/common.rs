@@ -38,6 +38,10 @@ pub struct Options {
     pub worker: bool,
     pub model_name: Option<String>,
     pub api_key: Option<String>,
+    /// The gateway's `--admin-key`, for `/debug/*`.
+    pub admin_key: Option<String>,
+    /// The gateway's `--incident-dir`.
+    pub incident_dir: Option<std::path::PathBuf>,
     pub max_body_bytes: Option<usize>,
     pub kv_pages: Option<usize>,
     /// The gateway's `--model` (it then detokenizes in process).
@@ -50,6 +54,8 @@ impl Default for Options {
             worker: false,
             model_name: Some("test-model".into()),
             api_key: None,
+            admin_key: None,
+            incident_dir: None,
             max_body_bytes: None,
             kv_pages: None,
             gateway_model: None,
@@ -88,8 +94,12 @@ pub async fn start(opts: Options) -> Mesh {
     let (gl, gateway) = bind().await;
     let mut cfg =
         pdmesh_gateway::Config::new(format!("http://{tokenizer}"), format!("http://{worker}"));
+    // The mesh credential for its calls to the tokenizer and worker (both take it).
+    cfg.tls = pdmesh_tls::test_ca::args();
     cfg.model_name = opts.model_name;
     cfg.api_key = opts.api_key;
+    cfg.admin_key = opts.admin_key;
+    cfg.incident_dir = opts.incident_dir;
     cfg.model = opts.gateway_model;
     cfg.tls = pdmesh_tls::test_ca::args();
     if let Some(b) = opts.max_body_bytes {

@@ -235,6 +235,98 @@ async fn api_key_is_required_on_v1_when_configured() {
     assert_eq!(get(g, "/metrics").await.status, 200);
 }
 
+/// `/debug/*` is the operators': closed (403) without `--admin-key`, 401 without it or
+/// with any other key (the API key included), open with it; the admin key opens no
+/// `/v1/*` route either.
+#[tokio::test]
+async fn debug_routes_need_the_admin_key_and_never_take_the_api_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let closed = start(Options {
+        api_key: Some("s3cret".into()),
+        incident_dir: Some(dir.path().join("incidents")),
+        ..Options::default()
+    })
+    .await;
+    for headers in [&[][..], &[("Authorization", "Bearer s3cret")][..]] {
+        let r = request(closed.gateway, "GET", "/debug/incidents", headers, b"").await;
+        let e = r.expect_error(403);
+        assert_eq!(e["type"], "permission_error", "{e}");
+        assert!(
+            e["message"].as_str().unwrap().contains("--admin-key"),
+            "{e}"
+        );
+    }
+    drop(closed);
+
+    let open = start(Options {
+        api_key: Some("s3cret".into()),
+        admin_key: Some("adm1n-key".into()),
+        incident_dir: Some(dir.path().join("incidents")),
+        ..Options::default()
+    })
+    .await;
+    let g = open.gateway;
+    for path in [
+        "/debug/incidents",
+        "/debug/incidents/20000101T000000000Z-wedge-x-1",
+    ] {
+        assert_eq!(
+            get(g, path).await.expect_error(401)["type"],
+            "authentication_error"
+        );
+        for wrong in [
+            "Bearer s3cret",
+            "Bearer adm1n-kez",
+            "Bearer adm1n-key-and-more",
+            "adm1n-key",
+        ] {
+            let r = request(g, "GET", path, &[("Authorization", wrong)], b"").await;
+            r.expect_error(401);
+        }
+    }
+    let admin = [("Authorization", "Bearer adm1n-key")];
+    let r = request(g, "GET", "/debug/incidents", &admin, b"").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json(), serde_json::json!({"object": "list", "data": []}));
+    let r = request(
+        g,
+        "GET",
+        "/debug/incidents/20000101T000000000Z-wedge-x-1",
+        &admin,
+        b"",
+    )
+    .await;
+    r.expect_error(404);
+    let r = request(g, "GET", "/v1/models", &admin, b"").await;
+    r.expect_error(401);
+}
+
+/// An incident directory others may write to stops the gateway at start, naming it.
+#[tokio::test]
+async fn a_world_writable_incident_directory_makes_the_gateway_refuse_to_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let reports = dir.path().join("incidents");
+    std::fs::create_dir(&reports).unwrap();
+    std::fs::set_permissions(&reports, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let mut cfg = pdmesh_gateway::Config::new("http://127.0.0.1:9", "http://127.0.0.1:9");
+    cfg.tls = pdmesh_tls::test_ca::args();
+    cfg.incident_dir = Some(reports.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let e = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        pdmesh_gateway::run(cfg, listener, tokio_util::sync::CancellationToken::new()),
+    )
+    .await
+    .expect("the gateway started instead of refusing")
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(&reports.display().to_string()) && e.contains("mode is 0777"),
+        "{e}"
+    );
+}
+
 #[tokio::test]
 async fn unknown_routes_wrong_methods_and_huge_bodies_get_json_errors() {
     let mesh = start(Options {
