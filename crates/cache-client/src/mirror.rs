@@ -715,6 +715,7 @@ mod tests {
         assert_eq!(meta.mode() & 0o777, 0o600);
         let peer = Mirror::open(m.path(), 61, 3).unwrap();
         for slot in 0..3 {
+            // layout-arithmetic: made-up test bytes, not a layout.
             let page: Vec<u8> = (0..61).map(|i| (i * 7 + slot * 3) as u8).collect();
             let sum = peer.write_checked(slot, &page);
             assert_eq!(sum, pdmesh_kv::page_checksum(&page));
