@@ -100,7 +100,7 @@ class Hosts:
         if prefill_on_decode_host:
             assert not tls, "not combined"
             # A second prefill worker, beside decode, sharing that host's cache service.
-            self.argv["prefill2"] = ("decode", ["prefill", "--listen", f"{a['decode']}:7201", "--cache-url", url("decode", "cache"), *model_args, *worker_args])
+            self.argv["prefill2"] = ("decode", ["prefill", "--listen", f"{a['decode']}:7201", "--cache-url", url("decode", "cache"), *model_args, *worker_args, "--insecure-plaintext"])
             gw = self.argv["gateway"][1]
             gw[gw.index("--prefill-url") + 1] += f",http://{a['decode']}:7201"
         try:

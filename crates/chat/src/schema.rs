@@ -150,9 +150,10 @@ struct Walk<'a> {
 
 impl Walk<'_> {
     fn spend(&mut self, n: usize) -> Result<(), SchemaError> {
-        self.left = self.left.checked_sub(n).ok_or(SchemaError::TooComplex {
-            limit: self.limit,
-        })?;
+        self.left = self
+            .left
+            .checked_sub(n)
+            .ok_or(SchemaError::TooComplex { limit: self.limit })?;
         Ok(())
     }
 
@@ -581,6 +582,9 @@ mod tests {
         );
         assert!(strict_within(&wide, 5_000).is_ok());
         let msg = SchemaError::TooComplex { limit: 100 }.to_string();
-        assert!(msg.starts_with("schema too complex") && msg.contains("100"), "{msg}");
+        assert!(
+            msg.starts_with("schema too complex") && msg.contains("100"),
+            "{msg}"
+        );
     }
 }

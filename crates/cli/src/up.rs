@@ -404,12 +404,16 @@ async fn smoke_test(gateway: SocketAddr, model: &str, api_key: Option<&str>) {
     match answer {
         Some((200, bytes)) => {
             let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
-            let text = v["choices"][0]["message"]["content"]
-                .as_str()
-                .unwrap_or("")
-                .trim();
-            println!("asked: {QUESTION}");
-            println!("model: {text}");
+            match v["choices"][0]["message"]["content"].as_str() {
+                Some(text) => {
+                    println!("asked: {QUESTION}");
+                    println!("model: {}", text.trim());
+                }
+                None => eprintln!(
+                    "pdmesh up: the first test question's answer has no message content: {}",
+                    String::from_utf8_lossy(&bytes)
+                ),
+            }
         }
         Some((status, bytes)) => {
             eprintln!(

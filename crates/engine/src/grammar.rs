@@ -40,7 +40,11 @@ impl GrammarCompiler {
     /// request with this grammar. Blocking: call it where blocking is fine.
     pub fn prepare(&self, lark: &str) -> Result<(), EngineError> {
         let parser = self.0.parser(lark)?;
-        let mut prepared = self.0.prepared.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut prepared = self
+            .0
+            .prepared
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if prepared.len() >= MAX_PREPARED {
             prepared.remove(0);
         }
@@ -50,7 +54,11 @@ impl GrammarCompiler {
 
     /// How many prepared parsers wait for their request.
     pub fn prepared(&self) -> usize {
-        self.0.prepared.lock().unwrap_or_else(PoisonError::into_inner).len()
+        self.0
+            .prepared
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 }
 
@@ -301,7 +309,16 @@ mod tests {
         g.matcher(lark).unwrap();
         assert_eq!(compiler.prepared(), 0);
         let e = compiler.prepare("start: (").unwrap_err();
-        assert!(matches!(e, EngineError::InvalidParam { field: "grammar", .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                EngineError::InvalidParam {
+                    field: "grammar",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         // Bounded: the oldest prepared parser makes room.
         for _ in 0..MAX_PREPARED + 3 {
             compiler.prepare(lark).unwrap();

@@ -21,7 +21,8 @@ pub mod tp;
 mod vocab;
 
 pub use api::{
-    FinishReason, GenRequest, Logprob, MAX_STOP_BYTES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, ModelInfo, Part, SamplingParams, StepEvent,
+    FinishReason, GenRequest, Logprob, MAX_STOP_BYTES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
+    ModelInfo, Part, SamplingParams, StepEvent,
 };
 pub use engine::{DEFAULT_MAX_QUEUED, Engine, EngineConfig, HostStats, WritePolicy};
 pub use gpu::{CUDA_BUILT, GpuConfig};

@@ -195,12 +195,20 @@ impl MeshAuth {
             None
         };
         match problem {
-            None => Ok(()),
             Some(p) if self.insecure => {
                 INSECURE.store(true, Ordering::Relaxed);
                 tracing::warn!("--insecure-plaintext: {p}; serving anyway");
                 Ok(())
             }
+            // A credential it has, but it lets every caller in (the guard's open door).
+            None if self.insecure => {
+                INSECURE.store(true, Ordering::Relaxed);
+                tracing::warn!(
+                    "--insecure-plaintext: {what} on {addr} serves every caller, with or without the mesh credential"
+                );
+                Ok(())
+            }
+            None => Ok(()),
             Some(p) => Err(TlsError::Config(format!(
                 "{p} (or --insecure-plaintext to serve without)"
             ))),
@@ -473,6 +481,21 @@ mod tests {
         let open = MeshAuth::new(None, Some(token('a')), true);
         open.check_listen("the worker", wide).unwrap();
         assert!(insecure(), "the gauge says so");
+    }
+
+    #[test]
+    fn a_service_told_to_run_open_says_so_even_with_a_credential_on_loopback() {
+        // The gauge is per process; nextest runs each test in a process of its own.
+        assert!(!insecure());
+        let lo: SocketAddr = "127.0.0.1:7000".parse().unwrap();
+        MeshAuth::token(token('a'))
+            .check_listen("the worker", lo)
+            .unwrap();
+        assert!(!insecure(), "a credential on loopback is not open");
+        MeshAuth::new(None, Some(token('a')), true)
+            .check_listen("the worker", lo)
+            .unwrap();
+        assert!(insecure(), "it lets every caller in, and the gauge says so");
     }
 
     #[test]

@@ -754,6 +754,10 @@ mod tests {
         let c1 = admitted.take(c, &opts).unwrap();
         drop((a2, b1, c1));
         let g = admitted.0.lock().unwrap();
-        assert_eq!((g.0, g.1.len()), (0, 0), "every slot given back, no peer remembered");
+        assert_eq!(
+            (g.0, g.1.len()),
+            (0, 0),
+            "every slot given back, no peer remembered"
+        );
     }
 }

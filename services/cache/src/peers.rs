@@ -59,8 +59,9 @@ impl Peers {
             if !links.contains_key(url) && links.len() >= MAX_LINKS {
                 // Make room from links that are down (or still being made and failed).
                 links.retain(|_, slot| {
-                    slot.try_lock()
-                        .map_or(true, |l| l.as_ref().is_some_and(|l| l.alive.load(Ordering::Relaxed)))
+                    slot.try_lock().map_or(true, |l| {
+                        l.as_ref().is_some_and(|l| l.alive.load(Ordering::Relaxed))
+                    })
                 });
                 if links.len() >= MAX_LINKS {
                     return Err(Status::resource_exhausted(format!(
@@ -534,7 +535,11 @@ mod tests {
     #[tokio::test]
     async fn homes_that_cannot_be_reached_are_forgotten() {
         let layout = Arc::new(KvLayout::llama(2, 1, 8, DType::F16, 16));
-        let peers = Peers::new("here".into(), TcpOptions::default(), pdmesh_tls::test_ca::auth());
+        let peers = Peers::new(
+            "here".into(),
+            TcpOptions::default(),
+            pdmesh_tls::test_ca::auth(),
+        );
         for _ in 0..5 {
             // A port that refuses every connection.
             let closed = pdmesh_testkit::Refusing::new();

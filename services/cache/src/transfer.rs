@@ -193,8 +193,8 @@ impl Default for TcpOptions {
             idle_timeout: Duration::from_secs(60),
             batch_bytes: 4 << 20,
             window: 4,
-            max_connections: 256,
-            max_per_peer: 16,
+            max_connections: 1024,
+            max_per_peer: 256,
         }
     }
 }

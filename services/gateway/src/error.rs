@@ -346,7 +346,9 @@ mod tests {
     #[test]
     fn an_overloaded_answer_says_when_to_come_back() {
         for e in [
-            ApiError::from(tonic::Status::resource_exhausted("the engine's queue is full")),
+            ApiError::from(tonic::Status::resource_exhausted(
+                "the engine's queue is full",
+            )),
             ApiError::shed(4),
         ] {
             let resp = e.clone().into_response();

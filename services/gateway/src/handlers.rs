@@ -75,7 +75,16 @@ async fn admit(State(st): State<AppState>, req: Request, next: Next) -> Response
         // Counted by `observe` as mesh_errors_total{error_type="overloaded"}.
         return ApiError::shed(st.cfg.max_concurrent_requests).into_response();
     };
-    let (parts, body) = next.run(req).await.into_parts();
+    let resp = next.run(req).await;
+    if axum::body::HttpBody::size_hint(resp.body())
+        .exact()
+        .is_some()
+    {
+        // A whole answer (a JSON body, an error): the work is done, and the response keeps
+        // its Content-Length.
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
     let body = body.into_data_stream().map(move |chunk| {
         let _held = &permit;
         chunk
@@ -945,11 +954,17 @@ pub(crate) async fn prepare_chat(
         // Schemas become grammars off the async runtime, within a step budget and a
         // deadline: no request holds the gateway's threads (its `/live` must answer).
         let work = tokio::task::spawn_blocking(move || {
-            tools::plan(&tools, tools_json, &choice, parallel, schema, format, thinking)
+            tools::plan(
+                &tools, tools_json, &choice, parallel, schema, format, thinking,
+            )
         });
         match tokio::time::timeout(tools::SCHEMA_DEADLINE, work).await {
             Ok(Ok(plan)) => plan?,
-            Ok(Err(e)) => return Err(ApiError::backend(format!("preparing the grammar failed: {e}"))),
+            Ok(Err(e)) => {
+                return Err(ApiError::backend(format!(
+                    "preparing the grammar failed: {e}"
+                )));
+            }
             Err(_) => return Err(tools::past_deadline()),
         }
     };

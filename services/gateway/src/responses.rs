@@ -1483,10 +1483,17 @@ mod tests {
     #[test]
     fn metadata_past_openais_bounds_is_a_400_naming_it() {
         let meta = |pairs: Vec<(String, String)>| pairs.into_iter().collect::<BTreeMap<_, _>>();
-        let ok = meta((0..16).map(|i| (format!("k{i}"), "v".repeat(512))).collect());
+        let ok = meta(
+            (0..16)
+                .map(|i| (format!("k{i}"), "v".repeat(512)))
+                .collect(),
+        );
         assert!(check_metadata(Some(&ok)).is_ok());
         for (bad, param) in [
-            (meta((0..17).map(|i| (format!("k{i}"), "v".into())).collect()), "metadata"),
+            (
+                meta((0..17).map(|i| (format!("k{i}"), "v".into())).collect()),
+                "metadata",
+            ),
             (meta(vec![("k".repeat(65), "v".into())]), "metadata"),
             (meta(vec![("k".into(), "v".repeat(513))]), "metadata.k"),
         ] {

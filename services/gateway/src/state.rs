@@ -132,12 +132,11 @@ impl AppState {
         local: Option<pdmesh_text::TextTokenizer>,
         shutdown: CancellationToken,
     ) -> Result<Self, Error> {
-        let responses =
-            crate::responses::new_store(
-                cfg.responses_max_stored,
-                cfg.responses_max_stored_bytes,
-                cfg.responses_ttl_secs,
-            );
+        let responses = crate::responses::new_store(
+            cfg.responses_max_stored,
+            cfg.responses_max_stored_bytes,
+            cfg.responses_ttl_secs,
+        );
         let admission = Arc::new(tokio::sync::Semaphore::new(cfg.max_concurrent_requests));
         let incidents = pdmesh_incident::Reporter::from_flags(
             cfg.incident_dir.as_deref(),

@@ -35,9 +35,7 @@ impl From<Error> for tonic::Status {
         match e {
             Error::InvalidUtf8 { .. } => tonic::Status::invalid_argument(msg),
             Error::Engine(EngineError::Offline) => tonic::Status::unavailable(msg),
-            Error::Engine(EngineError::QueueFull { .. }) => {
-                tonic::Status::resource_exhausted(msg)
-            }
+            Error::Engine(EngineError::QueueFull { .. }) => tonic::Status::resource_exhausted(msg),
             Error::Engine(ref err) if err.is_client_error() => tonic::Status::invalid_argument(msg),
             Error::Engine(_) | Error::Config(_) | Error::Thread(_) | Error::Transport(_) => {
                 tonic::Status::internal(msg)

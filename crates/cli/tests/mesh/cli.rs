@@ -336,7 +336,10 @@ fn a_service_without_a_credential_or_beyond_loopback_in_clear_refuses_to_start()
         "{err}"
     );
     let (ok, err) = run("0.0.0.0:0", true, &[], false);
-    assert!(!ok && err.contains("beyond loopback") && err.contains("without TLS"), "{err}");
+    assert!(
+        !ok && err.contains("beyond loopback") && err.contains("without TLS"),
+        "{err}"
+    );
     let (ok, err) = run("0.0.0.0:0", true, &["--insecure-plaintext"], true);
     assert!(ok, "{err}");
     assert!(

@@ -70,7 +70,11 @@ impl<T> Store<T> {
             return false;
         }
         let mut g = self.lock();
-        let Inner { live, bytes: held, order } = &mut *g;
+        let Inner {
+            live,
+            bytes: held,
+            order,
+        } = &mut *g;
         while let Some((t, _)) = order.front()
             && (now.saturating_duration_since(*t) >= self.ttl
                 || live.len() >= self.max
@@ -180,14 +184,24 @@ mod tests {
         for (i, size) in [4, 4, 2].into_iter().enumerate() {
             assert!(s.insert_at(t, format!("r{i}"), i as u32, size));
         }
-        assert!(s.insert_at(t, "r3".into(), 3, 5), "fits once r0 and r1 are gone");
+        assert!(
+            s.insert_at(t, "r3".into(), 3, 5),
+            "fits once r0 and r1 are gone"
+        );
         assert_eq!(
             ["r0", "r1", "r2", "r3"].map(|id| get(&s, t, id)),
             [None, None, Some(2), Some(3)]
         );
         assert_eq!(s.lock().bytes, 7);
-        assert!(!s.insert_at(t, "huge".into(), 9, 11), "larger than the budget");
-        assert_eq!(get(&s, t, "r3"), Some(3), "nothing evicted for what is refused");
+        assert!(
+            !s.insert_at(t, "huge".into(), 9, 11),
+            "larger than the budget"
+        );
+        assert_eq!(
+            get(&s, t, "r3"),
+            Some(3),
+            "nothing evicted for what is refused"
+        );
         assert!(s.remove_at(t, "r3"));
         assert_eq!(s.lock().bytes, 2);
     }

@@ -101,7 +101,6 @@ pub async fn start(opts: Options) -> Mesh {
     cfg.admin_key = opts.admin_key;
     cfg.incident_dir = opts.incident_dir;
     cfg.model = opts.gateway_model;
-    cfg.tls = pdmesh_tls::test_ca::args();
     if let Some(b) = opts.max_body_bytes {
         cfg.max_body_bytes = b;
     }

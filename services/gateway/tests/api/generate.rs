@@ -118,6 +118,13 @@ async fn slow_completions_stream_and_non_stream_agree() {
     let body = json!({ "model": model, "prompt": "The capital of France is", "temperature": 0, "max_tokens": 12 });
     let r = post_json(m.gateway, "/v1/completions", &body).await;
     assert_eq!(r.status, 200, "{}", r.text());
+    // A whole answer says its length (plain HTTP clients read it so, not chunked).
+    assert_eq!(
+        r.header("content-length"),
+        Some(r.body.len().to_string().as_str()),
+        "{:?}",
+        r.headers
+    );
     let v = r.json();
     assert_eq!(v["object"], "text_completion");
     let text = v["choices"][0]["text"].as_str().unwrap().to_owned();
