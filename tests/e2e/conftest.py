@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -73,6 +74,20 @@ def http_headers(method: str, url: str, body: bytes | None = None, headers: dict
             return r.status, r.read(), {k.lower(): v for k, v in r.headers.items()}
     except urllib.error.HTTPError as e:
         return e.code, e.read(), {k.lower(): v for k, v in e.headers.items()}
+
+
+def raw_exchange(host: str, port: int, data: bytes) -> bytes:
+    """Sends `data` on a fresh TCP connection and returns what comes back until the peer
+    closes (or resets) it."""
+    got = b""
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(data)
+        try:
+            while chunk := s.recv(4096):
+                got += chunk
+        except ConnectionResetError:
+            pass
+    return got
 
 
 def metrics(base: str) -> dict[str, float]:

@@ -17,7 +17,6 @@ import concurrent.futures as cf
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOM_ARGS, start_up, stop_up
+from conftest import ROOM_ARGS, raw_exchange, start_up, stop_up
 from hosts import MODEL, REQUEST_DEADLINE_S, Hosts, make_certs
 
 # A worker's or a relay's lease at a cache service, as the fault tests run it.
@@ -376,17 +375,7 @@ def test_mutual_tls_between_every_service_and_nothing_without_the_meshs_certific
         log = (h.tmp / "decode.log").read_text(errors="replace")
         port = int(re.findall(r"peer_port=(\d+)", log)[-1])
 
-        def plaintext_hello():
-            with socket.create_connection((a["decode"], port), timeout=10) as s:
-                s.sendall(b"PDKV" + bytes(200))
-                got = b""
-                try:
-                    while chunk := s.recv(4096):
-                        got += chunk
-                except ConnectionResetError:
-                    pass
-                return got
-        reply = h.client.submit(plaintext_hello).result(timeout=30)
+        reply = h.client.submit(raw_exchange, a["decode"], port, b"PDKV" + bytes(200)).result(timeout=30)
         assert reply == b"" or reply.startswith(b"\x15\x03"), reply
         h.assert_baseline()
     finally:

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import re
 import secrets
-import socket
 import struct
 from pathlib import Path
 
 import grpc
 
-from conftest import wait_baseline
+from conftest import raw_exchange, wait_baseline
 
 TOKEN_ENV = "PDMESH_MESH_TOKEN"
 
@@ -47,15 +46,7 @@ def hello(port: int, token: bytes) -> bytes:
     receiver answers before it closes."""
     frame = b"PDKV" + struct.pack("<H", 3) + bytes([len(token)]) + token
     frame += struct.pack("<QQ", 1234, 4096) + struct.pack("<I", 4) + b"fake"
-    got = b""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(frame)
-        try:
-            while chunk := s.recv(4096):
-                got += chunk
-        except ConnectionResetError:
-            pass
-    return got
+    return raw_exchange("127.0.0.1", port, frame)
 
 
 def test_no_internal_call_gets_in_without_the_mesh_token_and_the_token_is_in_no_command_line(mesh):

@@ -27,7 +27,7 @@ use crate::openai::{
     self, ChatRequest, CompletionRequest, PromptInput, ResponseMeta, SamplingFields,
 };
 use crate::state::{AppState, unix_now};
-use crate::tools::{self, ToolFormat};
+use crate::tools::{self, ToolChoice, ToolFormat};
 
 pub(crate) fn router(st: AppState) -> Router {
     let generating = Router::new()
@@ -137,6 +137,13 @@ fn same_key(given: &[u8], expected: &[u8]) -> bool {
     subtle::ConstantTimeEq::ct_eq(given, expected).into()
 }
 
+/// The key in an `Authorization: Bearer <key>` header, if there is one.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    v.strip_prefix("Bearer ")
+        .or_else(|| v.strip_prefix("bearer "))
+}
+
 /// `/debug/*` requires `Authorization: Bearer <admin key>`: 403 when the gateway has no
 /// `--admin-key` (nobody may read them), 401 when the key is missing or wrong. The API
 /// key opens nothing here.
@@ -147,15 +154,7 @@ async fn admin_auth(State(st): State<AppState>, req: Request, next: Next) -> Res
         )
         .into_response();
     };
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        });
-    match given {
+    match bearer(req.headers()) {
         None => ApiError::unauthorized(
             "You didn't provide the admin key. Send it in an `Authorization: Bearer <key>` header.",
         )
@@ -170,14 +169,7 @@ async fn admin_auth(State(st): State<AppState>, req: Request, next: Next) -> Res
 /// With `--api-key`, `/v1/*` requires `Authorization: Bearer <key>` (or `x-api-key`).
 async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.cfg.api_key {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
+        let given = bearer(req.headers())
             // Anthropic's clients send the key as `x-api-key`.
             .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
         match given {
@@ -948,8 +940,13 @@ pub(crate) async fn prepare_chat(
     let info = st.worker_info().await?.clone();
     check_max_tokens(&info, params.max_tokens)?;
     let format = st.output_format().await?;
-    let plan = {
-        let (tools_json, parallel) = (req.tools_json(), req.parallel_tool_calls.unwrap_or(true));
+    let (tools_json, parallel) = (req.tools_json(), req.parallel_tool_calls.unwrap_or(true));
+    let grammar = schema.is_some() || matches!(choice, ToolChoice::Required | ToolChoice::Named(_));
+    let plan = if !grammar {
+        tools::plan(
+            &tools, tools_json, &choice, parallel, schema, format, thinking,
+        )?
+    } else {
         let choice = choice.clone();
         // Schemas become grammars off the async runtime, within a step budget and a
         // deadline: no request holds the gateway's threads (its `/live` must answer).
