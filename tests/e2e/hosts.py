@@ -25,10 +25,16 @@ MODEL = "SmolLM2-135M-Instruct"
 PEER_ARGS = ["--peer-io-timeout-ms=2000"]
 
 
+def host_roles(host: str) -> list[str]:
+    """The mesh roles of a test host's services: the gateway host runs the gateway and
+    the tokenizer, every other host a worker and its cache service."""
+    return ["gateway", "tokenizer"] if host == "gw" else ["worker", "cache"]
+
+
 def make_certs(out: Path, hosts: dict[str, list[str]], ca_name: str = "pdmesh test CA") -> dict:
     """A CA and, for each host, a certificate naming its IP addresses (for serving and
-    for dialling out), made with the openssl command line. Returns {"ca": path,
-    host: (cert, key)} as strings."""
+    for dialling out) and its services' roles (one subject OU each, `host_roles`), made
+    with the openssl command line. Returns {"ca": path, host: (cert, key)} as strings."""
     out.mkdir(parents=True, exist_ok=True)
     run = lambda *argv: subprocess.run(["openssl", *argv], check=True, capture_output=True, cwd=out)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
@@ -39,7 +45,8 @@ def make_certs(out: Path, hosts: dict[str, list[str]], ca_name: str = "pdmesh te
         (out / f"{host}.ext").write_text(
             "subjectAltName=" + ",".join(f"IP:{ip}" for ip in ips) + "\n"
             "extendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n")
-        run("req", *ec, "-keyout", f"{host}.key", "-out", f"{host}.csr", "-subj", f"/CN={host}")
+        run("req", *ec, "-keyout", f"{host}.key", "-out", f"{host}.csr", "-subj",
+            "".join(f"/OU={r}" for r in host_roles(host)) + f"/CN={host}")
         run("x509", "-req", "-in", f"{host}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
             "-out", f"{host}.pem", "-days", "2", "-extfile", f"{host}.ext")
         certs[host] = (str(out / f"{host}.pem"), str(out / f"{host}.key"))

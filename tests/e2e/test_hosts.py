@@ -370,6 +370,28 @@ def test_mutual_tls_between_every_service_and_nothing_without_the_meshs_certific
             assert got.pop("mesh certificate") == "ok", got
             assert all(v == "UNAVAILABLE" for v in got.values()), got
 
+        # The mesh's own certificates, each used for a call its role is not for: the
+        # gateway's registering with a cache service (as a worker or anything else), a
+        # worker host's driving another host's worker or reading its KV events.
+        worker_host = ["--ca", h.certs["ca"], "--cert", h.certs["prefill"][0], "--key", h.certs["prefill"][1]]
+        refused = lambda: sum(v for k, v in h.metrics().items() if k.startswith("mesh_auth_refused_total"))
+        before = refused()
+        for target, method, args in [
+            (f"{a['decode']}:7100", "/pdmesh.cache.v1.Cache/Register", mine),
+            (f"{a['decode']}:7100", "/pdmesh.cache.v1.Cache/RoomOpen", mine),
+            # A forged page for a prompt's prefix: neither reserved nor committed.
+            (f"{a['decode']}:7100", "/pdmesh.cache.v1.Cache/Reserve", mine),
+            (f"{a['decode']}:7100", "/pdmesh.cache.v1.Cache/Commit", mine),
+            (f"{a['decode']}:7200", "/pdmesh.worker.v1.Worker/Generate", worker_host),
+            (f"{a['decode']}:7200", "/pdmesh.worker.v1.Worker/FlushCache", worker_host),
+        ]:
+            r = subprocess.run(h.net.exec_argv("gw", [sys.executable, probe, target, method, *args, "--no-token"]),
+                               capture_output=True, text=True, timeout=30)
+            assert r.stdout.strip() == "PERMISSION_DENIED", (method, r.stdout, r.stderr)
+            assert "certificate" in r.stderr, r.stderr
+        assert refused() >= before + 6, "each refusal is counted"
+        assert ask_all(h, 1) == reference[:1], "the answers are unchanged"
+
         # The page transport: a plaintext hello gets no hello reply (a status byte 0 or 1),
         # at most a TLS alert record (0x15), and a closed socket.
         log = (h.tmp / "decode.log").read_text(errors="replace")

@@ -37,7 +37,9 @@ SCHEMAS = Path(__file__).resolve().parent / "schemas"
 # Custom resources and the schema each validates against (the rest are Kubernetes' own).
 CRDS = {"LeaderWorkerSet": "leaderworkerset.v1.json", "ServiceMonitor": "servicemonitor.v1.json"}
 # Secrets the operator creates (deploy/k8s/README.md says how); the manifests only name them.
-SECRETS = {"pdmesh-api-key", "pdmesh-mesh-tls"}
+# The API key, and one mesh TLS Secret per role (its certificate's subject names the role).
+ROLE_OF = {"gateway": "gateway", "tokenizer": "tokenizer", "cache": "cache", "prefill": "worker", "decode": "worker"}
+SECRETS = {"pdmesh-api-key", *(f"pdmesh-mesh-tls-{r}" for r in set(ROLE_OF.values()))}
 # Environment variables pdmesh reads that no flag names, and the source that reads them.
 OUTSIDE_FLAGS_SOURCE = {"PDMESH_CACHE_DIR": "crates/gguf/src/models.rs"}
 OUTSIDE_FLAGS = frozenset(n for n, src in OUTSIDE_FLAGS_SOURCE.items() if f'"{n}"' in (REPO / src).read_text())
@@ -364,8 +366,10 @@ def test_every_mesh_service_speaks_the_meshs_mutual_tls_from_its_secret(overlay)
         services.add(c["args"][0])
         where = f"{w['metadata']['name']}/{c['name']}"
         assert {"configMapRef": {"name": "pdmesh-mesh-tls"}} in c.get("envFrom", []), where
+        # Its own role's certificate, no other's.
         mounts = [m for m in c["volumeMounts"] if "secret" in vols[m["name"]]
-                  and vols[m["name"]]["secret"]["secretName"] == "pdmesh-mesh-tls"]
+                  and vols[m["name"]]["secret"]["secretName"].startswith("pdmesh-mesh-tls")]
+        assert [vols[m["name"]]["secret"]["secretName"] for m in mounts] == [f"pdmesh-mesh-tls-{ROLE_OF[c['args'][0]]}"], where
         assert len(mounts) == 1 and mounts[0].get("readOnly") is True, where
         for key in ("PDMESH_TLS_CA", "PDMESH_TLS_CERT", "PDMESH_TLS_KEY"):
             assert Path(tls[key]).parent == Path(mounts[0]["mountPath"]), (where, key, tls[key])

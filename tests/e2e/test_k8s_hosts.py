@@ -171,8 +171,9 @@ class Cluster:
             # The node's own directory, shared by its pods; /dev/shm stays on tmpfs.
             d = self.shm / pod["node"] / v["hostPath"]["path"].strip("/").replace("/", "_")
         elif "secret" in v:
-            assert v["secret"]["secretName"] == "pdmesh-mesh-tls", v
-            return self.tls
+            role = v["secret"]["secretName"].removeprefix("pdmesh-mesh-tls-")
+            assert role in ("gateway", "tokenizer", "worker", "cache"), v
+            return self.tls / role
         elif "persistentVolumeClaim" in v:
             assert v["persistentVolumeClaim"]["claimName"] == "pdmesh-models", v
             return self.models
@@ -338,12 +339,20 @@ def test_the_gpu_overlays_topology_serves_the_single_host_answer_across_its_node
         d = c.pod("pdmesh-decode")
         a = f"{c.net.addr[d['node']]}:50064"
         tls = c.tls
-        mine = ["--ca", str(tls / "ca.crt"), "--cert", str(tls / "tls.crt"), "--key", str(tls / "tls.key"),
+        gw = tls / "gateway"
+        mine = ["--ca", str(gw / "ca.crt"), "--cert", str(gw / "tls.crt"), "--key", str(gw / "tls.key"),
                 "--server-name", "pdmesh.mesh"]
         for args, want in [(mine, "ok"), ([], "UNAVAILABLE"), (mine[:2], "UNAVAILABLE")]:
             r = subprocess.run(c.net.exec_argv("plain", [sys.executable, PROBE, a, "/pdmesh.worker.v1.Worker/Health", *args]),
                                capture_output=True, text=True, timeout=30)
             assert r.stdout.split()[:1] == [want], (args, r.stdout, r.stderr)
+        # A worker's certificate, though the mesh's, may not drive another worker.
+        wk = tls / "worker"
+        theirs = ["--ca", str(wk / "ca.crt"), "--cert", str(wk / "tls.crt"), "--key", str(wk / "tls.key"),
+                  "--server-name", "pdmesh.mesh", "--no-token"]
+        r = subprocess.run(c.net.exec_argv("plain", [sys.executable, PROBE, a, "/pdmesh.worker.v1.Worker/Generate", *theirs]),
+                           capture_output=True, text=True, timeout=30)
+        assert r.stdout.split()[:1] == ["PERMISSION_DENIED"], (r.stdout, r.stderr)
     finally:
         c.stop()
     for name, p in c.procs.items():

@@ -14,18 +14,25 @@
 //! WARN at start and reports [`insecure`] as a gauge. A token crosses the wire in clear without TLS, so a service
 //! listening on a non-loopback address needs TLS too, or the same flag.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
 
 use subtle::ConstantTimeEq;
 use tonic::metadata::{Ascii, MetadataValue};
+use tonic::codegen::{Service, http};
+use tonic::server::NamedService;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Status};
 
+use crate::role::{Caller, Policy, Role, Roles};
 use crate::{MeshTls, TlsArgs, TlsError};
 
 /// The environment variable `pdmesh up` passes the mesh token to its children in (and a
@@ -121,8 +128,12 @@ impl MeshToken {
 }
 
 /// How many calls and transport connections this process refused for a missing or wrong
-/// credential.
+/// credential, or a certificate without the role the call needs.
 static REFUSED: AtomicU64 = AtomicU64::new(0);
+
+pub(crate) fn count_refused() {
+    REFUSED.fetch_add(1, Ordering::Relaxed);
+}
 /// Whether this process runs with `--insecure-plaintext`.
 static INSECURE: AtomicBool = AtomicBool::new(false);
 
@@ -260,17 +271,17 @@ impl MeshAuth {
     }
 
     /// `service`, refusing every call that does not carry this mesh's credential with
-    /// UNAUTHENTICATED.
-    pub fn guard<S>(&self, service: S) -> InterceptedService<S, Guard> {
-        InterceptedService::new(service, self.guard_fn())
-    }
-
-    /// The check [`MeshAuth::guard`] runs on each call.
-    pub fn guard_fn(&self) -> Guard {
-        Guard {
-            token: self.token.clone(),
-            tls: self.tls.is_some(),
-            open: self.insecure,
+    /// UNAUTHENTICATED, and every call whose certificate names none of the roles `policy`
+    /// gives its method with PERMISSION_DENIED. Admitted calls carry their [`Caller`].
+    pub fn guard<S>(&self, policy: &'static Policy, service: S) -> Guarded<S> {
+        Guarded {
+            inner: service,
+            check: Arc::new(Check {
+                token: self.token.clone(),
+                tls: self.tls.is_some(),
+                open: self.insecure,
+                policy,
+            }),
         }
     }
 
@@ -280,16 +291,18 @@ impl MeshAuth {
     }
 
     /// Whether a page transport peer that presented `token` in its hello may go on. Over
-    /// TLS the handshake already admitted it.
-    pub fn admits_hello(&self, token: &[u8]) -> bool {
+    /// TLS the handshake already admitted it to the mesh; only a cache service sends
+    /// pages, so its certificate (`peer_certs`, the chain it presented) must name that
+    /// role.
+    pub fn admits_hello<C: AsRef<[u8]>>(&self, token: &[u8], peer_certs: Option<&[C]>) -> bool {
         let ok = match (&self.tls, &self.token) {
             _ if self.insecure => true,
-            (Some(_), _) => true,
+            (Some(_), _) => peer_certs.is_some_and(|c| Roles::of_chain(c).contains(Role::Cache)),
             (None, Some(t)) => t.matches(token),
             (None, None) => false,
         };
         if !ok {
-            REFUSED.fetch_add(1, Ordering::Relaxed);
+            count_refused();
         }
         ok
     }
@@ -311,47 +324,96 @@ impl Interceptor for Bearer {
     }
 }
 
-/// The server side's check: a call over mutual TLS passed the handshake; otherwise the
-/// token must match (or, with no token and no TLS, the service runs open).
+/// A gRPC service behind the mesh credential ([`MeshAuth::guard`]).
 #[derive(Clone)]
-pub struct Guard {
+pub struct Guarded<S> {
+    inner: S,
+    check: Arc<Check>,
+}
+
+/// What [`Guarded`] checks each call against.
+struct Check {
     token: Option<MeshToken>,
     tls: bool,
     /// `--insecure-plaintext`: every call is let in (for clients that cannot present the
     /// credential, such as a third-party router).
     open: bool,
+    policy: &'static Policy,
 }
 
-impl Interceptor for Guard {
-    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
-        if self.open || (self.tls && req.peer_certs().is_some_and(|c| !c.is_empty())) {
-            return Ok(req);
+impl Check {
+    /// Who is calling `method`, or why the call is refused. A call over mutual TLS passed
+    /// the handshake and is judged by its certificate's roles; otherwise the token must
+    /// match (or, with no token and no TLS, the service runs open).
+    fn admit<B>(&self, req: &http::Request<B>) -> Result<Caller, Status> {
+        if self.open {
+            return Ok(Caller::Open);
         }
-        let Some(token) = &self.token else {
-            if self.tls {
-                REFUSED.fetch_add(1, Ordering::Relaxed);
+        let method = req.uri().path().rsplit('/').next().unwrap_or_default();
+        if self.tls {
+            let certs = req
+                .extensions()
+                .get::<TlsConnectInfo<TcpConnectInfo>>()
+                .and_then(|i| i.peer_certs());
+            let Some(certs) = certs.filter(|c| !c.is_empty()) else {
+                count_refused();
                 return Err(Status::unauthenticated(
                     "this mesh service needs a client certificate the mesh CA signed",
                 ));
-            }
-            return Ok(req);
+            };
+            let caller = Caller::Cert(Roles::of_chain(&certs));
+            let what = format!("{}.{method}", self.policy.service);
+            caller.require(self.policy.roles(method), &what)?;
+            return Ok(caller);
+        }
+        let Some(token) = &self.token else {
+            return Ok(Caller::Open);
         };
         let presented = req
-            .metadata()
+            .headers()
             .get(AUTHORIZATION)
             .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
         match presented {
-            Some(p) if token.matches(p) => Ok(req),
+            Some(p) if token.matches(p) => Ok(Caller::Token),
             Some(_) => {
-                REFUSED.fetch_add(1, Ordering::Relaxed);
+                count_refused();
                 Err(Status::unauthenticated("the mesh token does not match"))
             }
             None => {
-                REFUSED.fetch_add(1, Ordering::Relaxed);
+                count_refused();
                 Err(Status::unauthenticated(
                     "this mesh service needs the mesh token (authorization: Bearer)",
                 ))
             }
+        }
+    }
+}
+
+impl<S: NamedService> NamedService for Guarded<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S, B> Service<http::Request<B>> for Guarded<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        match self.check.admit(&req) {
+            Ok(caller) => {
+                req.extensions_mut().insert(caller);
+                Box::pin(self.inner.call(req))
+            }
+            Err(refused) => Box::pin(std::future::ready(Ok(refused.into_http()))),
         }
     }
 }
@@ -398,6 +460,12 @@ mod tests {
         MeshToken::parse(&c.to_string().repeat(40), "a test").unwrap()
     }
 
+    /// The test service's policy: only a worker may call Check.
+    static HEALTH: Policy = Policy {
+        service: "grpc.health.v1.Health",
+        methods: &[("Check", Roles::of(&[Role::Worker]))],
+    };
+
     /// A guarded health service on loopback, and its URL.
     async fn serve(auth: MeshAuth) -> (String, tokio_util::sync::CancellationToken) {
         let (reporter, service) = tonic_health::server::health_reporter();
@@ -407,7 +475,10 @@ mod tests {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", l.local_addr().unwrap());
         let stop = tokio_util::sync::CancellationToken::new();
-        let server = auth.server().unwrap().add_service(auth.guard(service));
+        let server = auth
+            .server()
+            .unwrap()
+            .add_service(auth.guard(&HEALTH, service));
         let s = stop.clone();
         tokio::spawn(async move {
             server
@@ -449,6 +520,39 @@ mod tests {
         let (url, stop) = serve(server).await;
         let client = MeshAuth::new(Some(ca.mesh(&["127.0.0.1"])), None, false);
         assert_eq!(check(&client, &url).await, Ok(ServingStatus::Serving));
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn over_mutual_tls_a_certificate_without_the_methods_role_is_refused_permission_denied()
+    {
+        let ca = crate::test_ca::Ca::new("mesh");
+        let server = MeshAuth::new(Some(ca.member(&["127.0.0.1"], &["cache"])), None, false);
+        let (url, stop) = serve(server).await;
+        let as_role = |roles: &[&str]| {
+            MeshAuth::new(Some(ca.member(&["127.0.0.1"], roles)), None, false)
+        };
+        let before = refused_total();
+        for wrong in [&["gateway"][..], &["cache", "tokenizer"], &[]] {
+            assert_eq!(
+                check(&as_role(wrong), &url).await,
+                Err(tonic::Code::PermissionDenied),
+                "{wrong:?}"
+            );
+        }
+        assert!(refused_total() >= before + 3, "counted");
+        assert_eq!(
+            check(&as_role(&["worker"]), &url).await,
+            Ok(ServingStatus::Serving)
+        );
+        assert_eq!(
+            check(&as_role(&["gateway", "worker"]), &url).await,
+            Ok(ServingStatus::Serving)
+        );
+        // Another CA's certificate, whatever its roles, does not get past the handshake.
+        let stranger = crate::test_ca::Ca::new("elsewhere");
+        let c = MeshAuth::new(Some(stranger.member(&["127.0.0.1"], &["worker"])), None, false);
+        assert!(c.connect(&url).await.is_err() || check(&c, &url).await.is_err());
         stop.cancel();
     }
 
@@ -533,9 +637,10 @@ mod tests {
     #[test]
     fn the_page_transport_hello_admits_the_token_only() {
         let member = MeshAuth::token(token('a'));
-        assert!(member.admits_hello(member.hello_token()));
-        assert!(!member.admits_hello(MeshAuth::token(token('b')).hello_token()));
-        assert!(!member.admits_hello(b""));
-        assert!(MeshAuth::open().admits_hello(b""));
+        let no_tls: Option<&[Vec<u8>]> = None;
+        assert!(member.admits_hello(member.hello_token(), no_tls));
+        assert!(!member.admits_hello(MeshAuth::token(token('b')).hello_token(), no_tls));
+        assert!(!member.admits_hello(b"", no_tls));
+        assert!(MeshAuth::open().admits_hello(b"", no_tls));
     }
 }

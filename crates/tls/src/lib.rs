@@ -329,7 +329,9 @@ pub fn server(tls: Option<&MeshTls>) -> Result<tonic::transport::Server, tonic::
 }
 
 pub mod auth;
-pub use auth::{AuthChannel, MeshAuth, MeshToken};
+pub mod role;
+pub use auth::{AuthChannel, Guarded, MeshAuth, MeshToken};
+pub use role::{Caller, Policy, Role, Roles};
 
 #[cfg(any(test, feature = "test-ca"))]
 pub mod test_ca;

@@ -31,10 +31,26 @@ impl Ca {
 
     /// A service's certificate for `names` (IP addresses or DNS names), good as server
     /// and as client; its PEM and its key's.
+    /// Its subject names the roles of a worker host: worker and cache.
     pub fn leaf(&self, names: &[&str]) -> (String, String) {
+        self.leaf_with_roles(names, &["worker", "cache"])
+    }
+
+    /// A service's certificate for `names` whose subject names `roles`, one OU entry each
+    /// (at most two: rcgen keeps one attribute per type, so the second goes in as the
+    /// same OID spelled as a custom type).
+    pub fn leaf_with_roles(&self, names: &[&str], roles: &[&str]) -> (String, String) {
+        assert!(roles.len() <= 2, "a test certificate names at most two roles");
         let mut params =
             rcgen::CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
                 .unwrap();
+        let ou = [
+            rcgen::DnType::OrganizationalUnitName,
+            rcgen::DnType::CustomDnType(vec![2, 5, 4, 11]),
+        ];
+        for (ty, r) in ou.into_iter().zip(roles) {
+            params.distinguished_name.push(ty, *r);
+        }
         params.extended_key_usages = vec![
             rcgen::ExtendedKeyUsagePurpose::ServerAuth,
             rcgen::ExtendedKeyUsagePurpose::ClientAuth,
@@ -44,8 +60,15 @@ impl Ca {
         (cert.pem(), key.serialize_pem())
     }
 
+    /// A worker host's member (worker and cache).
     pub fn mesh(&self, names: &[&str]) -> MeshTls {
         let (cert, key) = self.leaf(names);
+        MeshTls::from_pem(self.pem.as_bytes(), cert.as_bytes(), key.as_bytes()).unwrap()
+    }
+
+    /// A member with only `roles` (`"worker"`, ...).
+    pub fn member(&self, names: &[&str], roles: &[&str]) -> MeshTls {
+        let (cert, key) = self.leaf_with_roles(names, roles);
         MeshTls::from_pem(self.pem.as_bytes(), cert.as_bytes(), key.as_bytes()).unwrap()
     }
 }

@@ -244,13 +244,48 @@ impl CacheService {
 type PageStream = Pin<Box<dyn Stream<Item = Result<pb::PageData, Status>> + Send>>;
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::KvEvent, Status>> + Send>>;
 
+/// Who may call each RPC (over mutual TLS, by the roles in the caller's certificate):
+/// workers and peer cache services the page and room calls (registering as a peer needs
+/// the cache role, checked in `register`), the gateway the KV events it routes by, any
+/// member Stats.
+pub static POLICY: pdmesh_tls::Policy = {
+    use pdmesh_tls::Roles;
+    const W: Roles = Roles::WORKER_OR_CACHE;
+    pdmesh_tls::Policy {
+        service: "pdmesh.cache.v1.Cache",
+        methods: &[
+            ("Register", W),
+            ("Heartbeat", W),
+            ("Match", W),
+            ("Reserve", W),
+            ("Commit", W),
+            ("Load", W),
+            ("Release", W),
+            ("Discard", W),
+            ("SubscribeEvents", Roles::GATEWAY),
+            ("Stats", Roles::ANY),
+            ("RoomOpen", W),
+            ("RoomWait", W),
+            ("RoomStart", W),
+            ("RoomCommit", W),
+            ("RoomResult", W),
+            ("RoomFinish", W),
+            ("RoomAbort", W),
+        ],
+    }
+};
+
 #[tonic::async_trait]
 impl pb::cache_server::Cache for CacheService {
     async fn register(
         &self,
         request: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
+        let caller = pdmesh_tls::Caller::of(&request);
         let r = request.into_inner();
+        if r.data_plane == pb::DataPlane::Peer as i32 {
+            caller.require(pdmesh_tls::Roles::CACHE, "Register as a peer cache service")?;
+        }
         let layout = r
             .layout
             .as_ref()
@@ -1055,4 +1090,11 @@ mod tests {
             assert_eq!(e.code(), tonic::Code::Internal, "{e:?}");
         }
     }
+}
+
+#[cfg(test)]
+#[test]
+fn every_rpc_has_the_roles_that_may_call_it() {
+    let proto = include_str!("../../../proto/pdmesh/cache/v1/cache.proto");
+    assert_eq!(POLICY.unlisted(proto), Vec::<&str>::new());
 }

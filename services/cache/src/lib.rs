@@ -349,7 +349,7 @@ pub async fn run(
         .server()?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(
-            auth.guard(pdmesh_proto::cache::v1::cache_server::CacheServer::new(
+            auth.guard(&grpc::POLICY, pdmesh_proto::cache::v1::cache_server::CacheServer::new(
                 grpc::CacheService::new(shared.clone(), serving.clone(), peers, peer_port)
                     .with_incidents(reporter),
             )),

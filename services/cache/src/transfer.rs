@@ -41,6 +41,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use pdmesh_kv::{KvLayout, page_checksum};
+use pdmesh_tls::{Role, Roles};
 use tokio::io::{
     AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter, ReadHalf, WriteHalf,
 };
@@ -159,9 +160,10 @@ pub enum TransferError {
     TrailerSize(usize),
     #[error("{peer} broke the protocol: {what}")]
     Protocol { peer: String, what: String },
-    /// The hello's credential was refused (by the receiver, or a sender's at the receiver).
-    #[error("the page transport with {peer} refused the mesh credential")]
-    Unauthenticated { peer: String },
+    /// The hello's credential was refused (by the receiver, or a sender's at the
+    /// receiver), or the receiver's certificate does not name the cache role.
+    #[error("the page transport with {peer} refused the mesh credential: {reason}")]
+    Unauthenticated { peer: String, reason: String },
     /// An earlier send on this connection failed; its framing cannot be trusted, so it
     /// carries nothing more (connect again).
     #[error("the connection to {peer} failed earlier ({first}); connect again")]
@@ -305,15 +307,25 @@ impl TcpSender {
                     peer: peer.clone(),
                     source: io::Error::new(io::ErrorKind::InvalidInput, e.to_string()),
                 })?;
-                Box::new(
-                    deadline(
-                        &peer,
-                        "the TLS handshake",
-                        opts.io_timeout,
-                        tls.connector().connect(name, stream),
-                    )
-                    .await?,
+                let s = deadline(
+                    &peer,
+                    "the TLS handshake",
+                    opts.io_timeout,
+                    tls.connector().connect(name, stream),
                 )
+                .await?;
+                // Pages go only to a cache service: the receiver's certificate must say so.
+                let certs = s.get_ref().1.peer_certificates().unwrap_or_default();
+                if !Roles::of_chain(certs).contains(Role::Cache) {
+                    return Err(TransferError::Unauthenticated {
+                        peer,
+                        reason: format!(
+                            "its certificate names {}, not the cache role",
+                            Roles::of_chain(certs)
+                        ),
+                    });
+                }
+                Box::new(s)
             }
         };
         let (rd, wr) = tokio::io::split(stream);
@@ -352,7 +364,7 @@ impl TcpSender {
         match status {
             0 => Ok(s),
             1 => Err(TransferError::LayoutRefused { peer, reason: text }),
-            2 => Err(TransferError::Unauthenticated { peer }),
+            2 => Err(TransferError::Unauthenticated { peer, reason: text }),
             other => Err(TransferError::Protocol {
                 peer,
                 what: format!("hello reply status {other}"),
@@ -590,17 +602,27 @@ pub async fn serve_connection(
         .peer_addr()
         .map_or_else(|_| "?".to_owned(), |a| a.to_string());
     let _ = stream.set_nodelay(true);
-    let stream: Stream = match auth.tls() {
-        None => Box::new(stream),
-        Some(tls) => Box::new(
-            deadline(
+    // Over TLS, the certificate chain the sender presented: it must name the cache role.
+    let (stream, peer_certs): (Stream, _) = match auth.tls() {
+        None => (Box::new(stream), None),
+        Some(tls) => {
+            let s = deadline(
                 &peer,
                 "the TLS handshake",
                 opts.io_timeout,
                 tls.acceptor().accept(stream),
             )
-            .await?,
-        ),
+            .await?;
+            let certs: Vec<Vec<u8>> = s
+                .get_ref()
+                .1
+                .peer_certificates()
+                .unwrap_or_default()
+                .iter()
+                .map(|c| c.to_vec())
+                .collect();
+            (Box::new(s), Some(certs))
+        }
     };
     let (rd, wr) = tokio::io::split(stream);
     let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
@@ -627,15 +649,23 @@ pub async fn serve_connection(
         Ok((n, token))
     })
     .await?;
-    if !auth.admits_hello(&token[..token_len]) {
+    if !auth.admits_hello(&token[..token_len], peer_certs.as_deref()) {
+        let reason = if peer_certs.is_some() {
+            "only a certificate naming the cache role may send pages"
+        } else {
+            "the mesh credential is missing or wrong"
+        };
         let mut reply = vec![2u8];
-        put_text(&mut reply, "the mesh credential is missing or wrong");
+        put_text(&mut reply, reason);
         let _ = deadline(&peer, "the hello reply", t, async {
             wr.write_all(&reply).await?;
             wr.flush().await
         })
         .await;
-        return Err(TransferError::Unauthenticated { peer });
+        return Err(TransferError::Unauthenticated {
+            peer,
+            reason: reason.to_owned(),
+        });
     }
     let (sender, fingerprint, page_bytes, theirs) = deadline(&peer, "the hello", t, async {
         let sender = rd.read_u64_le().await?;
@@ -1121,6 +1151,30 @@ mod tests {
             );
             assert!(delivered.lock().unwrap().is_empty());
         }
+
+        // A receiver whose certificate is a worker's gets no page.
+        let (addr, task, delivered, _) =
+            receiver_with(l.clone(), None, over(ca.member(&["127.0.0.1"], &["worker"]))).await;
+        let err = TcpSender::connect(addr, &l, quick(), (&sender, "127.0.0.1"), 7)
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        assert!(err.to_string().contains("not the cache role"), "{err}");
+        let _ = task.await;
+        assert!(delivered.lock().unwrap().is_empty());
+
+        // The mesh's own CA, but a worker's certificate: only a cache service sends pages.
+        let (addr, task, delivered, _) =
+            receiver_with(l.clone(), None, over(ca.mesh(&["127.0.0.1"]))).await;
+        let worker = over(ca.member(&["127.0.0.2"], &["worker"]));
+        let refused = match TcpSender::connect(addr, &l, quick(), (&worker, "127.0.0.1"), 7).await {
+            Ok(mut tx) => tx.send(5, &out(&data)[..], None).await.unwrap_err(),
+            Err(e) => e,
+        };
+        assert!(refused.to_string().contains("cache role"), "{refused}");
+        let err = task.await.unwrap().unwrap_err();
+        assert!(matches!(err, TransferError::Unauthenticated { .. }), "{err}");
+        assert!(delivered.lock().unwrap().is_empty());
     }
 
     #[tokio::test]

@@ -379,6 +379,84 @@ async fn a_caller_without_the_mesh_token_is_refused_everywhere_and_creates_nothi
     s.stop().await;
 }
 
+/// Over mutual TLS each call needs a certificate naming a role it is for: a gateway's
+/// certificate registers nothing and opens no room, a worker's cannot register as a peer
+/// cache service or read the KV events, and the refusals are counted.
+#[tokio::test]
+async fn over_mutual_tls_a_certificate_of_the_wrong_role_is_refused_and_creates_nothing() {
+    let ca = pdmesh_tls::test_ca::Ca::new("mesh");
+    let pems = tempfile::tempdir().unwrap();
+    let (cert, key) = ca.leaf_with_roles(&["127.0.0.1"], &["cache"]);
+    for (name, text) in [("ca.pem", &ca.pem), ("cert.pem", &cert), ("key.pem", &key)] {
+        std::fs::write(pems.path().join(name), text).unwrap();
+    }
+    let s = start_with("127.0.0.1:0".parse().unwrap(), 8, |c| {
+        c.tls = pdmesh_tls::TlsArgs {
+            tls_ca: Some(pems.path().join("ca.pem")),
+            tls_cert: Some(pems.path().join("cert.pem")),
+            tls_key: Some(pems.path().join("key.pem")),
+            ..Default::default()
+        };
+    })
+    .await;
+    let rpc = |roles: &'static [&'static str]| {
+        let auth = pdmesh_tls::MeshAuth::new(Some(ca.member(&["127.0.0.1"], roles)), None, false);
+        let url = s.url();
+        async move { CacheClient::new(auth.connect(&url).await.unwrap()) }
+    };
+    let register = |plane: pb::DataPlane| pb::RegisterRequest {
+        worker_id: format!("{plane:?}"),
+        layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
+        data_plane: plane.into(),
+    };
+    fn denied<T>(r: Result<T, tonic::Status>) {
+        match r {
+            Err(e) => assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}"),
+            Ok(_) => panic!("admitted"),
+        }
+    }
+
+    let mut gw = rpc(&["gateway"]).await;
+    denied(gw.register(register(pb::DataPlane::Shm)).await);
+    denied(gw.register(register(pb::DataPlane::Peer)).await);
+    denied(
+        gw.room_open(pb::RoomOpenRequest {
+            lease: 1,
+            room: 1,
+            side: pb::RoomSide::Receiver.into(),
+            ..Default::default()
+        })
+        .await,
+    );
+    let stats = gw.stats(pb::StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!((stats.leases, stats.total_pages), (0, 0));
+    assert!(stats.auth_refused >= 3, "{}", stats.auth_refused);
+    gw.subscribe_events(pb::SubscribeEventsRequest {})
+        .await
+        .expect("the gateway routes by the KV events");
+
+    let mut worker = rpc(&["worker"]).await;
+    let err = worker
+        .register(register(pb::DataPlane::Peer))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    assert!(err.message().contains("cache"), "{err}");
+    denied(worker.subscribe_events(pb::SubscribeEventsRequest {}).await);
+    assert_eq!(gw.stats(pb::StatsRequest {}).await.unwrap().into_inner().leases, 0);
+    worker
+        .register(register(pb::DataPlane::Grpc))
+        .await
+        .expect("a worker registers as one");
+    rpc(&["cache"])
+        .await
+        .register(register(pb::DataPlane::Peer))
+        .await
+        .expect("a cache service registers as a peer");
+    assert_eq!(gw.stats(pb::StatsRequest {}).await.unwrap().into_inner().leases, 2);
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn malformed_registrations_are_refused_and_create_nothing() {
     let s = start(8, 10_000).await;

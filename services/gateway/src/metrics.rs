@@ -562,7 +562,7 @@ impl Metrics {
         let auth_refused = WorkerTotals::labeled(
             &registry,
             "mesh_auth_refused_total",
-            "Internal calls and page-transport connections refused for a missing or wrong mesh credential, by the service that refused them (read at scrape).",
+            "Internal calls and page-transport connections refused for a missing or wrong mesh credential, or a certificate without the role the call needs, by the service that refused them (read at scrape).",
             "service",
             ["worker", "cache"],
         )?;

@@ -81,6 +81,22 @@ fn response(deltas: Vec<Delta>) -> pb::DetokenizeResponse {
     r
 }
 
+/// Who may call each RPC (over mutual TLS, by the roles in the caller's certificate): the
+/// gateway renders, tokenizes and detokenizes; any member may ask Health and Info.
+pub static POLICY: pdmesh_tls::Policy = {
+    use pdmesh_tls::Roles;
+    pdmesh_tls::Policy {
+        service: "pdmesh.tokenizer.v1.Tokenizer",
+        methods: &[
+            ("Tokenize", Roles::GATEWAY),
+            ("ApplyChatTemplate", Roles::GATEWAY),
+            ("Detokenize", Roles::GATEWAY),
+            ("Health", Roles::ANY),
+            ("Info", Roles::ANY),
+        ],
+    }
+};
+
 impl TokenizerService {
     pub(crate) fn new(tok: TextTokenizer) -> Self {
         Self {
@@ -505,4 +521,11 @@ mod tests {
         let err = tools(b"[{").unwrap_err();
         assert_eq!(Status::from(err).code(), tonic::Code::InvalidArgument);
     }
+}
+
+#[cfg(test)]
+#[test]
+fn every_rpc_has_the_roles_that_may_call_it() {
+    let proto = include_str!("../../../proto/pdmesh/tokenizer/v1/tokenizer.proto");
+    assert_eq!(POLICY.unlisted(proto), Vec::<&str>::new());
 }

@@ -63,6 +63,7 @@ pub async fn run(
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(
             auth.guard(
+                &grpc::POLICY,
                 pdmesh_proto::tokenizer::v1::tokenizer_server::TokenizerServer::new(service),
             ),
         )

@@ -262,6 +262,24 @@ fn model_info(info: ModelInfo, pool: PoolNow, w: &WorkerService) -> pb::ModelInf
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 type KvEventStream = Pin<Box<dyn Stream<Item = Result<cpb::KvEvent, Status>> + Send>>;
 
+/// Who may call each RPC (over mutual TLS, by the roles in the caller's certificate): the
+/// gateway generates, aborts, flushes and follows KV events (they carry prompts' token
+/// ids); any member may ask Health and ModelInfo (`pdmesh up` probes with them).
+pub static POLICY: pdmesh_tls::Policy = {
+    use pdmesh_tls::Roles;
+    pdmesh_tls::Policy {
+        service: "pdmesh.worker.v1.Worker",
+        methods: &[
+            ("Generate", Roles::GATEWAY),
+            ("Abort", Roles::GATEWAY),
+            ("Health", Roles::ANY),
+            ("ModelInfo", Roles::ANY),
+            ("SubscribeKvEvents", Roles::GATEWAY),
+            ("FlushCache", Roles::GATEWAY),
+        ],
+    }
+};
+
 #[tonic::async_trait]
 impl pb::worker_server::Worker for WorkerService {
     type GenerateStream = GenerateStream;
@@ -501,4 +519,11 @@ mod tests {
             tonic::Code::Internal
         );
     }
+}
+
+#[cfg(test)]
+#[test]
+fn every_rpc_has_the_roles_that_may_call_it() {
+    let proto = include_str!("../../../proto/pdmesh/worker/v1/worker.proto");
+    assert_eq!(POLICY.unlisted(proto), Vec::<&str>::new());
 }

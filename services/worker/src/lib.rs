@@ -627,6 +627,7 @@ pub async fn run(
         .server()?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(auth.guard(
+            &grpc::POLICY,
             pdmesh_proto::worker::v1::worker_server::WorkerServer::from_arc(worker),
         ))
         // The standard health check answers without the credential (it tells only
@@ -634,6 +635,7 @@ pub async fn run(
         .add_service(health_service)
         // The SGLang scheduler protocol on the same port, for gateways built for SGLang.
         .add_service(auth.guard(
+            &sglang::POLICY,
             pdmesh_proto::sglang::grpc::scheduler::sglang_scheduler_server::SglangSchedulerServer::new(
                 sglang,
             ),

@@ -449,6 +449,28 @@ type GenerateStream = Pin<Box<dyn Stream<Item = Result<s::GenerateResponse, Stat
 type TokenizerStream = Pin<Box<dyn Stream<Item = Result<c::GetTokenizerChunk, Status>> + Send>>;
 type KvStream = Pin<Box<dyn Stream<Item = Result<c::KvEventBatch, Status>> + Send>>;
 
+/// Who may call each SGLang scheduler RPC over mutual TLS: a gateway (smg, or anything
+/// holding a gateway's certificate); any member may ask the health check.
+pub static POLICY: pdmesh_tls::Policy = {
+    use pdmesh_tls::Roles;
+    const G: Roles = Roles::GATEWAY;
+    pdmesh_tls::Policy {
+        service: "sglang.grpc.scheduler.SglangScheduler",
+        methods: &[
+            ("Generate", G),
+            ("Embed", G),
+            ("HealthCheck", Roles::ANY),
+            ("Abort", G),
+            ("GetModelInfo", G),
+            ("GetServerInfo", G),
+            ("GetLoads", G),
+            ("FlushCache", G),
+            ("GetTokenizer", G),
+            ("SubscribeKvEvents", G),
+        ],
+    }
+};
+
 #[tonic::async_trait]
 impl s::sglang_scheduler_server::SglangScheduler for SglangService {
     type GenerateStream = GenerateStream;
@@ -1032,4 +1054,11 @@ mod tests {
         .unwrap();
         assert_eq!(p.grammar, "start: /a\\/b+/\n");
     }
+}
+
+#[cfg(test)]
+#[test]
+fn every_scheduler_rpc_has_the_roles_that_may_call_it() {
+    let proto = include_str!("../../../proto/sglang/grpc/scheduler/scheduler.proto");
+    assert_eq!(POLICY.unlisted(proto), Vec::<&str>::new());
 }
