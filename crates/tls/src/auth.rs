@@ -23,8 +23,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
 use subtle::ConstantTimeEq;
-use tonic::metadata::{Ascii, MetadataValue};
 use tonic::codegen::{Service, http};
+use tonic::metadata::{Ascii, MetadataValue};
 use tonic::server::NamedService;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
@@ -524,14 +524,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn over_mutual_tls_a_certificate_without_the_methods_role_is_refused_permission_denied()
-    {
+    async fn over_mutual_tls_a_certificate_without_the_methods_role_is_refused_permission_denied() {
         let ca = crate::test_ca::Ca::new("mesh");
         let server = MeshAuth::new(Some(ca.member(&["127.0.0.1"], &["cache"])), None, false);
         let (url, stop) = serve(server).await;
-        let as_role = |roles: &[&str]| {
-            MeshAuth::new(Some(ca.member(&["127.0.0.1"], roles)), None, false)
-        };
+        let as_role =
+            |roles: &[&str]| MeshAuth::new(Some(ca.member(&["127.0.0.1"], roles)), None, false);
         let before = refused_total();
         for wrong in [&["gateway"][..], &["cache", "tokenizer"], &[]] {
             assert_eq!(
@@ -551,7 +549,11 @@ mod tests {
         );
         // Another CA's certificate, whatever its roles, does not get past the handshake.
         let stranger = crate::test_ca::Ca::new("elsewhere");
-        let c = MeshAuth::new(Some(stranger.member(&["127.0.0.1"], &["worker"])), None, false);
+        let c = MeshAuth::new(
+            Some(stranger.member(&["127.0.0.1"], &["worker"])),
+            None,
+            false,
+        );
         assert!(c.connect(&url).await.is_err() || check(&c, &url).await.is_err());
         stop.cancel();
     }

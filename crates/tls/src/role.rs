@@ -219,7 +219,10 @@ mod tests {
                 .unwrap()
                 .to_vec()
         };
-        assert_eq!(Roles::of_certificate(&der(&["worker"])), Roles::of(&[Role::Worker]));
+        assert_eq!(
+            Roles::of_certificate(&der(&["worker"])),
+            Roles::of(&[Role::Worker])
+        );
         assert_eq!(
             Roles::of_certificate(&der(&["worker", "cache"])),
             Roles::WORKER_OR_CACHE
@@ -249,7 +252,10 @@ mod tests {
         assert!(!Caller::Cert(Roles::NONE).may(Roles::ANY));
         assert!(Caller::Token.may(Roles::CACHE));
         assert!(Caller::Open.may(Roles::CACHE));
-        assert_eq!(Roles::ANY.to_string(), "gateway, tokenizer, worker or cache");
+        assert_eq!(
+            Roles::ANY.to_string(),
+            "gateway, tokenizer, worker or cache"
+        );
         let p = Policy {
             service: "s",
             methods: &[("Register", Roles::WORKER_OR_CACHE)],

@@ -40,7 +40,10 @@ impl Ca {
     /// (at most two: rcgen keeps one attribute per type, so the second goes in as the
     /// same OID spelled as a custom type).
     pub fn leaf_with_roles(&self, names: &[&str], roles: &[&str]) -> (String, String) {
-        assert!(roles.len() <= 2, "a test certificate names at most two roles");
+        assert!(
+            roles.len() <= 2,
+            "a test certificate names at most two roles"
+        );
         let mut params =
             rcgen::CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
                 .unwrap();

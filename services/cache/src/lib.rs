@@ -349,10 +349,13 @@ pub async fn run(
         .server()?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
         .add_service(
-            auth.guard(&grpc::POLICY, pdmesh_proto::cache::v1::cache_server::CacheServer::new(
-                grpc::CacheService::new(shared.clone(), serving.clone(), peers, peer_port)
-                    .with_incidents(reporter),
-            )),
+            auth.guard(
+                &grpc::POLICY,
+                pdmesh_proto::cache::v1::cache_server::CacheServer::new(
+                    grpc::CacheService::new(shared.clone(), serving.clone(), peers, peer_port)
+                        .with_incidents(reporter),
+                ),
+            ),
         )
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.

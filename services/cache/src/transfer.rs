@@ -1153,8 +1153,12 @@ mod tests {
         }
 
         // A receiver whose certificate is a worker's gets no page.
-        let (addr, task, delivered, _) =
-            receiver_with(l.clone(), None, over(ca.member(&["127.0.0.1"], &["worker"]))).await;
+        let (addr, task, delivered, _) = receiver_with(
+            l.clone(),
+            None,
+            over(ca.member(&["127.0.0.1"], &["worker"])),
+        )
+        .await;
         let err = TcpSender::connect(addr, &l, quick(), (&sender, "127.0.0.1"), 7)
             .await
             .map(|_| ())
@@ -1173,7 +1177,10 @@ mod tests {
         };
         assert!(refused.to_string().contains("cache role"), "{refused}");
         let err = task.await.unwrap().unwrap_err();
-        assert!(matches!(err, TransferError::Unauthenticated { .. }), "{err}");
+        assert!(
+            matches!(err, TransferError::Unauthenticated { .. }),
+            "{err}"
+        );
         assert!(delivered.lock().unwrap().is_empty());
     }
 

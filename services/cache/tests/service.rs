@@ -443,7 +443,14 @@ async fn over_mutual_tls_a_certificate_of_the_wrong_role_is_refused_and_creates_
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
     assert!(err.message().contains("cache"), "{err}");
     denied(worker.subscribe_events(pb::SubscribeEventsRequest {}).await);
-    assert_eq!(gw.stats(pb::StatsRequest {}).await.unwrap().into_inner().leases, 0);
+    assert_eq!(
+        gw.stats(pb::StatsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .leases,
+        0
+    );
     worker
         .register(register(pb::DataPlane::Grpc))
         .await
@@ -453,7 +460,14 @@ async fn over_mutual_tls_a_certificate_of_the_wrong_role_is_refused_and_creates_
         .register(register(pb::DataPlane::Peer))
         .await
         .expect("a cache service registers as a peer");
-    assert_eq!(gw.stats(pb::StatsRequest {}).await.unwrap().into_inner().leases, 2);
+    assert_eq!(
+        gw.stats(pb::StatsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .leases,
+        2
+    );
     s.stop().await;
 }
 

@@ -61,12 +61,10 @@ pub async fn run(
     }
     auth.server()?
         .trace_fn(pdmesh_telemetry::grpc_server_span)
-        .add_service(
-            auth.guard(
-                &grpc::POLICY,
-                pdmesh_proto::tokenizer::v1::tokenizer_server::TokenizerServer::new(service),
-            ),
-        )
+        .add_service(auth.guard(
+            &grpc::POLICY,
+            pdmesh_proto::tokenizer::v1::tokenizer_server::TokenizerServer::new(service),
+        ))
         .serve_with_incoming_shutdown(
             // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
