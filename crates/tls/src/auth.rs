@@ -362,8 +362,11 @@ impl Check {
                 ));
             };
             let caller = Caller::Cert(Roles::of_chain(&certs));
-            let what = format!("{}.{method}", self.policy.service);
-            caller.require(self.policy.roles(method), &what)?;
+            let allowed = self.policy.roles(method);
+            if !caller.may(allowed) {
+                // The message is made only for a refusal, not on every call.
+                caller.require(allowed, &format!("{}.{method}", self.policy.service))?;
+            }
             return Ok(caller);
         }
         let Some(token) = &self.token else {
