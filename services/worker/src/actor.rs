@@ -29,6 +29,7 @@ struct Submit {
 /// Hand a prefilled prompt's pages to a writer, then let them go.
 struct Export {
     id: String,
+    ticket: u64,
     f: ExportFn,
 }
 impl Message for Export {
@@ -38,6 +39,7 @@ impl Message for Export {
 /// Let go of a prefilled prompt's pages unsent.
 struct DropExport {
     id: String,
+    ticket: u64,
 }
 impl Message for DropExport {
     type Result = bool;
@@ -46,6 +48,7 @@ impl Message for DropExport {
 /// Give a decode request its prompt's KV and first token.
 struct Import {
     id: String,
+    ticket: u64,
     token: u32,
     logprob: Option<Logprob>,
     cached: usize,
@@ -209,7 +212,7 @@ impl Handler<Submit> for EngineActor {
 impl Handler<Export> for EngineActor {
     type Result = Result<Vec<u64>, EngineError>;
     fn handle(&mut self, msg: Export, ctx: &mut Self::Context) -> Self::Result {
-        let out = self.core.export(&msg.id, msg.f);
+        let out = self.core.export(&msg.id, msg.ticket, msg.f);
         self.kick(ctx);
         out
     }
@@ -218,7 +221,7 @@ impl Handler<Export> for EngineActor {
 impl Handler<DropExport> for EngineActor {
     type Result = bool;
     fn handle(&mut self, msg: DropExport, ctx: &mut Self::Context) -> bool {
-        let out = self.core.drop_export(&msg.id);
+        let out = self.core.drop_export(&msg.id, msg.ticket);
         self.kick(ctx);
         out
     }
@@ -227,9 +230,13 @@ impl Handler<DropExport> for EngineActor {
 impl Handler<Import> for EngineActor {
     type Result = Result<(), EngineError>;
     fn handle(&mut self, msg: Import, ctx: &mut Self::Context) -> Self::Result {
-        let out = self
-            .core
-            .import(&msg.id, msg.token, msg.logprob, msg.cached, msg.fill);
+        let out = self.core.import(
+            (&msg.id, msg.ticket),
+            msg.token,
+            msg.logprob,
+            msg.cached,
+            msg.fill,
+        );
         self.kick(ctx);
         out
     }
@@ -490,22 +497,32 @@ impl EngineHandle {
         &self.progress
     }
 
-    /// Hands the pages held for prefilled request `id` to `f` (on the engine's thread).
-    pub(crate) async fn export(&self, id: String, f: ExportFn) -> Result<Vec<u64>, EngineError> {
-        self.addr.send(Export { id, f }).await.map_err(offline)?
+    /// Hands the pages held for prefilled request `id`, submission `ticket` (see
+    /// [`Generation::ticket`]), to `f` (on the engine's thread).
+    pub(crate) async fn export(
+        &self,
+        id: String,
+        ticket: u64,
+        f: ExportFn,
+    ) -> Result<Vec<u64>, EngineError> {
+        self.addr
+            .send(Export { id, ticket, f })
+            .await
+            .map_err(offline)?
     }
 
-    /// Lets go of the pages held for prefilled request `id` (fire and forget: it also
-    /// runs from `Drop`).
-    pub(crate) fn drop_export(&self, id: String) {
-        self.addr.do_send(DropExport { id });
+    /// Lets go of the pages held for prefilled request `id`, submission `ticket` only (fire
+    /// and forget: it also runs from `Drop`, possibly after a later submission of the same
+    /// id holds pages of its own).
+    pub(crate) fn drop_export(&self, id: String, ticket: u64) {
+        self.addr.do_send(DropExport { id, ticket });
     }
 
     /// Gives decode request `id` its prompt's KV (`fill` writes it, on the engine's
     /// thread) and first token.
     pub(crate) async fn import(
         &self,
-        id: String,
+        (id, ticket): (String, u64),
         token: u32,
         logprob: Option<Logprob>,
         cached: usize,
@@ -514,6 +531,7 @@ impl EngineHandle {
         self.addr
             .send(Import {
                 id,
+                ticket,
                 token,
                 logprob,
                 cached,
@@ -554,6 +572,12 @@ pub(crate) struct Generation {
 }
 
 impl Generation {
+    /// Which submission of its request id this is: a later one under the same id (a
+    /// request the gateway tries again) has another.
+    pub(crate) fn ticket(&self) -> u64 {
+        self.guard.ticket
+    }
+
     fn end(&mut self) {
         self.done = true;
         self.guard.addr = None;

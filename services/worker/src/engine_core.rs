@@ -273,6 +273,9 @@ pub(crate) struct EngineCore<B> {
     /// `None` once a step panicked: the engine's state can no longer be trusted.
     engine: Option<B>,
     requests: HashMap<String, Entry>,
+    /// Prefilled requests whose pages wait for their hand-over (their entries are gone,
+    /// as the prefill finished), with the ticket of the submission that holds them.
+    exported: HashMap<String, u64>,
 }
 
 impl<B: Backend> EngineCore<B> {
@@ -280,6 +283,7 @@ impl<B: Backend> EngineCore<B> {
         Self {
             engine: Some(engine),
             requests: HashMap::new(),
+            exported: HashMap::new(),
         }
     }
 
@@ -288,6 +292,7 @@ impl<B: Backend> EngineCore<B> {
         Self {
             engine: None,
             requests: HashMap::new(),
+            exported: HashMap::new(),
         }
     }
 
@@ -345,15 +350,25 @@ impl<B: Backend> EngineCore<B> {
     }
 
     /// Aborts request `id` (only the submission `ticket`, when given): its pages are freed
-    /// and its client gets `Finished(Abort)`. Returns whether such a request was running.
+    /// and its client gets `Finished(Abort)`; a prefill's pages held for export are let go
+    /// of too. Returns whether such a request was running or held pages.
     pub(crate) fn abort(&mut self, id: &str, ticket: Option<u64>) -> bool {
+        let held = self
+            .exported
+            .get(id)
+            .is_some_and(|&t| ticket.is_none_or(|w| w == t));
+        let dropped = held && {
+            self.exported.remove(id);
+            self.engine.as_mut().is_some_and(|e| e.drop_export(id))
+        };
         let Some(entry) = self.requests.get(id) else {
-            return false;
+            return dropped;
         };
         if ticket.is_some_and(|t| t != entry.ticket) {
-            return false;
+            return dropped;
         }
         let entry = self.requests.remove(id).expect("entry checked above");
+        self.exported.remove(id);
         if let Some(engine) = self.engine.as_mut() {
             engine.abort(id);
         }
@@ -402,6 +417,7 @@ impl<B: Backend> EngineCore<B> {
                 // the engine as unavailable.
                 self.engine = None;
                 self.requests.clear();
+                self.exported.clear();
                 return;
             }
         };
@@ -410,26 +426,57 @@ impl<B: Backend> EngineCore<B> {
         }
     }
 
-    /// Hands the pages held for prefilled request `id` to `f` and lets them go.
-    pub(crate) fn export(&mut self, id: &str, f: ExportFn) -> Result<Vec<u64>, EngineError> {
+    /// Hands the pages held for prefilled request `id` to `f` and lets them go, if they
+    /// are submission `ticket`'s: an earlier submission of the same id (the gateway tried
+    /// the request again after aborting it here) holds nothing any more.
+    pub(crate) fn export(
+        &mut self,
+        id: &str,
+        ticket: u64,
+        f: ExportFn,
+    ) -> Result<Vec<u64>, EngineError> {
+        if !self.holds_export(id, ticket) {
+            return Err(EngineError::Transfer(format!(
+                "no prefilled pages held for {id:?}: this submission of it was aborted"
+            )));
+        }
+        self.exported.remove(id);
         self.engine()?.export(id, f)
     }
 
-    /// Lets go of the pages held for prefilled request `id`.
-    pub(crate) fn drop_export(&mut self, id: &str) -> bool {
-        self.engine.as_mut().is_some_and(|e| e.drop_export(id))
+    /// Lets go of the pages held for prefilled request `id` if they are submission
+    /// `ticket`'s; a stale submission's late call leaves a newer one's pages alone.
+    pub(crate) fn drop_export(&mut self, id: &str, ticket: u64) -> bool {
+        self.holds_export(id, ticket)
+            && self.exported.remove(id).is_some()
+            && self.engine.as_mut().is_some_and(|e| e.drop_export(id))
+    }
+
+    /// Whether the pages held for export under `id` are submission `ticket`'s.
+    fn holds_export(&self, id: &str, ticket: u64) -> bool {
+        self.exported.get(id) == Some(&ticket)
+    }
+
+    /// Whether `ticket` is the running submission of request `id`.
+    fn is_current(&self, id: &str, ticket: u64) -> bool {
+        self.requests.get(id).is_some_and(|e| e.ticket == ticket)
     }
 
     /// Gives decode request `id` its prompt's KV and first token; the first token's events
     /// reach its client before any later step's.
     pub(crate) fn import(
         &mut self,
-        id: &str,
+        (id, ticket): (&str, u64),
         token: u32,
         logprob: Option<Logprob>,
         cached: usize,
         fill: ImportFn,
     ) -> Result<(), EngineError> {
+        if !self.is_current(id, ticket) {
+            return Err(EngineError::Transfer(format!(
+                "{id:?} holds no reserved pages: this submission of it was aborted"
+            )));
+        }
         let events = self.engine()?.import(id, token, logprob, cached, fill)?;
         for event in events {
             self.route(event);
@@ -479,7 +526,9 @@ impl<B: Backend> EngineCore<B> {
                 pages,
                 cached,
             } => {
+                let mut ticket = None;
                 let sent = self.requests.get_mut(&*id).is_some_and(|entry| {
+                    ticket = Some(entry.ticket);
                     let at = now();
                     entry.first.get_or_insert(at);
                     let ev = Event::Exported {
@@ -492,9 +541,18 @@ impl<B: Backend> EngineCore<B> {
                     };
                     entry.tx.send(ev).is_ok()
                 });
-                if !sent {
-                    // Nobody will send these pages.
-                    self.drop_export(&id);
+                match ticket {
+                    // Its hand-over names this submission when it takes the pages.
+                    Some(t) if sent => {
+                        self.exported.insert(id.to_string(), t);
+                    }
+                    _ => {
+                        // Nobody will send these pages.
+                        self.exported.remove(&*id);
+                        if let Some(engine) = self.engine.as_mut() {
+                            engine.drop_export(&id);
+                        }
+                    }
                 }
             }
             StepEvent::Admitted {
@@ -619,6 +677,11 @@ mod tests {
         aborted: Vec<String>,
         panic_on_step: bool,
         prefill: Duration,
+        /// Prefill parts submitted: the next step prefills them (pages held for export,
+        /// `Exported` then `Finished`, as the engine does).
+        prefills: Vec<String>,
+        /// Prefills whose pages wait for export.
+        exports: Vec<String>,
     }
 
     const PAGES: usize = 10;
@@ -643,17 +706,23 @@ mod tests {
         fn submit(
             &mut self,
             req: GenRequest,
-            _part: Part,
+            part: Part,
             _group: Option<(&str, usize)>,
         ) -> Result<(), EngineError> {
             if req.prompt.is_empty() {
                 return Err(EngineError::EmptyPrompt);
+            }
+            if part == Part::Prefill {
+                self.prefills.push(req.id);
+                return Ok(());
             }
             self.running
                 .push((req.id, 0, req.params.max_tokens.unwrap_or(3)));
             Ok(())
         }
         fn abort(&mut self, id: &str) -> bool {
+            self.drop_export(id);
+            self.prefills.retain(|p| p != id);
             let before = self.running.len();
             self.running.retain(|r| r.0 != id);
             self.aborted.push(id.to_owned());
@@ -662,6 +731,27 @@ mod tests {
         fn step(&mut self) -> Vec<StepEvent> {
             assert!(!self.panic_on_step, "kernel exploded");
             let mut out = Vec::new();
+            for id in std::mem::take(&mut self.prefills) {
+                let id: Arc<str> = id.into();
+                self.exports.retain(|e| **e != *id);
+                self.exports.push(id.to_string());
+                out.push(StepEvent::Exported {
+                    id: id.clone(),
+                    token: 7,
+                    logprob: None,
+                    pages: 1,
+                    cached: 0,
+                });
+                out.push(StepEvent::Finished {
+                    id,
+                    reason: FinishReason::Length,
+                    matched_stop: None,
+                    matched_token: None,
+                    prompt_tokens: 1,
+                    completion_tokens: 1,
+                    cached_tokens: 0,
+                });
+            }
             for r in &mut self.running {
                 let id: Arc<str> = r.0.as_str().into();
                 if r.1 == 0 {
@@ -698,7 +788,18 @@ mod tests {
             out
         }
         fn has_work(&self) -> bool {
-            !self.running.is_empty()
+            !self.running.is_empty() || !self.prefills.is_empty()
+        }
+        fn export(&mut self, id: &str, f: ExportFn) -> Result<Vec<u64>, EngineError> {
+            if !self.drop_export(id) {
+                return Err(EngineError::Transfer(format!("no pages held for {id:?}")));
+            }
+            Ok(f(&[id.as_bytes()]))
+        }
+        fn drop_export(&mut self, id: &str) -> bool {
+            let before = self.exports.len();
+            self.exports.retain(|e| e != id);
+            before != self.exports.len()
         }
     }
 
@@ -770,6 +871,61 @@ mod tests {
         let s = f.stages;
         assert_eq!((s.queue, s.prefill, s.decode), (2.0, 0.5, 3.0), "{s:?}");
         assert_eq!(s.transfer, 0.0);
+    }
+
+    /// The gateway aborts a half-started request and tries it again under the same id; the
+    /// first try's late "let go of my pages" must not take the second try's pages.
+    #[test]
+    fn a_stale_submission_neither_drops_nor_exports_a_newer_ones_pages() {
+        let mut core = EngineCore::new(Fake::default());
+        // The first try prefills; its entry is gone once it finished, its pages held.
+        let (tx1, _rx1) = unbounded_channel();
+        core.submit(req("a", 4), Part::Prefill, None, 1, tx1)
+            .unwrap();
+        run_to_end(&mut core);
+        assert_eq!(core.engine.as_ref().unwrap().exports, ["a"]);
+        // The second try, before the first's guard has let go: its pages replace the
+        // first's (the engine releases those).
+        let (tx2, _rx2) = unbounded_channel();
+        core.submit(req("a", 4), Part::Prefill, None, 2, tx2)
+            .unwrap();
+        run_to_end(&mut core);
+        assert!(
+            !core.drop_export("a", 1),
+            "the first try's guard drops nothing"
+        );
+        assert!(!core.abort("a", Some(1)), "nor does its generation's");
+        assert!(
+            matches!(core.export("a", 1, Box::new(|_| vec![1])), Err(EngineError::Transfer(m)) if m.contains("aborted")),
+            "the first try exports nothing"
+        );
+        assert_eq!(
+            core.export("a", 2, Box::new(|pages| vec![pages.len() as u64]))
+                .unwrap(),
+            vec![1],
+            "the second try's pages are still there"
+        );
+        assert!(!core.drop_export("a", 2), "exported pages are gone");
+        // The gateway letting go of a request (no ticket) drops the pages it holds.
+        let (tx3, _rx3) = unbounded_channel();
+        core.submit(req("b", 4), Part::Prefill, None, 3, tx3)
+            .unwrap();
+        run_to_end(&mut core);
+        assert!(core.abort("b", None));
+        assert!(core.engine.as_ref().unwrap().exports.is_empty());
+        assert!(!core.drop_export("b", 3), "already let go of");
+        // Decode's side: a stale submission's hand-over fills nothing of the newer one's.
+        let (tx4, _rx4) = unbounded_channel();
+        core.submit(req("c", 4), Part::Decode, None, 4, tx4)
+            .unwrap();
+        let fill = || -> ImportFn { Box::new(|_: &mut [&mut [u8]]| Ok(())) };
+        assert!(
+            matches!(core.import(("c", 1), 7, None, 0, fill()), Err(EngineError::Transfer(m)) if m.contains("aborted"))
+        );
+        assert!(
+            matches!(core.import(("c", 4), 7, None, 0, fill()), Err(EngineError::Transfer(m)) if m.contains("imports nothing")),
+            "the current submission reaches the engine"
+        );
     }
 
     #[test]

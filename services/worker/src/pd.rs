@@ -227,10 +227,12 @@ impl Drop for RoomGuard {
     }
 }
 
-/// Lets go of a prefill's held pages when dropped armed.
+/// Lets go of a prefill's held pages when dropped armed: those of its own submission
+/// (`ticket`) only, as the request may have been tried again under the same id by then.
 struct ExportGuard {
     engine: EngineHandle,
     id: Option<String>,
+    ticket: u64,
 }
 
 impl ExportGuard {
@@ -243,7 +245,7 @@ impl ExportGuard {
 impl Drop for ExportGuard {
     fn drop(&mut self) {
         if let Some(id) = self.id.take() {
-            self.engine.drop_export(id);
+            self.engine.drop_export(id, self.ticket);
         }
     }
 }
@@ -296,12 +298,12 @@ fn failed(reason: &str) -> Status {
     Status::aborted(format!("KV transfer failed: {reason}"))
 }
 
-/// Copies prefilled request `id`'s pages from the `held`-th on out of the engine (on its
-/// thread, between steps) into one buffer, `page_bytes` each, with each page's checksum
-/// taken from the engine's own bytes.
+/// Copies prefilled request `id`'s pages (submission `ticket`'s) from the `held`-th on out
+/// of the engine (on its thread, between steps) into one buffer, `page_bytes` each, with
+/// each page's checksum taken from the engine's own bytes.
 async fn stage(
     engine: &EngineHandle,
-    id: &str,
+    (id, ticket): (&str, u64),
     held: usize,
     page_bytes: usize,
 ) -> Result<(Vec<u8>, Vec<u64>), Status> {
@@ -309,6 +311,7 @@ async fn stage(
     engine
         .export(
             id.to_owned(),
+            ticket,
             Box::new(move |src: &[&[u8]]| {
                 let staged = stage_pages(src, held, page_bytes);
                 let sums = staged.as_ref().map(|(_, s)| s.clone()).unwrap_or_default();
@@ -853,6 +856,7 @@ impl Pd {
         let mut export = ExportGuard {
             engine: engine.clone(),
             id: Some(req.id.clone()),
+            ticket: generation.ticket(),
         };
         // The first token goes out now, before the hand-over: the gateway can show it
         // while the KV travels (decode streams it again, and the gateway checks they are
@@ -887,7 +891,8 @@ impl Pd {
         // transferring, so its deadline bounds the write and the commit, not a step.
         let page_bytes = client.page_bytes();
         let t0 = Instant::now();
-        let (staged, sums) = stage(engine, &req.id, held, page_bytes).await?;
+        let (staged, sums) =
+            stage(engine, (&req.id, generation.ticket()), held, page_bytes).await?;
         export.disarm();
         if sums.len() != pages {
             return Err(Status::internal(format!(
@@ -1142,7 +1147,7 @@ impl Pd {
         });
         engine
             .import(
-                req.id.clone(),
+                (req.id.clone(), generation.ticket()),
                 aux.first_token,
                 logprob,
                 aux.cached_tokens as usize,
