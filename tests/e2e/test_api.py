@@ -113,6 +113,29 @@ def test_a_repeated_conversation_is_served_from_the_prefix_cache_with_the_same_a
     assert m["mesh_host_mirror_leases"] == (4 if mesh.ports["mode"] == "pd" else 1)
 
 
+def test_cache_salt_keeps_tenants_prefixes_apart_and_never_changes_the_answer(client, mesh):
+    """vLLM's `cache_salt`: a conversation reused from the prefix cache only by requests
+    with the same salt, salt-less ones only by salt-less ones, in both modes (routing and
+    decode's own prefix reuse go by the salted names too); the answer is the same."""
+    system = "You keep each tenant's secrets apart. " * 12  # several whole KV pages
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
+
+    def run(salt):
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        r = client.chat.completions.create(model=mesh.model, messages=messages, max_tokens=8, temperature=0, **extra)
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
+
+    want, cached, prompt = run("tenant-a")
+    assert cached == 0 and prompt > 48, (cached, prompt)
+    for salt, reused in [("tenant-b", False), (None, False), ("tenant-a", True), ("tenant-b", True), (None, True)]:
+        text, cached, _ = run(salt)
+        assert text == want, salt
+        if reused:
+            assert prompt - 16 <= cached < prompt, (salt, cached, prompt)
+        else:
+            assert cached == 0, (salt, cached)
+
+
 def test_max_tokens_ends_with_length(client, mesh):
     r = ask(client, mesh.model, "Write a long essay about the ocean.", max_tokens=3)
     assert r.choices[0].finish_reason == "length"
@@ -423,6 +446,8 @@ def expect(exc_type, status, fn, code=None, param=None):
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"extra_body": {"cache_salt": ""}}, "cache_salt"),
+        ({"extra_body": {"cache_salt": "s" * 257}}, "cache_salt"),
     ],
 )
 def test_bad_sampling_params_are_400(client, mesh, kw, param):

@@ -43,6 +43,11 @@ pub struct SamplingParams {
     /// this many alternatives ([`StepEvent::PromptLogprobs`]). Every prompt position's
     /// logits are computed then, so such a request takes nothing from the prefix cache.
     pub prompt_logprobs: Option<u32>,
+    /// Not sampling, but the request's prefix-cache namespace (vLLM's `cache_salt`):
+    /// requests with different salts share no KV pages, on any tier; salt-less ones share
+    /// only with salt-less ones. Never part of the output: a salt changes what is reused,
+    /// not what is computed.
+    pub cache_salt: Option<String>,
 }
 
 impl Default for SamplingParams {
@@ -66,6 +71,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             grammar: None,
             prompt_logprobs: None,
+            cache_salt: None,
         }
     }
 }
@@ -79,6 +85,9 @@ pub const MAX_STOP_STRINGS: usize = 16;
 
 /// Longest stop string, in bytes.
 pub const MAX_STOP_BYTES: usize = 256;
+
+/// Longest `cache_salt`, in bytes (a 256-bit secret in base64 is 44).
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
 
 /// A sampled token's log-probability under the model's own distribution: the log-softmax
 /// of the raw logits, before penalties, logit bias, temperature, top-k/top-p/min-p and
@@ -185,6 +194,24 @@ impl SamplingParams {
                     long.len()
                 ),
             );
+        }
+        match self.cache_salt.as_deref() {
+            Some("") => {
+                return bad(
+                    "cache_salt",
+                    "must be a non-empty string when given".to_owned(),
+                );
+            }
+            Some(salt) if salt.len() > MAX_CACHE_SALT_BYTES => {
+                return bad(
+                    "cache_salt",
+                    format!(
+                        "must be at most {MAX_CACHE_SALT_BYTES} bytes, got {}",
+                        salt.len()
+                    ),
+                );
+            }
+            _ => {}
         }
         if self.top_logprobs > MAX_TOP_LOGPROBS {
             return bad(

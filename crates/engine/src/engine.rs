@@ -800,7 +800,8 @@ impl Engine {
         let pages = std::mem::take(&mut s.pages);
         self.check_host_generation();
         if let Some(c) = &mut self.cache {
-            let path = c.insert(&mut self.pool, &s.tokens[..s.computed], &pages);
+            let ns = c.namespace(s.params.cache_salt.as_deref());
+            let path = c.insert_in(&mut self.pool, ns, &s.tokens[..s.computed], &pages);
             if let Some((host, policy)) = &mut self.host {
                 let offer: Vec<_> = path
                     .iter()
@@ -891,8 +892,14 @@ impl Engine {
     }
 
     /// The host tier's run of the prompt's whole pages after the `device` pages the device
-    /// tier matched (at most `limit` tokens in all), pinned there.
-    fn host_lookup(&mut self, tokens: &[u32], device: usize, limit: usize) -> Vec<HostPage> {
+    /// tier matched (at most `limit` tokens in all), pinned there; `salt`: the request's
+    /// `cache_salt` (its pages' names).
+    fn host_lookup(
+        &mut self,
+        (tokens, salt): (&[u32], Option<&str>),
+        device: usize,
+        limit: usize,
+    ) -> Vec<HostPage> {
         let (Some(c), Some((host, _))) = (&self.cache, &mut self.host) else {
             return Vec::new();
         };
@@ -901,7 +908,7 @@ impl Engine {
         if full <= device {
             return Vec::new();
         }
-        let hashes = page_hashes(c.seed(), &tokens[..full * ps], ps);
+        let hashes = page_hashes(c.namespace(salt), &tokens[..full * ps], ps);
         host.lookup(&hashes[device..])
     }
 
@@ -952,7 +959,10 @@ impl Engine {
                 // travel.
                 let len = front.tokens.len();
                 let hit = match &mut self.cache {
-                    Some(c) => c.match_prefix(&mut self.pool, &front.tokens, len - 1),
+                    Some(c) => {
+                        let ns = c.namespace(front.params.cache_salt.as_deref());
+                        c.match_prefix_in(&mut self.pool, ns, &front.tokens, len - 1)
+                    }
                     None => Vec::new(),
                 };
                 let total = self.pool.pages_for_tokens(len);
@@ -990,7 +1000,10 @@ impl Engine {
             let len = front.tokens.len();
             let every_row = front.params.prompt_logprobs.is_some();
             let hit = match &mut self.cache {
-                Some(c) if !every_row => c.match_prefix(&mut self.pool, &front.tokens, len - 1),
+                Some(c) if !every_row => {
+                    let ns = c.namespace(front.params.cache_salt.as_deref());
+                    c.match_prefix_in(&mut self.pool, ns, &front.tokens, len - 1)
+                }
                 _ => Vec::new(),
             };
             // Pages for everything to compute now, plus one page of headroom per running
@@ -1012,13 +1025,18 @@ impl Engine {
                 break;
             };
             // Admitted: only now ask the host tier for the pages after the device hit.
-            let tokens = std::mem::take(&mut self.waiting.front_mut().expect("front").tokens);
+            let front = self.waiting.front_mut().expect("front");
+            let (tokens, salt) = (
+                std::mem::take(&mut front.tokens),
+                front.params.cache_salt.take(),
+            );
             let found = if every_row {
                 Vec::new()
             } else {
-                self.host_lookup(&tokens, hit.len(), len - 1)
+                self.host_lookup((&tokens, salt.as_deref()), hit.len(), len - 1)
             };
-            self.waiting.front_mut().expect("front").tokens = tokens;
+            let front = self.waiting.front_mut().expect("front");
+            (front.tokens, front.params.cache_salt) = (tokens, salt);
             let loaded = if found.is_empty() {
                 0
             } else if found.len() < self.cfg.host_min_pages {

@@ -238,6 +238,42 @@ fn a_byte_flipped_in_the_mirror_is_caught_recomputed_and_counted() {
     assert_eq!((st.checksum_failures, st.hit_tokens), (1, 0), "{st:?}");
 }
 
+/// The host tier keeps salts apart too: what one tenant's request wrote is loaded by a
+/// fresh worker only for a request of the same salt; another salt, or none, recomputes
+/// it, with the same answer.
+#[test]
+fn a_salted_prompt_comes_back_from_the_host_only_for_its_own_salt() {
+    let cache = Cache::start("64MiB");
+    let fx = common::fixture_prompts();
+    let prompt: Vec<u32> = fx[0].iter().chain(&fx[1]).chain(&fx[2]).copied().collect();
+    let salted = |id: &str, salt: Option<&str>| {
+        let mut r = greedy(id, &prompt, 8);
+        r.params.cache_salt = salt.map(str::to_owned);
+        r
+    };
+    let mut writer = common::engine(|_| {});
+    cache.attach(&mut writer, DataPlane::Shm, WritePolicy::WriteThrough);
+    let first = run_all(&mut writer, vec![salted("w", Some("tenant-a"))])
+        .remove("w")
+        .unwrap();
+    assert!(writer.host_stats().written_pages >= 3);
+    for (salt, hit) in [
+        (Some("tenant-b"), false),
+        (None, false),
+        (Some("tenant-a"), true),
+    ] {
+        // A fresh worker each time: its device tier holds nothing.
+        let mut e = common::engine(|_| {});
+        cache.attach(&mut e, DataPlane::Shm, WritePolicy::WriteThrough);
+        let got = run_all(&mut e, vec![salted("r", salt)])
+            .remove("r")
+            .unwrap();
+        assert_eq!(got.tokens, first.tokens, "{salt:?}");
+        let st = e.host_stats();
+        assert_eq!(st.hit_tokens > 0, hit, "{salt:?}: {st:?}");
+    }
+}
+
 #[test]
 fn without_a_cache_service_requests_are_served_from_the_device_tier() {
     // Nothing listens here: the tier never connects, and nothing waits on it.

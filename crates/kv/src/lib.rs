@@ -23,4 +23,5 @@ pub use layout::{
 pub use pool::{KvError, PageId, PagePool};
 pub use radix::{
     CacheEvent, EvictedPage, NodeRef, PathPage, PrefixCache, PrefixCacheStats, page_hashes,
+    salted_seed,
 };

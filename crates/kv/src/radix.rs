@@ -7,6 +7,11 @@
 //! Reuse is exact: a page's KV depends only on the tokens up to its end (the engine is
 //! batch- and chunk-invariant), so a page computed by one request is bit for bit the page
 //! another request would compute.
+//!
+//! The tree has one root per namespace: requests with a `cache_salt` share pages only with
+//! requests of the same salt, and salt-less ones only with each other ([`salted_seed`]).
+//! A namespace is the seed its hash chain starts from, so its pages' names differ too, on
+//! every tier and in every event.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -17,14 +22,16 @@ const ROOT: usize = 0;
 
 #[derive(Debug)]
 struct Node {
+    /// [`ROOT`] for a prompt's first page.
     parent: usize,
+    /// The namespace (its chain's seed) this page belongs to.
+    ns: u64,
     /// This node's page of token ids (empty for the root).
     key: Box<[u32]>,
     page: PageId,
     children: HashMap<Box<[u32]>, usize>,
     last_use: u64,
-    /// Chained hash of every token up to this page's end ([`page_hashes`]); the root's is
-    /// the seed.
+    /// Chained hash of every token up to this page's end ([`page_hashes`]), from `ns`.
     hash: u64,
     /// Times a request reused this page.
     hits: u32,
@@ -93,8 +100,12 @@ pub struct PrefixCacheStats {
 pub struct PrefixCache {
     page_size: usize,
     seed: u64,
-    /// Slab of nodes; `None` marks a free slot. Slot 0 is the root.
+    /// Slab of nodes; `None` marks a free slot. Slot 0 is the root, a placeholder parent
+    /// of every first page (its `children` stay empty: see `firsts`).
     nodes: Vec<Option<Node>>,
+    /// Each namespace's first pages, by their tokens. A namespace without pages has no
+    /// entry, so a client naming many salts leaves nothing behind once they are evicted.
+    firsts: HashMap<u64, HashMap<Box<[u32]>, usize>>,
     free_slots: Vec<usize>,
     tick: u64,
     stats: PrefixCacheStats,
@@ -109,6 +120,7 @@ impl PrefixCache {
         assert!(page_size > 0, "page size must be > 0");
         let root = Node {
             parent: ROOT,
+            ns: seed,
             key: Box::new([]),
             page: PageId::MAX,
             children: HashMap::new(),
@@ -121,6 +133,7 @@ impl PrefixCache {
             page_size,
             seed,
             nodes: vec![Some(root)],
+            firsts: HashMap::new(),
             free_slots: Vec::new(),
             tick: 0,
             stats: PrefixCacheStats::default(),
@@ -143,21 +156,20 @@ impl PrefixCache {
     /// listening now must know, before the events that follow.
     pub fn snapshot(&self) -> Vec<CacheEvent> {
         let mut out = Vec::with_capacity(self.cached_pages());
-        let mut queue = std::collections::VecDeque::from([ROOT]);
+        let mut queue: std::collections::VecDeque<usize> = self
+            .firsts
+            .values()
+            .flat_map(|m| m.values().copied())
+            .collect();
         while let Some(i) = queue.pop_front() {
             let n = self.node(i);
-            let mut hashes: Vec<(u64, Vec<u32>)> = Vec::with_capacity(n.children.len());
-            for &c in n.children.values() {
-                let child = self.node(c);
-                hashes.push((child.hash, child.key.to_vec()));
-                queue.push_back(c);
-            }
             // Siblings share a parent but are not a chain: one event each.
-            out.extend(hashes.into_iter().map(|(h, key)| CacheEvent::Stored {
-                parent_hash: n.hash,
-                hashes: vec![h],
-                tokens: key,
-            }));
+            out.push(CacheEvent::Stored {
+                parent_hash: self.parent_hash(i),
+                hashes: vec![n.hash],
+                tokens: n.key.to_vec(),
+            });
+            queue.extend(n.children.values().copied());
         }
         out
     }
@@ -177,6 +189,31 @@ impl PrefixCache {
         self.nodes.len() - 1 - self.free_slots.len()
     }
 
+    /// The hash node `i`'s chain continues: its parent's, or its namespace's seed.
+    fn parent_hash(&self, i: usize) -> u64 {
+        let n = self.node(i);
+        if n.parent == ROOT {
+            n.ns
+        } else {
+            self.node(n.parent).hash
+        }
+    }
+
+    /// The child of node `at` (in namespace `ns`) whose page holds `chunk`.
+    fn child(&self, ns: u64, at: usize, chunk: &[u32]) -> Option<usize> {
+        if at == ROOT {
+            self.firsts.get(&ns)?.get(chunk).copied()
+        } else {
+            self.node(at).children.get(chunk).copied()
+        }
+    }
+
+    /// The namespace of requests with `salt` (none: the salt-less one). See
+    /// [`salted_seed`].
+    pub fn namespace(&self, salt: Option<&str>) -> u64 {
+        salted_seed(self.seed, salt)
+    }
+
     fn node(&self, i: usize) -> &Node {
         self.nodes[i].as_ref().expect("live node")
     }
@@ -186,11 +223,24 @@ impl PrefixCache {
     }
 
     /// The longest cached prefix of `tokens`, in whole pages and at most `max_tokens`
-    /// tokens: returns its pages, each retained once in `pool` on the caller's behalf (the
-    /// caller releases them like pages it allocated). Matched pages count as used now.
+    /// tokens, in the salt-less namespace: see [`Self::match_prefix_in`].
     pub fn match_prefix(
         &mut self,
         pool: &mut PagePool,
+        tokens: &[u32],
+        max_tokens: usize,
+    ) -> Vec<PageId> {
+        self.match_prefix_in(pool, self.seed, tokens, max_tokens)
+    }
+
+    /// The longest prefix of `tokens` cached in namespace `ns` ([`Self::namespace`]), in
+    /// whole pages and at most `max_tokens` tokens: returns its pages, each retained once
+    /// in `pool` on the caller's behalf (the caller releases them like pages it
+    /// allocated). Matched pages count as used now.
+    pub fn match_prefix_in(
+        &mut self,
+        pool: &mut PagePool,
+        ns: u64,
         tokens: &[u32],
         max_tokens: usize,
     ) -> Vec<PageId> {
@@ -199,7 +249,7 @@ impl PrefixCache {
         let mut pages = Vec::new();
         let mut at = ROOT;
         for chunk in tokens[..max_tokens.min(tokens.len())].chunks_exact(ps) {
-            let Some(&child) = self.node(at).children.get(chunk) else {
+            let Some(child) = self.child(ns, at, chunk) else {
                 break;
             };
             let tick = self.tick;
@@ -215,14 +265,25 @@ impl PrefixCache {
         pages
     }
 
-    /// Record that `pages` hold the KV of `tokens`; only whole pages are cached
-    /// (`tokens.len() / page_size` of them, which `pages` must cover). A page new to the
-    /// tree gains a reference held by the cache; where the tree already has these tokens
-    /// under another page, the tree keeps its own and the caller's copy stays the caller's.
-    /// Returns the tree's pages along the whole path.
+    /// [`Self::insert_in`] the salt-less namespace.
     pub fn insert(
         &mut self,
         pool: &mut PagePool,
+        tokens: &[u32],
+        pages: &[PageId],
+    ) -> Vec<PathPage> {
+        self.insert_in(pool, self.seed, tokens, pages)
+    }
+
+    /// Record that `pages` hold the KV of `tokens`, in namespace `ns`; only whole pages
+    /// are cached (`tokens.len() / page_size` of them, which `pages` must cover). A page
+    /// new to the tree gains a reference held by the cache; where the tree already has
+    /// these tokens under another page, the tree keeps its own and the caller's copy stays
+    /// the caller's. Returns the tree's pages along the whole path.
+    pub fn insert_in(
+        &mut self,
+        pool: &mut PagePool,
+        ns: u64,
         tokens: &[u32],
         pages: &[PageId],
     ) -> Vec<PathPage> {
@@ -240,8 +301,8 @@ impl PrefixCache {
         let mut stored: Option<(u64, Vec<u64>, Vec<u32>)> = None;
         for (chunk, &page) in tokens.chunks_exact(ps).zip(pages) {
             let tick = self.tick;
-            let parent_hash = self.node(at).hash;
-            if let Some(&child) = self.node(at).children.get(chunk) {
+            let parent_hash = if at == ROOT { ns } else { self.node(at).hash };
+            if let Some(child) = self.child(ns, at, chunk) {
                 let n = self.node_mut(child);
                 n.last_use = tick;
                 path.push(PathPage {
@@ -260,6 +321,7 @@ impl PrefixCache {
             let hash = chain_hash(parent_hash, chunk);
             let node = Node {
                 parent: at,
+                ns,
                 key: key.clone(),
                 page,
                 children: HashMap::new(),
@@ -278,7 +340,11 @@ impl PrefixCache {
                     self.nodes.len() - 1
                 }
             };
-            self.node_mut(at).children.insert(key, slot);
+            if at == ROOT {
+                self.firsts.entry(ns).or_default().insert(key, slot);
+            } else {
+                self.node_mut(at).children.insert(key, slot);
+            }
             self.stats.inserted_pages += 1;
             let s = stored.get_or_insert_with(|| (parent_hash, Vec::new(), Vec::new()));
             s.1.push(hash);
@@ -337,7 +403,11 @@ impl PrefixCache {
     /// them in use.
     pub fn evictable_pages(&self, pool: &PagePool) -> usize {
         let mut count = 0;
-        let mut stack: Vec<usize> = self.node(ROOT).children.values().copied().collect();
+        let mut stack: Vec<usize> = self
+            .firsts
+            .values()
+            .flat_map(|m| m.values().copied())
+            .collect();
         while let Some(i) = stack.pop() {
             if self.evictable_subtree(pool, i) {
                 count += self.subtree_size(i);
@@ -386,16 +456,25 @@ impl PrefixCache {
             let Some(Reverse((_, i))) = heap.pop() else {
                 break;
             };
-            let node = self.nodes[i].take().expect("heap holds live nodes");
             let evicted = EvictedPage {
-                hash: node.hash,
-                parent_hash: self.node(node.parent).hash,
-                page: node.page,
-                on_host: node.on_host,
+                hash: self.node(i).hash,
+                parent_hash: self.parent_hash(i),
+                page: self.node(i).page,
+                on_host: self.node(i).on_host,
             };
+            let node = self.nodes[i].take().expect("heap holds live nodes");
             before(&evicted, pool);
             self.free_slots.push(i);
-            self.node_mut(node.parent).children.remove(&node.key);
+            if node.parent == ROOT {
+                if let Some(m) = self.firsts.get_mut(&node.ns) {
+                    m.remove(&node.key);
+                    if m.is_empty() {
+                        self.firsts.remove(&node.ns);
+                    }
+                }
+            } else {
+                self.node_mut(node.parent).children.remove(&node.key);
+            }
             pool.release(node.page)
                 .expect("the cache held a reference to this page");
             freed += 1;
@@ -421,15 +500,32 @@ impl PrefixCache {
         }
         self.nodes.truncate(1);
         self.free_slots.clear();
-        self.node_mut(ROOT).children.clear();
+        self.firsts.clear();
         self.emit(CacheEvent::Cleared);
     }
 }
 
+/// The seed of the hash chain of requests with `salt` (vLLM's `cache_salt`), from the
+/// layout's `seed`: `seed` itself without a salt, else a seed that depends on both. Pages
+/// of different salts never share a name, so they are never shared on any tier, in any
+/// event or in routing; a router that does not know the salt cannot name them either.
+pub fn salted_seed(seed: u64, salt: Option<&str>) -> u64 {
+    match salt {
+        None => seed,
+        Some(salt) => {
+            let mut bytes = Vec::with_capacity(salt.len() + 11);
+            bytes.extend_from_slice(b"cache_salt\0");
+            bytes.extend_from_slice(salt.as_bytes());
+            xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, seed)
+        }
+    }
+}
+
 /// Chained hashes naming the whole pages of `tokens`: page i's hash covers every token up
-/// to the end of page i, and the chain starts from `seed` — the KV layout's fingerprint,
-/// so pages of different layouts never share a name. Equal hashes mean equal KV bytes.
-/// The host mirror indexes pages by these.
+/// to the end of page i, and the chain starts from `seed` — the KV layout's fingerprint
+/// (salted by [`salted_seed`] for a request with a `cache_salt`), so pages of different
+/// layouts or salts never share a name. Equal hashes mean equal KV bytes. The host mirror
+/// indexes pages by these.
 pub fn page_hashes(seed: u64, tokens: &[u32], page_size: usize) -> Vec<u64> {
     let mut h = seed;
     tokens
@@ -537,6 +633,81 @@ mod tests {
             "the page is still allocated when the callback runs"
         );
         assert_eq!(p.free_pages(), 16);
+    }
+
+    /// Requests with different salts, or a salt and none, share no page; the same salt
+    /// shares, under names only that salt gives; events, snapshots and eviction name the
+    /// salted chain, and an evicted namespace leaves nothing behind.
+    #[test]
+    fn salted_namespaces_share_nothing_with_each_other_or_the_salt_less() {
+        let (mut p, mut c) = (pool(32), PrefixCache::new(4, 42));
+        c.record_events();
+        let t: Vec<u32> = (0..9).collect();
+        let (a, b) = (c.namespace(Some("tenant-a")), c.namespace(Some("tenant-b")));
+        assert_eq!(c.namespace(None), 42);
+        assert!(a != b && a != 42 && b != 42);
+        assert_eq!(
+            a,
+            salted_seed(42, Some("tenant-a")),
+            "a pure function of both"
+        );
+        assert_ne!(
+            salted_seed(43, Some("tenant-a")),
+            a,
+            "the layout's seed matters"
+        );
+
+        // Tenant a computes the prompt: its pages are named from its salted seed.
+        let pages = p.alloc(3).unwrap();
+        let path = c.insert_in(&mut p, a, &t, &pages);
+        p.release_all(&pages).unwrap();
+        let ha = page_hashes(a, &t, 4);
+        assert_eq!(path.iter().map(|x| x.hash).collect::<Vec<_>>(), ha);
+        assert_eq!(path[0].parent_hash, a);
+        assert!(ha.iter().all(|h| !page_hashes(42, &t, 4).contains(h)));
+        assert_eq!(
+            c.take_events(),
+            [CacheEvent::Stored {
+                parent_hash: a,
+                hashes: ha.clone(),
+                tokens: t[..8].to_vec(),
+            }]
+        );
+
+        // Tenant b and a salt-less request find nothing; tenant a finds both pages.
+        assert!(c.match_prefix_in(&mut p, b, &t, 8).is_empty());
+        assert!(c.match_prefix(&mut p, &t, 8).is_empty());
+        let hit = c.match_prefix_in(&mut p, a, &t, 8);
+        assert_eq!(hit, pages[..2]);
+        p.release_all(&hit).unwrap();
+
+        // The same tokens salt-less are a second, separately named copy.
+        let own = p.alloc(2).unwrap();
+        let path = c.insert(&mut p, &t[..8], &own);
+        p.release_all(&own).unwrap();
+        assert_eq!(path.iter().map(|x| x.page).collect::<Vec<_>>(), own);
+        assert_eq!(c.cached_pages(), 4);
+        let snap = c.snapshot();
+        let parents: Vec<u64> = snap
+            .iter()
+            .filter_map(|e| match e {
+                CacheEvent::Stored { parent_hash, .. } => Some(*parent_hash),
+                _ => None,
+            })
+            .collect();
+        assert!(parents.contains(&a) && parents.contains(&42), "{snap:?}");
+
+        // Eviction names each page's own chain; an emptied namespace is forgotten.
+        let mut seen = Vec::new();
+        assert_eq!(c.evict_with(&mut p, 4, |e, _| seen.push(*e)), 4);
+        let firsts: Vec<u64> = seen
+            .iter()
+            .filter(|e| e.parent_hash == a || e.parent_hash == 42)
+            .map(|e| e.hash)
+            .collect();
+        assert!(firsts.contains(&ha[0]) && firsts.contains(&page_hashes(42, &t, 4)[0]));
+        assert!(c.firsts.is_empty(), "no namespace outlives its pages");
+        assert_eq!(p.free_pages(), 32);
     }
 
     #[test]

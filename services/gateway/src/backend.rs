@@ -204,6 +204,8 @@ pub(crate) struct GenParams {
     /// The name the choices of one `n` > 1 request share, and their number, so the
     /// worker computes their prompt once.
     pub prompt_group: Option<(String, u32)>,
+    /// The prefix-cache namespace (`cache_salt`).
+    pub cache_salt: Option<String>,
 }
 
 /// A generated token's log-probability and its most likely alternatives, as the worker
@@ -692,6 +694,7 @@ impl Backends {
                 .map(|g| g.0.clone())
                 .unwrap_or_default(),
             prompt_group_size: p.prompt_group.map_or(0, |g| g.1),
+            cache_salt: p.cache_salt,
         };
         let stream = self.workers.generate(req).await?;
         Ok(Box::pin(

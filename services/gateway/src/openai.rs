@@ -17,6 +17,9 @@ pub(crate) const MAX_STOP: usize = 4;
 /// matched after every generated token).
 pub(crate) const MAX_STOP_BYTES: usize = 256;
 
+/// Longest `cache_salt`, in bytes (the worker's engine refuses longer ones too).
+pub(crate) const MAX_CACHE_SALT_BYTES: usize = 256;
+
 /// Most alternatives per token: chat's `top_logprobs` and completions' `logprobs`
 /// (OpenAI's limits).
 const MAX_TOP_LOGPROBS: i64 = 20;
@@ -106,6 +109,8 @@ pub(crate) struct SamplingFields {
     /// Token id (as a string, JSON's object keys) → bias in [-100, 100].
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
     pub min_tokens: Option<i64>,
+    /// vLLM's prefix-cache salt: requests with different salts never share cached KV.
+    pub cache_salt: Option<String>,
 }
 
 fn in_range(
@@ -257,6 +262,24 @@ impl SamplingFields {
                 _ => u32::try_from(m).unwrap_or(u32::MAX),
             },
         };
+        match self.cache_salt.as_deref() {
+            Some("") => {
+                return Err(ApiError::invalid_param(
+                    "cache_salt",
+                    "cache_salt must be a non-empty string when given",
+                ));
+            }
+            Some(salt) if salt.len() > MAX_CACHE_SALT_BYTES => {
+                return Err(ApiError::invalid_param(
+                    "cache_salt",
+                    format!(
+                        "cache_salt is at most {MAX_CACHE_SALT_BYTES} bytes, got {}",
+                        salt.len()
+                    ),
+                ));
+            }
+            _ => {}
+        }
         Ok(GenParams {
             temperature: temperature.unwrap_or(1.0),
             top_p,
@@ -278,6 +301,7 @@ impl SamplingFields {
             request: None,
             prompt_group: None,
             prompt_logprobs: None,
+            cache_salt: self.cache_salt.clone(),
         })
     }
 }
@@ -946,7 +970,13 @@ mod tests {
     #[test]
     fn out_of_range_sampling_params_are_rejected_by_name() {
         let long_stop = format!(r#"{{"stop": ["{}"]}}"#, "x".repeat(MAX_STOP_BYTES + 1));
+        let long_salt = format!(
+            r#"{{"cache_salt": "{}"}}"#,
+            "s".repeat(MAX_CACHE_SALT_BYTES + 1)
+        );
         for (body, param) in [
+            (r#"{"cache_salt": ""}"#, "cache_salt"),
+            (long_salt.as_str(), "cache_salt"),
             (r#"{"max_tokens": 0}"#, "max_tokens"),
             (r#"{"max_tokens": -5}"#, "max_tokens"),
             (r#"{"max_completion_tokens": 0}"#, "max_completion_tokens"),
@@ -970,6 +1000,11 @@ mod tests {
 
     #[test]
     fn defaults_and_mapping() {
+        let p = params("{}").unwrap();
+        assert_eq!(p.cache_salt, None);
+        let salt = "s".repeat(MAX_CACHE_SALT_BYTES);
+        let p = params(&format!(r#"{{"cache_salt": "{salt}"}}"#)).unwrap();
+        assert_eq!(p.cache_salt, Some(salt));
         let p = params("{}").unwrap();
         assert_eq!(p.temperature, 1.0);
         assert_eq!(p.max_tokens, None);

@@ -246,16 +246,22 @@ impl CacheView {
         }
     }
 
-    /// Leading pages of `ids` this worker holds. `named` caches the prompt's page hashes
+    /// Leading pages of prompt `ids` with `cache_salt` `salt` this worker holds (a salted
+    /// prompt's pages have names of their own). `named` caches the prompt's page hashes
     /// per naming, so workers that share one (the usual case) hash the prompt once.
-    fn matched(&self, ids: &[u32], named: &mut Vec<((u64, usize), Vec<u64>)>) -> usize {
+    fn matched(
+        &self,
+        (ids, salt): (&[u32], Option<&str>),
+        named: &mut Vec<((u64, usize), Vec<u64>)>,
+    ) -> usize {
         let Some(naming) = self.naming else {
             return 0;
         };
         let at = match named.iter().position(|(n, _)| *n == naming) {
             Some(i) => i,
             None => {
-                named.push((naming, pdmesh_kv::page_hashes(naming.0, ids, naming.1)));
+                let seed = pdmesh_kv::salted_seed(naming.0, salt);
+                named.push((naming, pdmesh_kv::page_hashes(seed, ids, naming.1)));
                 named.len() - 1
             }
         };
@@ -596,7 +602,12 @@ impl Workers {
     /// holds less than half of the prompt: then the least loaded takes it (of equally
     /// loaded workers, the one whose cache holds the fewest pages). `None` without
     /// prefill workers.
-    fn pick_prefill(&self, pool: &Pool, ids: &[u32], decode_home: Option<&str>) -> Option<usize> {
+    fn pick_prefill(
+        &self,
+        pool: &Pool,
+        (ids, salt): (&[u32], Option<&str>),
+        decode_home: Option<&str>,
+    ) -> Option<usize> {
         let prefill = &pool.prefill;
         // A worker that just refused a start counts as more loaded than any other.
         let load = |i: usize| {
@@ -616,14 +627,14 @@ impl Workers {
             .enumerate()
             .map(|(i, t)| {
                 let v = t.view.lock().expect("view lock");
-                let device = v.matched(ids, &mut named);
+                let device = v.matched((ids, salt), &mut named);
                 // What its host's tier holds loads from shared memory instead of being
                 // computed: as good as its own device cache for routing.
                 let host = match (v.naming, home(i).and_then(|h| hosts.get(h))) {
                     (Some(naming), Some(hv)) => {
                         let mut hv = hv.lock().expect("view lock");
                         hv.naming = Some(naming);
-                        hv.matched(ids, &mut named)
+                        hv.matched((ids, salt), &mut named)
                     }
                     _ => 0,
                 };
@@ -690,7 +701,11 @@ impl Workers {
         let d = pool.decode[least_loaded(&pool.decode).ok_or_else(|| none("decode"))?].clone();
         let dhome = d.home().await?.to_owned();
         let p = pool.prefill[self
-            .pick_prefill(&pool, &req.input_ids, Some(&dhome))
+            .pick_prefill(
+                &pool,
+                (&req.input_ids, req.cache_salt.as_deref()),
+                Some(&dhome),
+            )
             .ok_or_else(|| none("prefill"))?]
         .clone();
         if !group.is_empty() {
@@ -1010,7 +1025,11 @@ mod tests {
     impl Workers {
         /// The prefill worker `pick_prefill` gives for `ids`, by index.
         fn pick(&self, ids: &[u32], decode_home: Option<&str>) -> usize {
-            self.pick_prefill(&self.pool(), ids, decode_home)
+            self.pick_salted((ids, None), decode_home)
+        }
+
+        fn pick_salted(&self, prompt: (&[u32], Option<&str>), decode_home: Option<&str>) -> usize {
+            self.pick_prefill(&self.pool(), prompt, decode_home)
                 .expect("a prefill worker")
         }
     }
@@ -1650,7 +1669,7 @@ mod tests {
             seq: 2,
             kind: Some(cpb::kv_event::Kind::Cleared(cpb::PagesCleared {})),
         });
-        assert_eq!(v.matched(&ask, &mut Vec::new()), 0);
+        assert_eq!(v.matched((&ask, None), &mut Vec::new()), 0);
         drop(v);
         let h = pdmesh_kv::page_hashes(SEED, &long, 16);
         let view = w.pool().prefill[2].view.clone();
@@ -1662,9 +1681,46 @@ mod tests {
             })),
         });
         assert_eq!(
-            v.matched(&long, &mut Vec::new()),
+            v.matched((&long, None), &mut Vec::new()),
             2,
             "a hole ends the prefix"
+        );
+    }
+
+    /// A salted prompt's pages have names of their own: a worker holding the same tokens
+    /// salt-less, or under another salt, is no cache hit for it, and one holding them under
+    /// its salt is.
+    #[tokio::test]
+    async fn a_salted_prompt_goes_only_where_its_own_salts_pages_are() {
+        let w = workers(3);
+        for i in 0..3 {
+            holds(&w, i, &[]);
+        }
+        let ask: Vec<u32> = (0..64).collect();
+        holds(&w, 1, &ask);
+        // Worker 2 holds the prompt under salt "a".
+        let view = w.pool().prefill[2].view.clone();
+        view.lock().unwrap().apply(&cpb::KvEvent {
+            seq: 2,
+            kind: Some(cpb::kv_event::Kind::Stored(cpb::PagesStored {
+                parent_hash: pdmesh_kv::salted_seed(SEED, Some("a")),
+                hashes: pdmesh_kv::page_hashes(pdmesh_kv::salted_seed(SEED, Some("a")), &ask, 16),
+                token_ids: Vec::new(),
+            })),
+        });
+        assert_eq!(w.pick(&ask, None), 1, "salt-less: the salt-less copy");
+        assert_eq!(
+            w.pick_salted((&ask, Some("a")), None),
+            2,
+            "salt a: its own copy"
+        );
+        let before = w.counts.prefix.load(Ordering::Relaxed);
+        // Salt b: neither copy is a hit; the least loaded, emptiest cache takes it.
+        assert_eq!(w.pick_salted((&ask, Some("b")), None), 0);
+        assert_eq!(
+            w.counts.prefix.load(Ordering::Relaxed),
+            before,
+            "routed by load"
         );
     }
 
@@ -1767,7 +1823,7 @@ mod tests {
                 .view
                 .lock()
                 .unwrap()
-                .matched(&ids, &mut Vec::new()),
+                .matched((&ids, None), &mut Vec::new()),
             0
         );
         holds(&w, 0, &ids);
@@ -1776,7 +1832,7 @@ mod tests {
                 .view
                 .lock()
                 .unwrap()
-                .matched(&ids, &mut Vec::new()),
+                .matched((&ids, None), &mut Vec::new()),
             2
         );
         assert_eq!(
@@ -1784,7 +1840,7 @@ mod tests {
                 .view
                 .lock()
                 .unwrap()
-                .matched(&ids[..31], &mut Vec::new()),
+                .matched((&ids[..31], None), &mut Vec::new()),
             1
         );
     }

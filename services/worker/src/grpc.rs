@@ -125,6 +125,8 @@ pub(crate) fn sampling_params(p: Option<pb::SamplingParams>) -> Result<SamplingP
         min_tokens: p.min_tokens,
         grammar: (!p.grammar.is_empty()).then_some(p.grammar),
         prompt_logprobs: p.prompt_logprobs,
+        // The request's, not a sampling parameter on the wire (GenerateRequest.cache_salt).
+        cache_salt: None,
     })
 }
 
@@ -335,7 +337,9 @@ impl pb::worker_server::Worker for WorkerService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let req = request.into_inner();
-        let params = sampling_params(req.sampling)?;
+        let mut params = sampling_params(req.sampling)?;
+        // Checked with the sampling parameters (`SamplingParams::validate`).
+        params.cache_salt = req.cache_salt;
         // A group waits for all its choices: a size no caller sends would hold the ones
         // that came until their clients leave.
         if !req.prompt_group.is_empty() && !(1..=MAX_GROUP).contains(&req.prompt_group_size) {

@@ -271,6 +271,8 @@ fn generate_request(r: s::GenerateRequest, role: Role) -> Result<pb::GenerateReq
         kv_home: String::new(),
         prompt_group: String::new(),
         prompt_group_size: 0,
+        // SGLang's GenerateRequest has no salt.
+        cache_salt: None,
     })
 }
 

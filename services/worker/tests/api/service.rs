@@ -45,6 +45,47 @@ async fn model_info_describes_the_configured_pool() {
     );
 }
 
+/// `cache_salt` namespaces the prefix cache: a prompt is reused only by requests of the
+/// same salt (or, salt-less, by salt-less ones), and the answer never depends on it. An
+/// empty or overlong salt is the caller's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_salted_prompt_shares_cached_pages_only_with_its_own_salt() {
+    let mut s = start().await;
+    let mut run = async |id: &str, salt: Option<&str>| {
+        let mut req = request(id, PROMPT, greedy(6));
+        req.cache_salt = salt.map(str::to_owned);
+        let stream = s.client.generate(req).await?.into_inner();
+        Ok::<_, tonic::Status>(collect(stream).await)
+    };
+    let (want, f) = run("a1", Some("tenant-a")).await.unwrap();
+    assert_eq!(f.cached_tokens, 0);
+    for (id, salt, cached) in [
+        ("b1", Some("tenant-b"), 0),
+        ("none1", None, 0),
+        ("a2", Some("tenant-a"), 16),
+        ("b2", Some("tenant-b"), 16),
+        ("none2", None, 16),
+    ] {
+        let (got, f) = run(id, salt).await.unwrap();
+        assert_eq!(
+            got, want,
+            "{id}: the salt changes what is reused, never the answer"
+        );
+        assert_eq!(f.cached_tokens, cached, "{id} ({salt:?})");
+    }
+    for (salt, why) in [
+        (String::new(), "non-empty"),
+        ("s".repeat(257), "at most 256 bytes"),
+    ] {
+        let err = run("bad", Some(&salt)).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        assert!(
+            err.message().contains("cache_salt") && err.message().contains(why),
+            "{err:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_prompt_reuses_its_cached_page_and_answers_the_same() {
     let mut s = start().await;
