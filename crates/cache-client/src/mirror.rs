@@ -292,11 +292,18 @@ unsafe fn copy_to_shared(src: &[u8], dst: *mut u8) {
 /// saying which and what to do: the service refuses to start rather than put its
 /// tenants' KV where others can read it.
 pub fn private_dir(base: &Path) -> std::io::Result<PathBuf> {
+    let dir = base.join(format!("{DIR_PREFIX}{}", effective_uid()));
+    ensure_private(&dir)?;
+    Ok(dir)
+}
+
+/// Makes `dir` (mode 0700) if it is missing, e.g. removed by [`remove_empty_dirs`] since
+/// the service checked it at start, and checks it is this user's alone.
+pub fn ensure_private(dir: &Path) -> std::io::Result<()> {
     let uid = effective_uid();
-    let dir = base.join(format!("{DIR_PREFIX}{uid}"));
     let mut b = std::fs::DirBuilder::new();
     std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
-    match b.create(&dir) {
+    match b.create(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
         Err(e) => {
@@ -309,8 +316,24 @@ pub fn private_dir(base: &Path) -> std::io::Result<PathBuf> {
             ));
         }
     }
-    check_private_dir(&dir, uid)?;
-    Ok(dir)
+    check_private_dir(dir, uid)
+}
+
+/// Removes this user's mirror directories (see [`dirs`]) that hold nothing, as a cache
+/// service stops: a directory another service's mirror is still in stays, and so does
+/// one that is not there or not this user's.
+pub fn remove_empty_dirs(configured: Option<&Path>) {
+    for dir in dirs(configured) {
+        // rmdir removes only an empty directory; anything else is left as it is.
+        match std::fs::remove_dir(&dir) {
+            Ok(()) => {
+                tracing::debug!(dir = %dir.display(), "removed the emptied host mirror directory")
+            }
+            Err(e) => {
+                tracing::debug!(dir = %dir.display(), error = %e, "left the host mirror directory")
+            }
+        }
+    }
 }
 
 /// Why `dir` may not hold mirrors of user `uid`, as an error; `Ok` when it may.

@@ -997,7 +997,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let shared = Shared::new(State::new(
             MirrorSize::Tokens(64),
-            Some(dir.path().to_owned()),
+            Some(crate::mirror::private_dir(dir.path()).unwrap()),
             Duration::from_secs(10),
         ));
         // Over the page-transport connection of lease `sender`.

@@ -226,6 +226,7 @@ pub async fn run(
         auth.check_listen("the cache service's page transport", a)?;
     }
     mirror::sweep_dirs(cfg.shm_dir.as_deref());
+    let shm_dir = cfg.shm_dir.clone();
     let ttl = Duration::from_millis(cfg.lease_ttl_ms);
     // `shutdown` starts the drain; `serving` stops everything once it is over.
     let serving = CancellationToken::new();
@@ -369,6 +370,10 @@ pub async fn run(
     let _ = reaper.await;
     receiver.abort();
     let _ = receiver.await;
+    // The mirror file goes with the state's last holder, then this user's directory for
+    // mirrors unless another cache service's mirror is in it: nothing is left in /dev/shm.
+    drop(shared);
+    mirror::remove_empty_dirs(shm_dir.as_deref());
     tracing::info!(?addr, "cache service stopped");
     served.map_err(Error::from)
 }

@@ -410,7 +410,10 @@ impl State {
                     });
                 }
                 let dir = match &self.dir {
-                    Some(d) => d.clone(),
+                    Some(d) => {
+                        crate::mirror::ensure_private(d)?;
+                        d.clone()
+                    }
                     None => crate::mirror::default_dir((page_bytes * pages) as u64)?,
                 };
                 let mirror = Mirror::create(&dir, page_bytes, pages)?;
@@ -1559,7 +1562,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = State::new(
             MirrorSize::Bytes(128 * pages),
-            Some(dir.path().to_owned()),
+            Some(crate::mirror::private_dir(dir.path()).unwrap()),
             TTL,
         );
         (s, dir)
@@ -1690,14 +1693,26 @@ mod tests {
             Err(CacheError::TooSmall { .. })
         ));
         let dir = tempfile::tempdir().unwrap();
-        let mut u = State::new(MirrorSize::Tokens(40), Some(dir.path().to_owned()), TTL);
+        let mut u = State::new(
+            MirrorSize::Tokens(40),
+            Some(crate::mirror::private_dir(dir.path()).unwrap()),
+            TTL,
+        );
         assert_eq!(u.register("w", layout(), now).unwrap().total_pages, 10);
         // A mirror bigger than its filesystem's free space is refused when it is made.
-        let mut huge = State::new(MirrorSize::Bytes(1 << 60), Some(dir.path().to_owned()), TTL);
+        let mut huge = State::new(
+            MirrorSize::Bytes(1 << 60),
+            Some(crate::mirror::private_dir(dir.path()).unwrap()),
+            TTL,
+        );
         let err = huge.register("w", layout(), now).unwrap_err().to_string();
         assert!(err.contains("--host-mirror-size"), "{err}");
         let dir = tempfile::tempdir().unwrap();
-        let mut u = State::new(MirrorSize::Tokens(40), Some(dir.path().to_owned()), TTL);
+        let mut u = State::new(
+            MirrorSize::Tokens(40),
+            Some(crate::mirror::private_dir(dir.path()).unwrap()),
+            TTL,
+        );
         assert_eq!(u.register("w", layout(), now).unwrap().total_pages, 10);
     }
 

@@ -741,6 +741,50 @@ async fn the_mirror_is_private_to_the_service_user_and_another_user_cannot_open_
     s.stop().await;
 }
 
+/// A stopped service leaves nothing in the shared-memory directory: its mirror file goes,
+/// and so does this user's directory for mirrors once it is empty. A file another cache
+/// service keeps there keeps the directory.
+#[tokio::test]
+async fn a_stopped_service_leaves_no_mirror_file_or_empty_directory_behind() {
+    for other in [false, true] {
+        let s = start(4, 10_000).await;
+        let w = client(&s, "writer", DataPlane::Shm).await;
+        let dir = s.mirror_dir();
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            1,
+            "the mirror file"
+        );
+        if other {
+            std::fs::write(dir.join("pdmesh-mirror-of-another-service"), b"x").unwrap();
+        }
+        drop(w);
+        // Stopped by hand: `Server::stop` would remove the --shm-dir with it.
+        let Server {
+            shutdown,
+            task,
+            _dir: base,
+            ..
+        } = s;
+        shutdown.cancel();
+        task.await.unwrap().unwrap();
+        if other {
+            let left: Vec<_> = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            assert_eq!(
+                left,
+                ["pdmesh-mirror-of-another-service"],
+                "only the other file"
+            );
+        } else {
+            assert!(!dir.exists(), "{} is left behind", dir.display());
+            assert!(base.path().is_dir(), "the --shm-dir itself stays");
+        }
+    }
+}
+
 /// Opens `path` read-only in a child that first becomes nobody (uid and gid 65534, no
 /// supplementary groups): `Ok` if it could, else the error it got. The open runs between
 /// fork and exec, so its error comes back as the spawn's.
