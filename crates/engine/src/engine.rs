@@ -892,15 +892,15 @@ impl Engine {
     }
 
     /// The host tier's run of the prompt's whole pages after the `device` pages the device
-    /// tier matched (at most `limit` tokens in all), pinned there; `salt`: the request's
-    /// `cache_salt` (its pages' names).
+    /// tier matched (at most `limit` tokens in all), pinned there; `ns`: the request's
+    /// namespace in the prefix cache (its `cache_salt`'s, which names its pages).
     fn host_lookup(
         &mut self,
-        (tokens, salt): (&[u32], Option<&str>),
+        (tokens, ns): (&[u32], u64),
         device: usize,
         limit: usize,
     ) -> Vec<HostPage> {
-        let (Some(c), Some((host, _))) = (&self.cache, &mut self.host) else {
+        let Some((host, _)) = &mut self.host else {
             return Vec::new();
         };
         let ps = self.cfg.page_size;
@@ -908,7 +908,7 @@ impl Engine {
         if full <= device {
             return Vec::new();
         }
-        let hashes = page_hashes(c.namespace(salt), &tokens[..full * ps], ps);
+        let hashes = page_hashes(ns, &tokens[..full * ps], ps);
         host.lookup(&hashes[device..])
     }
 
@@ -1026,17 +1026,16 @@ impl Engine {
             };
             // Admitted: only now ask the host tier for the pages after the device hit.
             let front = self.waiting.front_mut().expect("front");
-            let (tokens, salt) = (
-                std::mem::take(&mut front.tokens),
-                front.params.cache_salt.take(),
-            );
-            let found = if every_row {
-                Vec::new()
-            } else {
-                self.host_lookup((&tokens, salt.as_deref()), hit.len(), len - 1)
+            let ns = self
+                .cache
+                .as_ref()
+                .map(|c| c.namespace(front.params.cache_salt.as_deref()));
+            let tokens = std::mem::take(&mut front.tokens);
+            let found = match ns {
+                Some(ns) if !every_row => self.host_lookup((&tokens, ns), hit.len(), len - 1),
+                _ => Vec::new(),
             };
-            let front = self.waiting.front_mut().expect("front");
-            (front.tokens, front.params.cache_salt) = (tokens, salt);
+            self.waiting.front_mut().expect("front").tokens = tokens;
             let loaded = if found.is_empty() {
                 0
             } else if found.len() < self.cfg.host_min_pages {
