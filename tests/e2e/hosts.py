@@ -99,6 +99,11 @@ class Hosts:
                 argv += ["--tls-ca", self.certs["ca"], "--tls-cert", self.certs[host][0], "--tls-key", self.certs[host][1]]
             else:
                 argv.append("--insecure-plaintext")
+        if not tls:
+            # With the mesh token alone, a cache service relays rooms only to the cache
+            # services its --peer list names (with TLS, the home's certificate decides).
+            for name, other in (("prefill-cache", "decode"), ("decode-cache", "prefill")):
+                self.argv[name][1].append(f"--peer={url(other, 'cache')}")
         if via_up:
             assert not prefill_on_decode_host, "not combined"
             self.argv = self.up_argv(room_args, model_args, worker_args, prefill_args, decode_args)
@@ -126,8 +131,10 @@ class Hosts:
             tls = lambda h: ["--tls-ca", self.certs["ca"], "--tls-cert", self.certs[h][0], "--tls-key", self.certs[h][1]]
         else:
             tls = lambda h: ["--insecure-plaintext"]
+        other = {"prefill": "decode", "decode": "prefill"}
+        peer = lambda role: [] if self.certs else [f"--cache-arg=--peer=http://{a[other[role]]}:{self.PORTS['cache']}"]
         part = lambda role, extra: (role, [
-            "up", "--role", role, "--host", a[role], *model_args, *tls(role),
+            "up", "--role", role, "--host", a[role], *model_args, *tls(role), *peer(role),
             *(f"--cache-arg={x}" for x in room_args), *(f"--worker-arg={x}" for x in worker_args),
             *(f"--{role}-arg={x}" for x in extra)])
         return {

@@ -11,6 +11,7 @@ use pb::cache_client::CacheClient;
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as pb;
 
+use crate::Lease;
 use crate::mirror::Mirror;
 use crate::wire::layout_to_pb;
 
@@ -33,6 +34,8 @@ pub enum ClientError {
     Map(#[from] std::io::Error),
     #[error("the cache service sent {got} bytes for a {want}-byte page")]
     WrongSize { want: usize, got: usize },
+    #[error("the cache service sent a malformed lease: {0}")]
+    BadLease(#[from] crate::BadLease),
 }
 
 /// Where a room lives and what its receiver holds (see `RoomOpenRequest`).
@@ -91,7 +94,7 @@ pub struct Stored {
 /// A registered worker's connection to the cache service.
 pub struct HostClient {
     rpc: CacheClient<pdmesh_tls::AuthChannel>,
-    lease: u64,
+    lease: Lease,
     plane: DataPlane,
     page_bytes: usize,
     mirror: Option<Arc<Mirror>>,
@@ -139,6 +142,7 @@ impl HostClient {
             })
             .await?
             .into_inner();
+        let lease = Lease::from_wire(&reg.lease)?;
         let page_bytes = reg.page_bytes as usize;
         if page_bytes != layout.bytes_per_page() {
             return Err(ClientError::WrongSize {
@@ -156,17 +160,21 @@ impl HostClient {
         };
         let alive = Arc::new(AtomicBool::new(true));
         let heartbeat = {
-            let (mut rpc, alive, lease) = (rpc.clone(), alive.clone(), reg.lease);
+            let (mut rpc, alive) = (rpc.clone(), alive.clone());
             let every = Duration::from_millis(u64::from(reg.lease_ttl_ms) / 3)
                 .max(Duration::from_millis(1));
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(every);
                 loop {
                     tick.tick().await;
-                    if let Err(s) = rpc.heartbeat(pb::HeartbeatRequest { lease }).await
+                    if let Err(s) = rpc
+                        .heartbeat(pb::HeartbeatRequest {
+                            lease: lease.to_wire(),
+                        })
+                        .await
                         && s.code() == tonic::Code::NotFound
                     {
-                        tracing::warn!(lease, "cache lease expired");
+                        tracing::warn!(%lease, "cache lease expired");
                         alive.store(false, Ordering::Relaxed);
                         return;
                     }
@@ -175,7 +183,7 @@ impl HostClient {
         };
         Ok(Self {
             rpc,
-            lease: reg.lease,
+            lease,
             plane,
             page_bytes,
             mirror,
@@ -184,7 +192,7 @@ impl HostClient {
         })
     }
 
-    pub fn lease(&self) -> u64 {
+    pub fn lease(&self) -> Lease {
         self.lease
     }
 
@@ -216,7 +224,7 @@ impl HostClient {
         Ok(self
             .rpc
             .r#match(pb::MatchRequest {
-                lease: self.lease,
+                lease: self.lease.to_wire(),
                 hashes: hashes.to_vec(),
             })
             .await?
@@ -243,7 +251,7 @@ impl HostClient {
         {
             self.rpc
                 .discard(pb::DiscardRequest {
-                    lease: self.lease,
+                    lease: self.lease.to_wire(),
                     hashes: vec![pages[good].hash],
                 })
                 .await?;
@@ -299,7 +307,7 @@ impl HostClient {
                 let mut stream = self
                     .rpc
                     .load(pb::LoadRequest {
-                        lease: self.lease,
+                        lease: self.lease.to_wire(),
                         slots: pages.iter().map(|p| p.slot).collect(),
                     })
                     .await?
@@ -339,7 +347,7 @@ impl HostClient {
         }
         self.rpc
             .release(pb::ReleaseRequest {
-                lease: self.lease,
+                lease: self.lease.to_wire(),
                 slots: slots.to_vec(),
             })
             .await?;
@@ -363,7 +371,7 @@ impl HostClient {
         let grants = self
             .rpc
             .reserve(pb::ReserveRequest {
-                lease: self.lease,
+                lease: self.lease.to_wire(),
                 hashes: pages.iter().map(|p| p.0).collect(),
             })
             .await?
@@ -390,7 +398,7 @@ impl HostClient {
         let rejected = self
             .rpc
             .commit(pb::CommitRequest {
-                lease: self.lease,
+                lease: self.lease.to_wire(),
                 pages: commit,
             })
             .await?
@@ -434,7 +442,7 @@ impl HostClient {
             .rpc
             .clone()
             .room_open(pdmesh_telemetry::request(pb::RoomOpenRequest {
-                lease: self.lease,
+                lease: self.lease.to_wire(),
                 room,
                 side: side.into(),
                 request_id: request_id.to_owned(),
@@ -452,7 +460,7 @@ impl HostClient {
             // refusal.
             Err(s) => {
                 if s.code() == tonic::Code::NotFound {
-                    tracing::warn!(lease = self.lease, "cache lease expired");
+                    tracing::warn!(lease = %self.lease, "cache lease expired");
                     self.alive.store(false, Ordering::Relaxed);
                 }
                 Err(s)
@@ -471,7 +479,7 @@ impl HostClient {
             .rpc
             .clone()
             .room_wait(pdmesh_telemetry::request(pb::RoomWaitRequest {
-                lease: self.lease,
+                lease: self.lease.to_wire(),
                 room,
                 until: until.into(),
                 timeout_ms: timeout.as_millis().min(u128::from(u32::MAX)) as u32,
@@ -485,7 +493,7 @@ impl HostClient {
             .rpc
             .clone()
             .room_start(pdmesh_telemetry::request(pb::RoomStartRequest {
-                lease: self.lease,
+                lease: self.lease.to_wire(),
                 room,
                 pages,
             }))
@@ -503,7 +511,7 @@ impl HostClient {
         self.rpc
             .clone()
             .room_commit(pdmesh_telemetry::request(pb::RoomCommitRequest {
-                lease: self.lease,
+                lease: self.lease.to_wire(),
                 room,
                 pages,
                 aux: Some(aux),
@@ -517,7 +525,7 @@ impl HostClient {
             .rpc
             .clone()
             .room_result(pdmesh_telemetry::request(pb::RoomRef {
-                lease: self.lease,
+                lease: self.lease.to_wire(),
                 room,
             }))
             .await?
@@ -528,7 +536,7 @@ impl HostClient {
         self.rpc
             .clone()
             .room_finish(pdmesh_telemetry::request(pb::RoomRef {
-                lease: self.lease,
+                lease: self.lease.to_wire(),
                 room,
             }))
             .await?;
@@ -539,7 +547,7 @@ impl HostClient {
         self.rpc
             .clone()
             .room_abort(pdmesh_telemetry::request(pb::RoomAbortRequest {
-                lease: self.lease,
+                lease: self.lease.to_wire(),
                 room,
                 reason: reason.to_owned(),
             }))

@@ -8,10 +8,12 @@
 //! adapts the client to the engine's synchronous `HostTier`.
 
 pub mod client;
+mod lease;
 pub mod mirror;
 mod tier;
 pub mod wire;
 
+pub use lease::{BadLease, Lease};
 pub use tier::{OnCorrupt, RemoteTier, TierConfig};
 
 /// What a watchdog does with work stuck past half its deadline: `soft` logs a table of

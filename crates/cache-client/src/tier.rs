@@ -85,7 +85,7 @@ impl RemoteTier {
                         .await;
                         match attempt {
                             Ok(Ok(c)) => {
-                                tracing::info!(url = %cfg.url, lease = c.lease(), plane = ?cfg.plane, "host tier connected");
+                                tracing::info!(url = %cfg.url, lease = %c.lease(), plane = ?cfg.plane, "host tier connected");
                                 *client.lock().await = Some(c);
                                 registrations.fetch_add(1, Ordering::Relaxed);
                                 warned = false;

@@ -64,9 +64,15 @@ async fn main() {
         .await
         .unwrap();
     });
-    let mut tx = TcpSender::connect(at, &layout, TcpOptions::default(), (&auth, "127.0.0.1"), 1)
-        .await
-        .unwrap();
+    let mut tx = TcpSender::connect(
+        at,
+        &layout,
+        TcpOptions::default(),
+        (&auth, "127.0.0.1"),
+        pdmesh_cache::Lease::random(),
+    )
+    .await
+    .unwrap();
     let mut ours = Vec::new();
     for room in 0..rounds {
         let t = Instant::now();

@@ -16,8 +16,14 @@ use crate::rooms::{Aux, RoomError, RoomPage, RoomState, Side};
 use crate::state::{CacheError, CommitPage, Event, State};
 use crate::transfer::Pages;
 use crate::wire::layout_from_pb;
+use pdmesh_cache_client::Lease;
 use pdmesh_cache_client::mirror::Mirror;
 use prost::Message as _;
+
+/// The lease a request names: 16 bytes, or INVALID_ARGUMENT (never echoing it).
+fn lease_of(b: &[u8]) -> Result<Lease, Status> {
+    Lease::from_wire(b).map_err(|e| Status::invalid_argument(e.to_string()))
+}
 
 impl From<CacheError> for Status {
     fn from(e: CacheError) -> Self {
@@ -171,7 +177,7 @@ impl CacheService {
     async fn relayed_commit(
         &self,
         link: Arc<Link>,
-        lease: u64,
+        lease: Lease,
         r: pb::RoomCommitRequest,
     ) -> Result<Response<pb::RoomStatus>, Status> {
         let room = r.room;
@@ -195,7 +201,7 @@ impl CacheService {
         };
         // The commit rides on the last batch: the home runs it once every page landed.
         let commit = pb::RoomCommitRequest {
-            lease: link.lease,
+            lease: link.lease.to_wire(),
             room,
             pages: plan
                 .remote_slots
@@ -302,7 +308,7 @@ impl pb::cache_server::Cache for CacheService {
                 .with(|s| s.register(&r.worker_id, layout, Instant::now()))?
         };
         Ok(Response::new(pb::RegisterResponse {
-            lease: reg.lease,
+            lease: reg.lease.to_wire(),
             lease_ttl_ms: reg.lease_ttl.as_millis() as u32,
             shm_path: reg.shm_path.to_string_lossy().into_owned(),
             page_bytes: reg.page_bytes as u64,
@@ -316,7 +322,7 @@ impl pb::cache_server::Cache for CacheService {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let lease = request.into_inner().lease;
+        let lease = lease_of(&request.into_inner().lease)?;
         self.shared.with(|s| s.heartbeat(lease, Instant::now()))?;
         Ok(Response::new(pb::HeartbeatResponse {}))
     }
@@ -326,7 +332,8 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::MatchRequest>,
     ) -> Result<Response<pb::MatchResponse>, Status> {
         let r = request.into_inner();
-        let pages = self.shared.with(|s| s.match_pages(r.lease, &r.hashes))?;
+        let lease = lease_of(&r.lease)?;
+        let pages = self.shared.with(|s| s.match_pages(lease, &r.hashes))?;
         Ok(Response::new(pb::MatchResponse {
             pages: pages
                 .into_iter()
@@ -344,7 +351,8 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::ReserveRequest>,
     ) -> Result<Response<pb::ReserveResponse>, Status> {
         let r = request.into_inner();
-        let grants = self.shared.with(|s| s.reserve(r.lease, &r.hashes))?;
+        let lease = lease_of(&r.lease)?;
+        let grants = self.shared.with(|s| s.reserve(lease, &r.hashes))?;
         Ok(Response::new(pb::ReserveResponse {
             grants: grants
                 .into_iter()
@@ -358,6 +366,7 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::CommitRequest>,
     ) -> Result<Response<pb::CommitResponse>, Status> {
         let r = request.into_inner();
+        let lease = lease_of(&r.lease)?;
         let pages = r
             .pages
             .into_iter()
@@ -369,7 +378,7 @@ impl pb::cache_server::Cache for CacheService {
                 parent: p.parent_hash,
             })
             .collect();
-        let rejected = self.shared.with(|s| s.commit(r.lease, pages))?;
+        let rejected = self.shared.with(|s| s.commit(lease, pages))?;
         Ok(Response::new(pb::CommitResponse {
             rejected_slots: rejected,
         }))
@@ -382,8 +391,9 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::LoadRequest>,
     ) -> Result<Response<Self::LoadStream>, Status> {
         let r = request.into_inner();
+        let lease = lease_of(&r.lease)?;
         let (checksums, mirror) = self.shared.with(|s| {
-            let sums = s.check_pinned(r.lease, &r.slots)?;
+            let sums = s.check_pinned(lease, &r.slots)?;
             Ok::<_, CacheError>((sums, s.mirror().expect("a lease implies a mirror")))
         })?;
         // Pinned pages cannot be evicted or rewritten while the lease holds them, so their
@@ -409,7 +419,8 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
         let r = request.into_inner();
-        self.shared.with(|s| s.release(r.lease, &r.slots))?;
+        let lease = lease_of(&r.lease)?;
+        self.shared.with(|s| s.release(lease, &r.slots))?;
         Ok(Response::new(pb::ReleaseResponse {}))
     }
 
@@ -418,7 +429,8 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::DiscardRequest>,
     ) -> Result<Response<pb::DiscardResponse>, Status> {
         let r = request.into_inner();
-        let n = self.shared.with(|s| s.discard(r.lease, &r.hashes))?;
+        let lease = lease_of(&r.lease)?;
+        let n = self.shared.with(|s| s.discard(lease, &r.hashes))?;
         Ok(Response::new(pb::DiscardResponse {
             discarded: n as u32,
         }))
@@ -513,6 +525,7 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomOpenRequest>,
     ) -> Result<Response<pb::RoomStatus>, Status> {
         let r = request.into_inner();
+        let lease = lease_of(&r.lease)?;
         let side = match pb::RoomSide::try_from(r.side) {
             Ok(pb::RoomSide::Sender) => Side::Sender,
             Ok(pb::RoomSide::Receiver) => Side::Receiver,
@@ -526,8 +539,9 @@ impl pb::cache_server::Cache for CacheService {
                     "only a sender names a room's home: a receiver opens it on its own host",
                 ));
             }
+            self.peers.admits(&r.home)?;
             let layout = self.shared.with(|s| {
-                s.relay_open(r.lease, r.room, &r.home, Instant::now())?;
+                s.relay_open(lease, r.room, &r.home, Instant::now())?;
                 Ok::<_, CacheError>(s.layout().cloned().expect("a lease implies a layout"))
             })?;
             let opened = async {
@@ -577,7 +591,7 @@ impl pb::cache_server::Cache for CacheService {
         }
         let (st, held) = self.shared.with(|s| {
             let st = s.room_open(
-                r.lease,
+                lease,
                 r.room,
                 side,
                 (&r.request_id, &r.trace_id),
@@ -595,10 +609,11 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomWaitRequest>,
     ) -> Result<Response<pb::RoomStatus>, Status> {
         let r = request.into_inner();
+        let lease = lease_of(&r.lease)?;
         let until = room_state_from_pb(r.until)
             .ok_or_else(|| Status::invalid_argument("until must be a room state"))?;
         if let Some(link) = self.relay(r.room).await? {
-            self.shared.with(|s| s.heartbeat(r.lease, Instant::now()))?;
+            self.shared.with(|s| s.heartbeat(lease, Instant::now()))?;
             let st = link.room_wait(r.room, r.until, r.timeout_ms).await;
             if let Ok(st) = &st
                 && st.state == pb::RoomState::Failed as i32
@@ -613,7 +628,7 @@ impl pb::cache_server::Cache for CacheService {
         let mut changed = self.shared.rooms.subscribe();
         loop {
             let (now, held) = self.shared.with(|s| {
-                s.heartbeat(r.lease, Instant::now())?;
+                s.heartbeat(lease, Instant::now())?;
                 Ok::<_, CacheError>((s.room_state(r.room), s.room_held(r.room)))
             })?;
             let Some((st, why)) = now else {
@@ -644,12 +659,13 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomStartRequest>,
     ) -> Result<Response<pb::RoomStartResponse>, Status> {
         let r = request.into_inner();
+        let lease = lease_of(&r.lease)?;
         traced(r.room, None);
         if let Some(link) = self.relay(r.room).await? {
             // Slots here first: a full mirror here leaves the home's room waiting.
             let slots = self
                 .shared
-                .with(|s| s.relay_take_slots(r.lease, r.room, r.pages as usize))?;
+                .with(|s| s.relay_take_slots(lease, r.room, r.pages as usize))?;
             let remote = link.room_start(r.room, r.pages).await;
             return match remote {
                 Ok(remote) if remote.len() == slots.len() => {
@@ -681,7 +697,7 @@ impl pb::cache_server::Cache for CacheService {
         }
         let slots = self
             .shared
-            .with(|s| s.room_start(r.lease, r.room, r.pages as usize, Instant::now()))?;
+            .with(|s| s.room_start(lease, r.room, r.pages as usize, Instant::now()))?;
         traced(r.room, Some(RoomState::Transferring));
         Ok(Response::new(pb::RoomStartResponse { slots }))
     }
@@ -691,13 +707,13 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomCommitRequest>,
     ) -> Result<Response<pb::RoomStatus>, Status> {
         let r = request.into_inner();
+        let lease = lease_of(&r.lease)?;
         if r.aux.as_ref().is_none_or(|a| a.room != r.room) {
             return Err(Status::invalid_argument(
                 "aux is required and must name the room",
             ));
         }
         if let Some(link) = self.relay(r.room).await? {
-            let lease = r.lease;
             return self.relayed_commit(link, lease, r).await;
         }
         Ok(Response::new(commit_here(&self.shared, r)?))
@@ -708,9 +724,10 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomRef>,
     ) -> Result<Response<pb::RoomResultResponse>, Status> {
         let r = request.into_inner();
+        let lease = lease_of(&r.lease)?;
         traced(r.room, None);
         self.not_relayed(r.room)?;
-        let (pages, aux) = self.shared.with(|s| s.room_result(r.lease, r.room))?;
+        let (pages, aux) = self.shared.with(|s| s.room_result(lease, r.room))?;
         Ok(Response::new(pb::RoomResultResponse {
             pages: pages
                 .into_iter()
@@ -728,9 +745,10 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomRef>,
     ) -> Result<Response<pb::RoomStatus>, Status> {
         let r = request.into_inner();
+        let lease = lease_of(&r.lease)?;
         traced(r.room, None);
         self.not_relayed(r.room)?;
-        self.shared.with(|s| s.room_finish(r.lease, r.room))?;
+        self.shared.with(|s| s.room_finish(lease, r.room))?;
         Ok(Response::new(status(RoomState::Success, None)))
     }
 
@@ -739,6 +757,7 @@ impl pb::cache_server::Cache for CacheService {
         request: Request<pb::RoomAbortRequest>,
     ) -> Result<Response<pb::RoomStatus>, Status> {
         let r = request.into_inner();
+        let lease = lease_of(&r.lease)?;
         traced(r.room, Some(RoomState::Failed));
         let reason = if r.reason.is_empty() {
             "no reason given"
@@ -748,12 +767,12 @@ impl pb::cache_server::Cache for CacheService {
         let relayed = self.shared.with(|s| {
             s.relay_home(r.room).map(str::to_owned).or_else(|| {
                 // A relayed room that failed here already: its sender is done now.
-                s.relay_sender_done(r.lease, r.room, false);
+                s.relay_sender_done(lease, r.room, false);
                 None
             })
         });
         if let Some(home) = relayed {
-            let mine = self.shared.with(|s| s.relay_owner(r.room) == Some(r.lease));
+            let mine = self.shared.with(|s| s.relay_owner(r.room) == Some(lease));
             if !mine {
                 return Err(Status::permission_denied(format!(
                     "this lease is not the sender of room {}",
@@ -768,7 +787,7 @@ impl pb::cache_server::Cache for CacheService {
             )));
         }
         let st = self.shared.with(|s| {
-            s.room_abort(r.lease, r.room, reason, Instant::now())?;
+            s.room_abort(lease, r.room, reason, Instant::now())?;
             Ok::<_, CacheError>(s.room_state(r.room))
         })?;
         let (st, why) = st.unwrap_or((RoomState::Failed, None));
@@ -830,7 +849,8 @@ fn commit_here(shared: &Shared, r: pb::RoomCommitRequest) -> Result<pb::RoomStat
     let pages = pages_from_pb(&r.pages);
     let aux = aux_from_pb(aux);
     traced(r.room, None);
-    shared.with(|s| s.room_commit(r.lease, r.room, pages, aux, Instant::now()))?;
+    let lease = lease_of(&r.lease)?;
+    shared.with(|s| s.room_commit(lease, r.room, pages, aux, Instant::now()))?;
     traced(r.room, Some(RoomState::Success));
     Ok(status(RoomState::Success, None))
 }
@@ -888,7 +908,7 @@ fn aux_to_pb(a: Aux) -> pb::RoomAux {
 /// PeerCommitReply.
 /// The commit riding on a peer's last batch for `room`, over the connection of `sender`'s
 /// lease: only that lease may commit with it.
-pub(crate) fn peer_commit(shared: &Shared, room: u64, sender: u64, trailer: &[u8]) -> Vec<u8> {
+pub(crate) fn peer_commit(shared: &Shared, room: u64, sender: Lease, trailer: &[u8]) -> Vec<u8> {
     let done = match pb::RoomCommitRequest::decode(trailer) {
         Err(e) => Err(Status::invalid_argument(format!(
             "a room commit that does not decode: {e}"
@@ -899,12 +919,16 @@ pub(crate) fn peer_commit(shared: &Shared, room: u64, sender: u64, trailer: &[u8
         ))),
         // The page transport carries peers' rooms only: a local worker's lease is not
         // one a peer may commit with.
-        Ok(r) if !shared.with(|s| s.is_peer_lease(r.lease)) => Err(Status::permission_denied(
-            "this lease is not a peer host's".to_owned(),
-        )),
-        Ok(r) if r.lease != sender => Err(Status::permission_denied(
-            "a commit with another lease than this connection's".to_owned(),
-        )),
+        Ok(r) if Lease::from_wire(&r.lease).is_ok_and(|l| !shared.with(|s| s.is_peer_lease(l))) => {
+            Err(Status::permission_denied(
+                "this lease is not a peer host's".to_owned(),
+            ))
+        }
+        Ok(r) if Lease::from_wire(&r.lease).is_ok_and(|l| l != sender) => {
+            Err(Status::permission_denied(
+                "a commit with another lease than this connection's".to_owned(),
+            ))
+        }
         Ok(r) => commit_here(shared, r),
     };
     let reply = match done {
@@ -1004,7 +1028,7 @@ mod tests {
         let reply = |room, sender, trailer: &[u8]| {
             pb::PeerCommitReply::decode(&peer_commit(&shared, room, sender, trailer)[..]).unwrap()
         };
-        let garbage = reply(7, 0, &[0xff; 9]);
+        let garbage = reply(7, Lease::from_test_number(1), &[0xff; 9]);
         assert_eq!(garbage.code, tonic::Code::InvalidArgument as i32);
         assert!(garbage.message.contains("does not decode"), "{garbage:?}");
         let other = pb::RoomCommitRequest {
@@ -1012,13 +1036,13 @@ mod tests {
             ..Default::default()
         }
         .encode_to_vec();
-        let other = reply(7, 0, &other);
+        let other = reply(7, Lease::from_test_number(1), &other);
         assert_eq!(other.code, tonic::Code::InvalidArgument as i32);
         assert!(other.message.contains("room 8"), "{other:?}");
         // A lease that is not a peer's (unknown here, or a local worker's) is refused.
-        let commit_over = |lease: u64, sender: u64| {
+        let commit_over = |lease: Lease, sender: Lease| {
             let req = pb::RoomCommitRequest {
-                lease,
+                lease: lease.to_wire(),
                 room: 7,
                 pages: Vec::new(),
                 aux: Some(pb::RoomAux {
@@ -1028,8 +1052,8 @@ mod tests {
             };
             reply(7, sender, &req.encode_to_vec())
         };
-        let commit_with = |lease: u64| commit_over(lease, lease);
-        let unknown = commit_with(99);
+        let commit_with = |lease: Lease| commit_over(lease, lease);
+        let unknown = commit_with(Lease::from_test_number(99));
         assert_eq!(
             unknown.code,
             tonic::Code::PermissionDenied as i32,

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use pdmesh_cache_client::{RemoteTier, TierConfig};
+pub use pdmesh_cache_client::{Lease, RemoteTier, TierConfig};
 pub use state::{CacheError, MirrorSize};
 
 /// Configuration of the cache service.
@@ -79,6 +79,13 @@ pub struct Config {
     /// write of the page transport.
     #[arg(long, env = "PDMESH_PEER_IO_TIMEOUT_MS", default_value_t = 5_000)]
     pub peer_io_timeout_ms: u64,
+    /// The other hosts' cache services this one may relay rooms to, by gRPC URL
+    /// (comma-separated, or the flag repeated). A room's home must be one of them. With
+    /// the mesh's mutual TLS and no list, a home is accepted when its certificate names
+    /// the cache role (the mesh's CA decides who belongs); with the mesh token and no
+    /// list, no room is relayed to another host.
+    #[arg(long = "peer", env = "PDMESH_PEERS", value_delimiter = ',')]
+    pub peers: Vec<String>,
     /// Where incident reports are written (a wedge the watchdog found), created
     /// owner-only; unset: none are written (the stuck rooms are still logged).
     #[arg(long, env = "PDMESH_INCIDENT_DIR")]
@@ -111,6 +118,7 @@ impl Config {
             watchdog: Watchdog::Soft,
             peer_listen: None,
             peer_io_timeout_ms: 5_000,
+            peers: Vec::new(),
             incident_dir: None,
             incident_trace_link: None,
             drain_timeout_ms: 20_000,
@@ -261,7 +269,8 @@ pub async fn run(
         ),
         opts,
         auth.clone(),
-    ));
+        &cfg.peers,
+    )?);
     let watchdog = cfg.watchdog;
     let reporter = pdmesh_incident::Reporter::from_flags(
         cfg.incident_dir.as_deref(),
@@ -513,7 +522,7 @@ impl transfer::Sink for HomeSink<'_> {
             .with(|s| s.peer_write(p.sender, p.room, p.index, p.bytes))
     }
 
-    fn trailer(&mut self, room: u64, sender: u64, trailer: &[u8]) -> Vec<u8> {
+    fn trailer(&mut self, room: u64, sender: Lease, trailer: &[u8]) -> Vec<u8> {
         grpc::peer_commit(self.0, room, sender, trailer)
     }
     fn checksum_failed(&mut self, bad: transfer::BadArrival<'_>) {

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use pb::cache_client::CacheClient;
+use pdmesh_cache_client::Lease;
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as pb;
 use tonic::Status;
@@ -36,15 +37,80 @@ pub(crate) struct Peers {
     name: String,
     /// The mesh credential, for gRPC and pages alike.
     auth: pdmesh_tls::MeshAuth,
+    /// The homes rooms may be relayed to (see [`Homes`]).
+    homes: Homes,
+}
+
+/// Which cache services a room's home may be: a room open names its home, and this
+/// service dials it, so a caller must not be able to point it anywhere.
+#[derive(Debug)]
+enum Homes {
+    /// The `--peer` list, by authority (`host:port`, lower case).
+    Listed(std::collections::HashSet<String>),
+    /// Any home whose certificate names the cache role (mutual TLS, no list).
+    ByCertificate,
+    /// None (the mesh token or no credential, and no list).
+    Nowhere,
+}
+
+/// `url`'s `host:port`, lower case: how the `--peer` list and room homes are compared.
+fn authority(url: &str) -> Option<String> {
+    let uri = url.parse::<http::Uri>().ok()?;
+    let a = uri.authority()?;
+    let port = a.port_u16().or(match uri.scheme_str() {
+        Some("https") => Some(443),
+        Some("http") => Some(80),
+        _ => None,
+    })?;
+    Some(format!("{}:{port}", a.host().to_ascii_lowercase()))
 }
 
 impl Peers {
-    pub fn new(name: String, opts: TcpOptions, auth: pdmesh_tls::MeshAuth) -> Self {
-        Self {
+    /// `peers`: the `--peer` list (URLs of the other hosts' cache services).
+    pub fn new(
+        name: String,
+        opts: TcpOptions,
+        auth: pdmesh_tls::MeshAuth,
+        peers: &[String],
+    ) -> Result<Self, crate::Error> {
+        let homes = if !peers.is_empty() {
+            let listed = peers
+                .iter()
+                .map(|u| {
+                    authority(u).ok_or_else(|| {
+                        crate::Error::Config(format!(
+                            "--peer {u:?} is not a URL with a host and port (http://HOST:PORT)"
+                        ))
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+            Homes::Listed(listed)
+        } else if auth.tls().is_some() {
+            Homes::ByCertificate
+        } else {
+            Homes::Nowhere
+        };
+        Ok(Self {
             links: Default::default(),
             opts,
             name,
             auth,
+            homes,
+        })
+    }
+
+    /// Whether rooms may be relayed to `home`; PERMISSION_DENIED naming the flag if not.
+    pub(crate) fn admits(&self, home: &str) -> Result<(), Status> {
+        match &self.homes {
+            Homes::ByCertificate => Ok(()),
+            Homes::Listed(l) if authority(home).is_some_and(|a| l.contains(&a)) => Ok(()),
+            Homes::Listed(_) => Err(Status::permission_denied(format!(
+                "room home {home:?} is not one of this cache service's --peer list"
+            ))),
+            Homes::Nowhere => Err(Status::permission_denied(format!(
+                "room home {home:?}: without mutual TLS this cache service relays rooms only to \
+                 the cache services its --peer list names, and it names none"
+            ))),
         }
     }
 
@@ -54,6 +120,7 @@ impl Peers {
     /// At most [`MAX_LINKS`] homes are kept; a home that could not be reached is
     /// forgotten, so URLs named in room opens cannot grow the map.
     pub async fn link(&self, url: &str, layout: &Arc<KvLayout>) -> Result<Arc<Link>, Status> {
+        self.admits(url)?;
         let slot = {
             let mut links = self.links.lock().expect("links lock");
             if !links.contains_key(url) && links.len() >= MAX_LINKS {
@@ -125,7 +192,7 @@ pub(crate) struct Link {
     pub url: String,
     rpc: CacheClient<pdmesh_tls::AuthChannel>,
     /// This service's lease at the home host.
-    pub lease: u64,
+    pub lease: Lease,
     /// The home host's tcp page transport, and the host name its URL gives (which its
     /// TLS certificate names).
     data: SocketAddr,
@@ -243,10 +310,12 @@ impl Link {
             .ok()
             .and_then(|mut a| a.next())
             .ok_or_else(|| Status::unavailable(format!("{host} does not resolve")))?;
+        let lease = Lease::from_wire(&reg.lease).map_err(|e| {
+            Status::internal(format!("{url} answered a peer registration with {e}"))
+        })?;
         let alive = Arc::new(AtomicBool::new(true));
         let heartbeat = {
-            let (mut rpc, alive, lease, url) =
-                (rpc.clone(), alive.clone(), reg.lease, url.to_owned());
+            let (mut rpc, alive, url) = (rpc.clone(), alive.clone(), url.to_owned());
             let ttl = Duration::from_millis(u64::from(reg.lease_ttl_ms));
             let every = (ttl / 3).max(Duration::from_millis(1));
             tokio::spawn(async move {
@@ -256,16 +325,21 @@ impl Link {
                 let mut renewed = Instant::now();
                 loop {
                     tick.tick().await;
-                    let beat = rpc.heartbeat(request(pb::HeartbeatRequest { lease }, every));
+                    let beat = rpc.heartbeat(request(
+                        pb::HeartbeatRequest {
+                            lease: lease.to_wire(),
+                        },
+                        every,
+                    ));
                     match tokio::time::timeout(every, beat).await {
                         Ok(Ok(_)) => {
                             renewed = Instant::now();
                             if !alive.swap(true, Ordering::Relaxed) {
-                                tracing::info!(peer = %url, lease, "the peer renews the lease again");
+                                tracing::info!(peer = %url, %lease, "the peer renews the lease again");
                             }
                         }
                         Ok(Err(s)) if s.code() == tonic::Code::NotFound => {
-                            tracing::warn!(peer = %url, lease, "peer lease expired; the next room registers again");
+                            tracing::warn!(peer = %url, %lease, "peer lease expired; the next room registers again");
                             alive.store(false, Ordering::Relaxed);
                             return;
                         }
@@ -277,18 +351,18 @@ impl Link {
                         _ => {
                             let lost = renewed.elapsed() >= ttl;
                             if lost && alive.swap(false, Ordering::Relaxed) {
-                                tracing::warn!(peer = %url, lease, "no heartbeat reached the peer for a lease's time; the next room registers again");
+                                tracing::warn!(peer = %url, %lease, "no heartbeat reached the peer for a lease's time; the next room registers again");
                             }
                         }
                     }
                 }
             })
         };
-        tracing::info!(peer = url, lease = reg.lease, %data, "linked to a peer cache service");
+        tracing::info!(peer = url, %lease, %data, "linked to a peer cache service");
         Ok(Self {
             url: url.to_owned(),
             rpc,
-            lease: reg.lease,
+            lease,
             data,
             host,
             alive,
@@ -308,7 +382,7 @@ impl Link {
     /// again.
     pub fn lost(&self) {
         if self.alive.swap(false, Ordering::Relaxed) {
-            tracing::warn!(peer = %self.url, lease = self.lease, "the peer no longer knows the lease; the next room registers again");
+            tracing::warn!(peer = %self.url, lease = %self.lease, "the peer no longer knows the lease; the next room registers again");
         }
     }
 
@@ -319,7 +393,7 @@ impl Link {
         trace_id: &str,
     ) -> Result<pb::RoomStatus, Status> {
         let msg = pb::RoomOpenRequest {
-            lease: self.lease,
+            lease: self.lease.to_wire(),
             room,
             side: pb::RoomSide::Sender.into(),
             request_id: request_id.to_owned(),
@@ -347,7 +421,7 @@ impl Link {
         timeout_ms: u32,
     ) -> Result<pb::RoomStatus, Status> {
         let msg = pb::RoomWaitRequest {
-            lease: self.lease,
+            lease: self.lease.to_wire(),
             room,
             until,
             timeout_ms,
@@ -366,7 +440,7 @@ impl Link {
 
     pub async fn room_start(&self, room: u64, pages: u32) -> Result<Vec<u32>, Status> {
         let msg = pb::RoomStartRequest {
-            lease: self.lease,
+            lease: self.lease.to_wire(),
             room,
             pages,
         };
@@ -385,7 +459,7 @@ impl Link {
 
     pub async fn room_abort(&self, room: u64, reason: &str) -> Result<(), Status> {
         let msg = pb::RoomAbortRequest {
-            lease: self.lease,
+            lease: self.lease.to_wire(),
             room,
             reason: reason.to_owned(),
         };
@@ -504,7 +578,13 @@ mod tests {
             io_timeout: Duration::from_secs(1),
             ..TcpOptions::default()
         };
-        let peers = Peers::new("here".into(), opts, pdmesh_tls::test_ca::auth());
+        let peers = Peers::new(
+            "here".into(),
+            opts,
+            pdmesh_tls::test_ca::auth(),
+            std::slice::from_ref(&url),
+        )
+        .unwrap();
         let link = peers.link(&url, &layout).await.unwrap();
         assert!(Arc::ptr_eq(
             &link,
@@ -535,15 +615,21 @@ mod tests {
     #[tokio::test]
     async fn homes_that_cannot_be_reached_are_forgotten() {
         let layout = Arc::new(KvLayout::llama(2, 1, 8, DType::F16, 16));
+        // Ports that refuse every connection.
+        let closed: Vec<_> = (0..5).map(|_| pdmesh_testkit::Refusing::new()).collect();
+        let urls: Vec<String> = closed.iter().map(|c| c.url()).collect();
         let peers = Peers::new(
             "here".into(),
             TcpOptions::default(),
             pdmesh_tls::test_ca::auth(),
-        );
-        for _ in 0..5 {
-            // A port that refuses every connection.
-            let closed = pdmesh_testkit::Refusing::new();
-            assert!(peers.link(&closed.url(), &layout).await.is_err());
+            &urls,
+        )
+        .unwrap();
+        for url in &urls {
+            let Err(err) = peers.link(url, &layout).await else {
+                panic!("linked to a closed port")
+            };
+            assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
         }
         assert_eq!(peers.len(), 0, "no failed home is kept");
     }
@@ -579,7 +665,15 @@ mod tests {
             io_timeout: Duration::from_secs(30),
             ..TcpOptions::default()
         };
-        let peers = Arc::new(Peers::new("here".into(), opts, pdmesh_tls::test_ca::auth()));
+        let peers = Arc::new(
+            Peers::new(
+                "here".into(),
+                opts,
+                pdmesh_tls::test_ca::auth(),
+                &[live.clone(), gone.clone()],
+            )
+            .unwrap(),
+        );
         let stuck = {
             let (peers, layout, gone) = (peers.clone(), layout.clone(), gone.clone());
             tokio::spawn(async move { peers.link(&gone, &layout).await.map(|_| ()) })
@@ -597,5 +691,55 @@ mod tests {
         drop(link);
         stop.cancel();
         served.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_room_home_the_mesh_does_not_know_is_refused_before_anything_is_dialled() {
+        let layout = Arc::new(KvLayout::llama(2, 1, 8, DType::F16, 16));
+        // A listener that would see any connection made to it.
+        let stranger = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", stranger.local_addr().unwrap());
+        let token = pdmesh_tls::test_ca::auth();
+        let listed = Peers::new(
+            "here".into(),
+            TcpOptions::default(),
+            token.clone(),
+            &[
+                "http://10.0.0.9:7100".to_owned(),
+                "HTTP://Cache-B:7100/".to_owned(),
+            ],
+        )
+        .unwrap();
+        let unlisted =
+            Peers::new("here".into(), TcpOptions::default(), token.clone(), &[]).unwrap();
+        for (peers, says) in [(&listed, "--peer list"), (&unlisted, "names none")] {
+            let Err(err) = peers.link(&url, &layout).await else {
+                panic!("linked to a home off the list")
+            };
+            assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+            assert!(err.message().contains(says), "{}", err.message());
+            assert_eq!(peers.len(), 0);
+        }
+        // Listed homes match by host and port, whatever the case or path.
+        assert!(listed.admits("http://cache-b:7100").is_ok());
+        assert!(listed.admits("http://10.0.0.9:7100/x").is_ok());
+        assert!(listed.admits("http://10.0.0.9:7101").is_err());
+        // With mutual TLS and no list, the home's certificate decides (at the page
+        // transport, which checks it names the cache role).
+        let ca = pdmesh_tls::test_ca::Ca::new("mesh");
+        let tls = pdmesh_tls::MeshAuth::new(Some(ca.member(&["here"], &["cache"])), None, false);
+        let by_cert = Peers::new("here".into(), TcpOptions::default(), tls, &[]).unwrap();
+        assert!(by_cert.admits(&url).is_ok());
+        // Nothing reached the stranger.
+        let accepted = tokio::time::timeout(Duration::ZERO, stranger.accept()).await;
+        assert!(accepted.is_err(), "a refused home was dialled");
+        // A --peer that is not a URL stops the service at start.
+        let bad = Peers::new(
+            "here".into(),
+            TcpOptions::default(),
+            token,
+            &["cache-b".into()],
+        );
+        assert!(matches!(bad, Err(crate::Error::Config(m)) if m.contains("--peer")));
     }
 }

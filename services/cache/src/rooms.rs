@@ -14,6 +14,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
+use pdmesh_cache_client::Lease;
 use pdmesh_telemetry::labels;
 
 /// Where a room is. The numbering follows SGLang's transfer states.
@@ -164,15 +165,15 @@ pub enum RoomError {
 pub struct Released {
     pub free_now: Vec<u32>,
     /// (slot, sender lease): the sender might still write these.
-    pub quarantined: Vec<(u32, u64)>,
+    pub quarantined: Vec<(u32, Lease)>,
 }
 
 #[derive(Debug)]
 struct Room {
     state: RoomState,
     entered: Instant,
-    sender: Option<u64>,
-    receiver: Option<u64>,
+    sender: Option<Lease>,
+    receiver: Option<Lease>,
     /// Mirror slots reserved for the transfer.
     slots: Vec<u32>,
     pages: Vec<RoomPage>,
@@ -193,12 +194,12 @@ struct Room {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
     Opened,
-    Joined { side: Side, lease: u64 },
+    Joined { side: Side, lease: Lease },
     Entered(RoomState),
     Stuck { seconds: f64 },
     Failed(String),
     FailedAfterHandOver(String),
-    ReceiverLeaseLost(u64),
+    ReceiverLeaseLost(Lease),
 }
 
 impl std::fmt::Display for Step {
@@ -304,7 +305,7 @@ impl Rooms {
         &mut self,
         room: u64,
         side: Side,
-        lease: u64,
+        lease: Lease,
         now: Instant,
     ) -> Result<RoomState, RoomError> {
         let r = match self.rooms.get_mut(&room) {
@@ -350,7 +351,7 @@ impl Rooms {
         Ok(r.state)
     }
 
-    fn check_side(r: &Room, room: u64, side: Side, lease: u64) -> Result<(), RoomError> {
+    fn check_side(r: &Room, room: u64, side: Side, lease: Lease) -> Result<(), RoomError> {
         let holder = match side {
             Side::Sender => r.sender,
             Side::Receiver => r.receiver,
@@ -366,7 +367,7 @@ impl Rooms {
     pub fn start_transfer(
         &mut self,
         room: u64,
-        lease: u64,
+        lease: Lease,
         slots: Vec<u32>,
         now: Instant,
     ) -> Result<(), RoomError> {
@@ -388,7 +389,7 @@ impl Rooms {
     pub fn commit(
         &mut self,
         room: u64,
-        lease: u64,
+        lease: Lease,
         pages: Vec<RoomPage>,
         aux: Aux,
         now: Instant,
@@ -421,7 +422,7 @@ impl Rooms {
     }
 
     /// The sender of `room`, if it has one.
-    pub fn sender(&self, room: u64) -> Option<u64> {
+    pub fn sender(&self, room: u64) -> Option<Lease> {
         self.rooms.get(&room).and_then(|r| r.sender)
     }
 
@@ -540,7 +541,7 @@ impl Rooms {
     }
 
     /// What the receiver loads: pages and aux data, once the room succeeded.
-    pub fn result(&mut self, room: u64, lease: u64) -> Result<(Vec<RoomPage>, Aux), RoomError> {
+    pub fn result(&mut self, room: u64, lease: Lease) -> Result<(Vec<RoomPage>, Aux), RoomError> {
         let r = self.get(room)?;
         Self::check_side(r, room, Side::Receiver, lease)?;
         match (r.state, &r.aux) {
@@ -554,7 +555,7 @@ impl Rooms {
     }
 
     /// The receiver took its pages: the room ends and its slots are free.
-    pub fn finish(&mut self, room: u64, lease: u64) -> Result<Released, RoomError> {
+    pub fn finish(&mut self, room: u64, lease: Lease) -> Result<Released, RoomError> {
         self.result(room, lease)?;
         let r = self.rooms.remove(&room).expect("checked above");
         Ok(Released {
@@ -585,7 +586,13 @@ impl Rooms {
 
     /// Either side gives up (client gone, error, its own deadline). False if the room is
     /// unknown, already final, or not this lease's.
-    pub fn abort(&mut self, room: u64, lease: u64, reason: &str, now: Instant) -> Option<Released> {
+    pub fn abort(
+        &mut self,
+        room: u64,
+        lease: Lease,
+        reason: &str,
+        now: Instant,
+    ) -> Option<Released> {
         let r = self.rooms.get_mut(&room)?;
         if r.state.is_final() || (r.sender != Some(lease) && r.receiver != Some(lease)) {
             return None;
@@ -657,7 +664,7 @@ impl Rooms {
 
     /// A lease ended (its worker died): its rooms fail; failed rooms it was the last side
     /// of are dropped.
-    pub fn lease_lost(&mut self, lease: u64, now: Instant) -> Vec<(u64, Released)> {
+    pub fn lease_lost(&mut self, lease: Lease, now: Instant) -> Vec<(u64, Released)> {
         let mut out = Vec::new();
         for (&id, r) in &mut self.rooms {
             if r.sender != Some(lease) && r.receiver != Some(lease) {
@@ -712,8 +719,8 @@ mod tests {
         transferring: Duration::from_secs(3),
         success: Duration::from_secs(4),
     };
-    const P: u64 = 7; // prefill's lease
-    const DEC: u64 = 9; // decode's lease
+    const P: Lease = Lease::from_test_number(7); // prefill's lease
+    const DEC: Lease = Lease::from_test_number(9); // decode's lease
 
     #[test]
     fn every_state_has_its_own_label_and_every_label_a_state() {
@@ -785,7 +792,7 @@ mod tests {
         assert_eq!(rooms.open(1, Side::Receiver, DEC, t), Ok(Bootstrapping));
         assert_eq!(rooms.open(1, Side::Sender, P, t), Ok(WaitingForInput));
         assert!(matches!(
-            rooms.open(1, Side::Sender, 99, t),
+            rooms.open(1, Side::Sender, Lease::from_test_number(99), t),
             Err(RoomError::SideTaken { .. })
         ));
         assert!(matches!(
@@ -867,7 +874,7 @@ mod tests {
         rooms.open(2, Side::Sender, P, t).unwrap();
         rooms.start_transfer(2, P, vec![8, 9], t).unwrap();
         assert_eq!(
-            rooms.abort(2, 1234, "not mine", t),
+            rooms.abort(2, Lease::from_test_number(1234), "not mine", t),
             None,
             "only a side may abort"
         );

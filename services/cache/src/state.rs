@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pdmesh_cache_client::Lease;
 use pdmesh_kv::KvLayout;
 use pdmesh_telemetry::labels::RoomAbort;
 
@@ -66,7 +67,7 @@ pub enum CacheError {
     BadLayout(String),
     // Leases are capabilities: no message names one.
     #[error("this lease is unknown or expired: register again")]
-    UnknownLease(u64),
+    UnknownLease(Lease),
     #[error("slot {slot} is not {what} by this lease")]
     NotHeld { slot: u32, what: &'static str },
     #[error("a page is {want} bytes, got {got}")]
@@ -96,7 +97,7 @@ pub enum CacheError {
 /// What a worker needs to use the mirror.
 #[derive(Clone, Debug)]
 pub struct Registration {
-    pub lease: u64,
+    pub lease: Lease,
     pub lease_ttl: Duration,
     pub shm_path: PathBuf,
     pub page_bytes: usize,
@@ -178,11 +179,11 @@ pub struct PeerStats {
 /// sender slots of this mirror to write into until the pages have crossed.
 #[derive(Debug)]
 struct Relay {
-    lease: u64,
+    lease: Lease,
     home: String,
     /// This service's lease at the home, the one the room was opened there with (none
     /// until the home answered): the room lives there only as long as that lease.
-    link: Option<u64>,
+    link: Option<Lease>,
     /// This mirror's slots the sender writes (empty until it starts).
     slots: Vec<u32>,
     /// The home host's slots for the same pages, in order.
@@ -212,7 +213,7 @@ pub struct RelayCommit {
 enum Slot {
     Free,
     Reserved {
-        lease: u64,
+        lease: Lease,
         hash: u64,
     },
     Resident {
@@ -229,12 +230,12 @@ enum Slot {
     /// calls again or its lease ends.
     Quarantined {
         room: u64,
-        lease: u64,
+        lease: Lease,
     },
 }
 
 #[derive(Debug)]
-struct Lease {
+struct Holder {
     worker: String,
     expires: Instant,
     /// Pins per slot (a lease may pin a page more than once).
@@ -261,7 +262,7 @@ pub struct State {
     index: HashMap<u64, u32>,
     /// Resident, unpinned pages by last use: the eviction order.
     lru: BTreeSet<(u64, u32)>,
-    leases: HashMap<u64, Lease>,
+    leases: HashMap<Lease, Holder>,
     tick: u64,
     stats: Stats,
     events: Vec<Event>,
@@ -310,10 +311,10 @@ fn layout_incident(
 /// hears NOT_FOUND and registers again (mapping the new mirror file), instead of keeping
 /// another worker's lease alive and reading the new mirror's slots through the old file's
 /// mapping.
-fn fresh_lease(taken: &HashMap<u64, Lease>) -> u64 {
+fn fresh_lease(taken: &HashMap<Lease, Holder>) -> Lease {
     loop {
-        let l = uuid::Uuid::new_v4().as_u64_pair().0;
-        if l != 0 && !taken.contains_key(&l) {
+        let l = Lease::random();
+        if !taken.contains_key(&l) {
             return l;
         }
     }
@@ -434,7 +435,7 @@ impl State {
         let lease = fresh_lease(&self.leases);
         self.leases.insert(
             lease,
-            Lease {
+            Holder {
                 worker: name.to_owned(),
                 expires: now + self.ttl,
                 pins: HashMap::new(),
@@ -454,11 +455,11 @@ impl State {
     }
 
     /// Whether `lease` is another host's cache service's (not a worker's of this host).
-    pub fn is_peer_lease(&self, lease: u64) -> bool {
+    pub fn is_peer_lease(&self, lease: Lease) -> bool {
         self.leases.get(&lease).is_some_and(|l| l.peer)
     }
 
-    fn lease_mut(&mut self, lease: u64) -> Result<&mut Lease, CacheError> {
+    fn lease_mut(&mut self, lease: Lease) -> Result<&mut Holder, CacheError> {
         self.leases
             .get_mut(&lease)
             .ok_or(CacheError::UnknownLease(lease))
@@ -572,7 +573,7 @@ impl State {
     /// `sender`'s lease: it lands only in a room that lease sends in.
     pub fn peer_write(
         &mut self,
-        sender: u64,
+        sender: Lease,
         room: u64,
         index: u32,
         bytes: &[u8],
@@ -627,14 +628,18 @@ impl State {
         Ok(())
     }
 
-    pub fn heartbeat(&mut self, lease: u64, now: Instant) -> Result<(), CacheError> {
+    pub fn heartbeat(&mut self, lease: Lease, now: Instant) -> Result<(), CacheError> {
         let ttl = self.ttl;
         self.lease_mut(lease)?.expires = now + ttl;
         Ok(())
     }
 
     /// The longest run of leading `hashes` resident in the mirror, each pinned for `lease`.
-    pub fn match_pages(&mut self, lease: u64, hashes: &[u64]) -> Result<Vec<PageRef>, CacheError> {
+    pub fn match_pages(
+        &mut self,
+        lease: Lease,
+        hashes: &[u64],
+    ) -> Result<Vec<PageRef>, CacheError> {
         self.lease_mut(lease)?;
         self.tick += 1;
         let mut out = Vec::new();
@@ -675,7 +680,7 @@ impl State {
 
     /// Slots for the pages of `hashes` the mirror does not hold, evicting least recently
     /// used unpinned pages for room; stops granting when nothing more can be evicted.
-    pub fn reserve(&mut self, lease: u64, hashes: &[u64]) -> Result<Vec<(u64, u32)>, CacheError> {
+    pub fn reserve(&mut self, lease: Lease, hashes: &[u64]) -> Result<Vec<(u64, u32)>, CacheError> {
         self.lease_mut(lease)?;
         let mut grants = Vec::new();
         let mut removed = Vec::new();
@@ -721,7 +726,7 @@ impl State {
     /// Publishes written pages: each must be reserved by `lease` for its hash, and its
     /// bytes (written to the slot, or carried in `data`) must match its checksum. Returns
     /// the slots refused for a checksum mismatch (freed and counted).
-    pub fn commit(&mut self, lease: u64, pages: Vec<CommitPage>) -> Result<Vec<u32>, CacheError> {
+    pub fn commit(&mut self, lease: Lease, pages: Vec<CommitPage>) -> Result<Vec<u32>, CacheError> {
         self.lease_mut(lease)?;
         let mirror = self.mirror.clone().expect("a lease implies a mirror");
         let mut seen = HashSet::new();
@@ -810,7 +815,7 @@ impl State {
     }
 
     /// Checks that `lease` pins every slot of `slots` (before their bytes are sent).
-    pub fn check_pinned(&mut self, lease: u64, slots: &[u32]) -> Result<Vec<u64>, CacheError> {
+    pub fn check_pinned(&mut self, lease: Lease, slots: &[u32]) -> Result<Vec<u64>, CacheError> {
         let l = self.lease_mut(lease)?;
         if let Some(&slot) = slots.iter().find(|s| !l.pins.contains_key(s)) {
             return Err(CacheError::NotHeld {
@@ -838,7 +843,7 @@ impl State {
 
     /// Drops one pin per listed slot (or the reservation, if the slot was reserved and
     /// never committed).
-    pub fn release(&mut self, lease: u64, slots: &[u32]) -> Result<(), CacheError> {
+    pub fn release(&mut self, lease: Lease, slots: &[u32]) -> Result<(), CacheError> {
         for &slot in slots {
             let l = self.lease_mut(lease)?;
             if let Some(n) = l.pins.get_mut(&slot) {
@@ -860,7 +865,7 @@ impl State {
     }
 
     /// Removes resident, unpinned pages a consumer found corrupt; returns how many.
-    pub fn discard(&mut self, lease: u64, hashes: &[u64]) -> Result<usize, CacheError> {
+    pub fn discard(&mut self, lease: Lease, hashes: &[u64]) -> Result<usize, CacheError> {
         self.lease_mut(lease)?;
         let mut gone = Vec::new();
         for &h in hashes {
@@ -885,7 +890,7 @@ impl State {
     /// Ends every lease whose worker stopped heartbeating: its pins and reservations are
     /// dropped, so its pages become evictable. Returns the expired workers.
     pub fn expire(&mut self, now: Instant) -> Vec<String> {
-        let dead: Vec<u64> = self
+        let dead: Vec<Lease> = self
             .leases
             .iter()
             .filter(|(_, l)| l.expires <= now)
@@ -924,7 +929,7 @@ impl State {
             }
             self.rooms_version += 1;
             self.stats.expired_leases += 1;
-            tracing::warn!(worker = %l.worker, lease = id, "lease expired: its pins and reservations are released");
+            tracing::warn!(worker = %l.worker, lease = %id, "lease expired: its pins and reservations are released");
             workers.push(l.worker);
         }
         let late: Vec<(u64, bool)> = self
@@ -1038,7 +1043,7 @@ impl State {
         }
     }
 
-    fn free_quarantined(&mut self, pick: impl Fn(u64, u64) -> bool) {
+    fn free_quarantined(&mut self, pick: impl Fn(u64, Lease) -> bool) {
         let slots: Vec<u32> = (0..self.slots.len() as u32)
             .filter(|&i| {
                 matches!(self.slots[i as usize], Slot::Quarantined { room, lease } if pick(room, lease))
@@ -1057,7 +1062,7 @@ impl State {
     /// `lease` joins `room` as `side`.
     pub fn room_open(
         &mut self,
-        lease: u64,
+        lease: Lease,
         room: u64,
         side: Side,
         (request_id, trace_id): (&str, &str),
@@ -1100,7 +1105,7 @@ impl State {
     /// transferring.
     pub fn room_start(
         &mut self,
-        lease: u64,
+        lease: Lease,
         room: u64,
         pages: usize,
         now: Instant,
@@ -1170,7 +1175,7 @@ impl State {
     /// The sender hands over its pages: exactly the room's slots, in order.
     pub fn room_commit(
         &mut self,
-        lease: u64,
+        lease: Lease,
         room: u64,
         pages: Vec<RoomPage>,
         aux: Aux,
@@ -1211,7 +1216,7 @@ impl State {
             // A late write: refused. Its sender is done, so its held slots are free now.
             self.room_stats.late_writes_rejected += 1;
             self.free_quarantined(|q, l| q == room && l == lease);
-            tracing::warn!(room, lease, "late commit to a failed room refused");
+            tracing::warn!(room, %lease, "late commit to a failed room refused");
         }
         self.room_call(r)
     }
@@ -1219,7 +1224,7 @@ impl State {
     /// The receiver's pages and aux data.
     pub fn room_result(
         &mut self,
-        lease: u64,
+        lease: Lease,
         room: u64,
     ) -> Result<(Vec<RoomPage>, Aux), CacheError> {
         self.lease_mut(lease)?;
@@ -1227,7 +1232,7 @@ impl State {
     }
 
     /// The receiver took its pages: the slots are free.
-    pub fn room_finish(&mut self, lease: u64, room: u64) -> Result<(), CacheError> {
+    pub fn room_finish(&mut self, lease: Lease, room: u64) -> Result<(), CacheError> {
         self.lease_mut(lease)?;
         let pages = self.rooms.result(room, lease).map(|(p, _)| p.len());
         let rel = self.rooms.finish(room, lease);
@@ -1244,7 +1249,7 @@ impl State {
     /// Either side gives up. Not an error if the room is already over.
     pub fn room_abort(
         &mut self,
-        lease: u64,
+        lease: Lease,
         room: u64,
         reason: &str,
         now: Instant,
@@ -1270,7 +1275,7 @@ impl State {
     /// `lease` (a local sender) opens `room`, whose home is the cache service at `home`.
     pub fn relay_open(
         &mut self,
-        lease: u64,
+        lease: Lease,
         room: u64,
         home: &str,
         now: Instant,
@@ -1312,7 +1317,7 @@ impl State {
     }
 
     /// The local sender of relayed `room`.
-    pub fn relay_owner(&self, room: u64) -> Option<u64> {
+    pub fn relay_owner(&self, room: u64) -> Option<Lease> {
         self.relays.get(&room).map(|r| r.lease)
     }
 
@@ -1322,7 +1327,7 @@ impl State {
     }
 
     /// The home opened relayed `room` for this service's lease `link` there.
-    pub fn relay_linked(&mut self, room: u64, link: u64) {
+    pub fn relay_linked(&mut self, room: u64, link: Lease) {
         if let Some(r) = self.relays.get_mut(&room) {
             r.link = Some(link);
         }
@@ -1330,11 +1335,11 @@ impl State {
 
     /// The home of `room` if it is relayed from here, and the lease there it was opened
     /// with (none while its opening is under way).
-    pub fn relay_link(&self, room: u64) -> Option<(&str, Option<u64>)> {
+    pub fn relay_link(&self, room: u64) -> Option<(&str, Option<Lease>)> {
         self.relays.get(&room).map(|r| (r.home.as_str(), r.link))
     }
 
-    fn relay_mut(&mut self, lease: u64, room: u64) -> Result<&mut Relay, CacheError> {
+    fn relay_mut(&mut self, lease: Lease, room: u64) -> Result<&mut Relay, CacheError> {
         self.lease_mut(lease)?;
         match self.relays.get_mut(&room) {
             Some(r) if r.lease == lease => Ok(r),
@@ -1349,7 +1354,7 @@ impl State {
     /// This mirror's slots for the sender of relayed `room` to write `pages` pages into.
     pub fn relay_take_slots(
         &mut self,
-        lease: u64,
+        lease: Lease,
         room: u64,
         pages: usize,
     ) -> Result<Vec<u32>, CacheError> {
@@ -1408,7 +1413,7 @@ impl State {
     /// in order.
     pub fn relay_commit(
         &mut self,
-        lease: u64,
+        lease: Lease,
         room: u64,
         pages: &[RoomPage],
     ) -> Result<RelayCommit, CacheError> {
@@ -1467,7 +1472,7 @@ impl State {
 
     /// The sender of a relayed room that failed here came back (a late commit or its
     /// abort): it writes no more, so the slots held back for it are free.
-    pub fn relay_sender_done(&mut self, lease: u64, room: u64, late: bool) {
+    pub fn relay_sender_done(&mut self, lease: Lease, room: u64, late: bool) {
         if late {
             self.room_stats.late_writes_rejected += 1;
         }
@@ -1572,7 +1577,7 @@ mod tests {
         (0..128u32).map(|i| (i as u8).wrapping_mul(seed)).collect()
     }
 
-    fn put(s: &mut State, lease: u64, hashes: &[u64]) -> Vec<u32> {
+    fn put(s: &mut State, lease: Lease, hashes: &[u64]) -> Vec<u32> {
         let grants = s.reserve(lease, hashes).unwrap();
         let pages = grants
             .iter()
@@ -1637,7 +1642,7 @@ mod tests {
     fn a_restarted_service_knows_none_of_the_leases_its_predecessor_handed_out() {
         let now = Instant::now();
         let (mut old, _d) = state(4);
-        let olds: Vec<u64> = ["decode", "prefill", "tier"]
+        let olds: Vec<Lease> = ["decode", "prefill", "tier"]
             .map(|w| old.register(w, layout(), now).unwrap().lease)
             .into();
         drop(old);
@@ -1858,7 +1863,7 @@ mod tests {
     }
 
     /// Opens `room` on both sides and starts a transfer of `pages` pages.
-    fn transferring(s: &mut State, room: u64, p: u64, d: u64, pages: usize) -> Vec<u32> {
+    fn transferring(s: &mut State, room: u64, p: Lease, d: Lease, pages: usize) -> Vec<u32> {
         let t = Instant::now();
         s.room_open(d, room, Side::Receiver, ("r", ""), 0, t)
             .unwrap();
@@ -1932,8 +1937,15 @@ mod tests {
             Err(CacheError::BadRoomCall(_))
         ));
         assert!(matches!(
-            s.room_open(999, 5, Side::Sender, ("", ""), 0, t),
-            Err(CacheError::UnknownLease(999))
+            s.room_open(
+                Lease::from_test_number(999),
+                5,
+                Side::Sender,
+                ("", ""),
+                0,
+                t
+            ),
+            Err(CacheError::UnknownLease(_))
         ));
         s.room_open(d, 5, Side::Receiver, ("", ""), 0, t).unwrap();
         s.room_open(p, 5, Side::Sender, ("", ""), 0, t).unwrap();

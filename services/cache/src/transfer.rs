@@ -26,7 +26,7 @@
 //!
 //! Frames (integers little-endian):
 //! - hello: `PDKV` | version u16 | token (u8 len + bytes) | the sender's lease at the
-//!   receiver u64 | fingerprint u64 | page bytes u64 | description (u32 len + UTF-8)
+//!   receiver (16 bytes) | fingerprint u64 | page bytes u64 | description (u32 len + UTF-8)
 //! - hello reply: status u8 (0 accepted, 1 layout refused, 2 credential refused) | text
 //!   (u32 len + UTF-8)
 //! - batch: room u64 | sequence u32 | pages u32 | trailer bytes u32 | per page: index u32 |
@@ -40,6 +40,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use pdmesh_cache_client::Lease;
 use pdmesh_kv::{KvLayout, page_checksum};
 use pdmesh_tls::{Role, Roles};
 use tokio::io::{
@@ -53,7 +54,8 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin> Conn for T {}
 type Stream = Box<dyn Conn>;
 
 const MAGIC: [u8; 4] = *b"PDKV";
-const VERSION: u16 = 3;
+/// The protocol version a hello names; a receiver refuses any other.
+pub const VERSION: u16 = 4;
 /// The read buffer in front of the socket: small, since pages are read in runs much larger
 /// than it, which bypass it (no copy through the buffer); headers gather in it.
 const READ_BUFFER: usize = 16 << 10;
@@ -285,7 +287,7 @@ impl TcpSender {
         layout: &KvLayout,
         opts: TcpOptions,
         (auth, host): (&pdmesh_tls::MeshAuth, &str),
-        lease: u64,
+        lease: Lease,
     ) -> Result<Self, TransferError> {
         let peer = addr.to_string();
         let stream = deadline(
@@ -346,7 +348,7 @@ impl TcpSender {
         let token = &token[..token.len().min(usize::from(u8::MAX))];
         hello.push(token.len() as u8);
         hello.extend_from_slice(token);
-        hello.extend_from_slice(&lease.to_le_bytes());
+        hello.extend_from_slice(&lease.to_bytes());
         hello.extend_from_slice(&layout.fingerprint().to_le_bytes());
         hello.extend_from_slice(&(s.page_bytes as u64).to_le_bytes());
         put_text(&mut hello, &describe(layout));
@@ -537,7 +539,7 @@ impl TcpSender {
 pub struct InPage<'a> {
     /// The sender's lease at this host, as its hello named it: pages may land only in the
     /// rooms that lease sends in.
-    pub sender: u64,
+    pub sender: Lease,
     pub room: u64,
     pub index: u32,
     pub checksum: u64,
@@ -559,7 +561,7 @@ pub trait Sink {
     fn page(&mut self, page: InPage<'_>) -> Result<(), String>;
     /// A send's trailer, once every page of its batch was taken; the reply goes back to
     /// the sender. Never called for a batch that failed.
-    fn trailer(&mut self, _room: u64, _sender: u64, _trailer: &[u8]) -> Vec<u8> {
+    fn trailer(&mut self, _room: u64, _sender: Lease, _trailer: &[u8]) -> Vec<u8> {
         Vec::new()
     }
     /// A page that arrived from `peer` with bytes not matching its checksum (refused,
@@ -596,7 +598,7 @@ pub async fn serve_connection(
     auth: &pdmesh_tls::MeshAuth,
     layout: &KvLayout,
     opts: TcpOptions,
-    mut sink: impl Sink,
+    sink: impl Sink,
 ) -> Result<Received, TransferError> {
     let peer = stream
         .peer_addr()
@@ -624,6 +626,21 @@ pub async fn serve_connection(
             (Box::new(s), Some(certs))
         }
     };
+    serve_stream(stream, (peer, peer_certs), auth, layout, opts, sink).await
+}
+
+/// [`serve_connection`] over a stream already past the TLS handshake (if any): `peer`
+/// names the sender, with the certificate chain it presented over TLS. Without TLS any
+/// byte stream works, which is how the frame decoder is fuzzed (`fuzz/`).
+pub async fn serve_stream(
+    stream: impl AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    (peer, peer_certs): (String, Option<Vec<Vec<u8>>>),
+    auth: &pdmesh_tls::MeshAuth,
+    layout: &KvLayout,
+    opts: TcpOptions,
+    mut sink: impl Sink,
+) -> Result<Received, TransferError> {
+    let stream: Stream = Box::new(stream);
     let (rd, wr) = tokio::io::split(stream);
     let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
     let mut wr = BufWriter::new(wr);
@@ -668,7 +685,9 @@ pub async fn serve_connection(
         });
     }
     let (sender, fingerprint, page_bytes, theirs) = deadline(&peer, "the hello", t, async {
-        let sender = rd.read_u64_le().await?;
+        let mut sender = [0u8; Lease::BYTES];
+        rd.read_exact(&mut sender).await?;
+        let sender = Lease::from_bytes(sender);
         let fingerprint = rd.read_u64_le().await?;
         let page_bytes = rd.read_u64_le().await?;
         Ok((sender, fingerprint, page_bytes, read_text(&mut rd).await?))
@@ -797,6 +816,8 @@ pub async fn serve_connection(
 
 #[cfg(test)]
 mod tests {
+    /// A sender's lease, for tests that do not look at it.
+    const SEVEN: Lease = Lease::from_test_number(7);
     use std::sync::{Arc, Mutex};
 
     use pdmesh_kv::{Component, DType};
@@ -885,7 +906,7 @@ mod tests {
             Ok(())
         }
 
-        fn trailer(&mut self, room: u64, _sender: u64, trailer: &[u8]) -> Vec<u8> {
+        fn trailer(&mut self, room: u64, _sender: Lease, trailer: &[u8]) -> Vec<u8> {
             let landed = self.delivered.lock().unwrap().len();
             self.trailers
                 .lock()
@@ -949,7 +970,7 @@ mod tests {
         let l = layout(DType::F16);
         let (addr, task, delivered, trailers) = receiver_with(l.clone(), None, mesh()).await;
         let data = pages(&l, 7);
-        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), SEVEN)
             .await
             .unwrap();
         // Batches of three: the trailer rides on the third.
@@ -990,7 +1011,7 @@ mod tests {
             if bad == "checksum" {
                 pages[6].checksum ^= 1;
             }
-            let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+            let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), SEVEN)
                 .await
                 .unwrap();
             let err = tx.send(9, &pages[..], Some(b"commit")).await.unwrap_err();
@@ -1028,7 +1049,7 @@ mod tests {
             let (s, _) = listener.accept().await.unwrap();
             serve_connection(s, &auth, &layout, opts, sink).await
         });
-        let mut tx = TcpSender::connect(addr, &l, opts, (&mesh(), "127.0.0.1"), 7)
+        let mut tx = TcpSender::connect(addr, &l, opts, (&mesh(), "127.0.0.1"), SEVEN)
             .await
             .unwrap();
         tx.send(1, &out(&pages(&l, 1))[..], None).await.unwrap();
@@ -1053,7 +1074,7 @@ mod tests {
         let l = layout(DType::F16);
         let (addr, task, delivered, trailers) = receiver_with(l.clone(), None, mesh()).await;
         let data = pages(&l, 2);
-        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), SEVEN)
             .await
             .unwrap();
         let huge = vec![0u8; MAX_TRAILER + 1];
@@ -1077,7 +1098,8 @@ mod tests {
         for (auth, name) in [(other, "another token"), (MeshAuth::open(), "no token")] {
             let before = pdmesh_tls::auth::refused_total();
             let (addr, task, delivered, _) = receiver_with(l.clone(), None, mesh()).await;
-            let err = match TcpSender::connect(addr, &l, quick(), (&auth, "127.0.0.1"), 7).await {
+            let err = match TcpSender::connect(addr, &l, quick(), (&auth, "127.0.0.1"), SEVEN).await
+            {
                 Ok(_) => panic!("{name}: the receiver accepted the hello"),
                 Err(e) => e,
             };
@@ -1095,7 +1117,7 @@ mod tests {
         }
         // The right token moves pages.
         let (addr, task, delivered, _) = receiver_with(l.clone(), None, mesh()).await;
-        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), SEVEN)
             .await
             .unwrap();
         assert_eq!(tx.send(1, &out(&data)[..], None).await.unwrap().pages, 3);
@@ -1114,7 +1136,7 @@ mod tests {
             receiver_with(l.clone(), None, over(ca.mesh(&["127.0.0.1"]))).await;
         let data = pages(&l, 8);
         let sender = over(ca.mesh(&["127.0.0.2"]));
-        let mut tx = TcpSender::connect(addr, &l, quick(), (&sender, "127.0.0.1"), 7)
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&sender, "127.0.0.1"), SEVEN)
             .await
             .unwrap();
         assert_eq!(tx.send(5, &out(&data)[..], None).await.unwrap().pages, 8);
@@ -1137,7 +1159,8 @@ mod tests {
         for auth in [over(foreign), mesh()] {
             let (addr, task, delivered, _) =
                 receiver_with(l.clone(), None, over(ca.mesh(&["127.0.0.1"]))).await;
-            if let Ok(mut tx) = TcpSender::connect(addr, &l, quick(), (&auth, "127.0.0.1"), 7).await
+            if let Ok(mut tx) =
+                TcpSender::connect(addr, &l, quick(), (&auth, "127.0.0.1"), SEVEN).await
             {
                 assert!(tx.send(5, &out(&data)[..], None).await.is_err());
             }
@@ -1159,7 +1182,7 @@ mod tests {
             over(ca.member(&["127.0.0.1"], &["worker"])),
         )
         .await;
-        let err = TcpSender::connect(addr, &l, quick(), (&sender, "127.0.0.1"), 7)
+        let err = TcpSender::connect(addr, &l, quick(), (&sender, "127.0.0.1"), SEVEN)
             .await
             .map(|_| ())
             .unwrap_err();
@@ -1171,10 +1194,11 @@ mod tests {
         let (addr, task, delivered, _) =
             receiver_with(l.clone(), None, over(ca.mesh(&["127.0.0.1"]))).await;
         let worker = over(ca.member(&["127.0.0.2"], &["worker"]));
-        let refused = match TcpSender::connect(addr, &l, quick(), (&worker, "127.0.0.1"), 7).await {
-            Ok(mut tx) => tx.send(5, &out(&data)[..], None).await.unwrap_err(),
-            Err(e) => e,
-        };
+        let refused =
+            match TcpSender::connect(addr, &l, quick(), (&worker, "127.0.0.1"), SEVEN).await {
+                Ok(mut tx) => tx.send(5, &out(&data)[..], None).await.unwrap_err(),
+                Err(e) => e,
+            };
         assert!(refused.to_string().contains("cache role"), "{refused}");
         let err = task.await.unwrap().unwrap_err();
         assert!(
@@ -1189,7 +1213,7 @@ mod tests {
         let l = layout(DType::F16);
         let (addr, task, delivered) = receiver(l.clone(), None).await;
         let data = pages(&l, 64);
-        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), SEVEN)
             .await
             .unwrap();
         let sent = tx.send(9, &out(&data)[..], None).await.unwrap();
@@ -1220,11 +1244,11 @@ mod tests {
     async fn another_layout_is_refused_naming_both_and_no_page_crosses() {
         let (addr, task, delivered) = receiver(layout(DType::F16), None).await;
         let theirs = layout(DType::Bf16);
-        let err = match TcpSender::connect(addr, &theirs, quick(), (&mesh(), "127.0.0.1"), 7).await
-        {
-            Err(e) => e.to_string(),
-            Ok(_) => panic!("a bf16 sender was accepted by an f16 host"),
-        };
+        let err =
+            match TcpSender::connect(addr, &theirs, quick(), (&mesh(), "127.0.0.1"), SEVEN).await {
+                Err(e) => e.to_string(),
+                Ok(_) => panic!("a bf16 sender was accepted by an f16 host"),
+            };
         assert!(err.contains("KV layouts differ"), "{err}");
         assert!(err.contains("k:f16") && err.contains("k:bf16"), "{err}");
         assert!(err.contains("k 128 B/token"), "{err}");
@@ -1242,7 +1266,7 @@ mod tests {
         let data = pages(&l, 6);
         let mut pages = out(&data);
         pages[4].checksum ^= 1; // as if a byte flipped after the checksum was taken
-        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), SEVEN)
             .await
             .unwrap();
         let err = tx.send(3, &pages[..], None).await.unwrap_err();
@@ -1274,7 +1298,7 @@ mod tests {
         let l = layout(DType::F16);
         let (addr, _task, _) = receiver(l.clone(), Some(1)).await;
         let data = pages(&l, 2);
-        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), SEVEN)
             .await
             .unwrap();
         let err = tx.send(5, &out(&data)[..], None).await.unwrap_err();
@@ -1298,7 +1322,7 @@ mod tests {
         let mut head = vec![0u8; 4 + 2 + 1];
         rd.read_exact(&mut head).await.unwrap();
         // The token, then the lease, fingerprint and page size, then the description.
-        let mut rest = vec![0u8; usize::from(head[6]) + 8 + 8 + 8];
+        let mut rest = vec![0u8; usize::from(head[6]) + Lease::BYTES + 8 + 8];
         rd.read_exact(&mut rest).await.unwrap();
         read_text(&mut rd).await.unwrap();
         let mut reply = vec![0u8];
@@ -1319,7 +1343,7 @@ mod tests {
             std::future::pending::<()>().await;
         });
         let data = pages(&l, 64); // more than the socket buffers hold
-        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), SEVEN)
             .await
             .unwrap();
         let big: Vec<OutPage<'_>> = (0..40).flat_map(|_| out(&data)).collect();
@@ -1341,7 +1365,7 @@ mod tests {
             rd.read_exact(&mut part).await.unwrap();
         });
         let data = pages(&l, 64);
-        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), SEVEN)
             .await
             .unwrap();
         let err = tx.send(1, &out(&data)[..], None).await.unwrap_err();
@@ -1353,7 +1377,7 @@ mod tests {
     async fn a_page_of_the_wrong_size_is_refused_before_anything_is_sent() {
         let l = layout(DType::F16);
         let (addr, _task, delivered) = receiver(l.clone(), None).await;
-        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), 7)
+        let mut tx = TcpSender::connect(addr, &l, quick(), (&mesh(), "127.0.0.1"), SEVEN)
             .await
             .unwrap();
         let short = vec![0u8; 10];
@@ -1392,7 +1416,7 @@ mod tests {
                 &VERSION.to_le_bytes(),
                 &[token.len() as u8],
                 token.as_bytes(),
-                &[0; 24],
+                &[0; Lease::BYTES + 16],
                 &u32::MAX.to_le_bytes(),
             ]
             .concat(),

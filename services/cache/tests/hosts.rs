@@ -44,7 +44,39 @@ impl Host {
 
 const PAGES: usize = 64;
 
-async fn host(layout: &KvLayout, lease_ttl_ms: u64, transfer_ms: u64) -> Host {
+/// Two hosts' cache services, each with the other on its `--peer` list (the mesh token
+/// alone lets no room be relayed to a home the list does not name).
+async fn hosts(a: &KvLayout, b: &KvLayout, lease_ttl_ms: u64, transfer_ms: u64) -> (Host, Host) {
+    hosts_and(a, b, (lease_ttl_ms, transfer_ms), None).await
+}
+
+/// [`hosts`], where `a` may also relay to `also` (another way to reach `b`).
+async fn hosts_and(
+    a: &KvLayout,
+    b: &KvLayout,
+    (lease_ttl_ms, transfer_ms): (u64, u64),
+    also: Option<String>,
+) -> (Host, Host) {
+    let (la, lb) = (
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    );
+    let url = |l: &TcpListener| format!("http://{}", l.local_addr().unwrap());
+    let (ua, ub) = (url(&la), url(&lb));
+    let to_b = std::iter::once(ub).chain(also).collect();
+    (
+        host(la, a, to_b, lease_ttl_ms, transfer_ms),
+        host(lb, b, vec![ua], lease_ttl_ms, transfer_ms),
+    )
+}
+
+fn host(
+    listener: TcpListener,
+    layout: &KvLayout,
+    peers: Vec<String>,
+    lease_ttl_ms: u64,
+    transfer_ms: u64,
+) -> Host {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config::new(MirrorSize::Bytes(
         (2 * PAGES * layout.bytes_per_page()) as u64,
@@ -54,9 +86,9 @@ async fn host(layout: &KvLayout, lease_ttl_ms: u64, transfer_ms: u64) -> Host {
     cfg.lease_ttl_ms = lease_ttl_ms;
     cfg.room_transfer_ms = transfer_ms;
     cfg.peer_io_timeout_ms = 1_000;
+    cfg.peers = peers;
     // A stopped host vanishes at once, rooms under way or not (no drain).
     cfg.drain_timeout_ms = 0;
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(pdmesh_cache::run(cfg, listener, shutdown.clone()));
@@ -165,10 +197,7 @@ async fn at_baseline(h: &Host) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pages_cross_to_the_receivers_host_bit_for_bit_and_every_slot_comes_back() {
-    let (a, b) = (
-        host(&smol(), 10_000, 30_000).await,
-        host(&smol(), 10_000, 30_000).await,
-    );
+    let (a, b) = hosts(&smol(), &smol(), 10_000, 30_000).await;
     let (pa, db) = (
         worker(&a, "prefill", &smol()).await,
         worker(&b, "decode", &smol()).await,
@@ -221,10 +250,7 @@ async fn a_home_with_another_layout_is_refused_naming_both_and_nothing_moves() {
     // The seed's mismatch: fp8 index-K on the receiver's host, bf16 on the sender's.
     let form = |ik| KvLayout::deepseek_v32(4, dims, MlaCacheDtype::Bf16, ik, 16).unwrap();
     let (fp8, bf16) = (form(IndexKDtype::Fp8), form(IndexKDtype::Bf16));
-    let (a, b) = (
-        host(&bf16, 10_000, 30_000).await,
-        host(&fp8, 10_000, 30_000).await,
-    );
+    let (a, b) = hosts(&bf16, &fp8, 10_000, 30_000).await;
     let (pa, db) = (
         worker(&a, "prefill", &bf16).await,
         worker(&b, "decode", &fp8).await,
@@ -255,11 +281,33 @@ async fn a_home_with_another_layout_is_refused_naming_both_and_nothing_moves() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_room_home_off_the_peer_list_is_refused_and_never_dialled() {
+    let (a, b) = hosts(&smol(), &smol(), 10_000, 30_000).await;
+    let pa = worker(&a, "prefill", &smol()).await;
+    // A listener a caller names as the room's home: it must see no connection.
+    let stranger = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let home = format!("http://{}", stranger.local_addr().unwrap());
+    let how = RoomOpen {
+        home: &home,
+        held_pages: 0,
+    };
+    let err = pa
+        .room_open_with(9, pb::RoomSide::Sender, "req", "trace", how)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("--peer"), "{}", err.message());
+    let accepted = tokio::time::timeout(Duration::ZERO, stranger.accept()).await;
+    assert!(accepted.is_err(), "the unlisted home was dialled");
+    assert!(at_baseline(&a).await);
+    assert_eq!(a.stats().await.room_slots, 0);
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receivers_abort_reaches_the_sender_and_its_late_commit_is_refused() {
-    let (a, b) = (
-        host(&smol(), 10_000, 30_000).await,
-        host(&smol(), 10_000, 30_000).await,
-    );
+    let (a, b) = hosts(&smol(), &smol(), 10_000, 30_000).await;
     let (pa, db) = (
         worker(&a, "prefill", &smol()).await,
         worker(&b, "decode", &smol()).await,
@@ -290,10 +338,7 @@ async fn a_receivers_abort_reaches_the_sender_and_its_late_commit_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_home_that_vanishes_mid_transfer_fails_the_commit_in_bounded_time_and_frees_its_slots() {
-    let (a, b) = (
-        host(&smol(), 10_000, 30_000).await,
-        host(&smol(), 10_000, 30_000).await,
-    );
+    let (a, b) = hosts(&smol(), &smol(), 10_000, 30_000).await;
     let (pa, db) = (
         worker(&a, "prefill", &smol()).await,
         worker(&b, "decode", &smol()).await,
@@ -320,10 +365,7 @@ async fn a_home_that_vanishes_mid_transfer_fails_the_commit_in_bounded_time_and_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_host_that_vanishes_fails_its_rooms_at_the_home_by_the_peer_lease() {
-    let (a, b) = (
-        host(&smol(), 500, 30_000).await,
-        host(&smol(), 500, 30_000).await,
-    );
+    let (a, b) = hosts(&smol(), &smol(), 500, 30_000).await;
     let (pa, db) = (
         worker(&a, "prefill", &smol()).await,
         worker(&b, "decode", &smol()).await,
@@ -347,10 +389,7 @@ async fn a_sender_host_that_vanishes_fails_its_rooms_at_the_home_by_the_peer_lea
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_that_gives_up_fails_the_room_at_its_home() {
-    let (a, b) = (
-        host(&smol(), 10_000, 30_000).await,
-        host(&smol(), 10_000, 30_000).await,
-    );
+    let (a, b) = hosts(&smol(), &smol(), 10_000, 30_000).await;
     let (pa, db) = (
         worker(&a, "prefill", &smol()).await,
         worker(&b, "decode", &smol()).await,
@@ -384,8 +423,8 @@ struct Wire {
 const RETRANSMIT: Duration = Duration::from_millis(500);
 
 impl Wire {
-    async fn to(target: SocketAddr) -> Self {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    /// Carries what `l` accepts to `target`.
+    fn serve(l: TcpListener, target: SocketAddr) -> Self {
         let addr = l.local_addr().unwrap();
         let (up, _) = tokio::sync::watch::channel(true);
         let ups = up.clone();
@@ -455,16 +494,15 @@ async fn cross(a: &HostClient, b: &HostClient, home: &str, room: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_partition_past_the_relays_lease_the_next_room_registers_again_and_crosses() {
-    let (a, b) = (
-        host(&smol(), 600, 30_000).await,
-        host(&smol(), 600, 30_000).await,
-    );
+    // The hosts' room calls cross the wire; each worker talks to its own host.
+    let wire = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let via = format!("http://{}", wire.local_addr().unwrap());
+    let (a, b) = hosts_and(&smol(), &smol(), (600, 30_000), Some(via)).await;
     let (pa, db) = (
         worker(&a, "prefill", &smol()).await,
         worker(&b, "decode", &smol()).await,
     );
-    // The hosts' room calls cross the wire; each worker talks to its own host.
-    let wire = Wire::to(b.addr).await;
+    let wire = Wire::serve(wire, b.addr);
     let home = wire.url();
     cross(&pa, &db, &home, 61).await;
     let expired = b.stats().await.expired_leases;

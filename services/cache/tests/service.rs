@@ -421,7 +421,7 @@ async fn over_mutual_tls_a_certificate_of_the_wrong_role_is_refused_and_creates_
     denied(gw.register(register(pb::DataPlane::Peer)).await);
     denied(
         gw.room_open(pb::RoomOpenRequest {
-            lease: 1,
+            lease: vec![1; 16],
             room: 1,
             side: pb::RoomSide::Receiver.into(),
             ..Default::default()
@@ -506,15 +506,32 @@ async fn malformed_registrations_are_refused_and_create_nothing() {
     let st = s.stats().await;
     assert_eq!((st.layout.as_str(), st.total_pages, st.leases), ("", 0, 0));
     assert_eq!(std::fs::read_dir(s.mirror_dir()).unwrap().count(), 0);
-    // A lease that does not exist is NOT_FOUND everywhere.
+    // A lease that does not exist is NOT_FOUND, and the answer does not echo it.
+    let unknown = pdmesh_cache_client::Lease::random();
     let err = rpc
         .r#match(pb::MatchRequest {
-            lease: 4242,
+            lease: unknown.to_wire(),
             hashes: vec![1],
         })
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound);
+    let hex: String = unknown
+        .to_wire()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert!(!err.message().contains(&hex[..8]), "{}", err.message());
+    // A lease is 16 bytes: the old 8-byte numbers (or none) are malformed, not unknown.
+    for bad in [vec![], 4242u64.to_le_bytes().to_vec(), vec![7; 17]] {
+        let n = bad.len();
+        let err = rpc
+            .heartbeat(pb::HeartbeatRequest { lease: bad })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{n} bytes: {err}");
+        assert!(err.message().contains("16 bytes"), "{}", err.message());
+    }
     s.stop().await;
 }
 

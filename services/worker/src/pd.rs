@@ -98,7 +98,7 @@ impl RoomLink {
                         .await;
                         match attempt {
                             Ok(Ok(c)) => {
-                                tracing::info!(%url, lease = c.lease(), "rooms: connected to the cache service");
+                                tracing::info!(%url, lease = %c.lease(), "rooms: connected to the cache service");
                                 cur.send_replace(Some(Arc::new(c)));
                                 warned = false;
                             }
@@ -693,7 +693,7 @@ impl Pd {
         };
         match open(&client).await {
             Err(s) if !client.is_alive() => {
-                tracing::info!(room, lease = client.lease(), error = %s.message(), "room open refused for this worker's lease: opening again once registered again");
+                tracing::info!(room, lease = %client.lease(), error = %s.message(), "room open refused for this worker's lease: opening again once registered again");
                 let client = self.client().await?;
                 let st = open(&client).await?;
                 Ok((client, st))
