@@ -219,11 +219,30 @@ impl GgufFile {
             path: path.clone(),
             source,
         })?;
-        Self::parse(path, map)
+        let len = map.len();
+        Self::parse(path, map, len)
     }
 
-    fn parse(path: PathBuf, map: memmap2::Mmap) -> Result<Self, GgufError> {
-        let mut c = Cursor { b: &map, pos: 0 };
+    /// Indexes a GGUF image held in memory (copied into an anonymous map): what
+    /// [`Self::open`] does for a file, for readers that have the bytes already (and the
+    /// fuzz target).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, GgufError> {
+        let path = PathBuf::from("<memory>");
+        let open = |source| GgufError::Open {
+            path: path.clone(),
+            source,
+        };
+        let mut map = memmap2::MmapMut::map_anon(bytes.len().max(1)).map_err(open)?;
+        map[..bytes.len()].copy_from_slice(bytes);
+        let map = map.make_read_only().map_err(open)?;
+        Self::parse(path, map, bytes.len())
+    }
+
+    fn parse(path: PathBuf, map: memmap2::Mmap, len: usize) -> Result<Self, GgufError> {
+        let mut c = Cursor {
+            b: &map[..len],
+            pos: 0,
+        };
         if c.take(4).map_err(|_| GgufError::BadMagic(path.clone()))? != b"GGUF" {
             return Err(GgufError::BadMagic(path));
         }
@@ -278,8 +297,18 @@ impl GgufFile {
         }
         let data_start = c.pos.div_ceil(align) * align;
         for t in tensors.values() {
-            let end = data_start as u64 + t.offset + t.bytes() as u64;
-            if end > map.len() as u64 {
+            // Every size checked, so a hostile header cannot overflow one (later sizes
+            // are then within the file's length).
+            let end = t
+                .dims
+                .iter()
+                .try_fold(1u64, |n, &d| n.checked_mul(d))
+                .and_then(|n| {
+                    (n / t.ty.block_elems() as u64).checked_mul(t.ty.block_bytes() as u64)
+                })
+                .and_then(|b| b.checked_add(t.offset))
+                .and_then(|b| b.checked_add(data_start as u64));
+            if end.is_none_or(|end| end > len as u64) {
                 return Err(GgufError::Corrupt(format!(
                     "tensor {} extends past the end of the file",
                     t.name

@@ -72,3 +72,46 @@ fn corrupt_files_are_clear_errors() {
     let e = GgufFile::open(dir.path().join("absent.gguf")).unwrap_err();
     assert!(e.to_string().contains("absent.gguf"), "{e}");
 }
+
+#[test]
+fn an_image_in_memory_reads_as_its_file_does() {
+    let g = GgufFile::from_bytes(&sample()).unwrap();
+    assert_eq!(g.get_str("general.architecture").unwrap(), "llama");
+    assert_eq!(
+        g.tensor_f32("norm.weight").unwrap(),
+        vec![1.0, -2.0, 3.5, 0.25]
+    );
+    assert!(matches!(
+        GgufFile::from_bytes(b""),
+        Err(GgufError::BadMagic(_))
+    ));
+}
+
+#[test]
+fn tensor_sizes_that_overflow_are_corrupt_not_a_panic() {
+    // A one-tensor file whose dims multiply past u64, then one whose offset does.
+    let head = |dims: &[u64], offset: u64| {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes()); // tensors
+        b.extend(0u64.to_le_bytes()); // metadata
+        b.extend(1u64.to_le_bytes());
+        b.push(b't');
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(GgmlType::F32.id().to_le_bytes());
+        b.extend(offset.to_le_bytes());
+        b.resize(128, 0);
+        b
+    };
+    for bytes in [
+        head(&[1 << 40, 1 << 40], 0),
+        head(&[u64::MAX, 2], 0),
+        head(&[4], u64::MAX - 8),
+    ] {
+        let e = GgufFile::from_bytes(&bytes).unwrap_err();
+        assert!(matches!(e, GgufError::Corrupt(_)), "{e}");
+    }
+}
