@@ -877,3 +877,139 @@ async fn a_loose_or_foreign_mirror_directory_makes_the_service_refuse_to_start()
     // Not root, no directory of another user can be made here: the owner check is then
     // covered by pdmesh-cache-client's mirror tests, which check against another uid.
 }
+
+/// The host-tier poisoning attack: a popular prefix's page hashes are public (token ids
+/// and a layout fingerprint), so a member of the mesh reserves them and commits bytes of
+/// its choosing with a valid checksum. Resident pages are never granted again, a commit
+/// lands only in a slot its own lease reserved for that very hash, and a guessed lease is
+/// unknown: the victim's pages load bit for bit as it stored them.
+#[tokio::test]
+async fn a_forged_commit_for_a_popular_prefix_is_refused_and_the_victims_pages_are_unchanged() {
+    let s = start(64, 10_000).await;
+    let mut victim = client(&s, "victim", DataPlane::Grpc).await;
+    let popular = chain(500, 3);
+    let hashes: Vec<u64> = popular.iter().map(|p| p.0).collect();
+    assert_eq!(store(&mut victim, &popular).await.written, 3);
+
+    // The attacker holds the mesh token and registers as a worker of the same layout.
+    let mut rpc = pdmesh_tls::test_ca::client(s.url(), CacheClient::new)
+        .await
+        .unwrap();
+    let lease = rpc
+        .register(pb::RegisterRequest {
+            worker_id: "attacker".into(),
+            layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
+            data_plane: pb::DataPlane::Grpc.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease;
+    let forged = vec![0x5au8; layout().bytes_per_page()];
+    let commit = |lease: Vec<u8>, hash: u64, slot: u32| pb::CommitRequest {
+        lease,
+        pages: vec![pb::CommitPage {
+            hash,
+            slot,
+            checksum: pdmesh_kv::page_checksum(&forged),
+            data: forged.clone(),
+            parent_hash: 0,
+        }],
+    };
+    // 1. The resident pages are not granted to anyone again.
+    let grants = rpc
+        .reserve(pb::ReserveRequest {
+            lease: lease.clone(),
+            hashes: hashes.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .grants;
+    assert!(
+        grants.is_empty(),
+        "resident pages granted again: {grants:?}"
+    );
+    // 2. A slot reserved for another hash takes no commit of the popular one.
+    let other = rpc
+        .reserve(pb::ReserveRequest {
+            lease: lease.clone(),
+            hashes: vec![0xa77ac4],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .grants[0]
+        .slot;
+    let err = rpc
+        .commit(commit(lease.clone(), hashes[0], other))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+    // 3. A reservation of the victim's (a page it is writing) takes no commit of another
+    // lease, even for the hash it was reserved for.
+    let mut writer = pdmesh_tls::test_ca::client(s.url(), CacheClient::new)
+        .await
+        .unwrap();
+    let writer_lease = writer
+        .register(pb::RegisterRequest {
+            worker_id: "victim-writer".into(),
+            layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
+            data_plane: pb::DataPlane::Grpc.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease;
+    let (next, parent) = chain(500, 4)[3];
+    let slot = writer
+        .reserve(pb::ReserveRequest {
+            lease: writer_lease.clone(),
+            hashes: vec![next],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .grants[0]
+        .slot;
+    let err = rpc
+        .commit(commit(lease.clone(), next, slot))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+    // 4. A guessed lease is unknown.
+    let guessed = pdmesh_cache::Lease::random().to_wire();
+    let err = rpc.commit(commit(guessed, next, slot)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
+
+    // The victim finishes its own page, and every page loads as the victim wrote it.
+    let data = page_for(next);
+    let done = writer
+        .commit(pb::CommitRequest {
+            lease: writer_lease,
+            pages: vec![pb::CommitPage {
+                hash: next,
+                slot,
+                checksum: pdmesh_kv::page_checksum(&data),
+                data,
+                parent_hash: parent,
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(done.rejected_slots.is_empty());
+    let all: Vec<u64> = chain(500, 4).iter().map(|p| p.0).collect();
+    let (loaded, bufs) = load(&mut victim, &all).await;
+    assert_eq!(
+        loaded,
+        Loaded {
+            pages: 4,
+            corrupt: None
+        }
+    );
+    for (i, b) in bufs.iter().enumerate() {
+        assert!(*b == page_for(all[i]), "page {i} is not the victim's");
+    }
+    s.stop().await;
+}
