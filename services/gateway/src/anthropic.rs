@@ -16,24 +16,43 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
+use utoipa::ToSchema;
 
 use crate::error::ApiError;
 use crate::generate::{self, Done, GenEvent};
-use crate::handlers::{body_bytes, prepare_chat};
+use crate::handlers::{blame_grammar, body_bytes, prepare_chat};
 use crate::openai::{self, ChatRequest, SamplingFields};
 use crate::state::AppState;
 
-/// `POST /v1/messages`.
-#[derive(Debug, Deserialize)]
-struct MessagesRequest {
+/// `POST /v1/messages`. The limits in the `schema` attributes are the chat endpoint's,
+/// which checks the translated request (Anthropic's own for `temperature`).
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(
+    as = AnthropicMessagesRequest,
+    description = "The body of `POST /v1/messages`, as Anthropic's Messages API takes it."
+)]
+pub(crate) struct MessagesRequest {
+    /// The served model's name (`GET /v1/models`).
     model: String,
+    /// Most tokens to generate; the prompt and these must fit in the model's context.
+    #[schema(minimum = 1)]
+    #[serde(deserialize_with = "openai::whole::int")]
     max_tokens: i64,
+    #[schema(min_items = 1)]
     messages: Vec<InMessage>,
+    /// The system prompt: a string or text blocks.
     system: Option<Content>,
+    /// Strings that end the answer (where the model writes one).
+    #[schema(schema_with = crate::openapi::stop_sequences)]
     stop_sequences: Option<Vec<String>>,
+    #[schema(minimum = 0, maximum = 1)]
     temperature: Option<f64>,
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     top_p: Option<f64>,
+    #[schema(minimum = -1, maximum = 2147483647)]
+    #[serde(default, deserialize_with = "openai::whole::opt")]
     top_k: Option<i64>,
+    /// Answer with Anthropic's server-sent events.
     stream: Option<bool>,
     tools: Option<Vec<Tool>>,
     tool_choice: Option<ToolChoice>,
@@ -43,33 +62,46 @@ struct MessagesRequest {
     metadata: Option<Value>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = AnthropicMessage)]
 struct InMessage {
+    #[schema(schema_with = crate::openapi::anthropic_role)]
     role: String,
     content: Content,
 }
 
 /// A string, or a list of typed blocks.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(untagged)]
+#[schema(as = AnthropicContent)]
 enum Content {
     Text(String),
     Blocks(Vec<Block>),
 }
 
-#[derive(Debug, Deserialize)]
+/// A content block. Blocks of other types (`image`, `document`, ...) are read as `Other`
+/// and refused with a 400 that names them (the OpenAPI document leaves `Other` out).
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
+#[schema(
+    as = AnthropicContentBlock,
+    description = "A content block: the types served here (others are refused with a 400 naming the block)."
+)]
 enum Block {
     Text {
         text: String,
     },
     ToolUse {
         id: String,
+        #[schema(min_length = 1)]
         name: String,
+        #[schema(value_type = Object)]
         input: Value,
     },
     ToolResult {
         tool_use_id: String,
+        /// A string or text blocks (blocks hold blocks: the schema refers to itself).
+        #[schema(no_recursion)]
         content: Option<Content>,
         #[serde(default)]
         is_error: bool,
@@ -81,15 +113,19 @@ enum Block {
     Other,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = AnthropicTool)]
 struct Tool {
     name: String,
     description: Option<String>,
+    /// The JSON schema of the tool's input.
+    #[schema(value_type = Object)]
     input_schema: Value,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
+#[schema(as = AnthropicToolChoice)]
 enum ToolChoice {
     Auto {
         #[serde(default)]
@@ -107,11 +143,13 @@ enum ToolChoice {
     },
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
+#[schema(as = AnthropicThinking)]
 enum Thinking {
     Enabled {
         #[allow(dead_code)]
+        #[serde(default, deserialize_with = "openai::whole::opt")]
         budget_tokens: Option<i64>,
     },
     Disabled,
@@ -201,10 +239,24 @@ impl MessagesRequest {
                         match b {
                             Block::Text { text: t } => text.push_str(t),
                             Block::Thinking { thinking } => reasoning.push_str(thinking),
-                            Block::ToolUse { id, name, input } => calls.push(json!({
-                                "id": id, "type": "function",
-                                "function": {"name": name, "arguments": input.to_string()},
-                            })),
+                            Block::ToolUse { id, name, input } => {
+                                if name.is_empty() {
+                                    return Err(ApiError::invalid_param(
+                                        &format!("{}.name", at(j)),
+                                        "a tool_use block's name must not be empty",
+                                    ));
+                                }
+                                if !input.is_object() {
+                                    return Err(ApiError::invalid_param(
+                                        &format!("{}.input", at(j)),
+                                        "a tool_use block's input must be a JSON object",
+                                    ));
+                                }
+                                calls.push(json!({
+                                    "id": id, "type": "function",
+                                    "function": {"name": name, "arguments": input.to_string()},
+                                }));
+                            }
                             _ => {
                                 return Err(ApiError::unsupported(
                                     &at(j),
@@ -287,6 +339,29 @@ impl MessagesRequest {
     }
 }
 
+/// A chat-endpoint error's `param` in the Messages request's terms (the message names it:
+/// Anthropic's errors have no `param`).
+fn anthropic_param(mut e: ApiError) -> ApiError {
+    let Some(p) = e.param.take() else { return e };
+    let renamed = if p == "stop" {
+        "stop_sequences".to_owned()
+    } else if p.starts_with("chat_template_kwargs") {
+        "thinking".to_owned()
+    } else if let Some(rest) = p.strip_prefix("tools[")
+        && let Some((i, rest)) = rest.split_once(']')
+    {
+        match rest {
+            ".function.name" => format!("tools[{i}].name"),
+            ".function.parameters" => format!("tools[{i}].input_schema"),
+            _ => format!("tools[{i}]"),
+        }
+    } else {
+        p
+    };
+    e.param = Some(renamed);
+    e
+}
+
 /// An error in Anthropic's body shape, with the status and metric class it had.
 fn anthropic_error(e: ApiError) -> Response {
     let kind = match e.status.as_u16() {
@@ -310,7 +385,29 @@ fn anthropic_error(e: ApiError) -> Response {
 }
 
 fn error_body(kind: &str, message: &str) -> Value {
-    json!({"type": "error", "error": {"type": kind, "message": message}})
+    json!(AnthropicErrorBody {
+        kind: "error",
+        error: AnthropicError { kind, message },
+    })
+}
+
+/// The body of an error answer in Anthropic's shape.
+#[derive(serde::Serialize, ToSchema)]
+pub(crate) struct AnthropicErrorBody<'a> {
+    /// `error`.
+    #[serde(rename = "type")]
+    kind: &'a str,
+    error: AnthropicError<'a>,
+}
+
+#[derive(serde::Serialize, ToSchema)]
+pub(crate) struct AnthropicError<'a> {
+    /// `invalid_request_error`, `authentication_error`, `permission_error`,
+    /// `not_found_error`, `rate_limit_error`, `overloaded_error` or `api_error`.
+    #[serde(rename = "type")]
+    kind: &'a str,
+    /// What went wrong; it names the field at fault.
+    message: &'a str,
 }
 
 /// Anthropic's `stop_reason` for how a generation ended.
@@ -336,6 +433,24 @@ fn input_of(arguments: &str) -> Value {
     serde_json::from_str(arguments).unwrap_or_else(|_| json!({}))
 }
 
+/// Creates a message (Anthropic's Messages API).
+///
+/// Translated to a chat completion and back. Fields this server cannot honour (images,
+/// documents) are a 400 naming them.
+#[utoipa::path(
+    post,
+    path = "/v1/messages",
+    tag = "Anthropic",
+    request_body = MessagesRequest,
+    responses(
+        (status = 200, description = "The message; with `stream`, Anthropic's server-sent events (`message_start` ... `message_stop`).", content(
+            (Object = "application/json"),
+            (crate::openapi::SseEvent = "text/event-stream"),
+        )),
+        crate::openapi::AnthropicErrors,
+    ),
+    security(("bearer" = []), ("api_key" = [])),
+)]
 pub(crate) async fn messages(
     State(st): State<AppState>,
     body: Result<Bytes, BytesRejection>,
@@ -355,14 +470,19 @@ async fn run(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respon
         .map_err(|e| ApiError::invalid_request(format!("invalid request: {e}"), None))?;
     let fields: SamplingFields = serde_json::from_value(chat_body)
         .map_err(|e| ApiError::invalid_request(format!("invalid request: {e}"), None))?;
-    let prep = prepare_chat(&st, &chat, &fields).await?;
+    let prep = prepare_chat(&st, &chat, &fields)
+        .await
+        .map_err(anthropic_param)?;
+    let grammar_from = prep.grammar_from;
+    let blame = |e| anthropic_param(blame_grammar(e, grammar_from));
     let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
     let input_tokens = prep.ids.len();
-    let gen_stream =
-        generate::start(&st, id.clone(), prep.ids, prep.params, prep.parsing, start).await?;
+    let gen_stream = generate::start(&st, id.clone(), prep.ids, prep.params, prep.parsing, start)
+        .await
+        .map_err(blame)?;
     let model = prep.model;
     if !req.stream.unwrap_or(false) {
-        let (out, done) = generate::collect(gen_stream).await?;
+        let (out, done) = generate::collect(gen_stream).await.map_err(blame)?;
         let mut content = Vec::new();
         if !out.reasoning.is_empty() {
             content.push(json!({"type": "thinking", "thinking": out.reasoning, "signature": ""}));
@@ -530,6 +650,49 @@ mod tests {
         );
         let e = openai::parse::<MessagesRequest>(br#"{"model": "m", "messages": []}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
+    }
+
+    /// Errors of the translated chat request named chat fields (`stop` for
+    /// `stop_sequences`), which the Messages request does not have.
+    #[test]
+    fn translated_errors_name_the_messages_fields() {
+        let named = |param: &str| {
+            anthropic_param(ApiError::invalid_param(
+                param,
+                "at most 4 stop strings are allowed",
+            ))
+            .param
+            .unwrap()
+        };
+        assert_eq!(named("stop"), "stop_sequences");
+        assert_eq!(named("chat_template_kwargs.thinking"), "thinking");
+        assert_eq!(named("tools[2].function.name"), "tools[2].name");
+        assert_eq!(
+            named("tools[0].function.parameters"),
+            "tools[0].input_schema"
+        );
+        assert_eq!(named("max_tokens"), "max_tokens");
+        let resp = anthropic_error(anthropic_param(ApiError::invalid_param(
+            "stop",
+            "at most 4 stop strings are allowed, got 5",
+        )));
+        assert_eq!(resp.status(), 400);
+        let tool_use = |input: Value, name: &str| {
+            req(json!({"model": "m", "max_tokens": 5, "messages": [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": name, "input": input}]}]}))
+            .to_openai()
+            .unwrap_err()
+            .param
+            .unwrap()
+        };
+        assert_eq!(tool_use(json!("x"), "f"), "messages[1].content[0].input");
+        assert_eq!(tool_use(json!({}), ""), "messages[1].content[0].name");
+        // Integers written as whole floats are integers.
+        let r: MessagesRequest =
+            openai::parse(br#"{"model": "m", "max_tokens": 4.0, "top_k": 2.0, "messages": []}"#)
+                .unwrap();
+        assert_eq!((r.max_tokens, r.top_k), (4, Some(2)));
     }
 
     #[test]

@@ -225,15 +225,40 @@ impl ApiError {
 
     /// The JSON body, as the HTTP body and as a mid-stream SSE `data:` payload.
     pub fn body(&self) -> serde_json::Value {
-        json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
+        json!(ErrorBody {
+            error: ErrorObject {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param.as_deref(),
+                code: self.code,
+            },
         })
     }
+}
+
+/// The body of every error answer (and of an error sent in the middle of a stream), as
+/// OpenAI's API writes it.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct ErrorBody<'a> {
+    pub error: ErrorObject<'a>,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct ErrorObject<'a> {
+    /// What went wrong, for a person; names the field at fault.
+    pub message: &'a str,
+    /// The class of error: `invalid_request_error`, `authentication_error`,
+    /// `permission_error`, `rate_limit_error` or `server_error`.
+    #[serde(rename = "type")]
+    pub kind: &'a str,
+    /// The request field at fault (`messages[0].role`, `max_tokens`), or null when the
+    /// error is not about one field.
+    #[schema(required = true)]
+    pub param: Option<&'a str>,
+    /// A machine-readable code (`invalid_value`, `model_not_found`,
+    /// `context_length_exceeded`, `overloaded`, ...), or null.
+    #[schema(required = true)]
+    pub code: Option<&'a str>,
 }
 
 impl IntoResponse for ApiError {

@@ -59,6 +59,7 @@ pub(crate) fn router(st: AppState) -> Router {
         .route("/ready", get(ready))
         .route("/live", get(live))
         .route("/metrics", get(metrics))
+        .route("/openapi.json", get(crate::openapi::openapi_json))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(st.clone(), observe))
@@ -203,8 +204,20 @@ fn incident_error(e: pdmesh_incident::Error) -> ApiError {
     }
 }
 
-/// `GET /debug/incidents`: the reports in `--incident-dir`, newest first, summarized.
-async fn list_incidents(State(st): State<AppState>) -> Result<Json<Value>, ApiError> {
+/// The incident reports.
+///
+/// The reports in `--incident-dir`, newest first, summarized (404 without the flag).
+#[utoipa::path(
+    get,
+    path = "/debug/incidents",
+    tag = "Admin",
+    responses(
+        (status = 200, description = "`{\"object\": \"list\", \"data\": [...]}`, a summary per report.", body = Object),
+        crate::openapi::AdminErrors,
+    ),
+    security(("admin" = [])),
+)]
+pub(crate) async fn list_incidents(State(st): State<AppState>) -> Result<Json<Value>, ApiError> {
     let dir = incident_dir(&st)?.to_owned();
     let all = tokio::task::spawn_blocking(move || pdmesh_incident::list(&dir))
         .await
@@ -231,12 +244,31 @@ async fn list_incidents(State(st): State<AppState>) -> Result<Json<Value>, ApiEr
 }
 
 #[derive(serde::Deserialize)]
-struct IncidentQuery {
+pub(crate) struct IncidentQuery {
     format: Option<String>,
 }
 
-/// `GET /debug/incidents/{id}`: a report as JSON, or as Markdown with `?format=markdown`.
-async fn get_incident(
+/// An incident report.
+///
+/// A report as JSON, or as Markdown with `?format=markdown`.
+#[utoipa::path(
+    get,
+    path = "/debug/incidents/{id}",
+    tag = "Admin",
+    params(
+        ("id" = String, Path, description = "The report's id."),
+        ("format" = Option<String>, Query, description = "`json` (the default), `markdown` or `md`."),
+    ),
+    responses(
+        (status = 200, description = "The report.", content(
+            (Object = "application/json"),
+            (String = "text/markdown"),
+        )),
+        crate::openapi::AdminErrors,
+    ),
+    security(("admin" = [])),
+)]
+pub(crate) async fn get_incident(
     State(st): State<AppState>,
     Path(id): Path<String>,
     axum::extract::Query(q): axum::extract::Query<IncidentQuery>,
@@ -274,7 +306,19 @@ async fn method_not_allowed() -> ApiError {
     ApiError::method_not_allowed()
 }
 
-/// 200 when both backends answer their Health call, else 503 naming the one that does not.
+/// Whether every backend answers.
+///
+/// 200 when both backends answer their Health call, else 503 naming the one that does not
+/// (and 503 `draining` once the gateway is stopping).
+#[utoipa::path(
+    get,
+    path = "/health",
+    tag = "Operations",
+    responses(
+        (status = 200, description = "`{\"status\": \"ok\", \"tokenizer\", \"worker\", \"fault_injection\", \"faults\"}`.", body = Object),
+        (status = 503, description = "A backend does not answer (named), or the gateway is draining.", body = Object),
+    ),
+)]
 pub(crate) async fn health(State(st): State<AppState>) -> Response {
     if let Some(r) = draining(&st) {
         return r;
@@ -314,16 +358,34 @@ fn ok_or_503(ok: bool) -> StatusCode {
     }
 }
 
-/// `/live`: the gateway's own event loop answers (it asks no backend, so a worker that
-/// hangs cannot make a liveness probe restart the gateway). 200 while draining too.
+/// Whether the gateway itself answers.
+///
+/// The gateway's own event loop answers (it asks no backend, so a worker that hangs
+/// cannot make a liveness probe restart the gateway). 200 while draining too.
+#[utoipa::path(
+    get,
+    path = "/live",
+    tag = "Operations",
+    responses((status = 200, description = "`{\"status\": \"ok\"}`.", body = Object)),
+)]
 pub(crate) async fn live() -> Response {
     (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
 }
 
-/// `/ready`: whether this gateway can serve a request now, for a load balancer's (or
-/// Kubernetes') readiness: the tokenizer and at least one worker of each side answer. A
-/// worker restarting or draining (a rolling update) leaves the gateway ready as long as
-/// another takes its place; `/health` asks for every one.
+/// Whether this gateway can serve a request now.
+///
+/// For a load balancer's (or Kubernetes') readiness: the tokenizer and at least one worker
+/// of each side answer. A worker restarting or draining (a rolling update) leaves the
+/// gateway ready as long as another takes its place; `/health` asks for every one.
+#[utoipa::path(
+    get,
+    path = "/ready",
+    tag = "Operations",
+    responses(
+        (status = 200, description = "`{\"status\": \"ok\", \"tokenizer\", \"workers_ok\", \"workers\"}`.", body = Object),
+        (status = 503, description = "No worker (or no tokenizer) answers, or the gateway is draining.", body = Object),
+    ),
+)]
 pub(crate) async fn ready(State(st): State<AppState>) -> Response {
     if let Some(r) = draining(&st) {
         return r;
@@ -338,8 +400,16 @@ pub(crate) async fn ready(State(st): State<AppState>) -> Response {
     (ok_or_503(h.serving), Json(body)).into_response()
 }
 
+/// The mesh's metrics.
+///
 /// Prometheus text; the KV page gauges are read from the worker at scrape time.
-async fn metrics(State(st): State<AppState>) -> Response {
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "Operations",
+    responses((status = 200, description = "Prometheus' text format.", content_type = "text/plain", body = String)),
+)]
+pub(crate) async fn metrics(State(st): State<AppState>) -> Response {
     st.metrics
         .insecure_plaintext
         .with_label_values(&["gateway"])
@@ -514,10 +584,22 @@ async fn metrics(State(st): State<AppState>) -> Response {
         .into_response()
 }
 
-/// `POST /flush_cache` (SGLang's route): every worker evicts the pages of its device
-/// prefix cache that no request uses. 200 with the pages each worker freed; 503 naming
-/// the workers that did not flush (the others still did).
-async fn flush_cache(State(st): State<AppState>) -> Result<Json<Value>, ApiError> {
+/// Empties the workers' prefix caches.
+///
+/// SGLang's route: every worker evicts the pages of its device prefix cache that no
+/// request uses. 200 with the pages each worker freed; 503 naming the workers that did
+/// not flush (the others still did).
+#[utoipa::path(
+    post,
+    path = "/flush_cache",
+    tag = "Tokens",
+    responses(
+        (status = 200, description = "`{\"pages_flushed\", \"workers\": [{\"role\", \"url\", \"pages_flushed\"}]}`.", body = Object),
+        crate::openapi::BackendErrors,
+    ),
+    security(("bearer" = []), ("api_key" = [])),
+)]
+pub(crate) async fn flush_cache(State(st): State<AppState>) -> Result<Json<Value>, ApiError> {
     let flushed = st.backends.flush_cache().await;
     let failed: Vec<String> = flushed
         .iter()
@@ -541,9 +623,22 @@ async fn flush_cache(State(st): State<AppState>) -> Result<Json<Value>, ApiError
     Ok(Json(json!({ "pages_flushed": total, "workers": workers })))
 }
 
-/// `POST /tokenize`, as vLLM serves it: a prompt, or chat messages through the chat
-/// template (the ids a chat request with them would run).
-async fn tokenize(
+/// Tokenizes a prompt or chat messages.
+///
+/// As vLLM serves it: a prompt, or chat messages through the chat template (the ids a
+/// chat request with them would run).
+#[utoipa::path(
+    post,
+    path = "/tokenize",
+    tag = "Tokens",
+    request_body = crate::openapi::TokenizeBody,
+    responses(
+        (status = 200, description = "`{\"count\", \"max_model_len\", \"tokens\", \"token_strs\"}`.", body = Object),
+        crate::openapi::TokenizeErrors,
+    ),
+    security(("bearer" = []), ("api_key" = [])),
+)]
+pub(crate) async fn tokenize(
     State(st): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
@@ -574,8 +669,21 @@ async fn tokenize(
     })))
 }
 
-/// `POST /detokenize`, as vLLM serves it: the text of token ids, special tokens included.
-async fn detokenize(
+/// The text of token ids.
+///
+/// As vLLM serves it: the text of token ids, special tokens included.
+#[utoipa::path(
+    post,
+    path = "/detokenize",
+    tag = "Tokens",
+    request_body = openai::DetokenizeRequest,
+    responses(
+        (status = 200, description = "`{\"prompt\": text}`.", body = Object),
+        crate::openapi::TokenizeErrors,
+    ),
+    security(("bearer" = []), ("api_key" = [])),
+)]
+pub(crate) async fn detokenize(
     State(st): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
@@ -609,14 +717,37 @@ fn model_object(st: &AppState, id: &str) -> Value {
     json!({ "id": id, "object": "model", "created": st.started, "owned_by": "pdmesh" })
 }
 
-async fn list_models(State(st): State<AppState>) -> Result<Json<Value>, ApiError> {
+/// The served model.
+#[utoipa::path(
+    get,
+    path = "/v1/models",
+    tag = "OpenAI",
+    responses(
+        (status = 200, description = "`{\"object\": \"list\", \"data\": [{\"id\", \"object\": \"model\", \"created\", \"owned_by\"}]}`: the one served model.", body = Object),
+        crate::openapi::BackendErrors,
+    ),
+    security(("bearer" = []), ("api_key" = [])),
+)]
+pub(crate) async fn list_models(State(st): State<AppState>) -> Result<Json<Value>, ApiError> {
     let id = st.served_model().await?;
     Ok(Json(
         json!({ "object": "list", "data": [model_object(&st, &id)] }),
     ))
 }
 
-async fn get_model(
+/// A model, if it is the served one.
+#[utoipa::path(
+    get,
+    path = "/v1/models/{model}",
+    tag = "OpenAI",
+    params(("model" = String, Path, description = "The model's name.")),
+    responses(
+        (status = 200, description = "`{\"id\", \"object\": \"model\", \"created\", \"owned_by\"}`.", body = Object),
+        crate::openapi::LookupErrors,
+    ),
+    security(("bearer" = []), ("api_key" = [])),
+)]
+pub(crate) async fn get_model(
     State(st): State<AppState>,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
@@ -640,11 +771,12 @@ pub(crate) fn body_bytes(
     })
 }
 
-/// The prompt must leave room for at least one token, and for `max_tokens` if given.
+/// The prompt must leave room for at least one token, and for `max_tokens` if given
+/// (`max_param`: the field the request gave it in).
 fn check_context(
     info: &WorkerInfo,
     prompt_len: usize,
-    max_tokens: Option<u32>,
+    (max_tokens, max_param): (Option<u32>, &str),
     prompt_param: &str,
 ) -> Result<(), ApiError> {
     let ctx = info.context_length as usize;
@@ -666,10 +798,10 @@ fn check_context(
         return Err(ApiError::context_length(
             format!(
                 "This model's maximum context length is {ctx} tokens. However, you requested {} tokens \
-                 ({prompt_len} in the prompt, {m} for the completion). Please reduce the prompt or max_tokens.",
+                 ({prompt_len} in the prompt, {m} for the completion). Please reduce the prompt or {max_param}.",
                 prompt_len + m as usize
             ),
-            Some("max_tokens"),
+            Some(max_param),
         ));
     }
     Ok(())
@@ -688,8 +820,8 @@ async fn check_logprobs(st: &AppState, params: &GenParams) -> Result<(), ApiErro
     Ok(())
 }
 
-fn check_max_tokens(info: &WorkerInfo, max_tokens: Option<u32>) -> Result<(), ApiError> {
-    check_context(info, 0, max_tokens, "max_tokens")
+fn check_max_tokens(info: &WorkerInfo, max: (Option<u32>, &str)) -> Result<(), ApiError> {
+    check_context(info, 0, max, "max_tokens")
 }
 
 fn with_request_id(mut resp: Response, id: &str) -> Response {
@@ -880,7 +1012,25 @@ fn record_model(operation: &str, model: &str) {
     pdmesh_telemetry::rename(&span, format!("{operation} {model}"));
 }
 
-async fn chat_completions(
+/// Creates a chat completion.
+///
+/// OpenAI's chat completions, with vLLM's extra sampling fields. Tool calls and JSON
+/// answers are constrained by a grammar; `n` choices share the prompt's computation.
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    tag = "OpenAI",
+    request_body = crate::openapi::ChatCompletionRequest,
+    responses(
+        (status = 200, description = "The completion; with `stream`, its chunks as server-sent events (`data: {chunk}`), then `data: [DONE]`.", content(
+            (Object = "application/json"),
+            (crate::openapi::SseEvent = "text/event-stream"),
+        )),
+        crate::openapi::GenerationErrors,
+    ),
+    security(("bearer" = []), ("api_key" = [])),
+)]
+pub(crate) async fn chat_completions(
     State(st): State<AppState>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
@@ -898,6 +1048,7 @@ async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respo
         chat.params.request = Some(body.clone());
     }
     let stream = req.stream.unwrap_or(false);
+    let grammar_from = chat.grammar_from;
     respond(
         st,
         start,
@@ -909,6 +1060,7 @@ async fn chat(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respo
         req.include_usage(),
     )
     .await
+    .map_err(|e| blame_grammar(e, grammar_from))
 }
 
 /// A chat request made ready to generate: the served model's name, the prompt's ids
@@ -918,6 +1070,22 @@ pub(crate) struct PreparedChat {
     pub ids: Vec<u32>,
     pub params: GenParams,
     pub parsing: Option<Parsing>,
+    /// The field the grammar was made from (`response_format`, or `tools` for a forced
+    /// call), if there is one: see [`blame_grammar`].
+    pub grammar_from: Option<&'static str>,
+}
+
+/// A worker's refusal of the request's grammar (its schema does not compile: a bad
+/// `pattern`, an unsatisfiable `required`) names the field the grammar came from. The
+/// worker's engine says `invalid grammar: …` and knows no field of the request.
+pub(crate) fn blame_grammar(mut e: ApiError, from: Option<&'static str>) -> ApiError {
+    if e.param.is_none()
+        && e.status == StatusCode::BAD_REQUEST
+        && e.message.starts_with("invalid grammar")
+    {
+        e.param = from.map(str::to_owned);
+    }
+    e
 }
 
 /// Everything a chat request is checked and turned into before generating (the OpenAI
@@ -938,10 +1106,18 @@ pub(crate) async fn prepare_chat(
     let model = st.check_model(&req.model).await?;
     record_model("chat", &model);
     let info = st.worker_info().await?.clone();
-    check_max_tokens(&info, params.max_tokens)?;
+    let max = (params.max_tokens, fields.max_param());
+    check_max_tokens(&info, max)?;
     let format = st.output_format().await?;
     let (tools_json, parallel) = (req.tools_json(), req.parallel_tool_calls.unwrap_or(true));
-    let grammar = schema.is_some() || matches!(choice, ToolChoice::Required | ToolChoice::Named(_));
+    let grammar_from = if schema.is_some() {
+        Some("response_format")
+    } else if matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        Some("tools")
+    } else {
+        None
+    };
+    let grammar = grammar_from.is_some();
     let plan = if !grammar {
         tools::plan(
             &tools, tools_json, &choice, parallel, schema, format, thinking,
@@ -985,12 +1161,13 @@ pub(crate) async fn prepare_chat(
         .await?;
     st.metrics
         .stage(Stage::Tokenize, t0.elapsed().as_secs_f64());
-    check_context(&info, ids.len(), params.max_tokens, "messages")?;
+    check_context(&info, ids.len(), max, "messages")?;
     Ok(PreparedChat {
         model,
         ids,
         params,
         parsing,
+        grammar_from,
     })
 }
 
@@ -1085,7 +1262,25 @@ async fn start_choices(
     futures::future::try_join_all(starts).await
 }
 
-async fn completions(
+/// Creates a completion of a prompt.
+///
+/// OpenAI's legacy completions, with vLLM's extra sampling fields; the prompt may be
+/// token ids.
+#[utoipa::path(
+    post,
+    path = "/v1/completions",
+    tag = "OpenAI",
+    request_body = crate::openapi::CompletionsRequest,
+    responses(
+        (status = 200, description = "The completion; with `stream`, its chunks as server-sent events (`data: {chunk}`), then `data: [DONE]`.", content(
+            (Object = "application/json"),
+            (crate::openapi::SseEvent = "text/event-stream"),
+        )),
+        crate::openapi::GenerationErrors,
+    ),
+    security(("bearer" = []), ("api_key" = [])),
+)]
+pub(crate) async fn completions(
     State(st): State<AppState>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
@@ -1100,7 +1295,8 @@ async fn completion(
     let start = Instant::now();
     let body = body_bytes(&st, body)?;
     let req: CompletionRequest = openai::parse(&body)?;
-    let mut params = openai::parse::<SamplingFields>(&body)?.to_params()?;
+    let fields = openai::parse::<SamplingFields>(&body)?;
+    let mut params = fields.to_params()?;
     req.check_supported()?;
     params.logprobs = req.logprobs()?;
     check_logprobs(&st, &params).await?;
@@ -1120,7 +1316,8 @@ async fn completion(
     let model = st.check_model(&req.model).await?;
     record_model("text_completion", &model);
     let info = st.worker_info().await?.clone();
-    check_max_tokens(&info, params.max_tokens)?;
+    let max = (params.max_tokens, fields.max_param());
+    check_max_tokens(&info, max)?;
 
     let ids = match prompt {
         PromptInput::Text(text) => {
@@ -1153,7 +1350,7 @@ async fn completion(
             "the prompt tokenized to zero tokens",
         ));
     }
-    check_context(&info, ids.len(), params.max_tokens, "prompt")?;
+    check_context(&info, ids.len(), max, "prompt")?;
     let echo = match echo {
         false => None,
         true => Some(openai::Echo {
@@ -1207,15 +1404,24 @@ mod tests {
 
     #[test]
     fn context_checks_name_the_limit_and_the_param() {
-        let e = check_context(&info(100), 100, None, "prompt").unwrap_err();
+        let m = |n| (n, "max_tokens");
+        let e = check_context(&info(100), 100, m(None), "prompt").unwrap_err();
         assert_eq!(e.code, Some("context_length_exceeded"));
         assert_eq!(e.param.as_deref(), Some("prompt"));
         assert!(e.message.contains("100 tokens"), "{}", e.message);
-        let e = check_context(&info(100), 60, Some(41), "prompt").unwrap_err();
+        let e = check_context(&info(100), 60, m(Some(41)), "prompt").unwrap_err();
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
-        assert!(check_context(&info(100), 60, Some(40), "prompt").is_ok());
-        assert!(check_context(&info(100), 99, None, "prompt").is_ok());
-        assert!(check_max_tokens(&info(100), Some(101)).is_err());
+        assert!(check_context(&info(100), 60, m(Some(40)), "prompt").is_ok());
+        assert!(check_context(&info(100), 99, m(None), "prompt").is_ok());
+        assert!(check_max_tokens(&info(100), m(Some(101))).is_err());
+        // The limit is blamed on the field the request gave it in.
+        let e = check_max_tokens(&info(100), (Some(101), "max_completion_tokens")).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_completion_tokens"));
+        assert!(
+            e.message.ends_with("or max_completion_tokens."),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

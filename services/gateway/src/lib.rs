@@ -13,6 +13,7 @@ mod generate;
 mod handlers;
 mod metrics;
 mod openai;
+mod openapi;
 mod responses;
 mod route;
 mod state;

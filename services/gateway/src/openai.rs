@@ -5,6 +5,7 @@
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
+use utoipa::ToSchema;
 
 use crate::backend::{GenParams, Message, ToolCallDelta};
 use crate::error::ApiError;
@@ -22,11 +23,11 @@ pub(crate) const MAX_CACHE_SALT_BYTES: usize = 256;
 
 /// Most alternatives per token: chat's `top_logprobs` and completions' `logprobs`
 /// (OpenAI's limits).
-const MAX_TOP_LOGPROBS: i64 = 20;
+pub(crate) const MAX_TOP_LOGPROBS: i64 = 20;
 /// Most choices (`n`) one request may ask for: each holds a batch slot and its own pages
 /// after the shared prompt.
 pub(crate) const MAX_CHOICES: u32 = 16;
-const MAX_COMPLETION_LOGPROBS: i64 = 5;
+pub(crate) const MAX_COMPLETION_LOGPROBS: i64 = 5;
 
 /// Parses a JSON body into `T`; syntax errors, invalid UTF-8, missing fields and wrong
 /// types all become a 400 `invalid_request_error` (never axum's plain-text rejection).
@@ -81,7 +82,96 @@ pub(crate) fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     Ok(value)
 }
 
-/// `stop`: a string or a list of strings.
+/// Integer fields as JSON may write them: `5`, or `5.0`, which JSON Schema (and so the
+/// OpenAPI document, whose `integer` admits it) counts as the same integer, as the
+/// pydantic-based servers (vLLM, SGLang) do. Any other number (`5.5`, one out of the
+/// field's range) is refused as serde refuses it. For `#[serde(deserialize_with)]`.
+pub(crate) mod whole {
+    use std::fmt;
+    use std::marker::PhantomData;
+
+    use serde::de::{Deserialize, Deserializer, Error, Unexpected, Visitor};
+
+    /// An integer type a field holds.
+    pub(crate) trait Int: Sized + TryFrom<i64> + TryFrom<u64> {
+        const NAME: &'static str;
+    }
+
+    impl Int for i64 {
+        const NAME: &'static str = "i64";
+    }
+
+    impl Int for u32 {
+        const NAME: &'static str = "u32";
+    }
+
+    /// One integer, read as [`whole`](self) reads them.
+    struct Whole<T>(T);
+
+    impl<'de, T: Int> Deserialize<'de> for Whole<T> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(IntVisitor(PhantomData)).map(Whole)
+        }
+    }
+
+    struct IntVisitor<T>(PhantomData<T>);
+
+    impl<T: Int> Visitor<'_> for IntVisitor<T> {
+        type Value = T;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(T::NAME)
+        }
+
+        fn visit_i64<E: Error>(self, v: i64) -> Result<T, E> {
+            T::try_from(v).map_err(|_| E::invalid_value(Unexpected::Signed(v), &self))
+        }
+
+        fn visit_u64<E: Error>(self, v: u64) -> Result<T, E> {
+            T::try_from(v).map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
+        }
+
+        fn visit_f64<E: Error>(self, v: f64) -> Result<T, E> {
+            // Whole, and an i64 (2^63 is not): exactly that integer.
+            const LIMIT: f64 = 9_223_372_036_854_775_808.0;
+            if v.fract() == 0.0 && (-LIMIT..LIMIT).contains(&v) {
+                self.visit_i64(v as i64)
+            } else {
+                Err(E::invalid_type(Unexpected::Float(v), &self))
+            }
+        }
+    }
+
+    pub(crate) fn int<'de, D: Deserializer<'de>, T: Int>(d: D) -> Result<T, D::Error> {
+        Whole::deserialize(d).map(|w| w.0)
+    }
+
+    pub(crate) fn opt<'de, D: Deserializer<'de>, T: Int>(d: D) -> Result<Option<T>, D::Error> {
+        Option::<Whole<T>>::deserialize(d).map(|o| o.map(|w| w.0))
+    }
+
+    pub(crate) fn list<'de, D: Deserializer<'de>, T: Int>(d: D) -> Result<Vec<T>, D::Error> {
+        Vec::<Whole<T>>::deserialize(d).map(|v| v.into_iter().map(|w| w.0).collect())
+    }
+
+    pub(crate) fn opt_list<'de, D: Deserializer<'de>, T: Int>(
+        d: D,
+    ) -> Result<Option<Vec<T>>, D::Error> {
+        Option::<Vec<Whole<T>>>::deserialize(d)
+            .map(|o| o.map(|v| v.into_iter().map(|w| w.0).collect()))
+    }
+
+    pub(crate) fn lists<'de, D: Deserializer<'de>, T: Int>(d: D) -> Result<Vec<Vec<T>>, D::Error> {
+        Vec::<Vec<Whole<T>>>::deserialize(d).map(|v| {
+            v.into_iter()
+                .map(|l| l.into_iter().map(|w| w.0).collect())
+                .collect()
+        })
+    }
+}
+
+/// `stop`: a string or a list of strings (its schema, with the limits on both, is
+/// written out in `openapi`).
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 pub(crate) enum Stop {
@@ -90,26 +180,62 @@ pub(crate) enum Stop {
 }
 
 /// The sampling fields both endpoints share (parsed from the same body as the request).
-#[derive(Debug, Default, Deserialize)]
+/// The limits in the `schema` attributes are the ones [`SamplingFields::to_params`]
+/// checks (a test in `openapi` holds them together).
+#[derive(Debug, Default, Deserialize, ToSchema)]
 pub(crate) struct SamplingFields {
+    /// Sampling temperature; 0 picks the most likely token.
+    #[schema(minimum = 0, maximum = 2)]
     pub temperature: Option<f64>,
+    /// Nucleus sampling: the smallest set of tokens whose probabilities reach this.
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     pub top_p: Option<f64>,
+    /// Sample from this many most likely tokens; -1 or 0 turns it off.
+    #[schema(minimum = -1, maximum = 2147483647)]
+    #[serde(default, deserialize_with = "whole::opt")]
     pub top_k: Option<i64>,
+    /// Drop tokens less likely than this fraction of the most likely one's probability.
+    #[schema(minimum = 0, maximum = 1)]
     pub min_p: Option<f64>,
+    #[schema(minimum = -2, maximum = 2)]
     pub frequency_penalty: Option<f64>,
+    #[schema(minimum = -2, maximum = 2)]
     pub presence_penalty: Option<f64>,
+    #[schema(exclusive_minimum = 0, maximum = 10)]
     pub repetition_penalty: Option<f64>,
+    /// Seed for sampling: the same request with the same seed gives the same answer.
+    #[serde(default, deserialize_with = "whole::opt")]
     pub seed: Option<i64>,
+    /// Most tokens to generate. The prompt and these must fit in the model's context
+    /// (a 400 naming the field otherwise). Unset: up to the context's end.
+    #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "whole::opt")]
     pub max_tokens: Option<i64>,
+    /// OpenAI's newer name for `max_tokens`; wins over it when both are given.
+    #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "whole::opt")]
     pub max_completion_tokens: Option<i64>,
+    #[schema(schema_with = crate::openapi::stop)]
     pub stop: Option<Stop>,
+    /// How many choices to generate for the one prompt.
+    #[schema(minimum = 1, maximum = 16)]
+    #[serde(default, deserialize_with = "whole::opt")]
     pub n: Option<i64>,
+    /// Token ids that end the generation, as the end-of-sequence token does.
+    #[serde(default, deserialize_with = "whole::opt_list")]
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Generate past the end-of-sequence token (up to `max_tokens`).
     pub ignore_eos: Option<bool>,
     /// Token id (as a string, JSON's object keys) → bias in [-100, 100].
+    #[schema(schema_with = crate::openapi::logit_bias)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    /// Generate at least this many tokens before the end-of-sequence token may end the
+    /// answer; at most `max_tokens`.
+    #[schema(minimum = 0)]
+    #[serde(default, deserialize_with = "whole::opt")]
     pub min_tokens: Option<i64>,
     /// vLLM's prefix-cache salt: requests with different salts never share cached KV.
+    #[schema(schema_with = crate::openapi::cache_salt)]
     pub cache_salt: Option<String>,
 }
 
@@ -121,6 +247,9 @@ fn in_range(
 ) -> Result<Option<f32>, ApiError> {
     match v {
         None => Ok(None),
+        // A positive value too small for an f32 (`top_p: 1e-50`) stays positive: as 0 it
+        // would leave an open range such as top_p's (0, 1], and the worker refuse it.
+        Some(x) if x.is_finite() && ok(x) && x > 0.0 => Ok(Some((x as f32).max(f32::MIN_POSITIVE))),
         Some(x) if x.is_finite() && ok(x) => Ok(Some(x as f32)),
         Some(x) => Err(ApiError::invalid_param(
             param,
@@ -130,6 +259,16 @@ fn in_range(
 }
 
 impl SamplingFields {
+    /// The field the length limit was given in: `max_completion_tokens` wins over
+    /// `max_tokens`.
+    pub fn max_param(&self) -> &'static str {
+        if self.max_completion_tokens.is_some() {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        }
+    }
+
     /// Range-checks every field (OpenAI's ranges) and builds the worker's parameters.
     pub fn to_params(&self) -> Result<GenParams, ApiError> {
         let n = match self.n {
@@ -183,10 +322,8 @@ impl SamplingFields {
                 ));
             }
         };
-        let (max_param, max) = match (self.max_completion_tokens, self.max_tokens) {
-            (Some(m), _) => ("max_completion_tokens", Some(m)),
-            (None, m) => ("max_tokens", m),
-        };
+        let max_param = self.max_param();
+        let max = self.max_completion_tokens.or(self.max_tokens);
         let max_tokens = match max {
             None => None,
             Some(m) if m >= 1 => Some(u32::try_from(m).unwrap_or(u32::MAX)),
@@ -306,33 +443,42 @@ impl SamplingFields {
     }
 }
 
-/// `stream_options`.
-#[derive(Debug, Default, Deserialize)]
+/// Options of a streamed answer.
+#[derive(Debug, Default, Deserialize, ToSchema)]
 pub(crate) struct StreamOptions {
+    /// End the stream with a chunk that carries the usage of the whole request.
     #[serde(default)]
     pub include_usage: Option<bool>,
 }
 
 /// A chat message's content: a string or a list of typed parts.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(untagged)]
+#[schema(as = ChatContent)]
 pub(crate) enum Content {
     Text(String),
     Parts(Vec<ContentPart>),
 }
 
-#[derive(Debug, Deserialize)]
+/// A part of a message's content; only text parts are accepted (a 400 names the others).
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = ChatContentPart)]
 pub(crate) struct ContentPart {
     #[serde(rename = "type")]
+    #[schema(schema_with = crate::openapi::chat_part_type)]
     pub kind: String,
+    /// The text of a `text` part (which needs one).
     pub text: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct ChatMessage {
+    #[schema(schema_with = crate::openapi::chat_role)]
     pub role: String,
     pub content: Option<Content>,
-    /// Assistant turns: the calls it made (checked in detail by the tokenizer).
+    /// Assistant turns: the calls it made (checked in detail by the tokenizer), as
+    /// OpenAI writes them: `{"id", "type": "function", "function": {"name", "arguments"}}`.
+    #[schema(value_type = Option<Vec<Object>>)]
     pub tool_calls: Option<Value>,
     /// Tool turns: the call this result answers.
     pub tool_call_id: Option<String>,
@@ -340,25 +486,39 @@ pub(crate) struct ChatMessage {
     pub reasoning_content: Option<String>,
 }
 
-/// `POST /v1/chat/completions`.
-#[derive(Debug, Deserialize)]
+/// `POST /v1/chat/completions` (with [`SamplingFields`], read from the same body: the
+/// OpenAPI document shows the two as one object, `openapi::ChatCompletionRequest`).
+#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct ChatRequest {
+    /// The served model's name (`GET /v1/models`).
     pub model: String,
+    #[schema(min_items = 1)]
     pub messages: Vec<ChatMessage>,
+    /// Answer with server-sent events, one chunk per piece of text.
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// Return each generated token's log-probability.
     pub logprobs: Option<bool>,
+    /// With `logprobs`, this many most likely alternatives per token.
+    #[schema(minimum = 0, maximum = 20)]
+    #[serde(default, deserialize_with = "whole::opt")]
     pub top_logprobs: Option<i64>,
+    /// Function tools the model may call: `{"type": "function", "function": {"name",
+    /// "description", "parameters"}}`.
+    #[schema(value_type = Option<Vec<Object>>)]
     pub tools: Option<Value>,
+    /// `"none"`, `"auto"`, `"required"` or `{"type": "function", "function": {"name"}}`.
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    #[schema(schema_with = crate::openapi::response_format)]
     pub response_format: Option<Value>,
     /// Extra variables for the chat format, as vLLM and SGLang take them; pdmesh reads
     /// `thinking` (or `enable_thinking`).
+    #[schema(value_type = Option<Object>)]
     pub chat_template_kwargs: Option<Value>,
 }
 
-const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+pub(crate) const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 impl ChatRequest {
     /// The messages flattened to text, or a 400 naming the bad one.
@@ -418,7 +578,23 @@ fn messages(list: &[ChatMessage]) -> Result<Vec<Message>, ApiError> {
             let tool_calls_json = match &m.tool_calls {
                 None | Some(Value::Null) => None,
                 Some(Value::Array(a)) if a.is_empty() => None,
-                Some(v @ Value::Array(_)) if role == "assistant" => Some(v.to_string()),
+                Some(v @ Value::Array(calls)) if role == "assistant" => {
+                    // As the tokenizer reads them, so a bad call is refused by name here.
+                    for (j, call) in calls.iter().enumerate() {
+                        if let Err(e) = pdmesh_text::ToolCall::from_openai(call.clone()) {
+                            let at = format!("messages[{i}].tool_calls[{j}]");
+                            let param = match e.part {
+                                "" => at,
+                                part => format!("{at}.{part}"),
+                            };
+                            return Err(ApiError::invalid_param(
+                                &param,
+                                format!("{param} {}", e.problem),
+                            ));
+                        }
+                    }
+                    Some(v.to_string())
+                }
                 Some(Value::Array(_)) => {
                     return Err(ApiError::invalid_param(
                         &format!("messages[{i}].tool_calls"),
@@ -504,15 +680,21 @@ impl ChatRequest {
 }
 
 /// `POST /tokenize` (vLLM's): a prompt, or chat messages through the chat template.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct TokenizeRequest {
+    /// The served model's name, if given.
     pub model: Option<String>,
+    /// Text to tokenize (give this or `messages`).
     pub prompt: Option<String>,
+    /// Chat messages to tokenize through the chat template (give this or `prompt`).
     pub messages: Option<Vec<ChatMessage>>,
     /// Prompts: BOS/EOS where the model adds them (default true). Messages: the template
     /// writes its own special tokens, so only false is accepted there.
     pub add_special_tokens: Option<bool>,
+    /// Messages only, and only true: the template opens the assistant's turn.
     pub add_generation_prompt: Option<bool>,
+    /// Messages only: function tools, as the chat endpoint takes them.
+    #[schema(value_type = Option<Vec<Object>>)]
     pub tools: Option<Value>,
 }
 
@@ -579,20 +761,24 @@ impl TokenizeRequest {
 }
 
 /// `POST /detokenize` (vLLM's).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct DetokenizeRequest {
+    /// The served model's name, if given.
     pub model: Option<String>,
+    /// Token ids, each below the model's vocabulary size.
+    #[serde(deserialize_with = "whole::list")]
     pub tokens: Vec<u32>,
 }
 
-/// A completions prompt: text, token ids, or a batch of one of either.
+/// A completions prompt: text, token ids, or a batch of one of either (its schema, with
+/// the limits, is written out in `openapi`).
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 pub(crate) enum Prompt {
     Text(String),
-    Ids(Vec<u32>),
+    Ids(#[serde(deserialize_with = "whole::list")] Vec<u32>),
     Texts(Vec<String>),
-    IdBatch(Vec<Vec<u32>>),
+    IdBatch(#[serde(deserialize_with = "whole::lists")] Vec<Vec<u32>>),
 }
 
 /// The prompt once a batch of one has been unwrapped.
@@ -602,16 +788,30 @@ pub(crate) enum PromptInput {
     Ids(Vec<u32>),
 }
 
-/// `POST /v1/completions`.
-#[derive(Debug, Deserialize)]
+/// `POST /v1/completions` (with [`SamplingFields`], read from the same body: the OpenAPI
+/// document shows the two as one object, `openapi::CompletionsRequest`).
+#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct CompletionRequest {
+    /// The served model's name (`GET /v1/models`).
     pub model: String,
+    #[schema(schema_with = crate::openapi::prompt)]
     pub prompt: Prompt,
+    /// Answer with server-sent events, one chunk per piece of text.
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// Return each generated token's log-probability, with this many most likely
+    /// alternatives.
+    #[schema(minimum = 0, maximum = 5)]
+    #[serde(default, deserialize_with = "whole::opt")]
     pub logprobs: Option<i64>,
+    /// Start the answer with the prompt (with `logprobs`, the prompt's too).
     pub echo: Option<bool>,
+    /// Only 1 is served.
+    #[schema(minimum = 1, maximum = 1)]
+    #[serde(default, deserialize_with = "whole::opt")]
     pub best_of: Option<i64>,
+    /// Not supported: only empty.
+    #[schema(max_length = 0)]
     pub suffix: Option<String>,
 }
 
@@ -998,6 +1198,86 @@ mod tests {
         }
     }
 
+    /// Schemathesis sends `5.0` where the document says integer (JSON Schema's integer
+    /// admits it): such requests were refused as "expected i64".
+    #[test]
+    fn integers_written_as_whole_floats_are_integers() {
+        let f: SamplingFields = parse(
+            br#"{"max_tokens": 5.0, "max_completion_tokens": 6.0, "n": 2.0, "seed": -3.0,
+                "top_k": 40.0, "min_tokens": 1.0, "stop_token_ids": [2.0, 3]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                f.max_tokens,
+                f.max_completion_tokens,
+                f.n,
+                f.seed,
+                f.top_k,
+                f.min_tokens
+            ),
+            (Some(5), Some(6), Some(2), Some(-3), Some(40), Some(1))
+        );
+        assert_eq!(f.stop_token_ids, Some(vec![2, 3]));
+        let f: SamplingFields =
+            parse(br#"{"max_tokens": null, "seed": 9007199254740992.0}"#).unwrap();
+        assert_eq!((f.max_tokens, f.seed), (None, Some(1 << 53)));
+        for (body, param) in [
+            (r#"{"max_tokens": 5.5}"#, "max_tokens"),
+            (r#"{"max_tokens": "5"}"#, "max_tokens"),
+            (r#"{"seed": 1e300}"#, "seed"),
+            (r#"{"seed": 9223372036854775808.0}"#, "seed"),
+            (r#"{"stop_token_ids": [-1.0]}"#, "stop_token_ids[0]"),
+            (r#"{"stop_token_ids": [4294967296.0]}"#, "stop_token_ids[0]"),
+            (r#"{"n": 1e-9}"#, "n"),
+        ] {
+            let e = err::<SamplingFields>(body);
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+        assert!(
+            err::<SamplingFields>(r#"{"max_tokens": 5.5}"#)
+                .message
+                .contains("floating point `5.5`, expected i64")
+        );
+        let prompt = |body: &str| {
+            parse::<CompletionRequest>(body.as_bytes())
+                .unwrap()
+                .prompt()
+        };
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":[1.0,2]}"#).unwrap(),
+            PromptInput::Ids(vec![1, 2])
+        );
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":[[4.0]]}"#).unwrap(),
+            PromptInput::Ids(vec![4])
+        );
+        assert_eq!(
+            err::<CompletionRequest>(r#"{"model":"m","prompt":[1.5]}"#)
+                .param
+                .as_deref(),
+            Some("prompt")
+        );
+        let c: CompletionRequest =
+            parse(br#"{"model":"m","prompt":"x","logprobs":2.0,"best_of":1.0}"#).unwrap();
+        assert_eq!((c.logprobs, c.best_of), (Some(2), Some(1)));
+        let d: DetokenizeRequest = parse(br#"{"tokens":[1.0,2]}"#).unwrap();
+        assert_eq!(d.tokens, [1, 2]);
+        let r: ChatRequest = parse(br#"{"model":"m","messages":[],"top_logprobs":3.0}"#).unwrap();
+        assert_eq!(r.top_logprobs, Some(3));
+    }
+
+    /// `top_p: 1e-50` passed the gateway's (0, 1] check, became 0 as an f32 and was
+    /// refused by the worker ("got 0", no `param`).
+    #[test]
+    fn open_ranges_stay_open_once_narrowed() {
+        let p = params(r#"{"top_p": 1e-50, "repetition_penalty": 1e-300}"#).unwrap();
+        assert!(p.top_p.unwrap() > 0.0);
+        assert!(p.repetition_penalty.unwrap() > 0.0);
+        assert_eq!(params(r#"{"top_p": 0.5}"#).unwrap().top_p, Some(0.5));
+        assert_eq!(params(r#"{"temperature": 0}"#).unwrap().temperature, 0.0);
+    }
+
     #[test]
     fn defaults_and_mapping() {
         let p = params("{}").unwrap();
@@ -1082,6 +1362,41 @@ mod tests {
         );
         let req: ChatRequest = parse(br#"{"model":"m","messages":[]}"#).unwrap();
         assert_eq!(req.messages().unwrap_err().status, 400);
+    }
+
+    /// An assistant's tool call the tokenizer cannot read was refused by the tokenizer,
+    /// with no `param` (and, through `/v1/responses`, naming a chat field).
+    #[test]
+    fn assistant_tool_calls_are_checked_by_name() {
+        let bad = |calls: Value| {
+            let body = json!({"model": "m", "messages": [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "", "tool_calls": calls}]});
+            parse::<ChatRequest>(body.to_string().as_bytes())
+                .unwrap()
+                .messages()
+                .map(|_| ())
+        };
+        for (calls, param) in [
+            (
+                json!([{"function": {"name": "f", "arguments": "x"}}]),
+                "messages[1].tool_calls[0].function.arguments",
+            ),
+            (
+                json!([{"function": {"name": "", "arguments": "{}"}}]),
+                "messages[1].tool_calls[0].function.name",
+            ),
+            (
+                json!([{"id": "c", "function": {"name": "f", "arguments": "{}"}}, 7]),
+                "messages[1].tool_calls[1]",
+            ),
+        ] {
+            let e = bad(calls).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param));
+            assert!(e.message.starts_with(param), "{}", e.message);
+        }
+        bad(json!([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]))
+            .unwrap();
     }
 
     #[test]

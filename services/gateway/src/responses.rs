@@ -31,10 +31,11 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
+use utoipa::ToSchema;
 
 use crate::error::ApiError;
 use crate::generate::{self, Done, GenEvent, Usage};
-use crate::handlers::{StreamTimer, body_bytes, prepare_chat, traced};
+use crate::handlers::{StreamTimer, blame_grammar, body_bytes, prepare_chat, traced};
 use crate::openai::{self, ChatRequest, SamplingFields};
 use crate::state::{AppState, unix_now};
 
@@ -55,7 +56,7 @@ pub(crate) fn new_store(max: usize, max_bytes: usize, ttl_secs: u64) -> Store {
 
 /// Top-level fields acted on (the request struct's, and the chat endpoint's extra sampling
 /// fields, which clients send in the body: `extra_body={"seed": 1}`).
-const FIELDS: [&str; 26] = [
+pub(crate) const FIELDS: [&str; 26] = [
     "model",
     "input",
     "instructions",
@@ -86,7 +87,7 @@ const FIELDS: [&str; 26] = [
 
 /// Fields accepted and not acted on: they describe the caller, caching or billing, never
 /// the answer.
-const IGNORED: [&str; 7] = [
+pub(crate) const IGNORED: [&str; 7] = [
     "user",
     "safety_identifier",
     "prompt_cache_key",
@@ -126,9 +127,9 @@ fn check_fields(body: &Map<String, Value>) -> Result<(), ApiError> {
 /// OpenAI's bounds on `metadata`, which is stored with the response: at most this many
 /// pairs, keys of at most [`MAX_METADATA_KEY`] characters, values of at most
 /// [`MAX_METADATA_VALUE`].
-const MAX_METADATA_PAIRS: usize = 16;
-const MAX_METADATA_KEY: usize = 64;
-const MAX_METADATA_VALUE: usize = 512;
+pub(crate) const MAX_METADATA_PAIRS: usize = 16;
+pub(crate) const MAX_METADATA_KEY: usize = 64;
+pub(crate) const MAX_METADATA_VALUE: usize = 512;
 
 fn check_metadata(m: Option<&BTreeMap<String, String>>) -> Result<(), ApiError> {
     let Some(m) = m else { return Ok(()) };
@@ -158,44 +159,72 @@ fn check_metadata(m: Option<&BTreeMap<String, String>>) -> Result<(), ApiError> 
     Ok(())
 }
 
-/// `POST /v1/responses` (the fields acted on; [`check_fields`] refuses the others).
-#[derive(Debug, Deserialize)]
-struct ResponsesRequest {
+/// `POST /v1/responses` (the fields acted on; [`check_fields`] refuses the others). The
+/// OpenAPI document shows it with the sampling fields of [`FIELDS`] and what
+/// [`check_fields`] lets through (`openapi::ResponseCreateRequest`, which writes its
+/// description).
+#[derive(Debug, Deserialize, ToSchema)]
+pub(crate) struct ResponsesRequest {
+    /// The served model's name (`GET /v1/models`).
     model: String,
     input: Input,
+    /// A system message put before the conversation (not carried over by
+    /// `previous_response_id`).
     instructions: Option<String>,
+    /// Function tools: `{"type": "function", "name", "description", "parameters"}`.
+    #[schema(value_type = Option<Vec<Object>>)]
     tools: Option<Vec<Value>>,
+    /// `"none"`, `"auto"`, `"required"` or `{"type": "function", "name"}`.
     tool_choice: Option<Value>,
     parallel_tool_calls: Option<bool>,
+    #[schema(minimum = 0, maximum = 2)]
     temperature: Option<f64>,
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     top_p: Option<f64>,
+    /// Most tokens to generate; the conversation and these must fit in the context.
+    #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "openai::whole::opt")]
     max_output_tokens: Option<i64>,
+    /// Answer with the Responses API's server-sent events.
     stream: Option<bool>,
+    /// Keep the response for `GET /v1/responses/{id}` and `previous_response_id`
+    /// (default true).
     store: Option<bool>,
+    /// Continue the conversation of this stored response.
     previous_response_id: Option<String>,
+    #[schema(schema_with = crate::openapi::metadata)]
     metadata: Option<BTreeMap<String, String>>,
     user: Option<String>,
     text: Option<TextConfig>,
     reasoning: Option<ReasoningConfig>,
 }
 
-#[derive(Debug, Deserialize)]
+/// A string (one user message), or a list of input items.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(untagged)]
+#[schema(as = ResponseInput)]
 enum Input {
     Text(String),
-    /// Parsed one by one ([`parse_items`]), so an error names the item.
+    // Parsed one by one ([`parse_items`]), so an error names the item; the document shows
+    // the items' own types.
+    #[schema(value_type = Vec<crate::openapi::ResponseInputItem>)]
     Items(Vec<Value>),
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = ResponseTextConfig)]
 struct TextConfig {
+    #[schema(schema_with = crate::openapi::text_format)]
     format: Option<Value>,
     /// A hint for how long the answer should be; accepted and not acted on.
     verbosity: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = ResponseReasoningConfig)]
 struct ReasoningConfig {
+    /// Anything but `none` turns thinking on (on models that think).
+    #[schema(schema_with = crate::openapi::reasoning_effort)]
     effort: Option<String>,
     /// No summaries are written: a reasoning item's `summary` is empty and its text is in
     /// `content`.
@@ -203,7 +232,7 @@ struct ReasoningConfig {
     summary: Option<String>,
 }
 
-const EFFORTS: [&str; 6] = ["none", "minimal", "low", "medium", "high", "xhigh"];
+pub(crate) const EFFORTS: [&str; 6] = ["none", "minimal", "low", "medium", "high", "xhigh"];
 
 /// One conversation item, normalized: what input items become, what a response's output
 /// adds, and what the store replays.
@@ -242,49 +271,61 @@ impl Item {
 }
 
 /// Input items on the wire, one struct per `type` (deserialized apart, so an error names
-/// the field: serde's tagged enums lose the path).
-#[derive(Debug, Deserialize)]
-struct MessageIn {
+/// the field: serde's tagged enums lose the path). The OpenAPI document shows them as
+/// `ResponseInputItem`, each with its `type`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = ResponseInputMessage)]
+pub(crate) struct MessageIn {
+    #[schema(schema_with = crate::openapi::responses_role)]
     role: String,
     content: ContentIn,
 }
 
-#[derive(Debug, Deserialize)]
-struct CallIn {
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = ResponseFunctionCall)]
+pub(crate) struct CallIn {
     call_id: String,
+    #[schema(min_length = 1)]
     name: String,
+    /// The call's arguments: a JSON object, written as a string.
     arguments: String,
 }
 
-#[derive(Debug, Deserialize)]
-struct OutputIn {
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = ResponseFunctionCallOutput)]
+pub(crate) struct OutputIn {
     call_id: String,
     output: ContentIn,
 }
 
-#[derive(Debug, Deserialize)]
-struct ReasoningIn {
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = ResponseReasoningItem)]
+pub(crate) struct ReasoningIn {
     #[serde(default)]
     content: Vec<Part>,
     #[serde(default)]
     summary: Vec<Part>,
 }
 
-#[derive(Debug, Deserialize)]
+/// A string, or text parts (`input_text`; an assistant's may be `output_text`).
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(untagged)]
+#[schema(as = ResponseContent)]
 enum ContentIn {
     Text(String),
     Parts(Vec<Part>),
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = ResponseContentPart)]
 struct Part {
+    /// `input_text`, `output_text` or `text` (a 400 names the others).
     #[serde(rename = "type")]
     kind: String,
     text: Option<String>,
 }
 
-const ROLES: [&str; 4] = ["user", "assistant", "system", "developer"];
+pub(crate) const ROLES: [&str; 4] = ["user", "assistant", "system", "developer"];
 
 /// The text of a string or of text parts of the `kinds` given; `at` names the field.
 fn text_of(c: &ContentIn, kinds: &[&str], at: &str) -> Result<String, ApiError> {
@@ -388,6 +429,18 @@ fn parse_items(list: &[Value]) -> Result<Vec<Item>, ApiError> {
                     name,
                     arguments,
                 } = de(v, &at)?;
+                if name.is_empty() {
+                    return Err(ApiError::invalid_param(
+                        &format!("{at}.name"),
+                        format!("{at}.name must not be empty"),
+                    ));
+                }
+                if !matches!(serde_json::from_str(&arguments), Ok(Value::Object(_))) {
+                    return Err(ApiError::invalid_param(
+                        &format!("{at}.arguments"),
+                        format!("{at}.arguments must be a JSON object, written as a string"),
+                    ));
+                }
                 Item::Call {
                     call_id,
                     name,
@@ -949,7 +1002,25 @@ fn not_found(what: &str, id: &str, param: Option<&str>) -> ApiError {
     }
 }
 
-/// `POST /v1/responses`.
+/// Creates a response (OpenAI's Responses API).
+///
+/// Translated to a chat completion and back; stored (unless `store` is false) for
+/// `GET /v1/responses/{id}` and `previous_response_id`. Fields that would change the
+/// answer and that this server cannot honour are a 400 naming them.
+#[utoipa::path(
+    post,
+    path = "/v1/responses",
+    tag = "OpenAI",
+    request_body = crate::openapi::ResponseCreateRequest,
+    responses(
+        (status = 200, description = "The response; with `stream`, the Responses API's server-sent events (`response.created` ... `response.completed`).", content(
+            (Object = "application/json"),
+            (crate::openapi::SseEvent = "text/event-stream"),
+        )),
+        crate::openapi::GenerationErrors,
+    ),
+    security(("bearer" = []), ("api_key" = [])),
+)]
 pub(crate) async fn create(
     State(st): State<AppState>,
     headers: HeaderMap,
@@ -958,7 +1029,18 @@ pub(crate) async fn create(
     traced("chat", &headers, run(st, body)).await
 }
 
-/// `GET /v1/responses/{id}`: a stored response, as it was returned.
+/// A stored response, as it was returned.
+#[utoipa::path(
+    get,
+    path = "/v1/responses/{id}",
+    tag = "OpenAI",
+    params(("id" = String, Path, description = "The response's id (`resp_...`).")),
+    responses(
+        (status = 200, description = "The response object.", body = Object),
+        crate::openapi::StoredErrors,
+    ),
+    security(("bearer" = []), ("api_key" = [])),
+)]
 pub(crate) async fn get(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -969,7 +1051,18 @@ pub(crate) async fn get(
     }
 }
 
-/// `DELETE /v1/responses/{id}`.
+/// Forgets a stored response.
+#[utoipa::path(
+    delete,
+    path = "/v1/responses/{id}",
+    tag = "OpenAI",
+    params(("id" = String, Path, description = "The response's id (`resp_...`).")),
+    responses(
+        (status = 200, description = "`{\"id\", \"object\": \"response\", \"deleted\": true}`.", body = Object),
+        crate::openapi::StoredErrors,
+    ),
+    security(("bearer" = []), ("api_key" = [])),
+)]
 pub(crate) async fn delete(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -1018,6 +1111,7 @@ async fn run(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respon
     let prep = prepare_chat(&st, &chat, &sampling)
         .await
         .map_err(responses_param)?;
+    let grammar_from = prep.grammar_from;
     let id = new_id("resp");
     let span = tracing::Span::current();
     span.record("request_id", id.as_str());
@@ -1025,7 +1119,7 @@ async fn run(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respon
     let echo = Echo::new(&req, id.clone(), prep.model);
     let gen_stream = generate::start(&st, id.clone(), prep.ids, prep.params, prep.parsing, start)
         .await
-        .map_err(responses_param)?;
+        .map_err(|e| responses_param(blame_grammar(e, grammar_from)))?;
     let mut resp = if req.stream.unwrap_or(false) {
         stream(st, start, echo, history, gen_stream)
     } else {
@@ -1035,7 +1129,7 @@ async fn run(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respon
             match gen_stream.next().await {
                 Some(Ok(GenEvent::Done(d))) => break d,
                 Some(Ok(ev)) => drop(b.push(ev)),
-                Some(Err(e)) => return Err(e),
+                Some(Err(e)) => return Err(responses_param(blame_grammar(e, grammar_from))),
                 None => {
                     return Err(ApiError::backend(
                         "the generation ended without a finish reason",
@@ -1144,6 +1238,46 @@ mod tests {
     fn chat_of(body: Value) -> Result<Value, ApiError> {
         let r = req(body);
         r.to_chat(&r.input_items()?)
+    }
+
+    /// A function call item whose arguments are not a JSON object was refused by the
+    /// tokenizer as `messages[0].tool_calls[0].function.arguments`, a chat field.
+    #[test]
+    fn function_call_items_are_checked_by_name() {
+        let call = |name: &str, arguments: &str| {
+            parse_items(&[
+                json!({"role": "user", "content": "x"}),
+                json!({"type": "function_call", "call_id": "c", "name": name, "arguments": arguments}),
+            ])
+            .map(|_| ())
+        };
+        call("f", r#"{"a": 1}"#).unwrap();
+        for (name, arguments, param) in [
+            ("f", "", "input[1].arguments"),
+            ("f", "[1]", "input[1].arguments"),
+            ("", "{}", "input[1].name"),
+        ] {
+            let e = call(name, arguments).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{name:?} {arguments:?}");
+        }
+        let r = req(json!({"model": "m", "input": "x", "max_output_tokens": 3.0}));
+        assert_eq!(r.max_output_tokens, Some(3));
+    }
+
+    /// A worker's refusal of a grammar had no `param`.
+    #[test]
+    fn grammar_refusals_name_the_field_the_grammar_came_from() {
+        let refusal = || {
+            ApiError::from(tonic::Status::invalid_argument(
+                "invalid grammar: at 1(8): failed to compile JSON schema: regex parse error",
+            ))
+        };
+        let e = responses_param(blame_grammar(refusal(), Some("response_format")));
+        assert_eq!(e.param.as_deref(), Some("text.format"));
+        let e = blame_grammar(refusal(), Some("tools"));
+        assert_eq!(e.param.as_deref(), Some("tools"));
+        let other = ApiError::from(tonic::Status::invalid_argument("invalid top_p: got 0"));
+        assert_eq!(blame_grammar(other, Some("tools")).param, None);
     }
 
     fn param(e: ApiError) -> String {
