@@ -878,6 +878,19 @@ async fn a_loose_or_foreign_mirror_directory_makes_the_service_refuse_to_start()
     // covered by pdmesh-cache-client's mirror tests, which check against another uid.
 }
 
+/// Registers `name` on the grpc data plane through a raw client; returns its lease.
+async fn register_grpc(rpc: &mut CacheClient<pdmesh_tls::AuthChannel>, name: &str) -> Vec<u8> {
+    rpc.register(pb::RegisterRequest {
+        worker_id: name.into(),
+        layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
+        data_plane: pb::DataPlane::Grpc.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .lease
+}
+
 /// The host-tier poisoning attack: a popular prefix's page hashes are public (token ids
 /// and a layout fingerprint), so a member of the mesh reserves them and commits bytes of
 /// its choosing with a valid checksum. Resident pages are never granted again, a commit
@@ -895,16 +908,7 @@ async fn a_forged_commit_for_a_popular_prefix_is_refused_and_the_victims_pages_a
     let mut rpc = pdmesh_tls::test_ca::client(s.url(), CacheClient::new)
         .await
         .unwrap();
-    let lease = rpc
-        .register(pb::RegisterRequest {
-            worker_id: "attacker".into(),
-            layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
-            data_plane: pb::DataPlane::Grpc.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .lease;
+    let lease = register_grpc(&mut rpc, "attacker").await;
     let forged = vec![0x5au8; layout().bytes_per_page()];
     let commit = |lease: Vec<u8>, hash: u64, slot: u32| pb::CommitRequest {
         lease,
@@ -951,16 +955,7 @@ async fn a_forged_commit_for_a_popular_prefix_is_refused_and_the_victims_pages_a
     let mut writer = pdmesh_tls::test_ca::client(s.url(), CacheClient::new)
         .await
         .unwrap();
-    let writer_lease = writer
-        .register(pb::RegisterRequest {
-            worker_id: "victim-writer".into(),
-            layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
-            data_plane: pb::DataPlane::Grpc.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .lease;
+    let writer_lease = register_grpc(&mut writer, "victim-writer").await;
     let (next, parent) = chain(500, 4)[3];
     let slot = writer
         .reserve(pb::ReserveRequest {
