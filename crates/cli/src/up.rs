@@ -921,6 +921,13 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
             "  give the gateway host --{kind}-url {} --cache-url {cache}",
             list.join(",")
         );
+        let peers_named = args.cache_args.iter().any(|a| a.starts_with("--peer"));
+        if tls.tls().is_none() && !peers_named {
+            // Without TLS a cache service relays rooms only to the homes --peer names.
+            println!(
+                "  and, without TLS, name the other hosts' cache services here: --cache-arg=--peer=http://HOST:PORT"
+            );
+        }
     }
     println!("press Ctrl-C to stop");
 
