@@ -5,7 +5,7 @@
 //! keep the lease alive, look pages up, load and store them, and take part in hand-over
 //! rooms; page bytes move over the shared-memory mirror file ([`mirror`]) or inside gRPC
 //! messages. [`wire`] converts layouts to and from their protobuf form. [`RemoteTier`]
-//! adapts the client to the engine's synchronous `HostTier`.
+//! adapts the client to the engine's `HostTier`, whose calls never wait.
 
 pub mod client;
 mod lease;

@@ -22,7 +22,12 @@ fn ttft(e: &mut Engine, id: &str, prompt: &[u32]) -> f64 {
     })
     .unwrap();
     let mut first = None;
-    while e.has_work() {
+    while e.has_work() || e.awaiting_host() > 0 {
+        if !e.has_work() {
+            // Waiting for the host tier's answer: its waker unparks this thread.
+            std::thread::park_timeout(Duration::from_millis(100));
+            continue;
+        }
         for ev in e.step() {
             if matches!(ev, StepEvent::Token { .. }) && first.is_none() {
                 first = Some(t.elapsed().as_secs_f64());
@@ -30,6 +35,17 @@ fn ttft(e: &mut Engine, id: &str, prompt: &[u32]) -> f64 {
         }
     }
     first.expect("a first token")
+}
+
+/// A waker that unparks the calling thread.
+fn wake_here() -> std::task::Waker {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    std::task::Waker::from(std::sync::Arc::new(Unpark(std::thread::current())))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -71,22 +87,20 @@ fn main() {
         cfg.tp = tp;
         let mut e = Engine::load(cfg).expect("load");
         if tier {
-            let t = RemoteTier::start(
-                rt.handle().clone(),
-                TierConfig {
-                    url: url.clone(),
-                    worker_id: "bench".into(),
-                    plane: DataPlane::Shm,
-                    call_timeout: Duration::from_secs(10),
-                    retry_every: Duration::from_millis(20),
-                    auth: pdmesh_tls::test_ca::auth(),
-                },
-                e.pool().layout().as_ref().clone(),
+            let mut tc = TierConfig::new(
+                url.clone(),
+                "bench",
+                DataPlane::Shm,
+                pdmesh_tls::test_ca::auth(),
             );
+            tc.call_timeout = Duration::from_secs(10);
+            tc.retry_every = Duration::from_millis(20);
+            let t = RemoteTier::start(rt.handle().clone(), tc, e.pool().layout().as_ref().clone());
             while !t.connected() {
                 std::thread::sleep(Duration::from_millis(10));
             }
             e.set_host_tier(Box::new(t), WritePolicy::WriteThrough);
+            e.set_host_waker(wake_here());
         }
         e
     };
@@ -99,6 +113,9 @@ fn main() {
         let mut writer = engine(true);
         cold.push(ttft(&mut writer, "cold", &prompt));
         device.push(ttft(&mut writer, "device", &prompt));
+        while writer.host_stats().queued_pages > 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let mut reader = engine(true);
         host.push(ttft(&mut reader, "host", &prompt));
         assert!(

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use pdmesh_gguf::GgufFile;
 use pdmesh_kv::{
-    CacheEvent, HostPage, HostTier, KvError, PageId, PagePool, PrefixCache, PrefixCacheStats,
-    page_hashes,
+    CacheEvent, Fetch, HostTier, KvError, PageId, PagePool, PrefixCache, PrefixCacheStats,
+    StorePage, page_hashes,
 };
 
 use crate::budget::PrefillBudget;
@@ -126,6 +126,15 @@ struct Seq {
     group: Option<Arc<str>>,
 }
 
+/// An admitted sequence whose prompt pages after its device hit are being fetched from the
+/// host tier: it holds its pages and joins the batch when the answer comes.
+struct Loading {
+    ticket: u64,
+    seq: Seq,
+    /// Leading pages the device tier had.
+    device: usize,
+}
+
 /// The choices of a prompt group that have arrived, until all `size` have (`gone`:
 /// aborted before the rest came).
 struct Gathering {
@@ -166,6 +175,11 @@ pub struct Engine {
     /// Decode-side sequences holding pages for their prompt while its KV travels. Bounded
     /// by pages, not by `max_batch`: a reservation needs no batch slot.
     parked: Vec<Seq>,
+    /// Sequences admitted while their prompt's pages come from the host tier. They hold
+    /// their pages and count against `max_batch`; the engine never waits for them.
+    loading: Vec<Loading>,
+    /// The last host-tier fetch's ticket.
+    fetches: u64,
     /// Decode-side sequences whose KV arrived while the batch was full: they keep their
     /// pages and join the batch, first in line, as slots free.
     ready: VecDeque<Seq>,
@@ -215,8 +229,13 @@ pub struct HostStats {
     pub load_seconds: f64,
     pub written_pages: u64,
     pub written_bytes: u64,
-    /// Time spent in the host tier's `store` (copies, checksums and the calls).
+    /// Time spent writing pages to the host tier (copies, checksums and the calls), off
+    /// the engine's thread.
     pub written_seconds: f64,
+    /// Pages offered to the host tier while its store queue was full, never written.
+    pub dropped_pages: u64,
+    /// Pages in the host tier's store queue now.
+    pub queued_pages: u64,
     /// Host pages whose bytes did not match their checksum (dropped and recomputed).
     pub checksum_failures: u64,
 }
@@ -298,6 +317,8 @@ impl Engine {
             context,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            loading: Vec::new(),
+            fetches: 0,
             parked: Vec::new(),
             ready: VecDeque::new(),
             exports: Default::default(),
@@ -341,15 +362,39 @@ impl Engine {
     }
 
     /// Attach the host tier of the KV cache (needs the prefix cache, whose page hashes name
-    /// host pages). Prompt pages the device tier lacks are then looked up there and loaded
-    /// before the forward pass; pages go the other way as `policy` says.
+    /// host pages). An admitted prompt's pages the device tier lacks are then fetched
+    /// from there while other sequences run, before its forward pass; pages go the other
+    /// way as `policy` says, through the tier's store queue.
     pub fn set_host_tier(&mut self, host: Box<dyn HostTier>, policy: WritePolicy) {
         assert!(self.cache.is_some(), "the host tier needs the prefix cache");
         self.host = Some((host, policy));
     }
 
+    /// Woken when a host-tier answer arrives: the driver then steps the engine again
+    /// ([`Self::has_work`] says so). Without a host tier, never woken.
+    pub fn set_host_waker(&mut self, waker: std::task::Waker) {
+        if let Some((host, _)) = &mut self.host {
+            host.set_waker(waker);
+        }
+    }
+
+    /// Admitted sequences waiting for host-tier answers. They need no step: the waker set
+    /// with [`Self::set_host_waker`] says when an answer is there.
+    pub fn awaiting_host(&self) -> usize {
+        self.loading.len()
+    }
+
     pub fn host_stats(&self) -> HostStats {
-        self.host_stats
+        let mut st = self.host_stats;
+        if let Some((host, _)) = &self.host {
+            let w = host.store_stats();
+            st.written_pages = w.written_pages;
+            st.written_bytes = w.written_bytes;
+            st.written_seconds = w.written_seconds;
+            st.dropped_pages = w.dropped_pages;
+            st.queued_pages = w.queued_pages;
+        }
+        st
     }
 
     /// From now on, remember each change to the device prefix cache for
@@ -395,6 +440,7 @@ impl Engine {
             || !self.ready.is_empty()
             || !self.pending.is_empty()
             || (!self.waiting.is_empty() && !self.stalled)
+            || self.host.as_ref().is_some_and(|(h, _)| h.has_fetched())
     }
 
     /// Sequences preempted (and recomputed later) because the pool was full.
@@ -413,9 +459,13 @@ impl Engine {
         }
     }
 
-    /// Requests waiting for admission (or, with their KV, for a batch slot) and running.
+    /// Requests waiting for admission (or, with their KV, for a batch slot or the host
+    /// tier) and running.
     pub fn load_counts(&self) -> (usize, usize) {
-        (self.waiting.len() + self.ready.len(), self.running.len())
+        (
+            self.waiting.len() + self.ready.len() + self.loading.len(),
+            self.running.len(),
+        )
     }
 
     /// Decode-side requests holding pages while their KV travels, and those pages.
@@ -743,6 +793,9 @@ impl Engine {
             gone = self.ready.remove(i);
         } else if let Some(i) = self.running.iter().position(|s| &*s.id == id) {
             gone = Some(self.running.remove(i));
+        } else if let Some(i) = self.loading.iter().position(|l| &*l.seq.id == id) {
+            // Nothing computed yet: its pages go back; a late answer finds no ticket.
+            gone = Some(self.loading.remove(i).seq);
         } else {
             // A choice waiting for its group's prompt, or for its group's other choices,
             // holds nothing yet.
@@ -816,21 +869,23 @@ impl Engine {
                     .collect();
                 if !offer.is_empty() {
                     let pool = &self.pool;
-                    let batch: Vec<(u64, u64, &[u8])> = offer
+                    let batch: Vec<StorePage> = offer
                         .iter()
-                        .map(|p| {
-                            let bytes = pool.page(p.page).expect("cached pages are allocated");
-                            (p.hash, p.parent_hash, bytes)
+                        .map(|p| StorePage {
+                            hash: p.hash,
+                            parent: p.parent_hash,
+                            bytes: pool
+                                .page(p.page)
+                                .expect("cached pages are allocated")
+                                .to_vec(),
                         })
                         .collect();
-                    let t0 = std::time::Instant::now();
-                    let written = host.store(&batch) as u64;
-                    self.host_stats.written_seconds += t0.elapsed().as_secs_f64();
-                    self.host_stats.written_pages += written;
-                    self.host_stats.written_bytes +=
-                        written * pool.layout().bytes_per_page() as u64;
-                    let nodes: Vec<_> = offer.iter().map(|p| p.node).collect();
-                    c.mark_on_host(&nodes);
+                    // Queued, not written: a full queue drops them (counted), and they
+                    // are offered again next time.
+                    if host.store(batch) {
+                        let nodes: Vec<_> = offer.iter().map(|p| p.node).collect();
+                        c.mark_on_host(&nodes);
+                    }
                 }
             }
         }
@@ -868,76 +923,118 @@ impl Engine {
         match &mut self.host {
             Some((host, WritePolicy::WriteBack)) => {
                 // Copy out what the host tier lacks while the pages still exist.
-                let mut out: Vec<(u64, u64, Vec<u8>)> = Vec::new();
+                let mut out: Vec<StorePage> = Vec::new();
                 let freed = c.evict_with(&mut self.pool, n, |e, pool| {
                     if !e.on_host {
                         let bytes = pool.page(e.page).expect("evicted pages are allocated");
-                        out.push((e.hash, e.parent_hash, bytes.to_vec()));
+                        out.push(StorePage {
+                            hash: e.hash,
+                            parent: e.parent_hash,
+                            bytes: bytes.to_vec(),
+                        });
                     }
                 });
                 // Leaves go first: put each chain back in prefix order.
                 out.reverse();
-                let batch: Vec<(u64, u64, &[u8])> =
-                    out.iter().map(|(h, p, b)| (*h, *p, &b[..])).collect();
-                let t0 = std::time::Instant::now();
-                let written = host.store(&batch) as u64;
-                self.host_stats.written_seconds += t0.elapsed().as_secs_f64();
-                self.host_stats.written_pages += written;
-                self.host_stats.written_bytes +=
-                    written * self.pool.layout().bytes_per_page() as u64;
+                // Queued; a full queue drops them (counted): they are gone from here.
+                host.store(out);
                 freed
             }
             _ => c.evict(&mut self.pool, n),
         }
     }
 
-    /// The host tier's run of the prompt's whole pages after the `device` pages the device
-    /// tier matched (at most `limit` tokens in all), pinned there; `ns`: the request's
-    /// namespace in the prefix cache (its `cache_salt`'s, which names its pages).
-    fn host_lookup(
-        &mut self,
-        (tokens, ns): (&[u32], u64),
-        device: usize,
-        limit: usize,
-    ) -> Vec<HostPage> {
-        let Some((host, _)) = &mut self.host else {
-            return Vec::new();
-        };
+    /// The fetch of the prompt's whole pages after the `device` pages the device tier
+    /// matched (never the last token's: its logits are needed), when a host tier is
+    /// attached and there are any.
+    fn host_fetch(&mut self, s: &Seq, device: usize) -> Option<Fetch> {
+        self.host.as_ref()?;
+        let ns = self
+            .cache
+            .as_ref()?
+            .namespace(s.params.cache_salt.as_deref());
         let ps = self.cfg.page_size;
-        let full = limit / ps;
+        let full = (s.tokens.len() - 1) / ps;
         if full <= device {
-            return Vec::new();
+            return None;
         }
-        let hashes = page_hashes(ns, &tokens[..full * ps], ps);
-        host.lookup(&hashes[device..])
+        let hashes = page_hashes(ns, &s.tokens[..full * ps], ps);
+        self.fetches += 1;
+        Some(Fetch {
+            ticket: self.fetches,
+            hashes: hashes[device..].to_vec(),
+            min_pages: self.cfg.host_min_pages,
+        })
     }
 
-    /// Loads host pages into freshly allocated `dst` pages; returns how many leading pages
-    /// arrived intact.
-    fn host_load(&mut self, found: &[HostPage], dst: &[PageId]) -> usize {
-        let Some((host, _)) = &mut self.host else {
-            return 0;
+    /// Takes the host tier's answers: each fetched sequence gets the pages that arrived
+    /// intact and joins the batch (an aborted one's answer is dropped).
+    fn take_fetched(&mut self) {
+        let answers = match &mut self.host {
+            Some((host, _)) => host.take_fetched(),
+            None => return,
         };
-        let t0 = std::time::Instant::now();
-        let mut bufs = self.pool.pages_mut(dst).expect("freshly allocated pages");
-        let r = host.load(found, &mut bufs);
-        drop(bufs);
-        let st = &mut self.host_stats;
-        st.load_seconds += t0.elapsed().as_secs_f64();
-        st.load_bytes += (r.pages * self.pool.layout().bytes_per_page()) as u64;
-        st.hit_tokens += (r.pages * self.cfg.page_size) as u64;
-        if r.corrupt {
-            st.checksum_failures += 1;
-            tracing::warn!(
-                intact = r.pages,
-                of = found.len(),
-                "a host page failed its checksum: it is recomputed"
-            );
+        let bpp = self.pool.layout().bytes_per_page();
+        for f in answers {
+            let Some(i) = self.loading.iter().position(|l| l.ticket == f.ticket) else {
+                continue;
+            };
+            let Loading { seq, device, .. } = self.loading.remove(i);
+            // Only whole pages of this layout, and never more than were asked for.
+            let room = seq.pages.len() - device;
+            let n = f
+                .pages
+                .iter()
+                .take(room)
+                .take_while(|p| p.len() == bpp)
+                .count();
+            let mut bufs = self
+                .pool
+                .pages_mut(&seq.pages[device..device + n])
+                .expect("reserved pages are allocated");
+            for (dst, src) in bufs.iter_mut().zip(&f.pages) {
+                dst.copy_from_slice(src);
+            }
+            drop(bufs);
+            let st = &mut self.host_stats;
+            st.load_seconds += f.seconds;
+            st.load_bytes += (n * bpp) as u64;
+            st.hit_tokens += (n * self.cfg.page_size) as u64;
+            if f.corrupt {
+                st.checksum_failures += 1;
+                tracing::warn!(
+                    id = %seq.id,
+                    intact = n,
+                    "a host page failed its checksum: it is recomputed"
+                );
+            }
+            self.admitted(seq, device, n);
         }
-        r.pages
+    }
+
+    /// `s` holds its pages, the first `device + loaded` of them with its prompt's KV: it
+    /// joins the batch (or, when the batch is full, the line for it).
+    fn admitted(&mut self, mut s: Seq, device: usize, loaded: usize) {
+        s.computed = (device + loaded) * self.cfg.page_size;
+        if s.cached.is_none() {
+            let device_cached = (device * self.cfg.page_size).min(s.prompt_len);
+            self.pending.push(StepEvent::Admitted {
+                id: s.id.clone(),
+                device_cached,
+                host_cached: s.computed.min(s.prompt_len) - device_cached,
+                at: std::time::Instant::now(),
+            });
+        }
+        s.cached.get_or_insert(s.computed.min(s.prompt_len));
+        if self.running.len() < self.cfg.max_batch {
+            self.running.push(s);
+        } else {
+            self.ready.push_back(s);
+        }
     }
 
     fn admit(&mut self) {
+        self.take_fetched();
         while self.running.len() < self.cfg.max_batch
             && let Some(s) = self.ready.pop_front()
         {
@@ -946,7 +1043,9 @@ impl Engine {
         while let Some(front) = self.waiting.front() {
             let reserve =
                 front.part == Part::Decode && front.computed == 0 && front.generated() == 0;
-            if !reserve && self.running.len() + self.ready.len() >= self.cfg.max_batch {
+            if !reserve
+                && self.running.len() + self.ready.len() + self.loading.len() >= self.cfg.max_batch
+            {
                 break;
             }
             if reserve {
@@ -1024,44 +1123,25 @@ impl Engine {
                 self.release(hit);
                 break;
             };
-            // Admitted: only now ask the host tier for the pages after the device hit.
-            let front = self.waiting.front_mut().expect("front");
-            let ns = self
-                .cache
-                .as_ref()
-                .map(|c| c.namespace(front.params.cache_salt.as_deref()));
-            let tokens = std::mem::take(&mut front.tokens);
-            let found = match ns {
-                Some(ns) if !every_row => self.host_lookup((&tokens, ns), hit.len(), len - 1),
-                _ => Vec::new(),
-            };
-            self.waiting.front_mut().expect("front").tokens = tokens;
-            let loaded = if found.is_empty() {
-                0
-            } else if found.len() < self.cfg.host_min_pages {
-                // Too short to be worth a load: recompute it (all or nothing).
-                if let Some((host, _)) = &mut self.host {
-                    host.release(&found);
-                }
-                0
-            } else {
-                self.host_load(&found, &pages[..found.len()])
-            };
+            // Admitted: only now ask the host tier for the pages after the device hit; the
+            // sequence holds its pages meanwhile and the others run.
             let mut s = self.waiting.pop_front().expect("front exists");
-            s.computed = (hit.len() + loaded) * self.cfg.page_size;
-            if s.cached.is_none() {
-                let device_cached = (hit.len() * self.cfg.page_size).min(s.prompt_len);
-                self.pending.push(StepEvent::Admitted {
-                    id: s.id.clone(),
-                    device_cached,
-                    host_cached: s.computed.min(s.prompt_len) - device_cached,
-                    at: std::time::Instant::now(),
-                });
-            }
-            s.cached.get_or_insert(s.computed.min(s.prompt_len));
+            let device = hit.len();
             s.pages = hit;
             s.pages.extend(pages);
-            self.running.push(s);
+            if !every_row
+                && let Some(fetch) = self.host_fetch(&s, device)
+                && let Some((host, _)) = &mut self.host
+            {
+                self.loading.push(Loading {
+                    ticket: fetch.ticket,
+                    seq: s,
+                    device,
+                });
+                host.fetch(fetch);
+                continue;
+            }
+            self.admitted(s, device, 0);
         }
     }
 

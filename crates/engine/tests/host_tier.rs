@@ -56,18 +56,19 @@ impl Cache {
             std::thread::sleep(Duration::from_millis(20));
         }
         e.set_host_tier(Box::new(tier), policy);
+        e.set_host_waker(common::wake_here());
     }
 
     fn tier(&self, e: &Engine, plane: DataPlane) -> RemoteTier {
         let layout = e.pool().layout().as_ref().clone();
-        let cfg = TierConfig {
-            url: self.url.clone(),
-            worker_id: format!("test-{plane:?}"),
+        let mut cfg = TierConfig::new(
+            self.url.clone(),
+            format!("test-{plane:?}"),
             plane,
-            call_timeout: Duration::from_secs(5),
-            retry_every: Duration::from_millis(50),
-            auth: pdmesh_tls::test_ca::auth(),
-        };
+            pdmesh_tls::test_ca::auth(),
+        );
+        cfg.call_timeout = Duration::from_secs(5);
+        cfg.retry_every = Duration::from_millis(50);
         RemoteTier::start(self.rt.handle().clone(), cfg, layout)
     }
 
@@ -193,6 +194,7 @@ fn a_byte_flipped_in_the_mirror_is_caught_recomputed_and_counted() {
     let first = run_all(&mut writer, vec![greedy("w", &prompt, 8)])
         .remove("w")
         .unwrap();
+    common::wait_stored(&writer);
     assert!(writer.host_stats().written_pages >= 3);
 
     // Below the load threshold a host hit is recomputed, not loaded.
@@ -256,6 +258,7 @@ fn a_salted_prompt_comes_back_from_the_host_only_for_its_own_salt() {
     let first = run_all(&mut writer, vec![salted("w", Some("tenant-a"))])
         .remove("w")
         .unwrap();
+    common::wait_stored(&writer);
     assert!(writer.host_stats().written_pages >= 3);
     for (salt, hit) in [
         (Some("tenant-b"), false),
@@ -280,19 +283,17 @@ fn without_a_cache_service_requests_are_served_from_the_device_tier() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let refusing = pdmesh_testkit::Refusing::new();
     let mut e = common::engine(|_| {});
-    let tier = RemoteTier::start(
-        rt.handle().clone(),
-        TierConfig {
-            url: refusing.url(),
-            worker_id: "lonely".into(),
-            plane: DataPlane::Shm,
-            call_timeout: Duration::from_secs(1),
-            retry_every: Duration::from_millis(50),
-            auth: pdmesh_tls::test_ca::auth(),
-        },
-        e.pool().layout().as_ref().clone(),
+    let mut cfg = TierConfig::new(
+        refusing.url(),
+        "lonely",
+        DataPlane::Shm,
+        pdmesh_tls::test_ca::auth(),
     );
+    cfg.call_timeout = Duration::from_secs(1);
+    cfg.retry_every = Duration::from_millis(50);
+    let tier = RemoteTier::start(rt.handle().clone(), cfg, e.pool().layout().as_ref().clone());
     e.set_host_tier(Box::new(tier), WritePolicy::WriteThrough);
+    e.set_host_waker(common::wake_here());
     let fx = common::fixture_prompts();
     let out = run_all(&mut e, vec![greedy("a", &fx[3], 6), greedy("b", &fx[3], 6)]);
     assert_eq!(out["a"].tokens, out["b"].tokens);

@@ -121,24 +121,32 @@ fn admission_reports_where_the_prompt_came_from_once() {
 
 /// A host tier that holds nothing and records what it is offered.
 #[derive(Default)]
-struct Recorder(std::sync::Arc<std::sync::Mutex<Vec<u64>>>);
+struct Recorder {
+    stored: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
+    answers: Vec<pdmesh_kv::Fetched>,
+}
 
 impl pdmesh_kv::HostTier for Recorder {
-    fn lookup(&mut self, _hashes: &[u64]) -> Vec<pdmesh_kv::HostPage> {
-        Vec::new()
+    fn fetch(&mut self, f: pdmesh_kv::Fetch) {
+        self.answers.push(pdmesh_kv::Fetched {
+            ticket: f.ticket,
+            ..Default::default()
+        });
     }
-    fn load(
-        &mut self,
-        _pages: &[pdmesh_kv::HostPage],
-        _dsts: &mut [&mut [u8]],
-    ) -> pdmesh_kv::HostLoad {
-        pdmesh_kv::HostLoad::default()
+    fn take_fetched(&mut self) -> Vec<pdmesh_kv::Fetched> {
+        std::mem::take(&mut self.answers)
     }
-    fn release(&mut self, _pages: &[pdmesh_kv::HostPage]) {}
-    fn store(&mut self, pages: &[(u64, u64, &[u8])]) -> usize {
-        let mut got = self.0.lock().unwrap();
-        got.extend(pages.iter().map(|p| p.0));
-        pages.len()
+    fn has_fetched(&self) -> bool {
+        !self.answers.is_empty()
+    }
+    fn set_waker(&mut self, _waker: std::task::Waker) {}
+    fn store(&mut self, pages: Vec<pdmesh_kv::StorePage>) -> bool {
+        let mut got = self.stored.lock().unwrap();
+        got.extend(pages.iter().map(|p| p.hash));
+        true
+    }
+    fn store_stats(&self) -> pdmesh_kv::StoreStats {
+        pdmesh_kv::StoreStats::default()
     }
     fn generation(&self) -> u64 {
         0
@@ -152,7 +160,10 @@ fn a_flush_evicts_only_pages_no_request_uses_and_writes_them_back_first() {
     let mut e = common::engine(|c| c.page_size = 4);
     let stored = std::sync::Arc::default();
     e.set_host_tier(
-        Box::new(Recorder(std::sync::Arc::clone(&stored))),
+        Box::new(Recorder {
+            stored: std::sync::Arc::clone(&stored),
+            answers: Vec::new(),
+        }),
         pdmesh_engine::WritePolicy::WriteBack,
     );
     let first = run_all(&mut e, vec![greedy("a", &prompt, 12)])

@@ -140,6 +140,27 @@ impl Message for SubscribeKv {
     type Result = (u64, Vec<CacheEvent>, broadcast::Receiver<KvBatch>);
 }
 
+/// A host-tier answer arrived: the engine has work again.
+struct HostReady;
+impl Message for HostReady {
+    type Result = ();
+}
+
+/// The engine's host-tier waker: tells the actor, once its address exists, that an answer
+/// arrived. The engine thread never waits for one.
+struct WakeActor(Arc<std::sync::OnceLock<Addr<EngineActor>>>);
+
+impl std::task::Wake for WakeActor {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        if let Some(addr) = self.0.get() {
+            addr.do_send(HostReady);
+        }
+    }
+}
+
 /// Batches of changes kept for subscribers that fall behind, before they lose events.
 const KV_BACKLOG: usize = 1024;
 
@@ -206,6 +227,13 @@ impl Handler<Submit> for EngineActor {
         )?;
         self.kick(ctx);
         Ok(())
+    }
+}
+
+impl Handler<HostReady> for EngineActor {
+    type Result = ();
+    fn handle(&mut self, _msg: HostReady, ctx: &mut Self::Context) {
+        self.kick(ctx);
     }
 }
 
@@ -342,6 +370,8 @@ pub(crate) fn start(
     // Fault injection for the watchdog test, only from `--fault-stall-step`.
     let stall_fault = stall.map(|s| (s.step, s.pause));
     engine.record_cache_events();
+    let actor: Arc<std::sync::OnceLock<Addr<EngineActor>>> = Arc::default();
+    engine.set_host_waker(std::task::Waker::from(Arc::new(WakeActor(actor.clone()))));
     let kv = broadcast::channel(KV_BACKLOG).0;
     let (released_tx, released) = oneshot::channel();
     // SyncArbiter wants a factory it could call again (it restarts a stopped actor); the
@@ -390,6 +420,9 @@ pub(crate) fn start(
     let (addr, system) = ready_rx
         .recv()
         .map_err(|_| std::io::Error::other("the engine actor system did not start"))?;
+    // No fetch starts before a request comes through the handle made below, so no answer
+    // comes before this.
+    let _ = actor.set(addr.clone());
     let handle = EngineHandle {
         addr,
         tickets: Arc::new(AtomicU64::new(0)),

@@ -100,6 +100,8 @@ pub struct Load {
     /// Prefilled prompts whose pages wait for export, and those pages.
     pub exports: usize,
     pub export_pages: usize,
+    /// Of `waiting`, admitted requests whose prompt pages come from the host tier.
+    pub fetching: usize,
 }
 
 impl Backend for Engine {
@@ -158,6 +160,7 @@ impl Backend for Engine {
             reserved_pages,
             exports,
             export_pages,
+            fetching: self.awaiting_host(),
         }
     }
     fn export(&mut self, id: &str, f: ExportFn) -> Result<Vec<u64>, EngineError> {

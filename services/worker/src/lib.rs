@@ -500,14 +500,12 @@ pub async fn run(
     if let Some(url) = cfg.cache_url.as_ref().filter(|_| !cfg.no_host_tier) {
         let tier = pdmesh_cache_client::RemoteTier::start(
             tokio::runtime::Handle::current(),
-            pdmesh_cache_client::TierConfig {
-                url: url.clone(),
-                worker_id: format!("worker-{}", std::process::id()),
-                plane: cfg.cache_data_plane,
-                call_timeout: std::time::Duration::from_secs(2),
-                retry_every: std::time::Duration::from_secs(1),
-                auth: auth.clone(),
-            },
+            pdmesh_cache_client::TierConfig::new(
+                url.clone(),
+                format!("worker-{}", std::process::id()),
+                cfg.cache_data_plane,
+                auth.clone(),
+            ),
             engine.pool().layout().as_ref().clone(),
         );
         let tier = match &incidents {

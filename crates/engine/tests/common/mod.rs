@@ -4,6 +4,8 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use pdmesh_engine::{Engine, EngineConfig, GenRequest, Logprob, SamplingParams, StepEvent};
 
@@ -48,7 +50,19 @@ pub fn run_submitted(e: &mut Engine, ids: &[String]) -> HashMap<String, Outcome>
         .map(|i| (i.clone(), Outcome::default()))
         .collect();
     let mut steps = 0;
-    while e.has_work() {
+    let mut waited = Duration::ZERO;
+    while e.has_work() || e.awaiting_host() > 0 {
+        if !e.has_work() {
+            // Only host-tier answers are awaited: their waker (`wake_here`) unparks us.
+            let t0 = Instant::now();
+            std::thread::park_timeout(Duration::from_millis(100));
+            waited += t0.elapsed();
+            assert!(
+                waited < Duration::from_secs(60),
+                "the host tier never answered"
+            );
+            continue;
+        }
         steps += 1;
         assert!(steps < 100_000, "engine made no progress");
         for ev in e.step() {
@@ -79,6 +93,30 @@ pub fn run_submitted(e: &mut Engine, ids: &[String]) -> HashMap<String, Outcome>
         out.get_mut(id).unwrap().logits = e.take_logits(id).unwrap_or_default();
     }
     out
+}
+
+/// A waker that unparks the calling thread: give it to an engine with a host tier
+/// ([`Engine::set_host_waker`]) that [`run_submitted`] drives from this thread.
+pub fn wake_here() -> std::task::Waker {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    std::task::Waker::from(Arc::new(Unpark(std::thread::current())))
+}
+
+/// Waits until `e`'s host tier has written (or skipped) every page queued for it.
+pub fn wait_stored(e: &Engine) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while e.host_stats().queued_pages > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the host tier never wrote its queue"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 pub fn greedy(id: &str, prompt: &[u32], n: u32) -> GenRequest {
@@ -148,6 +186,8 @@ pub fn sessions(e: &mut Engine, sessions: usize) -> Vec<HashMap<String, Outcome>
             })
             .collect();
         let out = run_all(e, reqs);
+        // What a turn wrote to the host tier is there for the next one.
+        wait_stored(e);
         for (s, h) in history.iter_mut().enumerate() {
             h.extend_from_slice(&out[&format!("s{s}t{turn}")].tokens);
         }
