@@ -30,8 +30,11 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use state::stats::RoomStats;
+
 pub use pdmesh_cache_client::{Lease, RemoteTier, TierConfig};
-pub use state::{CacheError, MirrorSize};
+pub use state::CacheError;
+pub use state::slots::MirrorSize;
 
 /// Configuration of the cache service.
 #[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
@@ -523,7 +526,7 @@ impl transfer::Sink for HomeSink<'_> {
     }
 
     fn trailer(&mut self, room: u64, sender: Lease, trailer: &[u8]) -> Vec<u8> {
-        grpc::peer_commit(self.0, room, sender, trailer)
+        grpc::rooms::peer_commit(self.0, room, sender, trailer)
     }
     fn checksum_failed(&mut self, bad: transfer::BadArrival<'_>) {
         self.0.with(|s| s.arrival_checksum_failed(bad));
@@ -558,7 +561,7 @@ impl Wedges {
         gap: Duration,
         every: Duration,
         rooms: &[rooms::Stuck],
-        figures: (&state::RoomStats, &state::RoomStats),
+        figures: (&RoomStats, &RoomStats),
     ) {
         let summary = format!(
             "This cache service made no progress for {:.1} s: its reaper, due every {} ms, \
@@ -580,12 +583,7 @@ impl Wedges {
     /// Files a `wedge` report for the rooms the watchdog found stuck now: the oldest
     /// room's request, trace and timeline, every stuck room, and the rooms' figures
     /// before and after.
-    fn report(
-        &self,
-        stuck: &[rooms::Stuck],
-        mode: Watchdog,
-        figures: (&state::RoomStats, &state::RoomStats),
-    ) {
+    fn report(&self, stuck: &[rooms::Stuck], mode: Watchdog, figures: (&RoomStats, &RoomStats)) {
         let Some(oldest) = stuck.first() else {
             return;
         };
@@ -620,7 +618,7 @@ impl Wedges {
         summary: String,
         stage: &str,
         rooms: &[rooms::Stuck],
-        (before, after): (&state::RoomStats, &state::RoomStats),
+        (before, after): (&RoomStats, &RoomStats),
         details: impl FnOnce(&mut pdmesh_incident::Incident),
     ) {
         let Some(r) = &self.reporter else {
@@ -676,7 +674,7 @@ impl Wedges {
 /// The rooms' figures a wedge report shows (the cache service's own counts; `/metrics`
 /// shows them as `mesh_rooms`, `mesh_room_oldest_seconds`, `mesh_stalls_total`,
 /// `mesh_room_slots` and `mesh_kv_transfer_bytes_total`).
-fn room_figures(s: &state::RoomStats) -> Vec<(String, f64)> {
+fn room_figures(s: &RoomStats) -> Vec<(String, f64)> {
     let mut out: Vec<(String, f64)> = Vec::new();
     for (state, n, oldest) in &s.census {
         out.push((format!("rooms {}", state.name()), *n as f64));

@@ -1,0 +1,146 @@
+//! The mirror's slots: how big the mirror is, what each slot holds, and handing slots
+//! out (evicting least recently used unpinned pages) and back (freed, or quarantined
+//! while a failed room's sender might still write them).
+
+use pdmesh_cache_client::Lease;
+
+use super::{CacheError, Event, State};
+use crate::rooms::Released;
+
+/// How big the host mirror is: bytes, or tokens of the registered layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MirrorSize {
+    Bytes(u64),
+    Tokens(u64),
+}
+
+impl std::str::FromStr for MirrorSize {
+    type Err = String;
+
+    /// `4GiB`, `512MiB`, `1000000` (bytes), `2GB`, `100000tokens`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let n: u64 = num
+            .parse()
+            .map_err(|_| format!("{s:?}: expected a number with an optional unit"))?;
+        let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "tokens" | "token" => return Ok(Self::Tokens(n)),
+            "" | "b" => 1,
+            "kb" => 1000,
+            "mb" => 1000 * 1000,
+            "gb" => 1000 * 1000 * 1000,
+            "kib" => 1 << 10,
+            "mib" => 1 << 20,
+            "gib" => 1 << 30,
+            u => {
+                return Err(format!(
+                    "{s:?}: unknown unit {u:?} (B, KB, MB, GB, KiB, MiB, GiB, tokens)"
+                ));
+            }
+        };
+        n.checked_mul(mult)
+            .map(Self::Bytes)
+            .ok_or_else(|| format!("{s:?} is too large"))
+    }
+}
+
+#[derive(Debug)]
+pub(super) enum Slot {
+    Free,
+    Reserved {
+        lease: Lease,
+        hash: u64,
+    },
+    Resident {
+        hash: u64,
+        checksum: u64,
+        pins: u32,
+        last_use: u64,
+    },
+    /// Held by a room for its transfer.
+    Room {
+        room: u64,
+    },
+    /// A failed room's slot its sender might still write: not reused until that sender
+    /// calls again or its lease ends.
+    Quarantined {
+        room: u64,
+        lease: Lease,
+    },
+}
+
+impl State {
+    pub(super) fn free_slot(&mut self, slot: u32) {
+        if let Slot::Reserved { hash, .. } | Slot::Resident { hash, .. } = self.slots[slot as usize]
+        {
+            self.index.remove(&hash);
+        }
+        self.slots[slot as usize] = Slot::Free;
+        self.free.push(slot);
+    }
+
+    /// `pages` slots for `room`'s transfer, all or none, evicting least recently used
+    /// unpinned pages for them.
+    pub(super) fn take_slots(&mut self, room: u64, pages: usize) -> Result<Vec<u32>, CacheError> {
+        let spare = self.free.len() + self.lru.len();
+        if spare < pages {
+            return Err(CacheError::MirrorFull {
+                want: pages,
+                free: spare,
+            });
+        }
+        let mut slots = Vec::with_capacity(pages);
+        let mut removed = Vec::new();
+        for _ in 0..pages {
+            let slot = match self.free.pop() {
+                Some(s) => s,
+                None => {
+                    let (_, s) = self.lru.pop_first().expect("counted above");
+                    let Slot::Resident { hash, .. } = self.slots[s as usize] else {
+                        unreachable!("the LRU set holds resident slots only");
+                    };
+                    self.index.remove(&hash);
+                    removed.push(hash);
+                    self.stats.evicted_pages += 1;
+                    s
+                }
+            };
+            self.slots[slot as usize] = Slot::Room { room };
+            slots.push(slot);
+        }
+        if !removed.is_empty() {
+            self.events.push(Event::Removed { hashes: removed });
+        }
+        Ok(slots)
+    }
+
+    /// Frees a room's slots, or quarantines those its sender might still write.
+    pub(super) fn give_back(&mut self, rel: Released) {
+        for slot in rel.free_now {
+            self.free_slot(slot);
+        }
+        for (slot, lease) in rel.quarantined {
+            if let Slot::Room { room } = self.slots[slot as usize] {
+                // A peer writes through this process only (see `peer_write`).
+                if self.leases.get(&lease).is_some_and(|l| !l.peer) {
+                    self.slots[slot as usize] = Slot::Quarantined { room, lease };
+                } else {
+                    self.free_slot(slot);
+                }
+            }
+        }
+    }
+
+    pub(super) fn free_quarantined(&mut self, pick: impl Fn(u64, Lease) -> bool) {
+        let slots: Vec<u32> = (0..self.slots.len() as u32)
+            .filter(|&i| {
+                matches!(self.slots[i as usize], Slot::Quarantined { room, lease } if pick(room, lease))
+            })
+            .collect();
+        for slot in slots {
+            self.free_slot(slot);
+        }
+    }
+}
