@@ -1,0 +1,291 @@
+//! Phases two and three of a step: running the forward pass the engine gives over the
+//! plan's tokens, then sampling (grammar masks, `min_tokens`, penalties), stop checks,
+//! and retirement. Sampling state advances exactly as it would for the sequence alone.
+
+use std::time::{Duration, Instant};
+
+use pdmesh_kv::{PageId, PagePool};
+
+use super::handover::hold_export;
+use super::seq::Seq;
+use super::{Scheduler, StepPlan};
+use crate::grammar::Constraint;
+use crate::model::BatchToken;
+use crate::{FinishReason, Logprob, Part, StepEvent};
+
+impl Scheduler {
+    /// Phase two: runs `forward` (the model's pass over the pool) on the plan's tokens,
+    /// preparing the grammar masks of the tokens this step samples on another thread
+    /// meanwhile. Returns the logits rows, in the plan's order.
+    pub(crate) fn execute(
+        &mut self,
+        plan: &StepPlan,
+        forward: impl FnOnce(&mut PagePool, &[&[PageId]], &[BatchToken]) -> Vec<Vec<f32>>,
+    ) -> Vec<Vec<f32>> {
+        let plan = &plan.work;
+        // A sequence with one token left to compute is decoding; the rest are prompts.
+        let decoded = plan
+            .iter()
+            .filter(|&&(i, _)| self.running[i].tokens.len() - self.running[i].computed == 1)
+            .count();
+        let mut batch = Vec::new();
+        for (slot, &(i, take)) in plan.iter().enumerate() {
+            let s = &self.running[i];
+            for pos in s.computed..s.computed + take {
+                batch.push(BatchToken {
+                    seq: slot,
+                    pos,
+                    token: s.tokens[pos],
+                    want_logits: s.wants_logits(pos),
+                });
+            }
+        }
+        // Grammar masks for the tokens this step samples are computed on another thread
+        // while the forward pass runs.
+        let mut masks: Vec<(usize, Box<Constraint>)> = Vec::new();
+        for &(i, take) in plan {
+            let s = &mut self.running[i];
+            if s.computed + take >= s.tokens.len()
+                && let Some(c) = s.constraint.take()
+            {
+                masks.push((i, c));
+            }
+        }
+        let seq_pages: Vec<&[PageId]> = plan
+            .iter()
+            .map(|&(i, _)| self.running[i].pages.as_slice())
+            .collect();
+        let pool = &mut self.pool;
+        let mut took = Duration::ZERO;
+        let logits = std::thread::scope(|scope| {
+            let prep = (!masks.is_empty()).then(|| {
+                scope.spawn(|| {
+                    for (_, c) in &mut masks {
+                        c.prepare();
+                    }
+                })
+            });
+            let started = Instant::now();
+            let logits = forward(pool, &seq_pages, &batch);
+            took = started.elapsed();
+            if let Some(h) = prep {
+                h.join().expect("grammar mask thread panicked");
+            }
+            logits
+        });
+        drop(seq_pages);
+        self.budget.observe(decoded, batch.len() - decoded, took);
+        for (i, c) in masks {
+            self.running[i].constraint = Some(c);
+        }
+        logits
+    }
+
+    /// Phase three: takes the logits rows in the plan's order: prompt log-probabilities,
+    /// then for each sequence whose tokens are all computed, samples its next token,
+    /// checks its stops, and retires finished ones (a prefill holds its pages for export);
+    /// a group's prompt, once computed, starts its other choices.
+    pub(crate) fn apply(
+        &mut self,
+        plan: StepPlan,
+        logits: Vec<Vec<f32>>,
+        events: &mut Vec<StepEvent>,
+    ) {
+        let mut logits = logits.into_iter();
+        let mut done = Vec::new();
+        let mut forks = Vec::new();
+        for (i, take) in plan.work {
+            let s = &mut self.running[i];
+            let from = s.computed;
+            s.computed += take;
+            if let Some(k) = s.params.prompt_logprobs {
+                for pos in (from..s.computed).filter(|&p| p + 1 < s.tokens.len()) {
+                    if s.wants_logits(pos) {
+                        let row = logits
+                            .next()
+                            .expect("a logits row per prompt position asked");
+                        s.prompt_lp
+                            .push(Logprob::of(&row, s.tokens[pos + 1], k as usize));
+                    }
+                }
+            }
+            if s.computed < s.tokens.len() {
+                continue; // prompt not finished yet
+            }
+            let row = logits
+                .next()
+                .expect("one logits row per completed sequence");
+            if s.generated() == 0 && s.group.take().is_some() {
+                // The group's prompt is computed: the choices waiting for it take
+                // references to its pages and the same logits.
+                let n = self.pool.pages_for_tokens(s.prompt_len);
+                for mut f in self.followers.remove(&s.id).unwrap_or_default() {
+                    for &p in &s.pages[..n] {
+                        self.pool.retain(p).expect("the sequence holds its pages");
+                    }
+                    f.pages = s.pages[..n].to_vec();
+                    f.computed = s.prompt_len;
+                    f.prompt_lp = s.prompt_lp.clone();
+                    forks.push((f, row.clone()));
+                }
+            }
+            prompt_logprobs(s, events);
+            let (tok, logprob) = sample_row(s, row, &self.eog, self.cfg.capture_logits);
+            if s.part == Part::Prefill {
+                hold_export(&mut self.pool, &mut self.exports, s, tok, logprob, events);
+                done.push(i);
+                continue;
+            }
+            let ends = (&self.eog[..], &self.token_bytes[..], self.context);
+            if after_sample(s, tok, logprob, ends, events) {
+                done.push(i);
+            }
+        }
+        done.sort_unstable();
+        for &i in done.iter().rev() {
+            let mut s = self.running.remove(i);
+            self.ids.remove(&s.id);
+            if self.cfg.capture_logits {
+                self.captured
+                    .insert(s.id.clone(), std::mem::take(&mut s.logits));
+            }
+            self.retire_pages(&mut s);
+        }
+        for (f, row) in forks {
+            self.fork(f, row, events);
+        }
+    }
+}
+
+/// Reports `s`'s prompt log-probabilities, when asked for, as its first token is sampled.
+pub(super) fn prompt_logprobs(s: &Seq, events: &mut Vec<StepEvent>) {
+    if s.generated() == 0 && s.params.prompt_logprobs.is_some() {
+        events.push(StepEvent::PromptLogprobs {
+            id: s.id.clone(),
+            tokens: s.tokens[1..s.prompt_len].to_vec(),
+            logprobs: s.prompt_lp.clone(),
+        });
+    }
+}
+
+/// Samples `s`'s next token from `row`, the logits after its last token, and appends it:
+/// the grammar's mask, `min_tokens`' mask, penalties and temperature apply; the
+/// log-probability (when asked for) is the raw row's.
+pub(super) fn sample_row(
+    s: &mut Seq,
+    mut row: Vec<f32>,
+    eog: &[u32],
+    capture: bool,
+) -> (u32, Option<Logprob>) {
+    if capture {
+        s.logits.push(row.clone());
+    }
+    // Raw log-probabilities: of the row before anything below changes it.
+    let raw = s.params.logprobs.then(|| row.clone());
+    let live = match &mut s.constraint {
+        Some(c) => c.apply(&mut row, eog),
+        None => true,
+    };
+    if s.generated() < s.params.min_tokens as usize {
+        let ends: &[u32] = if s.params.ignore_eos { &[] } else { eog };
+        for &t in ends.iter().chain(&s.params.stop_token_ids) {
+            if let Some(l) = row.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let mut tok = s.sampler.sample(&mut row, &s.params, &s.tokens);
+    if !live && !eog.contains(&tok) {
+        // The grammar allows nothing more: end the sequence.
+        tok = eog[0];
+    }
+    let logprob = raw.map(|r| Logprob::of(&r, tok, s.params.top_logprobs as usize));
+    if let Some(c) = &mut s.constraint
+        && let Err(e) = c.commit(tok, eog)
+    {
+        tracing::warn!(id = %s.id, tok, error = %e, "the grammar refused a sampled token");
+    }
+    s.sampler.record(tok);
+    s.tokens.push(tok);
+    (tok, logprob)
+}
+
+type Finish = (FinishReason, Option<String>, Option<u32>);
+
+/// Emits the events for a token just appended to `s`; whether `s` is finished. `ends`:
+/// the end-of-generation tokens, each token's bytes and the context length.
+pub(super) fn after_sample(
+    s: &mut Seq,
+    tok: u32,
+    logprob: Option<Logprob>,
+    (eog, token_bytes, context): (&[u32], &[Vec<u8>], usize),
+    events: &mut Vec<StepEvent>,
+) -> bool {
+    let Some((reason, matched_stop, matched_token)) =
+        finish_check(s, tok, eog, token_bytes, context)
+    else {
+        events.push(StepEvent::Token {
+            id: s.id.clone(),
+            token: tok,
+            logprob,
+        });
+        return false;
+    };
+    if matched_token.is_none() {
+        events.push(StepEvent::Token {
+            id: s.id.clone(),
+            token: tok,
+            logprob,
+        });
+    }
+    events.push(StepEvent::Finished {
+        id: s.id.clone(),
+        reason,
+        matched_stop,
+        matched_token,
+        prompt_tokens: s.prompt_len as u32,
+        completion_tokens: s.generated() as u32,
+        cached_tokens: s.cached.unwrap_or(0) as u32,
+    });
+    true
+}
+
+/// Whether `s` is finished after appending `tok`.
+fn finish_check(
+    s: &mut Seq,
+    tok: u32,
+    eog: &[u32],
+    token_bytes: &[Vec<u8>],
+    context: usize,
+) -> Option<Finish> {
+    if (!s.params.ignore_eos && eog.contains(&tok)) || s.params.stop_token_ids.contains(&tok) {
+        return Some((FinishReason::Stop, None, Some(tok)));
+    }
+    if s.constraint.as_ref().is_some_and(|c| c.done()) {
+        // The grammar is complete: nothing more may be written.
+        let end = eog.contains(&tok).then_some(tok);
+        return Some((FinishReason::Stop, None, end));
+    }
+    if !s.params.stop.is_empty() {
+        let before = s.tail.len();
+        s.tail.extend_from_slice(&token_bytes[tok as usize]);
+        // Before min_tokens, stop strings do not match (vLLM's rule).
+        let matching = s.generated() >= s.params.min_tokens as usize;
+        for stop in s.params.stop.iter().filter(|_| matching) {
+            let sb = stop.as_bytes();
+            // Only matches that end inside the new bytes are new.
+            let from = before.saturating_sub(sb.len() - 1);
+            if s.tail.len() >= sb.len() && s.tail[from..].windows(sb.len()).any(|w| w == sb) {
+                return Some((FinishReason::Stop, Some(stop.clone()), None));
+            }
+        }
+        let keep = s.params.stop.iter().map(String::len).max().unwrap_or(1);
+        if s.tail.len() > keep {
+            s.tail.drain(..s.tail.len() - keep);
+        }
+    }
+    if s.generated() >= s.max_new || s.tokens.len() >= context {
+        return Some((FinishReason::Length, None, None));
+    }
+    None
+}
