@@ -8,11 +8,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
-use crate::Config;
-use crate::backend::{Backends, WorkerInfo};
+use crate::clients::{Backends, OutputFormat, WorkerInfo};
+use crate::config::Config;
 use crate::error::{ApiError, Error};
 use crate::metrics::Metrics;
-use crate::tools::OutputFormat;
 
 /// Cheap to clone; everything lives behind one `Arc`.
 #[derive(Clone)]
@@ -37,8 +36,6 @@ pub(crate) struct Inner {
     pub admission: Arc<tokio::sync::Semaphore>,
     /// Unix time the gateway started: the `created` of `/v1/models`.
     pub started: u64,
-    /// Stored responses (`/v1/responses`), for `previous_response_id` and `GET`.
-    pub responses: crate::responses::Store,
     /// Incident reports (`--incident-dir`).
     pub incidents: Option<pdmesh_incident::Reporter>,
     /// The metrics' figures at the last second's tick (a report's "before"), and when.
@@ -132,11 +129,6 @@ impl AppState {
         local: Option<pdmesh_text::TextTokenizer>,
         shutdown: CancellationToken,
     ) -> Result<Self, Error> {
-        let responses = crate::responses::new_store(
-            cfg.responses_max_stored,
-            cfg.responses_max_stored_bytes,
-            cfg.responses_ttl_secs,
-        );
         let admission = Arc::new(tokio::sync::Semaphore::new(cfg.max_concurrent_requests));
         let incidents = pdmesh_incident::Reporter::from_flags(
             cfg.incident_dir.as_deref(),
@@ -146,7 +138,6 @@ impl AppState {
         )
         .map_err(|e| Error::Config(e.to_string()))?;
         Ok(Self(Arc::new(Inner {
-            responses,
             incidents,
             figures_before: Default::default(),
             host: pdmesh_incident::hostname(),

@@ -17,11 +17,15 @@ use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use utoipa::ToSchema;
+use utoipa::openapi::schema::{ArrayBuilder, Object, Schema, SchemaType, Type};
 
+use super::handler::body_bytes;
 use crate::error::ApiError;
+use crate::generate::chat::{ChatRequest, blame_grammar, prepare_chat};
+use crate::generate::sampling::{MAX_STOP, SamplingFields, stop_string};
+use crate::generate::schema::strings;
 use crate::generate::{self, Done, GenEvent};
-use crate::handlers::{blame_grammar, body_bytes, prepare_chat};
-use crate::openai::{self, ChatRequest, SamplingFields};
+use crate::json::{self, whole};
 use crate::state::AppState;
 
 /// `POST /v1/messages`. The limits in the `schema` attributes are the chat endpoint's,
@@ -36,21 +40,21 @@ pub(crate) struct MessagesRequest {
     model: String,
     /// Most tokens to generate; the prompt and these must fit in the model's context.
     #[schema(minimum = 1)]
-    #[serde(deserialize_with = "openai::whole::int")]
+    #[serde(deserialize_with = "whole::int")]
     max_tokens: i64,
     #[schema(min_items = 1)]
     messages: Vec<InMessage>,
     /// The system prompt: a string or text blocks.
     system: Option<Content>,
     /// Strings that end the answer (where the model writes one).
-    #[schema(schema_with = crate::openapi::stop_sequences)]
+    #[schema(schema_with = crate::api::anthropic::stop_sequences)]
     stop_sequences: Option<Vec<String>>,
     #[schema(minimum = 0, maximum = 1)]
     temperature: Option<f64>,
     #[schema(exclusive_minimum = 0, maximum = 1)]
     top_p: Option<f64>,
     #[schema(minimum = -1, maximum = 2147483647)]
-    #[serde(default, deserialize_with = "openai::whole::opt")]
+    #[serde(default, deserialize_with = "whole::opt")]
     top_k: Option<i64>,
     /// Answer with Anthropic's server-sent events.
     stream: Option<bool>,
@@ -65,7 +69,7 @@ pub(crate) struct MessagesRequest {
 #[derive(Debug, Deserialize, ToSchema)]
 #[schema(as = AnthropicMessage)]
 struct InMessage {
-    #[schema(schema_with = crate::openapi::anthropic_role)]
+    #[schema(schema_with = crate::api::anthropic::anthropic_role)]
     role: String,
     content: Content,
 }
@@ -149,7 +153,7 @@ enum ToolChoice {
 enum Thinking {
     Enabled {
         #[allow(dead_code)]
-        #[serde(default, deserialize_with = "openai::whole::opt")]
+        #[serde(default, deserialize_with = "whole::opt")]
         budget_tokens: Option<i64>,
     },
     Disabled,
@@ -445,9 +449,9 @@ fn input_of(arguments: &str) -> Value {
     responses(
         (status = 200, description = "The message; with `stream`, Anthropic's server-sent events (`message_start` ... `message_stop`).", content(
             (Object = "application/json"),
-            (crate::openapi::SseEvent = "text/event-stream"),
+            (crate::api::schema::SseEvent = "text/event-stream"),
         )),
-        crate::openapi::AnthropicErrors,
+        crate::api::schema::AnthropicErrors,
     ),
     security(("bearer" = []), ("api_key" = [])),
 )]
@@ -464,7 +468,7 @@ pub(crate) async fn messages(
 async fn run(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let start = Instant::now();
     let body = body_bytes(&st, body)?;
-    let req: MessagesRequest = openai::parse(&body)?;
+    let req: MessagesRequest = json::parse(&body)?;
     let chat_body = req.to_openai()?;
     let chat: ChatRequest = serde_json::from_value(chat_body.clone())
         .map_err(|e| ApiError::invalid_request(format!("invalid request: {e}"), None))?;
@@ -563,150 +567,23 @@ async fn run(st: AppState, body: Result<Bytes, BytesRejection>) -> Result<Respon
         .into_response())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn req(body: Value) -> MessagesRequest {
-        serde_json::from_value(body).unwrap()
-    }
-
-    #[test]
-    fn a_tool_conversation_becomes_the_chat_requests_messages() {
-        let r = req(json!({
-            "model": "m", "max_tokens": 20, "system": [{"type": "text", "text": "Be brief."}],
-            "stop_sequences": ["\n\n"], "temperature": 0.5, "top_k": 5,
-            "tools": [{"name": "weather", "description": "Weather now",
-                       "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
-            "tool_choice": {"type": "tool", "name": "weather", "disable_parallel_tool_use": true},
-            "messages": [
-                {"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": [
-                    {"type": "text", "text": "Checking."},
-                    {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Paris"}}]},
-                {"role": "user", "content": [
-                    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "sunny"}]},
-                    {"type": "text", "text": "Thanks!"}]},
-            ],
-        }));
-        let o = r.to_openai().unwrap();
-        let roles: Vec<&str> = o["messages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| m["role"].as_str().unwrap())
-            .collect();
-        assert_eq!(roles, ["system", "user", "assistant", "tool", "user"]);
-        assert_eq!(o["messages"][0]["content"], "Be brief.");
-        assert_eq!(
-            o["messages"][2]["tool_calls"][0]["function"]["arguments"],
-            r#"{"city":"Paris"}"#
-        );
-        assert_eq!(
-            (
-                &o["messages"][3]["tool_call_id"],
-                &o["messages"][3]["content"]
-            ),
-            (&json!("t1"), &json!("sunny"))
-        );
-        assert_eq!(
-            o["tools"][0]["function"]["parameters"]["properties"]["city"]["type"],
-            "string"
-        );
-        assert_eq!(o["tool_choice"]["function"]["name"], "weather");
-        assert_eq!(o["parallel_tool_calls"], false);
-        assert_eq!(
-            (&o["stop"], &o["max_tokens"], &o["top_k"]),
-            (&json!(["\n\n"]), &json!(20), &json!(5))
-        );
-        // Parsed by the chat endpoint's own types.
-        let chat: ChatRequest = serde_json::from_value(o.clone()).unwrap();
-        assert_eq!(chat.messages().unwrap().len(), 5);
-        let fields: SamplingFields = serde_json::from_value(o).unwrap();
-        assert_eq!(fields.to_params().unwrap().stop, ["\n\n"]);
-    }
-
-    #[test]
-    fn what_cannot_be_honoured_is_refused_by_name() {
-        let image = req(
-            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}),
-        );
-        assert_eq!(
-            image.to_openai().unwrap_err().param.as_deref(),
-            Some("messages[0].content[0]")
-        );
-        let role = req(
-            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}),
-        );
-        assert_eq!(
-            role.to_openai().unwrap_err().param.as_deref(),
-            Some("messages[0].role")
-        );
-        let hot = req(json!({"model": "m", "max_tokens": 5, "temperature": 1.5, "messages": []}));
-        assert_eq!(
-            hot.to_openai().unwrap_err().param.as_deref(),
-            Some("temperature")
-        );
-        let e = openai::parse::<MessagesRequest>(br#"{"model": "m", "messages": []}"#).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("max_tokens"));
-    }
-
-    /// Errors of the translated chat request named chat fields (`stop` for
-    /// `stop_sequences`), which the Messages request does not have.
-    #[test]
-    fn translated_errors_name_the_messages_fields() {
-        let named = |param: &str| {
-            anthropic_param(ApiError::invalid_param(
-                param,
-                "at most 4 stop strings are allowed",
-            ))
-            .param
-            .unwrap()
-        };
-        assert_eq!(named("stop"), "stop_sequences");
-        assert_eq!(named("chat_template_kwargs.thinking"), "thinking");
-        assert_eq!(named("tools[2].function.name"), "tools[2].name");
-        assert_eq!(
-            named("tools[0].function.parameters"),
-            "tools[0].input_schema"
-        );
-        assert_eq!(named("max_tokens"), "max_tokens");
-        let resp = anthropic_error(anthropic_param(ApiError::invalid_param(
-            "stop",
-            "at most 4 stop strings are allowed, got 5",
-        )));
-        assert_eq!(resp.status(), 400);
-        let tool_use = |input: Value, name: &str| {
-            req(json!({"model": "m", "max_tokens": 5, "messages": [
-                {"role": "user", "content": "x"},
-                {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": name, "input": input}]}]}))
-            .to_openai()
-            .unwrap_err()
-            .param
-            .unwrap()
-        };
-        assert_eq!(tool_use(json!("x"), "f"), "messages[1].content[0].input");
-        assert_eq!(tool_use(json!({}), ""), "messages[1].content[0].name");
-        // Integers written as whole floats are integers.
-        let r: MessagesRequest =
-            openai::parse(br#"{"model": "m", "max_tokens": 4.0, "top_k": 2.0, "messages": []}"#)
-                .unwrap();
-        assert_eq!((r.max_tokens, r.top_k), (4, Some(2)));
-    }
-
-    #[test]
-    fn stop_reasons_and_errors_in_anthropics_terms() {
-        let done = |finish_reason, stop: Option<&str>| Done {
-            finish_reason,
-            usage: Default::default(),
-            stop_sequence: stop.map(str::to_owned),
-        };
-        assert_eq!(stop_reason(&done("stop", None)), "end_turn");
-        assert_eq!(stop_reason(&done("stop", Some("\n"))), "stop_sequence");
-        assert_eq!(stop_reason(&done("length", None)), "max_tokens");
-        assert_eq!(stop_reason(&done("tool_calls", None)), "tool_use");
-        let resp = anthropic_error(ApiError::model_not_found("x"));
-        assert_eq!(resp.status(), 404);
-    }
+/// `InMessage.role` (Anthropic).
+pub(crate) fn anthropic_role() -> Object {
+    strings(&["user", "assistant"])
 }
+
+/// `stop_sequences` (Anthropic): what the chat endpoint's `stop` takes, as a list.
+pub(crate) fn stop_sequences() -> Schema {
+    ArrayBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::Array, Type::Null]))
+        .items(stop_string())
+        .max_items(Some(MAX_STOP))
+        .description(Some(format!(
+            "Strings that end the answer where the model writes one (at most {}).",
+            MAX_STOP
+        )))
+        .into()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,6 +1,8 @@
 //! The gateway's only contact with the backends: tonic clients for the tokenizer and the
 //! worker, and the conversions between their prost types and the gateway's domain types.
 
+pub(crate) mod output;
+
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -10,14 +12,12 @@ use pdmesh_proto::tokenizer::v1 as tk;
 use pdmesh_proto::worker::v1 as wk;
 use pdmesh_tls::{AuthChannel, MeshAuth};
 use tk::tokenizer_client::TokenizerClient;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Endpoint;
 use wk::worker_client::WorkerClient;
 
+use self::output::{Detokenizer, Parsing, add_stats, convert_generate, output_parser};
 use crate::error::{ApiError, Error};
 use crate::metrics::Stage;
-use crate::tools::{OutputFormat, ToolFormat};
 
 /// What the backends' Health calls say.
 #[derive(Debug)]
@@ -394,7 +394,7 @@ impl Backends {
             let mut c = c.clone();
             async move {
                 let call = c.stats(pdmesh_proto::cache::v1::StatsRequest {});
-                match tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await {
+                match tokio::time::timeout(crate::route::BACKEND_PROBE_TIMEOUT, call).await {
                     Ok(Ok(r)) => Some((url.clone(), r.into_inner())),
                     _ => None,
                 }
@@ -415,7 +415,7 @@ impl Backends {
     pub async fn health(&self) -> Health {
         let mut tok = self.tokenizer.clone();
         let t = tokio::time::timeout(
-            crate::BACKEND_PROBE_TIMEOUT,
+            crate::route::BACKEND_PROBE_TIMEOUT,
             tok.health(tk::HealthRequest {}),
         );
         // Every worker must answer: a mesh missing one side cannot serve.
@@ -424,7 +424,7 @@ impl Backends {
             let (role, mut c) = (*role, t.client());
             async move {
                 let call = c.health(wk::HealthRequest {});
-                match tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call).await {
+                match tokio::time::timeout(crate::route::BACKEND_PROBE_TIMEOUT, call).await {
                     Ok(Ok(r)) => {
                         let r = r.into_inner();
                         (role, r.ok, r.faults)
@@ -469,7 +469,7 @@ impl Backends {
             Box::pin(async move {
                 let mut c = t.client();
                 let call = c.model_info(wk::ModelInfoRequest {});
-                let r = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call)
+                let r = tokio::time::timeout(crate::route::BACKEND_PROBE_TIMEOUT, call)
                     .await
                     .map_err(|_| ApiError::unavailable("no worker answered ModelInfo in time"))??;
                 Ok::<_, ApiError>(Self::info_of(t.url(), r.into_inner()))
@@ -492,7 +492,7 @@ impl Backends {
             async move {
                 let url = t.url();
                 let call = c.model_info(wk::ModelInfoRequest {});
-                let r = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call)
+                let r = tokio::time::timeout(crate::route::BACKEND_PROBE_TIMEOUT, call)
                     .await
                     .map_err(|_| {
                         ApiError::unavailable("a worker did not answer ModelInfo in time")
@@ -617,10 +617,12 @@ impl Backends {
     async fn tokenizer_info(&self) -> Result<tk::InfoResponse, ApiError> {
         let mut client = self.tokenizer.clone();
         let call = client.info(tk::InfoRequest {});
-        Ok(tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, call)
-            .await
-            .map_err(|_| ApiError::unavailable("the tokenizer did not answer Info in time"))??
-            .into_inner())
+        Ok(
+            tokio::time::timeout(crate::route::BACKEND_PROBE_TIMEOUT, call)
+                .await
+                .map_err(|_| ApiError::unavailable("the tokenizer did not answer Info in time"))??
+                .into_inner(),
+        )
     }
 
     /// The tool-call markup and reasoning tags the model writes (the tokenizer's Info).
@@ -716,7 +718,7 @@ impl Backends {
         let calls = self.workers.all().into_iter().map(|c| {
             let (mut c, req) = (c.clone(), req.clone());
             async move {
-                let call = tokio::time::timeout(crate::BACKEND_PROBE_TIMEOUT, c.abort(req));
+                let call = tokio::time::timeout(crate::route::BACKEND_PROBE_TIMEOUT, c.abort(req));
                 call.await
                     .map_err(|_| ApiError::unavailable("a worker did not answer Abort in time"))?
                     .map(|r| r.into_inner().found)
@@ -800,448 +802,24 @@ impl Backends {
     }
 }
 
-/// A worker's message as events: a chunk may carry the prompt's logprobs before its tokens.
-fn convert_generate(msg: wk::GenerateResponse) -> Vec<Result<WorkerEvent, ApiError>> {
-    let mut out = Vec::new();
-    if let Some(wk::generate_response::Kind::Chunk(c)) = &msg.kind
-        && !c.prompt_logprobs.is_empty()
-    {
-        out.push(Ok(WorkerEvent::Prompt(
-            c.prompt_logprobs
-                .iter()
-                .map(|p| TokenLogprob {
-                    token: p.token_id,
-                    logprob: p.logprob,
-                    top: p.top.iter().map(|t| (t.token_id, t.logprob)).collect(),
-                })
-                .collect(),
-        )));
-        if c.token_ids.is_empty() {
-            return out;
-        }
-    }
-    out.push(convert_one(msg));
-    out
+/// The tool-call markup a model writes (the tokenizer's `Info.tool_format`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum ToolFormat {
+    #[default]
+    None,
+    Dsml,
+    DeepSeekV3,
+    DeepSeekV31,
+    Hermes,
 }
 
-fn convert_one(msg: wk::GenerateResponse) -> Result<WorkerEvent, ApiError> {
-    match msg.kind {
-        Some(wk::generate_response::Kind::Chunk(c)) => {
-            let lp = match (c.logprob, c.token_ids.last()) {
-                (Some(logprob), Some(&token)) => Some(TokenLogprob {
-                    token,
-                    logprob,
-                    top: c
-                        .top_logprobs
-                        .iter()
-                        .map(|t| (t.token_id, t.logprob))
-                        .collect(),
-                }),
-                _ => None,
-            };
-            Ok(WorkerEvent::Tokens(c.token_ids, lp))
-        }
-        Some(wk::generate_response::Kind::Finished(f)) => {
-            let reason = match wk::FinishReason::try_from(f.reason) {
-                Ok(wk::FinishReason::Stop) => FinishReason::Stop,
-                Ok(wk::FinishReason::Length) => FinishReason::Length,
-                Ok(wk::FinishReason::Abort) => FinishReason::Abort,
-                _ => {
-                    return Err(ApiError::backend(format!(
-                        "the worker sent an unknown finish reason {}",
-                        f.reason
-                    )));
-                }
-            };
-            let matched_stop = if f.matched_stop.is_empty() {
-                None
-            } else {
-                Some(String::from_utf8_lossy(&f.matched_stop).into_owned())
-            };
-            Ok(WorkerEvent::Finished(Finish {
-                reason,
-                matched_stop,
-                prompt_tokens: f.prompt_tokens,
-                completion_tokens: f.completion_tokens,
-                cached_tokens: f.cached_tokens,
-                host_cached_tokens: f.host_cached_tokens,
-                transferred_tokens: f.transferred_tokens,
-                stages: {
-                    let t = f.stages.unwrap_or_default();
-                    [
-                        (Stage::Queue, t.queue_seconds),
-                        (Stage::Prefill, t.prefill_seconds),
-                        (Stage::Transfer, t.transfer_seconds),
-                        (Stage::Decode, t.decode_seconds),
-                    ]
-                },
-            }))
-        }
-        None => Err(ApiError::backend(
-            "the worker sent an empty Generate message",
-        )),
-    }
-}
-
-/// How a chat response's text is split (the tokenizer runs the parsers).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub(crate) struct Parsing {
-    pub tool_format: ToolFormat,
-    /// Calls to other names are parse failures.
-    pub tool_names: Vec<String>,
+/// The model's output conventions, from the tokenizer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct OutputFormat {
+    pub tools: ToolFormat,
+    /// The model writes `<think>…</think>` reasoning.
     pub reasoning: bool,
-    /// The prompt opened `<think>`: the output starts as reasoning.
-    pub thinking: bool,
-    pub call_id_prefix: String,
-}
-
-/// What a batch of ids completed: content, reasoning, tool-call deltas and parse failures.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub(crate) struct Parsed {
-    pub text: String,
-    pub reasoning: String,
-    pub tool_calls: Vec<ToolCallDelta>,
-    pub failures: Vec<ParseFailure>,
-}
-
-/// One piece of a tool call: the first carries id and name, later ones argument JSON.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct ToolCallDelta {
-    pub index: u32,
-    pub id: String,
-    pub name: String,
-    pub arguments: String,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct ParseFailure {
-    pub parser: String,
-    pub reason: String,
-    pub detail: String,
-}
-
-fn parsed(r: tk::DetokenizeResponse) -> Parsed {
-    Parsed {
-        text: r.text,
-        reasoning: r.reasoning,
-        tool_calls: r
-            .tool_calls
-            .into_iter()
-            .map(|c| ToolCallDelta {
-                index: c.index,
-                id: c.id,
-                name: c.name,
-                arguments: c.arguments,
-            })
-            .collect(),
-        failures: r
-            .failures
-            .into_iter()
-            .map(|f| ParseFailure {
-                parser: f.parser,
-                reason: f.reason,
-                detail: f.detail,
-            })
-            .collect(),
-    }
-}
-
-/// The parser the tokenizer service would build for `p` (none for plain text).
-fn output_parser(p: &Parsing) -> Option<pdmesh_chat::OutputParser> {
-    use pdmesh_chat::Format;
-    let format = match p.tool_format {
-        ToolFormat::None => None,
-        ToolFormat::Dsml => Some(Format::Dsml),
-        ToolFormat::DeepSeekV3 => Some(Format::DeepSeekV3),
-        ToolFormat::DeepSeekV31 => Some(Format::DeepSeekV31),
-        ToolFormat::Hermes => Some(Format::Hermes),
-    };
-    pdmesh_chat::OutputParser::for_output(
-        format,
-        p.reasoning,
-        p.thinking,
-        &p.tool_names,
-        &p.call_id_prefix,
-    )
-}
-
-/// Deltas as one [`Parsed`], as the tokenizer service answers them: content and reasoning
-/// each concatenated, calls and failures in order.
-fn parsed_deltas(deltas: Vec<pdmesh_chat::Delta>) -> Parsed {
-    use pdmesh_chat::Delta;
-    let mut p = Parsed::default();
-    for d in deltas {
-        match d {
-            Delta::Content(t) => p.text.push_str(&t),
-            Delta::Reasoning(t) => p.reasoning.push_str(&t),
-            Delta::ToolCall {
-                index,
-                id,
-                name,
-                arguments,
-            } => p.tool_calls.push(ToolCallDelta {
-                index: u32::try_from(index).unwrap_or(u32::MAX),
-                id: id.unwrap_or_default(),
-                name: name.unwrap_or_default(),
-                arguments,
-            }),
-            Delta::Error(e) => {
-                tracing::warn!(parser = e.parser, reason = e.reason, detail = %e.detail, "model output failed to parse");
-                p.failures.push(ParseFailure {
-                    parser: e.parser.into(),
-                    reason: e.reason.into(),
-                    detail: e.detail,
-                });
-            }
-        }
-    }
-    p
-}
-
-/// One generation's detokenization: in process (`local`), or one Detokenize stream where
-/// each `push` sends ids and returns what they completed.
-pub(crate) struct Detokenizer {
-    local: Option<pdmesh_text::TextStream>,
-    /// Some ids were pushed (a stream that saw none ends with nothing, as a Detokenize
-    /// call never opened).
-    pushed: bool,
-    client: TokenizerClient<AuthChannel>,
-    session: Option<(
-        mpsc::Sender<tk::DetokenizeRequest>,
-        tonic::Streaming<tk::DetokenizeResponse>,
-    )>,
-    parsing: Option<Parsing>,
-    /// The request's span, whose trace the Detokenize call joins (the stream is polled
-    /// outside it).
-    span: tracing::Span,
-}
-
-impl Detokenizer {
-    /// Whether the text is made in this process.
-    pub fn is_local(&self) -> bool {
-        self.local.is_some()
-    }
-
-    pub async fn push(&mut self, ids: Vec<u32>) -> Result<Parsed, ApiError> {
-        self.pushed = true;
-        if let Some(s) = &mut self.local {
-            // The worker sent an id outside the vocabulary: a backend fault, as the
-            // tokenizer service's INVALID_ARGUMENT would be.
-            return s
-                .push(&ids)
-                .map(parsed_deltas)
-                .map_err(|e| ApiError::backend(format!("the worker sent {e}")));
-        }
-        let parsing = self
-            .session
-            .is_none()
-            .then_some(self.parsing.as_ref())
-            .flatten()
-            .map(|p| tk::OutputParsing {
-                tool_format: match p.tool_format {
-                    ToolFormat::None => tk::ToolFormat::None,
-                    ToolFormat::Dsml => tk::ToolFormat::Dsml,
-                    ToolFormat::DeepSeekV3 => tk::ToolFormat::DeepseekV3,
-                    ToolFormat::DeepSeekV31 => tk::ToolFormat::DeepseekV31,
-                    ToolFormat::Hermes => tk::ToolFormat::Hermes,
-                } as i32,
-                tool_names: p.tool_names.clone(),
-                reasoning: p.reasoning,
-                thinking: p.thinking,
-                call_id_prefix: p.call_id_prefix.clone(),
-            });
-        let msg = tk::DetokenizeRequest {
-            ids,
-            skip_special_tokens: true,
-            parsing,
-            truncated: false,
-        };
-        let rx = match &mut self.session {
-            Some((tx, rx)) => {
-                tx.send(msg)
-                    .await
-                    .map_err(|_| ApiError::backend("the tokenizer closed the detokenize stream"))?;
-                rx
-            }
-            None => {
-                // Queue the first message before opening the call, so it does not matter
-                // whether the server answers headers before it reads a message.
-                let (tx, rx) = mpsc::channel(16);
-                tx.try_send(msg)
-                    .map_err(|_| ApiError::backend("detokenize queue full"))?;
-                let mut call = tonic::Request::new(ReceiverStream::new(rx));
-                pdmesh_telemetry::inject_from(&self.span, &mut call);
-                let inbound = self.client.clone().detokenize(call).await?.into_inner();
-                &mut self.session.insert((tx, inbound)).1
-            }
-        };
-        match rx.message().await? {
-            Some(r) => Ok(parsed(r)),
-            None => Err(ApiError::backend(
-                "the tokenizer ended the detokenize stream early",
-            )),
-        }
-    }
-
-    /// Ends the stream and returns whatever the tokenizer still held back. `truncated`:
-    /// the generation stopped at its length limit, so unfinished markup is dropped and
-    /// the calls before it kept; otherwise an open block that never closed is a failure.
-    pub async fn finish(&mut self, truncated: bool) -> Result<Parsed, ApiError> {
-        if let Some(s) = self.local.take() {
-            return Ok(if self.pushed {
-                parsed_deltas(s.finish(truncated))
-            } else {
-                Parsed::default()
-            });
-        }
-        let Some((tx, mut rx)) = self.session.take() else {
-            return Ok(Parsed::default());
-        };
-        if truncated {
-            let last = tk::DetokenizeRequest {
-                truncated,
-                ..Default::default()
-            };
-            tx.send(last)
-                .await
-                .map_err(|_| ApiError::backend("the tokenizer closed the detokenize stream"))?;
-        }
-        drop(tx);
-        let mut rest = Parsed::default();
-        while let Some(r) = rx.message().await? {
-            let p = parsed(r);
-            rest.text.push_str(&p.text);
-            rest.reasoning.push_str(&p.reasoning);
-            rest.tool_calls.extend(p.tool_calls);
-            rest.failures.extend(p.failures);
-        }
-        Ok(rest)
-    }
-}
-
-/// Adds one host's cache state to `sum`.
-fn add_stats(
-    sum: &mut pdmesh_proto::cache::v1::StatsResponse,
-    s: pdmesh_proto::cache::v1::StatsResponse,
-) {
-    fn add<K: Ord + std::hash::Hash + Eq, V: std::ops::AddAssign + Default>(
-        into: &mut std::collections::HashMap<K, V>,
-        from: std::collections::HashMap<K, V>,
-    ) {
-        for (k, v) in from {
-            *into.entry(k).or_default() += v;
-        }
-    }
-    sum.total_pages += s.total_pages;
-    sum.used_pages += s.used_pages;
-    sum.pinned_pages += s.pinned_pages;
-    sum.leases += s.leases;
-    sum.evicted_pages += s.evicted_pages;
-    sum.checksum_failures += s.checksum_failures;
-    sum.expired_leases += s.expired_leases;
-    if sum.layout.is_empty() {
-        sum.layout = s.layout;
-    }
-    add(&mut sum.rooms, s.rooms);
-    for (k, v) in s.oldest_room_seconds {
-        let e = sum.oldest_room_seconds.entry(k).or_default();
-        *e = e.max(v);
-    }
-    add(&mut sum.room_timeouts, s.room_timeouts);
-    add(&mut sum.room_aborts, s.room_aborts);
-    add(&mut sum.incidents, s.incidents);
-    sum.rooms_finished += s.rooms_finished;
-    sum.transfer_pages += s.transfer_pages;
-    sum.transfer_bytes += s.transfer_bytes;
-    sum.room_slots += s.room_slots;
-    sum.quarantined_slots += s.quarantined_slots;
-    sum.room_stalls += s.room_stalls;
-    sum.late_writes_rejected += s.late_writes_rejected;
-    add(&mut sum.rooms_older_than, s.rooms_older_than);
-    sum.peer_layout_refusals += s.peer_layout_refusals;
-    sum.peer_pages_received += s.peer_pages_received;
-    sum.peer_bytes_received += s.peer_bytes_received;
-    sum.peer_pages_sent += s.peer_pages_sent;
-    sum.peer_bytes_sent += s.peer_bytes_sent;
-    sum.peer_transfer_failures += s.peer_transfer_failures;
-    sum.auth_refused += s.auth_refused;
-    sum.insecure_plaintext |= s.insecure_plaintext;
-    sum.held_pages_skipped += s.held_pages_skipped;
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_cache_service_is_learned_once_and_clones_share_what_was_learned() {
-        let b = Backends::connect_lazy("http://127.0.0.1:1", "http://127.0.0.1:2")
-            .unwrap()
-            .with_cache("http://10.0.0.1:50063")
-            .unwrap();
-        let other = b.clone();
-        assert!(
-            other
-                .learn_cache("http://10.0.0.1:50063")
-                .unwrap()
-                .is_none()
-        );
-        let (url, _) = other.learn_cache("http://10.0.0.2:50063").unwrap().unwrap();
-        assert_eq!(url, "http://10.0.0.2:50063");
-        let urls: Vec<String> = b.caches().into_iter().map(|(u, _)| u).collect();
-        assert_eq!(urls, ["http://10.0.0.1:50063", "http://10.0.0.2:50063"]);
-        assert!(b.learn_cache("not a url").is_err());
-        assert_eq!(b.caches().len(), 2);
-    }
-
-    #[tokio::test]
-    async fn dns_names_become_workers_and_a_failed_look_up_changes_nothing() {
-        let b = Backends::connect_pd(
-            "http://127.0.0.1:1",
-            "http://127.0.0.1:2",
-            (true, &["http://127.0.0.1:3".to_owned()], &[]),
-            pdmesh_tls::test_ca::auth(),
-        )
-        .unwrap();
-        let stop = tokio_util::sync::CancellationToken::new();
-        let every = Duration::from_millis(20);
-        // `localhost` is in every /etc/hosts; the name below is in none (.invalid is
-        // reserved never to resolve).
-        b.discover(false, vec!["localhost:4".into()], every, stop.clone());
-        b.discover(
-            true,
-            vec!["no-such-host.invalid:4".into()],
-            every,
-            stop.clone(),
-        );
-        let decode = || -> Vec<String> {
-            b.workers
-                .named()
-                .into_iter()
-                .filter(|(r, _)| *r == "decode")
-                .map(|(_, t)| t.url().to_owned())
-                .collect()
-        };
-        let mut found = Vec::new();
-        for _ in 0..250 {
-            found = decode();
-            if !found.is_empty() {
-                break;
-            }
-            tokio::time::sleep(every).await;
-        }
-        assert!(
-            found.contains(&"http://127.0.0.1:4".to_owned()),
-            "{found:?}"
-        );
-        let prefill: Vec<String> = b
-            .workers
-            .named()
-            .into_iter()
-            .filter(|(r, _)| *r == "prefill")
-            .map(|(_, t)| t.url().to_owned())
-            .collect();
-        assert_eq!(prefill, ["http://127.0.0.1:3"]);
-        stop.cancel();
-    }
-}
+mod tests;
