@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use pdmesh_engine::ModelInfo;
 use sha2::{Digest, Sha256};
 
-use crate::Error;
+use crate::error::Error;
 
 /// What `GetTokenizer` streams and `GetModelInfo.tokenizer_path` names.
 #[derive(Clone, Debug)]

@@ -12,9 +12,9 @@ use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_proto::worker::v1 as pb;
 use tonic::{Request, Response, Status};
 
-use crate::Error;
 use crate::actor::EngineHandle;
 use crate::engine_core::{Event, Finish, PoolNow};
+use crate::error::Error;
 use crate::pd::{Pd, Role};
 use crate::watchdog::EngineWatch;
 
