@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 import uuid
 
 import pytest
@@ -76,3 +77,13 @@ def test_a_stopped_cache_service_costs_a_running_stream_no_token(mesh):
     # The mesh is whole again: the worker still answers and the cache service runs.
     status, _ = http("GET", mesh.base + "/ready")
     assert status == 200
+    # Nothing fetches any more, and the store queue (whose drops are counted) empties.
+    deadline = time.monotonic() + 60
+    while True:
+        m = mesh.metrics()
+        idle = m["mesh_kv_cache_host_fetching_requests"] == 0 and m["mesh_kv_cache_write_back_queued_pages"] == 0
+        if idle:
+            break
+        assert time.monotonic() < deadline, {k: v for k, v in m.items() if "write_back" in k or "fetching" in k}
+        time.sleep(0.2)
+    assert m['mesh_kv_cache_write_back_dropped_pages_total{tier="host"}'] == 0

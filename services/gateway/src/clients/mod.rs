@@ -141,6 +141,11 @@ pub(crate) struct HostTotals {
     pub written_bytes: u64,
     pub written_seconds: f64,
     pub checksum_failures: u64,
+    /// The store queue: pages dropped since start, pages in it now.
+    pub dropped_pages: u64,
+    pub queued_pages: u64,
+    /// Requests fetching their prompt's pages now.
+    pub fetching_requests: u64,
 }
 
 /// One worker's answer to a cache flush.
@@ -515,6 +520,9 @@ impl Backends {
             total.host.written_bytes += w.host.written_bytes;
             total.host.written_seconds += w.host.written_seconds;
             total.host.checksum_failures += w.host.checksum_failures;
+            total.host.dropped_pages += w.host.dropped_pages;
+            total.host.queued_pages += w.host.queued_pages;
+            total.host.fetching_requests += w.host.fetching_requests;
             total.pd.add(&w.pd);
             total.faults.extend(w.faults);
             total.auth_refused += w.auth_refused;
@@ -549,6 +557,9 @@ impl Backends {
                 written_bytes: r.host_written_bytes,
                 written_seconds: r.host_written_seconds,
                 checksum_failures: r.host_checksum_failures,
+                dropped_pages: r.host_dropped_pages,
+                queued_pages: r.host_queued_pages,
+                fetching_requests: u64::from(r.host_fetching_requests),
             },
             pd: PdTotals {
                 reserved_pages: u64::from(r.reserved_pages),

@@ -153,6 +153,12 @@ pub(crate) async fn metrics(State(st): State<AppState>) -> Response {
             m.engine_idle_seconds.set(info.pd.engine_idle_seconds);
             m.kv_checksum_failures
                 .observe("host", info.host.checksum_failures as f64);
+            m.kv_write_back_dropped_pages
+                .observe("host", info.host.dropped_pages as f64);
+            m.kv_write_back_queued_pages
+                .set(info.host.queued_pages as i64);
+            m.kv_host_fetching_requests
+                .set(info.host.fetching_requests as i64);
             for (url, counts) in &info.incidents {
                 m.remote_incidents(&format!("worker {url}"), counts);
             }

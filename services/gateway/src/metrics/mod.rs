@@ -122,6 +122,12 @@ pub(crate) struct Metrics {
     pub kv_load_back_seconds: WorkerTotals,
     pub kv_write_back_bytes: WorkerTotals,
     pub kv_checksum_failures: WorkerTotals,
+    /// Pages offered to the host tier's store queue while it was full (never written).
+    pub kv_write_back_dropped_pages: WorkerTotals,
+    /// Pages in the workers' host-tier store queues now.
+    pub kv_write_back_queued_pages: IntGauge,
+    /// Admitted requests whose prompt pages are being fetched from the host tier now.
+    pub kv_host_fetching_requests: IntGauge,
     /// The cache service's host mirror, read at scrape.
     pub host_mirror_pages: prometheus::IntGaugeVec,
     pub host_mirror_leases: IntGauge,
@@ -319,6 +325,22 @@ impl Metrics {
             "KV bytes written from the device pool to the host tier.",
             HOST,
         )?;
+        let kv_write_back_dropped_pages = WorkerTotals::new(
+            &registry,
+            "mesh_kv_cache_write_back_dropped_pages_total",
+            "KV pages offered to the host tier while the worker's store queue was full: never written (the engine never waits for a store).",
+            HOST,
+        )?;
+        let kv_write_back_queued_pages = IntGauge::new(
+            "mesh_kv_cache_write_back_queued_pages",
+            "KV pages in the workers' host-tier store queues, not yet written.",
+        )?;
+        registry.register(Box::new(kv_write_back_queued_pages.clone()))?;
+        let kv_host_fetching_requests = IntGauge::new(
+            "mesh_kv_cache_host_fetching_requests",
+            "Admitted requests whose prompt pages are being fetched from the host tier (they hold their pages; the engine runs the others meanwhile).",
+        )?;
+        registry.register(Box::new(kv_host_fetching_requests.clone()))?;
         let host_mirror_pages = prometheus::IntGaugeVec::new(
             Opts::new(
                 "mesh_host_mirror_pages",
@@ -503,6 +525,9 @@ impl Metrics {
             kv_load_back_seconds,
             kv_write_back_bytes,
             kv_checksum_failures,
+            kv_write_back_dropped_pages,
+            kv_write_back_queued_pages,
+            kv_host_fetching_requests,
             host_mirror_pages,
             host_mirror_leases,
             host_mirror_expired_leases,
