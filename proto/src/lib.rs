@@ -5,6 +5,10 @@
 //! other backends' gateways (smg) speak, kept wire-identical to smg-grpc-proto 0.4.28 (see
 //! tests/sglang_wire.rs and scripts/proto/sglang_wire_fixtures.py).
 
+#![forbid(unsafe_code)]
+
+pub mod error_kind;
+
 pub mod tokenizer {
     pub mod v1 {
         tonic::include_proto!("pdmesh.tokenizer.v1");

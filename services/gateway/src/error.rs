@@ -294,7 +294,9 @@ impl From<tonic::Status> for ApiError {
         let msg = status.message().to_owned();
         match status.code() {
             Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
-                if msg.contains("context length") {
+                if pdmesh_proto::error_kind::of(&status).as_deref()
+                    == Some(pdmesh_proto::error_kind::CONTEXT_LENGTH)
+                {
                     Self::context_length(msg, None)
                 } else {
                     Self::invalid_request(msg, None)
@@ -349,11 +351,19 @@ mod tests {
 
     #[test]
     fn grpc_context_errors_carry_the_openai_code() {
-        let e = ApiError::from(tonic::Status::invalid_argument(
+        let e = ApiError::from(pdmesh_proto::error_kind::status(
+            tonic::Code::InvalidArgument,
             "the prompt has 9000 tokens; this model's context length is 8192",
+            pdmesh_proto::error_kind::CONTEXT_LENGTH,
         ));
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(e.body()["error"]["code"], "context_length_exceeded");
+        // The kind decides, not the words.
+        let e = ApiError::from(tonic::Status::invalid_argument(
+            "the prompt is longer than the context length",
+        ));
+        assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+        assert!(e.body()["error"]["code"].is_null());
     }
 
     #[test]

@@ -30,16 +30,19 @@ impl Error {
 }
 
 impl From<Error> for tonic::Status {
+    /// The code says who is to blame; the error's kind ([`Error::error_type`]) travels
+    /// beside it, typed, for the caller to classify by.
     fn from(e: Error) -> Self {
-        let msg = e.to_string();
-        match e {
-            Error::InvalidUtf8 { .. } => tonic::Status::invalid_argument(msg),
-            Error::Engine(EngineError::Offline) => tonic::Status::unavailable(msg),
-            Error::Engine(EngineError::QueueFull { .. }) => tonic::Status::resource_exhausted(msg),
-            Error::Engine(ref err) if err.is_client_error() => tonic::Status::invalid_argument(msg),
+        use tonic::Code;
+        let code = match &e {
+            Error::InvalidUtf8 { .. } => Code::InvalidArgument,
+            Error::Engine(EngineError::Offline) => Code::Unavailable,
+            Error::Engine(EngineError::QueueFull { .. }) => Code::ResourceExhausted,
+            Error::Engine(err) if err.is_client_error() => Code::InvalidArgument,
             Error::Engine(_) | Error::Config(_) | Error::Thread(_) | Error::Transport(_) => {
-                tonic::Status::internal(msg)
+                Code::Internal
             }
-        }
+        };
+        pdmesh_proto::error_kind::status(code, e.to_string(), e.error_type())
     }
 }

@@ -525,6 +525,21 @@ mod tests {
             code(EngineError::Unsupported("x".into())),
             tonic::Code::Internal
         );
+        // The kind travels typed beside the code: the gateway never reads the words.
+        let too_long = Status::from(Error::from(EngineError::MaxTokensTooLarge {
+            prompt: 5,
+            max_tokens: 9,
+            context: 8,
+        }));
+        assert_eq!(
+            pdmesh_proto::error_kind::of(&too_long).as_deref(),
+            Some(pdmesh_proto::error_kind::CONTEXT_LENGTH)
+        );
+        let full = Status::from(Error::from(EngineError::QueueFull { limit: 3 }));
+        assert_eq!(
+            pdmesh_proto::error_kind::of(&full).as_deref(),
+            Some("queue_full")
+        );
     }
 }
 
