@@ -2,6 +2,8 @@
 //! server) with a workload, measures what users compare serving stacks by, and writes a
 //! report a person can look at.
 
+#![forbid(unsafe_code)]
+
 pub mod chaos;
 pub mod cli;
 pub mod client;

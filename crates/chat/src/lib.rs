@@ -9,6 +9,8 @@
 //! ([`OutputParser::finish_truncated`]) keeps its complete calls and drops the unfinished
 //! one whole: no client ever holds the arguments of a call that never ended.
 
+#![forbid(unsafe_code)]
+
 mod formats;
 mod reasoning;
 pub mod schema;

@@ -14,6 +14,8 @@
 //!
 //! [`labels`] holds the closed sets of metric label values the services share.
 
+#![forbid(unsafe_code)]
+
 use std::borrow::Cow;
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};

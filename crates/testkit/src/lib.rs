@@ -3,6 +3,8 @@
 //! port 0 and handed to the service as it is; an address where nothing may answer is
 //! [`Refusing`], a socket that holds its port and never listens.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 
 /// A loopback port that refuses every connection for as long as this lives: the socket is

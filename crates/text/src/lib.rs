@@ -3,6 +3,8 @@
 //! incremental detokenizer for streaming, and the model's Jinja chat template (with
 //! pdmesh's own Hermes-style tool rendering, [`hermes`], for templates without tools).
 
+#![forbid(unsafe_code)]
+
 mod chat;
 mod detok;
 pub mod dsv32;

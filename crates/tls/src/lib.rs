@@ -13,6 +13,8 @@
 //! URLs stay as the user wrote them (`http://host:port`); with TLS on, connections to
 //! them are made with `https`. Without the flags nothing changes: plaintext, as before.
 
+#![forbid(unsafe_code)]
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -13,6 +13,8 @@
 //! The worker side of the protocol (client, wire forms, mirror file, host-tier adapter)
 //! is the `pdmesh-cache-client` crate; it is re-exported here for the server's tests.
 
+#![forbid(unsafe_code)]
+
 mod grpc;
 mod peers;
 pub mod rooms;

@@ -12,6 +12,8 @@
 //! `clients` (tokenizer and workers) → `config` → `route` (which workers) → `metrics`,
 //! with `json` and `error` beneath them all.
 
+#![forbid(unsafe_code)]
+
 mod api;
 mod clients;
 mod config;

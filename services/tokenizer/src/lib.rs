@@ -4,6 +4,8 @@
 //! tests start the same server; the gRPC ingress (`grpc`) is the only module that sees
 //! prost types.
 
+#![forbid(unsafe_code)]
+
 mod error;
 mod grpc;
 

@@ -4,6 +4,8 @@
 //! `SyncArbiter` of one, see `actor`) and serves gRPC on tokio; the two sides talk only
 //! through actor messages. Token ids in, token ids out: the worker never tokenizes.
 
+#![forbid(unsafe_code)]
+
 mod actor;
 mod bundle;
 mod config;
