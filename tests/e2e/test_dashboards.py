@@ -31,7 +31,8 @@ GENERATE = DASHBOARDS / "generate.py"
 RULES_DIR = REPO / "deploy" / "prometheus" / "rules"
 RULES = RULES_DIR / "pdmesh.rules.yml"
 RULE_TESTS = RULES_DIR / "pdmesh.rules.test.yml"
-METRICS_RS = REPO / "services" / "gateway" / "src" / "metrics.rs"
+# The gateway's metric registry: its module's files, their unit tests aside.
+METRICS_DIR = REPO / "services" / "gateway" / "src" / "metrics"
 DASHBOARD_FILES = ["overview.json", "latency.json", "cache-tiers.json", "transfers.json", "wedges.json"]
 
 # Labelled counters whose every series must be in a fresh scrape at 0: family -> its
@@ -469,11 +470,13 @@ def test_closed_label_sets_exist_at_zero_before_their_first_event(fresh_scrape, 
 
 def test_every_registered_family_has_a_series_in_a_fresh_scrape(fresh_scrape):
     """No metric the gateway defines waits for an event to appear."""
-    source = re.split(r"#\[cfg\(test\)\]\s*mod tests", METRICS_RS.read_text())[0]
+    files = sorted(p for p in METRICS_DIR.glob("*.rs") if p.name != "tests.rs")
+    assert files, METRICS_DIR
+    source = "\n".join(re.split(r"#\[cfg\(test\)\]\s*mod tests", p.read_text())[0] for p in files)
     defined = set(re.findall(r'"(mesh_[a-z0-9_]+)"', source))
     assert len(defined) > 30, defined
     seen = samples(fresh_scrape)
     absent = sorted(
         name for name in defined if not any(name + suffix in seen for suffix in ("", *HISTOGRAM_SUFFIXES))
     )
-    assert not absent, "defined in metrics.rs but without a series in a fresh scrape:\n" + "\n".join(absent)
+    assert not absent, "defined in the gateway's metrics but without a series in a fresh scrape:\n" + "\n".join(absent)
