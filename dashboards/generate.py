@@ -6,7 +6,7 @@
 
 Standard library only. The output is byte-stable: the same code always writes the same
 bytes, so CI can fail on a hand edit (`--check`). Panels query only metrics the gateway
-exports today (services/gateway/src/metrics.rs); tests/e2e/test_dashboards.py checks every
+exports today (services/gateway/src/metrics/); tests/e2e/test_dashboards.py checks every
 name against a real scrape and every expression with `promtool`.
 """
 
@@ -533,6 +533,17 @@ def cache_tiers() -> dict:
                     target(f"{rate(WRITE_BACK_BYTES)} / {rate(WRITE_BACK_SECONDS)}",
                            "write-back speed")], "s",
                    overrides=right_axis("B", unit="Bps"), w=8),
+        timeseries("Host tier: store queue and fetches",
+                   "The workers never wait on the host tier: pages to store wait in a "
+                   "bounded queue (mesh_kv_cache_write_back_queued_pages), pages offered "
+                   f"while it was full are dropped (per {WINDOW}), and admitted requests "
+                   "whose prompt pages are being fetched hold their pages meanwhile "
+                   "(mesh_kv_cache_host_fetching_requests).",
+                   [target("sum(mesh_kv_cache_write_back_queued_pages)", "queued pages"),
+                    target(increase("mesh_kv_cache_write_back_dropped_pages_total"),
+                           f"dropped pages per {WINDOW}"),
+                    target("sum(mesh_kv_cache_host_fetching_requests)", "fetching requests")],
+                   "short", w=8),
         timeseries("Evictions, by tier",
                    "Cached KV pages evicted to make room, pages per second.",
                    [target(rate("mesh_kv_cache_evictions_total", "tier"), "{{tier}}")], "short"),
