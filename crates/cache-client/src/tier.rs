@@ -75,6 +75,8 @@ struct Shared {
     fetching: AtomicUsize,
     queued_bytes: AtomicUsize,
     queued_pages: AtomicU64,
+    /// Whether a registered connection was up when last seen (read without waiting).
+    connected: std::sync::atomic::AtomicBool,
     written_pages: AtomicU64,
     written_bytes: AtomicU64,
     written_nanos: AtomicU64,
@@ -95,6 +97,7 @@ impl Shared {
             Err(_) => tracing::warn!("host tier call timed out; reconnecting"),
         }
         self.failures.fetch_add(1, Ordering::Relaxed);
+        self.connected.store(false, Ordering::Relaxed);
         *client = None;
         None
     }
@@ -211,6 +214,7 @@ impl RemoteTier {
             fetching: AtomicUsize::default(),
             queued_bytes: AtomicUsize::default(),
             queued_pages: AtomicU64::default(),
+            connected: Default::default(),
             written_pages: AtomicU64::default(),
             written_bytes: AtomicU64::default(),
             written_nanos: AtomicU64::default(),
@@ -277,6 +281,7 @@ async fn reconnect(shared: Arc<Shared>, cfg: TierConfig, layout: KvLayout) {
             .await
             .as_ref()
             .is_some_and(HostClient::is_alive);
+        shared.connected.store(connected, Ordering::Relaxed);
         if !connected {
             let attempt = tokio::time::timeout(
                 cfg.call_timeout.max(Duration::from_secs(1)),
@@ -287,6 +292,7 @@ async fn reconnect(shared: Arc<Shared>, cfg: TierConfig, layout: KvLayout) {
                 Ok(Ok(c)) => {
                     tracing::info!(url = %cfg.url, lease = %c.lease(), plane = ?cfg.plane, "host tier connected");
                     *shared.client.lock().await = Some(c);
+                    shared.connected.store(true, Ordering::Relaxed);
                     shared.registrations.fetch_add(1, Ordering::Relaxed);
                     warned = false;
                 }
@@ -380,6 +386,10 @@ impl HostTier for RemoteTier {
             return false;
         }
         true
+    }
+
+    fn accepts_stores(&self) -> bool {
+        self.shared.connected.load(Ordering::Relaxed)
     }
 
     fn store_stats(&self) -> StoreStats {

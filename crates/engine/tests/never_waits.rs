@@ -23,6 +23,8 @@ struct Mem {
     /// While set, fetches wait for [`release`].
     hold: bool,
     fetched: usize,
+    /// The tier is unreachable: it accepts no store.
+    down: bool,
 }
 
 impl Mem {
@@ -79,6 +81,9 @@ impl HostTier for MemTier {
             m.pages.entry(p.hash).or_insert(p.bytes);
         }
         true
+    }
+    fn accepts_stores(&self) -> bool {
+        !self.0.lock().unwrap().down
     }
     fn store_stats(&self) -> StoreStats {
         StoreStats::default()
@@ -195,4 +200,23 @@ fn a_request_aborted_while_its_fetch_is_out_gives_its_pages_back_and_the_late_an
     let want = run_all(&mut plain, vec![greedy("b", &long, 8)]);
     assert_eq!(out["b"].tokens, want["b"].tokens);
     assert_eq!(available(&e), total);
+}
+
+#[test]
+fn pages_a_down_tier_could_not_take_are_offered_again_once_it_is_back() {
+    let fx = fixture_prompts();
+    let long: Vec<u32> = fx[0].iter().chain(&fx[1]).chain(&fx[2]).copied().collect();
+    let mem: Arc<Mutex<Mem>> = Arc::default();
+    let mut e = with_tier(&mem);
+    mem.lock().unwrap().down = true;
+    run_all(&mut e, vec![greedy("a", &long, 4)]);
+    assert!(
+        mem.lock().unwrap().pages.is_empty(),
+        "nothing is copied out for a down tier"
+    );
+    // Back: the same prompt (now a device hit) retires, and its pages are offered, since
+    // none was marked written while the tier was down.
+    mem.lock().unwrap().down = false;
+    run_all(&mut e, vec![greedy("b", &long, 4)]);
+    assert!(mem.lock().unwrap().pages.len() >= 3);
 }

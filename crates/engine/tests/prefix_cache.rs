@@ -145,6 +145,9 @@ impl pdmesh_kv::HostTier for Recorder {
         got.extend(pages.iter().map(|p| p.hash));
         true
     }
+    fn accepts_stores(&self) -> bool {
+        true
+    }
     fn store_stats(&self) -> pdmesh_kv::StoreStats {
         pdmesh_kv::StoreStats::default()
     }

@@ -70,6 +70,9 @@ pub trait HostTier: Send {
     /// pages it has no room for. False: the queue was full and they were dropped
     /// (counted in [`StoreStats::dropped_pages`]).
     fn store(&mut self, pages: Vec<StorePage>) -> bool;
+    /// Whether a store could be written now (the tier is reachable): when not, the engine
+    /// neither copies pages out for it nor marks them written, so they are offered again.
+    fn accepts_stores(&self) -> bool;
     fn store_stats(&self) -> StoreStats;
     /// Changes whenever the tier may have lost what it was given (e.g. the cache service
     /// restarted and this worker registered again): what was marked as written before must

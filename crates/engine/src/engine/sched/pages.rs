@@ -34,7 +34,7 @@ impl Scheduler {
                             }
                     })
                     .collect();
-                if !offer.is_empty() {
+                if !offer.is_empty() && host.accepts_stores() {
                     let pool = &self.pool;
                     let batch: Vec<StorePage> = offer
                         .iter()
@@ -88,7 +88,7 @@ impl Scheduler {
             return 0;
         };
         match &mut self.host {
-            Some((host, WritePolicy::WriteBack)) => {
+            Some((host, WritePolicy::WriteBack)) if host.accepts_stores() => {
                 // Copy out what the host tier lacks while the pages still exist.
                 let mut out: Vec<StorePage> = Vec::new();
                 let freed = c.evict_with(&mut self.pool, n, |e, pool| {
