@@ -1,7 +1,7 @@
 //! Throughput of the quantized matmul at the SmolLM2 FFN shape, 1 to 64 tokens and a 512-token prefill chunk.
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use pdmesh_gguf::GgmlType;
+use pdmesh_ggml::GgmlType;
 use pdmesh_kernels::{QMatrix, matmul};
 
 fn bench(c: &mut Criterion) {

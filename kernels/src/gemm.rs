@@ -933,7 +933,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use half::f16;
-    use pdmesh_gguf::{GgmlType, dequantize};
+    use pdmesh_ggml::{GgmlType, dequantize};
 
     use super::*;
     use crate::{quantize_q8_0, quantize_q8_1};

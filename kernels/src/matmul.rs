@@ -2,7 +2,7 @@
 //! computed by one thread, in one fixed order, for every token: results are identical
 //! whatever the batch size or thread count.
 
-use pdmesh_gguf::{GgmlType, dequantize};
+use pdmesh_ggml::{GgmlType, dequantize};
 use rayon::prelude::*;
 
 use crate::dot;

@@ -1,6 +1,9 @@
-//! GGML tensor types and reference (scalar) dequantization for each supported block
-//! format. The fast paths live in pdmesh-kernels; these are the ground truth they are
-//! tested against.
+//! pdmesh-ggml: GGML's tensor types and reference (scalar) dequantization for each
+//! supported block format, apart from any file: the GGUF reader names its tensors' types
+//! with them, and pdmesh-kernels computes on the blocks. The fast paths live in
+//! pdmesh-kernels; these are the ground truth they are tested against.
+
+#![forbid(unsafe_code)]
 
 use half::{bf16, f16};
 
