@@ -3,13 +3,15 @@
 //!
 //! [`client`] speaks the cache protocol (`pdmesh.cache.v1`): register with a `KvLayout`,
 //! keep the lease alive, look pages up, load and store them, and take part in hand-over
-//! rooms; page bytes move over the shared-memory mirror file ([`mirror`]) or inside gRPC
-//! messages. [`wire`] converts layouts to and from their protobuf form. [`RemoteTier`]
+//! rooms ([`rooms`]: the link a worker's hand-overs use, and what it tells its caller of a
+//! refused room call); page bytes move over the shared-memory mirror file ([`mirror`]) or
+//! inside gRPC messages. [`wire`] converts layouts to and from their protobuf form. [`RemoteTier`]
 //! adapts the client to the engine's `HostTier`, whose calls never wait.
 
 pub mod client;
 mod lease;
 pub mod mirror;
+pub mod rooms;
 mod tier;
 pub mod wire;
 

@@ -12,7 +12,6 @@
 mod decode;
 mod pages;
 mod prefill;
-mod room;
 mod stats;
 
 use std::collections::HashMap;
@@ -32,7 +31,7 @@ use crate::actor::EngineHandle;
 use crate::engine_core::Event;
 use crate::error::Error;
 use crate::incidents::Incidents;
-use room::{RELINK_GRACE, RoomGuard, RoomLink, failed};
+use pdmesh_cache_client::rooms::{RELINK_GRACE, RoomGuard, RoomLink, failed};
 use stats::{PdStats, reason_of};
 
 /// What this worker runs.
@@ -157,12 +156,14 @@ impl Pd {
         self.role == Role::Unified || self.link.as_ref().is_some_and(|l| l.get().is_some())
     }
 
-    async fn client(&self) -> Result<Arc<HostClient>, Status> {
+    fn link(&self) -> Result<&RoomLink, Status> {
         self.link
             .as_ref()
-            .ok_or_else(|| Status::internal("this worker has no cache service"))?
-            .wait(RELINK_GRACE)
-            .await
+            .ok_or_else(|| Status::internal("this worker has no cache service"))
+    }
+
+    async fn client(&self) -> Result<Arc<HostClient>, Status> {
+        self.link()?.wait(RELINK_GRACE).await
     }
 
     /// Runs one request's side of a room; the returned channel carries its events.
@@ -196,6 +197,7 @@ impl Pd {
                 // Bounded like every other room call: a cache service that stopped
                 // answering fails the request instead of holding it.
                 let (client, st) = self
+                    .link()?
                     .open_room(
                         client,
                         tokio::time::Instant::now() + self.times.transfer,

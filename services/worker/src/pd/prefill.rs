@@ -13,12 +13,12 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 use super::pages::{changed, report_write, stage, write_pages};
-use super::room::{RoomGuard, by, failed, from_cache, room_event, wait_room};
 use super::stats::transfer_event;
 use super::{Item, Pd};
 use crate::actor::{EngineHandle, Generation};
 use crate::engine_core::{Event, Finish, Stages};
 use crate::error::Error;
+use pdmesh_cache_client::rooms::{RoomGuard, by, failed, from_cache, room_event, wait_room};
 
 /// Lets go of a prefill's held pages when dropped armed: those of its own submission
 /// (`ticket`) only, as the request may have been tried again under the same id by then.
