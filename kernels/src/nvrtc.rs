@@ -34,7 +34,7 @@ pub struct CompiledModule {
 }
 
 /// Why kernels could not be compiled.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub enum NvrtcError {
     /// The architecture is not of the form `sm_<digits>`.
     BadArch(String),
@@ -107,12 +107,12 @@ fn missing_library(detail: &str) -> NvrtcError {
 /// The loaded library's version, `(major, minor)`; loads it on first use. cudarc panics
 /// when the library is absent: that becomes [`NvrtcError::LibraryMissing`].
 pub fn nvrtc_version() -> Result<(i32, i32), NvrtcError> {
-    static VERSION: OnceLock<Result<(i32, i32), String>> = OnceLock::new();
+    static VERSION: OnceLock<Result<(i32, i32), NvrtcError>> = OnceLock::new();
     VERSION
         .get_or_init(|| {
             // SAFETY: only tries to open the candidate libraries.
             if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-                return Err("not found".into());
+                return Err(missing_library("not found"));
             }
             let r = catch_unwind(|| {
                 let (mut major, mut minor) = (0, 0);
@@ -122,12 +122,11 @@ pub fn nvrtc_version() -> Result<(i32, i32), NvrtcError> {
             });
             match r {
                 Ok(Ok(v)) => Ok(v),
-                Ok(Err(e)) => Err(format!("nvrtcVersion failed: {e:?}")),
-                Err(p) => Err(panic_text(p.as_ref())),
+                Ok(Err(e)) => Err(missing_library(&format!("nvrtcVersion failed: {e:?}"))),
+                Err(p) => Err(missing_library(&panic_text(p.as_ref()))),
             }
         })
         .clone()
-        .map_err(|e| missing_library(&e))
 }
 
 /// The NVRTC options for `arch` (already validated).

@@ -2,8 +2,27 @@
 //! layout through `KvLayout::new` (so every size is derived again, never trusted from the
 //! wire) and refuses it if the fingerprint the sender computed differs.
 
-use pdmesh_kv::{Component, DType, KvLayout, ScalePlacement, ScaleSpec};
+use pdmesh_kv::{Component, DType, KvLayout, LayoutError, ScalePlacement, ScaleSpec};
 use pdmesh_proto::cache::v1 as pb;
+
+/// Why a layout from the wire was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum WireLayoutError {
+    #[error("{component}: unknown dtype {value}")]
+    UnknownDtype { component: String, value: i32 },
+    #[error("{component}: unknown scale placement {value}")]
+    UnknownPlacement { component: String, value: i32 },
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(
+        "the sender's fingerprint {sent} does not match {computed} computed from the fields ({layout})"
+    )]
+    Fingerprint {
+        sent: String,
+        computed: String,
+        layout: String,
+    },
+}
 
 fn dtype_to_pb(d: DType) -> pb::Dtype {
     match d {
@@ -15,14 +34,17 @@ fn dtype_to_pb(d: DType) -> pb::Dtype {
     }
 }
 
-fn dtype_from_pb(v: i32, what: &str) -> Result<DType, String> {
+fn dtype_from_pb(v: i32, what: &str) -> Result<DType, WireLayoutError> {
     match pb::Dtype::try_from(v) {
         Ok(pb::Dtype::F32) => Ok(DType::F32),
         Ok(pb::Dtype::F16) => Ok(DType::F16),
         Ok(pb::Dtype::Bf16) => Ok(DType::Bf16),
         Ok(pb::Dtype::Fp8E4m3) => Ok(DType::Fp8E4m3),
         Ok(pb::Dtype::U8) => Ok(DType::U8),
-        _ => Err(format!("{what}: unknown dtype {v}")),
+        _ => Err(WireLayoutError::UnknownDtype {
+            component: what.to_owned(),
+            value: v,
+        }),
     }
 }
 
@@ -53,7 +75,7 @@ pub fn layout_to_pb(l: &KvLayout) -> pb::KvLayout {
     }
 }
 
-pub fn layout_from_pb(p: &pb::KvLayout) -> Result<KvLayout, String> {
+pub fn layout_from_pb(p: &pb::KvLayout) -> Result<KvLayout, WireLayoutError> {
     let mut comps = Vec::with_capacity(p.components.len());
     for c in &p.components {
         let dtype = dtype_from_pb(c.dtype, &c.name)?;
@@ -66,10 +88,10 @@ pub fn layout_from_pb(p: &pb::KvLayout) -> Result<KvLayout, String> {
                     Ok(pb::ScalePlacement::BesideToken) => ScalePlacement::BesideToken,
                     Ok(pb::ScalePlacement::PageTail) => ScalePlacement::PageTail,
                     _ => {
-                        return Err(format!(
-                            "{}: unknown scale placement {}",
-                            c.name, s.placement
-                        ));
+                        return Err(WireLayoutError::UnknownPlacement {
+                            component: c.name.clone(),
+                            value: s.placement,
+                        });
                     }
                 },
             }),
@@ -81,14 +103,13 @@ pub fn layout_from_pb(p: &pb::KvLayout) -> Result<KvLayout, String> {
             scale,
         });
     }
-    let layout = KvLayout::new(&p.name, p.layers as usize, p.page_size as usize, comps)
-        .map_err(|e| e.to_string())?;
+    let layout = KvLayout::new(&p.name, p.layers as usize, p.page_size as usize, comps)?;
     if layout.fingerprint_hex() != p.fingerprint {
-        return Err(format!(
-            "the sender's fingerprint {} does not match {} computed from the fields ({layout})",
-            p.fingerprint,
-            layout.fingerprint_hex()
-        ));
+        return Err(WireLayoutError::Fingerprint {
+            sent: p.fingerprint.clone(),
+            computed: layout.fingerprint_hex(),
+            layout: layout.to_string(),
+        });
     }
     Ok(layout)
 }
@@ -121,9 +142,15 @@ mod tests {
         let mut forged = p.clone();
         forged.components[1].dtype = pb::Dtype::Bf16.into();
         let err = layout_from_pb(&forged).unwrap_err();
-        assert!(err.contains("does not match"), "{err}");
+        assert!(matches!(err, WireLayoutError::Fingerprint { .. }), "{err}");
         let mut bad = p;
         bad.components[0].dtype = 99;
-        assert!(layout_from_pb(&bad).unwrap_err().contains("unknown dtype"));
+        assert_eq!(
+            layout_from_pb(&bad).unwrap_err(),
+            WireLayoutError::UnknownDtype {
+                component: "latent".into(),
+                value: 99
+            }
+        );
     }
 }

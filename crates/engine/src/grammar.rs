@@ -20,12 +20,23 @@ use crate::EngineError;
 /// (its request, if it still comes, compiles it on the engine thread).
 const MAX_PREPARED: usize = 64;
 
+/// Why a grammar could not be built or refused a token.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum GrammarError {
+    #[error("the model names no end-of-generation token")]
+    NoEndToken,
+    #[error("the grammar engine refused the vocabulary: {0}")]
+    Vocabulary(String),
+    #[error("the grammar refused token {token}: {why}")]
+    Refused { token: u32, why: String },
+}
+
 /// Builds matchers for one vocabulary. The token trie is built on first use (a grammar
 /// request), not at load.
 pub(crate) struct Grammars {
     token_bytes: Vec<Vec<u8>>,
     eog: Vec<u32>,
-    factory: OnceLock<Result<Arc<ParserFactory>, String>>,
+    factory: OnceLock<Result<Arc<ParserFactory>, GrammarError>>,
     /// Parsers compiled ahead by [`GrammarCompiler::prepare`], by their grammar, oldest
     /// first: each is taken by one request.
     prepared: Mutex<Vec<(String, TokenParser)>>,
@@ -76,10 +87,7 @@ impl Grammars {
 
     fn factory(&self) -> Result<&Arc<ParserFactory>, EngineError> {
         let built = self.factory.get_or_init(|| {
-            let eos = *self
-                .eog
-                .first()
-                .ok_or("the model names no end-of-generation token")?;
+            let eos = *self.eog.first().ok_or(GrammarError::NoEndToken)?;
             let words: Vec<Vec<u8>> = self
                 .token_bytes
                 .iter()
@@ -99,7 +107,8 @@ impl Grammars {
             let info = TokRxInfo::new(words.len() as u32, eos);
             let trie = TokTrie::from(&info, &words);
             let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
-            let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+            let mut factory = ParserFactory::new_simple(&env)
+                .map_err(|e| GrammarError::Vocabulary(e.to_string()))?;
             factory.quiet();
             Ok(Arc::new(factory))
         });
@@ -213,10 +222,15 @@ impl Constraint {
 
     /// Advances past sampled token `tok` (an end-of-generation id counts as "end").
     /// Err: the grammar rejected it.
-    pub fn commit(&mut self, tok: u32, eog: &[u32]) -> Result<(), String> {
+    pub fn commit(&mut self, tok: u32, eog: &[u32]) -> Result<(), GrammarError> {
         self.mask = None;
         let t = if eog.contains(&tok) { self.eos } else { tok };
-        self.matcher.consume_token(t).map_err(|e| e.to_string())
+        self.matcher
+            .consume_token(t)
+            .map_err(|e| GrammarError::Refused {
+                token: tok,
+                why: e.to_string(),
+            })
     }
 
     /// Whether the grammar is complete and can take no more text.
@@ -402,18 +416,24 @@ mod tests {
             for b in text.bytes() {
                 c.commit(u32::from(b), &g.eog)?;
             }
-            Ok::<bool, String>(c.done())
+            Ok::<bool, GrammarError>(c.done())
         };
-        assert_eq!(feed("a <b> X</think>X"), Ok(true));
-        assert_eq!(feed("</think>X"), Ok(true));
-        assert!(feed("ab</think>Y").is_err());
-        assert_eq!(feed("still thinking, X"), Ok(false));
+        assert!(feed("a <b> X</think>X").unwrap());
+        assert!(feed("</think>X").unwrap());
+        assert!(matches!(
+            feed("ab</think>Y"),
+            Err(GrammarError::Refused { token, .. }) if token == u32::from(b'Y')
+        ));
+        assert!(!feed("still thinking, X").unwrap());
     }
 
     #[test]
     fn a_token_outside_the_grammar_is_refused() {
         let g = toy();
         let mut c = g.matcher(r#"start: "x""#).unwrap();
-        assert!(c.commit(u32::from(b'y'), &g.eog).is_err());
+        assert!(matches!(
+            c.commit(u32::from(b'y'), &g.eog),
+            Err(GrammarError::Refused { token, .. }) if token == u32::from(b'y')
+        ));
     }
 }

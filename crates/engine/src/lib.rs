@@ -14,7 +14,7 @@ pub mod deepseek_synth;
 mod engine;
 mod gpu;
 mod grammar;
-pub use grammar::GrammarCompiler;
+pub use grammar::{GrammarCompiler, GrammarError};
 mod model;
 mod sampler;
 pub mod tp;
@@ -61,10 +61,17 @@ pub enum EngineError {
     /// did not match their checksum).
     #[error("KV transfer: {0}")]
     Transfer(String),
+    /// The caller's `fill` of a hand-over's pages failed; its own error, kept whole so
+    /// the caller can read it back by type.
+    #[error("KV transfer: {0}")]
+    Fill(#[source] FillError),
     /// The engine's queue holds its limit of waiting requests; try again later.
     #[error("the engine's queue is full ({limit} requests waiting); retry later")]
     QueueFull { limit: usize },
 }
+
+/// Why the bytes handed to [`Engine::import`] could not be written: the caller's error.
+pub type FillError = Box<dyn std::error::Error + Send + Sync>;
 
 impl EngineError {
     /// Closed set of labels for metrics.
@@ -78,7 +85,7 @@ impl EngineError {
             Self::TooLargeForPool { .. } => "too_large_for_pool",
             Self::Model(_) | Self::Unsupported(_) => "model",
             Self::Offline => "offline",
-            Self::Transfer(_) => "transfer",
+            Self::Transfer(_) | Self::Fill(_) => "transfer",
             Self::QueueFull { .. } => "queue_full",
         }
     }
@@ -91,6 +98,7 @@ impl EngineError {
                 | Self::Unsupported(_)
                 | Self::Offline
                 | Self::Transfer(_)
+                | Self::Fill(_)
                 | Self::QueueFull { .. }
         )
     }

@@ -228,7 +228,10 @@ fn aborts_and_failed_imports_release_reservations_and_exports() {
             Err("page 0 failed its checksum".into())
         })
         .unwrap_err();
-    assert!(err.to_string().contains("checksum"), "{err}");
+    assert!(
+        matches!(&err, pdmesh_engine::EngineError::Fill(e) if e.to_string() == "page 0 failed its checksum"),
+        "{err}"
+    );
     assert!(d.abort("r1"));
     assert!(p.drop_export("r1"));
     // r2: a token outside the vocabulary is refused before anything is written.

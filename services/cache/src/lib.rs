@@ -522,7 +522,8 @@ impl Drop for AdmittedSlot {
 struct HomeSink<'a>(&'a grpc::Shared);
 
 impl transfer::Sink for HomeSink<'_> {
-    fn page(&mut self, p: transfer::InPage<'_>) -> Result<(), String> {
+    type Refusal = state::PageRefused;
+    fn page(&mut self, p: transfer::InPage<'_>) -> Result<(), state::PageRefused> {
         self.0
             .with(|s| s.peer_write(p.sender, p.room, p.index, p.bytes))
     }

@@ -88,7 +88,8 @@ pub(crate) trait Backend {
 /// Writes a prefilled prompt's pages somewhere; returns each page's checksum.
 pub(crate) type ExportFn = Box<dyn FnOnce(&[&[u8]]) -> Vec<u64> + Send>;
 /// Fills a decode request's reserved pages; an error names what did not arrive intact.
-pub(crate) type ImportFn = Box<dyn FnOnce(&mut [&mut [u8]]) -> Result<(), String> + Send>;
+pub(crate) type ImportFn =
+    Box<dyn FnOnce(&mut [&mut [u8]]) -> Result<(), pdmesh_engine::FillError> + Send>;
 
 /// Where the engine's requests are now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -63,13 +63,33 @@ pub struct StallStep {
     pub pause: Duration,
 }
 
-fn parse_stall(s: &str) -> Result<StallStep, String> {
+/// Why `--fault-stall-step` could not be read.
+#[derive(Debug, thiserror::Error)]
+enum BadStall {
+    #[error("expected STEP:MS, got {0:?}")]
+    Shape(String),
+    #[error("{what} {text:?}: {err}")]
+    Number {
+        what: &'static str,
+        text: String,
+        err: std::num::ParseIntError,
+    },
+}
+
+fn parse_stall(s: &str) -> Result<StallStep, BadStall> {
     let (step, ms) = s
         .split_once(':')
-        .ok_or_else(|| format!("expected STEP:MS, got {s:?}"))?;
+        .ok_or_else(|| BadStall::Shape(s.to_owned()))?;
+    let num = |what, text: &str| {
+        text.parse::<u64>().map_err(|err| BadStall::Number {
+            what,
+            text: text.to_owned(),
+            err,
+        })
+    };
     Ok(StallStep {
-        step: step.parse().map_err(|e| format!("STEP {step:?}: {e}"))?,
-        pause: Duration::from_millis(ms.parse().map_err(|e| format!("MS {ms:?}: {e}"))?),
+        step: num("STEP", step)?,
+        pause: Duration::from_millis(num("MS", ms)?),
     })
 }
 

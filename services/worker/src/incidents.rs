@@ -164,8 +164,12 @@ pub(crate) struct Handed<'a> {
 }
 
 /// A page of a hand-over whose bytes are not the engine's: its index among the pages
-/// that travelled, its mirror slot, the engine's checksum and the one found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// that travelled, its mirror slot, the engine's checksum and the one found. The decode
+/// side's `fill` fails with it, and reads it back from the engine's error by type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "page {index} (mirror slot {slot}) does not match its checksum: {found:#018x}, committed {expected:#018x}"
+)]
 pub(crate) struct BadPage {
     pub index: usize,
     pub slot: u32,

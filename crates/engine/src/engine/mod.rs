@@ -284,7 +284,7 @@ impl Engine {
         first_token: u32,
         logprob: Option<Logprob>,
         cached: usize,
-        fill: impl FnOnce(&mut [&mut [u8]]) -> Result<(), String>,
+        fill: impl FnOnce(&mut [&mut [u8]]) -> Result<(), crate::FillError>,
     ) -> Result<Vec<StepEvent>, EngineError> {
         self.sched.import(id, first_token, logprob, cached, fill)
     }

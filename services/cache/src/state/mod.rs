@@ -6,6 +6,7 @@ mod expiry;
 pub(crate) mod index;
 pub(crate) mod leases;
 mod peer_traffic;
+pub(crate) use peer_traffic::PageRefused;
 pub(crate) mod relays;
 mod rooms;
 pub(crate) mod slots;
@@ -35,7 +36,7 @@ pub enum CacheError {
     #[error("KV layout mismatch: the host mirror holds {ours}; this worker has {theirs}")]
     LayoutMismatch { ours: String, theirs: String },
     #[error("invalid KV layout: {0}")]
-    BadLayout(String),
+    BadLayout(#[from] pdmesh_cache_client::wire::WireLayoutError),
     // Leases are capabilities: no message names one.
     #[error("this lease is unknown or expired: register again")]
     UnknownLease(Lease),

@@ -6,6 +6,28 @@ use pdmesh_cache_client::Lease;
 use super::State;
 use crate::rooms::RoomState;
 
+/// Why a page a peer host sent was refused (its text goes back to the sender).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PageRefused {
+    #[error("room {room} is {state}{why}")]
+    NotTransferring {
+        room: u64,
+        state: &'static str,
+        /// `: ` and why the room failed, or empty.
+        why: String,
+    },
+    #[error("room {0} does not exist")]
+    NoRoom(u64),
+    #[error("room {0}'s sender is not a peer host")]
+    NotFromAPeer(u64),
+    #[error("room {0} is sent by another peer than this connection's")]
+    OtherSender(u64),
+    #[error("room {room} has {pages} pages; page {index} is not one")]
+    NoSuchPage { room: u64, pages: usize, index: u32 },
+    #[error("a page is {want} bytes, got {got}")]
+    WrongSize { want: usize, got: usize },
+}
+
 /// Traffic with other hosts' cache services, since the service started.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PeerStats {
@@ -94,8 +116,8 @@ impl State {
         room: u64,
         index: u32,
         bytes: &[u8],
-    ) -> Result<(), String> {
-        let refuse = |why: String| {
+    ) -> Result<(), PageRefused> {
+        let refuse = |why: PageRefused| {
             tracing::warn!(room, index, "page from a peer refused: {why}");
             why
         };
@@ -104,11 +126,15 @@ impl State {
             Some((st, why)) => {
                 self.room_stats.late_writes_rejected += 1;
                 let why = why.map(|w| format!(": {w}")).unwrap_or_default();
-                return Err(refuse(format!("room {room} is {}{why}", st.name())));
+                return Err(refuse(PageRefused::NotTransferring {
+                    room,
+                    state: st.name(),
+                    why,
+                }));
             }
             None => {
                 self.room_stats.late_writes_rejected += 1;
-                return Err(refuse(format!("room {room} does not exist")));
+                return Err(refuse(PageRefused::NoRoom(room)));
             }
         }
         let from_peer = self
@@ -117,26 +143,24 @@ impl State {
             .and_then(|l| self.leases.get(&l))
             .is_some_and(|l| l.peer);
         if !from_peer {
-            return Err(refuse(format!("room {room}'s sender is not a peer host")));
+            return Err(refuse(PageRefused::NotFromAPeer(room)));
         }
         if self.rooms.sender(room) != Some(sender) {
-            return Err(refuse(format!(
-                "room {room} is sent by another peer than this connection's"
-            )));
+            return Err(refuse(PageRefused::OtherSender(room)));
         }
         let Some(&slot) = self.rooms.slots(room).get(index as usize) else {
-            return Err(refuse(format!(
-                "room {room} has {} pages; page {index} is not one",
-                self.rooms.slots(room).len()
-            )));
+            return Err(refuse(PageRefused::NoSuchPage {
+                room,
+                pages: self.rooms.slots(room).len(),
+                index,
+            }));
         };
         let mirror = self.mirror.as_ref().expect("a room implies a mirror");
         if bytes.len() != mirror.page_bytes() {
-            return Err(refuse(format!(
-                "a page is {} bytes, got {}",
-                mirror.page_bytes(),
-                bytes.len()
-            )));
+            return Err(refuse(PageRefused::WrongSize {
+                want: mirror.page_bytes(),
+                got: bytes.len(),
+            }));
         }
         mirror.write(slot, bytes);
         *self.peer_pages.entry(room).or_default() += 1;

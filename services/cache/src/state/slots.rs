@@ -14,17 +14,28 @@ pub enum MirrorSize {
     Tokens(u64),
 }
 
+/// Why a mirror size could not be read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadMirrorSize {
+    #[error("{0:?}: expected a number with an optional unit")]
+    NotANumber(String),
+    #[error("{0:?}: unknown unit {1:?} (B, KB, MB, GB, KiB, MiB, GiB, tokens)")]
+    UnknownUnit(String, String),
+    #[error("{0:?} is too large")]
+    TooLarge(String),
+}
+
 impl std::str::FromStr for MirrorSize {
-    type Err = String;
+    type Err = BadMirrorSize;
 
     /// `4GiB`, `512MiB`, `1000000` (bytes), `2GB`, `100000tokens`.
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, BadMirrorSize> {
         let t = s.trim();
         let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
         let n: u64 = num
             .parse()
-            .map_err(|_| format!("{s:?}: expected a number with an optional unit"))?;
+            .map_err(|_| BadMirrorSize::NotANumber(s.to_owned()))?;
         let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
             "tokens" | "token" => return Ok(Self::Tokens(n)),
             "" | "b" => 1,
@@ -34,15 +45,11 @@ impl std::str::FromStr for MirrorSize {
             "kib" => 1 << 10,
             "mib" => 1 << 20,
             "gib" => 1 << 30,
-            u => {
-                return Err(format!(
-                    "{s:?}: unknown unit {u:?} (B, KB, MB, GB, KiB, MiB, GiB, tokens)"
-                ));
-            }
+            u => return Err(BadMirrorSize::UnknownUnit(s.to_owned(), u.to_owned())),
         };
         n.checked_mul(mult)
             .map(Self::Bytes)
-            .ok_or_else(|| format!("{s:?} is too large"))
+            .ok_or_else(|| BadMirrorSize::TooLarge(s.to_owned()))
     }
 }
 

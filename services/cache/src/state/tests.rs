@@ -50,8 +50,17 @@ fn sizes_parse_in_bytes_and_tokens() {
     assert_eq!("2 MB".parse(), Ok(MirrorSize::Bytes(2_000_000)));
     assert_eq!("1000".parse(), Ok(MirrorSize::Bytes(1000)));
     assert_eq!("5000tokens".parse(), Ok(MirrorSize::Tokens(5000)));
-    assert!("lots".parse::<MirrorSize>().is_err());
-    assert!("3 parsecs".parse::<MirrorSize>().is_err());
+    assert_eq!(
+        "lots".parse::<MirrorSize>(),
+        Err(slots::BadMirrorSize::NotANumber("lots".into()))
+    );
+    assert_eq!(
+        "3 parsecs".parse::<MirrorSize>(),
+        Err(slots::BadMirrorSize::UnknownUnit(
+            "3 parsecs".into(),
+            "parsecs".into()
+        ))
+    );
 }
 
 #[test]
@@ -440,17 +449,36 @@ fn a_peers_page_lands_only_in_a_room_transferring_from_that_peer_and_never_late(
     s.room_open(d, 1, Side::Receiver, ("", ""), 0, t).unwrap();
     s.room_open(local, 1, Side::Sender, ("", ""), 0, t).unwrap();
     s.room_start(local, 1, 1, t).unwrap();
-    assert!(s.peer_write(local, 1, 0, &page(3)).is_err());
-    assert!(s.peer_write(peer, 1, 0, &page(3)).is_err());
+    assert_eq!(
+        s.peer_write(local, 1, 0, &page(3)),
+        Err(PageRefused::NotFromAPeer(1))
+    );
+    assert_eq!(
+        s.peer_write(peer, 1, 0, &page(3)),
+        Err(PageRefused::NotFromAPeer(1))
+    );
     // From the peer: a wrong index or size is refused; the right page lands.
     s.room_open(d, 2, Side::Receiver, ("", ""), 0, t).unwrap();
     s.room_open(peer, 2, Side::Sender, ("", ""), 0, t).unwrap();
     let slots = s.room_start(peer, 2, 2, t).unwrap();
-    assert!(s.peer_write(peer, 2, 2, &page(5)).is_err());
-    assert!(s.peer_write(peer, 2, 0, &page(5)[..64]).is_err());
+    assert_eq!(
+        s.peer_write(peer, 2, 2, &page(5)),
+        Err(PageRefused::NoSuchPage {
+            room: 2,
+            pages: 2,
+            index: 2
+        })
+    );
+    assert_eq!(
+        s.peer_write(peer, 2, 0, &page(5)[..64]),
+        Err(PageRefused::WrongSize { want: 128, got: 64 })
+    );
     // Another peer's connection may not write this peer's room.
     let intruder = s.register_peer("intruder", &layout(), t).unwrap().lease;
-    assert!(s.peer_write(intruder, 2, 0, &page(6)).is_err());
+    assert_eq!(
+        s.peer_write(intruder, 2, 0, &page(6)),
+        Err(PageRefused::OtherSender(2))
+    );
     s.peer_write(peer, 2, 0, &page(5)).unwrap();
     let mirror = s.mirror().unwrap();
     let mut got = vec![0u8; 128];
@@ -470,7 +498,10 @@ fn a_peers_page_lands_only_in_a_room_transferring_from_that_peer_and_never_late(
     s.room_abort(d, 2, "client left", t).unwrap();
     assert_eq!(s.room_stats(t).quarantined_slots, 0);
     let before = s.stats().used_pages;
-    assert!(s.peer_write(peer, 2, 1, &page(7)).is_err());
+    assert!(matches!(
+        s.peer_write(peer, 2, 1, &page(7)),
+        Err(PageRefused::NotTransferring { room: 2, .. })
+    ));
     mirror.read(slots[1], &mut got);
     assert_ne!(got, page(7), "a late page never lands");
     assert_eq!(s.stats().used_pages, before);

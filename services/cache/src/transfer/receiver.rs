@@ -37,9 +37,11 @@ pub struct Received {
 
 /// Where a receiver's pages go.
 pub trait Sink {
+    /// Why a page was refused: its text goes back to the sender in the acknowledgement.
+    type Refusal: std::fmt::Display;
     /// A page whose checksum matched, in order; an error refuses the page (and the rest
     /// of its batch) with that reason.
-    fn page(&mut self, page: InPage<'_>) -> Result<(), String>;
+    fn page(&mut self, page: InPage<'_>) -> Result<(), Self::Refusal>;
     /// A send's trailer, once every page of its batch was taken; the reply goes back to
     /// the sender. Never called for a batch that failed.
     fn trailer(&mut self, _room: u64, _sender: Lease, _trailer: &[u8]) -> Vec<u8> {
@@ -61,8 +63,9 @@ pub struct BadArrival<'a> {
     pub found: u64,
 }
 
-impl<F: FnMut(InPage<'_>) -> Result<(), String>> Sink for F {
-    fn page(&mut self, page: InPage<'_>) -> Result<(), String> {
+impl<E: std::fmt::Display, F: FnMut(InPage<'_>) -> Result<(), E>> Sink for F {
+    type Refusal = E;
+    fn page(&mut self, page: InPage<'_>) -> Result<(), E> {
         self(page)
     }
 }
@@ -266,7 +269,9 @@ pub async fn serve_stream(
                 };
                 match sink.page(page) {
                     Ok(()) => got.pages += 1,
-                    Err(reason) => (status, bad_index, text) = (ACK_REFUSED, index, reason),
+                    Err(reason) => {
+                        (status, bad_index, text) = (ACK_REFUSED, index, reason.to_string())
+                    }
                 }
             }
         }

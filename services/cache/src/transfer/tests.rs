@@ -83,9 +83,10 @@ struct Keep {
 }
 
 impl Sink for Keep {
-    fn page(&mut self, p: InPage<'_>) -> Result<(), String> {
+    type Refusal = &'static str;
+    fn page(&mut self, p: InPage<'_>) -> Result<(), &'static str> {
         if Some(p.index) == self.refuse_index {
-            return Err("room failed".into());
+            return Err("room failed");
         }
         self.delivered.lock().unwrap().push(Kept {
             room: p.room,

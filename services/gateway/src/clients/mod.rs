@@ -155,7 +155,7 @@ pub(crate) struct Flushed {
     pub role: &'static str,
     pub url: String,
     /// Pages freed, or why the worker did not flush.
-    pub pages: Result<u64, String>,
+    pub pages: Result<u64, ApiError>,
 }
 
 /// How long a worker may take to flush its cache (it waits for the engine loop's current
@@ -754,8 +754,10 @@ impl Backends {
                     tokio::time::timeout(FLUSH_TIMEOUT, c.flush_cache(wk::FlushCacheRequest {}));
                 let pages = match call.await {
                     Ok(Ok(r)) => Ok(r.into_inner().pages_flushed),
-                    Ok(Err(status)) => Err(ApiError::from(status).message),
-                    Err(_) => Err(format!("no answer within {FLUSH_TIMEOUT:?}")),
+                    Ok(Err(status)) => Err(ApiError::from(status)),
+                    Err(_) => Err(ApiError::unavailable(format!(
+                        "no answer within {FLUSH_TIMEOUT:?}"
+                    ))),
                 };
                 Flushed {
                     role,

@@ -33,7 +33,7 @@ pub(crate) async fn flush_cache(State(st): State<AppState>) -> Result<Json<Value
     let failed: Vec<String> = flushed
         .iter()
         .filter_map(|f| match &f.pages {
-            Err(why) => Some(format!("the {} worker {}: {why}", f.role, f.url)),
+            Err(why) => Some(format!("the {} worker {}: {}", f.role, f.url, why.message)),
             Ok(_) => None,
         })
         .collect();

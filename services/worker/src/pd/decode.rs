@@ -2,7 +2,7 @@
 //! how many it holds already, waits for prefill's pages, imports them checked against
 //! their checksums, then generates the rest.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
@@ -12,13 +12,13 @@ use pdmesh_proto::cache::v1 as cpb;
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use super::room::{RoomGuard, by, room_event, wait_room};
 use super::stats::{Handover, transfer_event};
 use super::{Item, Pd};
 use crate::actor::{EngineHandle, Generation};
 use crate::engine_core::{Event, Finish, Stages};
 use crate::error::Error;
 use crate::incidents::{BadPage, Handed};
+use pdmesh_cache_client::rooms::{RoomGuard, by, room_event, wait_room};
 
 impl Pd {
     pub(super) async fn decode(
@@ -61,6 +61,7 @@ impl Pd {
         };
         let deadline = tokio::time::Instant::now() + self.times.transfer;
         let (client, _) = self
+            .link()?
             .open_room(
                 client,
                 deadline,
@@ -120,9 +121,6 @@ impl Pd {
         let t0 = Instant::now();
         let sent = got.pages;
         let of = sent.len();
-        // The page that failed its checksum, if one does (for the report).
-        let bad: Arc<Mutex<Option<BadPage>>> = Arc::default();
-        let bad2 = bad.clone();
         let logprob = (!aux.first_logprob.is_nan()).then(|| Logprob {
             logprob: aux.first_logprob,
             top: aux
@@ -141,17 +139,13 @@ impl Pd {
                     for (index, (d, p)) in dst.iter_mut().zip(&sent).enumerate() {
                         let found = mirror.read_checked(p.slot, d);
                         if found != p.checksum {
-                            *bad2.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
-                                Some(BadPage {
-                                    index,
-                                    slot: p.slot,
-                                    expected: p.checksum,
-                                    found,
-                                });
-                            return Err(format!(
-                                "page {index} (mirror slot {}) does not match its checksum: {found:#018x}, committed {:#018x}",
-                                p.slot, p.checksum
-                            ));
+                            return Err(BadPage {
+                                index,
+                                slot: p.slot,
+                                expected: p.checksum,
+                                found,
+                            }
+                            .into());
                         }
                     }
                     Ok(())
@@ -159,9 +153,11 @@ impl Pd {
             )
             .await
             .map_err(|e| match e {
-                pdmesh_engine::EngineError::Transfer(m) => {
-                    let b = *bad.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                    if let (Some(inc), Some(b)) = (&self.incidents, b) {
+                pdmesh_engine::EngineError::Fill(e) => {
+                    let Ok(b) = e.downcast::<BadPage>() else {
+                        return Status::data_loss("the hand-over's pages could not be written");
+                    };
+                    if let Some(inc) = &self.incidents {
                         let summary = format!(
                             "Room {room}: page {} of the {of} pages prefill committed did not \
                              match its checksum when this decode worker read it from the \
@@ -175,10 +171,11 @@ impl Pd {
                             trace_id: &trace_id,
                             room,
                         };
-                        inc.handover_checksum("hand-over read", &h, (&[b], of), None, summary);
+                        inc.handover_checksum("hand-over read", &h, (&[*b], of), None, summary);
                     }
-                    Status::data_loss(m)
+                    Status::data_loss(b.to_string())
                 }
+                pdmesh_engine::EngineError::Transfer(m) => Status::data_loss(m),
                 e => Status::from(Error::from(e)),
             })?;
         let secs = t0.elapsed().as_secs_f64();

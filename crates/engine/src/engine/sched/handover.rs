@@ -53,7 +53,7 @@ impl Scheduler {
         first_token: u32,
         logprob: Option<Logprob>,
         cached: usize,
-        fill: impl FnOnce(&mut [&mut [u8]]) -> Result<(), String>,
+        fill: impl FnOnce(&mut [&mut [u8]]) -> Result<(), crate::FillError>,
     ) -> Result<Vec<StepEvent>, EngineError> {
         let i = self
             .parked
@@ -80,9 +80,7 @@ impl Scheduler {
                 .expect("reserved pages are allocated");
             fill(&mut bufs)
         };
-        if let Err(why) = filled {
-            return Err(EngineError::Transfer(why));
-        }
+        filled.map_err(EngineError::Fill)?;
         let mut s = self.parked.remove(i);
         s.computed = s.prompt_len;
         // What the prefill side found cached is what this request was spared.
