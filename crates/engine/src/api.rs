@@ -36,9 +36,10 @@ pub struct SamplingParams {
     /// Until this many tokens were generated, the end-of-generation tokens (unless
     /// `ignore_eos`) and `stop_token_ids` cannot be sampled and stop strings do not match.
     pub min_tokens: u32,
-    /// A Lark grammar (llguidance's dialect, `%json{…}` for JSON schemas) the output
-    /// must match; every other token is masked out before sampling.
-    pub grammar: Option<String>,
+    /// A grammar (Lark, llguidance's dialect, `%json{…}` for JSON schemas) the output
+    /// must match; every other token is masked out before sampling. Compiled before
+    /// submission ([`crate::GrammarCompiler::compile`]).
+    pub grammar: Option<crate::Grammar>,
     /// Report the prompt's tokens' log-probabilities (from the second token on), each with
     /// this many alternatives ([`StepEvent::PromptLogprobs`]). Every prompt position's
     /// logits are computed then, so such a request takes nothing from the prefix cache.

@@ -4,21 +4,18 @@
 //! token-bytes table (the engine never tokenizes); the mask for a step is computed on
 //! another thread while the forward pass runs.
 //!
-//! Compiling a grammar can take long (a large JSON schema): callers compile it on their
-//! own thread first ([`GrammarCompiler::prepare`]), and the engine thread only clones
-//! the prepared parser when the request arrives.
+//! Compiling a grammar can take long (a large JSON schema): a request carries its grammar
+//! compiled ([`Grammar`], made only by [`GrammarCompiler::compile`] on the caller's
+//! thread), and the engine thread only copies the compiled parser. The engine never
+//! compiles: there is no path from a grammar's text to its thread.
 
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory, TokenParser};
 
 use crate::EngineError;
-
-/// Most grammars prepared and not yet taken by a request; past it the oldest is dropped
-/// (its request, if it still comes, compiles it on the engine thread).
-const MAX_PREPARED: usize = 64;
 
 /// Why a grammar could not be built or refused a token.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -37,9 +34,35 @@ pub(crate) struct Grammars {
     token_bytes: Vec<Vec<u8>>,
     eog: Vec<u32>,
     factory: OnceLock<Result<Arc<ParserFactory>, GrammarError>>,
-    /// Parsers compiled ahead by [`GrammarCompiler::prepare`], by their grammar, oldest
-    /// first: each is taken by one request.
-    prepared: Mutex<Vec<(String, TokenParser)>>,
+}
+
+/// A grammar compiled for one engine's vocabulary, as a request carries it
+/// ([`crate::SamplingParams::grammar`]). Cheap to clone; equal when the texts are.
+#[derive(Clone)]
+pub struct Grammar {
+    lark: Arc<str>,
+    parser: TokenParser,
+    /// The vocabulary it was compiled for: an engine refuses another's.
+    vocab: usize,
+}
+
+impl Grammar {
+    /// The grammar's text (Lark).
+    pub fn lark(&self) -> &str {
+        &self.lark
+    }
+}
+
+impl std::fmt::Debug for Grammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Grammar").field(&self.lark).finish()
+    }
+}
+
+impl PartialEq for Grammar {
+    fn eq(&self, other: &Self) -> bool {
+        self.lark == other.lark && self.vocab == other.vocab
+    }
 }
 
 /// Compiles grammars for an engine off its thread. Cheap to clone.
@@ -47,29 +70,14 @@ pub(crate) struct Grammars {
 pub struct GrammarCompiler(pub(crate) Arc<Grammars>);
 
 impl GrammarCompiler {
-    /// Compiles `lark` (a caller's error if it does not) and keeps the parser for the next
-    /// request with this grammar. Blocking: call it where blocking is fine.
-    pub fn prepare(&self, lark: &str) -> Result<(), EngineError> {
-        let parser = self.0.parser(lark)?;
-        let mut prepared = self
-            .0
-            .prepared
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if prepared.len() >= MAX_PREPARED {
-            prepared.remove(0);
-        }
-        prepared.push((lark.to_owned(), parser));
-        Ok(())
-    }
-
-    /// How many prepared parsers wait for their request.
-    pub fn prepared(&self) -> usize {
-        self.0
-            .prepared
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
+    /// Compiles `lark` for this engine's vocabulary (a caller's error if it does not
+    /// compile). Blocking, and possibly long: call it off the engine's thread.
+    pub fn compile(&self, lark: &str) -> Result<Grammar, EngineError> {
+        Ok(Grammar {
+            lark: lark.into(),
+            parser: self.0.parser(lark)?,
+            vocab: self.0.token_bytes.len(),
+        })
     }
 }
 
@@ -81,7 +89,6 @@ impl Grammars {
             token_bytes,
             eog,
             factory: OnceLock::new(),
-            prepared: Mutex::new(Vec::new()),
         }
     }
 
@@ -127,22 +134,21 @@ impl Grammars {
             })
     }
 
-    /// A fresh matcher for `lark`: the parser prepared for it if there is one, else
-    /// compiled here.
-    pub fn matcher(&self, lark: &str) -> Result<Constraint, EngineError> {
-        let ready = {
-            let mut prepared = self.prepared.lock().unwrap_or_else(PoisonError::into_inner);
-            prepared
-                .iter()
-                .position(|(g, _)| g == lark)
-                .map(|i| prepared.remove(i).1)
-        };
-        let parser = match ready {
-            Some(p) => p,
-            None => self.parser(lark)?,
-        };
+    /// A fresh matcher for compiled grammar `g`: a copy of its parser, nothing compiled.
+    /// A grammar compiled for another vocabulary is the caller's error.
+    pub fn matcher(&self, g: &Grammar) -> Result<Constraint, EngineError> {
+        if g.vocab != self.token_bytes.len() {
+            return Err(EngineError::InvalidParam {
+                field: "grammar",
+                msg: format!(
+                    "compiled for a vocabulary of {} tokens; this model has {}",
+                    g.vocab,
+                    self.token_bytes.len()
+                ),
+            });
+        }
         Ok(Constraint {
-            matcher: Matcher::new(Ok(parser)),
+            matcher: Matcher::new(Ok(g.parser.clone())),
             mask: None,
             eos: self.eog[0],
         })
@@ -243,6 +249,16 @@ impl Constraint {
 mod tests {
     use super::*;
 
+    /// A matcher for `lark`, compiled as a caller would.
+    fn compiled(g: &Grammars, lark: &str) -> Result<Constraint, EngineError> {
+        let grammar = Grammar {
+            lark: lark.into(),
+            parser: g.parser(lark)?,
+            vocab: g.token_bytes.len(),
+        };
+        g.matcher(&grammar)
+    }
+
     /// A byte-level toy vocabulary: 256 single bytes, a few merges, and two control ids.
     fn toy() -> Grammars {
         let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
@@ -293,7 +309,7 @@ mod tests {
     fn the_mask_forces_the_grammar_whatever_the_model_prefers() {
         let g = toy();
         let lark = r#"start: "<tool_call>\n" %json{"type":"object","properties":{"name":{"const":"get_weather"}},"required":["name"],"additionalProperties":false,"x-guidance":{"whitespace_flexible":false}} "\n</tool_call>""#;
-        let mut c = g.matcher(lark).unwrap();
+        let mut c = compiled(&g, lark).unwrap();
         // The "model" wants to write prose; the grammar wins.
         let out = greedy(&g, &mut c, b"Sure, the weather in Paris is", 200);
         let text = String::from_utf8(out).unwrap();
@@ -307,22 +323,20 @@ mod tests {
     }
 
     #[test]
-    fn a_prepared_grammar_is_taken_once_by_its_request_and_a_bad_one_is_refused_ahead() {
+    fn one_compiled_grammar_serves_many_requests_and_a_bad_one_is_refused_at_compile() {
         let compiler = GrammarCompiler(Arc::new(toy()));
         let lark = r#"start: "<tool_call>" /[a-z]+/"#;
-        compiler.prepare(lark).unwrap();
-        compiler.prepare(lark).unwrap();
-        assert_eq!(compiler.prepared(), 2);
-        // Each request takes one; the engine thread compiles only what was not prepared.
+        let grammar = compiler.compile(lark).unwrap();
+        assert_eq!(grammar.lark(), lark);
         let g = &compiler.0;
-        let mut taken = g.matcher(lark).unwrap();
-        assert_eq!(compiler.prepared(), 1);
-        let mut logits = vec![0.0f32; g.token_bytes.len()];
-        assert!(taken.apply(&mut logits, &g.eog), "a working matcher");
-        g.matcher(lark).unwrap();
-        g.matcher(lark).unwrap();
-        assert_eq!(compiler.prepared(), 0);
-        let e = compiler.prepare("start: (").unwrap_err();
+        for _ in 0..3 {
+            let mut m = g.matcher(&grammar).unwrap();
+            let mut logits = vec![0.0f32; g.token_bytes.len()];
+            assert!(m.apply(&mut logits, &g.eog), "a working matcher");
+            let allowed = logits.iter().filter(|l| **l > f32::NEG_INFINITY).count();
+            assert_eq!(allowed, 1, "only the forced tag's longest token");
+        }
+        let e = compiler.compile("start: (").unwrap_err();
         assert!(
             matches!(
                 e,
@@ -333,17 +347,24 @@ mod tests {
             ),
             "{e}"
         );
-        // Bounded: the oldest prepared parser makes room.
-        for _ in 0..MAX_PREPARED + 3 {
-            compiler.prepare(lark).unwrap();
-        }
-        assert_eq!(compiler.prepared(), MAX_PREPARED);
+        // Compiled for another vocabulary: refused, never applied to this one's ids.
+        let mut words = g.token_bytes.clone();
+        words.push(b"zz".to_vec());
+        let other = GrammarCompiler(Arc::new(Grammars::new(words, g.eog.clone())));
+        let foreign = other.compile(lark).unwrap();
+        assert!(matches!(
+            g.matcher(&foreign),
+            Err(EngineError::InvalidParam {
+                field: "grammar",
+                ..
+            })
+        ));
     }
 
     #[test]
     fn forced_text_is_spelled_with_the_longest_token() {
         let g = toy();
-        let mut c = g.matcher(r#"start: "<tool_call>" /[a-z]+/"#).unwrap();
+        let mut c = compiled(&g, r#"start: "<tool_call>" /[a-z]+/"#).unwrap();
         let vocab = g.token_bytes.len();
         let mut logits = vec![0.0f32; vocab];
         logits[usize::from(b'<')] = 5.0; // the model prefers the one-byte spelling
@@ -364,7 +385,7 @@ mod tests {
     #[test]
     fn an_end_token_is_allowed_only_where_the_grammar_may_end() {
         let g = toy();
-        let mut c = g.matcher(r#"start: "ab" | "abc""#).unwrap();
+        let mut c = compiled(&g, r#"start: "ab" | "abc""#).unwrap();
         let (a, b) = (u32::from(b'a'), u32::from(b'b'));
         let vocab = g.token_bytes.len();
         let mut logits = vec![0.0f32; vocab];
@@ -392,7 +413,7 @@ mod tests {
     #[test]
     fn a_bad_grammar_is_the_callers_error() {
         let g = toy();
-        let Err(e) = g.matcher("start: undefined_rule") else {
+        let Err(e) = compiled(&g, "start: undefined_rule") else {
             panic!("compiled a grammar with an undefined rule");
         };
         assert!(e.is_client_error(), "{e}");
@@ -412,7 +433,7 @@ mod tests {
         let g = toy();
         let lark = "start: think_ answer_\nthink_[lazy]: /(?s:.*)<\\/think>/\nanswer_: \"X\"";
         let feed = |text: &str| {
-            let mut c = g.matcher(lark).unwrap();
+            let mut c = compiled(&g, lark).unwrap();
             for b in text.bytes() {
                 c.commit(u32::from(b), &g.eog)?;
             }
@@ -430,7 +451,7 @@ mod tests {
     #[test]
     fn a_token_outside_the_grammar_is_refused() {
         let g = toy();
-        let mut c = g.matcher(r#"start: "x""#).unwrap();
+        let mut c = compiled(&g, r#"start: "x""#).unwrap();
         assert!(matches!(
             c.commit(u32::from(b'y'), &g.eog),
             Err(GrammarError::Refused { token, .. }) if token == u32::from(b'y')

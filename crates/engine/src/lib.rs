@@ -14,7 +14,7 @@ pub mod deepseek_synth;
 mod engine;
 mod gpu;
 mod grammar;
-pub use grammar::{GrammarCompiler, GrammarError};
+pub use grammar::{Grammar, GrammarCompiler, GrammarError};
 mod model;
 mod sampler;
 pub mod tp;

@@ -31,7 +31,7 @@ fn constrained(id: &str, prompt: Vec<u32>, seed: Option<u64>) -> GenRequest {
             temperature: if seed.is_some() { 0.7 } else { 0.0 },
             seed,
             max_tokens: Some(60),
-            grammar: Some(TOOL_GRAMMAR.into()),
+            grammar: Some(compiled(TOOL_GRAMMAR)),
             ..SamplingParams::default()
         },
     }
@@ -89,12 +89,21 @@ fn constrained_tokens_are_the_same_alone_and_in_a_batch() {
 }
 
 #[test]
-fn a_grammar_that_does_not_compile_is_refused_at_submit() {
-    let mut e = engine(|_| {});
-    let mut req = constrained("bad", vec![1, 2, 3], None);
-    req.params.grammar = Some("start: %json{ not json".into());
-    let err = e.submit(req).unwrap_err();
-    assert!(err.is_client_error(), "{err}");
-    assert!(err.to_string().contains("grammar"), "{err}");
+fn a_grammar_that_does_not_compile_is_the_callers_error_before_any_submit() {
+    let e = engine(|_| {});
+    let err = e
+        .grammar_compiler()
+        .compile("start: %json{ not json")
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            pdmesh_engine::EngineError::InvalidParam {
+                field: "grammar",
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(!e.has_work());
 }

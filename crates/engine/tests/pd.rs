@@ -49,10 +49,9 @@ fn requests() -> Vec<GenRequest> {
         if i % 8 == 7 {
             // Constrained decoding: the decode side's grammar must accept the prefill's
             // first token and go on exactly as a unified engine would.
-            params.grammar = Some(
-                r#"start: %json{"type":"object","properties":{"city":{"type":"string"},"n":{"type":"integer"}},"required":["city","n"],"x-guidance":{"whitespace_flexible":false}}"#
-                    .into(),
-            );
+            params.grammar = Some(compiled(
+                r#"start: %json{"type":"object","properties":{"city":{"type":"string"},"n":{"type":"integer"}},"required":["city","n"],"x-guidance":{"whitespace_flexible":false}}"#,
+            ));
             params.max_tokens = Some(10);
         }
         out.push(GenRequest {

@@ -49,14 +49,14 @@ impl WorkerService {
         }
     }
 
-    /// Compiles `grammar` on a blocking thread within [`GRAMMAR_DEADLINE`], so that the
-    /// engine thread only looks it up: a grammar that takes long to compile delays its own
-    /// request, never the batch.
-    async fn prepare_grammar(&self, grammar: &str) -> Result<(), Status> {
-        let (compiler, lark) = (self.grammars.clone(), grammar.to_owned());
-        let work = tokio::task::spawn_blocking(move || compiler.prepare(&lark));
+    /// Compiles `lark` on a blocking thread within [`GRAMMAR_DEADLINE`]; the request
+    /// carries it compiled, so the engine thread never compiles: a grammar that takes long
+    /// to compile delays its own request, never the batch.
+    async fn compile_grammar(&self, lark: String) -> Result<pdmesh_engine::Grammar, Status> {
+        let compiler = self.grammars.clone();
+        let work = tokio::task::spawn_blocking(move || compiler.compile(&lark));
         match tokio::time::timeout(GRAMMAR_DEADLINE, work).await {
-            Ok(Ok(prepared)) => prepared.map_err(|e| Status::from(Error::from(e))),
+            Ok(Ok(compiled)) => compiled.map_err(|e| Status::from(Error::from(e))),
             Ok(Err(e)) => Err(Status::internal(format!("compiling the grammar: {e}"))),
             Err(_) => Err(Status::invalid_argument(format!(
                 "grammar too complex: it did not compile within {} s",
@@ -93,7 +93,8 @@ fn kv_event(seq: u64, e: &CacheEvent) -> cpb::KvEvent {
 }
 
 /// Proto sampling parameters → engine parameters. Absent optionals take the documented
-/// defaults; range checks are the engine's (`SamplingParams::validate`).
+/// defaults; range checks are the engine's (`SamplingParams::validate`). The grammar is
+/// not among them: the caller compiles it ([`WorkerService::compile_grammar`]).
 pub(crate) fn sampling_params(p: Option<pb::SamplingParams>) -> Result<SamplingParams, Error> {
     let p = p.unwrap_or_default();
     let stop = p
@@ -123,7 +124,7 @@ pub(crate) fn sampling_params(p: Option<pb::SamplingParams>) -> Result<SamplingP
         top_logprobs: p.top_logprobs,
         logit_bias: p.logit_bias.into_iter().collect(),
         min_tokens: p.min_tokens,
-        grammar: (!p.grammar.is_empty()).then_some(p.grammar),
+        grammar: None,
         prompt_logprobs: p.prompt_logprobs,
         // The request's, not a sampling parameter on the wire (GenerateRequest.cache_salt).
         cache_salt: None,
@@ -339,7 +340,12 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let req = request.into_inner();
+        let mut req = request.into_inner();
+        let lark = req
+            .sampling
+            .as_mut()
+            .map(|p| std::mem::take(&mut p.grammar))
+            .filter(|g| !g.is_empty());
         let mut params = sampling_params(req.sampling)?;
         // Checked with the sampling parameters (`SamplingParams::validate`).
         params.cache_salt = req.cache_salt;
@@ -352,8 +358,8 @@ impl pb::worker_server::Worker for WorkerService {
             )));
         }
         self.watch.admit()?;
-        if let Some(g) = &params.grammar {
-            self.prepare_grammar(g).await?;
+        if let Some(lark) = lark {
+            params.grammar = Some(self.compile_grammar(lark).await?);
         }
         let id = if req.request_id.is_empty() {
             uuid::Uuid::new_v4().to_string()

@@ -217,8 +217,8 @@ impl Engine {
         self.sched.exports()
     }
 
-    /// Compiles grammars for this engine on other threads: a request whose grammar was
-    /// prepared with it costs the engine thread a lookup, not a compilation.
+    /// Compiles grammars for this engine's vocabulary on other threads: a request carries
+    /// its grammar compiled, and the engine thread only copies the parser.
     pub fn grammar_compiler(&self) -> GrammarCompiler {
         self.sched.grammar_compiler()
     }

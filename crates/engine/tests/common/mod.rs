@@ -119,6 +119,17 @@ pub fn wait_stored(e: &Engine) {
     }
 }
 
+/// `lark` compiled for the default model's vocabulary, as a worker compiles a request's
+/// grammar before submitting it.
+pub fn compiled(lark: &str) -> pdmesh_engine::Grammar {
+    static COMPILER: std::sync::OnceLock<pdmesh_engine::GrammarCompiler> =
+        std::sync::OnceLock::new();
+    COMPILER
+        .get_or_init(|| engine(|c| c.kv_pages = 8).grammar_compiler())
+        .compile(lark)
+        .expect("the grammar compiles")
+}
+
 pub fn greedy(id: &str, prompt: &[u32], n: u32) -> GenRequest {
     GenRequest {
         id: id.into(),
