@@ -18,6 +18,7 @@ use wk::worker_client::WorkerClient;
 use self::output::{Detokenizer, Parsing, add_stats, convert_generate, output_parser};
 use crate::error::{ApiError, Error};
 use crate::metrics::Stage;
+use crate::route::Role;
 
 /// What the backends' Health calls say.
 #[derive(Debug)]
@@ -101,7 +102,7 @@ pub(crate) struct PdTotals {
     pub transfers_ok: u64,
     pub transfers_failed: u64,
     /// Hand-overs under way and the oldest one's age, by side (prefill, decode).
-    pub handovers: std::collections::BTreeMap<String, (u64, f64)>,
+    pub handovers: std::collections::BTreeMap<Role, (u64, f64)>,
     /// The longest any worker's loop has had work without a step.
     pub engine_idle_seconds: f64,
 }
@@ -124,7 +125,7 @@ impl PdTotals {
         self.transfers_ok += o.transfers_ok;
         self.transfers_failed += o.transfers_failed;
         for (side, (n, oldest)) in &o.handovers {
-            let e = self.handovers.entry(side.clone()).or_default();
+            let e = self.handovers.entry(*side).or_default();
             e.0 += n;
             e.1 = e.1.max(*oldest);
         }
@@ -151,8 +152,7 @@ pub(crate) struct HostTotals {
 /// One worker's answer to a cache flush.
 #[derive(Clone, Debug)]
 pub(crate) struct Flushed {
-    /// `unified`, `prefill` or `decode`.
-    pub role: &'static str,
+    pub role: Role,
     pub url: String,
     /// Pages freed, or why the worker did not flush.
     pub pages: Result<u64, ApiError>,
@@ -324,7 +324,7 @@ impl Backends {
         stop: tokio_util::sync::CancellationToken,
     ) {
         let (workers, auth) = (self.workers.clone(), self.auth.clone());
-        let side = if prefill { "prefill" } else { "decode" };
+        let side = if prefill { Role::Prefill } else { Role::Decode }.as_str();
         tokio::spawn(async move {
             loop {
                 let mut urls = Vec::new();
@@ -443,19 +443,21 @@ impl Backends {
         let (t, w, hosts) = tokio::join!(t, w, self.workers.hosts_known());
         let tokenizer = matches!(t, Ok(Ok(r)) if r.get_ref().ok);
         // A prefill or decode worker takes requests only once its host is known.
-        let usable: Vec<(&str, bool)> = w
+        let usable: Vec<(Role, bool)> = w
             .iter()
             .zip(&named)
-            .map(|((role, ok, _), (_, t))| (*role, *ok && (*role == "unified" || t.host_known())))
+            .map(|((role, ok, _), (_, t))| {
+                (*role, *ok && (*role == Role::Unified || t.host_known()))
+            })
             .collect();
-        let any = |role: &str| usable.iter().any(|&(r, ok)| r == role && ok);
+        let any = |role: Role| usable.iter().any(|&(r, ok)| r == role && ok);
         let mut faults: Vec<String> = w.iter().flat_map(|(_, _, f)| f.clone()).collect();
         faults.sort();
         faults.dedup();
         Health {
             tokenizer,
             all_workers: w.iter().all(|(_, ok, _)| *ok) && hosts,
-            serving: tokenizer && (any("unified") || (any("prefill") && any("decode"))),
+            serving: tokenizer && (any(Role::Unified) || (any(Role::Prefill) && any(Role::Decode))),
             workers_ok: usable.iter().filter(|(_, ok)| *ok).count(),
             workers: usable.len(),
             faults,
@@ -538,6 +540,7 @@ impl Backends {
 
     fn info_of(url: &str, r: wk::ModelInfoResponse) -> WorkerInfo {
         let failed: u64 = r.transfer_failures.values().sum();
+        let role = Role::from_wire(&r.role);
         WorkerInfo {
             model_id: r.model_id,
             context_length: r.context_length,
@@ -574,16 +577,21 @@ impl Backends {
                 watchdog_aborts: r.watchdog_aborts,
                 engine_steps: r.engine_steps,
                 // A hand-over completes when the decode side verified its pages.
-                transfers_ok: if r.role == "decode" { r.transfers } else { 0 },
-                transfers_failed: if r.role == "decode" { failed } else { 0 },
-                handovers: if r.role == "prefill" || r.role == "decode" {
-                    [(
-                        r.role.clone(),
-                        (u64::from(r.handovers), r.handover_oldest_seconds),
-                    )]
-                    .into()
+                transfers_ok: if role == Some(Role::Decode) {
+                    r.transfers
                 } else {
-                    Default::default()
+                    0
+                },
+                transfers_failed: if role == Some(Role::Decode) {
+                    failed
+                } else {
+                    0
+                },
+                handovers: match role {
+                    Some(side @ (Role::Prefill | Role::Decode)) => {
+                        [(side, (u64::from(r.handovers), r.handover_oldest_seconds))].into()
+                    }
+                    _ => Default::default(),
                 },
                 engine_idle_seconds: r.engine_idle_seconds,
             },

@@ -47,7 +47,7 @@ async fn dns_names_become_workers_and_a_failed_look_up_changes_nothing() {
         b.workers
             .named()
             .into_iter()
-            .filter(|(r, _)| *r == "decode")
+            .filter(|(r, _)| *r == crate::route::Role::Decode)
             .map(|(_, t)| t.url().to_owned())
             .collect()
     };
@@ -67,7 +67,7 @@ async fn dns_names_become_workers_and_a_failed_look_up_changes_nothing() {
         .workers
         .named()
         .into_iter()
-        .filter(|(r, _)| *r == "prefill")
+        .filter(|(r, _)| *r == crate::route::Role::Prefill)
         .map(|(_, t)| t.url().to_owned())
         .collect();
     assert_eq!(prefill, ["http://127.0.0.1:3"]);

@@ -11,6 +11,7 @@ use pdmesh_telemetry::labels::RoomState;
 use serde_json::json;
 
 use crate::metrics::ROOM_AGE_THRESHOLDS;
+use crate::route::Role;
 use crate::state::AppState;
 
 /// Whether every backend answers.
@@ -187,11 +188,13 @@ pub(crate) async fn metrics(State(st): State<AppState>) -> Response {
             pd.transfers.observe("ok", info.pd.transfers_ok as f64);
             pd.transfers
                 .observe("failed", info.pd.transfers_failed as f64);
-            for side in ["prefill", "decode"] {
-                let (n, oldest) = info.pd.handovers.get(side).copied().unwrap_or_default();
-                pd.handovers.with_label_values(&[side]).set(n as i64);
+            for side in [Role::Prefill, Role::Decode] {
+                let (n, oldest) = info.pd.handovers.get(&side).copied().unwrap_or_default();
+                pd.handovers
+                    .with_label_values(&[side.as_str()])
+                    .set(n as i64);
                 pd.handover_oldest_seconds
-                    .with_label_values(&[side])
+                    .with_label_values(&[side.as_str()])
                     .set(oldest);
             }
         }

@@ -33,7 +33,12 @@ pub(crate) async fn flush_cache(State(st): State<AppState>) -> Result<Json<Value
     let failed: Vec<String> = flushed
         .iter()
         .filter_map(|f| match &f.pages {
-            Err(why) => Some(format!("the {} worker {}: {}", f.role, f.url, why.message)),
+            Err(why) => Some(format!(
+                "the {} worker {}: {}",
+                f.role.as_str(),
+                f.url,
+                why.message
+            )),
             Ok(_) => None,
         })
         .collect();
@@ -47,7 +52,7 @@ pub(crate) async fn flush_cache(State(st): State<AppState>) -> Result<Json<Value
     tracing::info!(pages = total, "flushed every worker's device prefix cache");
     let workers: Vec<Value> = flushed
         .iter()
-        .map(|f| json!({ "role": f.role, "url": f.url, "pages_flushed": f.pages.as_ref().ok() }))
+        .map(|f| json!({ "role": f.role.as_str(), "url": f.url, "pages_flushed": f.pages.as_ref().ok() }))
         .collect();
     Ok(Json(json!({ "pages_flushed": total, "workers": workers })))
 }

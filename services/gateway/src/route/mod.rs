@@ -22,6 +22,32 @@ use wk::worker_client::WorkerClient;
 use self::cache::{CacheView, follow, follow_host};
 use self::pd::merge;
 
+/// What a worker does in the mesh: the whole request, or one side of a hand-over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Role {
+    Unified,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    /// The role's name, as workers report it (ModelInfo's `role`) and labels carry it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Unified => "unified",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    /// The role a worker reports; `None` for a name this gateway does not know.
+    pub fn from_wire(name: &str) -> Option<Self> {
+        [Role::Unified, Role::Prefill, Role::Decode]
+            .into_iter()
+            .find(|r| r.as_str() == name)
+    }
+}
+
 /// Subscribes to one host's cache service's KV events (its host tier) and applies them to
 /// `view` until the stream ends; returns why it ended.
 /// How long a unary backend call (health, model info) may take before it counts as down.
@@ -461,16 +487,15 @@ impl Workers {
             .collect()
     }
 
-    /// Every worker with its role (`unified`, `prefill`, `decode`).
-    pub fn named(&self) -> Vec<(&'static str, Arc<Target>)> {
+    /// Every worker with its role.
+    pub fn named(&self) -> Vec<(Role, Arc<Target>)> {
         let pool = self.pool();
-        let role = |r: &'static str, ts: &[Arc<Target>]| {
-            ts.iter().map(|t| (r, t.clone())).collect::<Vec<_>>()
-        };
+        let role =
+            |r: Role, ts: &[Arc<Target>]| ts.iter().map(|t| (r, t.clone())).collect::<Vec<_>>();
         [
-            role("unified", &self.unified),
-            role("prefill", &pool.prefill),
-            role("decode", &pool.decode),
+            role(Role::Unified, &self.unified),
+            role(Role::Prefill, &pool.prefill),
+            role(Role::Decode, &pool.decode),
         ]
         .concat()
     }

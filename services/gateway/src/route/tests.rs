@@ -749,7 +749,7 @@ async fn workers_found_through_dns_come_and_go_and_those_given_by_url_stay() {
     let w = Workers::pd(vec![("given".into(), ch())], Vec::new());
     let stop = tokio_util::sync::CancellationToken::new();
     w.run_tasks(stop.clone());
-    let urls = |w: &Workers, role: &str| -> Vec<String> {
+    let urls = |w: &Workers, role: Role| -> Vec<String> {
         w.named()
             .into_iter()
             .filter(|(r, _)| *r == role)
@@ -769,7 +769,7 @@ async fn workers_found_through_dns_come_and_go_and_those_given_by_url_stay() {
     let found = |u: &[&str]| u.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let changed = w.set_discovered(false, &found(&["d1", "d2"]), |_| Some(ch()));
     assert_eq!(changed.added, ["d1", "d2"]);
-    assert_eq!(urls(&w, "decode"), ["d1", "d2"]);
+    assert_eq!(urls(&w, Role::Decode), ["d1", "d2"]);
     let d1 = w.pool().decode[0].clone();
     let _busy = Inflight::new(&d1.inflight);
     // DNS names d2 and d3 now: d1 leaves (its tasks end; the request it serves keeps
@@ -781,7 +781,7 @@ async fn workers_found_through_dns_come_and_go_and_those_given_by_url_stay() {
     );
     assert!(d1.tasks.is_cancelled());
     assert_eq!(d1.inflight.load(Ordering::Relaxed), 1);
-    assert_eq!(urls(&w, "decode"), ["d2", "d3"]);
+    assert_eq!(urls(&w, Role::Decode), ["d2", "d3"]);
     assert_eq!(w.in_flight(), 0, "only the pool's decode workers count");
     assert_eq!(
         w.set_discovered(false, &found(&["d3", "d2"]), |_| Some(ch())),
@@ -789,12 +789,12 @@ async fn workers_found_through_dns_come_and_go_and_those_given_by_url_stay() {
     );
     // The prefill worker given by URL stays whatever DNS says.
     w.set_discovered(true, &found(&["p1"]), |_| Some(ch()));
-    assert_eq!(urls(&w, "prefill"), ["given", "p1"]);
+    assert_eq!(urls(&w, Role::Prefill), ["given", "p1"]);
     w.set_discovered(true, &[], |_| Some(ch()));
-    assert_eq!(urls(&w, "prefill"), ["given"]);
+    assert_eq!(urls(&w, Role::Prefill), ["given"]);
     // A worker whose client cannot be made is left out.
     w.set_discovered(true, &found(&["bad"]), |_| None);
-    assert_eq!(urls(&w, "prefill"), ["given"]);
+    assert_eq!(urls(&w, Role::Prefill), ["given"]);
     stop.cancel();
 }
 

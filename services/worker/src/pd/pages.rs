@@ -39,7 +39,15 @@ pub(super) async fn stage(
         .map_err(|e| Status::from(Error::from(e)))?;
     rx.await
         .map_err(|_| Status::internal("the engine exported no pages"))?
-        .map_err(Status::internal)
+        .map_err(|e| Status::internal(e.to_string()))
+}
+
+/// The engine's KV pages are not the size of the cache service's: nothing is copied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the engine's KV pages are {engine} bytes, the cache service's {cache}")]
+pub(super) struct PageSizeMismatch {
+    engine: usize,
+    cache: usize,
 }
 
 /// The pages of `src` from the `held`-th on, copied into one buffer with each one's
@@ -49,13 +57,13 @@ fn stage_pages(
     src: &[&[u8]],
     held: usize,
     page_bytes: usize,
-) -> Result<(Vec<u8>, Vec<u64>), String> {
+) -> Result<(Vec<u8>, Vec<u64>), PageSizeMismatch> {
     let src = src.get(held..).unwrap_or_default();
     if let Some(p) = src.iter().find(|p| p.len() != page_bytes) {
-        return Err(format!(
-            "the engine's KV pages are {} bytes, the cache service's {page_bytes}",
-            p.len()
-        ));
+        return Err(PageSizeMismatch {
+            engine: p.len(),
+            cache: page_bytes,
+        });
     }
     let mut buf = vec![0u8; src.len() * page_bytes];
     let sums = src

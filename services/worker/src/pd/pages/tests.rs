@@ -64,7 +64,17 @@ fn a_page_that_changed_after_staging_is_data_loss_naming_it() {
 fn pages_of_another_size_are_refused_naming_both_sizes() {
     let (a, b) = ([1u8; 256], [2u8; 132]);
     let err = stage_pages(&[&a, &b], 0, 256).unwrap_err();
-    assert!(err.contains("132 bytes") && err.contains("256"), "{err}");
+    assert_eq!(
+        err,
+        PageSizeMismatch {
+            engine: 132,
+            cache: 256
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "the engine's KV pages are 132 bytes, the cache service's 256"
+    );
     // The pages decode holds are not staged, so their size is not asked.
     let (buf, sums) = stage_pages(&[&b, &a], 1, 256).unwrap();
     assert_eq!((buf, sums), (a.to_vec(), vec![page_checksum(&a)]));
