@@ -15,6 +15,7 @@ mod engine;
 mod gpu;
 mod grammar;
 pub use grammar::{Grammar, GrammarCompiler, GrammarError};
+mod llama_config;
 mod model;
 mod sampler;
 pub mod tp;
@@ -104,4 +105,4 @@ impl EngineError {
     }
 }
 
-pub use model::LlamaConfig;
+pub use llama_config::LlamaConfig;

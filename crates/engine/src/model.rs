@@ -2,94 +2,24 @@
 //! the paged KV pool, SwiGLU, tied output. It works on a flat batch of tokens from any
 //! mix of sequences and positions; every token goes through the same per-token code, so
 //! a token's logits do not depend on its batch or on how its prompt was chunked.
+//! [`TpLlama`] computes the same forward as tensor-parallel ranks on threads of this
+//! process (the plan and the collective are `tp`'s).
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pdmesh_gguf::GgufFile;
 use pdmesh_kernels::{QMatrix, attend_causal, matmul, matmul_many, matmul_swiglu};
-use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
+use pdmesh_kv::{PageId, PagePool};
 use rayon::prelude::*;
 
 use crate::EngineError;
-use crate::tp::{Comm, KvAccess, RankShard, RankWork, WorkKind, lock_work};
-
-/// Hyper-parameters read from GGUF metadata.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LlamaConfig {
-    pub layers: usize,
-    pub dim: usize,
-    pub ffn: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub rope_base: f32,
-    pub rms_eps: f32,
-    pub context_length: usize,
-    pub vocab: usize,
-}
-
-impl LlamaConfig {
-    pub fn from_gguf(g: &GgufFile) -> Result<Self, EngineError> {
-        let arch = g.get_str("general.architecture")?;
-        if arch != "llama" {
-            return Err(EngineError::Unsupported(format!(
-                "architecture {arch:?} (this engine runs llama)"
-            )));
-        }
-        let k = |s: &str| format!("llama.{s}");
-        let dim = g.get_u64(&k("embedding_length"))? as usize;
-        let heads = g.get_u64(&k("attention.head_count"))? as usize;
-        let kv_heads = g
-            .get(&k("attention.head_count_kv"))
-            .and_then(|v| v.as_u64())
-            .unwrap_or(heads as u64) as usize;
-        let head_dim = dim / heads;
-        let vocab = g
-            .get_str_array("tokenizer.ggml.tokens")
-            .map(|t| t.len())
-            .or_else(|_| g.get_u64(&k("vocab_size")).map(|v| v as usize))?;
-        let cfg = Self {
-            layers: g.get_u64(&k("block_count"))? as usize,
-            dim,
-            ffn: g.get_u64(&k("feed_forward_length"))? as usize,
-            heads,
-            kv_heads,
-            head_dim,
-            rope_base: g
-                .get(&k("rope.freq_base"))
-                .and_then(|v| v.as_f64())
-                .unwrap_or(10000.0) as f32,
-            rms_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32,
-            context_length: g.get_u64(&k("context_length"))? as usize,
-            vocab,
-        };
-        if heads == 0
-            || kv_heads == 0
-            || !heads.is_multiple_of(kv_heads)
-            || !dim.is_multiple_of(heads)
-            || !head_dim.is_multiple_of(2)
-        {
-            return Err(EngineError::Unsupported(format!(
-                "head layout {heads}/{kv_heads} for dim {dim}"
-            )));
-        }
-        Ok(cfg)
-    }
-
-    /// The KV layout this model needs: f16 K and V per layer.
-    pub fn kv_layout(&self, page_size: usize) -> KvLayout {
-        KvLayout::llama(
-            self.layers,
-            self.kv_heads,
-            self.head_dim,
-            DType::F16,
-            page_size,
-        )
-    }
-}
+use crate::llama_config::LlamaConfig;
+use crate::tp::{
+    Comm, HostCollective, KvAccess, RankShard, RankWork, ShardPlan, WorkKind, lock_work,
+};
 
 /// Where a weight matrix lives in the GGUF map; resolved to a borrowed [`QMatrix`] per use.
 #[derive(Clone, Debug)]
@@ -554,5 +484,82 @@ fn apply_rope(x: &mut [f32], cos: &[f32], sin: &[f32]) {
         let (x0, x1) = (x[2 * i], x[2 * i + 1]);
         x[2 * i] = x0 * c - x1 * s;
         x[2 * i + 1] = x0 * s + x1 * c;
+    }
+}
+
+/// A llama-family model run as `plan.world` ranks on threads of this process.
+pub(crate) struct TpLlama {
+    pub model: LlamaModel,
+    plan: ShardPlan,
+    coll: HostCollective,
+    /// Per rank, what it computed (each rank's thread adds once per forward).
+    work: Vec<Mutex<RankWork>>,
+}
+
+impl TpLlama {
+    pub fn new(model: LlamaModel, world: usize) -> Result<Self, EngineError> {
+        let plan = ShardPlan::new(&model.cfg, world)?;
+        tracing::info!(tp = world, plan = %plan, "tensor parallelism (all-gather, bit-identical to tp=1)");
+        Ok(Self {
+            model,
+            coll: HostCollective::new(world),
+            work: (0..world).map(|_| Mutex::default()).collect(),
+            plan,
+        })
+    }
+
+    /// Per rank, what it computed so far.
+    pub fn work(&self) -> Vec<RankWork> {
+        self.work.iter().map(|w| lock_work(w).clone()).collect()
+    }
+
+    /// [`LlamaModel::forward`], computed by every rank at once: ranks 1.. on scoped threads,
+    /// rank 0 on the caller's. Their kernels run on `tp`; the caller must not be one of its
+    /// threads (a rank waiting at a barrier must not hold a compute thread).
+    pub fn forward(
+        &self,
+        tp: &rayon::ThreadPool,
+        pool: &mut PagePool,
+        seq_pages: &[&[PageId]],
+        tokens: &[BatchToken],
+    ) -> Vec<Vec<f32>> {
+        debug_assert!(
+            rayon::current_thread_index().is_none(),
+            "the sharded forward runs outside the compute pool"
+        );
+        let shared = RwLock::new(pool);
+        let rank = |r: usize| {
+            let _abort = self.coll.abort_on_panic();
+            let comm = Comm {
+                plan: &self.plan,
+                rank: r,
+                coll: &self.coll,
+            };
+            let (logits, work) = self.model.forward_rank(
+                tp,
+                &shared,
+                seq_pages,
+                tokens,
+                &self.plan.ranks[r],
+                Some(comm),
+            );
+            lock_work(&self.work[r]).merge(work);
+            logits
+        };
+        std::thread::scope(|s| {
+            let others: Vec<_> = (1..self.plan.world)
+                .map(|r| {
+                    std::thread::Builder::new()
+                        .name(format!("pdmesh-tp-rank-{r}"))
+                        .spawn_scoped(s, move || rank(r))
+                        .expect("spawn a tensor-parallel rank")
+                })
+                .collect();
+            let logits = rank(0);
+            for h in others {
+                h.join().expect("a tensor-parallel rank panicked");
+            }
+            logits
+        })
     }
 }

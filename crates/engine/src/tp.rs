@@ -27,10 +27,10 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 
-use pdmesh_kv::{PageId, PagePool};
+use pdmesh_kv::PagePool;
 
 use crate::EngineError;
-use crate::model::{BatchToken, LlamaConfig, LlamaModel};
+use crate::llama_config::LlamaConfig;
 
 /// `[r*n/world, (r+1)*n/world)` for every rank `r`: contiguous, in order, covering `0..n`
 /// exactly once; sizes differ by at most one.
@@ -439,83 +439,6 @@ impl KvAccess for &RwLock<&mut PagePool> {
     }
     fn write<R>(&mut self, f: impl FnOnce(&mut PagePool) -> R) -> R {
         f(&mut RwLock::write(self).expect("a rank panicked holding the KV pool"))
-    }
-}
-
-/// A llama-family model run as `plan.world` ranks on threads of this process.
-pub(crate) struct TpLlama {
-    pub model: LlamaModel,
-    plan: ShardPlan,
-    coll: HostCollective,
-    /// Per rank, what it computed (each rank's thread adds once per forward).
-    work: Vec<Mutex<RankWork>>,
-}
-
-impl TpLlama {
-    pub fn new(model: LlamaModel, world: usize) -> Result<Self, EngineError> {
-        let plan = ShardPlan::new(&model.cfg, world)?;
-        tracing::info!(tp = world, plan = %plan, "tensor parallelism (all-gather, bit-identical to tp=1)");
-        Ok(Self {
-            model,
-            coll: HostCollective::new(world),
-            work: (0..world).map(|_| Mutex::default()).collect(),
-            plan,
-        })
-    }
-
-    /// Per rank, what it computed so far.
-    pub fn work(&self) -> Vec<RankWork> {
-        self.work.iter().map(|w| lock_work(w).clone()).collect()
-    }
-
-    /// [`LlamaModel::forward`], computed by every rank at once: ranks 1.. on scoped threads,
-    /// rank 0 on the caller's. Their kernels run on `tp`; the caller must not be one of its
-    /// threads (a rank waiting at a barrier must not hold a compute thread).
-    pub fn forward(
-        &self,
-        tp: &rayon::ThreadPool,
-        pool: &mut PagePool,
-        seq_pages: &[&[PageId]],
-        tokens: &[BatchToken],
-    ) -> Vec<Vec<f32>> {
-        debug_assert!(
-            rayon::current_thread_index().is_none(),
-            "the sharded forward runs outside the compute pool"
-        );
-        let shared = RwLock::new(pool);
-        let rank = |r: usize| {
-            let _abort = self.coll.abort_on_panic();
-            let comm = Comm {
-                plan: &self.plan,
-                rank: r,
-                coll: &self.coll,
-            };
-            let (logits, work) = self.model.forward_rank(
-                tp,
-                &shared,
-                seq_pages,
-                tokens,
-                &self.plan.ranks[r],
-                Some(comm),
-            );
-            lock_work(&self.work[r]).merge(work);
-            logits
-        };
-        std::thread::scope(|s| {
-            let others: Vec<_> = (1..self.plan.world)
-                .map(|r| {
-                    std::thread::Builder::new()
-                        .name(format!("pdmesh-tp-rank-{r}"))
-                        .spawn_scoped(s, move || rank(r))
-                        .expect("spawn a tensor-parallel rank")
-                })
-                .collect();
-            let logits = rank(0);
-            for h in others {
-                h.join().expect("a tensor-parallel rank panicked");
-            }
-            logits
-        })
     }
 }
 

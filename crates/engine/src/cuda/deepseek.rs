@@ -26,7 +26,8 @@ use pdmesh_kv::{IndexKDtype, KvLayout, MlaCacheDtype};
 
 use super::device::{Gpu, KernelBuild, grid};
 use super::host::{PinnedHost, upload_layers};
-use super::llama::{Job, KvSpan, MatmulKernel, RankOut, add_in_place, matmul, rms_norm, swiglu};
+use super::job::{Job, KvSpan, RankOut};
+use super::llama::{MatmulKernel, add_in_place, matmul, rms_norm, swiglu};
 use super::{CudaError, cuda_err};
 use crate::deepseek::{DeepSeekModel, DsConfig, Ffn, Lin, Mlp};
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtrMut, sys};
 use pdmesh_kv::KvLayout;
 
-use super::llama::{HostArena, Job};
+use super::job::{HostArena, Job};
 use super::{CudaError, cuda_err};
 
 /// The host arena registered as pinned memory (portable: every context's copies from it

@@ -14,6 +14,7 @@
 pub mod deepseek;
 pub mod device;
 mod host;
+pub mod job;
 pub mod llama;
 
 use std::sync::mpsc;
@@ -24,10 +25,12 @@ use pdmesh_gguf::GgufFile;
 use pdmesh_kv::{KvLayout, PageId, PagePool};
 
 pub use device::KernelBuild;
-use llama::{HostArena, Job, LlamaRank, RankOut, RankSpec};
+use job::{HostArena, Job, RankOut};
+use llama::{LlamaRank, RankSpec};
 
 use crate::deepseek::DeepSeekModel;
-use crate::model::{BatchToken, LlamaConfig};
+use crate::llama_config::LlamaConfig;
+use crate::model::BatchToken;
 use crate::tp::ShardPlan;
 
 /// A CUDA failure, with what was being done.

@@ -10,8 +10,8 @@ use pdmesh_kv::{KvLayout, PageId, PagePool};
 use super::EngineConfig;
 use crate::EngineError;
 use crate::deepseek::DeepSeekModel;
-use crate::model::{BatchToken, LlamaModel};
-use crate::tp::{RankWork, TpLlama};
+use crate::model::{BatchToken, LlamaModel, TpLlama};
+use crate::tp::RankWork;
 use crate::vocab::{eog_tokens, token_bytes_table};
 
 /// What the engine needs of a model: its vocabulary and one forward pass over a batch.
