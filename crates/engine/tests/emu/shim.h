@@ -1,6 +1,6 @@
 // CPU emulation of the CUDA built-ins the kernels in kernels/cuda/ use, so that the kernel
 // sources compile as host C++ and run on a machine without a GPU (see
-// crates/engine/tests/kernels_emulated.rs, which prepends this header to each source).
+// crates/engine/tests/kernels_emulated/emu.rs, which prepends this header to each source).
 //
 // What this checks: the kernels' LOGIC — indexing, launch geometry, reduction orders,
 // rounding, barriers placed where data is shared — against the Rust CPU code. It is not a
