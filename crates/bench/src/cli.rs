@@ -3,9 +3,11 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use indicatif::{ProgressBar, ProgressStyle};
-
 use crate::client::Client;
+use crate::drive::{check, judge, level_name, load, now_rfc3339, print_written};
+use crate::error::BenchError;
+use crate::matrix::{self, MatrixArgs};
+use crate::replay::{self, ReplayArgs};
 use crate::report;
 use crate::run::{self, Level, RequestCfg};
 use crate::summary::{LevelSummary, Report};
@@ -38,11 +40,11 @@ pub enum BenchCommand {
     /// each mesh started here with `pdmesh up`, its answers to concurrent agentic sessions
     /// compared with a unified worker's without any cache. Prints the table (corruption %,
     /// tool-call validity, TTFT, throughput); any corrupted answer fails the command.
-    Matrix(Box<crate::matrix::MatrixArgs>),
+    Matrix(Box<MatrixArgs>),
     /// Send the request an incident report recorded (its prompt's token ids and its
     /// sampling, to `/completions`) to a mesh, and to a reference when given: the
     /// answers must then be the same.
-    Replay(crate::replay::ReplayArgs),
+    Replay(ReplayArgs),
 }
 
 /// One benchmark run.
@@ -99,29 +101,6 @@ pub struct RunArgs {
     pub timeout_s: u64,
 }
 
-/// Why a bench command failed.
-#[derive(Debug, thiserror::Error)]
-pub enum BenchError {
-    #[error("{0}")]
-    Endpoint(String),
-    #[error("nothing to run: give --concurrency or --rate levels above 0")]
-    NoLevels,
-    #[error(transparent)]
-    Report(#[from] report::ReportError),
-    #[error(transparent)]
-    Matrix(#[from] crate::matrix::MatrixError),
-    #[error(
-        "the reference failed {failed} replays, so their answers were not checked (report in {out})"
-    )]
-    ReferenceFailed { failed: u32, out: String },
-    #[error("{corrupted} of {compared} answers differ from their reference (report in {out})")]
-    Corruption {
-        corrupted: u32,
-        compared: u32,
-        out: String,
-    },
-}
-
 /// Runs `pdmesh bench`.
 pub async fn run(args: BenchArgs) -> Result<(), BenchError> {
     match args.command {
@@ -134,10 +113,8 @@ pub async fn run(args: BenchArgs) -> Result<(), BenchError> {
             print_written(&written);
             Ok(())
         }
-        Some(BenchCommand::Matrix(m)) => crate::matrix::run(*m).await,
-        Some(BenchCommand::Replay(r)) => crate::replay::run(r)
-            .await
-            .map_err(|e| BenchError::Endpoint(e.to_string())),
+        Some(BenchCommand::Matrix(m)) => matrix::run(*m).await,
+        Some(BenchCommand::Replay(r)) => Ok(replay::run(r).await?),
         None => bench(args.run).await,
     }
 }
@@ -147,7 +124,7 @@ async fn bench(a: RunArgs) -> Result<(), BenchError> {
     let client = Client::new(&a.url, a.api_key.clone(), timeout);
     let model = match &a.model {
         Some(m) => m.clone(),
-        None => client.first_model().await.map_err(BenchError::Endpoint)?,
+        None => client.first_model().await?,
     };
     let levels: Vec<Level> = if a.rate.is_empty() {
         a.concurrency
@@ -206,100 +183,8 @@ async fn bench(a: RunArgs) -> Result<(), BenchError> {
     judge(&report.levels, &a.out)
 }
 
-/// Fails a run whose answers differ from the reference, or were not all checked.
-pub(crate) fn judge(levels: &[LevelSummary], out: &std::path::Path) -> Result<(), BenchError> {
-    let ds = || levels.iter().filter_map(|l| l.differential.as_ref());
-    let (corrupted, compared) = ds().fold((0, 0), |(c, n), d| (c + d.corrupted, n + d.compared));
-    let failed: u32 = ds().map(|d| d.reference_errors).sum();
-    if corrupted == 0 && failed > 0 {
-        // Unchecked answers are not correct answers: a dead reference must not pass.
-        return Err(BenchError::ReferenceFailed {
-            failed,
-            out: out.display().to_string(),
-        });
-    }
-    if corrupted > 0 {
-        return Err(BenchError::Corruption {
-            corrupted,
-            compared,
-            out: out.display().to_string(),
-        });
-    }
-    Ok(())
-}
-
-/// Runs one level of `spec`'s sessions (salted with `salt`): what was sent and answered,
-/// and the level's summary.
-pub(crate) async fn load(
-    client: &Client,
-    cfg: &RequestCfg,
-    spec: &Spec,
-    salt: u64,
-    level: Level,
-    label: &str,
-) -> (Vec<run::Exchange>, LevelSummary) {
-    let sessions = spec.sessions(salt);
-    let turns = if spec.kind == Kind::Sessions {
-        spec.turns
-    } else {
-        1
-    };
-    let bar = progress(
-        (sessions.len() * turns) as u64,
-        &format!("{label} {}", level_name(level)),
-    );
-    let tick = || bar.inc(1);
-    let (ex, wall) = run::run_level(client, cfg, sessions, level, spec.seed, &tick).await;
-    bar.finish_and_clear();
-    let summary = run::summarize(level, &ex, wall);
-    (ex, summary)
-}
-
-/// Replays a level's answers on the reference into `summary.differential`; returns lines
-/// describing differences.
-pub(crate) async fn check(
-    reference: &run::Reference,
-    ex: &[run::Exchange],
-    summary: &mut LevelSummary,
-) -> Vec<String> {
-    let bar = progress(ex.len() as u64, "reference, one at a time");
-    let tick = || bar.inc(1);
-    let (d, why) = run::differential(reference, ex, &tick).await;
-    bar.finish_and_clear();
-    summary.differential = Some(d);
-    why
-}
-
-pub(crate) fn print_written(w: &report::Written) {
-    for f in &w.files {
-        println!("wrote {}", f.display());
-    }
-    if let Some(why) = &w.charts_skipped {
-        println!("no charts: {why}");
-    }
-}
-
-pub(crate) fn level_name(level: Level) -> String {
-    match level {
-        Level::Concurrency(c) => format!("concurrency {c}"),
-        Level::Rate(r) => format!("rate {r}/s"),
-    }
-}
-
-pub(crate) fn progress(total: u64, what: &str) -> ProgressBar {
-    // Drawn only on a terminal (indicatif hides it otherwise).
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} requests, {elapsed}")
-            .expect("a valid template")
-            .progress_chars("=> "),
-    );
-    bar.set_message(what.to_owned());
-    bar
-}
-
 /// One line per level on stdout.
-fn line(level: Level, s: &crate::summary::LevelSummary) -> String {
+fn line(level: Level, s: &LevelSummary) -> String {
     let mut out = format!(
         "{:<16} {:>4} req {:>3} err  ttft p50 {:>7.1} ms p99 {:>7.1} ms  itl p50 {:>6.1} ms  e2e p50 {:>6.2} s  {:>8.1} tok/s  prefill {:>8.1} tok/s  cached {:>5.1}%",
         level_name(level),
@@ -324,9 +209,4 @@ fn line(level: Level, s: &crate::summary::LevelSummary) -> String {
         ));
     }
     out
-}
-
-/// The current UTC time as RFC 3339, to the second.
-pub(crate) fn now_rfc3339() -> String {
-    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }

@@ -9,6 +9,79 @@ use serde_json::{Value, json};
 
 use crate::summary::Record;
 
+/// Why a plain (not streamed) request to the endpoint failed; the message names the
+/// method and URL.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The request could not be sent, or its answer not read.
+    #[error("{method} {url}: {source}")]
+    Http {
+        method: &'static str,
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    /// `/models` answered without any model.
+    #[error("GET {url} answered {status} with no model")]
+    NoModel {
+        url: String,
+        status: reqwest::StatusCode,
+    },
+    /// The endpoint answered with an error status (and this body).
+    #[error("{method} {url} answered {status}: {body}")]
+    Status {
+        method: &'static str,
+        url: String,
+        status: reqwest::StatusCode,
+        body: String,
+    },
+    /// The answer was not JSON.
+    #[error("{method} {url}: {source}: {body}")]
+    Json {
+        method: &'static str,
+        url: String,
+        #[source]
+        source: serde_json::Error,
+        body: String,
+    },
+}
+
+/// Why a streamed request got no whole answer, as a short class. Its text is what
+/// [`Record::error`] holds and reports count by: an HTTP status ("429"), an error the
+/// server reported mid-stream ("in_stream:overloaded"), "timeout", "connect", "send",
+/// "stream" (the stream broke off), or "finished" (a client meant to leave got the whole
+/// answer first).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("connect")]
+    Connect,
+    #[error("send")]
+    Send,
+    /// The endpoint answered with this HTTP status before any stream.
+    #[error("{0}")]
+    Status(u16),
+    #[error("stream")]
+    Stream,
+    /// The class (the OpenAI error's `code`, else its `type`) of an error the server
+    /// reported inside a stream it had begun.
+    #[error("in_stream:{0}")]
+    InStream(String),
+    #[error("timeout")]
+    Timeout,
+    #[error("finished")]
+    Finished,
+}
+
+impl RequestError {
+    fn sending(e: &reqwest::Error) -> Self {
+        if e.is_connect() {
+            Self::Connect
+        } else {
+            Self::Send
+        }
+    }
+}
+
 /// A tool call as the answer carried it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ToolCall {
@@ -60,8 +133,14 @@ impl Client {
     }
 
     /// The first model `/models` lists.
-    pub async fn first_model(&self) -> Result<String, String> {
-        let mut req = self.http.get(format!("{}/models", self.base));
+    pub async fn first_model(&self) -> Result<String, ClientError> {
+        let url = format!("{}/models", self.base);
+        let http = |source| ClientError::Http {
+            method: "GET",
+            url: url.clone(),
+            source,
+        };
+        let mut req = self.http.get(&url);
         if let Some(k) = &self.api_key {
             req = req.bearer_auth(k);
         }
@@ -69,39 +148,65 @@ impl Client {
             .timeout(Duration::from_secs(30))
             .send()
             .await
-            .map_err(|e| format!("GET {}/models: {e}", self.base))?;
+            .map_err(http)?;
         let status = resp.status();
-        let body: Value = resp
-            .json()
-            .await
-            .map_err(|e| format!("GET {}/models: {e}", self.base))?;
+        let body: Value = resp.json().await.map_err(http)?;
         body["data"][0]["id"]
             .as_str()
             .map(str::to_owned)
-            .ok_or_else(|| format!("GET {}/models answered {status} with no model", self.base))
+            .ok_or_else(|| ClientError::NoModel {
+                url: url.clone(),
+                status,
+            })
     }
 
     /// One `/completions` request, not streamed: the answer's JSON, or why there is none
     /// (the status and the error body).
-    pub async fn complete(&self, body: &Value) -> Result<Value, String> {
+    pub async fn complete(&self, body: &Value) -> Result<Value, ClientError> {
         let url = format!("{}/completions", self.base);
+        let http = |source| ClientError::Http {
+            method: "POST",
+            url: url.clone(),
+            source,
+        };
         let resp = self
             .post("/completions")
             .json(body)
             .timeout(self.timeout)
             .send()
             .await
-            .map_err(|e| format!("POST {url}: {e}"))?;
+            .map_err(http)?;
         let status = resp.status();
-        let text = resp.text().await.map_err(|e| format!("POST {url}: {e}"))?;
+        let text = resp.text().await.map_err(http)?;
         if !status.is_success() {
-            return Err(format!("POST {url} answered {status}: {text}"));
+            return Err(ClientError::Status {
+                method: "POST",
+                url,
+                status,
+                body: text,
+            });
         }
-        serde_json::from_str(&text).map_err(|e| format!("POST {url}: {e}: {text}"))
+        serde_json::from_str(&text).map_err(|source| ClientError::Json {
+            method: "POST",
+            url,
+            source,
+            body: text,
+        })
     }
 
     /// Streams one chat completion (`body` without `stream`), timing it from now.
-    pub async fn chat(&self, mut body: Value, t0_run: Instant) -> (Record, Answer) {
+    pub async fn chat(&self, body: Value, t0_run: Instant) -> (Record, Answer) {
+        let (rec, ans, _) = self.chat_checked(body, t0_run).await;
+        (rec, ans)
+    }
+
+    /// [`Client::chat`], and why the answer is not whole when it is not (the error whose
+    /// class the record holds as text).
+    pub(crate) async fn chat_checked(
+        &self,
+        mut body: Value,
+        t0_run: Instant,
+    ) -> (Record, Answer, Result<(), RequestError>) {
         body["stream"] = json!(true);
         body["stream_options"] = json!({ "include_usage": true });
         let start = Instant::now();
@@ -110,18 +215,15 @@ impl Client {
             ..Record::default()
         };
         let mut ans = Answer::default();
-        let out =
-            tokio::time::timeout(self.timeout, self.stream(body, start, &mut rec, &mut ans)).await;
-        rec.error = match out {
-            Ok(Ok(())) => None,
-            Ok(Err(kind)) => Some(kind),
-            Err(_) => Some("timeout".into()),
-        };
+        let out = tokio::time::timeout(self.timeout, self.stream(body, start, &mut rec, &mut ans))
+            .await
+            .unwrap_or(Err(RequestError::Timeout));
+        rec.error = out.as_ref().err().map(ToString::to_string);
         rec.e2e_s = start.elapsed().as_secs_f64();
         if rec.completion_tokens == 0 {
             rec.completion_tokens = ans.completion_tokens;
         }
-        (rec, ans)
+        (rec, ans, out)
     }
 
     async fn stream(
@@ -130,7 +232,7 @@ impl Client {
         start: Instant,
         rec: &mut Record,
         ans: &mut Answer,
-    ) -> Result<(), String> {
+    ) -> Result<(), RequestError> {
         let send = || self.post("/chat/completions").json(&body).send();
         let resp = match send().await {
             // A kept-alive connection the server closed just as it was reused (servers
@@ -139,22 +241,22 @@ impl Client {
             Err(e) if !e.is_connect() && !e.is_timeout() => send().await,
             r => r,
         }
-        .map_err(|e| if e.is_connect() { "connect" } else { "send" }.to_owned())?;
+        .map_err(|e| RequestError::sending(&e))?;
         if !resp.status().is_success() {
-            return Err(resp.status().as_u16().to_string());
+            return Err(RequestError::Status(resp.status().as_u16()));
         }
         let mut events = SseLines::default();
         let mut bytes = resp.bytes_stream();
         let mut last: Option<Instant> = None;
         let mut done = false;
         while let Some(chunk) = bytes.next().await {
-            let chunk = chunk.map_err(|_| "stream".to_owned())?;
+            let chunk = chunk.map_err(|_| RequestError::Stream)?;
             for data in events.push(&chunk) {
                 if data == "[DONE]" {
                     done = true;
                     continue;
                 }
-                let v: Value = serde_json::from_str(&data).map_err(|_| "stream".to_owned())?;
+                let v: Value = serde_json::from_str(&data).map_err(|_| RequestError::Stream)?;
                 if let Some(e) = v.get("error") {
                     return Err(in_stream_error(e));
                 }
@@ -210,7 +312,7 @@ impl Client {
             }
         }
         if !done && ans.finish_reason.is_none() {
-            return Err("stream".into());
+            return Err(RequestError::Stream);
         }
         Ok(())
     }
@@ -220,12 +322,12 @@ impl Client {
 /// 200): `in_stream:` and the OpenAI error's `code`, else its `type` (the statuses the
 /// server would have answered with before the stream began: `overloaded` is a 429,
 /// `service_unavailable` a 503).
-fn in_stream_error(e: &Value) -> String {
+fn in_stream_error(e: &Value) -> RequestError {
     let class = e["code"]
         .as_str()
         .or_else(|| e["type"].as_str())
         .unwrap_or("unknown");
-    format!("in_stream:{class}")
+    RequestError::InStream(class.to_owned())
 }
 
 impl Client {
@@ -233,7 +335,11 @@ impl Client {
     /// SSE chunks (0: as soon as the response headers arrive), as a client that closes
     /// its connection mid-answer. Returns the chunks seen; if the request ended first, the
     /// error class as [`Client::chat`] names it, or `finished` for a whole answer.
-    pub async fn chat_and_leave(&self, mut body: Value, events: usize) -> Result<usize, String> {
+    pub async fn chat_and_leave(
+        &self,
+        mut body: Value,
+        events: usize,
+    ) -> Result<usize, RequestError> {
         body["stream"] = json!(true);
         let go = async {
             let resp = self
@@ -241,23 +347,23 @@ impl Client {
                 .json(&body)
                 .send()
                 .await
-                .map_err(|e| if e.is_connect() { "connect" } else { "send" }.to_owned())?;
+                .map_err(|e| RequestError::sending(&e))?;
             if !resp.status().is_success() {
-                return Err(resp.status().as_u16().to_string());
+                return Err(RequestError::Status(resp.status().as_u16()));
             }
             let mut seen = 0;
             let mut sse = SseLines::default();
             let mut bytes = resp.bytes_stream();
             while seen < events {
                 let Some(chunk) = bytes.next().await else {
-                    return Err("stream".to_owned());
+                    return Err(RequestError::Stream);
                 };
-                let chunk = chunk.map_err(|_| "stream".to_owned())?;
+                let chunk = chunk.map_err(|_| RequestError::Stream)?;
                 for data in sse.push(&chunk) {
                     if data == "[DONE]" {
-                        return Err("finished".to_owned());
+                        return Err(RequestError::Finished);
                     }
-                    let v: Value = serde_json::from_str(&data).map_err(|_| "stream".to_owned())?;
+                    let v: Value = serde_json::from_str(&data).map_err(|_| RequestError::Stream)?;
                     if let Some(e) = v.get("error") {
                         return Err(in_stream_error(e));
                     }
@@ -269,7 +375,7 @@ impl Client {
         };
         tokio::time::timeout(self.timeout, go)
             .await
-            .unwrap_or_else(|_| Err("timeout".into()))
+            .unwrap_or(Err(RequestError::Timeout))
     }
 }
 
@@ -312,7 +418,7 @@ mod tests {
 
     #[test]
     fn an_error_inside_a_stream_is_classed_by_its_code() {
-        let e = |v: Value| in_stream_error(&v);
+        let e = |v: Value| in_stream_error(&v).to_string();
         assert_eq!(
             e(json!({"type": "rate_limit_error", "code": "overloaded"})),
             "in_stream:overloaded"

@@ -7,6 +7,8 @@
 pub mod chaos;
 pub mod cli;
 pub mod client;
+mod drive;
+mod error;
 pub mod matrix;
 pub mod mesh;
 pub mod replay;
@@ -15,4 +17,5 @@ pub mod run;
 pub mod summary;
 pub mod workload;
 
-pub use cli::{BenchArgs, BenchError, run};
+pub use cli::{BenchArgs, run};
+pub use error::BenchError;

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::client::Client;
+use crate::client::{Client, ClientError};
 
 /// `pdmesh bench replay`.
 #[derive(Debug, clap::Args)]
@@ -34,16 +34,28 @@ pub struct ReplayArgs {
     pub timeout_s: u64,
 }
 
+/// Why `pdmesh bench replay` failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
     #[error("reading {path}: {why}")]
-    Report { path: String, why: String },
-    #[error("{0}")]
-    Endpoint(String),
+    Report { path: String, why: BadReport },
+    #[error(transparent)]
+    Endpoint(#[from] ClientError),
     #[error(
         "the replayed answer differs from the reference's:\n  mesh:      {ours}\n  reference: {theirs}"
     )]
     Differs { ours: String, theirs: String },
+}
+
+/// Why an incident report's file is no replay.
+#[derive(Debug, thiserror::Error)]
+pub enum BadReport {
+    #[error("{0}")]
+    Read(#[from] std::io::Error),
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    #[error("the report's replay has no prompt token ids")]
+    NoPromptIds,
 }
 
 /// Sampling fields a recorded body carries that `/completions` takes as they are.
@@ -64,11 +76,11 @@ const SAMPLING: [&str; 13] = [
 ];
 
 /// The `/completions` body replaying `replay` (a report's `replay` section) with `model`.
-pub fn request(replay: &Value, model: &str) -> Result<Value, String> {
+pub fn request(replay: &Value, model: &str) -> Result<Value, BadReport> {
     let ids = replay["prompt_token_ids"]
         .as_array()
         .filter(|a| !a.is_empty())
-        .ok_or("the report's replay has no prompt token ids")?;
+        .ok_or(BadReport::NoPromptIds)?;
     let body = &replay["body"];
     let mut req = json!({"model": model, "prompt": ids, "stream": false});
     for key in SAMPLING {
@@ -100,8 +112,8 @@ fn answer(url: &str, r: &Value) -> Value {
 pub async fn run(a: ReplayArgs) -> Result<(), ReplayError> {
     let path = a.report.display().to_string();
     let report: Value = std::fs::read(&a.report)
-        .map_err(|e| e.to_string())
-        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+        .map_err(BadReport::from)
+        .and_then(|b| Ok(serde_json::from_slice(&b)?))
         .map_err(|why| ReplayError::Report {
             path: path.clone(),
             why,
@@ -114,14 +126,11 @@ pub async fn run(a: ReplayArgs) -> Result<(), ReplayError> {
             .map(str::to_owned)
     }) {
         Some(m) => m,
-        None => mesh.first_model().await.map_err(ReplayError::Endpoint)?,
+        None => mesh.first_model().await?,
     };
     let body =
         request(&report["replay"], &model).map_err(|why| ReplayError::Report { path, why })?;
-    let ours = answer(
-        &a.url,
-        &mesh.complete(&body).await.map_err(ReplayError::Endpoint)?,
-    );
+    let ours = answer(&a.url, &mesh.complete(&body).await?);
     let mut out = json!({"report": report["id"], "request": body, "answer": ours});
     let mut verdict = Ok(());
     if let Some(r) = &a.reference {
@@ -129,8 +138,7 @@ pub async fn run(a: ReplayArgs) -> Result<(), ReplayError> {
             r,
             &Client::new(r, a.api_key.clone(), timeout)
                 .complete(&body)
-                .await
-                .map_err(ReplayError::Endpoint)?,
+                .await?,
         );
         let same =
             ours["text"] == theirs["text"] && ours["finish_reason"] == theirs["finish_reason"];
@@ -166,7 +174,7 @@ mod tests {
             json!({"model": "m", "prompt": [1, 2, 3], "stream": false,
                    "temperature": 0.7, "seed": 3, "max_tokens": 9})
         );
-        let err = request(&json!({"body": {}}), "m").unwrap_err();
+        let err = request(&json!({"body": {}}), "m").unwrap_err().to_string();
         assert!(err.contains("no prompt token ids"), "{err}");
     }
 }

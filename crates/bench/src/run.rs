@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{Value, json};
 
-use crate::client::{Answer, Client};
+use crate::client::{Answer, Client, RequestError};
 use crate::summary::{Differential, LevelSummary, Percentiles, Record};
 use crate::workload::{self, Session};
 
@@ -243,16 +243,14 @@ impl Reference {
         }
     }
 
-    /// The reference's answer to `body`, or the replay's error class.
-    async fn answer(&self, body: &Value, t0: Instant) -> Result<Answer, String> {
+    /// The reference's answer to `body`, or why the replay failed.
+    async fn answer(&self, body: &Value, t0: Instant) -> Result<Answer, RequestError> {
         let key = body.to_string();
         if let Some(a) = self.answers.lock().expect("answers lock").get(&key) {
             return Ok(a.clone());
         }
-        let (r, want) = self.client.chat(body.clone(), t0).await;
-        if let Some(why) = r.error {
-            return Err(why);
-        }
+        let (_, want, out) = self.client.chat_checked(body.clone(), t0).await;
+        out?;
         self.answers
             .lock()
             .expect("answers lock")
