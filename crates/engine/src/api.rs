@@ -332,6 +332,12 @@ pub enum StepEvent {
         tokens: Vec<u32>,
         logprobs: Vec<Logprob>,
     },
+    /// The request ended without finishing: the forward pass of its batch failed on the
+    /// GPU. Its pages are released; nothing follows for it.
+    Failed {
+        id: Arc<str>,
+        error: crate::CudaError,
+    },
     /// A request left the waiting queue for the first time (later re-admissions after a
     /// preemption are not reported): of its prompt, `device_cached` tokens came from the
     /// device prefix cache and `host_cached` from the host tier; the rest is computed.

@@ -33,3 +33,53 @@ impl Default for GpuConfig {
 
 /// Whether this build has the CUDA backend.
 pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
+
+/// Which kind of GPU failure: what callers and metrics classify by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CudaErrorKind {
+    /// The device has no memory left for what was asked (weights, KV, workspace).
+    OutOfMemory,
+    /// The driver, a kernel or a copy failed: the device may be unusable until restart.
+    Device,
+    /// A library or the kernels could not be set up (NVRTC, cuBLAS, NCCL, a module).
+    Setup,
+    /// The checkpoint or the options do not fit this backend.
+    Unsupported,
+}
+
+/// A GPU failure: its kind, and what was being done.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("CUDA: {what}")]
+pub struct CudaError {
+    pub kind: CudaErrorKind,
+    pub what: String,
+}
+
+impl CudaError {
+    pub fn new(kind: CudaErrorKind, what: impl Into<String>) -> Self {
+        Self {
+            kind,
+            what: what.into(),
+        }
+    }
+
+    pub fn device(what: impl Into<String>) -> Self {
+        Self::new(CudaErrorKind::Device, what)
+    }
+
+    pub fn setup(what: impl Into<String>) -> Self {
+        Self::new(CudaErrorKind::Setup, what)
+    }
+
+    pub fn unsupported(what: impl Into<String>) -> Self {
+        Self::new(CudaErrorKind::Unsupported, what)
+    }
+
+    /// The same failure, saying where (`GPU 1`, `rank 0`).
+    pub fn at(self, place: impl std::fmt::Display) -> Self {
+        Self {
+            kind: self.kind,
+            what: format!("{place}: {}", self.what),
+        }
+    }
+}

@@ -26,7 +26,7 @@ pub use api::{
     ModelInfo, Part, SamplingParams, StepEvent,
 };
 pub use engine::{DEFAULT_MAX_QUEUED, Engine, EngineConfig, HostStats, WritePolicy};
-pub use gpu::{CUDA_BUILT, GpuConfig};
+pub use gpu::{CUDA_BUILT, CudaError, CudaErrorKind, GpuConfig};
 pub use model::BatchToken;
 
 /// Everything that can go wrong between a request and the engine.
@@ -69,6 +69,10 @@ pub enum EngineError {
     /// The engine's queue holds its limit of waiting requests; try again later.
     #[error("the engine's queue is full ({limit} requests waiting); retry later")]
     QueueFull { limit: usize },
+    /// The GPU failed (loading, or a forward pass: then every request of that batch ends
+    /// with it).
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
 }
 
 /// Why the bytes handed to [`Engine::import`] could not be written: the caller's error.
@@ -88,6 +92,11 @@ impl EngineError {
             Self::Offline => "offline",
             Self::Transfer(_) | Self::Fill(_) => "transfer",
             Self::QueueFull { .. } => "queue_full",
+            Self::Cuda(e) => match e.kind {
+                CudaErrorKind::OutOfMemory => "device_out_of_memory",
+                CudaErrorKind::Device => "device",
+                CudaErrorKind::Setup | CudaErrorKind::Unsupported => "model",
+            },
         }
     }
 
@@ -101,6 +110,7 @@ impl EngineError {
                 | Self::Transfer(_)
                 | Self::Fill(_)
                 | Self::QueueFull { .. }
+                | Self::Cuda(_)
         )
     }
 }

@@ -627,6 +627,10 @@ impl Stream for Generation {
         }
         match this.rx.poll_recv(cx) {
             Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(Event::Failed(e))) => {
+                this.end();
+                Poll::Ready(Some(Err(EngineError::Cuda(e))))
+            }
             Poll::Ready(Some(event)) => {
                 if matches!(event, Event::Finished(_)) {
                     this.end();

@@ -242,6 +242,8 @@ pub enum Event {
         pages: usize,
         held: usize,
     },
+    /// The request ended with this error: its batch's forward pass failed on the GPU.
+    Failed(pdmesh_engine::CudaError),
 }
 
 /// A running request: where its events go and what it has produced so far.
@@ -584,6 +586,11 @@ impl<B: Backend> EngineCore<B> {
                     .is_err()
                 {
                     self.client_left(&id);
+                }
+            }
+            StepEvent::Failed { id, error } => {
+                if let Some(entry) = self.requests.remove(&*id) {
+                    let _ = entry.tx.send(Event::Failed(error));
                 }
             }
             StepEvent::Reserved { id, pages, held } => {

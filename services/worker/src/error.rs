@@ -1,6 +1,6 @@
 //! The worker service's error type and its single mapping to gRPC status codes.
 
-use pdmesh_engine::EngineError;
+use pdmesh_engine::{CudaErrorKind, EngineError};
 
 /// Everything the worker service can fail with, from start-up to a single request.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +38,10 @@ impl From<Error> for tonic::Status {
             Error::InvalidUtf8 { .. } => Code::InvalidArgument,
             Error::Engine(EngineError::Offline) => Code::Unavailable,
             Error::Engine(EngineError::QueueFull { .. }) => Code::ResourceExhausted,
+            // Out of device memory is load, not a fault: another worker may take it.
+            Error::Engine(EngineError::Cuda(c)) if c.kind == CudaErrorKind::OutOfMemory => {
+                Code::Unavailable
+            }
             Error::Engine(err) if err.is_client_error() => Code::InvalidArgument,
             Error::Engine(_) | Error::Config(_) | Error::Thread(_) | Error::Transport(_) => {
                 Code::Internal

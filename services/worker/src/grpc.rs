@@ -163,10 +163,11 @@ pub(crate) fn prompt_logprobs(tokens: &[u32], logprobs: &[Logprob]) -> Vec<pb::P
 /// most 16).
 const MAX_GROUP: u32 = 64;
 
-/// The client's message for an event; `None` for the engine's internal hand-over events.
+/// The client's message for an event; `None` for the engine's internal hand-over events
+/// and for a failure (the stream yields it as its error, see `Generation`).
 fn response(event: Event) -> Option<pb::GenerateResponse> {
     let kind = match event {
-        Event::Exported { .. } | Event::Reserved { .. } => return None,
+        Event::Exported { .. } | Event::Reserved { .. } | Event::Failed(_) => return None,
         Event::Token { token, logprob } => pb::generate_response::Kind::Chunk(pb::TokenChunk {
             token_ids: vec![token],
             top_logprobs: logprob.as_ref().map_or_else(Vec::new, |l| top(&l.top)),

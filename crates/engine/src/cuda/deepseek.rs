@@ -112,7 +112,8 @@ struct Comps {
 impl Comps {
     fn of(layout: &KvLayout) -> Result<Self, CudaError> {
         let c = |n: &str| layout.component_index(n);
-        let missing = || CudaError(format!("{} is not a DeepSeek V3.2 layout", layout.name()));
+        let missing =
+            || CudaError::unsupported(format!("{} is not a DeepSeek V3.2 layout", layout.name()));
         let (mla, latent, rope) = match c("mla_latent") {
             Some(i) => (MlaCacheDtype::Bf16, i, None),
             None => (
@@ -167,7 +168,7 @@ impl DsRank {
     ) -> Result<Self, CudaError> {
         let c = &model.cfg;
         if c.index_head_dim > 256 || c.kv_lora_rank > 1024 || c.index_head_dim > 1024 {
-            return Err(CudaError(format!(
+            return Err(CudaError::unsupported(format!(
                 "the GPU kernels take index_head_dim <= 256 and kv_lora_rank <= 1024 \
                  (this model: {} and {})",
                 c.index_head_dim, c.kv_lora_rank
@@ -799,7 +800,7 @@ fn ffn(
             let mut wts = Vec::with_capacity(t * k);
             for (i, rt) in routes.iter().enumerate() {
                 if rt.len() != k {
-                    return Err(CudaError(format!(
+                    return Err(CudaError::device(format!(
                         "token {i} was routed to {} experts, expected {k}",
                         rt.len()
                     )));

@@ -62,18 +62,18 @@ impl Gpu {
         for (name, image, names) in kernel_images(&arch, build)? {
             let module = ctx
                 .load_module(image)
-                .map_err(|e| CudaError(format!("loading module {name}: {e}")))?;
+                .map_err(|e| CudaError::setup(format!("loading module {name}: {e}")))?;
             for &k in names {
                 let f = module
                     .load_function(k)
-                    .map_err(|e| CudaError(format!("kernel {k}: {e}")))?;
+                    .map_err(|e| CudaError::setup(format!("kernel {k}: {e}")))?;
                 kernels.insert(k.to_owned(), f);
             }
         }
         let compute = ctx.new_stream().map_err(cuda_err)?;
         let load = ctx.new_stream().map_err(cuda_err)?;
         let blas = catch_library("cuBLAS (libcublas)", || CudaBlas::new(compute.clone()))?
-            .map_err(|e| CudaError(format!("cuBLAS: {e}")))?;
+            .map_err(CudaError::from)?;
         tracing::info!(ordinal, %arch, kernels = kernels.len(), name = ?ctx.name().ok(), "GPU ready");
         Ok(Self {
             ctx,
@@ -101,7 +101,8 @@ fn kernel_images(
     build: &KernelBuild,
 ) -> Result<Vec<(&'static str, Ptx, &'static [&'static str])>, CudaError> {
     use pdmesh_kernels::nvrtc;
-    let what = |e: nvrtc::NvrtcError| CudaError(format!("compiling kernels for {arch}: {e}"));
+    let what =
+        |e: nvrtc::NvrtcError| CudaError::setup(format!("compiling kernels for {arch}: {e}"));
     let (major, minor) = nvrtc::nvrtc_version().map_err(what)?;
     let mut driver = 0i32;
     // SAFETY: one valid out-pointer; the driver is loaded (a context exists).
@@ -136,9 +137,9 @@ pub fn grid(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
 /// library, so a machine without a driver gets a clear message instead of a crash.
 pub fn catch_missing_library<T>(f: impl FnOnce() -> T) -> Result<T, CudaError> {
     catch_library("the CUDA driver", f).map_err(|e| {
-        CudaError(format!(
+        CudaError::setup(format!(
             "{}; is this a GPU machine with the NVIDIA driver (libcuda.so.1) installed?",
-            e.0
+            e.what
         ))
     })
 }
@@ -151,6 +152,6 @@ pub fn catch_library<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, CudaErro
             .cloned()
             .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
             .unwrap_or_else(|| "unknown panic".into());
-        CudaError(format!("{what} could not be used ({msg})"))
+        CudaError::setup(format!("{what} could not be used ({msg})"))
     })
 }

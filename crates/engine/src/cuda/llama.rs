@@ -105,14 +105,18 @@ fn dense(
     rows: Range<usize>,
 ) -> Result<Vec<f32>, CudaError> {
     let (all_rows, cols) = shape;
-    let t = g.tensor(name).map_err(|e| CudaError(e.to_string()))?;
+    let t = g
+        .tensor(name)
+        .map_err(|e| CudaError::unsupported(e.to_string()))?;
     if t.row_len() != cols || t.rows() != all_rows {
-        return Err(CudaError(format!(
+        return Err(CudaError::unsupported(format!(
             "tensor {name} is {:?}, expected {cols}x{all_rows}",
             t.dims
         )));
     }
-    let range = g.tensor_range(name).map_err(|e| CudaError(e.to_string()))?;
+    let range = g
+        .tensor_range(name)
+        .map_err(|e| CudaError::unsupported(e.to_string()))?;
     let m = QMatrix::new(t.ty, &g.bytes()[range], all_rows, cols);
     let mut out = vec![0f32; rows.len() * cols];
     for (i, r) in rows.enumerate() {
@@ -142,7 +146,7 @@ impl LlamaRank {
             layout.page_size(),
         );
         if want.fingerprint() != layout.fingerprint() {
-            return Err(CudaError(format!(
+            return Err(CudaError::unsupported(format!(
                 "the KV layout {layout} is not this model's, {want}"
             )));
         }
@@ -187,7 +191,7 @@ impl LlamaRank {
                 super::device::catch_library("NCCL (libnccl.so)", || {
                     Comm::from_rank(s.clone(), spec.rank, spec.world(), id)
                 })?
-                .map_err(|e| CudaError(format!("NCCL init, rank {}: {e:?}", spec.rank)))?,
+                .map_err(|e| CudaError::setup(format!("NCCL init, rank {}: {e:?}", spec.rank)))?,
             ),
             _ => None,
         };
@@ -388,7 +392,7 @@ impl LlamaRank {
             .map_err(cuda_err)?;
         let mut recv = s.alloc_zeros::<f32>(world * t * width).map_err(cuda_err)?;
         comm.all_gather(&send, &mut recv)
-            .map_err(|e| CudaError(format!("NCCL all-gather: {e:?}")))?;
+            .map_err(|e| CudaError::device(format!("NCCL all-gather: {e:?}")))?;
         let (src, _a) = recv.device_ptr(s);
         let (dst, _b) = full.device_ptr_mut(s);
         for r in 0..world {
@@ -517,7 +521,8 @@ impl LlamaRank {
 }
 
 fn tensor_f32(g: &GgufFile, name: &str) -> Result<Vec<f32>, CudaError> {
-    g.tensor_f32(name).map_err(|e| CudaError(e.to_string()))
+    g.tensor_f32(name)
+        .map_err(|e| CudaError::unsupported(e.to_string()))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -655,7 +660,7 @@ pub fn matmul(
     // The kernels take int sizes and offsets: a product past them is refused, not wrapped.
     let int = |v: usize, what: &str| {
         i32::try_from(v).map_err(|_| {
-            CudaError(format!(
+            CudaError::unsupported(format!(
                 "matrix product: {what} {v} is past the kernels' int"
             ))
         })
@@ -670,7 +675,7 @@ pub fn matmul(
     let ti = int(t, "tokens")?;
     let (name, blocks) = match kernel {
         MatmulKernel::Rows if t > 65_535 => {
-            return Err(CudaError(format!(
+            return Err(CudaError::unsupported(format!(
                 "matmul_rows: {t} tokens is past the grid's 65535"
             )));
         }
@@ -696,8 +701,7 @@ pub fn matmul(
             let mut c = out.slice_mut(out_col0..);
             // SAFETY: the shapes above fit the buffers (w rows × cols, x t × cols, out t
             // rows of out_stride from out_col0).
-            return unsafe { gpu.blas.gemm(cfg, w, x, &mut c) }
-                .map_err(|e| CudaError(format!("cuBLAS: {e}")));
+            return unsafe { gpu.blas.gemm(cfg, w, x, &mut c) }.map_err(CudaError::from);
         }
     };
     let mut b = s.launch_builder(gpu.kernel(name));

@@ -33,13 +33,35 @@ use crate::llama_config::LlamaConfig;
 use crate::model::BatchToken;
 use crate::tp::ShardPlan;
 
-/// A CUDA failure, with what was being done.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("CUDA: {0}")]
-pub struct CudaError(pub String);
+pub use crate::gpu::{CudaError, CudaErrorKind};
 
-pub(crate) fn cuda_err(e: impl std::fmt::Display) -> CudaError {
-    CudaError(e.to_string())
+/// A driver failure as a [`CudaError`]: out of memory is told apart from the rest.
+pub(crate) fn cuda_err(e: impl Into<CudaError>) -> CudaError {
+    e.into()
+}
+
+impl From<cudarc::driver::DriverError> for CudaError {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        use cudarc::driver::sys::CUresult;
+        let kind = if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            CudaErrorKind::OutOfMemory
+        } else {
+            CudaErrorKind::Device
+        };
+        Self::new(kind, e.to_string())
+    }
+}
+
+impl From<cudarc::cublas::result::CublasError> for CudaError {
+    fn from(e: cudarc::cublas::result::CublasError) -> Self {
+        use cudarc::cublas::sys::cublasStatus_t;
+        let kind = if e.0 == cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED {
+            CudaErrorKind::OutOfMemory
+        } else {
+            CudaErrorKind::Device
+        };
+        Self::new(kind, format!("cuBLAS: {e:?}"))
+    }
 }
 
 /// Which GPUs and how.
@@ -129,7 +151,7 @@ impl Handler<Forward> for DeviceActor {
     fn handle(&mut self, msg: Forward, _: &mut Self::Context) {
         let out = match self.rank.as_mut() {
             Some(r) => r.forward(&msg.job),
-            None => Err(CudaError("the device failed to start".into())),
+            None => Err(CudaError::device("the device failed to start")),
         };
         let _ = msg.reply.send((self.index, out));
     }
@@ -182,9 +204,11 @@ impl CudaModel {
     ) -> Result<Self, CudaError> {
         let world = opts.devices.len();
         if world == 0 {
-            return Err(CudaError("no devices given".into()));
+            return Err(CudaError::unsupported("no devices given"));
         }
-        let plan = Arc::new(ShardPlan::new(&cfg, world).map_err(cuda_err)?);
+        let plan = Arc::new(
+            ShardPlan::new(&cfg, world).map_err(|e| CudaError::unsupported(e.to_string()))?,
+        );
         let nccl = if world > 1 {
             Some(
                 device::catch_library(
@@ -192,7 +216,7 @@ impl CudaModel {
                     cudarc::nccl::Id::new,
                 )?
                 .map_err(|e| {
-                    CudaError(format!(
+                    CudaError::setup(format!(
                         "NCCL unique id: {e:?} (is libnccl.so on LD_LIBRARY_PATH?)"
                     ))
                 })?,
@@ -227,7 +251,7 @@ impl CudaModel {
         opts: &CudaOptions,
     ) -> Result<Self, CudaError> {
         let &[ordinal] = opts.devices.as_slice() else {
-            return Err(CudaError(format!(
+            return Err(CudaError::unsupported(format!(
                 "DeepSeek runs on one GPU; {} devices given",
                 opts.devices.len()
             )));
@@ -294,10 +318,10 @@ impl CudaModel {
                     tracing::error!(error = %e, "GPU actor system failed");
                 }
             })
-            .map_err(|e| CudaError(format!("starting the GPU actor thread: {e}")))?;
+            .map_err(|e| CudaError::device(format!("starting the GPU actor thread: {e}")))?;
         let (ranks, system) = addr_rx
             .recv()
-            .map_err(|_| CudaError("the GPU actor system did not start".into()))?;
+            .map_err(|_| CudaError::device("the GPU actor system did not start"))?;
         let mut me = Self {
             vocab,
             layout: layout.clone(),
@@ -311,11 +335,11 @@ impl CudaModel {
             match ready_rx.recv() {
                 Ok((_, Ok(()))) => {}
                 Ok((i, Err(e))) => {
-                    first_err.get_or_insert(CudaError(format!("GPU {}: {}", opts.devices[i], e.0)));
+                    first_err.get_or_insert(e.at(format_args!("GPU {}", opts.devices[i])));
                 }
                 Err(_) => {
                     first_err
-                        .get_or_insert(CudaError("a device actor stopped while loading".into()));
+                        .get_or_insert(CudaError::device("a device actor stopped while loading"));
                     break;
                 }
             }
@@ -343,14 +367,15 @@ impl CudaModel {
         }
     }
 
-    /// The forward pass: the same contract as `LlamaModel::forward`. A device failure
-    /// here panics (the engine cannot go on without its device); it names the device.
+    /// The forward pass: the same contract as `LlamaModel::forward`. A device failure is
+    /// the error of every request in the batch (the pool is left as it was: no rank's
+    /// KV is copied back unless every rank finished).
     pub fn forward(
         &self,
         pool: &mut PagePool,
         seq_pages: &[&[PageId]],
         tokens: &[BatchToken],
-    ) -> Vec<Vec<f32>> {
+    ) -> Result<Vec<Vec<f32>>, CudaError> {
         let layout = &self.layout;
         let ps = layout.page_size();
         let mut mirror = self.mirror.lock().unwrap_or_else(|e| e.into_inner());
@@ -410,15 +435,20 @@ impl CudaModel {
         for _ in 0..self.ranks.len() {
             match rx.recv() {
                 Ok((i, Ok(out))) => outs[i] = Some(out),
-                Ok((i, Err(e))) => failure = Some(format!("rank {i}: {}", e.0)),
+                Ok((i, Err(e))) => failure = Some(e.at(format_args!("rank {i}"))),
                 Err(_) => {
-                    failure.get_or_insert("a device actor stopped during a forward".into());
+                    failure.get_or_insert(CudaError::device(
+                        "a device actor stopped during a forward",
+                    ));
                     break;
                 }
             }
         }
         if let Some(f) = failure {
-            panic!("CUDA forward failed: {f}");
+            // What the devices hold is unknown now (an upload or a kernel may have stopped
+            // half-way): every page is copied again before a later batch reads it.
+            mirror.fill(u64::MAX);
+            return Err(f);
         }
         let mut logits = Vec::new();
         for (r, out) in outs.into_iter().enumerate() {
@@ -441,7 +471,7 @@ impl CudaModel {
             assert_eq!(at, out.kv.len(), "the KV bytes match their spans");
         }
         let vocab = self.vocab;
-        logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
+        Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }
 }
 
@@ -480,7 +510,7 @@ impl Registered {
             sys::cuMemHostRegister_v2(ptr, bytes.len(), sys::CU_MEMHOSTREGISTER_PORTABLE)
         };
         if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(CudaError(format!("cuMemHostRegister: {r:?}")));
+            return Err(CudaError::device(format!("cuMemHostRegister: {r:?}")));
         }
         Ok(Self(ptr))
     }
@@ -576,8 +606,8 @@ impl MemProbe {
         let ctx = device::catch_missing_library(|| cudarc::driver::CudaContext::new(ordinal))?
             .map_err(cuda_err)?;
         if !ctx.has_async_alloc() {
-            return Err(CudaError(
-                "this device has no stream-ordered allocator (cuMemAllocAsync)".into(),
+            return Err(CudaError::unsupported(
+                "this device has no stream-ordered allocator (cuMemAllocAsync)",
             ));
         }
         Ok(Self { ctx })

@@ -119,7 +119,13 @@ impl Engine {
             let logits = self.sched.execute(&plan, |pool, pages, batch| {
                 model.forward(tp, pool, pages, batch)
             });
-            self.sched.apply(plan, logits, &mut events);
+            match logits {
+                Ok(logits) => self.sched.apply(plan, logits, &mut events),
+                Err(e) => {
+                    tracing::error!(error = %e, requests = plan.work.len(), "the forward pass failed: its requests end with the error");
+                    self.sched.fail(plan, &e, &mut events);
+                }
+            }
         }
         events
     }

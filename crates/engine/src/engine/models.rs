@@ -8,11 +8,11 @@ use pdmesh_gguf::GgufFile;
 use pdmesh_kv::{KvLayout, PageId, PagePool};
 
 use super::EngineConfig;
-use crate::EngineError;
 use crate::deepseek::DeepSeekModel;
 use crate::model::{BatchToken, LlamaModel, TpLlama};
 use crate::tp::RankWork;
 use crate::vocab::{eog_tokens, token_bytes_table};
+use crate::{CudaError, EngineError};
 
 /// What the engine needs of a model: its vocabulary and one forward pass over a batch.
 /// Every model family implements it; the engine holds one as `Box<dyn Model>` and
@@ -21,14 +21,14 @@ pub(crate) trait Model: Send {
     fn vocab(&self) -> usize;
     /// One forward pass: each of `tokens` is written into the KV of its sequence's pages
     /// (`seq_pages`); returns a logits row per token that wants one, in order. `tp`: the
-    /// compute threads.
+    /// compute threads. Only a GPU fails, and then leaves the pool as it was.
     fn forward(
         &self,
         tp: &rayon::ThreadPool,
         pool: &mut PagePool,
         seq_pages: &[&[PageId]],
         tokens: &[BatchToken],
-    ) -> Vec<Vec<f32>>;
+    ) -> Result<Vec<Vec<f32>>, CudaError>;
     /// What each tensor-parallel rank has computed so far, in rank order; empty for the
     /// models that do not count it.
     fn rank_work(&self) -> Vec<RankWork> {
@@ -48,8 +48,8 @@ impl Model for LlamaModel {
         pool: &mut PagePool,
         seq_pages: &[&[PageId]],
         tokens: &[BatchToken],
-    ) -> Vec<Vec<f32>> {
-        tp.install(|| LlamaModel::forward(self, tp, pool, seq_pages, tokens))
+    ) -> Result<Vec<Vec<f32>>, CudaError> {
+        Ok(tp.install(|| LlamaModel::forward(self, tp, pool, seq_pages, tokens)))
     }
     fn rank_work(&self) -> Vec<RankWork> {
         vec![self.work()]
@@ -68,8 +68,8 @@ impl Model for TpLlama {
         pool: &mut PagePool,
         seq_pages: &[&[PageId]],
         tokens: &[BatchToken],
-    ) -> Vec<Vec<f32>> {
-        TpLlama::forward(self, tp, pool, seq_pages, tokens)
+    ) -> Result<Vec<Vec<f32>>, CudaError> {
+        Ok(TpLlama::forward(self, tp, pool, seq_pages, tokens))
     }
     fn rank_work(&self) -> Vec<RankWork> {
         self.work()
@@ -86,8 +86,8 @@ impl Model for DeepSeekModel {
         pool: &mut PagePool,
         seq_pages: &[&[PageId]],
         tokens: &[BatchToken],
-    ) -> Vec<Vec<f32>> {
-        tp.install(|| DeepSeekModel::forward(self, tp, pool, seq_pages, tokens))
+    ) -> Result<Vec<Vec<f32>>, CudaError> {
+        Ok(tp.install(|| DeepSeekModel::forward(self, tp, pool, seq_pages, tokens)))
     }
 }
 
@@ -103,7 +103,7 @@ impl Model for crate::cuda::CudaModel {
         pool: &mut PagePool,
         seq_pages: &[&[PageId]],
         tokens: &[BatchToken],
-    ) -> Vec<Vec<f32>> {
+    ) -> Result<Vec<Vec<f32>>, CudaError> {
         crate::cuda::CudaModel::forward(self, pool, seq_pages, tokens)
     }
 }
@@ -204,7 +204,7 @@ fn gpu_model(
         cfg.kv_pages,
         &opts,
     )
-    .map_err(|e| EngineError::Unsupported(e.to_string()))?;
+    .map_err(EngineError::Cuda)?;
     Ok(Box::new(m))
 }
 
@@ -231,7 +231,7 @@ fn deepseek_gpu_model(
     let opts = cuda_options(g);
     let m =
         crate::cuda::CudaModel::load_deepseek(model, Arc::new(layout.clone()), cfg.kv_pages, &opts)
-            .map_err(|e| EngineError::Unsupported(e.to_string()))?;
+            .map_err(EngineError::Cuda)?;
     Ok(Box::new(m))
 }
 

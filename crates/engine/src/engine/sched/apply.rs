@@ -2,6 +2,7 @@
 //! plan's tokens, then sampling (grammar masks, `min_tokens`, penalties), stop checks,
 //! and retirement. Sampling state advances exactly as it would for the sequence alone.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdmesh_kv::{PageId, PagePool};
@@ -11,17 +12,17 @@ use super::seq::Seq;
 use super::{Scheduler, StepPlan};
 use crate::grammar::Constraint;
 use crate::model::BatchToken;
-use crate::{FinishReason, Logprob, Part, StepEvent};
+use crate::{CudaError, FinishReason, Logprob, Part, StepEvent};
 
 impl Scheduler {
     /// Phase two: runs `forward` (the model's pass over the pool) on the plan's tokens,
     /// preparing the grammar masks of the tokens this step samples on another thread
-    /// meanwhile. Returns the logits rows, in the plan's order.
-    pub(crate) fn execute(
+    /// meanwhile. Returns the logits rows, in the plan's order, or the pass's failure.
+    pub(crate) fn execute<E>(
         &mut self,
         plan: &StepPlan,
-        forward: impl FnOnce(&mut PagePool, &[&[PageId]], &[BatchToken]) -> Vec<Vec<f32>>,
-    ) -> Vec<Vec<f32>> {
+        forward: impl FnOnce(&mut PagePool, &[&[PageId]], &[BatchToken]) -> Result<Vec<Vec<f32>>, E>,
+    ) -> Result<Vec<Vec<f32>>, E> {
         let plan = &plan.work;
         // A sequence with one token left to compute is decoding; the rest are prompts.
         let decoded = plan
@@ -74,11 +75,31 @@ impl Scheduler {
             logits
         });
         drop(seq_pages);
-        self.budget.observe(decoded, batch.len() - decoded, took);
+        if logits.is_ok() {
+            self.budget.observe(decoded, batch.len() - decoded, took);
+        }
         for (i, c) in masks {
             self.running[i].constraint = Some(c);
         }
         logits
+    }
+
+    /// Phase three when the forward pass failed (a GPU's `error`): every sequence of the
+    /// plan ends with it, releasing its pages as an abort does (the failed pass wrote none
+    /// of their KV); the others go on.
+    pub(crate) fn fail(&mut self, plan: StepPlan, error: &CudaError, events: &mut Vec<StepEvent>) {
+        let ids: Vec<Arc<str>> = plan
+            .work
+            .iter()
+            .map(|&(i, _)| self.running[i].id.clone())
+            .collect();
+        for id in ids {
+            self.abort(&id);
+            events.push(StepEvent::Failed {
+                id,
+                error: error.clone(),
+            });
+        }
     }
 
     /// Phase three: takes the logits rows in the plan's order: prompt log-probabilities,

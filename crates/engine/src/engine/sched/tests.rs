@@ -10,7 +10,7 @@ use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
 use super::{Scheduler, StepPlan};
 use crate::engine::EngineConfig;
 use crate::model::BatchToken;
-use crate::{GenRequest, SamplingParams, StepEvent};
+use crate::{CudaError, CudaErrorKind, GenRequest, SamplingParams, StepEvent};
 
 const VOCAB: usize = 16;
 const EOG: u32 = 15;
@@ -64,7 +64,11 @@ fn step(s: &mut Scheduler) -> (Vec<(String, usize)>, Vec<StepEvent>) {
         .iter()
         .map(|&(i, take)| (s.running[i].id.to_string(), take))
         .collect();
-    let logits = s.execute(&plan, fake_forward);
+    let logits = s
+        .execute(&plan, |p, pages, batch| {
+            Ok::<_, CudaError>(fake_forward(p, pages, batch))
+        })
+        .unwrap();
     s.apply(plan, logits, &mut events);
     (named, events)
 }
@@ -192,4 +196,37 @@ fn a_full_pool_preempts_the_newest_sequence_which_is_recomputed_to_the_same_toke
     assert_eq!(out["a"], alone("a"));
     assert_eq!(out["b"], alone("b"), "b recomputed gives the same tokens");
     assert_eq!(s.free_pages(), 8);
+}
+
+/// A GPU that fails a forward pass ends that batch's requests with its error and leaks
+/// none of their pages; a request after it runs as it would have alone.
+#[test]
+fn a_failed_forward_pass_ends_its_batch_with_the_error_and_the_engine_goes_on() {
+    let mut s = scheduler(|_| {});
+    s.submit(request("a", 6, 4)).unwrap();
+    s.submit(request("b", 3, 4)).unwrap();
+    let mut events = Vec::new();
+    let plan = s.plan(&mut events).expect("work");
+    assert_eq!(plan.work.len(), 2);
+    let oom = CudaError::new(CudaErrorKind::OutOfMemory, "cuMemAllocAsync");
+    let failed = s.execute(&plan, |_, _, _| Err(oom.clone()));
+    assert_eq!(failed, Err(oom.clone()));
+    s.fail(plan, &oom, &mut events);
+    let ended: Vec<(String, CudaError)> = events
+        .into_iter()
+        .filter_map(|e| match e {
+            StepEvent::Failed { id, error } => Some((id.to_string(), error)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        ended,
+        [("a".to_owned(), oom.clone()), ("b".to_owned(), oom)]
+    );
+    assert!(!s.has_work());
+    assert_eq!(s.free_pages(), 64, "every page came back");
+    let mut alone = scheduler(|_| {});
+    alone.submit(request("c", 5, 4)).unwrap();
+    s.submit(request("c", 5, 4)).unwrap();
+    assert_eq!(run(&mut s)["c"], run(&mut alone)["c"]);
 }
