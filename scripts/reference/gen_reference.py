@@ -5,7 +5,7 @@ What it makes (both under tests/fixtures/, paths relative to the repository root
 
 * ``tokenizer_ids.json``: a list of strings, each with the token ids llama.cpp gives it
   (``Llama(model, vocab_only=True).tokenize(text.encode(), add_bos=False, special=True)``).
-  pdmesh-text's tests check that its GGUF-built tokenizer produces the same ids.
+  pdmesh-tokenize's tests check that its GGUF-built tokenizer produces the same ids.
 * ``reference.json``: for a handful of prompts (chat-template-rendered and raw text), the
   prompt token ids, llama.cpp's greedy continuation of 32 tokens (argmax of the raw logits,
   taken here with numpy: no sampler, no penalties, EOS is not a stop), and the top-5

@@ -1,25 +1,73 @@
-//! pdmesh-chat: streaming parsers for what a model writes. Text arrives in chunks split
-//! anywhere — inside a tag, inside a multi-byte character — and leaves as deltas: content,
-//! reasoning, tool calls (name first, then the arguments' JSON), or a parse error.
+//! pdmesh-chat: everything between a conversation and the text a model writes. On the way
+//! in, chat messages and tool calls in OpenAI's shapes ([`ChatMessage`], [`ToolCall`]),
+//! the model's chat format ([`ChatTokenizer`]: its Jinja [`ChatTemplate`], or DeepSeek
+//! V3.2's rules in [`dsv32`], with pdmesh's own [`hermes`] tool rendering for templates
+//! without tools), and prompts whose control tokens come only from that format's markup
+//! ([`ChatPrompt`]). On the way out, streaming parsers for what a model writes, and the
+//! strict JSON-schema grammars ([`schema`]) that constrain it.
 //!
-//! Every parser is a state machine that holds back any tail that could still become
-//! markup, so no byte of markup is ever emitted as content, and **fails closed**: a
-//! malformed block becomes a [`ParseError`] with a reason, never content. A call is
-//! emitted only once its markup is complete, so a generation cut off by its length limit
-//! ([`OutputParser::finish_truncated`]) keeps its complete calls and drops the unfinished
-//! one whole: no client ever holds the arguments of a call that never ended.
+//! Text arrives in chunks split anywhere — inside a tag, inside a multi-byte character —
+//! and leaves as deltas: content, reasoning, tool calls (name first, then the arguments'
+//! JSON), or a parse error. Every parser is a state machine that holds back any tail that
+//! could still become markup, so no byte of markup is ever emitted as content, and
+//! **fails closed**: a malformed block becomes a [`ParseError`] with a reason, never
+//! content. A call is emitted only once its markup is complete, so a generation cut off
+//! by its length limit ([`OutputParser::finish_truncated`]) keeps its complete calls and
+//! drops the unfinished one whole: no client ever holds the arguments of a call that
+//! never ended.
 
 #![forbid(unsafe_code)]
 
+mod chat_format;
+pub mod dsv32;
 mod formats;
+pub mod hermes;
+mod message;
+mod prompt;
 mod reasoning;
 pub mod schema;
+mod stream;
+mod template;
 mod tools;
 mod utf8;
 
+pub use chat_format::{ChatFormat, ChatTokenizer};
 pub use formats::Format;
+pub use message::{ChatMessage, ToolCall, ToolCallError};
+pub use prompt::ChatPrompt;
 pub use reasoning::ReasoningParser;
+pub use stream::TextStream;
+pub use template::{ChatTemplate, ToolFormat};
 pub use tools::ToolParser;
+
+use pdmesh_tokenize::TokenizerError;
+
+/// Everything that can go wrong turning a conversation into a prompt, or loading the
+/// chat format that does it.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("this model has no chat template")]
+    NoChatFormat,
+}
+
+impl ChatError {
+    /// A minijinja error with its cause chain; its Display already names the template
+    /// line and, for `raise_exception`, carries the template author's message.
+    fn template(e: minijinja::Error) -> Self {
+        let mut msg = e.to_string();
+        let mut src = std::error::Error::source(&e);
+        while let Some(s) = src {
+            msg.push_str(": ");
+            msg.push_str(&s.to_string());
+            src = s.source();
+        }
+        Self::Template(msg)
+    }
+}
 
 /// One piece of parsed output.
 #[derive(Clone, Debug, PartialEq)]

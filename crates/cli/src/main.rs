@@ -132,7 +132,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .unwrap_or_else(|| "deepseek-v32-tiny".into())
             });
             let gguf = pdmesh_gguf::models::default_model_path();
-            let tok = pdmesh_text::TextTokenizer::from_path(&gguf).with_context(|| {
+            let tok = pdmesh_tokenize::TextTokenizer::from_path(&gguf).with_context(|| {
                 format!(
                     "the tiny model uses the default model's tokenizer: {} (run `pdmesh model fetch`)",
                     gguf.display()

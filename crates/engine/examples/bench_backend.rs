@@ -136,9 +136,10 @@ fn main() {
         None => pdmesh_gguf::models::require_default_model(),
         Some("dsa-tiny") => {
             let dir = tempfile::tempdir().expect("a temporary directory");
-            let tok =
-                pdmesh_text::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
-                    .expect("the default model's tokenizer");
+            let tok = pdmesh_tokenize::TextTokenizer::from_path(
+                pdmesh_gguf::models::require_default_model(),
+            )
+            .expect("the default model's tokenizer");
             pdmesh_engine::deepseek_synth::write(
                 dir.path(),
                 &pdmesh_engine::deepseek_synth::tiny_config(),

@@ -164,7 +164,7 @@ pub fn write(
     dir: &Path,
     cfg: &DsConfig,
     seed: u64,
-    tokenizer: Option<&pdmesh_text::TextTokenizer>,
+    tokenizer: Option<&pdmesh_tokenize::TextTokenizer>,
 ) -> Result<(), EngineError> {
     let io =
         |e: &dyn std::fmt::Display| EngineError::Unsupported(format!("{}: {e}", dir.display()));
@@ -295,7 +295,7 @@ pub fn write(
     std::fs::write(dir.join("config.json"), json).map_err(|e| io(&e))?;
     if let Some(t) = tokenizer {
         // DeepSeek V3.2 ships no chat template: its prompts follow the model's rules.
-        t.write_hf_dir(dir, false)
+        t.write_hf_dir(dir)
             .map_err(|e| EngineError::Unsupported(format!("tokenizer: {e}")))?;
     }
     Ok(())

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use pdmesh_engine::{FinishReason, GenRequest, SamplingParams, StepEvent};
-use pdmesh_text::TextTokenizer;
+use pdmesh_tokenize::TextTokenizer;
 
 /// What the gateway sends for `tool_choice: "required"` with one get_weather tool, in the
 /// model's own (Hermes) call format.

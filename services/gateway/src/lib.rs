@@ -74,7 +74,7 @@ pub async fn run(
         None => None,
         Some(path) => Some(
             tokio::task::spawn_blocking(move || {
-                pdmesh_text::TextTokenizer::from_path(&path)
+                pdmesh_tokenize::TextTokenizer::from_path(&path)
                     .map_err(|e| Error::Config(format!("--model {}: {e}", path.display())))
             })
             .await

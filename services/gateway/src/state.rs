@@ -44,7 +44,7 @@ pub(crate) struct Inner {
     info: OnceCell<WorkerInfo>,
     output: OnceCell<OutputFormat>,
     /// The tokenizer loaded from `--model`, with its fingerprint.
-    local: Option<(pdmesh_text::TextTokenizer, String)>,
+    local: Option<(pdmesh_tokenize::TextTokenizer, String)>,
     /// Whether `local` matches the tokenizer service (decided once it answers).
     local_matches: OnceCell<bool>,
 }
@@ -126,7 +126,7 @@ impl AppState {
     pub fn new(
         cfg: Config,
         backends: Backends,
-        local: Option<pdmesh_text::TextTokenizer>,
+        local: Option<pdmesh_tokenize::TextTokenizer>,
         shutdown: CancellationToken,
     ) -> Result<Self, Error> {
         let admission = Arc::new(tokio::sync::Semaphore::new(cfg.max_concurrent_requests));
@@ -179,7 +179,7 @@ impl AppState {
     /// service's fingerprint is known to equal it. A different one (another model, another
     /// revision) is never used, loudly: text from the wrong vocabulary would be silent
     /// corruption. Until the service answers, nothing local is used.
-    pub async fn local_tokenizer(&self) -> Option<&pdmesh_text::TextTokenizer> {
+    pub async fn local_tokenizer(&self) -> Option<&pdmesh_tokenize::TextTokenizer> {
         let (tok, fp) = self.local.as_ref()?;
         let matches = self
             .local_matches

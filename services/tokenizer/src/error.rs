@@ -2,13 +2,14 @@
 
 use std::path::PathBuf;
 
-use pdmesh_text::TextError;
+use pdmesh_chat::ChatError;
+use pdmesh_tokenize::TokenizerError;
 
 /// Everything the tokenizer service can fail with, from start-up to a single request.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("loading the tokenizer from {path}: {source}")]
-    Load { path: PathBuf, source: TextError },
+    Load { path: PathBuf, source: ChatError },
     #[error("starting the tokenizer service: {0}")]
     Startup(String),
     #[error(transparent)]
@@ -34,9 +35,9 @@ pub enum Error {
     NoChatTemplate,
     /// The template refused the conversation (e.g. a role order it does not support).
     #[error("chat template: {0}")]
-    Template(TextError),
+    Template(ChatError),
     #[error("tokenizer: {0}")]
-    Text(TextError),
+    Text(TokenizerError),
 }
 
 impl Error {

@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
-use pdmesh_chat::{Delta, Format, OutputParser};
-use pdmesh_proto::tokenizer::v1 as pb;
-use pdmesh_text::{
-    ChatFormat, ChatMessage, TextError, TextStream, TextTokenizer, ToolCall, ToolFormat,
+use pdmesh_chat::{
+    ChatError, ChatFormat, ChatMessage, ChatTokenizer, Delta, Format, OutputParser, TextStream,
+    ToolCall, ToolFormat,
 };
+use pdmesh_proto::tokenizer::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -20,8 +20,8 @@ const DETOKENIZE_BUFFER: usize = 16;
 
 /// The tonic service: a shared, immutable tokenizer.
 pub(crate) struct TokenizerService {
-    tok: Arc<TextTokenizer>,
-    /// [`TextTokenizer::fingerprint`], computed once.
+    tok: Arc<ChatTokenizer>,
+    /// [`pdmesh_tokenize::TextTokenizer::fingerprint`], computed once.
     fingerprint: String,
 }
 
@@ -98,9 +98,9 @@ pub static POLICY: pdmesh_tls::Policy = {
 };
 
 impl TokenizerService {
-    pub(crate) fn new(tok: TextTokenizer) -> Self {
+    pub(crate) fn new(tok: ChatTokenizer) -> Self {
         Self {
-            fingerprint: tok.fingerprint(),
+            fingerprint: tok.tokenizer().fingerprint(),
             tok: Arc::new(tok),
         }
     }
@@ -213,6 +213,7 @@ impl TokenizerService {
     fn tokenize_impl(&self, req: &pb::TokenizeRequest) -> Result<Vec<u32>, Error> {
         let text = utf8(&req.text, || "text".to_owned())?;
         self.tok
+            .tokenizer()
             .encode(text, req.add_special_tokens)
             .map_err(Error::Text)
     }
@@ -231,9 +232,9 @@ impl TokenizerService {
                 req.thinking,
             )
             .map_err(|e| match e {
-                TextError::NoChatFormat => Error::NoChatTemplate,
-                e @ TextError::Template(_) => Error::Template(e),
-                e => Error::Text(e),
+                ChatError::NoChatFormat => Error::NoChatTemplate,
+                e @ ChatError::Template(_) => Error::Template(e),
+                ChatError::Tokenizer(e) => Error::Text(e),
             })?;
         Ok(pb::ChatTemplateResponse {
             prompt: prompt.text,
@@ -274,7 +275,7 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
         let tok = Arc::clone(&self.tok);
         let (tx, rx) = mpsc::channel(DETOKENIZE_BUFFER);
         tokio::spawn(async move {
-            let vocab = tok.vocab_size();
+            let vocab = tok.tokenizer().vocab_size();
             let mut stream: Option<TextStream> = None;
             let mut truncated = false;
             loop {
@@ -289,8 +290,11 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
                 if stream.is_none() {
                     match msg.parsing.as_ref().map(output_parser).transpose() {
                         Ok(p) => {
-                            stream =
-                                Some(TextStream::new(&tok, msg.skip_special_tokens, p.flatten()))
+                            stream = Some(TextStream::new(
+                                tok.tokenizer(),
+                                msg.skip_special_tokens,
+                                p.flatten(),
+                            ))
                         }
                         Err(status) => {
                             let _ = tx.send(Err(status)).await;
@@ -334,9 +338,9 @@ impl pb::tokenizer_server::Tokenizer for TokenizerService {
     ) -> Result<Response<pb::InfoResponse>, Status> {
         let format = self.tok.chat_format();
         Ok(Response::new(pb::InfoResponse {
-            vocab_size: u32::try_from(self.tok.vocab_size()).unwrap_or(u32::MAX),
-            eos_token_ids: self.tok.eos_token_ids(),
-            bos_token_id: self.tok.bos_token_id(),
+            vocab_size: u32::try_from(self.tok.tokenizer().vocab_size()).unwrap_or(u32::MAX),
+            eos_token_ids: self.tok.tokenizer().eos_token_ids(),
+            bos_token_id: self.tok.tokenizer().bos_token_id(),
             has_chat_template: !matches!(format, ChatFormat::None),
             tool_format: tool_format(format.tool_format()).into(),
             reasoning: format.reasoning(),

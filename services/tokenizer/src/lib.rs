@@ -46,7 +46,7 @@ pub async fn run(
 ) -> Result<(), Error> {
     let path = cfg.model.clone();
     let tokenizer =
-        tokio::task::spawn_blocking(move || pdmesh_text::TextTokenizer::from_path(&path))
+        tokio::task::spawn_blocking(move || pdmesh_chat::ChatTokenizer::from_path(&path))
             .await
             .map_err(|e| Error::Startup(format!("tokenizer loader panicked: {e}")))?
             .map_err(|source| Error::Load {
@@ -54,7 +54,7 @@ pub async fn run(
                 source,
             })?;
     let addr = listener.local_addr().ok();
-    tracing::info!(?addr, model = %cfg.model.display(), vocab = tokenizer.vocab_size(), "tokenizer service listening");
+    tracing::info!(?addr, model = %cfg.model.display(), vocab = tokenizer.tokenizer().vocab_size(), "tokenizer service listening");
 
     let service = grpc::TokenizerService::new(tokenizer);
     let auth = cfg.tls.auth()?;

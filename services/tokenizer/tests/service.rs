@@ -297,8 +297,9 @@ async fn info_and_health_describe_the_model() {
     assert_eq!(info.tool_format(), pb::ToolFormat::Hermes);
     assert!(!info.reasoning);
     // What a gateway compares its own copy of the tokenizer with.
-    let own = pdmesh_text::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
-        .unwrap();
+    let own =
+        pdmesh_tokenize::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+            .unwrap();
     assert_eq!(info.fingerprint, own.fingerprint());
     assert!(
         info.eos_token_ids.contains(&2),
@@ -335,9 +336,10 @@ async fn cancelling_the_shutdown_token_stops_the_server() {
 #[tokio::test]
 async fn a_deepseek_v32_checkpoint_without_a_template_gets_its_own_encoding() {
     let dir = tempfile::tempdir().unwrap();
-    let tok = pdmesh_text::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
-        .unwrap();
-    tok.write_hf_dir(dir.path(), false).unwrap();
+    let tok =
+        pdmesh_tokenize::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+            .unwrap();
+    tok.write_hf_dir(dir.path()).unwrap();
     std::fs::write(
         dir.path().join("config.json"),
         r#"{"model_type": "deepseek_v32"}"#,

@@ -34,7 +34,7 @@ fn err(what: impl std::fmt::Display) -> Error {
 /// Writes (or rewrites) the bundle for `model` into `dir` and zips it. `info` gives the
 /// facts `config.json` records for a GGUF (a checkpoint directory has its own).
 pub(crate) fn build(model: &Path, dir: &Path, info: &ModelInfo) -> Result<TokenizerBundle, Error> {
-    let tok = pdmesh_text::TextTokenizer::from_path(model).map_err(err)?;
+    let tok = pdmesh_chat::ChatTokenizer::from_path(model).map_err(err)?;
     // Written aside, then each file renamed into place: workers of one model (a prefill
     // and a decode) may build the bundle at once, and a reader never sees half a file.
     std::fs::create_dir_all(dir).map_err(err)?;
@@ -52,7 +52,7 @@ pub(crate) fn build(model: &Path, dir: &Path, info: &ModelInfo) -> Result<Tokeni
             "model_type": "llama",
             "vocab_size": info.vocab_size,
             "max_position_embeddings": info.context_length,
-            "bos_token_id": tok.bos_token_id(),
+            "bos_token_id": tok.tokenizer().bos_token_id(),
             "eos_token_id": info.eos_token_ids.first(),
         });
         serde_json::to_vec_pretty(&c).map_err(err)?
@@ -117,12 +117,12 @@ mod tests {
         };
         let b = build(&model, tmp.path(), &info).unwrap();
         // The directory reads back as the same tokenizer, chat template included.
-        let back = pdmesh_text::TextTokenizer::from_hf_dir(&b.dir).unwrap();
-        let orig = pdmesh_text::TextTokenizer::from_path(&model).unwrap();
+        let back = pdmesh_chat::ChatTokenizer::from_hf_dir(&b.dir).unwrap();
+        let orig = pdmesh_chat::ChatTokenizer::from_path(&model).unwrap();
         let text = "Hello, <|im_start|>world ünïcödé";
         assert_eq!(
-            back.encode(text, false).unwrap(),
-            orig.encode(text, false).unwrap()
+            back.tokenizer().encode(text, false).unwrap(),
+            orig.tokenizer().encode(text, false).unwrap()
         );
         assert!(back.chat_template().is_some());
         let config: serde_json::Value =

@@ -160,7 +160,7 @@ impl Loaded {
             }
         }
         let model = DeepSeekModel::load(&cfg.model_path)?;
-        let tok = pdmesh_text::TextTokenizer::from_hf_dir(&cfg.model_path)
+        let tok = pdmesh_tokenize::TextTokenizer::from_hf_dir(&cfg.model_path)
             .map_err(|e| EngineError::Unsupported(format!("tokenizer: {e}")))?;
         let mut token_bytes = tok.token_bytes_table();
         token_bytes.resize(model.cfg.vocab_size.max(token_bytes.len()), Vec::new());

@@ -234,7 +234,7 @@ pub fn tiny_dir() -> &'static std::path::Path {
     D.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
         let tok =
-            pdmesh_text::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+            pdmesh_tokenize::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
                 .unwrap();
         pdmesh_engine::deepseek_synth::write(
             dir.path(),

@@ -785,12 +785,12 @@ impl Backends {
     pub fn detokenizer(
         &self,
         parsing: Option<Parsing>,
-        local: Option<&pdmesh_text::TextTokenizer>,
+        local: Option<&pdmesh_tokenize::TextTokenizer>,
         span: tracing::Span,
     ) -> Detokenizer {
         Detokenizer {
             local: local.map(|tok| {
-                pdmesh_text::TextStream::new(tok, true, parsing.as_ref().and_then(output_parser))
+                pdmesh_chat::TextStream::new(tok, true, parsing.as_ref().and_then(output_parser))
             }),
             pushed: false,
             client: self.tokenizer.clone(),

@@ -215,7 +215,7 @@ fn parsed_deltas(deltas: Vec<pdmesh_chat::Delta>) -> Parsed {
 /// One generation's detokenization: in process (`local`), or one Detokenize stream where
 /// each `push` sends ids and returns what they completed.
 pub(crate) struct Detokenizer {
-    pub(super) local: Option<pdmesh_text::TextStream>,
+    pub(super) local: Option<pdmesh_chat::TextStream>,
     /// Some ids were pushed (a stream that saw none ends with nothing, as a Detokenize
     /// call never opened).
     pub(super) pushed: bool,

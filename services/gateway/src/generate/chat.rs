@@ -158,7 +158,7 @@ pub(crate) fn messages(list: &[ChatMessage]) -> Result<Vec<Message>, ApiError> {
                 Some(v @ Value::Array(calls)) if role == "assistant" => {
                     // As the tokenizer reads them, so a bad call is refused by name here.
                     for (j, call) in calls.iter().enumerate() {
-                        if let Err(e) = pdmesh_text::ToolCall::from_openai(call.clone()) {
+                        if let Err(e) = pdmesh_chat::ToolCall::from_openai(call.clone()) {
                             let at = format!("messages[{i}].tool_calls[{j}]");
                             let param = match e.part {
                                 "" => at,

@@ -71,7 +71,7 @@ pub(crate) struct TokenText {
 }
 
 impl TokenText {
-    pub(crate) fn of(tok: &pdmesh_text::TextTokenizer, id: u32) -> Self {
+    pub(crate) fn of(tok: &pdmesh_tokenize::TextTokenizer, id: u32) -> Self {
         let bytes = tok.token_bytes(id).unwrap_or_default().to_vec();
         Self {
             text: String::from_utf8_lossy(&bytes).into_owned(),
@@ -81,7 +81,7 @@ impl TokenText {
 }
 
 impl LogprobEntry {
-    fn of(tok: &pdmesh_text::TextTokenizer, lp: &TokenLogprob) -> Self {
+    fn of(tok: &pdmesh_tokenize::TextTokenizer, lp: &TokenLogprob) -> Self {
         Self {
             token: TokenText::of(tok, lp.token),
             logprob: lp.logprob,

@@ -182,7 +182,7 @@ async fn model_server_and_load_info_describe_the_worker() {
     assert_eq!(m.architectures, ["LlamaForCausalLM"]);
     // The tokenizer path is a real HF directory that reads back with its chat template.
     let tok =
-        pdmesh_text::TextTokenizer::from_hf_dir(std::path::Path::new(&m.tokenizer_path)).unwrap();
+        pdmesh_chat::ChatTokenizer::from_hf_dir(std::path::Path::new(&m.tokenizer_path)).unwrap();
     assert!(tok.chat_template().is_some());
 
     let info = sg

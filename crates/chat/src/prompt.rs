@@ -21,7 +21,9 @@ use std::collections::{HashMap, HashSet};
 use serde_json::{Map, Value};
 use tokenizers::{OffsetReferential, OffsetType, Tokenizer};
 
-use crate::{ChatFormat, ChatMessage, TextError, TextTokenizer, ToolCall, dsv32, hermes};
+use pdmesh_tokenize::TokenizerError;
+
+use crate::{ChatError, ChatFormat, ChatMessage, ChatTokenizer, ToolCall, dsv32, hermes};
 
 /// A chat prompt as the model reads it: the text (the request's strings as sent) and
 /// its token ids.
@@ -47,11 +49,11 @@ pub(crate) struct Literal {
 }
 
 impl Literal {
-    pub(crate) fn new(full: &Tokenizer) -> Result<Self, TextError> {
+    pub(crate) fn new(full: &Tokenizer) -> Result<Self, ChatError> {
         let mut plain = Tokenizer::new(full.get_model().clone());
         plain
             .with_normalizer(full.get_normalizer().cloned())
-            .map_err(TextError::tokenizer)?;
+            .map_err(tokenizer_error)?;
         plain.with_pre_tokenizer(full.get_pre_tokenizer().cloned());
         let added = full.get_added_tokens_decoder();
         Ok(Self {
@@ -82,27 +84,27 @@ fn shieldable(token: &str) -> bool {
 /// The prompt for `messages` and `tools` in `tok`'s chat format, its control tokens only
 /// from the format's markup (see the module docs).
 pub(crate) fn chat_prompt(
-    tok: &TextTokenizer,
+    tok: &ChatTokenizer,
     messages: &[ChatMessage],
     tools: Option<&Value>,
     add_generation_prompt: bool,
     thinking: bool,
-) -> Result<ChatPrompt, TextError> {
+) -> Result<ChatPrompt, ChatError> {
     let format = tok.chat_format();
     let markup = match format {
         ChatFormat::Template(t) => t.own_texts(),
         ChatFormat::DeepSeekV32 => ["", "", ""],
-        ChatFormat::None => return Err(TextError::NoChatFormat),
+        ChatFormat::None => return Err(ChatError::NoChatFormat),
     };
     let literal = tok.literal()?;
     let request = serde_json::to_string(&(messages, tools))
-        .map_err(|e| TextError::Template(format!("the request's strings: {e}")))?;
+        .map_err(|e| ChatError::Template(format!("the request's strings: {e}")))?;
     let mark = pick_mark(
         request.chars().chain(markup.iter().flat_map(|s| s.chars())),
         &literal.reserved,
     )?;
     let mut shield = Shield {
-        full: tok.inner(),
+        full: tok.tokenizer().inner(),
         shielded: &literal.shielded,
         mark,
         texts: Vec::new(),
@@ -117,31 +119,35 @@ pub(crate) fn chat_prompt(
             let msgs: Vec<dsv32::Message> = messages.iter().map(dsv32::Message::from).collect();
             dsv32::encode(&msgs, hermes::tool_list(tools.as_ref()), thinking)?
         }
-        ChatFormat::None => return Err(TextError::NoChatFormat),
+        ChatFormat::None => return Err(ChatError::NoChatFormat),
     };
     if shield.texts.is_empty() {
         // No request string held a shielded token: the markup's are the only ones, and
         // the whole prompt tokenizes as one string, exactly as before.
-        let ids = tok.encode(&rendered, false)?;
+        let ids = tok.tokenizer().encode(&rendered, false)?;
         return Ok(ChatPrompt {
             text: rendered,
             ids,
         });
     }
-    segmented(tok.inner(), &literal.plain, &rendered, &shield)
+    segmented(tok.tokenizer().inner(), &literal.plain, &rendered, &shield)
+}
+
+fn tokenizer_error(e: tokenizers::Error) -> ChatError {
+    TokenizerError::tokenizer(e).into()
 }
 
 /// The first candidate mark not among `used` or `reserved`.
 fn pick_mark(
     used: impl Iterator<Item = char>,
     reserved: &HashSet<char>,
-) -> Result<char, TextError> {
+) -> Result<char, ChatError> {
     let taken: HashSet<char> = used.filter(|&c| MARKS.contains(&(c as u32))).collect();
     MARKS
         .filter_map(char::from_u32)
         .find(|c| !taken.contains(c) && !reserved.contains(c))
         .ok_or_else(|| {
-            TextError::Template(
+            ChatError::Template(
                 "the request uses every private-use character of plane 15; \
                  pdmesh needs one free to keep message text apart from the template"
                     .into(),
@@ -156,7 +162,7 @@ fn segmented(
     plain: &Tokenizer,
     rendered: &str,
     shield: &Shield<'_>,
-) -> Result<ChatPrompt, TextError> {
+) -> Result<ChatPrompt, ChatError> {
     let splits = full
         .get_added_vocabulary()
         .extract_and_normalize(full.get_normalizer(), rendered);
@@ -164,7 +170,7 @@ fn segmented(
         text: String::with_capacity(rendered.len()),
         ids: Vec::new(),
     };
-    let run = |text: &str, out: &mut ChatPrompt| -> Result<(), TextError> {
+    let run = |text: &str, out: &mut ChatPrompt| -> Result<(), ChatError> {
         if text.is_empty() {
             return Ok(());
         }
@@ -172,7 +178,7 @@ fn segmented(
         shield.restore(text, &mut out.text)?;
         let enc = plain
             .encode_fast(&out.text[start..], false)
-            .map_err(TextError::tokenizer)?;
+            .map_err(tokenizer_error)?;
         out.ids.extend_from_slice(enc.get_ids());
         Ok(())
     };
@@ -277,9 +283,9 @@ impl Shield<'_> {
 
     /// Appends `s` to `out` with each placeholder replaced by its text. A mark without
     /// its placeholder means the template cut one (by slicing a message, say).
-    fn restore(&self, s: &str, out: &mut String) -> Result<(), TextError> {
+    fn restore(&self, s: &str, out: &mut String) -> Result<(), ChatError> {
         let cut = || {
-            TextError::Template(
+            ChatError::Template(
                 "the template cut message text that holds a special token's text".into(),
             )
         };

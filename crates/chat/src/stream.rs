@@ -3,9 +3,9 @@
 //! reasoning and tool calls from content, deltas out. One implementation, so a stream
 //! gives the same deltas wherever it is detokenized.
 
-use pdmesh_chat::{Delta, OutputParser};
+use pdmesh_tokenize::{IncrementalDetokenizer, TextTokenizer, TokenizerError};
 
-use crate::{IncrementalDetokenizer, TextError, TextTokenizer};
+use crate::{Delta, OutputParser};
 
 /// Created by [`TextStream::new`]; feed it with [`TextStream::push`], end it with
 /// [`TextStream::finish`].
@@ -25,7 +25,7 @@ impl TextStream {
 
     /// The deltas `ids` complete (possibly none). An id outside the vocabulary is an error
     /// and leaves the stream unchanged.
-    pub fn push(&mut self, ids: &[u32]) -> Result<Vec<Delta>, TextError> {
+    pub fn push(&mut self, ids: &[u32]) -> Result<Vec<Delta>, TokenizerError> {
         let text = self.detok.push(ids)?;
         Ok(self.parse(text))
     }

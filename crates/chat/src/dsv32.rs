@@ -16,7 +16,7 @@
 
 use serde_json::Value;
 
-use crate::TextError;
+use crate::ChatError;
 
 pub const BOS: &str = "<｜begin▁of▁sentence｜>";
 pub const EOS: &str = "<｜end▁of▁sentence｜>";
@@ -79,16 +79,16 @@ impl From<&crate::ChatMessage> for Message {
 
 /// Renders the tools block: OpenAI tool definitions (`{"type":"function","function":{…}}`
 /// or bare function objects), one JSON object per line.
-pub fn tools_block(tools: &[Value]) -> Result<String, TextError> {
+pub fn tools_block(tools: &[Value]) -> Result<String, ChatError> {
     let mut lines = Vec::with_capacity(tools.len());
     for t in tools {
         let f = t.get("function").unwrap_or(t);
         if !f.get("name").is_some_and(Value::is_string) {
-            return Err(TextError::Template(format!(
+            return Err(ChatError::Template(format!(
                 "a tool without a function name: {t}"
             )));
         }
-        lines.push(serde_json::to_string(f).map_err(|e| TextError::Template(e.to_string()))?);
+        lines.push(serde_json::to_string(f).map_err(|e| ChatError::Template(e.to_string()))?);
     }
     let d = DSML;
     Ok(format!(
@@ -109,7 +109,7 @@ pub fn tools_block(tools: &[Value]) -> Result<String, TextError> {
 }
 
 /// One `function_calls` block (with its leading blank line).
-pub fn tool_calls_block(calls: &[ToolCall]) -> Result<String, TextError> {
+pub fn tool_calls_block(calls: &[ToolCall]) -> Result<String, ChatError> {
     let d = DSML;
     let mut invokes = Vec::with_capacity(calls.len());
     for c in calls {
@@ -118,7 +118,7 @@ pub fn tool_calls_block(calls: &[ToolCall]) -> Result<String, TextError> {
             let (text, is_string) = match v {
                 Value::String(s) => (s.clone(), true),
                 other => (
-                    serde_json::to_string(other).map_err(|e| TextError::Template(e.to_string()))?,
+                    serde_json::to_string(other).map_err(|e| ChatError::Template(e.to_string()))?,
                     false,
                 ),
             };
@@ -141,7 +141,7 @@ pub fn tool_calls_block(calls: &[ToolCall]) -> Result<String, TextError> {
 /// The prompt for `messages` (with `tools`, if any, after the system message; a system
 /// message is added when there is none). `thinking`: the model reasons before answering.
 /// The prompt always ends where the assistant's next turn begins.
-pub fn encode(messages: &[Message], tools: &[Value], thinking: bool) -> Result<String, TextError> {
+pub fn encode(messages: &[Message], tools: &[Value], thinking: bool) -> Result<String, ChatError> {
     let last_user = messages
         .iter()
         .rposition(|m| m.role == "user" || m.role == "developer");
@@ -195,7 +195,7 @@ pub fn encode(messages: &[Message], tools: &[Value], thinking: bool) -> Result<S
                 continue;
             }
             other => {
-                return Err(TextError::Template(format!(
+                return Err(ChatError::Template(format!(
                     "role {other:?} (DeepSeek V3.2 takes system, user, developer, assistant, tool)"
                 )));
             }

@@ -17,7 +17,7 @@
 
 use serde_json::Value;
 
-use crate::{ChatMessage, TextError, ToolCall};
+use crate::{ChatError, ChatMessage, ToolCall};
 
 /// Whether a conversation needs this rewriting: tools are offered or a turn made calls.
 /// Without either, a template sees the conversation unchanged.
@@ -37,12 +37,12 @@ pub fn tool_list(tools: Option<&Value>) -> &[Value] {
 
 /// The tools block for OpenAI tool definitions (`{"type": "function", "function": {…}}`
 /// or bare function objects): each function's JSON on its own line.
-pub fn tools_block(tools: &[Value]) -> Result<String, TextError> {
+pub fn tools_block(tools: &[Value]) -> Result<String, ChatError> {
     let mut lines = Vec::with_capacity(tools.len());
     for t in tools {
         let f = t.get("function").unwrap_or(t);
         if !f.get("name").is_some_and(Value::is_string) {
-            return Err(TextError::Template(format!(
+            return Err(ChatError::Template(format!(
                 "a tool without a function name: {t}"
             )));
         }
@@ -79,7 +79,7 @@ pub fn tool_response_block(content: &str) -> String {
 
 /// `messages` with `tools`, tool calls and tool results written into plain turns (see
 /// the module docs). The result has no tool calls and no `tool` turns.
-pub fn rewrite(messages: &[ChatMessage], tools: &[Value]) -> Result<Vec<ChatMessage>, TextError> {
+pub fn rewrite(messages: &[ChatMessage], tools: &[Value]) -> Result<Vec<ChatMessage>, ChatError> {
     let block = if tools.is_empty() {
         None
     } else {
@@ -128,7 +128,7 @@ fn join_nonempty(a: &str, b: &str, sep: &str) -> String {
 
 /// `json.dumps(v, ensure_ascii=False)`, as the templates' `tojson` writes it.
 fn py_json(v: &Value) -> String {
-    crate::chat::python_json(v)
+    crate::template::python_json(v)
 }
 
 #[cfg(test)]

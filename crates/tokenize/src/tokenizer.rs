@@ -3,7 +3,7 @@
 //! separate tokenizer.json and produces the same token ids as llama.cpp.
 
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use pdmesh_gguf::{GgufFile, MetaValue};
 use tokenizers::decoders::DecoderWrapper;
@@ -14,8 +14,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
-use crate::prompt::{self, ChatPrompt, Literal};
-use crate::{ChatMessage, ChatTemplate, IncrementalDetokenizer, TextError, ToolFormat};
+use crate::{IncrementalDetokenizer, TokenizerError};
 
 /// The regexes llama.cpp applies, in order, for `tokenizer.ggml.pre == "smollm"`: every
 /// digit on its own, then the GPT-2 split. (llama.cpp spells the second without the final
@@ -57,44 +56,10 @@ pub struct TextTokenizer {
     token_bytes: Arc<Vec<Vec<u8>>>,
     bos: Option<u32>,
     eos: Vec<u32>,
-    chat_template: Option<Arc<ChatTemplate>>,
-    /// DeepSeek V3.2's encoding rules instead of a template ([`crate::dsv32`]).
-    deepseek_v32: bool,
-    /// The plain-text tokenizer chat prompts use for request text, made on first need.
-    literal: Arc<OnceLock<Literal>>,
-}
-
-/// How a conversation becomes a prompt for this model.
-#[derive(Clone, Copy, Debug)]
-pub enum ChatFormat<'a> {
-    /// The tokenizer's Jinja chat template.
-    Template(&'a ChatTemplate),
-    /// DeepSeek V3.2's rules ([`crate::dsv32::encode`]).
-    DeepSeekV32,
-    /// Neither: chat requests cannot be served.
-    None,
-}
-
-impl ChatFormat<'_> {
-    /// The tool-call markup this format asks the model to write: DSML for DeepSeek V3.2,
-    /// [`ChatTemplate::tool_format`] for a template, `None` without a chat format.
-    pub fn tool_format(&self) -> Option<ToolFormat> {
-        match self {
-            Self::Template(t) => Some(t.tool_format()),
-            Self::DeepSeekV32 => Some(ToolFormat::Dsml),
-            Self::None => None,
-        }
-    }
-
-    /// Whether the model reasons in `<think>…</think>` tags: always for DeepSeek V3.2,
-    /// [`ChatTemplate::reasoning`] for a template, never without a chat format.
-    pub fn reasoning(&self) -> bool {
-        match self {
-            Self::Template(t) => t.reasoning(),
-            Self::DeepSeekV32 => true,
-            Self::None => false,
-        }
-    }
+    /// The texts the tokenizer's files name as BOS and EOS (a chat template sees them
+    /// under those names).
+    bos_text: Option<String>,
+    eos_text: Option<String>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -103,7 +68,6 @@ impl std::fmt::Debug for TextTokenizer {
             .field("vocab_size", &self.vocab_size())
             .field("bos", &self.bos)
             .field("eos", &self.eos)
-            .field("chat_template", &self.chat_template.is_some())
             .finish()
     }
 }
@@ -111,7 +75,7 @@ impl std::fmt::Debug for TextTokenizer {
 impl TextTokenizer {
     /// Builds the tokenizer of the model at `path`: a GGUF file, or a directory holding
     /// an HF checkpoint's `tokenizer.json` and `tokenizer_config.json`.
-    pub fn from_path(path: impl AsRef<Path>) -> Result<Self, TextError> {
+    pub fn from_path(path: impl AsRef<Path>) -> Result<Self, TokenizerError> {
         let path = path.as_ref();
         if path.is_dir() {
             return Self::from_hf_dir(path);
@@ -120,10 +84,10 @@ impl TextTokenizer {
     }
 
     /// An HF tokenizer directory: `tokenizer.json` (a byte-level BPE) and
-    /// `tokenizer_config.json` (`bos_token`, `eos_token`, `chat_template`, all optional).
-    pub fn from_hf_dir(dir: &Path) -> Result<Self, TextError> {
+    /// `tokenizer_config.json` (`bos_token`, `eos_token`, both optional).
+    pub fn from_hf_dir(dir: &Path) -> Result<Self, TokenizerError> {
         let meta =
-            |e: &dyn std::fmt::Display| TextError::Metadata(format!("{}: {e}", dir.display()));
+            |e: &dyn std::fmt::Display| TokenizerError::Metadata(format!("{}: {e}", dir.display()));
         let tok = Tokenizer::from_file(dir.join("tokenizer.json")).map_err(|e| meta(&e))?;
         let config: serde_json::Value =
             match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
@@ -167,80 +131,69 @@ impl TextTokenizer {
         for (&id, _) in ends {
             push_unique(&mut eos, id);
         }
-        let chat_template = match config["chat_template"].as_str() {
-            None => None,
-            Some(src) => Some(Arc::new(ChatTemplate::new(
-                src,
-                bos_text.as_deref().unwrap_or(""),
-                eos_text.as_deref().unwrap_or(""),
-            )?)),
-        };
         Ok(Self {
             inner: Arc::new(tok),
             token_bytes: Arc::new(token_bytes),
             bos,
             eos,
-            // A DeepSeek V3.2 checkpoint ships no template: its prompts follow rules.
-            deepseek_v32: config["chat_template"].is_null() && is_deepseek_v32(dir),
-            chat_template,
-            literal: Arc::default(),
+            bos_text,
+            eos_text,
         })
     }
 
-    /// How chat requests become prompts: the template, else DeepSeek V3.2's rules for a
-    /// `deepseek_v32` checkpoint without one.
-    pub fn chat_format(&self) -> ChatFormat<'_> {
-        match (&self.chat_template, self.deepseek_v32) {
-            (Some(t), _) => ChatFormat::Template(t),
-            (None, true) => ChatFormat::DeepSeekV32,
-            (None, false) => ChatFormat::None,
-        }
+    /// Writes this tokenizer as an HF directory ([`Self::from_hf_dir`] reads it back).
+    pub fn write_hf_dir(&self, dir: &Path) -> Result<(), TokenizerError> {
+        self.write_hf_dir_with(dir, serde_json::Map::new())
     }
 
-    /// Writes this tokenizer as an HF directory ([`Self::from_hf_dir`] reads it back), with
-    /// its chat template or without (a model whose prompts follow other rules).
-    pub fn write_hf_dir(&self, dir: &Path, with_template: bool) -> Result<(), TextError> {
+    /// [`Self::write_hf_dir`] with `extra` entries in `tokenizer_config.json`, after the
+    /// tokenizer's own (a chat template, say).
+    pub fn write_hf_dir_with(
+        &self,
+        dir: &Path,
+        extra: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<(), TokenizerError> {
         let meta =
-            |e: &dyn std::fmt::Display| TextError::Metadata(format!("{}: {e}", dir.display()));
+            |e: &dyn std::fmt::Display| TokenizerError::Metadata(format!("{}: {e}", dir.display()));
         std::fs::create_dir_all(dir).map_err(|e| meta(&e))?;
         self.inner
             .save(dir.join("tokenizer.json"), false)
-            .map_err(TextError::tokenizer)?;
+            .map_err(TokenizerError::tokenizer)?;
         let text = |id: Option<u32>| id.and_then(|i| self.inner.id_to_token(i));
         let mut config = serde_json::json!({
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": text(self.bos),
             "eos_token": text(self.eos.first().copied()),
         });
-        if let Some(t) = self.chat_template.as_ref().filter(|_| with_template) {
-            config["chat_template"] = t.source().into();
+        for (k, v) in extra {
+            config[k] = v;
         }
         let json = serde_json::to_string_pretty(&config).map_err(|e| meta(&e))?;
         std::fs::write(dir.join("tokenizer_config.json"), json).map_err(|e| meta(&e))
     }
 
     /// Builds the tokenizer described by `gguf`'s `tokenizer.*` metadata.
-    pub fn from_gguf(gguf: &GgufFile) -> Result<Self, TextError> {
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self, TokenizerError> {
         let model = gguf.get_str("tokenizer.ggml.model")?;
         if model != "gpt2" {
-            return Err(TextError::UnsupportedModel(model.to_string()));
+            return Err(TokenizerError::UnsupportedModel(model.to_string()));
         }
         let pre = match gguf.get("tokenizer.ggml.pre") {
-            Some(v) => v
-                .as_str()
-                .ok_or_else(|| TextError::Metadata("tokenizer.ggml.pre is not a string".into()))?,
-            None => return Err(TextError::UnsupportedPreTokenizer("(missing)".into())),
+            Some(v) => v.as_str().ok_or_else(|| {
+                TokenizerError::Metadata("tokenizer.ggml.pre is not a string".into())
+            })?,
+            None => return Err(TokenizerError::UnsupportedPreTokenizer("(missing)".into())),
         };
         let regexes: &[&str] = match pre {
             "smollm" => &PRE_TOKENIZER_SMOLLM,
             "gpt-2" => &PRE_TOKENIZER_GPT2,
-            other => return Err(TextError::UnsupportedPreTokenizer(other.to_string())),
+            other => return Err(TokenizerError::UnsupportedPreTokenizer(other.to_string())),
         };
 
         let tokens = gguf.get_str_array("tokenizer.ggml.tokens")?;
         let n = tokens.len();
         if n == 0 || n > u32::MAX as usize {
-            return Err(TextError::Metadata(format!(
+            return Err(TokenizerError::Metadata(format!(
                 "tokenizer.ggml.tokens has {n} entries"
             )));
         }
@@ -252,7 +205,7 @@ impl TextTokenizer {
                 m.split_once(' ')
                     .map(|(a, b)| (a.to_string(), b.to_string()))
                     .ok_or_else(|| {
-                        TextError::Metadata(format!(
+                        TokenizerError::Metadata(format!(
                             "merge {m:?} is not two space-separated tokens"
                         ))
                     })
@@ -262,7 +215,7 @@ impl TextTokenizer {
         let mut vocab = Vocab::with_capacity(n);
         for (id, t) in tokens.iter().enumerate() {
             if vocab.insert((*t).to_string(), id as u32).is_some() {
-                return Err(TextError::Metadata(format!(
+                return Err(TokenizerError::Metadata(format!(
                     "token {t:?} appears twice in tokenizer.ggml.tokens"
                 )));
             }
@@ -270,7 +223,7 @@ impl TextTokenizer {
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
-            .map_err(TextError::tokenizer)?;
+            .map_err(TokenizerError::tokenizer)?;
 
         let mut pre_tokenizers = Vec::with_capacity(regexes.len() + 1);
         for r in regexes {
@@ -279,7 +232,7 @@ impl TextTokenizer {
                 SplitDelimiterBehavior::Isolated,
                 false,
             )
-            .map_err(TextError::tokenizer)?;
+            .map_err(TokenizerError::tokenizer)?;
             pre_tokenizers.push(PreTokenizerWrapper::Split(split));
         }
         // Regex splitting is done above; ByteLevel only maps bytes to its printable alphabet.
@@ -300,14 +253,14 @@ impl TextTokenizer {
             .filter(|&i| types[i] == TYPE_CONTROL || types[i] == TYPE_USER_DEFINED)
             .map(|i| AddedToken::from(tokens[i], types[i] == TYPE_CONTROL).normalized(false))
             .collect();
-        tok.add_tokens(added).map_err(TextError::tokenizer)?;
+        tok.add_tokens(added).map_err(TokenizerError::tokenizer)?;
 
-        let token_id = |key: &str| -> Result<Option<u32>, TextError> {
+        let token_id = |key: &str| -> Result<Option<u32>, TokenizerError> {
             match gguf.get(key) {
                 None => Ok(None),
                 Some(v) => match v.as_u64() {
                     Some(id) if (id as usize) < n => Ok(Some(id as u32)),
-                    _ => Err(TextError::Metadata(format!(
+                    _ => Err(TokenizerError::Metadata(format!(
                         "{key} = {v:?} is not a token id below {n}"
                     ))),
                 },
@@ -321,9 +274,9 @@ impl TextTokenizer {
         if add_bos || add_eos {
             let mut single: Vec<String> = Vec::new();
             let mut specials: Vec<(String, u32)> = Vec::new();
-            let mut add = |key: &str, id: Option<u32>| -> Result<String, TextError> {
+            let mut add = |key: &str, id: Option<u32>| -> Result<String, TokenizerError> {
                 let id = id.ok_or_else(|| {
-                    TextError::Metadata(format!(
+                    TokenizerError::Metadata(format!(
                         "add_{key}_token is set but {key}_token_id is missing"
                     ))
                 })?;
@@ -339,10 +292,10 @@ impl TextTokenizer {
             }
             let post = TemplateProcessing::builder()
                 .try_single(single)
-                .map_err(|e| TextError::Tokenizer(e.to_string()))?
+                .map_err(|e| TokenizerError::Tokenizer(e.to_string()))?
                 .special_tokens(specials)
                 .build()
-                .map_err(|e| TextError::Tokenizer(e.to_string()))?;
+                .map_err(|e| TokenizerError::Tokenizer(e.to_string()))?;
             tok.with_post_processor(Some(post));
         }
 
@@ -371,25 +324,14 @@ impl TextTokenizer {
             })
             .collect();
 
-        let chat_template = match gguf.get("tokenizer.chat_template") {
-            None => None,
-            Some(v) => {
-                let src = v.as_str().ok_or_else(|| {
-                    TextError::Metadata("tokenizer.chat_template is not a string".into())
-                })?;
-                let text = |id: Option<u32>| id.map(|i| tokens[i as usize]).unwrap_or("");
-                Some(Arc::new(ChatTemplate::new(src, text(bos), text(eos_id))?))
-            }
-        };
-
+        let text = |id: Option<u32>| id.map(|i| tokens[i as usize].to_owned());
         Ok(Self {
             inner: Arc::new(tok),
             token_bytes: Arc::new(token_bytes),
             bos,
             eos,
-            chat_template,
-            deepseek_v32: false,
-            literal: Arc::default(),
+            bos_text: text(bos),
+            eos_text: text(eos_id),
         })
     }
 
@@ -397,47 +339,22 @@ impl TextTokenizer {
     /// their single special token, as llama.cpp does with `parse_special`. With
     /// `add_special_tokens`, BOS/EOS are added where the GGUF asks for them
     /// (`tokenizer.ggml.add_bos_token` / `add_eos_token`).
-    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
         let enc = self
             .inner
             .encode_fast(text, add_special_tokens)
-            .map_err(TextError::tokenizer)?;
+            .map_err(TokenizerError::tokenizer)?;
         Ok(enc.get_ids().to_vec())
-    }
-
-    /// The prompt for a conversation in this model's [chat format](Self::chat_format),
-    /// with `tools` (a JSON list of tool definitions) when given. Only the format's own
-    /// markup becomes control tokens: every string from the request is tokenized as
-    /// text, so a message holding `<|im_end|>` cannot end its turn. `add_generation_prompt` appends the header that opens the assistant's
-    /// turn (DeepSeek V3.2's prompt always ends there); `thinking` opens DeepSeek V3.2's
-    /// reasoning.
-    pub fn chat_prompt(
-        &self,
-        messages: &[ChatMessage],
-        tools: Option<&serde_json::Value>,
-        add_generation_prompt: bool,
-        thinking: bool,
-    ) -> Result<ChatPrompt, TextError> {
-        prompt::chat_prompt(self, messages, tools, add_generation_prompt, thinking)
-    }
-
-    /// What [`Self::chat_prompt`] needs beyond the tokenizer, made on its first call.
-    pub(crate) fn literal(&self) -> Result<&Literal, TextError> {
-        if let Some(l) = self.literal.get() {
-            return Ok(l);
-        }
-        let made = Literal::new(&self.inner)?;
-        Ok(self.literal.get_or_init(|| made))
     }
 
     /// The text of `ids`; with `skip_special`, control tokens (`<|im_end|>`, …) are left
     /// out. Byte sequences that are not valid UTF-8 become U+FFFD. Ids outside the
     /// vocabulary are an error.
-    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TextError> {
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
         self.check_ids(ids)?;
         self.inner
             .decode(ids, skip_special)
-            .map_err(TextError::tokenizer)
+            .map_err(TokenizerError::tokenizer)
     }
 
     /// A streaming detokenizer over this tokenizer.
@@ -478,6 +395,8 @@ impl TextTokenizer {
     pub fn fingerprint(&self) -> String {
         use sha2::{Digest, Sha256};
         let mut h = Sha256::new();
+        // The crate's former name: a new tag would tell two pdmesh versions' identical
+        // tokenizers apart.
         h.update(b"pdmesh-text detokenize v1\0");
         h.update((self.token_bytes.len() as u64).to_le_bytes());
         for t in self.token_bytes.iter() {
@@ -501,30 +420,29 @@ impl TextTokenizer {
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// The model's chat template (`tokenizer.chat_template`), if the GGUF has one.
-    pub fn chat_template(&self) -> Option<&ChatTemplate> {
-        self.chat_template.as_deref()
+    /// The text the tokenizer's files name as BOS: the BOS id's token in a GGUF,
+    /// `bos_token` in `tokenizer_config.json`.
+    pub fn bos_text(&self) -> Option<&str> {
+        self.bos_text.as_deref()
+    }
+
+    /// The text the tokenizer's files name as EOS: `tokenizer.ggml.eos_token_id`'s token
+    /// in a GGUF, `eos_token` in `tokenizer_config.json`.
+    pub fn eos_text(&self) -> Option<&str> {
+        self.eos_text.as_deref()
     }
 
     pub fn inner(&self) -> &Tokenizer {
         &self.inner
     }
 
-    pub(crate) fn check_ids(&self, ids: &[u32]) -> Result<(), TextError> {
+    pub(crate) fn check_ids(&self, ids: &[u32]) -> Result<(), TokenizerError> {
         let vocab_size = self.vocab_size();
         match ids.iter().find(|&&id| id as usize >= vocab_size) {
-            Some(&id) => Err(TextError::UnknownTokenId { id, vocab_size }),
+            Some(&id) => Err(TokenizerError::UnknownTokenId { id, vocab_size }),
             None => Ok(()),
         }
     }
-}
-
-/// Whether `dir` holds a `deepseek_v32` checkpoint (its `config.json` says so).
-fn is_deepseek_v32(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .is_some_and(|c| c["model_type"] == "deepseek_v32")
 }
 
 fn push_unique(v: &mut Vec<u32>, id: u32) {
@@ -534,15 +452,15 @@ fn push_unique(v: &mut Vec<u32>, id: u32) {
 }
 
 /// `tokenizer.ggml.token_type`, or all-normal when absent.
-fn token_types(gguf: &GgufFile, n: usize) -> Result<Vec<u64>, TextError> {
+fn token_types(gguf: &GgufFile, n: usize) -> Result<Vec<u64>, TokenizerError> {
     let Some(v) = gguf.get("tokenizer.ggml.token_type") else {
         return Ok(vec![1; n]);
     };
-    let arr = v
-        .as_array()
-        .ok_or_else(|| TextError::Metadata("tokenizer.ggml.token_type is not an array".into()))?;
+    let arr = v.as_array().ok_or_else(|| {
+        TokenizerError::Metadata("tokenizer.ggml.token_type is not an array".into())
+    })?;
     if arr.len() != n {
-        return Err(TextError::Metadata(format!(
+        return Err(TokenizerError::Metadata(format!(
             "tokenizer.ggml.token_type has {} entries for {n} tokens",
             arr.len()
         )));
@@ -550,7 +468,7 @@ fn token_types(gguf: &GgufFile, n: usize) -> Result<Vec<u64>, TextError> {
     arr.iter()
         .map(|t| {
             t.as_u64().ok_or_else(|| {
-                TextError::Metadata(format!("token type {t:?} is not a small integer"))
+                TokenizerError::Metadata(format!("token type {t:?} is not a small integer"))
             })
         })
         .collect()
@@ -571,7 +489,7 @@ fn is_printable_byte(b: u32) -> bool {
     (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
 }
 
-fn char_to_byte(c: char) -> Option<u8> {
+pub(crate) fn char_to_byte(c: char) -> Option<u8> {
     let c = c as u32;
     if is_printable_byte(c) {
         return Some(c as u8);
@@ -585,59 +503,9 @@ fn char_to_byte(c: char) -> Option<u8> {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-    use pdmesh_gguf::GgufWriter;
-
-    fn byte_to_char(b: u8) -> char {
-        (0x21..0x200u32)
-            .filter_map(char::from_u32)
-            .find(|&c| char_to_byte(c) == Some(b))
-            .unwrap()
-    }
-
-    /// A real GGUF with a tiny byte-level vocabulary: ids 0..256 are the 256 bytes, then
-    /// `<|im_start|>` (256), `<|im_end|>` (257) as control tokens, `<tool>` (258)
-    /// user-defined, and the merges `h i` → `hi` (259), `Ġ hi` → `Ġhi` (260).
-    pub(crate) fn tiny_gguf(
-        edit: impl FnOnce(&mut GgufWriter),
-    ) -> (tempfile::TempDir, std::path::PathBuf) {
-        let mut tokens: Vec<MetaValue> = (0..=255u8)
-            .map(|b| MetaValue::String(byte_to_char(b).to_string()))
-            .collect();
-        let mut types: Vec<MetaValue> = vec![MetaValue::I32(1); 256];
-        for (t, ty) in [
-            ("<|im_start|>", 3),
-            ("<|im_end|>", 3),
-            ("<tool>", 4),
-            ("hi", 1),
-            ("Ġhi", 1),
-        ] {
-            tokens.push(MetaValue::String(t.into()));
-            types.push(MetaValue::I32(ty));
-        }
-        let merges = ["h i", "Ġ hi"]
-            .map(|m| MetaValue::String(m.into()))
-            .to_vec();
-        let mut w = GgufWriter::new();
-        w.meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
-            .meta("tokenizer.ggml.pre", MetaValue::String("smollm".into()))
-            .meta("tokenizer.ggml.tokens", MetaValue::Array(tokens))
-            .meta("tokenizer.ggml.token_type", MetaValue::Array(types))
-            .meta("tokenizer.ggml.merges", MetaValue::Array(merges))
-            .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(256))
-            .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(257));
-        edit(&mut w);
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny.gguf");
-        w.write_to(&path).unwrap();
-        (dir, path)
-    }
-
-    pub(crate) fn tiny() -> TextTokenizer {
-        let (_dir, path) = tiny_gguf(|_| {});
-        TextTokenizer::from_path(&path).unwrap()
-    }
+    use crate::test_support::{tiny, tiny_gguf};
 
     /// Equal tokenizers share a fingerprint; one more special id, or one id's bytes
     /// changed, gives another.
@@ -690,39 +558,6 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn chat_formats_name_their_tool_markup_and_reasoning() {
-        assert_eq!(
-            ChatFormat::DeepSeekV32.tool_format(),
-            Some(ToolFormat::Dsml)
-        );
-        assert!(ChatFormat::DeepSeekV32.reasoning());
-        assert_eq!(ChatFormat::None.tool_format(), None);
-        assert!(!ChatFormat::None.reasoning());
-        let chatml = ChatTemplate::new(
-            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
-            "",
-            "",
-        )
-        .unwrap();
-        assert_eq!(
-            ChatFormat::Template(&chatml).tool_format(),
-            Some(ToolFormat::Hermes)
-        );
-        assert!(!ChatFormat::Template(&chatml).reasoning());
-        let v3 = ChatTemplate::new(
-            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ x }}<think>",
-            "",
-            "",
-        )
-        .unwrap();
-        assert_eq!(
-            ChatFormat::Template(&v3).tool_format(),
-            Some(ToolFormat::DeepSeekV3)
-        );
-        assert!(ChatFormat::Template(&v3).reasoning());
-    }
-
-    #[test]
     fn add_bos_and_eos_flags_are_honoured() {
         let (_dir, path) = tiny_gguf(|w| {
             w.meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(true))
@@ -739,7 +574,7 @@ pub(crate) mod tests {
         assert!(
             matches!(
                 err,
-                TextError::UnknownTokenId {
+                TokenizerError::UnknownTokenId {
                     id: 261,
                     vocab_size: 261
                 }
@@ -757,7 +592,7 @@ pub(crate) mod tests {
         // The GGUF reader keeps the last value of a repeated key.
         assert_eq!(
             err.to_string(),
-            "tokenizer model \"llama\" is not supported (pdmesh-text supports \"gpt2\" byte-level BPE)"
+            "tokenizer model \"llama\" is not supported (pdmesh-tokenize supports \"gpt2\" byte-level BPE)"
         );
 
         let (_dir, path) = tiny_gguf(|w| {
@@ -765,7 +600,7 @@ pub(crate) mod tests {
         });
         let err = TextTokenizer::from_path(&path).unwrap_err();
         assert!(
-            matches!(err, TextError::UnsupportedPreTokenizer(ref p) if p == "qwen2"),
+            matches!(err, TokenizerError::UnsupportedPreTokenizer(ref p) if p == "qwen2"),
             "{err:?}"
         );
         assert!(err.to_string().contains("smollm"), "{err}");

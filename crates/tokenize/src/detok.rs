@@ -7,7 +7,7 @@
 //! once it no longer ends in U+FFFD. Work per token is bounded by the window, not by the
 //! length of the whole output.
 
-use crate::{TextError, TextTokenizer};
+use crate::{TextTokenizer, TokenizerError};
 
 /// Created by [`TextTokenizer::detokenizer`].
 #[derive(Debug)]
@@ -34,7 +34,7 @@ impl IncrementalDetokenizer {
 
     /// Feeds generated ids; returns the text they complete (possibly empty). An id outside
     /// the vocabulary is an error and leaves the state unchanged.
-    pub fn push(&mut self, ids: &[u32]) -> Result<String, TextError> {
+    pub fn push(&mut self, ids: &[u32]) -> Result<String, TokenizerError> {
         self.tok.check_ids(ids)?;
         let mut out = String::new();
         for &id in ids {
@@ -54,7 +54,7 @@ impl IncrementalDetokenizer {
         rest
     }
 
-    fn step(&mut self) -> Result<String, TextError> {
+    fn step(&mut self) -> Result<String, TokenizerError> {
         let (complete, new) = self.diff()?;
         if new.is_empty() || !complete {
             return Ok(String::new());
@@ -69,12 +69,12 @@ impl IncrementalDetokenizer {
     }
 
     /// Text the unread ids add to the window, and whether it ends on a whole character.
-    fn diff(&self) -> Result<(bool, String), TextError> {
+    fn diff(&self) -> Result<(bool, String), TokenizerError> {
         let decode = |ids: &[u32]| {
             self.tok
                 .inner()
                 .decode(ids, self.skip_special)
-                .map_err(TextError::tokenizer)
+                .map_err(TokenizerError::tokenizer)
         };
         let before = decode(&self.ids[self.prefix..self.read])?;
         let after = decode(&self.ids[self.prefix..])?;
@@ -96,7 +96,7 @@ impl IncrementalDetokenizer {
 
 #[cfg(test)]
 mod tests {
-    use crate::tokenizer::tests::tiny;
+    use crate::test_support::tiny;
 
     /// Pushes ids one at a time; returns the chunks, then what `finish` flushed.
     fn stream(ids: &[u32], skip_special: bool) -> (Vec<String>, String) {
