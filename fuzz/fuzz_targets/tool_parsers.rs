@@ -4,14 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pdmesh_chat::{Delta, Format, ToolParser};
-
-const FORMATS: [Format; 4] = [
-    Format::Dsml,
-    Format::DeepSeekV3,
-    Format::DeepSeekV31,
-    Format::Hermes,
-];
+use pdmesh_chat::{Delta, ToolFormat, ToolParser};
 
 /// What a client ends up with: the content, each call's name and arguments, and whether
 /// the markup failed.
@@ -22,7 +15,7 @@ struct Outcome {
     failed: bool,
 }
 
-fn run(format: Format, chunks: &[&[u8]], truncated: bool) -> Outcome {
+fn run(format: ToolFormat, chunks: &[&[u8]], truncated: bool) -> Outcome {
     let allowed = Some(vec!["get_weather".to_owned(), "search".to_owned()]);
     let mut p = ToolParser::new(format, allowed, "call_");
     let mut deltas = Vec::new();
@@ -76,7 +69,7 @@ fuzz_target!(|data: &[u8]| {
     let [sel, cut, text @ ..] = data else {
         return;
     };
-    let format = FORMATS[usize::from(sel & 3)];
+    let format = ToolFormat::ALL[usize::from(sel & 3)];
     let truncated = sel & 4 != 0;
     let whole = run(format, &[text], truncated);
     // Cut every `cut % 7 + 1` bytes (inside UTF-8 sequences and markers too).

@@ -12,6 +12,31 @@ pub mod error_kind;
 pub mod tokenizer {
     pub mod v1 {
         tonic::include_proto!("pdmesh.tokenizer.v1");
+
+        /// Each value but `TOOL_FORMAT_NONE` names a tool-call format the way
+        /// pdmesh-chat's `ToolFormat::name` does, in capitals after the prefix
+        /// (`TOOL_FORMAT_DEEPSEEK_V31` is `deepseek_v31`): the services' edges convert
+        /// through these two, so no table of formats is written twice.
+        impl ToolFormat {
+            const PREFIX: &'static str = "TOOL_FORMAT_";
+
+            /// The format's name; `None` for `TOOL_FORMAT_NONE`.
+            pub fn format_name(self) -> Option<String> {
+                match self {
+                    Self::None => None,
+                    f => f
+                        .as_str_name()
+                        .strip_prefix(Self::PREFIX)
+                        .map(str::to_ascii_lowercase),
+                }
+            }
+
+            /// The value that names the format `name`, if the proto has one.
+            pub fn from_format_name(name: &str) -> Option<Self> {
+                let value = format!("{}{}", Self::PREFIX, name.to_ascii_uppercase());
+                Self::from_str_name(&value).filter(|f| *f != Self::None)
+            }
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use pdmesh_chat::{Delta, Format, OutputParser, ReasoningParser, ToolParser};
+use pdmesh_chat::{Call, Delta, OutputParser, ReasoningParser, ToolFormat, ToolParser};
 
 fn main() {
     let args: Vec<usize> = std::env::args()
@@ -26,16 +26,21 @@ fn main() {
     while text.len() < 2 * third {
         text.push_str("The answer is on shelf seven, next to the maps. ");
     }
-    text.push_str("\n\n<｜DSML｜function_calls>\n");
-    let mut calls = 0;
-    while text.len() < 3 * third {
-        let body = "x".repeat(4000);
-        text.push_str(&format!(
-            "<｜DSML｜invoke name=\"note\">\n<｜DSML｜parameter name=\"text\" string=\"true\">{body}</｜DSML｜parameter>\n<｜DSML｜parameter name=\"n\" string=\"false\">{calls}</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
-        ));
-        calls += 1;
+    // The calls as a DSML model writes them, their string arguments long.
+    let body = "x".repeat(4000);
+    let mut block: Vec<Call> = Vec::new();
+    let mut len = text.len();
+    while len < 3 * third {
+        let args = serde_json::json!({"text": body, "n": block.len()});
+        len += body.len() + 200;
+        block.push(Call {
+            name: "note".into(),
+            arguments: args.as_object().expect("an object").clone(),
+        });
     }
-    text.push_str("</｜DSML｜function_calls>");
+    let calls = block.len();
+    text.push_str("\n\n");
+    text.push_str(&ToolFormat::Dsml.syntax().write_calls(&block));
     let bytes = text.as_bytes();
     let mb = bytes.len() as f64 / 1e6;
 
@@ -50,7 +55,7 @@ fn main() {
     let t = Instant::now();
     let mut p = OutputParser::new(
         Some(ReasoningParser::new(true)),
-        Some(ToolParser::new(Format::Dsml, None, "call_")),
+        Some(ToolParser::new(ToolFormat::Dsml, None, "call_")),
     );
     let mut found = 0usize;
     let mut count = |ds: Vec<Delta>| {

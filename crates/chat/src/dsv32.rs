@@ -16,7 +16,8 @@
 
 use serde_json::Value;
 
-use crate::ChatError;
+use crate::formats::{ToolFormat, dsml};
+use crate::{Call, ChatError};
 
 pub const BOS: &str = "<｜begin▁of▁sentence｜>";
 pub const EOS: &str = "<｜end▁of▁sentence｜>";
@@ -24,15 +25,6 @@ pub const USER: &str = "<｜User｜>";
 pub const ASSISTANT: &str = "<｜Assistant｜>";
 pub const THINK: &str = "<think>";
 pub const END_THINK: &str = "</think>";
-/// The DSML marker every tool-call tag carries.
-pub const DSML: &str = "｜DSML｜";
-
-/// One tool call in an assistant turn: the function and its arguments (a JSON object).
-#[derive(Clone, Debug, PartialEq)]
-pub struct ToolCall {
-    pub name: String,
-    pub arguments: serde_json::Map<String, Value>,
-}
 
 /// One turn of the conversation.
 #[derive(Clone, Debug, PartialEq, Default)]
@@ -42,7 +34,7 @@ pub struct Message {
     /// Assistant turns: the reasoning before the answer.
     pub reasoning: Option<String>,
     /// Assistant turns: the calls it made.
-    pub tool_calls: Vec<ToolCall>,
+    pub tool_calls: Vec<Call>,
 }
 
 impl Message {
@@ -55,15 +47,6 @@ impl Message {
     }
 }
 
-impl From<&crate::ToolCall> for ToolCall {
-    fn from(c: &crate::ToolCall) -> Self {
-        Self {
-            name: c.name.clone(),
-            arguments: c.arguments.clone(),
-        }
-    }
-}
-
 impl From<&crate::ChatMessage> for Message {
     /// The turn with its reasoning and tool calls (call ids and `tool_call_id` have no
     /// place in this encoding).
@@ -72,70 +55,9 @@ impl From<&crate::ChatMessage> for Message {
             role: m.role.clone(),
             content: m.content.clone(),
             reasoning: m.reasoning.clone(),
-            tool_calls: m.tool_calls.iter().map(ToolCall::from).collect(),
+            tool_calls: m.tool_calls.iter().map(Call::from).collect(),
         }
     }
-}
-
-/// Renders the tools block: OpenAI tool definitions (`{"type":"function","function":{…}}`
-/// or bare function objects), one JSON object per line.
-pub fn tools_block(tools: &[Value]) -> Result<String, ChatError> {
-    let mut lines = Vec::with_capacity(tools.len());
-    for t in tools {
-        let f = t.get("function").unwrap_or(t);
-        if !f.get("name").is_some_and(Value::is_string) {
-            return Err(ChatError::Template(format!(
-                "a tool without a function name: {t}"
-            )));
-        }
-        lines.push(serde_json::to_string(f).map_err(|e| ChatError::Template(e.to_string()))?);
-    }
-    let d = DSML;
-    Ok(format!(
-        "## Tools\n\n\
-         You can call the functions below. To call any, write a <{d}function_calls> block \
-         at the end of your answer:\n\n\
-         <{d}function_calls>\n\
-         <{d}invoke name=\"$FUNCTION_NAME\">\n\
-         <{d}parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{d}parameter>\n\
-         </{d}invoke>\n\
-         </{d}function_calls>\n\n\
-         Several calls go in one block, one invoke each. A parameter whose value is a \
-         string is written as is with string=\"true\"; any other value (number, boolean, \
-         array, object, null) is written as JSON with string=\"false\".\n\n\
-         Here are the functions available in JSONSchema format:\n<functions>\n{}\n</functions>\n",
-        lines.join("\n")
-    ))
-}
-
-/// One `function_calls` block (with its leading blank line).
-pub fn tool_calls_block(calls: &[ToolCall]) -> Result<String, ChatError> {
-    let d = DSML;
-    let mut invokes = Vec::with_capacity(calls.len());
-    for c in calls {
-        let mut params = Vec::with_capacity(c.arguments.len());
-        for (k, v) in &c.arguments {
-            let (text, is_string) = match v {
-                Value::String(s) => (s.clone(), true),
-                other => (
-                    serde_json::to_string(other).map_err(|e| ChatError::Template(e.to_string()))?,
-                    false,
-                ),
-            };
-            params.push(format!(
-                "<{d}parameter name=\"{k}\" string=\"{is_string}\">{text}</{d}parameter>"
-            ));
-        }
-        invokes.push(format!(
-            "<{d}invoke name=\"{}\">\n{}\n</{d}invoke>",
-            c.name,
-            params.join("\n")
-        ));
-    }
-    Ok(format!(
-        "\n\n<{d}function_calls>\n{}\n</{d}function_calls>",
-        invokes.join("\n")
-    ))
 }
 
 /// The prompt for `messages` (with `tools`, if any, after the system message; a system
@@ -148,7 +70,7 @@ pub fn encode(messages: &[Message], tools: &[Value], thinking: bool) -> Result<S
     let mut out = String::from(BOS);
     let has_system = messages.first().is_some_and(|m| m.role == "system");
     if !tools.is_empty() && !has_system {
-        out.push_str(&tools_block(tools)?);
+        out.push_str(&dsml::tools_block(tools)?);
     }
     let open_next = |out: &mut String, i: usize| {
         let live = thinking && last_user.is_some_and(|u| i >= u);
@@ -162,7 +84,7 @@ pub fn encode(messages: &[Message], tools: &[Value], thinking: bool) -> Result<S
                 out.push_str(&m.content);
                 if i == 0 && !tools.is_empty() {
                     out.push_str("\n\n");
-                    out.push_str(&tools_block(tools)?);
+                    out.push_str(&dsml::tools_block(tools)?);
                 }
             }
             "user" | "developer" => {
@@ -178,19 +100,18 @@ pub fn encode(messages: &[Message], tools: &[Value], thinking: bool) -> Result<S
                 }
                 out.push_str(&m.content);
                 if !m.tool_calls.is_empty() {
-                    out.push_str(&tool_calls_block(&m.tool_calls)?);
+                    out.push_str("\n\n");
+                    out.push_str(&ToolFormat::Dsml.syntax().write_calls(&m.tool_calls));
                 }
                 out.push_str(EOS);
             }
             "tool" => {
-                out.push_str("\n\n<function_results>");
+                let first = i;
                 while i < messages.len() && messages[i].role == "tool" {
-                    out.push_str("\n<result>");
-                    out.push_str(&messages[i].content);
-                    out.push_str("</result>");
                     i += 1;
                 }
-                out.push_str("\n</function_results>\n\n");
+                let results = messages[first..i].iter().map(|m| m.content.as_str());
+                out.push_str(&dsml::results_block(results));
                 open_next(&mut out, i - 1);
                 continue;
             }
@@ -243,7 +164,7 @@ mod tests {
 
     #[test]
     fn tool_calls_and_results_use_dsml_and_a_results_block() {
-        let call = ToolCall {
+        let call = Call {
             name: "get_weather".into(),
             arguments: json!({"city": "Paris", "days": 2, "units": null})
                 .as_object()

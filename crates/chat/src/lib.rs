@@ -1,10 +1,12 @@
 //! pdmesh-chat: everything between a conversation and the text a model writes. On the way
 //! in, chat messages and tool calls in OpenAI's shapes ([`ChatMessage`], [`ToolCall`]),
 //! the model's chat format ([`ChatTokenizer`]: its Jinja [`ChatTemplate`], or DeepSeek
-//! V3.2's rules in [`dsv32`], with pdmesh's own [`hermes`] tool rendering for templates
-//! without tools), and prompts whose control tokens come only from that format's markup
+//! V3.2's rules in [`dsv32`], with pdmesh's own Hermes-style tool rendering for
+//! templates without tools), and prompts whose control tokens come only from that format's markup
 //! ([`ChatPrompt`]). On the way out, streaming parsers for what a model writes, and the
-//! strict JSON-schema grammars ([`schema`]) that constrain it.
+//! strict JSON-schema grammars ([`schema`]) that constrain it. Each tool-call format is
+//! one module of [`formats`] behind [`ToolSyntax`]: its markup, parser hooks, grammar and
+//! rendering.
 //!
 //! Text arrives in chunks split anywhere — inside a tag, inside a multi-byte character —
 //! and leaves as deltas: content, reasoning, tool calls (name first, then the arguments'
@@ -20,8 +22,7 @@
 
 mod chat_format;
 pub mod dsv32;
-mod formats;
-pub mod hermes;
+pub mod formats;
 mod message;
 mod prompt;
 mod reasoning;
@@ -32,12 +33,12 @@ mod tools;
 mod utf8;
 
 pub use chat_format::{ChatFormat, ChatTokenizer};
-pub use formats::Format;
-pub use message::{ChatMessage, ToolCall, ToolCallError};
+pub use formats::{Tool, ToolFormat, ToolSyntax};
+pub use message::{ChatMessage, ToolCall, ToolCallError, tool_list};
 pub use prompt::ChatPrompt;
 pub use reasoning::ReasoningParser;
 pub use stream::TextStream;
-pub use template::{ChatTemplate, ToolFormat};
+pub use template::ChatTemplate;
 pub use tools::ToolParser;
 
 use pdmesh_tokenize::TokenizerError;
@@ -97,8 +98,14 @@ pub struct ParseError {
     pub detail: String,
 }
 
-/// Every [`ParseError::parser`] (a closed set, for metric labels).
-pub const PARSERS: [&str; 4] = ["dsml", "deepseek_v3", "deepseek_v31", "hermes"];
+/// Every [`ParseError::parser`] (a closed set, for metric labels): each format's name,
+/// in [`ToolFormat::ALL`]'s order.
+pub const PARSERS: [&str; 4] = [
+    formats::dsml::NAME,
+    formats::deepseek_v3::NAME,
+    formats::deepseek_v31::NAME,
+    formats::hermes::NAME,
+];
 
 /// Every [`ParseError::reason`] (a closed set, for metric labels).
 pub const FAILURE_REASONS: [&str; 12] = [
@@ -124,6 +131,15 @@ pub struct Call {
     pub arguments: serde_json::Map<String, serde_json::Value>,
 }
 
+impl From<&ToolCall> for Call {
+    fn from(c: &ToolCall) -> Self {
+        Call {
+            name: c.name.clone(),
+            arguments: c.arguments.clone(),
+        }
+    }
+}
+
 /// Reasoning first (when the model has a thinking mode), then tool calls in what is left:
 /// the pipeline the tokenizer service runs over a generation's text.
 pub struct OutputParser {
@@ -146,7 +162,7 @@ impl OutputParser {
     /// `tool_names` unless empty; ids start with `call_id_prefix`) and `<think>` reasoning
     /// (`thinking`: the prompt opened the block); none when it asks for neither.
     pub fn for_output(
-        format: Option<Format>,
+        format: Option<ToolFormat>,
         reasoning: bool,
         thinking: bool,
         tool_names: &[String],

@@ -181,6 +181,17 @@ impl From<ToolCall> for WireToolCall {
     }
 }
 
+/// The tool definitions in a request's `tools`: the items of a JSON array, a single
+/// definition given alone, nothing for `None` or `null`.
+pub fn tool_list(tools: Option<&serde_json::Value>) -> &[serde_json::Value] {
+    use serde_json::Value;
+    match tools {
+        None | Some(Value::Null) => &[],
+        Some(Value::Array(a)) => a,
+        Some(one) => std::slice::from_ref(one),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -272,5 +283,15 @@ mod tests {
         }
         let missing = call(json!({"function": {"name": "f"}}));
         assert_eq!(missing.unwrap_err().0, "function.arguments");
+    }
+
+    #[test]
+    fn tool_list_takes_arrays_single_tools_and_nothing() {
+        let one = serde_json::json!({"name": "f"});
+        let list = serde_json::json!([{"name": "f"}]);
+        assert_eq!(tool_list(Some(&list)), std::slice::from_ref(&one));
+        assert_eq!(tool_list(Some(&one)), std::slice::from_ref(&one));
+        assert!(tool_list(None).is_empty());
+        assert!(tool_list(Some(&serde_json::Value::Null)).is_empty());
     }
 }

@@ -23,7 +23,7 @@ use tokenizers::{OffsetReferential, OffsetType, Tokenizer};
 
 use pdmesh_tokenize::TokenizerError;
 
-use crate::{ChatError, ChatFormat, ChatMessage, ChatTokenizer, ToolCall, dsv32, hermes};
+use crate::{ChatError, ChatFormat, ChatMessage, ChatTokenizer, ToolCall, dsv32, tool_list};
 
 /// A chat prompt as the model reads it: the text (the request's strings as sent) and
 /// its token ids.
@@ -117,7 +117,7 @@ pub(crate) fn chat_prompt(
         // Its prompt always ends where the assistant's turn begins.
         ChatFormat::DeepSeekV32 => {
             let msgs: Vec<dsv32::Message> = messages.iter().map(dsv32::Message::from).collect();
-            dsv32::encode(&msgs, hermes::tool_list(tools.as_ref()), thinking)?
+            dsv32::encode(&msgs, tool_list(tools.as_ref()), thinking)?
         }
         ChatFormat::None => return Err(ChatError::NoChatFormat),
     };

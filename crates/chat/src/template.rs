@@ -5,29 +5,10 @@
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Value};
 
-use crate::{ChatError, ChatMessage, hermes};
+use crate::formats::hermes;
+use crate::{ChatError, ChatMessage, ToolFormat, tool_list};
 
 const NAME: &str = "chat_template";
-
-/// The tool-call markup a model writes (each is one of pdmesh-chat's parsers).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ToolFormat {
-    /// DeepSeek V3.2 / V4 DSML (`<｜DSML｜function_calls>`).
-    Dsml,
-    /// DeepSeek V3 / R1: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and fenced JSON.
-    DeepSeekV3,
-    /// DeepSeek V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS`.
-    DeepSeekV31,
-    /// Hermes / Qwen: `<tool_call>{"name": …, "arguments": {…}}</tool_call>`.
-    Hermes,
-}
-
-/// DeepSeek V3 / V3.1 templates open their calls with this.
-const DEEPSEEK_CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
-/// DeepSeek V3 (not V3.1) writes the call type before the separator.
-const DEEPSEEK_V3_CALL: &str = "function<｜tool▁sep｜>";
-/// DSML tags start with this.
-const DSML_TAG: &str = "<｜DSML｜";
 
 /// A compiled chat template. Cheap to clone.
 #[derive(Clone)]
@@ -83,27 +64,14 @@ impl ChatTemplate {
 
     /// Whether the template renders tools and tool calls itself (its source mentions
     /// `tools`). If not, [`Self::render`] writes them in the Hermes style
-    /// ([`crate::hermes`]).
+    /// ([`crate::formats::hermes`]).
     pub fn renders_tools(&self) -> bool {
         self.renders_tools
     }
 
-    /// The tool-call markup the model is asked to write: DeepSeek V3 or V3.1 for a
-    /// template with `<｜tool▁calls▁begin｜>` (V3 when it writes `function<｜tool▁sep｜>`),
-    /// DSML for one with `<｜DSML｜`, otherwise Hermes (Qwen-style templates, and
-    /// pdmesh's own tools block for templates without tools).
+    /// The tool-call markup the model is asked to write ([`ToolFormat::from_template`]).
     pub fn tool_format(&self) -> ToolFormat {
-        if self.source.contains(DEEPSEEK_CALLS_BEGIN) {
-            if self.source.contains(DEEPSEEK_V3_CALL) {
-                ToolFormat::DeepSeekV3
-            } else {
-                ToolFormat::DeepSeekV31
-            }
-        } else if self.source.contains(DSML_TAG) {
-            ToolFormat::Dsml
-        } else {
-            ToolFormat::Hermes
-        }
+        ToolFormat::from_template(&self.source)
     }
 
     /// Whether the model reasons in `<think>…</think>` tags (the template mentions
@@ -126,9 +94,9 @@ impl ChatTemplate {
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
         let rewritten;
-        let tool_list = hermes::tool_list(tools);
-        let messages = if !self.renders_tools && hermes::needed(messages, tool_list) {
-            rewritten = hermes::rewrite(messages, tool_list)?;
+        let offered = tool_list(tools);
+        let messages = if !self.renders_tools && hermes::needed(messages, offered) {
+            rewritten = hermes::rewrite(messages, offered)?;
             &rewritten[..]
         } else {
             messages
@@ -347,7 +315,7 @@ mod tests {
     fn a_template_without_tools_gets_pdmesh_tools_block_calls_and_results() {
         let t = ChatTemplate::new(CHATML, "", "").unwrap();
         let tools = weather_tools();
-        let block = crate::hermes::tools_block(tools.as_array().unwrap()).unwrap();
+        let block = crate::formats::hermes::tools_block(tools.as_array().unwrap()).unwrap();
         assert!(
             block.contains("<tools>\n{\"name\": \"get_weather\", \"description\": \"Weather in a city\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}\n</tools>"),
             "{block}"

@@ -4,7 +4,7 @@
 //! the calls that completed (a DSML or DeepSeek block holds several: those whose call
 //! ended) and drops the rest unseen.
 
-use crate::formats::Format;
+use crate::formats::{ToolFormat, ToolSyntax};
 use crate::utf8::Utf8Assembler;
 use crate::{Delta, ParseError};
 
@@ -19,7 +19,8 @@ enum State {
 
 /// See the module docs. One per generation.
 pub struct ToolParser {
-    format: Format,
+    /// The format's markup and block parser.
+    syntax: &'static dyn ToolSyntax,
     /// The request's tool names: a call to another is an error. `None`: any name.
     allowed: Option<Vec<String>>,
     id_prefix: String,
@@ -40,9 +41,10 @@ const MARKUP_AT_END: usize = 2;
 impl ToolParser {
     /// `allowed`: the request's tool names; `id_prefix` names the calls
     /// (`{id_prefix}{index}`).
-    pub fn new(format: Format, allowed: Option<Vec<String>>, id_prefix: &str) -> Self {
+    pub fn new(format: ToolFormat, allowed: Option<Vec<String>>, id_prefix: &str) -> Self {
+        let syntax = format.syntax();
         Self {
-            format,
+            syntax,
             allowed,
             id_prefix: id_prefix.to_owned(),
             utf8: Utf8Assembler::default(),
@@ -51,7 +53,7 @@ impl ToolParser {
             calls: 0,
             scanned: 0,
             opened: false,
-            ends: format.ends(),
+            ends: syntax.ends(),
         }
     }
 
@@ -113,11 +115,11 @@ impl ToolParser {
             },
             State::Block if cut => {
                 // The calls of the block that did end; the one cut short is dropped.
-                let norm = self.format.normalize(&buf);
+                let norm = self.syntax.normalize(&buf);
                 if self.opened
-                    && let Some(closed) = self.format.closed_prefix(&norm)
+                    && let Some(closed) = self.syntax.closed_prefix(&norm)
                 {
-                    match self.format.parse(&closed) {
+                    match self.syntax.parse(&closed) {
                         Ok(calls) => self.emit_calls(&mut out, calls),
                         Err(e) => {
                             self.state = State::Failed;
@@ -134,14 +136,12 @@ impl ToolParser {
                     format!("a block that never closed: {head:?}"),
                 );
             }
-            State::After if self.format.is_trailer(&buf) => {}
+            State::After if is_trailer(&buf) => {}
             // Cut inside the next block's opening marker or an end-of-sequence marker.
             State::After
                 if cut
                     && (could_be_trailer(&buf)
-                        || self
-                            .hold_from(&buf)
-                            .is_some_and(|p| self.format.is_trailer(&buf[..p]))) => {}
+                        || self.hold_from(&buf).is_some_and(|p| is_trailer(&buf[..p]))) => {}
             State::After => {
                 self.fail(
                     &mut out,
@@ -192,7 +192,7 @@ impl ToolParser {
         self.state = State::Failed;
         self.buf.clear();
         out.push(Delta::Error(ParseError {
-            parser: self.format.name(),
+            parser: self.syntax.name(),
             reason,
             detail,
         }));
@@ -204,7 +204,7 @@ impl ToolParser {
             let rest = &text[i..];
             (ch == '<'
                 && self
-                    .format
+                    .syntax
                     .starts()
                     .iter()
                     .any(|m| m.starts_with(rest) || rest.starts_with(m)))
@@ -216,7 +216,7 @@ impl ToolParser {
     fn start_at(&self, text: &str) -> Option<usize> {
         text.char_indices().find_map(|(i, ch)| {
             let rest = &text[i..];
-            (ch == '<' && self.format.starts().iter().any(|m| rest.starts_with(m))).then_some(i)
+            (ch == '<' && self.syntax.starts().iter().any(|m| rest.starts_with(m))).then_some(i)
         })
     }
 
@@ -245,7 +245,7 @@ impl ToolParser {
                 State::Block => {
                     if !self.opened {
                         let head: String = self.buf.chars().take(256).collect();
-                        match self.format.opening(&self.format.normalize(&head)) {
+                        match self.syntax.opening(&self.syntax.normalize(&head)) {
                             None if head.chars().count() < 256 => return,
                             None => {
                                 self.fail(
@@ -284,9 +284,9 @@ impl ToolParser {
                     else {
                         return;
                     };
-                    let norm = self.format.normalize(&self.buf[..end]);
+                    let norm = self.syntax.normalize(&self.buf[..end]);
                     let rest = self.buf[end..].to_owned();
-                    match self.format.parse(&norm) {
+                    match self.syntax.parse(&norm) {
                         Ok(calls) => {
                             self.emit_calls(out, calls);
                             if self.state == State::Failed {
@@ -305,7 +305,7 @@ impl ToolParser {
                 }
                 State::After => {
                     if let Some(p) = self.start_at(&self.buf) {
-                        if !self.format.is_trailer(&self.buf[..p]) {
+                        if !is_trailer(&self.buf[..p]) {
                             let detail = format!("text between blocks: {:?}", &self.buf[..p]);
                             self.fail(out, "trailing_text", detail);
                             return;
@@ -318,7 +318,7 @@ impl ToolParser {
                     // an error once it cannot be the start of one of those.
                     let keep = self.hold_from(&self.buf).unwrap_or(self.buf.len());
                     let settled = &self.buf[..keep];
-                    if !self.format.is_trailer(settled) && !could_be_trailer(settled) {
+                    if !is_trailer(settled) && !could_be_trailer(settled) {
                         let detail = format!("text after the calls: {settled:?}");
                         self.fail(out, "trailing_text", detail);
                     }
@@ -329,13 +329,23 @@ impl ToolParser {
     }
 }
 
+/// End-of-sequence texts a generation may end with after its calls.
+const EOS_TEXTS: [&str; 3] = ["<｜end▁of▁sentence｜>", "<|im_end|>", "<|endoftext|>"];
+
+/// Text that may follow a block: whitespace and an end-of-sequence marker.
+fn is_trailer(text: &str) -> bool {
+    let mut t = text.trim();
+    for e in EOS_TEXTS {
+        t = t.strip_suffix(e).unwrap_or(t).trim();
+    }
+    t.is_empty()
+}
+
 /// Whether `text` (whitespace so far, then the start of an end-of-sequence marker) may
 /// still turn out to be a trailer.
 fn could_be_trailer(text: &str) -> bool {
     let t = text.trim_start();
-    ["<｜end▁of▁sentence｜>", "<|im_end|>", "<|endoftext|>"]
-        .iter()
-        .any(|e| e.starts_with(t))
+    EOS_TEXTS.iter().any(|e| e.starts_with(t))
 }
 
 fn emit_content(out: &mut Vec<Delta>, text: &str) {

@@ -4,7 +4,7 @@
 //! markup byte ever reaches content; every well-formed call parses exactly; every
 //! malformed block yields an error, never content.
 
-use pdmesh_chat::{Delta, Format, OutputParser, ReasoningParser, ToolParser, coalesce};
+use pdmesh_chat::{Delta, OutputParser, ReasoningParser, ToolFormat, ToolParser, coalesce};
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
 
@@ -53,7 +53,7 @@ fn outcome(deltas: Vec<Delta>) -> Outcome {
     o
 }
 
-fn run(format: Format, chunks: &[&[u8]], allowed: Option<Vec<String>>) -> Outcome {
+fn run(format: ToolFormat, chunks: &[&[u8]], allowed: Option<Vec<String>>) -> Outcome {
     let mut p = ToolParser::new(format, allowed, "call_");
     let mut deltas = Vec::new();
     for c in chunks {
@@ -128,9 +128,13 @@ fn dsml_value(v: &Value) -> (String, bool) {
 }
 
 /// A block in `format` for `calls` (None for formats that cannot write zero calls).
-fn block(format: Format, calls: &[(String, Map<String, Value>)], variant: usize) -> Option<String> {
+fn block(
+    format: ToolFormat,
+    calls: &[(String, Map<String, Value>)],
+    variant: usize,
+) -> Option<String> {
     match format {
-        Format::Dsml => {
+        ToolFormat::Dsml => {
             let (wrapper, sp) = [
                 ("function_calls", ""),
                 ("tool_calls", ""),
@@ -157,7 +161,7 @@ fn block(format: Format, calls: &[(String, Map<String, Value>)], variant: usize)
                 invokes.join("\n")
             ))
         }
-        Format::DeepSeekV3 | Format::DeepSeekV31 => {
+        ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => {
             if calls.is_empty() {
                 return None;
             }
@@ -165,7 +169,7 @@ fn block(format: Format, calls: &[(String, Map<String, Value>)], variant: usize)
                 .iter()
                 .map(|(name, args)| {
                     let a = Value::Object(args.clone()).to_string();
-                    if format == Format::DeepSeekV3 {
+                    if format == ToolFormat::DeepSeekV3 {
                         format!("<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{a}\n```<｜tool▁call▁end｜>")
                     } else {
                         format!("<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{a}<｜tool▁call▁end｜>")
@@ -174,7 +178,7 @@ fn block(format: Format, calls: &[(String, Map<String, Value>)], variant: usize)
                 .collect();
             Some(format!("<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"))
         }
-        Format::Hermes => {
+        ToolFormat::Hermes => {
             if calls.is_empty() {
                 return None;
             }
@@ -194,11 +198,11 @@ fn block(format: Format, calls: &[(String, Map<String, Value>)], variant: usize)
     }
 }
 
-const FORMATS: [Format; 4] = [
-    Format::Dsml,
-    Format::DeepSeekV3,
-    Format::DeepSeekV31,
-    Format::Hermes,
+const FORMATS: [ToolFormat; 4] = [
+    ToolFormat::Dsml,
+    ToolFormat::DeepSeekV3,
+    ToolFormat::DeepSeekV31,
+    ToolFormat::Hermes,
 ];
 const PREFIXES: [&str; 3] = [
     "",
@@ -207,7 +211,7 @@ const PREFIXES: [&str; 3] = [
 ];
 
 /// (format, full text, expected content, expected calls)
-type Shape = (Format, String, String, Vec<(String, Value)>);
+type Shape = (ToolFormat, String, String, Vec<(String, Value)>);
 
 fn well_formed() -> Vec<Shape> {
     let mut out = Vec::new();
@@ -238,9 +242,9 @@ fn well_formed() -> Vec<Shape> {
 }
 
 /// (format, full text, expected content, reason)
-fn malformed() -> Vec<(Format, String, String, &'static str)> {
+fn malformed() -> Vec<(ToolFormat, String, String, &'static str)> {
     let mut out = Vec::new();
-    let one = |f: Format| {
+    let one = |f: ToolFormat| {
         let mut m = Map::new();
         m.insert("city".into(), json!("Paris"));
         m.insert("days".into(), json!(2));
@@ -308,40 +312,40 @@ fn malformed() -> Vec<(Format, String, String, &'static str)> {
             ),
         ];
         for (text, reason) in dsml {
-            out.push((Format::Dsml, p(&text), prefix.into(), reason));
+            out.push((ToolFormat::Dsml, p(&text), prefix.into(), reason));
         }
         out.push((
-            Format::Hermes,
+            ToolFormat::Hermes,
             p("<tool_call>\n{\"name\": \"f\", \"arguments\": [1]}\n</tool_call>"),
             prefix.into(),
             "bad_json",
         ));
         out.push((
-            Format::Hermes,
+            ToolFormat::Hermes,
             p("<tool_call>\nnot json\n</tool_call>"),
             prefix.into(),
             "bad_json",
         ));
         out.push((
-            Format::Hermes,
+            ToolFormat::Hermes,
             p("</tool_call>"),
             prefix.into(),
             "wrong_wrapper",
         ));
         out.push((
-            Format::DeepSeekV31,
+            ToolFormat::DeepSeekV31,
             p("<｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
             prefix.into(),
             "bare_invoke",
         ));
-        out.push((Format::DeepSeekV31, p("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\":<｜tool▁call▁end｜><｜tool▁calls▁end｜>"), prefix.into(), "bad_json"));
-        out.push((Format::DeepSeekV3, p("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n[]\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"), prefix.into(), "bad_json"));
+        out.push((ToolFormat::DeepSeekV31, p("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\":<｜tool▁call▁end｜><｜tool▁calls▁end｜>"), prefix.into(), "bad_json"));
+        out.push((ToolFormat::DeepSeekV3, p("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n[]\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"), prefix.into(), "bad_json"));
     }
     out
 }
 
 fn check_well_formed(
-    f: Format,
+    f: ToolFormat,
     chunks: &[&[u8]],
     content: &str,
     calls: &[(String, Value)],
@@ -353,7 +357,7 @@ fn check_well_formed(
     assert_eq!(o.calls, calls, "{what}");
 }
 
-fn check_malformed(f: Format, chunks: &[&[u8]], content: &str, reason: &str, what: &str) {
+fn check_malformed(f: ToolFormat, chunks: &[&[u8]], content: &str, reason: &str, what: &str) {
     let o = run(f, chunks, None);
     assert_eq!(o.errors, vec![reason], "{what}: {o:?}");
     assert_clean(&o.content, what);
@@ -400,7 +404,7 @@ fn a_call_to_a_tool_the_request_did_not_offer_is_an_error() {
         "<{D}function_calls>\n<{D}invoke name=\"rm_rf\">\n</{D}invoke>\n</{D}function_calls>"
     );
     let o = run(
-        Format::Dsml,
+        ToolFormat::Dsml,
         &[text.as_bytes()],
         Some(vec!["get_weather".into()]),
     );
@@ -416,7 +420,7 @@ fn leaked_and_doubled_sentinels_parse_as_the_real_one() {
         let text = format!(
             "Hi\n\n<{s}function_calls>\n<{s}invoke name=\"f\">\n<{s}parameter name=\"n\" string=\"false\">1</{s}parameter>\n</{s}invoke>\n</{s}function_calls>"
         );
-        let o = run(Format::Dsml, &[text.as_bytes()], None);
+        let o = run(ToolFormat::Dsml, &[text.as_bytes()], None);
         assert_eq!(o.errors, Vec::<&str>::new(), "{s}");
         assert_eq!(
             (o.content.as_str(), o.calls),
@@ -436,7 +440,7 @@ fn reasoning_then_tools_through_the_pipeline() {
         let mut p = OutputParser::new(
             Some(ReasoningParser::new(true)),
             Some(ToolParser::new(
-                Format::Dsml,
+                ToolFormat::Dsml,
                 Some(vec!["get_weather".into()]),
                 "c",
             )),
@@ -510,7 +514,7 @@ fn characters_split_across_chunks_survive_every_pipeline_shape() {
         for (reasoning, tools) in [(false, false), (false, true), (true, false), (true, true)] {
             let mut p = OutputParser::new(
                 reasoning.then(|| ReasoningParser::new(false)),
-                tools.then(|| ToolParser::new(Format::Hermes, None, "c")),
+                tools.then(|| ToolParser::new(ToolFormat::Hermes, None, "c")),
             );
             let mut d = p.push(&b[..cut]);
             d.extend(p.push(&b[cut..]));

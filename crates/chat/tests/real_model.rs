@@ -226,7 +226,7 @@ fn chat_prompts_of_ordinary_conversations_are_unchanged() {
 
         let ds: Vec<dsv32::Message> = msgs.iter().map(dsv32::Message::from).collect();
         for thinking in [false, true] {
-            let list = pdmesh_chat::hermes::tool_list(tools.as_ref());
+            let list = pdmesh_chat::tool_list(tools.as_ref());
             let text = dsv32::encode(&ds, list, thinking).unwrap();
             let got = v32
                 .chat_prompt(&msgs, tools.as_ref(), true, thinking)

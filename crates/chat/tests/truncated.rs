@@ -4,7 +4,7 @@
 //! not at all, nothing of its markup reaches content and nothing is an error. Ended there
 //! by the model itself, the same text is an error wherever it stops inside markup.
 
-use pdmesh_chat::{Delta, Format, OutputParser, ReasoningParser, ToolParser, coalesce};
+use pdmesh_chat::{Delta, OutputParser, ReasoningParser, ToolFormat, ToolParser, coalesce};
 use serde_json::{Value, json};
 
 const D: &str = "｜DSML｜";
@@ -62,7 +62,7 @@ fn calls() -> Vec<(String, Value)> {
 /// One output: `prefix`, a blank line, then the calls; with where each call's markup ends
 /// and where each block ends (the model may stop there).
 struct Case {
-    format: Format,
+    format: ToolFormat,
     text: String,
     prefix: &'static str,
     call_ends: Vec<usize>,
@@ -78,19 +78,20 @@ fn ends_of(text: &str, marker: &str) -> Vec<usize> {
 fn cases() -> Vec<Case> {
     let mut out = Vec::new();
     for prefix in ["", "Let me check — ünïcödé 🦀.", "a < b"] {
-        let mut add = |format: Format, block: String, call_end: &str, block_end: Option<&str>| {
-            let text = format!("{prefix}\n\n{block}");
-            let call_ends = ends_of(&text, call_end);
-            assert_eq!(call_ends.len(), 2, "{text}");
-            let block_ends = block_end.map_or(call_ends.clone(), |e| ends_of(&text, e));
-            out.push(Case {
-                format,
-                text,
-                prefix,
-                call_ends,
-                block_ends,
-            });
-        };
+        let mut add =
+            |format: ToolFormat, block: String, call_end: &str, block_end: Option<&str>| {
+                let text = format!("{prefix}\n\n{block}");
+                let call_ends = ends_of(&text, call_end);
+                assert_eq!(call_ends.len(), 2, "{text}");
+                let block_ends = block_end.map_or(call_ends.clone(), |e| ends_of(&text, e));
+                out.push(Case {
+                    format,
+                    text,
+                    prefix,
+                    call_ends,
+                    block_ends,
+                });
+            };
         let hermes: Vec<String> = calls()
             .iter()
             .map(|(n, a)| {
@@ -100,7 +101,7 @@ fn cases() -> Vec<Case> {
                 )
             })
             .collect();
-        add(Format::Hermes, hermes.join("\n"), "</tool_call>", None);
+        add(ToolFormat::Hermes, hermes.join("\n"), "</tool_call>", None);
 
         for (s, wrapper) in [
             (D.to_owned(), "function_calls"),
@@ -128,18 +129,18 @@ fn cases() -> Vec<Case> {
                 .collect();
             let close = format!("</{s}{wrapper}>");
             add(
-                Format::Dsml,
+                ToolFormat::Dsml,
                 format!("<{s}{wrapper}>\n{}\n{close}", invokes.join("\n")),
                 &format!("</{s}invoke>"),
                 Some(&close),
             );
         }
 
-        for format in [Format::DeepSeekV3, Format::DeepSeekV31] {
+        for format in [ToolFormat::DeepSeekV3, ToolFormat::DeepSeekV31] {
             let body: String = calls()
                 .iter()
                 .map(|(n, a)| {
-                    if format == Format::DeepSeekV3 {
+                    if format == ToolFormat::DeepSeekV3 {
                         format!("<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{a}\n```<｜tool▁call▁end｜>")
                     } else {
                         format!("<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{a}<｜tool▁call▁end｜>")
@@ -159,7 +160,7 @@ fn cases() -> Vec<Case> {
 
 /// The ways a generation's text reaches the parser, ended by `finish` or
 /// `finish_truncated` (`cut`).
-fn parse_all_ways(format: Format, text: &str, cut: bool) -> Vec<(&'static str, Outcome)> {
+fn parse_all_ways(format: ToolFormat, text: &str, cut: bool) -> Vec<(&'static str, Outcome)> {
     let allowed = Some(vec!["get_weather".to_owned(), "get_time".to_owned()]);
     let b = text.as_bytes();
     let mut out = Vec::new();
@@ -247,7 +248,7 @@ fn ended_by_the_model_inside_markup_the_same_text_is_an_error() {
                     .iter()
                     .any(|&e| e <= c && t[e..c].trim().is_empty());
             let done = case.block_ends.iter().filter(|&&e| e <= c).count();
-            let done = if case.format == Format::Hermes {
+            let done = if case.format == ToolFormat::Hermes {
                 done
             } else {
                 // One block holds both calls.
@@ -271,31 +272,31 @@ fn ended_by_the_model_inside_markup_the_same_text_is_an_error() {
 fn a_complete_call_that_is_malformed_is_an_error_even_when_cut() {
     let bad = [
         (
-            Format::Hermes,
+            ToolFormat::Hermes,
             "<tool_call>\nnot json\n</tool_call>\n<tool_call>\n{\"name\": \"get_ti".to_owned(),
             "bad_json",
         ),
         (
-            Format::Dsml,
+            ToolFormat::Dsml,
             format!(
                 "<{D}function_calls>\n<{D}invoke name=\"get_time\">\n<{D}parameter name=\"24h\" string=\"false\">{{bad</{D}parameter>\n</{D}invoke>\n<{D}invoke name=\"get_weather\">\n<{D}para"
             ),
             "bad_json",
         ),
         (
-            Format::Dsml,
+            ToolFormat::Dsml,
             format!(
                 "<{D}function_calls>\n<{D}invoke name=\"rm_rf\">\n</{D}invoke>\n<{D}invoke name=\"get_weather\">\n<{D}para"
             ),
             "unknown_tool",
         ),
         (
-            Format::DeepSeekV31,
+            ToolFormat::DeepSeekV31,
             "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"a\":<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_wea".to_owned(),
             "bad_json",
         ),
         (
-            Format::DeepSeekV3,
+            ToolFormat::DeepSeekV3,
             "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n[]\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>func".to_owned(),
             "bad_json",
         ),

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use pdmesh_chat::{
-    ChatError, ChatFormat, ChatMessage, ChatTokenizer, Delta, Format, OutputParser, TextStream,
-    ToolCall, ToolFormat,
+    ChatError, ChatFormat, ChatMessage, ChatTokenizer, Delta, OutputParser, TextStream, ToolCall,
+    ToolFormat,
 };
 use pdmesh_proto::tokenizer::v1 as pb;
 use tokio::sync::mpsc;
@@ -27,18 +27,16 @@ pub(crate) struct TokenizerService {
 
 /// The parser a stream asked for, if any; an unknown tool format is INVALID_ARGUMENT.
 fn output_parser(p: &pb::OutputParsing) -> Result<Option<OutputParser>, Status> {
-    let format = pb::ToolFormat::try_from(p.tool_format).map_err(|_| {
+    let unknown = || {
         Status::invalid_argument(format!(
             "parsing.tool_format: {} is not a known tool format",
             p.tool_format
         ))
-    })?;
-    let format = match format {
-        pb::ToolFormat::None => None,
-        pb::ToolFormat::Dsml => Some(Format::Dsml),
-        pb::ToolFormat::DeepseekV3 => Some(Format::DeepSeekV3),
-        pb::ToolFormat::DeepseekV31 => Some(Format::DeepSeekV31),
-        pb::ToolFormat::Hermes => Some(Format::Hermes),
+    };
+    let format = pb::ToolFormat::try_from(p.tool_format).map_err(|_| unknown())?;
+    let format = match format.format_name() {
+        None => None,
+        Some(name) => Some(ToolFormat::from_name(&name).ok_or_else(unknown)?),
     };
     Ok(OutputParser::for_output(
         format,
@@ -198,15 +196,11 @@ fn tools(tools_json: &[u8]) -> Result<Option<serde_json::Value>, Error> {
     }
 }
 
-/// The domain's tool-call markup as the proto names it.
+/// The domain's tool-call markup as the proto names it (each format's proto value is
+/// named after it: [`pb::ToolFormat::from_format_name`]).
 fn tool_format(f: Option<ToolFormat>) -> pb::ToolFormat {
-    match f {
-        None => pb::ToolFormat::None,
-        Some(ToolFormat::Dsml) => pb::ToolFormat::Dsml,
-        Some(ToolFormat::DeepSeekV3) => pb::ToolFormat::DeepseekV3,
-        Some(ToolFormat::DeepSeekV31) => pb::ToolFormat::DeepseekV31,
-        Some(ToolFormat::Hermes) => pb::ToolFormat::Hermes,
-    }
+    f.and_then(|f| pb::ToolFormat::from_format_name(f.name()))
+        .unwrap_or(pb::ToolFormat::None)
 }
 
 impl TokenizerService {
@@ -497,6 +491,31 @@ mod tests {
             tool_format(Some(ToolFormat::Hermes)),
             pb::ToolFormat::Hermes
         );
+    }
+
+    /// Every proto value but NONE names a format that parses, and each format has its
+    /// own value: what the gateway asks for is what it gets.
+    #[test]
+    fn every_proto_tool_format_reads_back_as_its_format() {
+        let parsing = |tool_format| pb::OutputParsing {
+            tool_format,
+            ..Default::default()
+        };
+        let mut named = Vec::new();
+        for v in 0..16 {
+            let Ok(wire) = pb::ToolFormat::try_from(v) else {
+                assert!(output_parser(&parsing(v)).is_err(), "{v} is no format");
+                continue;
+            };
+            let parser = output_parser(&parsing(v)).unwrap();
+            assert_eq!(parser.is_some(), wire != pb::ToolFormat::None, "{wire:?}");
+            if let Some(name) = wire.format_name() {
+                let f = ToolFormat::from_name(&name).unwrap();
+                assert_eq!(tool_format(Some(f)), wire);
+                named.push(f);
+            }
+        }
+        assert_eq!(named, ToolFormat::ALL);
     }
 
     #[test]

@@ -91,7 +91,7 @@ fn rendered(tok: &ChatTokenizer, messages: &[ChatMessage], tools: Option<&Value>
         ChatFormat::Template(t) => t.render(messages, tools, true).unwrap(),
         ChatFormat::DeepSeekV32 => {
             let msgs: Vec<dsv32::Message> = messages.iter().map(dsv32::Message::from).collect();
-            dsv32::encode(&msgs, hermes::tool_list(tools), false).unwrap()
+            dsv32::encode(&msgs, crate::tool_list(tools), false).unwrap()
         }
         ChatFormat::None => panic!("no chat format"),
     }

@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
+use pdmesh_chat::ToolFormat;
 use pdmesh_proto::cache::v1::cache_client::CacheClient;
 use pdmesh_proto::tokenizer::v1 as tk;
 use pdmesh_proto::worker::v1 as wk;
@@ -647,15 +648,8 @@ impl Backends {
     /// The tool-call markup and reasoning tags the model writes (the tokenizer's Info).
     pub async fn output_format(&self) -> Result<OutputFormat, ApiError> {
         let info = self.tokenizer_info().await?;
-        let tools = match info.tool_format() {
-            tk::ToolFormat::None => ToolFormat::None,
-            tk::ToolFormat::Dsml => ToolFormat::Dsml,
-            tk::ToolFormat::DeepseekV3 => ToolFormat::DeepSeekV3,
-            tk::ToolFormat::DeepseekV31 => ToolFormat::DeepSeekV31,
-            tk::ToolFormat::Hermes => ToolFormat::Hermes,
-        };
         Ok(OutputFormat {
-            tools,
+            tools: tool_format_from_wire(info.tool_format()),
             reasoning: info.reasoning,
         })
     }
@@ -823,21 +817,24 @@ impl Backends {
     }
 }
 
-/// The tool-call markup a model writes (the tokenizer's `Info.tool_format`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) enum ToolFormat {
-    #[default]
-    None,
-    Dsml,
-    DeepSeekV3,
-    DeepSeekV31,
-    Hermes,
+/// A tool-call format as the tokenizer's proto names it (`None`: no tool calls).
+pub(super) fn tool_format_to_wire(f: Option<ToolFormat>) -> tk::ToolFormat {
+    f.and_then(|f| tk::ToolFormat::from_format_name(f.name()))
+        .unwrap_or(tk::ToolFormat::None)
+}
+
+/// The tool-call format a proto value names (`None`: no tool calls, or one this
+/// gateway does not know).
+pub(super) fn tool_format_from_wire(f: tk::ToolFormat) -> Option<ToolFormat> {
+    f.format_name().and_then(|n| ToolFormat::from_name(&n))
 }
 
 /// The model's output conventions, from the tokenizer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct OutputFormat {
-    pub tools: ToolFormat,
+    /// The tool-call markup the model writes (the tokenizer's `Info.tool_format`); `None`
+    /// when it has no chat format for tool calls.
+    pub tools: Option<ToolFormat>,
     /// The model writes `<think>…</think>` reasoning.
     pub reasoning: bool,
 }

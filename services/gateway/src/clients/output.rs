@@ -10,7 +10,9 @@ use tk::tokenizer_client::TokenizerClient;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::{Finish, FinishReason, TokenLogprob, ToolFormat, WorkerEvent};
+use pdmesh_chat::ToolFormat;
+
+use super::{Finish, FinishReason, TokenLogprob, WorkerEvent, tool_format_to_wire};
 use crate::error::ApiError;
 use crate::metrics::Stage;
 
@@ -100,7 +102,8 @@ fn convert_one(msg: wk::GenerateResponse) -> Result<WorkerEvent, ApiError> {
 /// How a chat response's text is split (the tokenizer runs the parsers).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct Parsing {
-    pub tool_format: ToolFormat,
+    /// Tool calls in this markup are parsed out (`None`: no tool-call parsing).
+    pub tool_format: Option<ToolFormat>,
     /// Calls to other names are parse failures.
     pub tool_names: Vec<String>,
     pub reasoning: bool,
@@ -162,16 +165,8 @@ fn parsed(r: tk::DetokenizeResponse) -> Parsed {
 
 /// The parser the tokenizer service would build for `p` (none for plain text).
 pub(super) fn output_parser(p: &Parsing) -> Option<pdmesh_chat::OutputParser> {
-    use pdmesh_chat::Format;
-    let format = match p.tool_format {
-        ToolFormat::None => None,
-        ToolFormat::Dsml => Some(Format::Dsml),
-        ToolFormat::DeepSeekV3 => Some(Format::DeepSeekV3),
-        ToolFormat::DeepSeekV31 => Some(Format::DeepSeekV31),
-        ToolFormat::Hermes => Some(Format::Hermes),
-    };
     pdmesh_chat::OutputParser::for_output(
-        format,
+        p.tool_format,
         p.reasoning,
         p.thinking,
         &p.tool_names,
@@ -252,13 +247,7 @@ impl Detokenizer {
             .then_some(self.parsing.as_ref())
             .flatten()
             .map(|p| tk::OutputParsing {
-                tool_format: match p.tool_format {
-                    ToolFormat::None => tk::ToolFormat::None,
-                    ToolFormat::Dsml => tk::ToolFormat::Dsml,
-                    ToolFormat::DeepSeekV3 => tk::ToolFormat::DeepseekV3,
-                    ToolFormat::DeepSeekV31 => tk::ToolFormat::DeepseekV31,
-                    ToolFormat::Hermes => tk::ToolFormat::Hermes,
-                } as i32,
+                tool_format: tool_format_to_wire(p.tool_format).into(),
                 tool_names: p.tool_names.clone(),
                 reasoning: p.reasoning,
                 thinking: p.thinking,

@@ -73,3 +73,16 @@ async fn dns_names_become_workers_and_a_failed_look_up_changes_nothing() {
     assert_eq!(prefill, ["http://127.0.0.1:3"]);
     stop.cancel();
 }
+
+/// Every tool-call format crosses the tokenizer's proto and comes back as itself; no
+/// format is sent as "no tool calls".
+#[test]
+fn tool_formats_cross_the_wire_by_name() {
+    assert_eq!(tool_format_to_wire(None), tk::ToolFormat::None);
+    assert_eq!(tool_format_from_wire(tk::ToolFormat::None), None);
+    for f in ToolFormat::ALL {
+        let wire = tool_format_to_wire(Some(f));
+        assert_ne!(wire, tk::ToolFormat::None, "{f:?}");
+        assert_eq!(tool_format_from_wire(wire), Some(f));
+    }
+}

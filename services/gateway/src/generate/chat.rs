@@ -14,7 +14,7 @@ use super::sampling::{MAX_TOP_LOGPROBS, SamplingFields};
 use super::schema::{json_schema_fields, nullable, strings, typed};
 use super::tools::{self, ToolChoice};
 use crate::clients::output::Parsing;
-use crate::clients::{GenParams, Message, ToolFormat, WorkerInfo};
+use crate::clients::{GenParams, Message, WorkerInfo};
 use crate::error::ApiError;
 use crate::json::whole;
 use crate::metrics::Stage;
@@ -399,11 +399,7 @@ pub(crate) async fn prepare_chat(
     };
     params.grammar = plan.grammar;
     let parsing = (plan.parse_tools.is_some() || format.reasoning).then(|| Parsing {
-        tool_format: if plan.parse_tools.is_some() {
-            format.tools
-        } else {
-            ToolFormat::None
-        },
+        tool_format: format.tools.filter(|_| plan.parse_tools.is_some()),
         tool_names: plan.parse_tools.unwrap_or_default(),
         reasoning: format.reasoning,
         thinking,

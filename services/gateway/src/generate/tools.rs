@@ -1,23 +1,16 @@
 //! Tools, `tool_choice` and `response_format`: the request's tool definitions validated,
 //! what the prompt renders, how the output is parsed, and the grammar that constrains
-//! decoding. A grammar always spells the model's own markup (Hermes `<tool_call>` JSON,
-//! DeepSeek DSML or the V3/V3.1 tokens), so a constrained answer parses exactly like an
-//! unconstrained one.
+//! decoding. A forced call's grammar comes from the model's tool-call format
+//! ([`pdmesh_chat::ToolSyntax::grammar`]), so it spells the model's own markup and a
+//! constrained answer parses exactly like an unconstrained one.
 
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
+pub(crate) use pdmesh_chat::Tool;
 use pdmesh_chat::schema::{SchemaError, json_rule};
 
-use crate::clients::{OutputFormat, ToolFormat};
+use crate::clients::OutputFormat;
 use crate::error::ApiError;
-
-/// One function the request offers.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Tool {
-    pub name: String,
-    /// The arguments' JSON schema (`{"type": "object"}` when the tool gives none).
-    pub parameters: Value,
-}
 
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum ToolChoice {
@@ -209,7 +202,7 @@ pub(crate) fn plan(
     let mut plan = Plan::default();
     if !matches!(choice, ToolChoice::None) {
         plan.render = tools_json;
-        if out.tools != ToolFormat::None {
+        if out.tools.is_some() {
             plan.parse_tools = Some(names());
         }
     }
@@ -226,14 +219,15 @@ pub(crate) fn plan(
             ));
         }
         (false, None) => {
-            if out.tools == ToolFormat::None {
+            let Some(format) = out.tools else {
                 return Err(ApiError::unsupported(
                     "tool_choice",
                     "this model has no chat format for tool calls, so a call cannot be required",
                 ));
-            }
+            };
             let many = parallel && matches!(choice, ToolChoice::Required);
-            Some(calls_grammar(out.tools, &forced, many).map_err(|e| too_complex("tools", e))?)
+            let grammar = format.syntax().grammar(&forced, many);
+            Some(grammar.map_err(|e| too_complex("tools", e))?)
         }
         (true, Some(schema)) => Some(format!(
             "start: {}\n",
@@ -257,21 +251,6 @@ pub(crate) fn plan(
     Ok(plan)
 }
 
-/// `schema` (a part of the tool's `parameters`) made a document of its own: `$ref`s resolve
-/// against the root, so the parameters' `$defs` and `definitions` move to it.
-fn with_definitions(mut schema: Value, parameters: &Value) -> Value {
-    if let Value::Object(m) = &mut schema {
-        for key in ["$defs", "definitions"] {
-            if let Some(d) = parameters.get(key)
-                && !m.contains_key(key)
-            {
-                m.insert(key.into(), d.clone());
-            }
-        }
-    }
-    schema
-}
-
 /// How long a request's schemas may take to become its grammar.
 pub(crate) const SCHEMA_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -289,115 +268,6 @@ pub(crate) fn past_deadline() -> ApiError {
 /// A schema the grammar rewrite refused, as the 400 naming the field it came from.
 fn too_complex(param: &str, e: SchemaError) -> ApiError {
     ApiError::invalid_param(param, e.to_string())
-}
-
-/// A Lark string literal.
-fn lit(s: &str) -> String {
-    Value::String(s.to_owned()).to_string()
-}
-
-/// The grammar of one or more calls (`many`) of `tools` in `format`.
-fn calls_grammar(format: ToolFormat, tools: &[&Tool], many: bool) -> Result<String, SchemaError> {
-    let rep = if many { "+" } else { "" };
-    let mut g = String::new();
-    let alts: Vec<String> = (0..tools.len()).map(|i| format!("call{i}")).collect();
-    match format {
-        ToolFormat::Hermes => {
-            let tail = if many { " (\"\\n\" call)*" } else { "" };
-            g.push_str(&format!(
-                "start: call{tail}\ncall: \"<tool_call>\\n\" ({}) \"\\n</tool_call>\"\n",
-                alts.join(" | ")
-            ));
-            for (i, t) in tools.iter().enumerate() {
-                let mut arguments = t.parameters.clone();
-                if let Value::Object(a) = &mut arguments {
-                    a.remove("$defs");
-                    a.remove("definitions");
-                }
-                let schema = with_definitions(
-                    json!({
-                        "type": "object",
-                        "properties": {"name": {"const": t.name}, "arguments": arguments},
-                        "required": ["name", "arguments"],
-                        "additionalProperties": false,
-                    }),
-                    &t.parameters,
-                );
-                g.push_str(&format!("call{i}: {}\n", json_rule(&schema)?));
-            }
-        }
-        ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => {
-            // V3 writes `function<｜tool▁sep｜>NAME` and fenced JSON; V3.1 `NAME<｜tool▁sep｜>ARGS`.
-            let (before, between, after) = if format == ToolFormat::DeepSeekV3 {
-                ("function<｜tool▁sep｜>", "\\n```json\\n", "\\n```")
-            } else {
-                ("", "<｜tool▁sep｜>", "")
-            };
-            g.push_str(&format!(
-                "start: \"<｜tool▁calls▁begin｜>\" call{rep} \"<｜tool▁calls▁end｜>\"\ncall: {}\n",
-                alts.join(" | ")
-            ));
-            for (i, t) in tools.iter().enumerate() {
-                g.push_str(&format!(
-                    "call{i}: \"<｜tool▁call▁begin｜>{before}\" {} \"{between}\" {} \"{after}<｜tool▁call▁end｜>\"\n",
-                    lit(&t.name),
-                    json_rule(&t.parameters)?
-                ));
-            }
-        }
-        ToolFormat::Dsml => {
-            let d = "｜DSML｜";
-            g.push_str(&format!(
-                "start: \"<{d}function_calls>\\n\" call{rep} \"</{d}function_calls>\"\ncall: {}\n",
-                alts.join(" | ")
-            ));
-            for (i, t) in tools.iter().enumerate() {
-                let open = lit(&format!("<{d}invoke name=\"{}\">\n", t.name));
-                let mut parts = Vec::new();
-                let props = t.parameters.get("properties").and_then(Value::as_object);
-                let required: Vec<&str> = t
-                    .parameters
-                    .get("required")
-                    .and_then(Value::as_array)
-                    .map(|r| r.iter().filter_map(Value::as_str).collect())
-                    .unwrap_or_default();
-                for (j, (name, schema)) in props.into_iter().flat_map(Map::iter).enumerate() {
-                    let rule = format!("p{i}_{j}");
-                    let is_string = schema.get("type").and_then(Value::as_str) == Some("string");
-                    let value = match schema.get("enum").and_then(Value::as_array) {
-                        Some(e) if is_string => e
-                            .iter()
-                            .filter_map(Value::as_str)
-                            .map(lit)
-                            .collect::<Vec<_>>()
-                            .join(" | "),
-                        _ if is_string => "/[^<]*/".to_owned(),
-                        _ => json_rule(&with_definitions(schema.clone(), &t.parameters))?,
-                    };
-                    g.push_str(&format!(
-                        "{rule}: {} ({value}) {}\n",
-                        lit(&format!(
-                            "<{d}parameter name=\"{name}\" string=\"{is_string}\">"
-                        )),
-                        lit(&format!("</{d}parameter>\n")),
-                    ));
-                    let opt = if required.contains(&name.as_str()) {
-                        ""
-                    } else {
-                        "?"
-                    };
-                    parts.push(format!("{rule}{opt}"));
-                }
-                g.push_str(&format!(
-                    "call{i}: {open} {} {}\n",
-                    parts.join(" "),
-                    lit(&format!("</{d}invoke>\n"))
-                ));
-            }
-        }
-        ToolFormat::None => unreachable!("checked by plan"),
-    }
-    Ok(g)
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 //! made from them.
 
 use super::*;
+use pdmesh_chat::ToolFormat;
 
 fn weather() -> Vec<Tool> {
     parse_tools(Some(&json!([{
@@ -91,7 +92,7 @@ fn tool_choice_forms() {
 fn none_renders_no_tools_and_parses_none() {
     let tools = weather();
     let out = OutputFormat {
-        tools: ToolFormat::Hermes,
+        tools: Some(ToolFormat::Hermes),
         reasoning: false,
     };
     let p = plan(
@@ -124,7 +125,7 @@ fn none_renders_no_tools_and_parses_none() {
 fn required_forces_the_models_own_markup() {
     let tools = weather();
     let hermes = OutputFormat {
-        tools: ToolFormat::Hermes,
+        tools: Some(ToolFormat::Hermes),
         reasoning: false,
     };
     let g = plan(
@@ -163,7 +164,7 @@ fn required_forces_the_models_own_markup() {
     );
 
     let ds = OutputFormat {
-        tools: ToolFormat::Dsml,
+        tools: Some(ToolFormat::Dsml),
         reasoning: true,
     };
     let g = plan(
@@ -269,14 +270,9 @@ fn shortest_text(grammar: &str, prefer: &[u8]) -> String {
 #[test]
 fn every_formats_grammar_parses_back_into_the_call() {
     let tools = weather();
-    for (tf, cf) in [
-        (ToolFormat::Hermes, pdmesh_chat::Format::Hermes),
-        (ToolFormat::Dsml, pdmesh_chat::Format::Dsml),
-        (ToolFormat::DeepSeekV3, pdmesh_chat::Format::DeepSeekV3),
-        (ToolFormat::DeepSeekV31, pdmesh_chat::Format::DeepSeekV31),
-    ] {
+    for tf in ToolFormat::ALL {
         let out = OutputFormat {
-            tools: tf,
+            tools: Some(tf),
             reasoning: false,
         };
         let g = plan(&tools, None, &ToolChoice::Required, false, None, out, false)
@@ -290,7 +286,7 @@ fn every_formats_grammar_parses_back_into_the_call() {
             b"\"}]<0f\n"
         };
         let text = shortest_text(&g, prefer);
-        let mut p = pdmesh_chat::ToolParser::new(cf, Some(vec!["get_weather".into()]), "c");
+        let mut p = pdmesh_chat::ToolParser::new(tf, Some(vec!["get_weather".into()]), "c");
         let mut deltas = p.push_str(&text);
         deltas.extend(p.finish());
         let mut name = None;
@@ -344,7 +340,7 @@ fn response_format_forms() {
         );
     }
     let out = OutputFormat {
-        tools: ToolFormat::Hermes,
+        tools: Some(ToolFormat::Hermes),
         reasoning: false,
     };
     let g = plan(&[], None, &ToolChoice::None, true, Some(s), out, false)
@@ -373,7 +369,7 @@ fn response_format_forms() {
 #[test]
 fn response_schemas_are_strict_and_compact() {
     let out = OutputFormat {
-        tools: ToolFormat::Hermes,
+        tools: Some(ToolFormat::Hermes),
         reasoning: false,
     };
     let grammar = |schema: Value| {
@@ -438,7 +434,7 @@ fn forced_calls_take_only_declared_parameters() {
         .unwrap();
     let grammar = |tools_format| {
         let out = OutputFormat {
-            tools: tools_format,
+            tools: Some(tools_format),
             reasoning: false,
         };
         plan(&tools, None, &ToolChoice::Required, false, None, out, false)

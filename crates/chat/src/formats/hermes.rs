@@ -1,7 +1,8 @@
-//! Tool calling for chat templates that know nothing of tools (SmolLM2's plain ChatML
-//! loop over `role` and `content`): pdmesh writes the tools, the calls and their results
-//! into ordinary turns itself, in the Hermes/Qwen style that pdmesh-chat's Hermes parser
-//! reads back:
+//! Hermes / Qwen tool calls: one JSON object with `name` and `arguments` per
+//! `<tool_call>` block (arguments also as a JSON string, as some models send them).
+//!
+//! Templates that know nothing of tools (SmolLM2's plain ChatML loop over `role` and
+//! `content`) get pdmesh's own rendering in this style, written into ordinary turns:
 //!
 //! - the tools block (one function's JSON per line inside `<tools></tools>`, and how to
 //!   answer with a call) is appended to the first system message, or becomes a new
@@ -15,24 +16,147 @@
 //! (`", "` and `": "` separators, non-ASCII as is), as Hugging Face templates' `tojson`
 //! does, with object keys in the order they were given.
 
-use serde_json::Value;
+use serde_json::{Map, Value, json};
 
-use crate::{ChatError, ChatMessage, ToolCall};
+use super::{Cursor, Tool, ToolSyntax, call_alternatives, err, head, object, with_definitions};
+use crate::schema::{SchemaError, json_rule};
+use crate::{Call, ChatError, ChatMessage, ParseError, ToolCall};
+
+/// The format's name.
+pub const NAME: &str = "hermes";
+
+const CALL_OPEN: &str = "<tool_call>";
+const CALL_CLOSE: &str = "</tool_call>";
+const TOOLS_OPEN: &str = "<tools>";
+const TOOLS_CLOSE: &str = "</tools>";
+const RESPONSE_OPEN: &str = "<tool_response>";
+const RESPONSE_CLOSE: &str = "</tool_response>";
+
+/// Hermes / Qwen (see the module docs).
+#[derive(Clone, Copy, Debug)]
+pub struct Hermes;
+
+impl ToolSyntax for Hermes {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn markers(&self) -> &'static [&'static str] {
+        &[
+            CALL_OPEN,
+            CALL_CLOSE,
+            TOOLS_OPEN,
+            TOOLS_CLOSE,
+            RESPONSE_OPEN,
+            RESPONSE_CLOSE,
+        ]
+    }
+
+    /// Any template: Qwen-style templates write these calls, and templates without tools
+    /// get pdmesh's rendering in this style.
+    fn written_by(&self, _template: &str) -> bool {
+        true
+    }
+
+    fn starts(&self) -> &'static [&'static str] {
+        &[CALL_OPEN, CALL_CLOSE]
+    }
+
+    fn ends(&self) -> Vec<String> {
+        vec![CALL_CLOSE.to_owned()]
+    }
+
+    fn opening(&self, block: &str) -> Option<Result<(), ParseError>> {
+        let end = block.find('>')?;
+        let tag = &block[..=end];
+        Some(if tag == CALL_OPEN {
+            Ok(())
+        } else {
+            Err(err(
+                NAME,
+                "wrong_wrapper",
+                format!("block opens with {tag:?}"),
+            ))
+        })
+    }
+
+    fn parse(&self, block: &str) -> Result<Vec<Call>, ParseError> {
+        let f = NAME;
+        let mut c = Cursor::new(block, f);
+        if !c.eat(CALL_OPEN) {
+            return Err(err(
+                f,
+                "wrong_wrapper",
+                format!("block opens with {:?}", head(block)),
+            ));
+        }
+        let body = c.until(CALL_CLOSE, "unterminated_call")?;
+        let v: Value =
+            serde_json::from_str(body.trim()).map_err(|e| err(f, "bad_json", e.to_string()))?;
+        let name = v["name"]
+            .as_str()
+            .ok_or_else(|| err(f, "bad_json", "a tool call without a string \"name\""))?
+            .to_owned();
+        let arguments = match &v["arguments"] {
+            Value::Object(m) => m.clone(),
+            Value::Null => Map::new(),
+            // Some models send the arguments as a JSON string.
+            Value::String(s) => object(f, &name, s)?,
+            other => {
+                return Err(err(
+                    f,
+                    "bad_json",
+                    format!("arguments of {name:?}: {other}"),
+                ));
+            }
+        };
+        Ok(vec![Call { name, arguments }])
+    }
+
+    fn grammar(&self, tools: &[&Tool], many: bool) -> Result<String, SchemaError> {
+        let tail = if many { " (\"\\n\" call)*" } else { "" };
+        let mut g = format!(
+            "start: call{tail}\ncall: \"{CALL_OPEN}\\n\" ({}) \"\\n{CALL_CLOSE}\"\n",
+            call_alternatives(tools)
+        );
+        for (i, t) in tools.iter().enumerate() {
+            let mut arguments = t.parameters.clone();
+            if let Value::Object(a) = &mut arguments {
+                a.remove("$defs");
+                a.remove("definitions");
+            }
+            let schema = with_definitions(
+                json!({
+                    "type": "object",
+                    "properties": {"name": {"const": t.name}, "arguments": arguments},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": false,
+                }),
+                &t.parameters,
+            );
+            g.push_str(&format!("call{i}: {}\n", json_rule(&schema)?));
+        }
+        Ok(g)
+    }
+
+    /// One block per call, a newline between them, each holding compact JSON (the
+    /// grammar's spelling; prompts use [`tool_call_block`]'s Python spacing).
+    fn write_calls(&self, calls: &[Call]) -> String {
+        calls
+            .iter()
+            .map(|c| {
+                let call = json!({"name": c.name, "arguments": Value::Object(c.arguments.clone())});
+                format!("{CALL_OPEN}\n{call}\n{CALL_CLOSE}")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
 
 /// Whether a conversation needs this rewriting: tools are offered or a turn made calls.
 /// Without either, a template sees the conversation unchanged.
 pub fn needed(messages: &[ChatMessage], tools: &[Value]) -> bool {
     !tools.is_empty() || messages.iter().any(|m| !m.tool_calls.is_empty())
-}
-
-/// The tool definitions in a request's `tools`: the items of a JSON array, a single
-/// definition given alone, nothing for `None` or `null`.
-pub fn tool_list(tools: Option<&Value>) -> &[Value] {
-    match tools {
-        None | Some(Value::Null) => &[],
-        Some(Value::Array(a)) => a,
-        Some(one) => std::slice::from_ref(one),
-    }
 }
 
 /// The tools block for OpenAI tool definitions (`{"type": "function", "function": {…}}`
@@ -52,7 +176,7 @@ pub fn tools_block(tools: &[Value]) -> Result<String, ChatError> {
         "## Tools\n\n\
          You can call the functions below to help answer. Their definitions, one JSON \
          object per line, are inside <tools></tools>:\n\
-         <tools>\n{}\n</tools>\n\n\
+         {TOOLS_OPEN}\n{}\n{TOOLS_CLOSE}\n\n\
          To call a function, end your answer with one block per call, each exactly in \
          this form:\n\
          <tool_call>\n\
@@ -178,16 +302,6 @@ mod tests {
         );
         let err = tools_block(&[json!({"type": "function"})]).unwrap_err();
         assert!(err.to_string().contains("without a function name"), "{err}");
-    }
-
-    #[test]
-    fn tool_list_takes_arrays_single_tools_and_nothing() {
-        let one = json!({"name": "f"});
-        let list = json!([{"name": "f"}]);
-        assert_eq!(tool_list(Some(&list)), std::slice::from_ref(&one));
-        assert_eq!(tool_list(Some(&one)), std::slice::from_ref(&one));
-        assert!(tool_list(None).is_empty());
-        assert!(tool_list(Some(&Value::Null)).is_empty());
     }
 
     #[test]
