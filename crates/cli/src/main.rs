@@ -138,11 +138,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     gguf.display()
                 )
             })?;
+            let tokenizer = tempfile::tempdir()?;
+            tok.write_hf_dir(tokenizer.path())?;
             pdmesh_engine::deepseek_synth::write(
                 &out,
                 &pdmesh_engine::deepseek_synth::tiny_config(),
                 seed,
-                Some(&tok),
+                Some(tokenizer.path()),
             )?;
             println!("wrote {}", out.display());
         }

@@ -136,15 +136,16 @@ fn main() {
         None => pdmesh_gguf::models::require_default_model(),
         Some("dsa-tiny") => {
             let dir = tempfile::tempdir().expect("a temporary directory");
-            let tok = pdmesh_tokenize::TextTokenizer::from_path(
-                pdmesh_gguf::models::require_default_model(),
-            )
-            .expect("the default model's tokenizer");
+            let tokenizer = tempfile::tempdir().expect("a temporary directory");
+            pdmesh_tokenize::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+                .expect("the default model's tokenizer")
+                .write_hf_dir(tokenizer.path())
+                .expect("the tokenizer's files");
             pdmesh_engine::deepseek_synth::write(
                 dir.path(),
                 &pdmesh_engine::deepseek_synth::tiny_config(),
                 7,
-                Some(&tok),
+                Some(tokenizer.path()),
             )
             .expect("write the tiny checkpoint");
             let path = dir.path().to_path_buf();

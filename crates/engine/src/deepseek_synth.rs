@@ -157,14 +157,19 @@ impl Gen {
     }
 }
 
+/// The files of an HF tokenizer directory that [`write`] copies beside the checkpoint.
+pub const TOKENIZER_FILES: [&str; 2] = ["tokenizer.json", "tokenizer_config.json"];
+
 /// Writes `config.json` and `model.safetensors` for `cfg` with weights drawn from `seed`,
-/// and, given a tokenizer, `tokenizer.json` and `tokenizer_config.json` (a directory the
-/// engine and the tokenizer service both load).
+/// and, given `tokenizer` (a directory holding an HF tokenizer's [`TOKENIZER_FILES`]),
+/// copies those files in: a directory the engine and the tokenizer service both load.
+/// The tokenizer's config should carry no chat template (DeepSeek V3.2 ships none: its
+/// prompts follow the model's rules).
 pub fn write(
     dir: &Path,
     cfg: &DsConfig,
     seed: u64,
-    tokenizer: Option<&pdmesh_tokenize::TextTokenizer>,
+    tokenizer: Option<&Path>,
 ) -> Result<(), EngineError> {
     let io =
         |e: &dyn std::fmt::Display| EngineError::Unsupported(format!("{}: {e}", dir.display()));
@@ -293,10 +298,11 @@ pub fn write(
         .map_err(|e| io(&e))?;
     let json = serde_json::to_string_pretty(cfg).map_err(|e| io(&e))?;
     std::fs::write(dir.join("config.json"), json).map_err(|e| io(&e))?;
-    if let Some(t) = tokenizer {
-        // DeepSeek V3.2 ships no chat template: its prompts follow the model's rules.
-        t.write_hf_dir(dir)
-            .map_err(|e| EngineError::Unsupported(format!("tokenizer: {e}")))?;
+    if let Some(src) = tokenizer {
+        for name in TOKENIZER_FILES {
+            std::fs::copy(src.join(name), dir.join(name))
+                .map_err(|e| io(&format!("copying {}: {e}", src.join(name).display())))?;
+        }
     }
     Ok(())
 }

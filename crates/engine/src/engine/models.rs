@@ -11,7 +11,7 @@ use super::EngineConfig;
 use crate::deepseek::DeepSeekModel;
 use crate::model::{BatchToken, LlamaModel, TpLlama};
 use crate::tp::RankWork;
-use crate::vocab::{eog_tokens, token_bytes_table};
+use crate::vocab::{eog_tokens, hf_vocab, token_bytes_table};
 use crate::{CudaError, EngineError};
 
 /// What the engine needs of a model: its vocabulary and one forward pass over a batch.
@@ -160,12 +160,10 @@ impl Loaded {
             }
         }
         let model = DeepSeekModel::load(&cfg.model_path)?;
-        let tok = pdmesh_tokenize::TextTokenizer::from_hf_dir(&cfg.model_path)
-            .map_err(|e| EngineError::Unsupported(format!("tokenizer: {e}")))?;
-        let mut token_bytes = tok.token_bytes_table();
+        let (mut token_bytes, eos) = hf_vocab(&cfg.model_path)?;
         token_bytes.resize(model.cfg.vocab_size.max(token_bytes.len()), Vec::new());
         let mut eog = model.cfg.eos_token_id.to_vec();
-        eog.extend(tok.eos_token_ids());
+        eog.extend(eos);
         eog.sort_unstable();
         eog.dedup();
         let layout = model

@@ -233,14 +233,16 @@ pub fn tiny_dir() -> &'static std::path::Path {
     static D: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
     D.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        let tok =
-            pdmesh_tokenize::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
-                .unwrap();
+        let tokenizer = tempfile::tempdir().unwrap();
+        pdmesh_tokenize::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+            .unwrap()
+            .write_hf_dir(tokenizer.path())
+            .unwrap();
         pdmesh_engine::deepseek_synth::write(
             dir.path(),
             &pdmesh_engine::deepseek_synth::tiny_config(),
             7,
-            Some(&tok),
+            Some(tokenizer.path()),
         )
         .unwrap();
         dir
