@@ -10,9 +10,10 @@
 //! - tool results follow the assistant's EOS in one `<function_results>` block per batch,
 //!   then `<think>` or `</think>` opens the assistant's next turn.
 //!
-//! The tools block's wording is pdmesh's own; its structure (heading, call format, the
-//! string/JSON parameter rule, one JSON schema per line inside `<functions>`) follows the
-//! model's.
+//! The DSML parts (the tools block, the calls, the results) are the DSML format's to write
+//! ([`crate::formats::dsml`]). The tools block's wording is pdmesh's own; its structure
+//! (heading, call format, the string/JSON parameter rule, one JSON schema per line inside
+//! `<functions>`) follows the model's.
 
 use serde_json::Value;
 

@@ -1,8 +1,8 @@
 //! pdmesh-chat: everything between a conversation and the text a model writes. On the way
 //! in, chat messages and tool calls in OpenAI's shapes ([`ChatMessage`], [`ToolCall`]),
 //! the model's chat format ([`ChatTokenizer`]: its Jinja [`ChatTemplate`], or DeepSeek
-//! V3.2's rules in [`dsv32`], with pdmesh's own Hermes-style tool rendering for
-//! templates without tools), and prompts whose control tokens come only from that format's markup
+//! V3.2's rules in [`dsv32`], with pdmesh's own Hermes-style tool rendering for templates
+//! without tools), and prompts whose control tokens come only from that format's markup
 //! ([`ChatPrompt`]). On the way out, streaming parsers for what a model writes, and the
 //! strict JSON-schema grammars ([`schema`]) that constrain it. Each tool-call format is
 //! one module of [`formats`] behind [`ToolSyntax`]: its markup, parser hooks, grammar and

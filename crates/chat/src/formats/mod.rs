@@ -3,7 +3,9 @@
 //! the streaming [`ToolParser`](crate::ToolParser) calls), the grammar that makes a model
 //! write it, and how pdmesh writes calls in it. [`ToolFormat`] names the set.
 //!
-//! No code outside a format's module spells its markup; other code asks the format.
+//! **Architecture Invariant:** no code outside a format's module spells its markup; other
+//! code asks the format (`crates/chat/tests/markers.rs`). `crates/chat/tests/round_trip.rs`
+//! checks that each format's writing, grammar and parser agree.
 
 pub mod deepseek_v3;
 pub mod deepseek_v31;
@@ -118,8 +120,8 @@ pub trait ToolSyntax: Sync {
     /// of one of `tools`, in this format's markup: what a constrained answer writes.
     fn grammar(&self, tools: &[&Tool], many: bool) -> Result<String, SchemaError>;
 
-    /// `calls` as a model constrained by [`Self::grammar`] writes them: one block, which
-    /// [`Self::parse`] reads back into the same calls.
+    /// The text a model constrained by [`Self::grammar`] (with `many` for several calls)
+    /// writes for `calls`, which the streaming parser reads back into the same calls.
     fn write_calls(&self, calls: &[Call]) -> String;
 }
 
