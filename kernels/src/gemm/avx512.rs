@@ -146,7 +146,7 @@ unsafe fn wide<const K: u8, const R: usize>(
 ) -> usize {
     let t = p.t;
     let mut j = 0;
-    // SAFETY (every call): this function enables the features, and j + 2P <= t.
+    // SAFETY: (every call) this function enables the features, and j + 2P <= t.
     unsafe {
         if R == 1 {
             while t - j >= 32 {

@@ -121,11 +121,11 @@ macro_rules! simd_rows {
                     }
                     let row = |k: usize| &data[(r0 + k) * rb..(r0 + k + 1) * rb];
                     let (o0, o1) = o.split_at_mut(t);
-                    // SAFETY (every call): this function enables the kernels' features, and
-                    // j + RN <= t.
                     let done = if group < t {
                         0
                     } else {
+                        // SAFETY: (every call) this function enables the kernels' features,
+                        // and j + RN <= t.
                         unsafe {
                             if n == 2 {
                                 $wide::<K, 2>([row(0), row(1)], p, [o0, &mut o1[..]])

@@ -518,9 +518,9 @@ impl DsRank {
                     .arg(&k)
                     .arg(&mut sel)
                     .arg(&cs);
+                let blocks = (sparse_rows.len() as u32, 1, 1);
                 // SAFETY: matches topk_indices_rows; each sparse token's row of iscores
                 // holds its pos + 1 scores (> k), and its row of sel has cap = k slots.
-                let blocks = (sparse_rows.len() as u32, 1, 1);
                 unsafe { b.launch(grid(blocks, 256)) }.map_err(cuda_err)?;
             }
             if t > 0 {
@@ -679,6 +679,7 @@ fn gather_f32_rows(
         let (rb, ni) = ((d * 4) as i32, n as i32);
         // SAFETY: f32 buffers viewed as bytes for a row copy.
         let mut out_b = unsafe { out.transmute_mut::<u8>(n * d * 4) }.expect("size");
+        // SAFETY: as above, the input's f32s viewed as bytes.
         let x_b = unsafe { x.transmute::<u8>(x.len() * 4) }.expect("size");
         let mut b = s.launch_builder(gpu.kernel("gather_rows"));
         b.arg(&x_b).arg(&offs).arg(&mut out_b).arg(&rb).arg(&ni);

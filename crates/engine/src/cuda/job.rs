@@ -14,6 +14,7 @@ pub struct HostArena {
 // SAFETY: the pointer is only read, by rank threads, while the engine thread that owns the
 // pool waits for all of them to finish (see `CudaModel::forward`).
 unsafe impl Send for HostArena {}
+// SAFETY: as for Send: shared reads only, while the owner waits.
 unsafe impl Sync for HostArena {}
 
 impl HostArena {

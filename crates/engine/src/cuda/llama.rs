@@ -444,6 +444,7 @@ impl LlamaRank {
             let (rb, ni) = ((d * 4) as i32, n as i32);
             // SAFETY: f32 buffers viewed as bytes for a row copy.
             let mut xs_b = unsafe { xs.transmute_mut::<u8>(n * d * 4) }.expect("size");
+            // SAFETY: as above, the input's f32s viewed as bytes.
             let x_b = unsafe { x.transmute::<u8>(x.len() * 4) }.expect("size");
             let mut b = s.launch_builder(gpu.kernel("gather_rows"));
             b.arg(&x_b).arg(&offs).arg(&mut xs_b).arg(&rb).arg(&ni);

@@ -80,6 +80,7 @@ fn paged_attention_f16_matches_attend() {
     let arena = pool.arena();
     let (pq, po, psc, pa) = (c(&q), m(&mut out), m(&mut scratch), c(arena));
     let (pso, ppos, pt, pts) = (c(&seq_of), c(&pos), c(&table), c(&table_start));
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch((toks.len() as u32, q_heads as u32), 128, || unsafe {
         kern(
             pq.p(),

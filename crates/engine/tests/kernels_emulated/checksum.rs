@@ -24,6 +24,7 @@ fn page_checksum_xxh3_bit_exact() {
         let (pd, po, psec, pout) = (c(&data), c(&offs), c(secret), m(&mut out));
         let n = offs.len() as i32;
         let sl = secret.len() as i32;
+        // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
         e.launch((offs.len() as u32, 1), 1, || unsafe {
             k(pd.p(), len as i64, po.p(), psec.p(), sl, pout.p(), n)
         });

@@ -204,6 +204,7 @@ fn deepseek_cache_entry_index_scores_and_mla_attention() {
             let slot: Vec<i32> = (0..n).map(|p| (p % ps) as i32).collect();
             let mut pool = vec![0u8; layout.bytes_per_pool(4)];
             let (pl, pik, pp, pb, psl) = (c(&lat), c(&ik), m(&mut pool), c(&base), c(&slot));
+            // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
             e.launch((n as u32, 1), 128, || unsafe {
                 write(
                     pl.p(),
@@ -268,6 +269,7 @@ fn deepseek_cache_entry_index_scores_and_mla_attention() {
             let mut sc = vec![-7f32; tt * out_stride];
             let (pq, pw, ppool, ppt, ppts) = (c(&qi), c(&wi), c(&pool), c(&pages_of_seq), c(&pts));
             let (pseq, ppos, phas, psc) = (c(&seq), c(&pos), c(&has), m(&mut sc));
+            // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
             e.launch((tt as u32, 1), 128, || unsafe {
                 scores(
                     pq.p(),
@@ -322,6 +324,7 @@ fn deepseek_cache_entry_index_scores_and_mla_attention() {
             let mut scratch = vec![0f32; tt * heads * cap];
             let (pq, pkvb, po, pscr) = (c(&q), c(&kvb), m(&mut out), m(&mut scratch));
             let (psel, pseln) = (c(&sel), c(&sel_n));
+            // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
             e.launch((tt as u32, heads as u32), 128, || unsafe {
                 mla(
                     pq.p(),
@@ -460,6 +463,7 @@ fn deepseek_rms_norm_inplace_bit_exact() {
         let w = randv(&mut r, dim, 1.5);
         let mut got = x.clone();
         let (pg, pw) = (m(&mut got), c(&w));
+        // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
         e.launch((t as u32, 1), 256, || unsafe {
             kern(pg.p(), stride as i32, pw.p(), dim as i32, eps)
         });
@@ -516,6 +520,7 @@ fn deepseek_rope_interleaved_bit_exact() {
         }
         let mut got = x.clone();
         let (pg, pc, ps) = (m(&mut got), c(&cos), c(&sin));
+        // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
         e.launch((t as u32, heads as u32), 32, || unsafe {
             kern(
                 pg.p(),
@@ -574,6 +579,7 @@ fn deepseek_index_prep_bit_exact() {
             }
             let mut got = x.clone();
             let (pg, pc, ps, pw, pb) = (m(&mut got), c(&cos), c(&sin), c(&ln_w), c(&ln_b));
+            // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
             e.launch((t as u32, vecs as u32), 128, || unsafe {
                 kern(
                     pg.p(),
@@ -610,6 +616,7 @@ fn deepseek_scale_and_moe_combine_bit_exact() {
     let mut want: Vec<f32> = x.iter().map(|v| v * s).collect();
     want[n..].fill(sentinel);
     let px = m(&mut x);
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch((n.div_ceil(256) as u32, 1), 256, || unsafe {
         scale(px.p(), n as i32, s)
     });
@@ -645,6 +652,7 @@ fn deepseek_scale_and_moe_combine_bit_exact() {
     }
     let mut out = out0.clone();
     let (po, py, pr, pw) = (m(&mut out), c(&y), c(&rows), c(&wts));
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch((t as u32, 1), 256, || unsafe {
         combine(po.p(), py.p(), pr.p(), pw.p(), k as i32, d as i32)
     });

@@ -45,6 +45,7 @@ fn topk_indices_rows_selects_each_row_over_its_own_length() {
     let mut out = vec![-7i32; total * out_stride];
     let (ps, pr, pn, po) = (c(&s), c(&rows), c(&ns), m(&mut out));
     let (si, ki, oi) = (stride as i32, k as i32, out_stride as i32);
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch((rows.len() as u32, 1), 256, || unsafe {
         kern(ps.p(), si, pr.p(), pn.p(), ki, po.p(), oi)
     });
@@ -103,6 +104,7 @@ fn topk_indices_exact() {
         let mut out = vec![12345i32; rows * k];
         let (ps, po) = (c(&s), m(&mut out));
         let (ni, ki) = (n as i32, k as i32);
+        // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
         e.launch((rows as u32, 1), 256, || unsafe {
             kern(ps.p(), ni, ki, po.p())
         });
@@ -130,6 +132,7 @@ fn dsa_index_scores_bit_exact() {
     let mut out = vec![f32::NAN; t * nk];
     let (pq, pw, pk, po) = (c(&q), c(&w), c(&keys), m(&mut out));
     let grid = (t as u32, nk.div_ceil(128) as u32);
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch(grid, 128, || unsafe {
         kern(
             pq.p(),

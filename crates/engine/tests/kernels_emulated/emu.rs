@@ -29,6 +29,7 @@ pub(crate) struct Emu {
 pub(crate) struct P<T>(*mut T);
 // SAFETY: only handed to kernels, whose threads write disjoint elements or synchronize.
 unsafe impl<T> Sync for P<T> {}
+// SAFETY: as for Sync.
 unsafe impl<T> Send for P<T> {}
 impl<T> P<T> {
     pub(crate) fn p(&self) -> *mut T {
@@ -150,6 +151,7 @@ pub(crate) fn emu() -> &'static Emu {
         }
         // SAFETY: our own library; its initializers only set up globals.
         let lib = unsafe { libloading::Library::new(&cached) }.expect("loading the emulation");
+        // SAFETY: the symbol is the emulation's launcher, of type LaunchFn.
         let launch = unsafe { *lib.get::<LaunchFn>(b"pd_emu_launch").unwrap() };
         Emu { lib, launch }
     })

@@ -32,9 +32,11 @@ fn fp8_quantize_and_dequantize_bit_exact() {
         let mut back = vec![0f32; x.len()];
         let (px, pq, ps, pb) = (c(&x), m(&mut q), m(&mut s), m(&mut back));
         let (nbi, bi) = (nb as i32, block as i32);
+        // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
         e.launch((nb as u32, 1), 128, || unsafe {
             quant(px.p(), pq.p(), ps.p(), nbi, bi, ue8m0)
         });
+        // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
         e.launch((nb as u32, 1), 128, || unsafe {
             dequant(pq.p(), ps.p(), pb.p(), nbi, bi)
         });

@@ -24,6 +24,7 @@ fn kv_write_f16_exact() {
     let mut pool = vec![0xABu8; n * row];
     let offs: Vec<i64> = (0..n).map(|i| ((n - 1 - i) * row) as i64).collect();
     let (ps, pp, po) = (c(&src), m(&mut pool), c(&offs));
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch((n as u32, 1), 128, || unsafe {
         kern(
             ps.p(),
@@ -64,9 +65,11 @@ fn gather_and_scatter_rows_exact() {
             let mut dst = vec![0u8; src.len()];
             let (psrc, po, pst, pd) = (c(&src), c(&offs), m(&mut stage), m(&mut dst));
             let (rbi, ni) = (rb as i32, n as i32);
+            // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
             e.launch((n as u32, 1), 256, || unsafe {
                 gather(psrc.p(), po.p(), pst.p(), rbi, ni)
             });
+            // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
             e.launch((n as u32, 1), 256, || unsafe {
                 scatter(pst.p(), pd.p(), po.p(), rbi, ni)
             });

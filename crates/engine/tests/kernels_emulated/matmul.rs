@@ -39,6 +39,7 @@ fn matmul_rows_reference_and_batch_invariance() {
     let mut full = vec![-1f32; tokens * stride];
     let (pw, px, pf) = (c(&w), c(&x), m(&mut full));
     let (ri, ci, si) = (rows as i32, cols as i32, stride as i32);
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch((rows.div_ceil(8) as u32, tokens as u32), 256, || unsafe {
         kern(pw.p(), px.p(), pf.p(), ri, ci, si, col0)
     });
@@ -77,9 +78,11 @@ fn matmul_rows_reference_and_batch_invariance() {
         let pxt = c(&x[t * cols..]);
         let po = m(&mut parts[t * stride..]);
         let pw5 = c(&w[5 * cols..]);
+        // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
         e.launch(((rows - 5).div_ceil(8) as u32, 1), 256, || unsafe {
             kern(pw5.p(), pxt.p(), po.p(), ri - 5, ci, si, col0 + 5)
         });
+        // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
         e.launch((1, 1), 256, || unsafe {
             kern(pw.p(), pxt.p(), po.p(), 5, ci, si, col0)
         });
@@ -95,12 +98,14 @@ fn matmul_rows_reference_and_batch_invariance() {
         let (mut by_rows, mut by_tiles) = (vec![-1f32; n * stride], vec![-1f32; n * stride]);
         let (px, pr, pt) = (c(&x), m(&mut by_rows), m(&mut by_tiles));
         let ni = n as i32;
+        // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
         e.launch((rows.div_ceil(8) as u32, n as u32), 256, || unsafe {
             kern(pw.p(), px.p(), pr.p(), ri, ci, si, col0)
         });
         e.launch(
             (rows.div_ceil(32) as u32, n.div_ceil(16) as u32),
             256,
+            // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
             || unsafe { tiles(pw.p(), px.p(), pt.p(), ri, ci, ni, si, col0) },
         );
         assert_bits_eq(
@@ -121,6 +126,7 @@ fn matmul_rows_reference_and_batch_invariance() {
     let b = randv(&mut r, 1000, 3.0);
     let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
     let (pa, pb) = (m(&mut a), c(&b));
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch((4, 1), 256, || unsafe { add(pa.p(), pb.p(), 1000) });
     assert_bits_eq("add_in_place", &a, &want);
 }
@@ -145,6 +151,7 @@ fn swiglu_matches_cpu() {
         .map(|i| g[i] / (1.0 + (-g[i]).exp()) * u[i])
         .collect();
     let (pg, pu) = (m(&mut g), c(&u));
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch((n.div_ceil(256) as u32, 1), 256, || unsafe {
         kern(pg.p(), pu.p(), n as i32)
     });

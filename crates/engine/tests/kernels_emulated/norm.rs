@@ -36,6 +36,7 @@ fn rms_norm_matches_cpu() {
     let w = randv(&mut r, dim, 1.5);
     let mut out = vec![0f32; rows * dim];
     let (px, pw, po) = (c(&x), c(&w), m(&mut out));
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch((rows as u32, 1), 256, || unsafe {
         kern(px.p(), pw.p(), po.p(), dim as i32, eps)
     });
@@ -59,6 +60,7 @@ fn rms_norm_matches_cpu() {
     let toks = [3u32, 0, 9, 3, 7];
     let mut emb = vec![0f32; toks.len() * 300];
     let (pt, pk, pe) = (c(&table), c(&toks), m(&mut emb));
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch((toks.len() as u32, 1), 256, || unsafe {
         embed(pt.p(), pk.p(), pe.p(), 300, toks.len() as i32)
     });
@@ -108,6 +110,7 @@ fn rope_pairs_matches_cpu() {
         }
         let mut got = x.clone();
         let (pg, pp) = (m(&mut got), c(&pos));
+        // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
         e.launch((t as u32, heads as u32), 32, || unsafe {
             kern(
                 pg.p(),

@@ -25,6 +25,7 @@ fn argmax_rows_exact() {
     l[5 * vocab - 1] = 1e30;
     let mut out = vec![u32::MAX; rows];
     let (pl, po) = (c(&l), m(&mut out));
+    // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
     e.launch((rows as u32, 1), 256, || unsafe {
         kern(pl.p(), vocab as i32, po.p())
     });
@@ -66,6 +67,7 @@ fn log_softmax_rows_matches_cpu() {
         let flat = rows.concat();
         let mut out = vec![0f32; flat.len()];
         let (pl, po) = (c(&flat), m(&mut out));
+        // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
         e.launch((rows.len() as u32, 1), 256, || unsafe {
             kern(pl.p(), po.p(), vocab as i32)
         });
