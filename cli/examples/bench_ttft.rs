@@ -2,7 +2,7 @@
 //! the same engine), host hit (a fresh engine whose prefix comes back from the cache
 //! service's shared-memory mirror).
 //!
-//! `cargo run --release -p pdmesh-engine --example bench_ttft -- [PROMPT_TOKENS] [ROUNDS] [--tp N]`
+//! `cargo run --release -p pdmesh-cli --example bench_ttft -- [PROMPT_TOKENS] [ROUNDS] [--tp N]`
 
 use std::time::{Duration, Instant};
 
@@ -35,17 +35,6 @@ fn ttft(e: &mut Engine, id: &str, prompt: &[u32]) -> f64 {
         }
     }
     first.expect("a first token")
-}
-
-/// A waker that unparks the calling thread.
-fn wake_here() -> std::task::Waker {
-    struct Unpark(std::thread::Thread);
-    impl std::task::Wake for Unpark {
-        fn wake(self: std::sync::Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    std::task::Waker::from(std::sync::Arc::new(Unpark(std::thread::current())))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -100,7 +89,7 @@ fn main() {
                 std::thread::sleep(Duration::from_millis(10));
             }
             e.set_host_tier(Box::new(t), WritePolicy::WriteThrough);
-            e.set_host_waker(wake_here());
+            e.set_host_waker(pdmesh_testkit::wake_here());
         }
         e
     };

@@ -1,8 +1,11 @@
 //! The ports file (`--ports-json`): where each service of the mesh listens and its
-//! process id, rewritten whenever a restart changes one.
+//! process id, rewritten whenever a restart changes one. Written as the one typed
+//! `MeshFile` its readers parse.
 
 use std::net::IpAddr;
 use std::path::Path;
+
+use pdmesh_bench::mesh::{MeshFile, Mode, Pids};
 
 use super::error::UpError;
 use super::service::Service;
@@ -25,8 +28,9 @@ pub(super) struct MeshLayout {
 }
 
 impl MeshLayout {
-    /// The ports file's JSON, each service's pid from `pid` (by name; 0 when absent).
-    pub(super) fn json(&self, pid: impl Fn(&str) -> u32) -> serde_json::Value {
+    /// The ports file, each service's pid from `pid` (by name; 0 when absent): the typed
+    /// form `pdmesh bench`, `pdmesh chaos` and the tests read back.
+    pub(super) fn file(&self, pid: impl Fn(&str) -> u32) -> MeshFile {
         let ports = |kind: &str| {
             let of = self.workers.iter().filter(|w| w.1 == kind);
             of.map(|w| w.2).collect::<Vec<_>>()
@@ -36,40 +40,40 @@ impl MeshLayout {
             of.map(|w| pid(w.0)).collect::<Vec<_>>()
         };
         let first = self.workers.first();
-        serde_json::json!({
-            "url": self.url,
-            "host": self.host.to_string(),
-            "mode": if self.pd { "pd" } else { "unified" },
-            "gateway": self.gateway,
-            "tokenizer": self.tokenizer,
+        MeshFile {
+            url: self.url.clone(),
+            host: self.host.to_string(),
+            mode: if self.pd { Mode::Pd } else { Mode::Unified },
+            gateway: self.gateway,
+            tokenizer: self.tokenizer,
             // The unified worker, or the first decode worker.
-            "worker": first.map_or(0, |w| w.2),
-            "prefill": ports("prefill"),
-            "decode": ports("decode"),
-            "cache": self.cache,
-            "model": self.model,
-            // Whether `up` restarts a service that exits (`--restart`).
-            "restart": self.restart,
-            "pids": {
-                "up": std::process::id(),
-                "tokenizer": pid("tokenizer"),
-                "worker": first.map_or(0, |w| pid(w.0)),
-                "prefill": pids("prefill"),
-                "decode": pids("decode"),
-                "gateway": pid("gateway"),
-                "cache": pid("cache"),
+            worker: first.map_or(0, |w| w.2),
+            prefill: ports("prefill"),
+            decode: ports("decode"),
+            cache: self.cache,
+            model: self.model.clone(),
+            restart: self.restart,
+            pids: Pids {
+                up: std::process::id(),
+                tokenizer: pid("tokenizer"),
+                worker: first.map_or(0, |w| pid(w.0)),
+                prefill: pids("prefill"),
+                decode: pids("decode"),
+                gateway: pid("gateway"),
+                cache: pid("cache"),
             },
-        })
+        }
     }
 
     /// Writes the ports file with the services' current pids.
     pub(super) fn write(&self, path: &Path, services: &[Service]) -> Result<(), UpError> {
-        let value = self.json(|name| {
+        let file = self.file(|name| {
             services
                 .iter()
                 .find(|s| s.name == name)
                 .map_or(0, |s| s.pid)
         });
+        let value = serde_json::to_value(&file).expect("a ports file is JSON");
         write_ports_json(path, &value)
     }
 }

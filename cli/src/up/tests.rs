@@ -121,7 +121,11 @@ fn the_ports_file_names_every_pid_and_whether_up_restarts() {
         "gateway" => 80,
         _ => 0,
     };
-    let v = layout.json(pids);
+    let file = layout.file(pids);
+    // What a reader gets back is what was written.
+    let text = serde_json::to_string(&file).unwrap();
+    assert_eq!(pdmesh_bench::mesh::MeshFile::parse(&text).unwrap(), file);
+    let v = serde_json::to_value(&file).unwrap();
     assert_eq!(v["restart"], true);
     assert_eq!(v["mode"], "pd");
     assert_eq!(v["worker"], 2);
@@ -140,7 +144,7 @@ fn the_ports_file_names_every_pid_and_whether_up_restarts() {
         restart: false,
         ..layout
     };
-    let v = unified.json(|n| if n == "worker" { 7 } else { 0 });
+    let v = serde_json::to_value(unified.file(|n| if n == "worker" { 7 } else { 0 })).unwrap();
     assert_eq!(
         (v["mode"].as_str(), v["restart"].as_bool()),
         (Some("unified"), Some(false))

@@ -159,10 +159,8 @@ fn a_service_announces_its_address_and_exits_cleanly_on_sigterm() {
     // Drain stderr in the background so the child never blocks writing logs.
     std::thread::spawn(move || lines.for_each(drop));
     // SAFETY: kill(2) on our own child's pid.
-    assert_eq!(
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) },
-        0
-    );
+    let sent = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(sent, 0);
     let status = child.wait().unwrap();
     assert!(
         status.success(),

@@ -5,11 +5,9 @@
 //! a cache service that is not there costs nothing but the host hits. The DeepSeek tiny
 //! model goes through the mirror in two of its cache forms over both planes too.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{assert_same_turns, available, greedy, run_all, sessions};
+use crate::engine_common::{assert_same_turns, available, greedy, run_all, sessions};
 use pdmesh_cache::client::DataPlane;
 use pdmesh_cache::{Config, MirrorSize, RemoteTier, TierConfig};
 use pdmesh_engine::{Engine, WritePolicy};
@@ -56,7 +54,7 @@ impl Cache {
             std::thread::sleep(Duration::from_millis(20));
         }
         e.set_host_tier(Box::new(tier), policy);
-        e.set_host_waker(common::wake_here());
+        e.set_host_waker(pdmesh_testkit::wake_here());
     }
 
     fn tier(&self, e: &Engine, plane: DataPlane) -> RemoteTier {
@@ -93,7 +91,7 @@ impl Drop for Cache {
 #[test]
 fn slow_eighty_sessions_are_bit_identical_with_no_cache_the_device_tier_and_the_host_mirror() {
     const N: usize = 80;
-    let mut plain = common::engine(|c| {
+    let mut plain = crate::engine_common::engine(|c| {
         c.prefix_cache = false;
         c.kv_pages = 2048;
     });
@@ -121,7 +119,7 @@ fn slow_eighty_sessions_are_bit_identical_with_no_cache_the_device_tier_and_the_
     ] {
         let what = format!("host tier over {plane:?} with {policy:?}, {n} sessions");
         let cache = Cache::start("512MiB");
-        let mut e = common::engine(|c| c.kv_pages = pages);
+        let mut e = crate::engine_common::engine(|c| c.kv_pages = pages);
         cache.attach(&mut e, plane, policy);
         let got = sessions(&mut e, n);
         assert!(got.iter().all(|turn| turn.len() == n), "{what}");
@@ -154,7 +152,7 @@ fn deepseek_sessions_are_bit_identical_through_the_host_mirror_over_both_planes(
             c.kv_cache_dtype = mla;
             c.index_k_dtype = ik;
         };
-        let mut plain = common::tiny_engine(|c| {
+        let mut plain = crate::engine_common::tiny_engine(|c| {
             form(c);
             c.prefix_cache = false;
             c.kv_pages = 1024;
@@ -164,7 +162,7 @@ fn deepseek_sessions_are_bit_identical_through_the_host_mirror_over_both_planes(
             let what = format!("{mla:?}/{ik:?} over {plane:?}");
             let cache = Cache::start("256MiB");
             // Too small to keep the histories: later turns load them from the mirror.
-            let mut e = common::tiny_engine(|c| {
+            let mut e = crate::engine_common::tiny_engine(|c| {
                 form(c);
                 c.kv_pages = 48;
             });
@@ -185,20 +183,20 @@ fn deepseek_sessions_are_bit_identical_through_the_host_mirror_over_both_planes(
 #[test]
 fn a_byte_flipped_in_the_mirror_is_caught_recomputed_and_counted() {
     let cache = Cache::start("64MiB");
-    let fx = common::fixture_prompts();
+    let fx = crate::engine_common::fixture_prompts();
     let prompt: Vec<u32> = fx[0].iter().chain(&fx[1]).chain(&fx[2]).copied().collect();
     assert!(prompt.len() > 48);
 
-    let mut writer = common::engine(|_| {});
+    let mut writer = crate::engine_common::engine(|_| {});
     cache.attach(&mut writer, DataPlane::Shm, WritePolicy::WriteThrough);
     let first = run_all(&mut writer, vec![greedy("w", &prompt, 8)])
         .remove("w")
         .unwrap();
-    common::wait_stored(&writer);
+    crate::engine_common::wait_stored(&writer);
     assert!(writer.host_stats().written_pages >= 3);
 
     // Below the load threshold a host hit is recomputed, not loaded.
-    let mut picky = common::engine(|c| c.host_min_pages = 1000);
+    let mut picky = crate::engine_common::engine(|c| c.host_min_pages = 1000);
     cache.attach(&mut picky, DataPlane::Shm, WritePolicy::WriteThrough);
     let got = run_all(&mut picky, vec![greedy("p", &prompt, 8)])
         .remove("p")
@@ -207,7 +205,7 @@ fn a_byte_flipped_in_the_mirror_is_caught_recomputed_and_counted() {
     assert_eq!(picky.host_stats().hit_tokens, 0);
 
     // A fresh worker (empty device tier) loads the prefix from the host: intact.
-    let mut clean = common::engine(|_| {});
+    let mut clean = crate::engine_common::engine(|_| {});
     cache.attach(&mut clean, DataPlane::Grpc, WritePolicy::WriteThrough);
     let got = run_all(&mut clean, vec![greedy("c", &prompt, 8)])
         .remove("c")
@@ -224,7 +222,7 @@ fn a_byte_flipped_in_the_mirror_is_caught_recomputed_and_counted() {
     }
     std::fs::write(&path, &bytes).unwrap();
 
-    let mut e = common::engine(|_| {});
+    let mut e = crate::engine_common::engine(|_| {});
     cache.attach(&mut e, DataPlane::Shm, WritePolicy::WriteThrough);
     let got = run_all(&mut e, vec![greedy("x", &prompt, 8)])
         .remove("x")
@@ -234,7 +232,7 @@ fn a_byte_flipped_in_the_mirror_is_caught_recomputed_and_counted() {
         "a corrupt page must never be served"
     );
     for (a, b) in got.logits.iter().zip(&first.logits) {
-        assert!(common::bits(a) == common::bits(b));
+        assert!(crate::engine_common::bits(a) == crate::engine_common::bits(b));
     }
     let st = e.host_stats();
     assert_eq!((st.checksum_failures, st.hit_tokens), (1, 0), "{st:?}");
@@ -246,19 +244,19 @@ fn a_byte_flipped_in_the_mirror_is_caught_recomputed_and_counted() {
 #[test]
 fn a_salted_prompt_comes_back_from_the_host_only_for_its_own_salt() {
     let cache = Cache::start("64MiB");
-    let fx = common::fixture_prompts();
+    let fx = crate::engine_common::fixture_prompts();
     let prompt: Vec<u32> = fx[0].iter().chain(&fx[1]).chain(&fx[2]).copied().collect();
     let salted = |id: &str, salt: Option<&str>| {
         let mut r = greedy(id, &prompt, 8);
         r.params.cache_salt = salt.map(str::to_owned);
         r
     };
-    let mut writer = common::engine(|_| {});
+    let mut writer = crate::engine_common::engine(|_| {});
     cache.attach(&mut writer, DataPlane::Shm, WritePolicy::WriteThrough);
     let first = run_all(&mut writer, vec![salted("w", Some("tenant-a"))])
         .remove("w")
         .unwrap();
-    common::wait_stored(&writer);
+    crate::engine_common::wait_stored(&writer);
     assert!(writer.host_stats().written_pages >= 3);
     for (salt, hit) in [
         (Some("tenant-b"), false),
@@ -266,7 +264,7 @@ fn a_salted_prompt_comes_back_from_the_host_only_for_its_own_salt() {
         (Some("tenant-a"), true),
     ] {
         // A fresh worker each time: its device tier holds nothing.
-        let mut e = common::engine(|_| {});
+        let mut e = crate::engine_common::engine(|_| {});
         cache.attach(&mut e, DataPlane::Shm, WritePolicy::WriteThrough);
         let got = run_all(&mut e, vec![salted("r", salt)])
             .remove("r")
@@ -282,7 +280,7 @@ fn without_a_cache_service_requests_are_served_from_the_device_tier() {
     // Nothing listens here: the tier never connects, and nothing waits on it.
     let rt = tokio::runtime::Runtime::new().unwrap();
     let refusing = pdmesh_testkit::Refusing::new();
-    let mut e = common::engine(|_| {});
+    let mut e = crate::engine_common::engine(|_| {});
     let mut cfg = TierConfig::new(
         refusing.url(),
         "lonely",
@@ -293,8 +291,8 @@ fn without_a_cache_service_requests_are_served_from_the_device_tier() {
     cfg.retry_every = Duration::from_millis(50);
     let tier = RemoteTier::start(rt.handle().clone(), cfg, e.pool().layout().as_ref().clone());
     e.set_host_tier(Box::new(tier), WritePolicy::WriteThrough);
-    e.set_host_waker(common::wake_here());
-    let fx = common::fixture_prompts();
+    e.set_host_waker(pdmesh_testkit::wake_here());
+    let fx = crate::engine_common::fixture_prompts();
     let out = run_all(&mut e, vec![greedy("a", &fx[3], 6), greedy("b", &fx[3], 6)]);
     assert_eq!(out["a"].tokens, out["b"].tokens);
     assert_eq!(out["a"].tokens.len(), 6);

@@ -3,6 +3,12 @@
 //! machine).
 
 mod cli;
+// The engine's own test helpers (model paths, running requests to completion): the
+// host tier's tests need a real cache service, which only this crate may start.
+#[path = "../../../crates/engine/tests/common/mod.rs"]
+mod engine_common;
+mod engine_host_tier;
+mod gateway_api;
 mod host_cache;
 mod watchdog;
 

@@ -1,4 +1,5 @@
-//! What pdmesh's tests share. Tests never pick a port by binding one and letting it go: a
+//! What pdmesh's tests share: a waker for the test's own thread ([`wake_here`]), and
+//! addresses that refuse. Tests never pick a port by binding one and letting it go: a
 //! test running beside them could take it in between. A listener a test needs is bound on
 //! port 0 and handed to the service as it is; an address where nothing may answer is
 //! [`Refusing`], a socket that holds its port and never listens.
@@ -43,6 +44,19 @@ impl Default for Refusing {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// A waker that unparks the calling thread: for a test or benchmark that drives an engine
+/// with a host tier from its own thread and parks while the tier's answers are on their
+/// way.
+pub fn wake_here() -> std::task::Waker {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    std::task::Waker::from(std::sync::Arc::new(Unpark(std::thread::current())))
 }
 
 #[cfg(test)]

@@ -59,7 +59,7 @@ async fn main() {
     tokio::spawn(async move {
         let (s, _) = listener.accept().await.unwrap();
         serve_connection(s, &theirs, &l2, TcpOptions::default(), |_: InPage<'_>| {
-            Ok(())
+            Ok::<(), std::convert::Infallible>(())
         })
         .await
         .unwrap();

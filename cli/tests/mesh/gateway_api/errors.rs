@@ -2,7 +2,7 @@
 //! routing, body limits, a worker that is down, `/health` and `/metrics`. The real
 //! tokenizer runs; the worker URL points at a closed port.
 
-use crate::common::{Options, get, post_json, post_raw, request, start};
+use super::common::{Options, get, post_json, post_raw, request, start};
 use serde_json::json;
 
 fn chat(extra: serde_json::Value) -> serde_json::Value {

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::common::{Mesh, Options, get, metric, post_json, start};
+use super::common::{Mesh, Options, get, metric, post_json, start};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

@@ -4,7 +4,6 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdmesh_engine::{Engine, EngineConfig, GenRequest, Logprob, SamplingParams, StepEvent};
@@ -95,18 +94,6 @@ pub fn run_submitted(e: &mut Engine, ids: &[String]) -> HashMap<String, Outcome>
     out
 }
 
-/// A waker that unparks the calling thread: give it to an engine with a host tier
-/// ([`Engine::set_host_waker`]) that [`run_submitted`] drives from this thread.
-pub fn wake_here() -> std::task::Waker {
-    struct Unpark(std::thread::Thread);
-    impl std::task::Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    std::task::Waker::from(Arc::new(Unpark(std::thread::current())))
-}
-
 /// Waits until `e`'s host tier has written (or skipped) every page queued for it.
 pub fn wait_stored(e: &Engine) {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -142,10 +129,12 @@ pub fn greedy(id: &str, prompt: &[u32], n: u32) -> GenRequest {
 }
 
 pub fn fixtures() -> serde_json::Value {
-    let p = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/fixtures/reference.json"
-    );
+    // The workspace's tests/fixtures, from whichever crate includes these helpers.
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .map(|d| d.join("tests/fixtures/reference.json"))
+        .find(|p| p.exists())
+        .expect("tests/fixtures/reference.json above this crate");
     serde_json::from_str(&std::fs::read_to_string(p).expect("reference fixture")).unwrap()
 }
 
