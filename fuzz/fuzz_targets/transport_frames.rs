@@ -21,7 +21,8 @@ struct Pages<'a> {
 }
 
 impl Sink for Pages<'_> {
-    fn page(&mut self, p: InPage<'_>) -> Result<(), String> {
+    type Refusal = &'static str;
+    fn page(&mut self, p: InPage<'_>) -> Result<(), &'static str> {
         assert_eq!(p.bytes.len(), self.layout.bytes_per_page());
         assert_eq!(
             page_checksum(p.bytes),
@@ -31,7 +32,7 @@ impl Sink for Pages<'_> {
         self.taken += 1;
         // Refuse some pages, as a room that is not transferring would.
         if p.room % 3 == 2 {
-            return Err("room not transferring".into());
+            return Err("room not transferring");
         }
         Ok(())
     }
