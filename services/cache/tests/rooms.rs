@@ -43,30 +43,43 @@ async fn cache_service(
     (addr, tokio::spawn(pdmesh_cache::run(cfg, listener, stop)))
 }
 
-#[tokio::test]
-async fn a_request_in_the_moment_the_room_link_registers_again_waits_for_it() {
-    let layout = KvLayout::llama(2, 1, 8, pdmesh_kv::DType::F16, 4);
-    let dir = tempfile::tempdir().unwrap();
+/// A running service with a link registered at it, its client, and the service then
+/// restarted on the same address: it no longer knows the link's lease, and no heartbeat
+/// came to say so. Returns the link, the client it had, and the new service's stop and
+/// task.
+async fn linked_then_restarted(
+    layout: &KvLayout,
+    shm: &std::path::Path,
+    worker: &str,
+) -> (
+    RoomLink,
+    Arc<HostClient>,
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<Result<(), pdmesh_cache::Error>>,
+) {
     let stop = tokio_util::sync::CancellationToken::new();
-    let (addr, task) = cache_service(
-        "127.0.0.1:0".parse().unwrap(),
-        dir.path(),
-        &layout,
-        stop.clone(),
-    )
-    .await;
+    let any = "127.0.0.1:0".parse().unwrap();
+    let (addr, task) = cache_service(any, shm, layout, stop.clone()).await;
     let link = RoomLink::start(
         format!("http://{addr}"),
-        "w".into(),
+        worker.into(),
         layout.clone(),
         pdmesh_tls::test_ca::auth(),
     );
     let first = link.wait(Duration::from_secs(10)).await.unwrap();
-    // The service restarts: the link's lease is gone, and the first room call says so.
     stop.cancel();
     task.await.unwrap().unwrap();
     let stop = tokio_util::sync::CancellationToken::new();
-    let (_, task) = cache_service(addr, dir.path(), &layout, stop.clone()).await;
+    let (_, task) = cache_service(addr, shm, layout, stop.clone()).await;
+    (link, first, stop, task)
+}
+
+#[tokio::test]
+async fn a_request_in_the_moment_the_room_link_registers_again_waits_for_it() {
+    let layout = KvLayout::llama(2, 1, 8, pdmesh_kv::DType::F16, 4);
+    let dir = tempfile::tempdir().unwrap();
+    // The service restarts: the link's lease is gone, and the first room call says so.
+    let (link, first, stop, task) = linked_then_restarted(&layout, dir.path(), "w").await;
     let mut refused = None;
     for _ in 0..3 {
         match first.room_open(1, cpb::RoomSide::Sender, "r", "").await {
@@ -98,21 +111,8 @@ async fn a_request_in_the_moment_the_room_link_registers_again_waits_for_it() {
 async fn a_room_open_refused_for_a_lease_the_service_forgot_opens_again_with_the_new_one() {
     let layout = KvLayout::llama(2, 1, 8, pdmesh_kv::DType::F16, 4);
     let dir = tempfile::tempdir().unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let any = "127.0.0.1:0".parse().unwrap();
-    let (addr, task) = cache_service(any, dir.path(), &layout, stop.clone()).await;
-    let link = RoomLink::start(
-        format!("http://{addr}"),
-        "prefill-1".into(),
-        layout.clone(),
-        pdmesh_tls::test_ca::auth(),
-    );
-    let first = link.wait(Duration::from_secs(10)).await.unwrap();
     // The service restarts, forgetting the lease, and no heartbeat comes to say so.
-    stop.cancel();
-    task.await.unwrap().unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let (_, task) = cache_service(addr, dir.path(), &layout, stop.clone()).await;
+    let (link, first, stop, task) = linked_then_restarted(&layout, dir.path(), "prefill-1").await;
     // The broken connection fails a call before it connects again: a call that
     // changes nothing takes that.
     for _ in 0..3 {
