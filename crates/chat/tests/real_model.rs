@@ -2,7 +2,6 @@
 //! (tests/fixtures/reference.json, made by scripts/reference/gen_reference.py): the exact
 //! ChatML prompts, and chat prompts whose control tokens come only from the template.
 
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use pdmesh_chat::{ChatError, ChatMessage, ChatTemplate, ChatTokenizer, dsv32};
@@ -17,13 +16,7 @@ fn tok() -> &'static ChatTokenizer {
     })
 }
 
-fn fixture<T: for<'de> Deserialize<'de>>(name: &str) -> T {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
+use pdmesh_testkit::fixture;
 
 #[derive(Deserialize)]
 struct ReferenceFixture {

@@ -1,4 +1,4 @@
-//! What pdmesh's tests share: a waker for the test's own thread ([`wake_here`]), and
+//! What pdmesh's tests share: the committed fixtures ([`fixture`]), a waker for the test's own thread ([`wake_here`]), and
 //! addresses that refuse. Tests never pick a port by binding one and letting it go: a
 //! test running beside them could take it in between. A listener a test needs is bound on
 //! port 0 and handed to the service as it is; an address where nothing may answer is
@@ -44,6 +44,15 @@ impl Default for Refusing {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// The committed fixture `name` (`tests/fixtures/`, llama.cpp's own answers for the
+/// default model, made by scripts/reference/gen_reference.py), parsed.
+pub fn fixture<T: serde::de::DeserializeOwned>(name: &str) -> T {
+    let path = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures"))
+        .join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// A waker that unparks the calling thread: for a test or benchmark that drives an engine

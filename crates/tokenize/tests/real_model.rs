@@ -2,7 +2,6 @@
 //! (tests/fixtures/*.json, made by scripts/reference/gen_reference.py): same token ids,
 //! lossless decoding and clean streaming text.
 
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use pdmesh_tokenize::{TextTokenizer, TokenizerError};
@@ -17,13 +16,7 @@ fn tok() -> &'static TextTokenizer {
     })
 }
 
-fn fixture<T: for<'de> Deserialize<'de>>(name: &str) -> T {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
+use pdmesh_testkit::fixture;
 
 #[derive(Deserialize)]
 struct TokenizerFixture {

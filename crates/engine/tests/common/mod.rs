@@ -129,13 +129,7 @@ pub fn greedy(id: &str, prompt: &[u32], n: u32) -> GenRequest {
 }
 
 pub fn fixtures() -> serde_json::Value {
-    // The workspace's tests/fixtures, from whichever crate includes these helpers.
-    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .map(|d| d.join("tests/fixtures/reference.json"))
-        .find(|p| p.exists())
-        .expect("tests/fixtures/reference.json above this crate");
-    serde_json::from_str(&std::fs::read_to_string(p).expect("reference fixture")).unwrap()
+    pdmesh_testkit::fixture("reference.json")
 }
 
 pub fn bits(v: &[f32]) -> Vec<u32> {
