@@ -474,7 +474,7 @@ async fn hard_watchdog_fails_the_stuck_rooms_and_their_mirror_slots_come_back() 
         );
     }
     let err = d.room_result(SUCCEEDED).await.unwrap_err();
-    assert!(err.message().contains("watchdog: stuck"), "{err:?}");
+    assert!(err.to_string().contains("watchdog: stuck"), "{err:?}");
     let st = cache.stats().await;
     assert_eq!(st.room_aborts.get("watchdog"), Some(&4), "{st:?}");
     assert_eq!(st.room_stalls, 4, "{st:?}");
@@ -493,7 +493,7 @@ async fn hard_watchdog_fails_the_stuck_rooms_and_their_mirror_slots_come_back() 
         .room_commit(TRANSFERRING, pages(&writing), aux(TRANSFERRING))
         .await
         .unwrap_err();
-    assert!(err.message().contains("watchdog: stuck"), "{err:?}");
+    assert!(err.to_string().contains("watchdog: stuck"), "{err:?}");
     let st = cache.stats().await;
     assert_eq!(
         (st.used_pages, st.quarantined_slots, st.late_writes_rejected),

@@ -38,6 +38,18 @@ pub enum ClientError {
     BadLease(#[from] crate::BadLease),
 }
 
+impl ClientError {
+    /// The gRPC code of the cache service's answer; UNAVAILABLE when it could not be
+    /// reached, INTERNAL when what it sent makes no sense.
+    pub fn code(&self) -> tonic::Code {
+        match self {
+            Self::Rpc(s) => s.code(),
+            Self::Connect(_) | Self::Map(_) => tonic::Code::Unavailable,
+            Self::WrongSize { .. } | Self::BadLease(_) => tonic::Code::Internal,
+        }
+    }
+}
+
 /// Where a room lives and what its receiver holds (see `RoomOpenRequest`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RoomOpen<'a> {
@@ -423,7 +435,7 @@ impl HostClient {
         side: pb::RoomSide,
         request_id: &str,
         trace_id: &str,
-    ) -> Result<pb::RoomStatus, tonic::Status> {
+    ) -> Result<pb::RoomStatus, ClientError> {
         self.room_open_with(room, side, request_id, trace_id, RoomOpen::default())
             .await
     }
@@ -437,7 +449,7 @@ impl HostClient {
         request_id: &str,
         trace_id: &str,
         how: RoomOpen<'_>,
-    ) -> Result<pb::RoomStatus, tonic::Status> {
+    ) -> Result<pb::RoomStatus, ClientError> {
         let r = self
             .rpc
             .clone()
@@ -463,7 +475,7 @@ impl HostClient {
                     tracing::warn!(lease = %self.lease, "cache lease expired");
                     self.alive.store(false, Ordering::Relaxed);
                 }
-                Err(s)
+                Err(s.into())
             }
         }
     }
@@ -474,7 +486,7 @@ impl HostClient {
         room: u64,
         until: pb::RoomState,
         timeout: Duration,
-    ) -> Result<pb::RoomStatus, tonic::Status> {
+    ) -> Result<pb::RoomStatus, ClientError> {
         Ok(self
             .rpc
             .clone()
@@ -488,7 +500,7 @@ impl HostClient {
             .into_inner())
     }
 
-    pub async fn room_start(&self, room: u64, pages: u32) -> Result<Vec<u32>, tonic::Status> {
+    pub async fn room_start(&self, room: u64, pages: u32) -> Result<Vec<u32>, ClientError> {
         Ok(self
             .rpc
             .clone()
@@ -507,7 +519,7 @@ impl HostClient {
         room: u64,
         pages: Vec<pb::RoomPage>,
         aux: pb::RoomAux,
-    ) -> Result<(), tonic::Status> {
+    ) -> Result<(), ClientError> {
         self.rpc
             .clone()
             .room_commit(pdmesh_telemetry::request(pb::RoomCommitRequest {
@@ -520,7 +532,7 @@ impl HostClient {
         Ok(())
     }
 
-    pub async fn room_result(&self, room: u64) -> Result<pb::RoomResultResponse, tonic::Status> {
+    pub async fn room_result(&self, room: u64) -> Result<pb::RoomResultResponse, ClientError> {
         Ok(self
             .rpc
             .clone()
@@ -532,7 +544,7 @@ impl HostClient {
             .into_inner())
     }
 
-    pub async fn room_finish(&self, room: u64) -> Result<(), tonic::Status> {
+    pub async fn room_finish(&self, room: u64) -> Result<(), ClientError> {
         self.rpc
             .clone()
             .room_finish(pdmesh_telemetry::request(pb::RoomRef {
@@ -543,7 +555,7 @@ impl HostClient {
         Ok(())
     }
 
-    pub async fn room_abort(&self, room: u64, reason: &str) -> Result<(), tonic::Status> {
+    pub async fn room_abort(&self, room: u64, reason: &str) -> Result<(), ClientError> {
         self.rpc
             .clone()
             .room_abort(pdmesh_telemetry::request(pb::RoomAbortRequest {

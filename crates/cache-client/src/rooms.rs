@@ -9,9 +9,10 @@ use std::time::Duration;
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as cpb;
 use pdmesh_telemetry::KeyValue;
-use tonic::Status;
+use pdmesh_telemetry::labels::TransferFailure;
+use tonic::{Code, Status};
 
-use crate::client::{DataPlane, HostClient, RoomOpen};
+use crate::client::{ClientError, DataPlane, HostClient, RoomOpen};
 
 #[cfg(test)]
 mod tests;
@@ -85,7 +86,7 @@ impl RoomLink {
     }
 
     /// The link, waiting up to `grace` for it to come back when it is down.
-    pub async fn wait(&self, grace: Duration) -> Result<Arc<HostClient>, Status> {
+    pub async fn wait(&self, grace: Duration) -> Result<Arc<HostClient>, HandoverError> {
         let mut rx = self.cur.subscribe();
         let until = tokio::time::Instant::now() + grace;
         loop {
@@ -94,11 +95,7 @@ impl RoomLink {
             }
             match tokio::time::timeout_at(until, rx.changed()).await {
                 Ok(Ok(())) => {}
-                _ => {
-                    return Err(Status::unavailable(
-                        "not connected to the cache service (rooms)",
-                    ));
-                }
+                _ => return Err(HandoverError::NoLink),
             }
         }
     }
@@ -133,66 +130,151 @@ impl Drop for RoomGuard {
     }
 }
 
-/// A room open the cache service refused because it no longer knows this worker's lease
-/// (paused or restarted past the lease's time) is UNAVAILABLE, not a failed transfer:
-/// nothing of the request ran, and the client registers again at once (see
-/// `HostClient::room_open_with`); [`RoomLink::open_room`] opens once more with the new
-/// lease.
-async fn lease_checked<T>(fut: impl Future<Output = Result<T, Status>>) -> Result<T, Status> {
-    fut.await.map_err(|s| {
-        if s.code() == tonic::Code::NotFound {
-            Status::unavailable(format!(
-                "the cache service no longer knows this worker's lease; registering again ({})",
-                s.message()
-            ))
-        } else {
-            s
+/// Why a worker's side of a hand-over could not go on with the cache service, classified
+/// once: what the worker tells its caller (`From<HandoverError> for Status`) and the
+/// failure it counts ([`HandoverError::failure`]). Rooms, leases and the calls between
+/// the mesh's services are the mesh's business, never the client's: no variant answers
+/// with a code that blames the caller's request (INVALID_ARGUMENT, FAILED_PRECONDITION,
+/// OUT_OF_RANGE, NOT_FOUND).
+#[derive(Debug, thiserror::Error)]
+pub enum HandoverError {
+    /// No registered link to the cache service: it is down, or registering again.
+    #[error("not connected to the cache service (rooms)")]
+    NoLink,
+    /// The service could not be reached for a room call.
+    #[error("the cache service could not be reached: {0}")]
+    Unreachable(String),
+    /// A room open the service refused because it no longer knows this worker's lease
+    /// (paused or restarted past the lease's time): nothing of the request ran, and the
+    /// client registers again at once (see `HostClient::room_open_with`).
+    #[error("the cache service no longer knows this worker's lease; registering again ({0})")]
+    LeaseLost(String),
+    /// A room call did not finish before the transfer deadline.
+    #[error("KV transfer: {0} did not finish before the transfer deadline")]
+    Deadline(&'static str),
+    /// The room failed, or the service no longer knows it: the hand-over is over.
+    #[error("KV transfer failed: {0}")]
+    Failed(String),
+    /// The service said "not now" (UNAVAILABLE, a deadline, a full mirror, a cancelled
+    /// call) or named a real fault (ABORTED, DATA_LOSS, INTERNAL): passed on as it is.
+    #[error("{}", .0.message())]
+    Cache(Status),
+    /// The service refused the call as malformed or in the wrong state (a room in
+    /// another state, another host's KV layout): the mesh's fault, INTERNAL.
+    #[error("the cache service refused a room call ({code:?}): {message}")]
+    Refused { code: Code, message: String },
+}
+
+impl HandoverError {
+    /// What the cache service's refusal of a room call means for the hand-over.
+    pub fn from_cache(e: ClientError) -> Self {
+        let s = match e {
+            ClientError::Rpc(s) => s,
+            e @ (ClientError::Connect(_) | ClientError::Map(_)) => {
+                return Self::Unreachable(e.to_string());
+            }
+            e @ (ClientError::WrongSize { .. } | ClientError::BadLease(_)) => {
+                return Self::Refused {
+                    code: Code::Internal,
+                    message: e.to_string(),
+                };
+            }
+        };
+        match s.code() {
+            Code::Unavailable
+            | Code::DeadlineExceeded
+            | Code::ResourceExhausted
+            | Code::Cancelled
+            | Code::Aborted
+            | Code::DataLoss
+            | Code::Internal => Self::Cache(s),
+            Code::NotFound => Self::Failed(s.message().to_owned()),
+            code => Self::Refused {
+                code,
+                message: s.message().to_owned(),
+            },
         }
+    }
+
+    /// The failure a worker counts for it.
+    pub fn failure(&self) -> TransferFailure {
+        match self {
+            Self::NoLink | Self::Unreachable(_) | Self::LeaseLost(_) => {
+                TransferFailure::CacheUnavailable
+            }
+            Self::Deadline(_) => TransferFailure::Deadline,
+            Self::Failed(_) => TransferFailure::RoomFailed,
+            Self::Refused { .. } => TransferFailure::Other,
+            Self::Cache(s) => match s.code() {
+                Code::Aborted => TransferFailure::RoomFailed,
+                Code::DeadlineExceeded => TransferFailure::Deadline,
+                Code::Unavailable => TransferFailure::CacheUnavailable,
+                Code::DataLoss => TransferFailure::Checksum,
+                Code::Cancelled => TransferFailure::CallerLeft,
+                Code::ResourceExhausted => TransferFailure::Admission,
+                _ => TransferFailure::Other,
+            },
+        }
+    }
+
+    /// Whether the mirror is full of other rooms' pages for now (worth trying again
+    /// before the deadline).
+    pub fn mirror_full(&self) -> bool {
+        matches!(self, Self::Cache(s) if s.code() == Code::ResourceExhausted)
+    }
+}
+
+impl From<HandoverError> for Status {
+    fn from(e: HandoverError) -> Self {
+        let msg = e.to_string();
+        match e {
+            HandoverError::NoLink | HandoverError::Unreachable(_) | HandoverError::LeaseLost(_) => {
+                Status::unavailable(msg)
+            }
+            HandoverError::Deadline(_) => Status::deadline_exceeded(msg),
+            HandoverError::Failed(_) => Status::aborted(msg),
+            HandoverError::Cache(s) => Status::new(s.code(), msg),
+            HandoverError::Refused { .. } => Status::internal(msg),
+        }
+    }
+}
+
+/// A room open refused because the service no longer knows this worker's lease is
+/// [`HandoverError::LeaseLost`], not a failed transfer; [`RoomLink::open_room`] opens
+/// once more with the new lease.
+async fn lease_checked<T>(
+    fut: impl Future<Output = Result<T, ClientError>>,
+) -> Result<T, HandoverError> {
+    fut.await.map_err(|e| match e {
+        ClientError::Rpc(s) if s.code() == Code::NotFound => {
+            HandoverError::LeaseLost(s.message().to_owned())
+        }
+        e => HandoverError::from_cache(e),
     })
 }
 
-/// What this worker tells its caller when the cache service refused a room call. Rooms,
-/// leases and the calls between the mesh's services are the mesh's business, never the
-/// client's: a code that would blame the caller's request (INVALID_ARGUMENT,
-/// FAILED_PRECONDITION, OUT_OF_RANGE: a room in the wrong state, a malformed call,
-/// another host's KV layout) is INTERNAL here; NOT_FOUND (the room or this worker's lease
-/// is gone) fails the hand-over, ABORTED; what says "not now" (UNAVAILABLE, a deadline, a
-/// full mirror) or names a real fault (ABORTED, DATA_LOSS, INTERNAL) stays as it is.
-pub fn from_cache(s: Status) -> Status {
-    use tonic::Code;
-    match s.code() {
-        Code::Unavailable
-        | Code::DeadlineExceeded
-        | Code::ResourceExhausted
-        | Code::Cancelled
-        | Code::Aborted
-        | Code::DataLoss
-        | Code::Internal => s,
-        Code::NotFound => failed(s.message()),
-        code => Status::internal(format!(
-            "the cache service refused a room call ({code:?}): {}",
-            s.message()
-        )),
-    }
-}
-
-pub fn failed(reason: &str) -> Status {
-    Status::aborted(format!("KV transfer failed: {reason}"))
-}
-
-/// Runs room call `fut` until `deadline`; past it, DEADLINE_EXCEEDED naming `what`. Its
-/// failure is what this worker passes on ([`from_cache`]).
+/// Runs room call `fut` until `deadline`; past it, [`HandoverError::Deadline`] naming
+/// `what`.
 pub async fn by<T>(
     deadline: tokio::time::Instant,
-    what: &str,
-    fut: impl Future<Output = Result<T, Status>>,
-) -> Result<T, Status> {
-    match tokio::time::timeout_at(deadline, fut).await {
-        Ok(r) => r.map_err(from_cache),
-        Err(_) => Err(Status::deadline_exceeded(format!(
-            "KV transfer: {what} did not finish before the transfer deadline"
-        ))),
-    }
+    what: &'static str,
+    fut: impl Future<Output = Result<T, ClientError>>,
+) -> Result<T, HandoverError> {
+    within(deadline, what, async {
+        fut.await.map_err(HandoverError::from_cache)
+    })
+    .await
+}
+
+/// `fut`, already classified, until `deadline`.
+async fn within<T>(
+    deadline: tokio::time::Instant,
+    what: &'static str,
+    fut: impl Future<Output = Result<T, HandoverError>>,
+) -> Result<T, HandoverError> {
+    tokio::time::timeout_at(deadline, fut)
+        .await
+        .unwrap_or(Err(HandoverError::Deadline(what)))
 }
 
 /// Waits until `room` reaches `until`; a failed room is ABORTED with its reason. Each
@@ -203,7 +285,7 @@ pub async fn wait_room(
     room: u64,
     until: cpb::RoomState,
     deadline: impl Fn() -> tokio::time::Instant,
-) -> Result<cpb::RoomStatus, Status> {
+) -> Result<cpb::RoomStatus, HandoverError> {
     loop {
         let st = by(
             deadline(),
@@ -212,7 +294,7 @@ pub async fn wait_room(
         )
         .await?;
         match cpb::RoomState::try_from(st.state).unwrap_or(cpb::RoomState::Failed) {
-            cpb::RoomState::Failed => return Err(failed(&st.reason)),
+            cpb::RoomState::Failed => return Err(HandoverError::Failed(st.reason)),
             s if s as i32 >= until as i32 => return Ok(st),
             _ => {}
         }
@@ -241,9 +323,9 @@ impl RoomLink {
         (room, side): (u64, cpb::RoomSide),
         (request_id, trace_id): (&str, &str),
         how: RoomOpen<'_>,
-    ) -> Result<(Arc<HostClient>, cpb::RoomStatus), Status> {
+    ) -> Result<(Arc<HostClient>, cpb::RoomStatus), HandoverError> {
         let open = async |c: &HostClient| {
-            by(
+            within(
                 deadline,
                 "room open",
                 lease_checked(c.room_open_with(room, side, request_id, trace_id, how)),
@@ -252,7 +334,7 @@ impl RoomLink {
         };
         match open(&client).await {
             Err(s) if !client.is_alive() => {
-                tracing::info!(room, lease = %client.lease(), error = %s.message(), "room open refused for this worker's lease: opening again once registered again");
+                tracing::info!(room, lease = %client.lease(), error = %s, "room open refused for this worker's lease: opening again once registered again");
                 let client = self.wait(RELINK_GRACE).await?;
                 let st = open(&client).await?;
                 Ok((client, st))

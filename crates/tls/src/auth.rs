@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use subtle::ConstantTimeEq;
@@ -32,6 +32,7 @@ use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Status};
 
+use crate::refusal::Refusal;
 use crate::role::{Caller, Policy, Role, Roles};
 use crate::{MeshTls, TlsArgs, TlsError};
 
@@ -127,20 +128,13 @@ impl MeshToken {
     }
 }
 
-/// How many calls and transport connections this process refused for a missing or wrong
-/// credential, or a certificate without the role the call needs.
-static REFUSED: AtomicU64 = AtomicU64::new(0);
-
-pub(crate) fn count_refused() {
-    REFUSED.fetch_add(1, Ordering::Relaxed);
-}
 /// Whether this process runs with `--insecure-plaintext`.
 static INSECURE: AtomicBool = AtomicBool::new(false);
 
 /// Calls and page-transport connections refused so far for their credential (the
 /// `pdmesh_auth_refused_total` counter of each service's metrics).
 pub fn refused_total() -> u64 {
-    REFUSED.load(Ordering::Relaxed)
+    crate::refusal::total()
 }
 
 /// Whether this process runs open (`--insecure-plaintext`): the
@@ -302,7 +296,7 @@ impl MeshAuth {
             (None, None) => false,
         };
         if !ok {
-            count_refused();
+            crate::refusal::count();
         }
         ok
     }
@@ -345,7 +339,7 @@ impl Check {
     /// Who is calling `method`, or why the call is refused. A call over mutual TLS passed
     /// the handshake and is judged by its certificate's roles; otherwise the token must
     /// match (or, with no token and no TLS, the service runs open).
-    fn admit<B>(&self, req: &http::Request<B>) -> Result<Caller, Status> {
+    fn admit<B>(&self, req: &http::Request<B>) -> Result<Caller, Refusal> {
         if self.open {
             return Ok(Caller::Open);
         }
@@ -356,10 +350,7 @@ impl Check {
                 .get::<TlsConnectInfo<TcpConnectInfo>>()
                 .and_then(|i| i.peer_certs());
             let Some(certs) = certs.filter(|c| !c.is_empty()) else {
-                count_refused();
-                return Err(Status::unauthenticated(
-                    "this mesh service needs a client certificate the mesh CA signed",
-                ));
+                return Err(Refusal::NoCertificate.counted());
             };
             let caller = Caller::Cert(Roles::of_chain(&certs));
             let allowed = self.policy.roles(method);
@@ -378,16 +369,8 @@ impl Check {
             .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
         match presented {
             Some(p) if token.matches(p) => Ok(Caller::Token),
-            Some(_) => {
-                count_refused();
-                Err(Status::unauthenticated("the mesh token does not match"))
-            }
-            None => {
-                count_refused();
-                Err(Status::unauthenticated(
-                    "this mesh service needs the mesh token (authorization: Bearer)",
-                ))
-            }
+            Some(_) => Err(Refusal::WrongToken.counted()),
+            None => Err(Refusal::NoToken.counted()),
         }
     }
 }
@@ -416,7 +399,7 @@ where
                 req.extensions_mut().insert(caller);
                 Box::pin(self.inner.call(req))
             }
-            Err(refused) => Box::pin(std::future::ready(Ok(refused.into_http()))),
+            Err(refused) => Box::pin(std::future::ready(Ok(Status::from(refused).into_http()))),
         }
     }
 }

@@ -331,8 +331,10 @@ pub fn server(tls: Option<&MeshTls>) -> Result<tonic::transport::Server, tonic::
 }
 
 pub mod auth;
+pub mod refusal;
 pub mod role;
 pub use auth::{AuthChannel, Guarded, MeshAuth, MeshToken};
+pub use refusal::Refusal;
 pub use role::{Caller, Policy, Role, Roles};
 
 #[cfg(any(test, feature = "test-ca"))]

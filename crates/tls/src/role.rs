@@ -11,7 +11,7 @@
 
 use std::fmt;
 
-use tonic::Status;
+use crate::refusal::Refusal;
 
 /// One part of the mesh.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -157,19 +157,19 @@ impl Caller {
         }
     }
 
-    /// PERMISSION_DENIED (counted with the refused calls) unless this caller may make
-    /// `what`, a call open to `roles`.
-    pub fn require(self, roles: Roles, what: &str) -> Result<(), Status> {
-        if self.may(roles) {
-            return Ok(());
+    /// A refusal (counted with the others) unless this caller may make `what`, a call
+    /// open to `roles`.
+    pub fn require(self, roles: Roles, what: &str) -> Result<(), Refusal> {
+        match self {
+            _ if self.may(roles) => Ok(()),
+            Caller::Cert(have) => Err(Refusal::WrongRole {
+                what: what.to_owned(),
+                allowed: roles,
+                have,
+            }
+            .counted()),
+            Caller::Token | Caller::Open => Ok(()),
         }
-        crate::auth::count_refused();
-        let Caller::Cert(have) = self else {
-            unreachable!("only a certificate's roles can fall short")
-        };
-        Err(Status::permission_denied(format!(
-            "{what} is for a {roles} certificate; the caller's names {have} (its subject's OU entries)"
-        )))
     }
 }
 
@@ -242,7 +242,7 @@ mod tests {
         let gw = Caller::Cert(Roles::GATEWAY);
         assert!(gw.may(Roles::ANY));
         assert!(!gw.may(Roles::WORKER_OR_CACHE));
-        let err = gw.require(Roles::WORKER_OR_CACHE, "Register").unwrap_err();
+        let err = tonic::Status::from(gw.require(Roles::WORKER_OR_CACHE, "Register").unwrap_err());
         assert_eq!(err.code(), tonic::Code::PermissionDenied);
         assert!(
             err.message().contains("worker or cache") && err.message().contains("gateway"),

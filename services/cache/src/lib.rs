@@ -350,7 +350,7 @@ pub async fn run(
                                 if let Some(link) = peers.existing(&d.home).await
                                     && let Err(e) = link.room_abort(d.room, &d.reason).await
                                 {
-                                    tracing::debug!(room = d.room, error = %e.message(), "telling the room's home it failed");
+                                    tracing::debug!(room = d.room, error = %e, "telling the room's home it failed");
                                 }
                             });
                         }

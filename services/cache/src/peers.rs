@@ -19,6 +19,9 @@ use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as pb;
 use tonic::Status;
 
+mod error;
+pub(crate) use error::PeerError;
+
 use crate::transfer::{Pages, Sent, TcpOptions, TcpSender, TransferError, Transport};
 use pdmesh_cache_client::wire::layout_to_pb;
 
@@ -100,17 +103,13 @@ impl Peers {
     }
 
     /// Whether rooms may be relayed to `home`; PERMISSION_DENIED naming the flag if not.
-    pub(crate) fn admits(&self, home: &str) -> Result<(), Status> {
+    pub(crate) fn admits(&self, home: &str) -> Result<(), PeerError> {
+        let home = home.to_owned();
         match &self.homes {
             Homes::ByCertificate => Ok(()),
-            Homes::Listed(l) if authority(home).is_some_and(|a| l.contains(&a)) => Ok(()),
-            Homes::Listed(_) => Err(Status::permission_denied(format!(
-                "room home {home:?} is not one of this cache service's --peer list"
-            ))),
-            Homes::Nowhere => Err(Status::permission_denied(format!(
-                "room home {home:?}: without mutual TLS this cache service relays rooms only to \
-                 the cache services its --peer list names, and it names none"
-            ))),
+            Homes::Listed(l) if authority(&home).is_some_and(|a| l.contains(&a)) => Ok(()),
+            Homes::Listed(_) => Err(PeerError::NotListed { home }),
+            Homes::Nowhere => Err(PeerError::NoPeerList { home }),
         }
     }
 
@@ -119,7 +118,7 @@ impl Peers {
     ///
     /// At most [`MAX_LINKS`] homes are kept; a home that could not be reached is
     /// forgotten, so URLs named in room opens cannot grow the map.
-    pub async fn link(&self, url: &str, layout: &Arc<KvLayout>) -> Result<Arc<Link>, Status> {
+    pub async fn link(&self, url: &str, layout: &Arc<KvLayout>) -> Result<Arc<Link>, PeerError> {
         self.admits(url)?;
         let slot = {
             let mut links = self.links.lock().expect("links lock");
@@ -131,9 +130,7 @@ impl Peers {
                     })
                 });
                 if links.len() >= MAX_LINKS {
-                    return Err(Status::resource_exhausted(format!(
-                        "this host already links to {MAX_LINKS} other cache services"
-                    )));
+                    return Err(PeerError::TooManyLinks);
                 }
             }
             links.entry(url.to_owned()).or_default().clone()
@@ -212,21 +209,25 @@ impl Drop for Link {
     }
 }
 
-/// `fut` within `t`, or DEADLINE_EXCEEDED naming the peer and the call.
+/// The peer's answer to call `what` within `t`, or the deadline naming the peer and the
+/// call; a refusal keeps the peer's code and says where it came from.
 async fn bounded<T>(
     url: &str,
-    what: &str,
+    what: &'static str,
     t: Duration,
     fut: impl Future<Output = Result<T, Status>>,
-) -> Result<T, Status> {
+) -> Result<T, PeerError> {
     match tokio::time::timeout(t, fut).await {
-        Ok(r) => r.map_err(|s| {
-            // Keep the code; say where it came from.
-            Status::new(s.code(), format!("{what} at {url}: {}", s.message()))
+        Ok(r) => r.map_err(|status| PeerError::Answered {
+            what,
+            url: url.to_owned(),
+            status,
         }),
-        Err(_) => Err(Status::deadline_exceeded(format!(
-            "{what} at {url} passed its {t:?} deadline"
-        ))),
+        Err(_) => Err(PeerError::Deadline {
+            what,
+            url: url.to_owned(),
+            limit: t,
+        }),
     }
 }
 
@@ -236,26 +237,6 @@ fn request<T>(msg: T, t: Duration) -> tonic::Request<T> {
     r
 }
 
-impl TransferError {
-    /// The status a sender sees for a failed transfer.
-    pub fn status(&self) -> Status {
-        let msg = self.to_string();
-        match self {
-            Self::LayoutRefused { .. } => Status::failed_precondition(msg),
-            Self::Unauthenticated { .. } => Status::unauthenticated(msg),
-            Self::Checksum { .. } => Status::data_loss(msg),
-            Self::Refused { .. } => Status::aborted(msg),
-            Self::Deadline { .. } => Status::deadline_exceeded(msg),
-            Self::Connect { .. } | Self::Io { .. } | Self::Broken { .. } => {
-                Status::unavailable(msg)
-            }
-            Self::PageSize { .. } | Self::TrailerSize(_) | Self::Protocol { .. } => {
-                Status::internal(msg)
-            }
-        }
-    }
-}
-
 impl Link {
     async fn connect(
         url: &str,
@@ -263,22 +244,36 @@ impl Link {
         layout: Arc<KvLayout>,
         opts: TcpOptions,
         auth: pdmesh_tls::MeshAuth,
-    ) -> Result<Self, Status> {
+    ) -> Result<Self, PeerError> {
         let t = opts.io_timeout;
         let endpoint = auth
             .endpoint(url)
-            .map_err(|e| Status::invalid_argument(format!("room home {url:?}: {e}")))?
+            .map_err(|e| PeerError::BadHome {
+                url: url.to_owned(),
+                why: e.to_string(),
+            })?
             .connect_timeout(t)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(t)
             .keep_alive_timeout(t);
-        let channel = bounded(url, "connecting", t, async {
-            endpoint
-                .connect()
-                .await
-                .map_err(|e| Status::unavailable(format!("{e}")))
-        })
-        .await?;
+        let what = "connecting";
+        let channel = match tokio::time::timeout(t, endpoint.connect()).await {
+            Ok(Ok(channel)) => channel,
+            Ok(Err(e)) => {
+                return Err(PeerError::Unreachable {
+                    what,
+                    url: url.to_owned(),
+                    why: e.to_string(),
+                });
+            }
+            Err(_) => {
+                return Err(PeerError::Deadline {
+                    what,
+                    url: url.to_owned(),
+                    limit: t,
+                });
+            }
+        };
         let mut rpc = CacheClient::new(auth.channel(channel)).max_decoding_message_size(64 << 20);
         let reg = bounded(url, "registering as a peer", t, async {
             Ok(rpc
@@ -295,23 +290,29 @@ impl Link {
         })
         .await?;
         if reg.page_bytes as usize != layout.bytes_per_page() || reg.peer_port == 0 {
-            return Err(Status::failed_precondition(format!(
-                "{url} answered a peer registration with {} B pages and page port {}",
-                reg.page_bytes, reg.peer_port
-            )));
+            return Err(PeerError::BadRegistration {
+                url: url.to_owned(),
+                page_bytes: reg.page_bytes,
+                port: reg.peer_port,
+            });
         }
         let host = url
             .parse::<http::Uri>()
             .ok()
             .and_then(|u| u.host().map(|h| h.trim_matches(['[', ']']).to_owned()))
-            .ok_or_else(|| Status::invalid_argument(format!("room home {url:?} has no host")))?;
+            .ok_or_else(|| PeerError::BadHome {
+                url: url.to_owned(),
+                why: "it names no host".into(),
+            })?;
         let data = tokio::net::lookup_host((host.as_str(), reg.peer_port as u16))
             .await
             .ok()
             .and_then(|mut a| a.next())
-            .ok_or_else(|| Status::unavailable(format!("{host} does not resolve")))?;
-        let lease = Lease::from_wire(&reg.lease).map_err(|e| {
-            Status::internal(format!("{url} answered a peer registration with {e}"))
+            .ok_or_else(|| PeerError::Unresolved { host: host.clone() })?;
+        let lease = Lease::from_wire(&reg.lease).map_err(|e| PeerError::Garbled {
+            url: url.to_owned(),
+            what: "a peer registration",
+            why: e.to_string(),
         })?;
         let alive = Arc::new(AtomicBool::new(true));
         let heartbeat = {
@@ -391,7 +392,7 @@ impl Link {
         room: u64,
         request_id: &str,
         trace_id: &str,
-    ) -> Result<pb::RoomStatus, Status> {
+    ) -> Result<pb::RoomStatus, PeerError> {
         let msg = pb::RoomOpenRequest {
             lease: self.lease.to_wire(),
             room,
@@ -419,7 +420,7 @@ impl Link {
         room: u64,
         until: i32,
         timeout_ms: u32,
-    ) -> Result<pb::RoomStatus, Status> {
+    ) -> Result<pb::RoomStatus, PeerError> {
         let msg = pb::RoomWaitRequest {
             lease: self.lease.to_wire(),
             room,
@@ -438,7 +439,7 @@ impl Link {
         .await
     }
 
-    pub async fn room_start(&self, room: u64, pages: u32) -> Result<Vec<u32>, Status> {
+    pub async fn room_start(&self, room: u64, pages: u32) -> Result<Vec<u32>, PeerError> {
         let msg = pb::RoomStartRequest {
             lease: self.lease.to_wire(),
             room,
@@ -457,7 +458,7 @@ impl Link {
         .await
     }
 
-    pub async fn room_abort(&self, room: u64, reason: &str) -> Result<(), Status> {
+    pub async fn room_abort(&self, room: u64, reason: &str) -> Result<(), PeerError> {
         let msg = pb::RoomAbortRequest {
             lease: self.lease.to_wire(),
             room,

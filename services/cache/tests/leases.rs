@@ -341,7 +341,7 @@ async fn a_room_opened_on_a_lease_the_service_forgot_makes_the_client_register_a
     }
     let err = err.expect("the restarted service answered");
     assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
-    assert!(err.message().contains("register again"), "{err}");
+    assert!(err.to_string().contains("register again"), "{err}");
     assert!(
         !w.is_alive(),
         "the refused open tells the client to register again"

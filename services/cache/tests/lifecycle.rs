@@ -32,7 +32,9 @@ async fn at_shutdown_no_new_room_opens_and_the_service_stops_once_the_rooms_unde
     let mut refused = None;
     for _ in 0..200 {
         match sender.room_open(2, pb::RoomSide::Sender, "r2", "").await {
-            Err(e) if e.code() == tonic::Code::Unavailable && e.message().contains("draining") => {
+            Err(e)
+                if e.code() == tonic::Code::Unavailable && e.to_string().contains("draining") =>
+            {
                 refused = Some(e);
                 break;
             }
@@ -43,7 +45,10 @@ async fn at_shutdown_no_new_room_opens_and_the_service_stops_once_the_rooms_unde
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let refused = refused.expect("a new room is refused while draining");
-    assert!(refused.message().contains("try another host"), "{refused}");
+    assert!(
+        refused.to_string().contains("try another host"),
+        "{refused}"
+    );
     // The room under way still takes its sender, and the service still answers.
     sender
         .room_open(1, pb::RoomSide::Sender, "r1", "")

@@ -204,7 +204,7 @@ async fn a_cache_services_refusals_of_room_calls_never_reach_the_caller_as_clien
         ),
     ];
     for (what, got, said, want) in refused {
-        let e = got.expect_err(what);
+        let e = tonic::Status::from(got.expect_err(what));
         assert_eq!(e.code(), want, "{what}: {e:?}");
         assert!(!CLIENT_ERRORS.contains(&e.code()), "{what}: {e:?}");
         // The service's words travel along, and its code with them where it changed.

@@ -52,16 +52,18 @@ impl WorkerService {
     /// Compiles `lark` on a blocking thread within [`GRAMMAR_DEADLINE`]; the request
     /// carries it compiled, so the engine thread never compiles: a grammar that takes long
     /// to compile delays its own request, never the batch.
-    async fn compile_grammar(&self, lark: String) -> Result<pdmesh_engine::Grammar, Status> {
+    async fn compile_grammar(&self, lark: String) -> Result<pdmesh_engine::Grammar, Error> {
         let compiler = self.grammars.clone();
         let work = tokio::task::spawn_blocking(move || compiler.compile(&lark));
         match tokio::time::timeout(GRAMMAR_DEADLINE, work).await {
-            Ok(Ok(compiled)) => compiled.map_err(|e| Status::from(Error::from(e))),
-            Ok(Err(e)) => Err(Status::internal(format!("compiling the grammar: {e}"))),
-            Err(_) => Err(Status::invalid_argument(format!(
-                "grammar too complex: it did not compile within {} s",
-                GRAMMAR_DEADLINE.as_secs()
-            ))),
+            Ok(Ok(compiled)) => Ok(compiled?),
+            Ok(Err(error)) => Err(Error::Task {
+                what: "compiling the grammar",
+                error,
+            }),
+            Err(_) => Err(Error::GrammarTooSlow {
+                limit: GRAMMAR_DEADLINE,
+            }),
         }
     }
 }

@@ -136,17 +136,12 @@ impl EngineWatch {
     }
 
     /// UNAVAILABLE while [`Self::refusing`] or draining.
-    pub(crate) fn admit(&self) -> Result<(), Status> {
+    pub(crate) fn admit(&self) -> Result<(), crate::error::Error> {
         if self.draining() {
-            return Err(Status::unavailable(
-                "this worker is draining (shutting down): it finishes what it runs and takes nothing new",
-            ));
+            return Err(crate::error::Error::Draining);
         }
         if self.refusing() {
-            return Err(Status::unavailable(format!(
-                "the engine loop has made no step for over {:?}; refusing requests until it does",
-                self.limit
-            )));
+            return Err(crate::error::Error::Stalled { limit: self.limit });
         }
         Ok(())
     }

@@ -36,7 +36,11 @@ fn every_code_a_cache_service_refuses_a_room_call_with_is_passed_on_as_the_meshs
     ];
     assert_eq!(table.len(), 17, "every gRPC code");
     for (code, want) in table {
-        let passed = from_cache(Status::new(code, "the cache service's words"));
+        let err = HandoverError::from_cache(ClientError::Rpc(Status::new(
+            code,
+            "the cache service's words",
+        )));
+        let passed = Status::from(err);
         assert_eq!(passed.code(), want, "{code:?}");
         assert!(!CLIENT_ERRORS.contains(&passed.code()), "{code:?}");
         assert!(

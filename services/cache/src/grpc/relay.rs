@@ -13,7 +13,7 @@ use tonic::{Response, Status};
 
 use super::CacheService;
 use super::convert::pages_from_pb;
-use crate::peers::Link;
+use crate::peers::{Link, PeerError};
 use crate::rooms::{RoomError, RoomPage, Side};
 use crate::state::CacheError;
 use crate::transfer::Pages;
@@ -23,7 +23,7 @@ impl CacheService {
     /// home opened the room for. The room lives there only as long as that link's lease;
     /// once the link registered again (the lease ran out, over a partition say), the room
     /// is gone at its home, and it fails here too.
-    pub(super) async fn relay(&self, room: u64) -> Result<Option<Arc<Link>>, Status> {
+    pub(super) async fn relay(&self, room: u64) -> Result<Option<Arc<Link>>, CacheError> {
         let Some((home, lease)) = self.shared.with(|s| {
             s.relay_link(room)
                 .map(|(home, lease)| (home.to_owned(), lease))
@@ -37,7 +37,7 @@ impl CacheService {
                 let reason = format!(
                     "this host's link to the room's home {home} lost the lease the room was opened with"
                 );
-                Err(CacheError::Room(RoomError::Failed { room, reason }).into())
+                Err(CacheError::Room(RoomError::Failed { room, reason }))
             }
         }
     }
@@ -54,7 +54,7 @@ impl CacheService {
         if let Some(link) = link {
             tokio::spawn(async move {
                 if let Err(e) = link.room_abort(room, &reason).await {
-                    tracing::debug!(room, error = %e.message(), "telling the room's home it failed");
+                    tracing::debug!(room, error = %e, "telling the room's home it failed");
                 }
             });
         }
@@ -108,17 +108,16 @@ impl CacheService {
             }
             Err(e) => {
                 if e.code() == tonic::Code::FailedPrecondition {
-                    tracing::warn!(room = r.room, home = %r.home, error = %e.message(), "the room's home refused this host");
+                    tracing::warn!(room = r.room, home = %r.home, error = %e, "the room's home refused this host");
                 }
                 self.shared.with(|s| s.relay_end(r.room, true));
                 // The home's NOT_FOUND names this host's lease there, never the
                 // sender's here, which would take it for its own and register again.
                 Err(match e.code() {
                     tonic::Code::NotFound => Status::unavailable(format!(
-                        "the room's home does not know this host's link: {}",
-                        e.message()
+                        "the room's home does not know this host's link: {e}"
                     )),
-                    _ => e,
+                    _ => e.into(),
                 })
             }
         }
@@ -170,7 +169,7 @@ impl CacheService {
                 if let crate::transfer::TransferError::LayoutRefused { peer, reason } = &e {
                     self.shared.with(|s| s.peer_layout_refused(peer, reason));
                 }
-                Err(e.status())
+                Err(PeerError::from(e))
             }
             Ok(sent) => peer_commit_result(&link.url, sent.reply.as_deref()).map(|st| (st, sent)),
         };
@@ -185,13 +184,10 @@ impl CacheService {
             }
             Err(e) => {
                 self.shared.with(|s| s.count_peer_failure());
-                tracing::warn!(room, home = %link.url, error = %e.message(), "moving a room's pages to its home failed");
-                let reason = format!(
-                    "the sender's host could not move the pages: {}",
-                    e.message()
-                );
+                tracing::warn!(room, home = %link.url, error = %e, "moving a room's pages to its home failed");
+                let reason = format!("the sender's host could not move the pages: {e}");
                 self.end_relay(Some(link), room, true, reason);
-                Err(e)
+                Err(e.into())
             }
         }
     }
@@ -201,21 +197,25 @@ impl CacheService {
 pub(super) fn peer_commit_result(
     home: &str,
     reply: Option<&[u8]>,
-) -> Result<pb::RoomStatus, Status> {
+) -> Result<pb::RoomStatus, PeerError> {
+    let garbled = |why: String| PeerError::Garbled {
+        url: home.to_owned(),
+        what: "a room commit",
+        why,
+    };
     let reply = reply
         .map(pb::PeerCommitReply::decode)
         .transpose()
-        .map_err(|e| Status::internal(format!("{home} answered a room commit with {e}")))?
+        .map_err(|e| garbled(e.to_string()))?
         .unwrap_or_default();
     match (reply.code, reply.status) {
         (0, Some(st)) => Ok(st),
-        (0, None) => Err(Status::internal(format!(
-            "{home} answered a room commit with no status"
-        ))),
-        (code, _) => Err(Status::new(
-            tonic::Code::from(code),
-            format!("room commit at {home}: {}", reply.message),
-        )),
+        (0, None) => Err(garbled("no status".into())),
+        (code, _) => Err(PeerError::Answered {
+            what: "room commit",
+            url: home.to_owned(),
+            status: Status::new(tonic::Code::from(code), reply.message),
+        }),
     }
 }
 

@@ -61,7 +61,7 @@ impl CacheService {
             {
                 self.shared.with(|s| s.relay_end(r.room, true));
             }
-            return st.map(Response::new);
+            return st.map(Response::new).map_err(Status::from);
         }
         // Long polls are bounded so a vanished caller never holds a task for long.
         let deadline = tokio::time::Instant::now()
@@ -132,7 +132,7 @@ impl CacheService {
                 }
                 Err(e) => {
                     self.shared.with(|s| s.relay_unstart(&slots));
-                    Err(e)
+                    Err(e.into())
                 }
             };
         }
@@ -235,9 +235,9 @@ impl CacheService {
         Ok(Response::new(status(st, why)))
     }
 
-    fn not_relayed(&self, room: u64) -> Result<(), Status> {
+    fn not_relayed(&self, room: u64) -> Result<(), CacheError> {
         match self.shared.with(|s| s.relay_home(room).is_some()) {
-            true => Err(Status::invalid_argument(format!(
+            true => Err(CacheError::BadRoomCall(format!(
                 "room {room} lives on another host: its receiver takes its pages there"
             ))),
             false => Ok(()),

@@ -103,7 +103,11 @@ fn a_homes_reply_to_a_commit_becomes_the_status_or_the_error_it_names() {
     .encode_to_vec();
     let e = peer_commit_result("home", Some(&refused)).unwrap_err();
     assert_eq!(e.code(), tonic::Code::Aborted);
-    assert!(e.message().contains("room 3 failed: deadline") && e.message().contains("home"));
+    let e = e.to_string();
+    assert!(
+        e.contains("room 3 failed: deadline") && e.contains("home"),
+        "{e}"
+    );
     for bad in [None, Some(&[0xffu8; 3][..])] {
         let e = peer_commit_result("home", bad).unwrap_err();
         assert_eq!(e.code(), tonic::Code::Internal, "{e:?}");

@@ -5,6 +5,7 @@
 //! would overload it, least loaded otherwise.
 
 mod cache;
+mod error;
 pub(crate) mod pd;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -20,6 +21,7 @@ use tonic::Status;
 use wk::worker_client::WorkerClient;
 
 use self::cache::{CacheView, follow, follow_host};
+pub(crate) use self::error::RouteError;
 use self::pd::merge;
 
 /// What a worker does in the mesh: the whole request, or one side of a hand-over.
@@ -121,8 +123,8 @@ impl Target {
     }
 
     /// Notes `r`'s UNAVAILABLE, if it is one.
-    fn note<T>(&self, r: &Result<T, Status>) {
-        if matches!(r, Err(s) if s.code() == tonic::Code::Unavailable) {
+    fn note<T>(&self, r: &Result<T, RouteError>) {
+        if matches!(r, Err(e) if e.unavailable()) {
             *self.refused.lock().expect("refused lock") = Some(std::time::Instant::now());
         }
     }
@@ -164,7 +166,7 @@ impl Target {
         });
     }
 
-    async fn home(&self) -> Result<&str, Status> {
+    async fn home(&self) -> Result<&str, RouteError> {
         let home = self
             .home
             .get_or_try_init(|| async {
@@ -176,15 +178,13 @@ impl Target {
                 .await
                 {
                     Ok(Ok(r)) => Ok(r.into_inner().cache_url),
-                    Ok(Err(s)) => Err(Status::unavailable(format!(
-                        "worker {}: {}",
-                        self.url,
-                        s.message()
-                    ))),
-                    Err(_) => Err(Status::unavailable(format!(
-                        "worker {} did not say which host it is on in time",
-                        self.url
-                    ))),
+                    Ok(Err(s)) => Err(RouteError::NoHome {
+                        url: self.url.clone(),
+                        why: s.message().to_owned(),
+                    }),
+                    Err(_) => Err(RouteError::HomeTimeout {
+                        url: self.url.clone(),
+                    }),
                 }
             })
             .await?;
@@ -613,7 +613,7 @@ impl Workers {
     async fn pick_pair(
         &self,
         req: &wk::GenerateRequest,
-    ) -> Result<(Arc<Target>, Arc<Target>), Status> {
+    ) -> Result<(Arc<Target>, Arc<Target>), RouteError> {
         let pool = self.pool();
         let by_url = |ts: &[Arc<Target>], url: &str| ts.iter().find(|t| t.url == url).cloned();
         let group = &req.prompt_group;
@@ -627,11 +627,7 @@ impl Workers {
                 return Ok((p, d));
             }
         }
-        let none = |side: &str| {
-            Status::unavailable(format!(
-                "no {side} worker is known yet (none given, or DNS names none)"
-            ))
-        };
+        let none = |side| RouteError::NoWorker { side };
         let d = pool.decode[least_loaded(&pool.decode).ok_or_else(|| none("decode"))?].clone();
         let dhome = d.home().await?.to_owned();
         let p = pool.prefill[self
@@ -666,17 +662,17 @@ impl Workers {
     /// registering again says UNAVAILABLE too. Nothing of the request has run then; the
     /// other side's call of the first try is dropped, which aborts its room, and that side
     /// has let go of the request before the second try names it again (see [`let_go`]).
-    pub async fn generate(&self, req: wk::GenerateRequest) -> Result<GenStream, Status> {
+    pub async fn generate(&self, req: wk::GenerateRequest) -> Result<GenStream, RouteError> {
         match self.start(req.clone()).await {
-            Err(s) if s.code() == tonic::Code::Unavailable => {
-                tracing::debug!(request_id = %req.request_id, error = %s, "start refused as unavailable; trying once more");
+            Err(e) if e.unavailable() => {
+                tracing::debug!(request_id = %req.request_id, error = %e, "start refused as unavailable; trying once more");
                 self.start(req).await
             }
             r => r,
         }
     }
 
-    async fn start(&self, mut req: wk::GenerateRequest) -> Result<GenStream, Status> {
+    async fn start(&self, mut req: wk::GenerateRequest) -> Result<GenStream, RouteError> {
         let limit = self.start_timeout();
         if let Some(t) = self.unified.first() {
             let guard = Inflight::new(&t.inflight);
@@ -736,7 +732,7 @@ impl Workers {
 /// stream would too, but in its own time: a second try of the request, under the same
 /// id, could reach `t` first and be refused as a duplicate (a client error, for a fault
 /// of the mesh's).
-async fn let_go(t: &Target, id: &str, e: Status) -> Status {
+async fn let_go(t: &Target, id: &str, e: RouteError) -> RouteError {
     let mut c = t.client.clone();
     let call = c.abort(wk::AbortRequest {
         request_id: id.to_owned(),
@@ -760,21 +756,21 @@ async fn started<T>(
     t: &Arc<Target>,
     limit: std::time::Duration,
     call: impl std::future::Future<Output = Result<T, Status>>,
-) -> Result<T, Status> {
+) -> Result<T, RouteError> {
     match tokio::time::timeout(limit, call).await {
         Ok(r) => {
+            let r = r.map_err(RouteError::Worker);
             t.note(&r);
             r
         }
         Err(_) => {
-            let e = format!(
-                "worker {} did not start the request within {} ms",
-                t.url,
-                limit.as_millis()
-            );
+            let e = RouteError::NotStarted {
+                url: t.url.clone(),
+                limit,
+            };
             tracing::warn!("{e}: passed over until it answers a health probe");
             t.probe_until_it_answers();
-            Err(Status::unavailable(e))
+            Err(e)
         }
     }
 }

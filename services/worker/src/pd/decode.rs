@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 use super::stats::{Handover, transfer_event};
-use super::{Item, Pd};
+use super::{Item, Pd, PdError};
 use crate::actor::{EngineHandle, Generation};
 use crate::engine_core::{Event, Finish, Stages};
 use crate::error::Error;
@@ -29,15 +29,15 @@ impl Pd {
         (room, trace_id, handover): (u64, String, Handover),
         mut generation: Generation,
         tx: &mpsc::Sender<Item>,
-    ) -> Result<(), Status> {
+    ) -> Result<(), PdError> {
         // Decode reserves first; a pool that stays full is a clear error, not a wedge.
         let reserved = tokio::time::timeout(self.times.admission, async {
             loop {
                 match generation.next().await {
                     Some(Ok(Event::Reserved { pages, held })) => return Ok((pages, held)),
                     Some(Ok(_)) => {}
-                    Some(Err(e)) => return Err(Status::from(Error::from(e))),
-                    None => return Err(Status::unavailable("the engine went away")),
+                    Some(Err(e)) => return Err(e.into()),
+                    None => return Err(PdError::EngineGone),
                 }
             }
         })
@@ -52,11 +52,10 @@ impl Pd {
             Ok(r) => r?,
             Err(_) => {
                 guard.reason = "decode pool exhausted";
-                return Err(Status::resource_exhausted(format!(
-                    "no KV pages for a {}-token prompt became free within {:?}",
-                    req.prompt.len(),
-                    self.times.admission
-                )));
+                return Err(PdError::NoPages {
+                    prompt: req.prompt.len(),
+                    within: self.times.admission,
+                });
             }
         };
         let deadline = tokio::time::Instant::now() + self.times.transfer;
@@ -92,9 +91,9 @@ impl Pd {
         let got = by(deadline, "room result", client.room_result(room)).await?;
         let aux = got
             .aux
-            .ok_or_else(|| Status::internal("a room result without aux data"))?;
+            .ok_or_else(|| PdError::Internal("a room result without aux data".into()))?;
         if aux.room != room || aux.prompt_tokens as usize != req.prompt.len() {
-            return Err(Status::data_loss(format!(
+            return Err(PdError::Corrupt(format!(
                 "aux data for room {} ({} prompt tokens) arrived in room {room} ({} tokens)",
                 aux.room,
                 aux.prompt_tokens,
@@ -104,14 +103,14 @@ impl Pd {
         // The pages it held stayed here; the rest arrived.
         let pages = pages - held;
         if got.pages.len() != pages {
-            return Err(Status::data_loss(format!(
+            return Err(PdError::Corrupt(format!(
                 "{} pages arrived for {pages} reserved",
                 got.pages.len()
             )));
         }
         let mirror = client
             .shared_mirror()
-            .ok_or_else(|| Status::internal("rooms need the shm data plane"))?;
+            .ok_or_else(|| PdError::Internal("rooms need the shm data plane".into()))?;
         transfer_event(
             "kv_cache_transfer_start",
             (pages, held),
@@ -155,7 +154,8 @@ impl Pd {
             .map_err(|e| match e {
                 pdmesh_engine::EngineError::Fill(e) => {
                     let Ok(b) = e.downcast::<BadPage>() else {
-                        return Status::data_loss("the hand-over's pages could not be written");
+                        let why = "the hand-over's pages could not be written";
+                        return PdError::Corrupt(why.into());
                     };
                     if let Some(inc) = &self.incidents {
                         let summary = format!(
@@ -173,15 +173,15 @@ impl Pd {
                         };
                         inc.handover_checksum("hand-over read", &h, (&[*b], of), None, summary);
                     }
-                    Status::data_loss(b.to_string())
+                    PdError::Corrupt(b.to_string())
                 }
-                pdmesh_engine::EngineError::Transfer(m) => Status::data_loss(m),
-                e => Status::from(Error::from(e)),
+                pdmesh_engine::EngineError::Transfer(m) => PdError::Corrupt(m),
+                e => e.into(),
             })?;
         let secs = t0.elapsed().as_secs_f64();
         // The bytes are verified and ours: the room may end even if this call is lost.
         if let Err(s) = by(deadline, "room finish", client.room_finish(room)).await {
-            tracing::debug!(room, error = %s.message(), "room finish failed; its deadline frees the slots");
+            tracing::debug!(room, error = %s, "room finish failed; its deadline frees the slots");
         }
         guard.armed = false;
         self.count(pages, pages * client.page_bytes(), secs);

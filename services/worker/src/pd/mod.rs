@@ -10,6 +10,7 @@
 //! checksums of the pages that travel, and `stats` what the hand-overs count.
 
 mod decode;
+mod error;
 mod pages;
 mod prefill;
 mod stats;
@@ -29,10 +30,10 @@ use tracing::Instrument as _;
 
 use crate::actor::EngineHandle;
 use crate::engine_core::Event;
-use crate::error::Error;
 use crate::incidents::Incidents;
-use pdmesh_cache_client::rooms::{RELINK_GRACE, RoomGuard, RoomLink, failed};
-use stats::{PdStats, reason_of};
+pub(crate) use error::PdError;
+use pdmesh_cache_client::rooms::{HandoverError, RELINK_GRACE, RoomGuard, RoomLink};
+use stats::PdStats;
 
 /// What this worker runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -156,14 +157,14 @@ impl Pd {
         self.role == Role::Unified || self.link.as_ref().is_some_and(|l| l.get().is_some())
     }
 
-    fn link(&self) -> Result<&RoomLink, Status> {
+    fn link(&self) -> Result<&RoomLink, PdError> {
         self.link
             .as_ref()
-            .ok_or_else(|| Status::internal("this worker has no cache service"))
+            .ok_or_else(|| PdError::Internal("this worker has no cache service".into()))
     }
 
-    async fn client(&self) -> Result<Arc<HostClient>, Status> {
-        self.link()?.wait(RELINK_GRACE).await
+    async fn client(&self) -> Result<Arc<HostClient>, PdError> {
+        Ok(self.link()?.wait(RELINK_GRACE).await?)
     }
 
     /// Runs one request's side of a room; the returned channel carries its events.
@@ -174,7 +175,7 @@ impl Pd {
         room: u64,
         trace_id: String,
         kv_home: String,
-    ) -> Result<mpsc::Receiver<Item>, Status> {
+    ) -> Result<mpsc::Receiver<Item>, PdError> {
         let handover = self.handover();
         let client = self.client().await?;
         let (tx, rx) = mpsc::channel(64);
@@ -211,7 +212,7 @@ impl Pd {
                     )
                     .await?;
                 if st.state == cpb::RoomState::Failed as i32 {
-                    return Err(failed(&st.reason));
+                    return Err(HandoverError::Failed(st.reason).into());
                 }
                 let guard = RoomGuard {
                     client: client.clone(),
@@ -221,8 +222,7 @@ impl Pd {
                 };
                 let generation = engine
                     .generate_shared(req.clone(), Part::Prefill, group)
-                    .await
-                    .map_err(|e| Status::from(Error::from(e)))?;
+                    .await?;
                 tokio::spawn(
                     async move {
                         let _handover = handover;
@@ -234,10 +234,7 @@ impl Pd {
                 );
             }
             Role::Decode => {
-                let generation = engine
-                    .generate_part(req.clone(), Part::Decode)
-                    .await
-                    .map_err(|e| Status::from(Error::from(e)))?;
+                let generation = engine.generate_part(req.clone(), Part::Decode).await?;
                 tokio::spawn(
                     async move {
                         let work = pd.decode(
@@ -261,27 +258,32 @@ impl Pd {
     /// Runs `work` (which sends events on the channel it is given) until it ends or the
     /// caller leaves; an error becomes the stream's last item. Dropping `work` drops its
     /// guards: the room is aborted and held pages let go.
-    async fn drive(&self, work: impl Future<Output = Result<(), Status>>, tx: &mpsc::Sender<Item>) {
+    async fn drive(
+        &self,
+        work: impl Future<Output = Result<(), PdError>>,
+        tx: &mpsc::Sender<Item>,
+    ) {
         let out = tokio::select! {
             r = work => r,
-            () = tx.closed() => Err(Status::cancelled("the caller left")),
+            () = tx.closed() => Err(PdError::CallerLeft),
         };
-        if let Err(s) = out {
-            self.fail(&s);
+        if let Err(e) = out {
+            self.fail(&e);
+            let why = e.failure();
             let span = tracing::Span::current();
             span.record("otel.status_code", "ERROR");
             pdmesh_telemetry::event(
                 &span,
                 "kv_cache_transfer_failed",
                 vec![
-                    KeyValue::new("error.type", reason_of(&s).name()),
-                    KeyValue::new("pdmesh.error", s.message().to_owned()),
+                    KeyValue::new("error.type", why.name()),
+                    KeyValue::new("pdmesh.error", e.to_string()),
                 ],
             );
-            if s.code() != tonic::Code::Cancelled {
-                tracing::warn!(code = ?s.code(), error = %s.message(), "KV transfer failed");
+            if why != pdmesh_telemetry::labels::TransferFailure::CallerLeft {
+                tracing::warn!(error = %e, "KV transfer failed");
             }
-            let _ = tx.send(Err(s)).await;
+            let _ = tx.send(Err(e.into())).await;
         }
     }
 }

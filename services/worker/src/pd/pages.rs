@@ -4,10 +4,9 @@
 
 use pdmesh_engine::GenRequest;
 use pdmesh_kv::KvLayout;
-use tonic::Status;
 
+use super::PdError;
 use crate::actor::EngineHandle;
-use crate::error::Error;
 use crate::faults::Missize;
 use crate::incidents::{BadPage, Handed, Incidents};
 
@@ -22,7 +21,7 @@ pub(super) async fn stage(
     (id, ticket): (&str, u64),
     held: usize,
     page_bytes: usize,
-) -> Result<(Vec<u8>, Vec<u64>), Status> {
+) -> Result<(Vec<u8>, Vec<u64>), PdError> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     engine
         .export(
@@ -35,11 +34,10 @@ pub(super) async fn stage(
                 sums
             }),
         )
-        .await
-        .map_err(|e| Status::from(Error::from(e)))?;
+        .await?;
     rx.await
-        .map_err(|_| Status::internal("the engine exported no pages"))?
-        .map_err(|e| Status::internal(e.to_string()))
+        .map_err(|_| PdError::Internal("the engine exported no pages".into()))?
+        .map_err(|e| PdError::Internal(e.to_string()))
 }
 
 /// The engine's KV pages are not the size of the cache service's: nothing is copied.
@@ -89,10 +87,10 @@ pub(super) fn write_pages(
     slots: &[u32],
     sums: &[u64],
     missize: Option<(Missize, &KvLayout)>,
-) -> Result<Result<Vec<u64>, Vec<BadPage>>, Status> {
+) -> Result<Result<Vec<u64>, Vec<BadPage>>, PdError> {
     let page_bytes = mirror.page_bytes();
     if staged.len() != slots.len() * page_bytes || sums.len() != slots.len() {
-        return Err(Status::internal(format!(
+        return Err(PdError::Internal(format!(
             "{} staged bytes and {} checksums for {} slots of {page_bytes} bytes",
             staged.len(),
             sums.len(),
@@ -180,9 +178,9 @@ pub(super) fn report_write(
 }
 
 /// The DATA_LOSS a hand-over's changed pages end the request with.
-pub(super) fn changed(bad: &[BadPage], of: usize, between: &str) -> Status {
+pub(super) fn changed(bad: &[BadPage], of: usize, between: &str) -> PdError {
     let b = bad[0];
-    Status::data_loss(format!(
+    PdError::Corrupt(format!(
         "{} of {of} pages changed between {between}: page {} (mirror slot {}) has checksum {:#018x}, the engine's {:#018x}",
         bad.len(),
         b.index,

@@ -10,15 +10,13 @@ use pdmesh_cache_client::client::HostClient;
 use pdmesh_engine::GenRequest;
 use pdmesh_proto::cache::v1 as cpb;
 use tokio::sync::mpsc;
-use tonic::Status;
 
 use super::pages::{changed, report_write, stage, write_pages};
 use super::stats::transfer_event;
-use super::{Item, Pd};
+use super::{Item, Pd, PdError};
 use crate::actor::{EngineHandle, Generation};
 use crate::engine_core::{Event, Finish, Stages};
-use crate::error::Error;
-use pdmesh_cache_client::rooms::{RoomGuard, by, failed, from_cache, room_event, wait_room};
+use pdmesh_cache_client::rooms::{HandoverError, RoomGuard, by, room_event, wait_room};
 
 /// Lets go of a prefill's held pages when dropped armed: those of its own submission
 /// (`ticket`) only, as the request may have been tried again under the same id by then.
@@ -52,7 +50,7 @@ impl Pd {
         mut generation: Generation,
         mut guard: RoomGuard,
         tx: &mpsc::Sender<Item>,
-    ) -> Result<(), Status> {
+    ) -> Result<(), PdError> {
         let room = guard.room;
         let prompt_tokens = req.prompt.len() as u32;
         let (token, logprob, pages, cached, host_cached, stages) = loop {
@@ -66,15 +64,16 @@ impl Pd {
                     stages,
                 })) => break (token, logprob, pages, cached, host_cached, stages),
                 Some(Ok(Event::Finished(f))) => {
-                    return Err(failed(&format!("prefill ended: {:?}", f.reason)));
+                    let why = format!("prefill ended: {:?}", f.reason);
+                    return Err(HandoverError::Failed(why).into());
                 }
                 // Computed here only: they go to the client before the first token.
                 Some(Ok(ev @ Event::PromptLogprobs { .. })) => {
                     let _ = tx.send(Ok(ev)).await;
                 }
                 Some(Ok(_)) => {}
-                Some(Err(e)) => return Err(Status::from(Error::from(e))),
-                None => return Err(Status::unavailable("the engine went away")),
+                Some(Err(e)) => return Err(e.into()),
+                None => return Err(PdError::EngineGone),
             }
         };
         let mut export = ExportGuard {
@@ -104,7 +103,7 @@ impl Pd {
         room_event("waiting_for_input");
         let held = st.held_pages as usize;
         if held >= pages {
-            return Err(Status::internal(format!(
+            return Err(PdError::Internal(format!(
                 "decode says it holds {held} of the prompt's {pages} pages; the last one always travels"
             )));
         }
@@ -119,7 +118,7 @@ impl Pd {
             stage(engine, (&req.id, generation.ticket()), held, page_bytes).await?;
         export.disarm();
         if sums.len() != pages {
-            return Err(Status::internal(format!(
+            return Err(PdError::Internal(format!(
                 "the engine exported {} pages of the {pages} that travel",
                 sums.len()
             )));
@@ -134,14 +133,14 @@ impl Pd {
             {
                 Ok(slots) => break slots,
                 // The mirror is full of other rooms' pages for now.
-                Err(s) if s.code() == tonic::Code::ResourceExhausted => {
+                Err(e) if e.mirror_full() => {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
-                Err(s) => return Err(s),
+                Err(e) => return Err(e.into()),
             }
         };
         if slots.len() != pages {
-            return Err(Status::internal(format!(
+            return Err(PdError::Internal(format!(
                 "the cache service granted {} slots for {pages} pages",
                 slots.len()
             )));
@@ -149,7 +148,7 @@ impl Pd {
         transfer_event("kv_cache_transfer_start", (pages, held), page_bytes, None);
         let mirror = client
             .shared_mirror()
-            .ok_or_else(|| Status::internal("rooms need the shm data plane"))?;
+            .ok_or_else(|| PdError::Internal("rooms need the shm data plane".into()))?;
         let delay = self.times.write_delay.filter(|_| {
             self.faults
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -177,7 +176,7 @@ impl Pd {
                 )
             })
             .await
-            .map_err(|e| Status::internal(format!("the page write failed: {e}")))??;
+            .map_err(|e| PdError::Internal(format!("the page write failed: {e}")))??;
             let sums = match written {
                 Ok(sums) => sums,
                 Err(bad) => {
@@ -219,17 +218,17 @@ impl Pd {
                 .collect();
             let commit = client2.room_commit(room, pages_pb, aux);
             match delay {
-                Some(_) => commit.await.map_err(from_cache)?,
+                Some(_) => commit.await.map_err(HandoverError::from_cache)?,
                 None => by(deadline, "room commit", commit).await?,
             }
-            Ok::<f64, Status>(secs)
+            Ok::<f64, PdError>(secs)
         };
         let secs = match delay {
             // The fault: a sender that does not hear its abort (as over a partition)
             // writes and commits late, detached from this request.
             Some(_) => tokio::spawn(write_and_commit)
                 .await
-                .map_err(|e| Status::internal(format!("the transfer task failed: {e}")))??,
+                .map_err(|e| PdError::Internal(format!("the transfer task failed: {e}")))??,
             None => write_and_commit.await?,
         };
         guard.armed = false;

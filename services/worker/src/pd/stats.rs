@@ -6,12 +6,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::Pd;
+use super::error::PdError;
+use crate::incidents::Figures;
 use pdmesh_telemetry::KeyValue;
 use pdmesh_telemetry::labels::TransferFailure;
-use tonic::Status;
-
-use super::Pd;
-use crate::incidents::Figures;
 
 /// Transfer counters since the worker started.
 #[derive(Clone, Debug, Default)]
@@ -64,18 +63,6 @@ pub(super) fn transfer_event(
     pdmesh_telemetry::event(&tracing::Span::current(), name, attrs);
 }
 
-pub(super) fn reason_of(s: &Status) -> TransferFailure {
-    match s.code() {
-        tonic::Code::Aborted => TransferFailure::RoomFailed,
-        tonic::Code::DeadlineExceeded => TransferFailure::Deadline,
-        tonic::Code::Unavailable => TransferFailure::CacheUnavailable,
-        tonic::Code::DataLoss => TransferFailure::Checksum,
-        tonic::Code::Cancelled => TransferFailure::CallerLeft,
-        tonic::Code::ResourceExhausted => TransferFailure::Admission,
-        _ => TransferFailure::Other,
-    }
-}
-
 impl Pd {
     /// This worker's hand-over figures, for incident reports.
     pub(crate) fn figures(&self) -> Figures {
@@ -122,10 +109,11 @@ impl Pd {
         st.transfers += 1;
     }
 
-    pub(super) fn fail(&self, s: &Status) {
+    pub(super) fn fail(&self, e: &PdError) {
         let mut st = self.stats.lock().expect("pd stats");
-        *st.failures.entry(reason_of(s)).or_default() += 1;
-        if s.code() == tonic::Code::ResourceExhausted {
+        let why = e.failure();
+        *st.failures.entry(why).or_default() += 1;
+        if why == TransferFailure::Admission {
             st.admission_timeouts += 1;
         }
     }

@@ -3,14 +3,13 @@
 //! has no grammar for are INVALID_ARGUMENT naming the field.
 
 use pdmesh_proto::sglang::grpc::scheduler as s;
-use tonic::Status;
 
-use super::invalid;
+use super::{Invalid, invalid};
 
 /// A Lark grammar for a JSON schema, as pdmesh's gateway builds one: strict (an object
 /// schema silent on `additionalProperties` takes only the properties it names, SGLang's
 /// default too) and compact.
-fn json_schema_grammar(schema: &str) -> Result<String, Status> {
+fn json_schema_grammar(schema: &str) -> Result<String, Invalid> {
     let v: serde_json::Value = serde_json::from_str(schema)
         .map_err(|e| invalid("sampling_params.json_schema", format!("not JSON: {e}")))?;
     // The rewrite has a step budget, so this stays short on the async runtime.
@@ -22,7 +21,7 @@ fn json_schema_grammar(schema: &str) -> Result<String, Status> {
 /// The grammar for an SGLang constraint (empty: none).
 pub(super) fn constraint_grammar(
     constraint: Option<s::sampling_params::Constraint>,
-) -> Result<String, Status> {
+) -> Result<String, Invalid> {
     Ok(match constraint {
         None => String::new(),
         Some(s::sampling_params::Constraint::JsonSchema(js)) => json_schema_grammar(&js)?,

@@ -100,10 +100,14 @@ impl SglangService {
                     total_pages: info.total_pages,
                     max_batch: info.max_batch,
                 };
-                tokio::task::spawn_blocking(move || bundle::build(&model, &dir, &facts))
-                    .await
-                    .map_err(|e| Status::internal(format!("tokenizer bundle task: {e}")))?
-                    .map_err(|e| Status::internal(e.to_string()))
+                let built =
+                    tokio::task::spawn_blocking(move || bundle::build(&model, &dir, &facts))
+                        .await
+                        .map_err(|error| crate::error::Error::Task {
+                            what: "writing the tokenizer bundle",
+                            error,
+                        })?;
+                Ok(built?)
             })
             .await
     }
@@ -117,9 +121,26 @@ impl SglangService {
     }
 }
 
-/// The INVALID_ARGUMENT for a request's `field`, naming it.
-fn invalid(field: &str, msg: impl std::fmt::Display) -> Status {
-    Status::invalid_argument(format!("{field}: {msg}"))
+/// A request field the facade cannot take: INVALID_ARGUMENT naming it.
+#[derive(Debug, thiserror::Error)]
+#[error("{field}: {msg}")]
+pub(super) struct Invalid {
+    field: &'static str,
+    msg: String,
+}
+
+impl From<Invalid> for Status {
+    fn from(e: Invalid) -> Self {
+        Status::invalid_argument(e.to_string())
+    }
+}
+
+/// The refusal of a request's `field`, naming it.
+fn invalid(field: &'static str, msg: impl std::fmt::Display) -> Invalid {
+    Invalid {
+        field,
+        msg: msg.to_string(),
+    }
 }
 
 /// Who may call each SGLang scheduler RPC over mutual TLS: a gateway (smg, or anything

@@ -4,17 +4,16 @@
 
 use pdmesh_proto::sglang::grpc::scheduler as s;
 use pdmesh_proto::worker::v1 as pb;
-use tonic::Status;
 
 use super::grammar::constraint_grammar;
-use super::invalid;
+use super::{Invalid, invalid};
 use crate::pd::Role;
 
 /// Most choices one request may ask for (`sampling_params.n`), as at the gateway.
 const MAX_CHOICES: u32 = 16;
 
 /// SGLang sampling parameters → pdmesh's. `None` means the proto's zero values.
-pub(super) fn sampling(p: Option<s::SamplingParams>) -> Result<pb::SamplingParams, Status> {
+pub(super) fn sampling(p: Option<s::SamplingParams>) -> Result<pb::SamplingParams, Invalid> {
     let p = p.unwrap_or_default();
     if p.n > MAX_CHOICES {
         return Err(invalid(
@@ -77,7 +76,7 @@ pub(super) fn room(bootstrap_room: i32) -> u64 {
 pub(super) fn generate_request(
     r: s::GenerateRequest,
     role: Role,
-) -> Result<pb::GenerateRequest, Status> {
+) -> Result<pb::GenerateRequest, Invalid> {
     let Some(tokenized) = r.tokenized else {
         return Err(invalid(
             "tokenized",

@@ -67,7 +67,8 @@ impl s::sglang_scheduler_server::SglangScheduler for SglangService {
             return Err(invalid(
                 "sampling_params.n",
                 "n > 1 is served by unified workers; a prefill or decode worker takes one choice per room",
-            ));
+            )
+            .into());
         }
         // The choices as requests `{id}-{i}` of one prompt group (the prompt computed
         // once), choice i seeded with seed + i, their messages tagged with their index.
@@ -274,7 +275,8 @@ impl s::sglang_scheduler_server::SglangScheduler for SglangService {
             return Err(invalid(
                 "dp_rank",
                 format!("this worker has rank 0 only, not {rank}"),
-            ));
+            )
+            .into());
         }
         let info = self.info().await?;
         let page = u64::from(info.page_size);
