@@ -25,6 +25,7 @@ pub mod dsv32;
 pub mod formats;
 mod message;
 mod prompt;
+mod pyjson;
 mod reasoning;
 pub mod schema;
 mod stream;

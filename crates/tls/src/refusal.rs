@@ -7,8 +7,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tonic::Status;
 
-use crate::role::Roles;
-
 /// How many calls and transport connections this process refused for a missing or wrong
 /// credential, or a certificate without the role the call needs.
 static REFUSED: AtomicU64 = AtomicU64::new(0);
@@ -37,8 +35,10 @@ pub enum Refusal {
     )]
     WrongRole {
         what: String,
-        allowed: Roles,
-        have: Roles,
+        /// The roles the call is open to, and those the caller's certificate names, as
+        /// `Roles` writes them.
+        allowed: String,
+        have: String,
     },
 }
 

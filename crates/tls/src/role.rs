@@ -164,8 +164,8 @@ impl Caller {
             _ if self.may(roles) => Ok(()),
             Caller::Cert(have) => Err(Refusal::WrongRole {
                 what: what.to_owned(),
-                allowed: roles,
-                have,
+                allowed: roles.to_string(),
+                have: have.to_string(),
             }
             .counted()),
             Caller::Token | Caller::Open => Ok(()),

@@ -252,7 +252,7 @@ fn join_nonempty(a: &str, b: &str, sep: &str) -> String {
 
 /// `json.dumps(v, ensure_ascii=False)`, as the templates' `tojson` writes it.
 fn py_json(v: &Value) -> String {
-    crate::template::python_json(v)
+    crate::pyjson::python_json(v)
 }
 
 #[cfg(test)]

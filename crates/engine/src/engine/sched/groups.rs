@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::Scheduler;
-use super::apply::{after_sample, prompt_logprobs, sample_row};
 use super::handover::hold_export;
+use super::sample::{after_sample, prompt_logprobs, sample_row};
 use super::seq::{Gathering, Seq};
 use crate::{EngineError, GenRequest, Part, StepEvent};
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use pdmesh_kv::{PageId, PagePool};
 
 use super::Scheduler;
-use super::apply::after_sample;
+use super::sample::after_sample;
 use super::seq::Seq;
 use crate::{EngineError, FinishReason, Logprob, StepEvent};
 

@@ -12,6 +12,7 @@ mod handover;
 mod host;
 mod pages;
 mod plan;
+mod sample;
 mod seq;
 #[cfg(test)]
 mod tests;
