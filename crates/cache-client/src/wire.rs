@@ -126,14 +126,7 @@ mod tests {
             64,
             vec![
                 Component::plain("latent", DType::Bf16, 576),
-                Component::scaled(
-                    "index_k",
-                    DType::Fp8E4m3,
-                    128,
-                    DType::F32,
-                    128,
-                    ScalePlacement::PageTail,
-                ),
+                Component::fp8_index_k(128),
             ],
         )
         .unwrap();

@@ -3,7 +3,7 @@
 //! when started with its hidden, test-only `--fault-*` flags (its `faults` module),
 //! which it announces loudly.
 
-use crate::{Component, DType, KvLayout, ScalePlacement};
+use crate::{Component, DType, KvLayout};
 
 /// The layout the seed's host buffer was sized with: `layout` with its bf16 index-K
 /// counted as fp8 index-K (132 B per token, values and scales, instead of 256). `None`
@@ -15,14 +15,7 @@ pub fn fp8_sized_index_k(layout: &KvLayout) -> Option<KvLayout> {
         return None;
     }
     let mut components = layout.components().to_vec();
-    components[k] = Component::scaled(
-        "index_k",
-        DType::Fp8E4m3,
-        comp.elems_per_token,
-        DType::F32,
-        crate::FP8_SCALE_BLOCK,
-        ScalePlacement::PageTail,
-    );
+    components[k] = Component::fp8_index_k(comp.elems_per_token);
     let name = format!("{} (index-K sized as fp8)", layout.name());
     KvLayout::new(&name, layout.layers(), layout.page_size(), components).ok()
 }

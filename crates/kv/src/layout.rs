@@ -94,6 +94,19 @@ impl Component {
         }
     }
 
+    /// DeepSeek V3.2's indexer key in fp8: `elems_per_token` e4m3 values, one f32 scale
+    /// per [`FP8_SCALE_BLOCK`] of them, the scales at the page's tail.
+    pub fn fp8_index_k(elems_per_token: usize) -> Self {
+        Self::scaled(
+            "index_k",
+            DType::Fp8E4m3,
+            elems_per_token,
+            DType::F32,
+            FP8_SCALE_BLOCK,
+            ScalePlacement::PageTail,
+        )
+    }
+
     /// Bytes of values (without scales) for one token.
     pub fn value_bytes_per_token(&self) -> usize {
         self.elems_per_token * self.dtype.size_bytes()
@@ -303,14 +316,7 @@ impl KvLayout {
             ],
         };
         components.push(match index_k {
-            IndexKDtype::Fp8 => Component::scaled(
-                "index_k",
-                DType::Fp8E4m3,
-                dims.index_head_dim,
-                DType::F32,
-                FP8_SCALE_BLOCK,
-                ScalePlacement::PageTail,
-            ),
+            IndexKDtype::Fp8 => Component::fp8_index_k(dims.index_head_dim),
             IndexKDtype::Bf16 => Component::plain("index_k", DType::Bf16, dims.index_head_dim),
         });
         let name = format!(
@@ -515,14 +521,7 @@ mod tests {
             "dsa-index-k-fp8",
             1,
             page,
-            vec![Component::scaled(
-                "index_k",
-                DType::Fp8E4m3,
-                128,
-                DType::F32,
-                128,
-                ScalePlacement::PageTail,
-            )],
+            vec![Component::fp8_index_k(128)],
         )
         .unwrap()
     }

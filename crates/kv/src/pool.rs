@@ -282,7 +282,7 @@ impl PagePool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Component, DType, ScalePlacement};
+    use crate::{Component, DType};
 
     fn smol(page: usize) -> Arc<KvLayout> {
         Arc::new(KvLayout::llama(30, 3, 64, DType::F16, page))
@@ -377,20 +377,7 @@ mod tests {
     #[test]
     fn pools_with_different_layouts_refuse_to_exchange_pages() {
         let fp8 = Arc::new(
-            KvLayout::new(
-                "dsa-index-k-fp8",
-                2,
-                64,
-                vec![Component::scaled(
-                    "index_k",
-                    DType::Fp8E4m3,
-                    128,
-                    DType::F32,
-                    128,
-                    ScalePlacement::PageTail,
-                )],
-            )
-            .unwrap(),
+            KvLayout::new("dsa-index-k-fp8", 2, 64, vec![Component::fp8_index_k(128)]).unwrap(),
         );
         let bf16 = Arc::new(
             KvLayout::new(
