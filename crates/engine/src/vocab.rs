@@ -101,19 +101,6 @@ pub(crate) fn eog_tokens(g: &GgufFile) -> Result<Vec<u32>, EngineError> {
     Ok(out)
 }
 
-/// Control-token texts that end a turn (pdmesh-tokenize's list: an HF directory's
-/// special tokens with these texts end generation).
-const HF_END_OF_TURN_TEXTS: &[&str] = &[
-    "<|im_end|>",
-    "<|endoftext|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|end_of_text|>",
-    "<EOT>",
-];
-
 /// The parts of `tokenizer.json` the table needs.
 #[derive(Deserialize)]
 struct TokenizerJson {
@@ -214,7 +201,7 @@ pub(crate) fn hf_vocab(dir: &Path) -> Result<(Vec<Vec<u8>>, Vec<u32>), EngineErr
     let mut eos: Vec<u32> = named.and_then(token_id).into_iter().collect();
     let mut ends: Vec<u32> = added_by_id
         .iter()
-        .filter(|(_, t)| t.special && HF_END_OF_TURN_TEXTS.contains(&t.content.as_str()))
+        .filter(|(_, t)| t.special && pdmesh_gguf::END_OF_TURN_TEXTS.contains(&t.content.as_str()))
         .map(|(&id, _)| id)
         .collect();
     ends.sort_unstable();

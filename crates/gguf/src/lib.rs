@@ -9,3 +9,17 @@ mod writer;
 pub use pdmesh_ggml::{GgmlType, dequantize};
 pub use reader::{GgufError, GgufFile, MetaValue, TensorInfo};
 pub use writer::GgufWriter;
+
+/// Control-token texts that end a turn; llama.cpp treats them as end-of-generation too.
+/// The tokenizer's end-of-generation ids are the control tokens with these texts (and
+/// the engine's for an HF checkpoint, its special tokens with them).
+pub const END_OF_TURN_TEXTS: &[&str] = &[
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|end_of_text|>",
+    "<EOT>",
+];

@@ -36,18 +36,6 @@ pub(crate) const SUPPORTED_PRE: &[&str] = &["smollm", "gpt-2"];
 const TYPE_CONTROL: u64 = 3;
 const TYPE_USER_DEFINED: u64 = 4;
 
-/// Control-token texts that end a turn; llama.cpp treats them as end-of-generation too.
-const END_OF_TURN_TEXTS: &[&str] = &[
-    "<|im_end|>",
-    "<|endoftext|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|end_of_text|>",
-    "<EOT>",
-];
-
 /// A GGUF model's tokenizer. Cheap to clone; `Send + Sync`.
 #[derive(Clone)]
 pub struct TextTokenizer {
@@ -125,7 +113,7 @@ impl TextTokenizer {
         }
         let mut ends: Vec<(&u32, &String)> = specials
             .iter()
-            .filter(|(_, t)| END_OF_TURN_TEXTS.contains(&t.as_str()))
+            .filter(|(_, t)| pdmesh_gguf::END_OF_TURN_TEXTS.contains(&t.as_str()))
             .collect();
         ends.sort();
         for (&id, _) in ends {
@@ -310,7 +298,7 @@ impl TextTokenizer {
             }
         }
         for (i, t) in tokens.iter().enumerate() {
-            if types[i] == TYPE_CONTROL && END_OF_TURN_TEXTS.contains(t) {
+            if types[i] == TYPE_CONTROL && pdmesh_gguf::END_OF_TURN_TEXTS.contains(t) {
                 push_unique(&mut eos, i as u32);
             }
         }
