@@ -146,13 +146,5 @@ pub(super) fn hold_export(
         pages: n,
         cached: s.cached.unwrap_or(0),
     });
-    events.push(StepEvent::Finished {
-        id: s.id.clone(),
-        reason: FinishReason::Length,
-        matched_stop: None,
-        matched_token: None,
-        prompt_tokens: s.prompt_len as u32,
-        completion_tokens: 1,
-        cached_tokens: s.cached.unwrap_or(0) as u32,
-    });
+    events.push(s.finished((FinishReason::Length, None, None), 1));
 }

@@ -64,15 +64,7 @@ impl Scheduler {
                     let mut s = self.running.remove(i);
                     tracing::warn!(id = %s.id, pages = s.pages.len(), "KV pool exhausted by one sequence");
                     self.ids.remove(&s.id);
-                    events.push(StepEvent::Finished {
-                        id: s.id.clone(),
-                        reason: FinishReason::Length,
-                        matched_stop: None,
-                        matched_token: None,
-                        prompt_tokens: s.prompt_len as u32,
-                        completion_tokens: s.generated() as u32,
-                        cached_tokens: s.cached.unwrap_or(0) as u32,
-                    });
+                    events.push(s.finished((FinishReason::Length, None, None), s.generated()));
                     if self.cfg.capture_logits {
                         self.captured
                             .insert(s.id.clone(), std::mem::take(&mut s.logits));

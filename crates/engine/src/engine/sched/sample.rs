@@ -5,7 +5,7 @@
 
 use crate::{FinishReason, Logprob, StepEvent};
 
-use super::seq::Seq;
+use super::seq::{Finish, Seq};
 
 /// Reports `s`'s prompt log-probabilities, when asked for, as its first token is sampled.
 pub(super) fn prompt_logprobs(s: &Seq, events: &mut Vec<StepEvent>) {
@@ -60,8 +60,6 @@ pub(super) fn sample_row(
     (tok, logprob)
 }
 
-type Finish = (FinishReason, Option<String>, Option<u32>);
-
 /// Emits the events for a token just appended to `s`; whether `s` is finished. `ends`:
 /// the end-of-generation tokens, each token's bytes and the context length.
 pub(super) fn after_sample(
@@ -71,9 +69,7 @@ pub(super) fn after_sample(
     (eog, token_bytes, context): (&[u32], &[Vec<u8>], usize),
     events: &mut Vec<StepEvent>,
 ) -> bool {
-    let Some((reason, matched_stop, matched_token)) =
-        finish_check(s, tok, eog, token_bytes, context)
-    else {
+    let Some(finish) = finish_check(s, tok, eog, token_bytes, context) else {
         events.push(StepEvent::Token {
             id: s.id.clone(),
             token: tok,
@@ -81,6 +77,7 @@ pub(super) fn after_sample(
         });
         return false;
     };
+    let (_, _, matched_token) = &finish;
     if matched_token.is_none() {
         events.push(StepEvent::Token {
             id: s.id.clone(),
@@ -88,15 +85,7 @@ pub(super) fn after_sample(
             logprob,
         });
     }
-    events.push(StepEvent::Finished {
-        id: s.id.clone(),
-        reason,
-        matched_stop,
-        matched_token,
-        prompt_tokens: s.prompt_len as u32,
-        completion_tokens: s.generated() as u32,
-        cached_tokens: s.cached.unwrap_or(0) as u32,
-    });
+    events.push(s.finished(finish, s.generated()));
     true
 }
 

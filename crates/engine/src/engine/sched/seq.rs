@@ -8,7 +8,7 @@ use pdmesh_kv::PageId;
 
 use crate::grammar::Constraint;
 use crate::sampler::Sampler;
-use crate::{Logprob, Part, SamplingParams};
+use crate::{FinishReason, Logprob, Part, SamplingParams, StepEvent};
 
 pub(super) struct Seq {
     pub(super) id: Arc<str>,
@@ -40,6 +40,9 @@ pub(super) struct Seq {
     pub(super) group: Option<Arc<str>>,
 }
 
+/// Why a sequence finished: the reason, and the stop string or stop token that matched.
+pub(super) type Finish = (FinishReason, Option<String>, Option<u32>);
+
 /// An admitted sequence whose prompt pages after its device hit are being fetched from the
 /// host tier: it holds its pages and joins the batch when the answer comes.
 pub(super) struct Loading {
@@ -60,6 +63,23 @@ pub(super) struct Gathering {
 impl Seq {
     pub(super) fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// Its `Finished` event, ended as `finish` says with `completion_tokens` generated.
+    pub(super) fn finished(
+        &self,
+        (reason, matched_stop, matched_token): Finish,
+        completion_tokens: usize,
+    ) -> StepEvent {
+        StepEvent::Finished {
+            id: self.id.clone(),
+            reason,
+            matched_stop,
+            matched_token,
+            prompt_tokens: self.prompt_len as u32,
+            completion_tokens: completion_tokens as u32,
+            cached_tokens: self.cached.unwrap_or(0) as u32,
+        }
     }
 
     /// Whether the forward pass returns logits for position `pos`: the last token's (to
