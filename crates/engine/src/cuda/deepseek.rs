@@ -27,7 +27,9 @@ use pdmesh_kv::{IndexKDtype, KvLayout, MlaCacheDtype};
 use super::device::{Gpu, KernelBuild, grid};
 use super::host::{PinnedHost, upload_layers};
 use super::job::{Job, KvSpan, RankOut};
-use super::llama::{MatmulKernel, add_in_place, matmul, rms_norm, swiglu};
+use super::llama::{
+    MatmulKernel, add_in_place, gather_f32_rows, matmul, output_logits, rms_norm, swiglu,
+};
 use super::{CudaError, cuda_err};
 use crate::deepseek::{DeepSeekModel, DsConfig, Ffn, Lin, Mlp};
 
@@ -600,28 +602,13 @@ impl DsRank {
         x: &CudaSlice<f32>,
         want: &[u32],
     ) -> Result<Vec<f32>, CudaError> {
-        let (c, gpu) = (&self.cfg, &self.gpu);
-        let (n, d) = (want.len(), c.hidden_size);
-        let rows: Vec<usize> = want.iter().map(|&i| i as usize).collect();
-        let xs = gather_f32_rows(gpu, s, x, d, &rows)?;
-        let mut hs = s.alloc_zeros::<f32>(n * d).map_err(cuda_err)?;
-        rms_norm(gpu, s, &xs, &self.norm, &mut hs, n, d, c.rms_norm_eps)?;
-        let w = &self.lm_head;
-        let mut logits = s.alloc_zeros::<f32>(n * w.rows).map_err(cuda_err)?;
-        matmul(
-            gpu,
-            s,
-            MatmulKernel::of(self.invariant),
-            &w.w,
-            w.rows,
-            w.cols,
-            &hs,
-            n,
-            &mut logits,
-            w.rows,
-            0,
-        )?;
-        s.clone_dtoh(&logits).map_err(cuda_err)
+        let (c, w) = (&self.cfg, &self.lm_head);
+        output_logits(
+            (&self.gpu, s, MatmulKernel::of(self.invariant)),
+            (x, c.hidden_size, want),
+            (&self.norm, c.rms_norm_eps),
+            (&w.w, w.rows, w.cols),
+        )
     }
 }
 
@@ -658,35 +645,6 @@ fn rope_interleaved(
     // t × pairs.
     unsafe { b.launch(grid((t as u32, heads as u32, 1), 32)) }.map_err(cuda_err)?;
     Ok(())
-}
-
-/// Rows `rows` (each `d` values) of `x`, gathered into a new `rows.len() × d` buffer.
-fn gather_f32_rows(
-    gpu: &Gpu,
-    s: &Arc<CudaStream>,
-    x: &CudaSlice<f32>,
-    d: usize,
-    rows: &[usize],
-) -> Result<CudaSlice<f32>, CudaError> {
-    let n = rows.len();
-    let mut out = s.alloc_zeros::<f32>((n * d).max(1)).map_err(cuda_err)?;
-    if n == 0 {
-        return Ok(out);
-    }
-    let offs: Vec<i64> = rows.iter().map(|&i| (i * d * 4) as i64).collect();
-    let offs = s.clone_htod(&offs).map_err(cuda_err)?;
-    {
-        let (rb, ni) = ((d * 4) as i32, n as i32);
-        // SAFETY: f32 buffers viewed as bytes for a row copy.
-        let mut out_b = unsafe { out.transmute_mut::<u8>(n * d * 4) }.expect("size");
-        // SAFETY: as above, the input's f32s viewed as bytes.
-        let x_b = unsafe { x.transmute::<u8>(x.len() * 4) }.expect("size");
-        let mut b = s.launch_builder(gpu.kernel("gather_rows"));
-        b.arg(&x_b).arg(&offs).arg(&mut out_b).arg(&rb).arg(&ni);
-        // SAFETY: matches gather_rows; every offset is a row of x.
-        unsafe { b.launch(grid((n as u32, 1, 1), 256)) }.map_err(cuda_err)?;
-    }
-    Ok(out)
 }
 
 /// silu(gate·x) ⊙ (up·x), then down: deepseek.rs `swiglu` for `t` tokens, into rows

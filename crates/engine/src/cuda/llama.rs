@@ -435,40 +435,14 @@ impl LlamaRank {
         x: &CudaSlice<f32>,
         want: &[u32],
     ) -> Result<Vec<f32>, CudaError> {
-        let (c, gpu) = (&self.cfg, &self.gpu);
-        let (n, d) = (want.len(), c.dim);
-        let offs: Vec<i64> = want.iter().map(|&i| (i as usize * d * 4) as i64).collect();
-        let offs = s.clone_htod(&offs).map_err(cuda_err)?;
-        let mut xs = s.alloc_zeros::<f32>(n * d).map_err(cuda_err)?;
-        {
-            let (rb, ni) = ((d * 4) as i32, n as i32);
-            // SAFETY: f32 buffers viewed as bytes for a row copy.
-            let mut xs_b = unsafe { xs.transmute_mut::<u8>(n * d * 4) }.expect("size");
-            // SAFETY: as above, the input's f32s viewed as bytes.
-            let x_b = unsafe { x.transmute::<u8>(x.len() * 4) }.expect("size");
-            let mut b = s.launch_builder(gpu.kernel("gather_rows"));
-            b.arg(&x_b).arg(&offs).arg(&mut xs_b).arg(&rb).arg(&ni);
-            // SAFETY: matches gather_rows; offsets are rows of x.
-            unsafe { b.launch(grid((n as u32, 1, 1), 256)) }.map_err(cuda_err)?;
-        }
-        let mut hs = s.alloc_zeros::<f32>(n * d).map_err(cuda_err)?;
-        rms_norm(gpu, s, &xs, &self.out_norm, &mut hs, n, d, c.rms_eps)?;
+        let c = &self.cfg;
         let w = self.output.as_ref().unwrap_or(&self.embed);
-        let mut logits = s.alloc_zeros::<f32>(n * c.vocab).map_err(cuda_err)?;
-        matmul(
-            gpu,
-            s,
-            MatmulKernel::of(self.spec.invariant),
-            w,
-            c.vocab,
-            d,
-            &hs,
-            n,
-            &mut logits,
-            c.vocab,
-            0,
-        )?;
-        s.clone_dtoh(&logits).map_err(cuda_err)
+        output_logits(
+            (&self.gpu, s, MatmulKernel::of(self.spec.invariant)),
+            (x, c.dim, want),
+            (&self.out_norm, c.rms_eps),
+            (w, c.vocab, c.dim),
+        )
     }
 
     /// The KV rows this forward wrote (this rank's heads), gathered and copied down.
@@ -519,6 +493,53 @@ impl LlamaRank {
         let rows = s.clone_dtoh(&staging).map_err(cuda_err)?;
         Ok((spans, rows))
     }
+}
+
+/// Rows `rows` (each `d` values) of `x`, gathered into a new `rows.len() × d` buffer.
+pub(crate) fn gather_f32_rows(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    x: &CudaSlice<f32>,
+    d: usize,
+    rows: &[usize],
+) -> Result<CudaSlice<f32>, CudaError> {
+    let n = rows.len();
+    let mut out = s.alloc_zeros::<f32>((n * d).max(1)).map_err(cuda_err)?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let offs: Vec<i64> = rows.iter().map(|&i| (i * d * 4) as i64).collect();
+    let offs = s.clone_htod(&offs).map_err(cuda_err)?;
+    {
+        let (rb, ni) = ((d * 4) as i32, n as i32);
+        // SAFETY: f32 buffers viewed as bytes for a row copy.
+        let mut out_b = unsafe { out.transmute_mut::<u8>(n * d * 4) }.expect("size");
+        // SAFETY: as above, the input's f32s viewed as bytes.
+        let x_b = unsafe { x.transmute::<u8>(x.len() * 4) }.expect("size");
+        let mut b = s.launch_builder(gpu.kernel("gather_rows"));
+        b.arg(&x_b).arg(&offs).arg(&mut out_b).arg(&rb).arg(&ni);
+        // SAFETY: matches gather_rows; every offset is a row of x.
+        unsafe { b.launch(grid((n as u32, 1, 1), 256)) }.map_err(cuda_err)?;
+    }
+    Ok(out)
+}
+
+/// The final norm (`norm`, `eps`) and output matrix (`w`, `rows × cols`) of rows `want`
+/// of the residual stream `x` (each `d` wide): their logits, copied to the host.
+pub(crate) fn output_logits(
+    (gpu, s, kernel): (&Gpu, &Arc<CudaStream>, MatmulKernel),
+    (x, d, want): (&CudaSlice<f32>, usize, &[u32]),
+    (norm, eps): (&CudaSlice<f32>, f32),
+    (w, rows, cols): (&CudaSlice<f32>, usize, usize),
+) -> Result<Vec<f32>, CudaError> {
+    let n = want.len();
+    let wanted: Vec<usize> = want.iter().map(|&i| i as usize).collect();
+    let xs = gather_f32_rows(gpu, s, x, d, &wanted)?;
+    let mut hs = s.alloc_zeros::<f32>(n * d).map_err(cuda_err)?;
+    rms_norm(gpu, s, &xs, norm, &mut hs, n, d, eps)?;
+    let mut logits = s.alloc_zeros::<f32>(n * rows).map_err(cuda_err)?;
+    matmul(gpu, s, kernel, w, rows, cols, &hs, n, &mut logits, rows, 0)?;
+    s.clone_dtoh(&logits).map_err(cuda_err)
 }
 
 fn tensor_f32(g: &GgufFile, name: &str) -> Result<Vec<f32>, CudaError> {
