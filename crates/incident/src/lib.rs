@@ -754,31 +754,31 @@ const DETAILS_KEPT: &[&str] = &[
 /// The replay keeps the body's [`BODY_KEPT`] fields with a number, a boolean or (for
 /// `model`) a string as value, and loses the prompt's token ids; the details keep
 /// [`DETAILS_KEPT`]. What was left out is named (field names, and the prompt's length).
-pub fn redact(i: Incident) -> Incident {
+pub fn redact(mut i: Incident) -> Incident {
     let Incident {
-        id,
-        kind,
-        summary,
-        first_seen,
-        last_seen,
-        repeats,
-        place,
-        timeline,
-        layouts,
-        pages,
-        metrics,
-        config,
-        stuck_rooms,
+        id: _,
+        kind: _,
+        summary: _,
+        first_seen: _,
+        last_seen: _,
+        repeats: _,
+        place: _,
+        timeline: _,
+        layouts: _,
+        pages: _,
+        metrics: _,
+        config: _,
+        stuck_rooms: _,
         replay,
-        mut details,
-    } = i;
+        details,
+    } = &mut i;
     let mut dropped: Vec<String> = details
         .keys()
         .filter(|k| !DETAILS_KEPT.contains(&k.as_str()))
         .cloned()
         .collect();
     details.retain(|k, _| DETAILS_KEPT.contains(&k.as_str()));
-    let replay = replay.map(|r| {
+    *replay = replay.take().map(|r| {
         let mut body = serde_json::Map::new();
         if let serde_json::Value::Object(fields) = r.body {
             for (k, v) in fields {
@@ -806,23 +806,7 @@ pub fn redact(i: Incident) -> Incident {
             dropped.join(", "),
         );
     }
-    Incident {
-        id,
-        kind,
-        summary,
-        first_seen,
-        last_seen,
-        repeats,
-        place,
-        timeline,
-        layouts,
-        pages,
-        metrics,
-        config,
-        stuck_rooms,
-        replay,
-        details,
-    }
+    i
 }
 
 fn create_dir(dir: &Path) -> Result<(), Error> {
