@@ -333,9 +333,11 @@ pub fn server(tls: Option<&MeshTls>) -> Result<tonic::transport::Server, tonic::
 pub mod auth;
 pub mod refusal;
 pub mod role;
+mod serve;
 pub use auth::{AuthChannel, Guarded, MeshAuth, MeshToken};
 pub use refusal::Refusal;
 pub use role::{Caller, Policy, Role, Roles};
+pub use serve::{DRAIN_POLL, DrainEnd, serve, wait_drained};
 
 #[cfg(any(test, feature = "test-ca"))]
 pub mod test_ca;

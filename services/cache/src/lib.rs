@@ -360,24 +360,16 @@ pub async fn run(
         })
     };
     tracing::info!(?addr, peer_port, size = ?cfg.host_mirror_size, "cache service listening");
-    let served = auth
-        .server()?
-        .trace_fn(pdmesh_telemetry::grpc_server_span)
-        .add_service(
-            auth.guard(
-                &grpc::POLICY,
-                pdmesh_proto::cache::v1::cache_server::CacheServer::new(
-                    grpc::CacheService::new(shared.clone(), serving.clone(), peers, peer_port)
-                        .with_incidents(reporter),
-                ),
+    let router = auth.traced_server()?.add_service(
+        auth.guard(
+            &grpc::POLICY,
+            pdmesh_proto::cache::v1::cache_server::CacheServer::new(
+                grpc::CacheService::new(shared.clone(), serving.clone(), peers, peer_port)
+                    .with_incidents(reporter),
             ),
-        )
-        .serve_with_incoming_shutdown(
-            // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            serving.cancelled_owned(),
-        )
-        .await;
+        ),
+    );
+    let served = pdmesh_tls::serve(router, listener, serving.cancelled_owned()).await;
     drainer.abort();
     let _ = drainer.await;
     reaper.abort();
@@ -391,9 +383,6 @@ pub async fn run(
     tracing::info!(?addr, "cache service stopped");
     served.map_err(Error::from)
 }
-
-/// How often the drain looks for rooms still under way.
-const DRAIN_POLL: Duration = Duration::from_millis(50);
 
 /// Once `shutdown` is cancelled: opens no new room or relay, waits until none is under
 /// way (the reaper still fails those past their deadlines) or `timeout` passes, then
@@ -410,22 +399,15 @@ async fn drain(
         ?timeout,
         "draining: no new room opens, those under way finish"
     );
-    let until = tokio::time::Instant::now() + timeout;
-    loop {
-        let busy = shared.with(|s| s.busy(Instant::now()));
-        if busy == 0 {
-            tracing::info!("drained: no room is under way");
-            break;
-        }
-        if tokio::time::Instant::now() >= until {
-            tracing::warn!(
-                left = busy,
-                "drain timed out: stopping with rooms under way"
-            );
-            break;
-        }
-        tokio::time::sleep(DRAIN_POLL).await;
-    }
+    pdmesh_tls::wait_drained(
+        timeout,
+        || std::future::ready(shared.with(|s| s.busy(Instant::now()))),
+        pdmesh_tls::DrainEnd {
+            drained: "drained: no room is under way",
+            timed_out: "drain timed out: stopping with rooms under way",
+        },
+    )
+    .await;
     serving.cancel();
 }
 

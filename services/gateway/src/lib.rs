@@ -156,21 +156,18 @@ pub(crate) async fn drain(
         open = st.backends.workers.in_flight(),
         "draining: open streams run on"
     );
-    let until = tokio::time::Instant::now() + timeout;
-    loop {
-        // A request still in its handler starts a stream soon: wait for it too.
-        let open = st.backends.workers.in_flight()
-            + st.handling.load(std::sync::atomic::Ordering::Relaxed);
-        if open == 0 {
-            tracing::info!("drained: no stream is open");
-            break;
-        }
-        if tokio::time::Instant::now() >= until {
-            tracing::warn!(open, "drain timed out: ending the open streams");
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // A request still in its handler starts a stream soon: wait for it too.
+    let open = || {
+        std::future::ready(
+            st.backends.workers.in_flight()
+                + st.handling.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    };
+    let end = pdmesh_tls::DrainEnd {
+        drained: "drained: no stream is open",
+        timed_out: "drain timed out: ending the open streams",
+    };
+    pdmesh_tls::wait_drained(timeout, open, end).await;
     streams_end.cancel();
 }
 

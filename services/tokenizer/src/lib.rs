@@ -61,18 +61,11 @@ pub async fn run(
     if let Some(a) = addr {
         auth.check_listen("the tokenizer service", a)?;
     }
-    auth.server()?
-        .trace_fn(pdmesh_telemetry::grpc_server_span)
-        .add_service(auth.guard(
-            &grpc::POLICY,
-            pdmesh_proto::tokenizer::v1::tokenizer_server::TokenizerServer::new(service),
-        ))
-        .serve_with_incoming_shutdown(
-            // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown.cancelled_owned(),
-        )
-        .await?;
+    let router = auth.traced_server()?.add_service(auth.guard(
+        &grpc::POLICY,
+        pdmesh_proto::tokenizer::v1::tokenizer_server::TokenizerServer::new(service),
+    ));
+    pdmesh_tls::serve(router, listener, shutdown.cancelled_owned()).await?;
     tracing::info!(?addr, "tokenizer service stopped");
     Ok(())
 }

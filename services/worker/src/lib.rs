@@ -218,9 +218,8 @@ pub async fn run(
             }
         })
     });
-    let served = auth
-        .server()?
-        .trace_fn(pdmesh_telemetry::grpc_server_span)
+    let router = auth
+        .traced_server()?
         .add_service(auth.guard(
             &grpc::POLICY,
             pdmesh_proto::worker::v1::worker_server::WorkerServer::from_arc(worker),
@@ -234,13 +233,8 @@ pub async fn run(
             pdmesh_proto::sglang::grpc::scheduler::sglang_scheduler_server::SglangSchedulerServer::new(
                 sglang,
             ),
-        ))
-        .serve_with_incoming_shutdown(
-            // Small messages (tokens, control calls) must not wait for Nagle's algorithm.
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            serving.cancelled_owned(),
-        )
-        .await;
+        ));
+    let served = pdmesh_tls::serve(router, listener, serving.cancelled_owned()).await;
     drainer.abort();
     let _ = drainer.await;
     if let Some(h) = health_port {
@@ -272,24 +266,20 @@ async fn drain(
         ?timeout,
         "draining: new requests are refused, running ones finish"
     );
-    let until = tokio::time::Instant::now() + timeout;
-    loop {
-        let busy = match engine.info().await {
+    let (engine, pd) = (&engine, &pd);
+    let busy = || async move {
+        match engine.info().await {
             Ok((_, pool)) => {
                 pool.load.waiting + pool.load.reserved + pool.load.running + pd.stats().handovers
             }
             Err(_) => 0,
-        };
-        if busy == 0 {
-            tracing::info!("drained: nothing runs");
-            break;
         }
-        if tokio::time::Instant::now() >= until {
-            tracing::warn!(left = busy, "drain timed out: aborting what is left");
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    };
+    let end = pdmesh_tls::DrainEnd {
+        drained: "drained: nothing runs",
+        timed_out: "drain timed out: aborting what is left",
+    };
+    pdmesh_tls::wait_drained(timeout, busy, end).await;
     if let Ok(n) = engine.abort_all().await {
         tracing::info!(aborted = n, "worker shutting down");
     }
