@@ -27,8 +27,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
+mod args;
 mod markdown;
 
+pub use args::IncidentArgs;
 pub use markdown::render;
 
 /// What kind of failure a report is about.

@@ -91,13 +91,9 @@ pub struct Config {
     /// list, no room is relayed to another host.
     #[arg(long = "peer", env = "PDMESH_PEERS", value_delimiter = ',')]
     pub peers: Vec<String>,
-    /// Where incident reports are written (a wedge the watchdog found), created
-    /// owner-only; unset: none are written (the stuck rooms are still logged).
-    #[arg(long, env = "PDMESH_INCIDENT_DIR")]
-    pub incident_dir: Option<PathBuf>,
-    /// A trace viewer's link with `{trace_id}` in it (Tempo, Jaeger), for the reports.
-    #[arg(long, env = "PDMESH_INCIDENT_TRACE_LINK")]
-    pub incident_trace_link: Option<String>,
+    /// Where incident reports (a wedge the watchdog found) are written.
+    #[command(flatten)]
+    pub incidents: pdmesh_incident::IncidentArgs,
     /// At SIGTERM the cache service drains: it opens no new room (UNAVAILABLE, so the
     /// gateway tries the request on another host) and keeps serving until every room
     /// and relay under way has ended, or for this long; then it stops (0: at once). Keep
@@ -124,8 +120,7 @@ impl Config {
             peer_listen: None,
             peer_io_timeout_ms: 5_000,
             peers: Vec::new(),
-            incident_dir: None,
-            incident_trace_link: None,
+            incidents: pdmesh_incident::IncidentArgs::default(),
             drain_timeout_ms: 20_000,
             tls: pdmesh_tls::TlsArgs::default(),
         }
@@ -278,8 +273,8 @@ pub async fn run(
     )?);
     let watchdog = cfg.watchdog;
     let reporter = pdmesh_incident::Reporter::from_flags(
-        cfg.incident_dir.as_deref(),
-        cfg.incident_trace_link.clone(),
+        cfg.incidents.dir.as_deref(),
+        cfg.incidents.trace_link.clone(),
         None,
         false,
     )

@@ -91,14 +91,10 @@ pub struct Config {
     /// Seconds a stored response is kept.
     #[arg(long, env = "PDMESH_RESPONSES_TTL_SECS", default_value_t = 3600)]
     pub responses_ttl_secs: u64,
-    /// Where incident reports are written (an unparsable output, a first token that
-    /// differs between prefill and decode), created owner-only; `GET /debug/incidents`
-    /// lists them. Unset: none are written (they are still counted).
-    #[arg(long, env = "PDMESH_INCIDENT_DIR")]
-    pub incident_dir: Option<std::path::PathBuf>,
-    /// A trace viewer's link with `{trace_id}` in it (Tempo, Jaeger), for the reports.
-    #[arg(long, env = "PDMESH_INCIDENT_TRACE_LINK")]
-    pub incident_trace_link: Option<String>,
+    /// Where incident reports (an unparsable output, a first token that differs between
+    /// prefill and decode) are written.
+    #[command(flatten)]
+    pub incidents: pdmesh_incident::IncidentArgs,
     /// This gateway's OpenAI endpoint as operators reach it (`http://host:port/v1`), for
     /// the reports' replay command (`pdmesh up` passes it).
     #[arg(long, env = "PDMESH_INCIDENT_REPLAY_URL")]
@@ -140,8 +136,7 @@ impl Config {
             responses_max_stored: 1024,
             responses_max_stored_bytes: 256 * 1024 * 1024,
             responses_ttl_secs: 3600,
-            incident_dir: None,
-            incident_trace_link: None,
+            incidents: pdmesh_incident::IncidentArgs::default(),
             incident_replay_url: None,
             drain_timeout_ms: 20_000,
             incident_include_prompts: false,

@@ -131,8 +131,8 @@ impl AppState {
     ) -> Result<Self, Error> {
         let admission = Arc::new(tokio::sync::Semaphore::new(cfg.max_concurrent_requests));
         let incidents = pdmesh_incident::Reporter::from_flags(
-            cfg.incident_dir.as_deref(),
-            cfg.incident_trace_link.clone(),
+            cfg.incidents.dir.as_deref(),
+            cfg.incidents.trace_link.clone(),
             cfg.incident_replay_url.clone(),
             cfg.incident_include_prompts,
         )

@@ -202,7 +202,7 @@ async fn fakes(worker: FakeWorker, incidents: Option<&std::path::Path>) -> AppSt
     let mut cfg = Config::new(&turl, &wurl);
     cfg.tls = pdmesh_tls::test_ca::args();
     cfg.api_key = Some("sk-test-secret".into());
-    cfg.incident_dir = incidents.map(std::path::Path::to_owned);
+    cfg.incidents.dir = incidents.map(std::path::Path::to_owned);
     let backends = Backends::connect_lazy(&turl, &wurl).unwrap();
     AppState::new(
         cfg,

@@ -122,14 +122,10 @@ pub struct Config {
     /// freed and the peer told at once) and refuses new ones until the loop moves again.
     #[arg(long, env = "PDMESH_WATCHDOG", value_enum, default_value_t = Watchdog::Soft)]
     pub watchdog: Watchdog,
-    /// Where incident reports are written (an engine-loop stall, a page failing its
-    /// checksum on load or in a hand-over), created owner-only; unset: none are written
-    /// (the failures are still logged and counted).
-    #[arg(long, env = "PDMESH_INCIDENT_DIR")]
-    pub incident_dir: Option<PathBuf>,
-    /// A trace viewer's link with `{trace_id}` in it (Tempo, Jaeger), for the reports.
-    #[arg(long, env = "PDMESH_INCIDENT_TRACE_LINK")]
-    pub incident_trace_link: Option<String>,
+    /// Where incident reports (an engine-loop stall, a page failing its checksum on load
+    /// or in a hand-over) are written.
+    #[command(flatten)]
+    pub incidents: pdmesh_incident::IncidentArgs,
     /// At SIGTERM the worker drains: it refuses new requests (UNAVAILABLE, and Health
     /// says not ok, so gateways send them elsewhere) and lets the running ones finish
     /// for up to this long, then aborts what is left (their rooms end cleanly) and
@@ -230,8 +226,7 @@ impl Config {
             transfer_timeout_ms: 60_000,
             watchdog_stall_ms: 10_000,
             watchdog: Watchdog::Soft,
-            incident_dir: None,
-            incident_trace_link: None,
+            incidents: pdmesh_incident::IncidentArgs::default(),
             incident_replay_url: None,
             incident_include_prompts: false,
             drain_timeout_ms: 20_000,

@@ -84,9 +84,9 @@ pub async fn run(
             Error::Thread(std::io::Error::other(format!("model loader panicked: {e}")))
         })??;
     let incidents = incidents::Incidents::from_flags(
-        cfg.incident_dir.as_deref(),
+        cfg.incidents.dir.as_deref(),
         (
-            cfg.incident_trace_link.clone(),
+            cfg.incidents.trace_link.clone(),
             cfg.incident_replay_url.clone(),
             cfg.incident_include_prompts,
         ),

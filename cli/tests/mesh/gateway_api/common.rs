@@ -99,7 +99,7 @@ pub async fn start(opts: Options) -> Mesh {
     cfg.model_name = opts.model_name;
     cfg.api_key = opts.api_key;
     cfg.admin_key = opts.admin_key;
-    cfg.incident_dir = opts.incident_dir;
+    cfg.incidents.dir = opts.incident_dir;
     cfg.model = opts.gateway_model;
     if let Some(b) = opts.max_body_bytes {
         cfg.max_body_bytes = b;

@@ -311,7 +311,7 @@ async fn a_world_writable_incident_directory_makes_the_gateway_refuse_to_start()
     std::fs::set_permissions(&reports, std::fs::Permissions::from_mode(0o777)).unwrap();
     let mut cfg = pdmesh_gateway::Config::new("http://127.0.0.1:9", "http://127.0.0.1:9");
     cfg.tls = pdmesh_tls::test_ca::args();
-    cfg.incident_dir = Some(reports.clone());
+    cfg.incidents.dir = Some(reports.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let e = tokio::time::timeout(
         std::time::Duration::from_secs(30),
