@@ -28,7 +28,8 @@ use super::device::{Gpu, KernelBuild, grid};
 use super::host::{PinnedHost, upload_layers};
 use super::job::{Job, KvSpan, RankOut};
 use super::llama::{
-    MatmulKernel, add_in_place, gather_f32_rows, matmul, output_logits, rms_norm, swiglu,
+    MatmulKernel, add_in_place, embed_gather, gather_f32_rows, matmul, output_logits, rms_norm,
+    swiglu,
 };
 use super::{CudaError, cuda_err};
 use crate::deepseek::{DeepSeekModel, DsConfig, Ffn, Lin, Mlp};
@@ -347,16 +348,9 @@ impl DsRank {
         let (mut att, mut o) = (z(t * h * dv)?, z(t * d)?);
         let mut iscores = z(if any_sparse { t * max_len } else { 1 })?;
         let mut scratch = z(t * h * cap)?;
-        let (ti, d_i, eps) = (t as i32, d as i32, c.rms_norm_eps);
+        let (ti, eps) = (t as i32, c.rms_norm_eps);
         if t > 0 {
-            let mut b = s.launch_builder(gpu.kernel("embed_gather"));
-            b.arg(&self.embed)
-                .arg(&tokens)
-                .arg(&mut x)
-                .arg(&d_i)
-                .arg(&ti);
-            // SAFETY: matches embed_gather; x holds t × d.
-            unsafe { b.launch(grid((t as u32, 1, 1), 256)) }.map_err(cuda_err)?;
+            embed_gather(gpu, &s, &self.embed, &tokens, &mut x, (t, d))?;
         }
         let inv = MatmulKernel::of(self.invariant);
         let mm = |w: &DLin, x: &CudaSlice<f32>, rows_t: usize, out: &mut CudaSlice<f32>| {

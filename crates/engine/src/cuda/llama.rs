@@ -242,17 +242,7 @@ impl LlamaRank {
         let (mut o_l, mut o) = (z(t * dr.len())?, z(t * d)?);
         let (mut g, mut u, mut gf) = (z(t * fr.len())?, z(t * fr.len())?, z(t * c.ffn)?);
         let mut scratch = z(t * qh * job.max_len)?;
-        let (di, ti) = (d as i32, t as i32);
-        {
-            let mut b = s.launch_builder(gpu.kernel("embed_gather"));
-            b.arg(&self.embed)
-                .arg(&tokens)
-                .arg(&mut x)
-                .arg(&di)
-                .arg(&ti);
-            // SAFETY: argument list matches the kernel's signature (kernels/cuda).
-            unsafe { b.launch(grid((t as u32, 1, 1), 256)) }.map_err(cuda_err)?;
-        }
+        embed_gather(gpu, &s, &self.embed, &tokens, &mut x, (t, d))?;
         let kvd = c.kv_heads * hd;
         let bpp = self.layout.bytes_per_page() as i64;
         for (li, layer) in self.layers.iter().enumerate() {
@@ -522,6 +512,24 @@ pub(crate) fn gather_f32_rows(
         unsafe { b.launch(grid((n as u32, 1, 1), 256)) }.map_err(cuda_err)?;
     }
     Ok(out)
+}
+
+/// Row `tokens[i]` of the embedding table `embed` (each `d` wide) into row `i` of `x`,
+/// for the `t` tokens.
+pub(crate) fn embed_gather(
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    embed: &CudaSlice<f32>,
+    tokens: &CudaSlice<u32>,
+    x: &mut CudaSlice<f32>,
+    (t, d): (usize, usize),
+) -> Result<(), CudaError> {
+    let (di, ti) = (d as i32, t as i32);
+    let mut b = s.launch_builder(gpu.kernel("embed_gather"));
+    b.arg(embed).arg(tokens).arg(x).arg(&di).arg(&ti);
+    // SAFETY: matches embed_gather; x holds t × d, and every token is a row of embed.
+    unsafe { b.launch(grid((t as u32, 1, 1), 256)) }.map_err(cuda_err)?;
+    Ok(())
 }
 
 /// The final norm (`norm`, `eps`) and output matrix (`w`, `rows × cols`) of rows `want`
