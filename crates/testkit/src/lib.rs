@@ -1,10 +1,18 @@
-//! What pdmesh's tests share: the committed fixtures ([`fixture`]), a waker for the test's own thread ([`wake_here`]), and
+//! What pdmesh's tests share: services started in process ([`service`]), the committed
+//! fixtures ([`fixture`], and llama.cpp's answers for the default model in
+//! [`reference`]), grammars run over bytes ([`grammar`]), a waker for the test's
+//! own thread ([`wake_here`]), the benchmarks' arguments and medians ([`bench`]), and
 //! addresses that refuse. Tests never pick a port by binding one and letting it go: a
 //! test running beside them could take it in between. A listener a test needs is bound on
 //! port 0 and handed to the service as it is; an address where nothing may answer is
 //! [`Refusing`], a socket that holds its port and never listens.
 
 #![forbid(unsafe_code)]
+
+pub mod bench;
+pub mod grammar;
+pub mod reference;
+pub mod service;
 
 use std::net::SocketAddr;
 
@@ -46,8 +54,9 @@ impl Default for Refusing {
     }
 }
 
-/// The committed fixture `name` (`tests/fixtures/`, llama.cpp's own answers for the
-/// default model, made by scripts/reference/gen_reference.py), parsed.
+/// The committed fixture `name` (`tests/fixtures/`: llama.cpp's own answers for the
+/// default model, made by scripts/reference/gen_reference.py, and the inputs tests in
+/// several crates and languages share), parsed.
 pub fn fixture<T: serde::de::DeserializeOwned>(name: &str) -> T {
     let path = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures"))
         .join(name);
