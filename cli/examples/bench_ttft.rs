@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 use pdmesh_cache::client::DataPlane;
 use pdmesh_cache::{Config, MirrorSize, RemoteTier, TierConfig};
 use pdmesh_engine::{Engine, EngineConfig, GenRequest, SamplingParams, StepEvent, WritePolicy};
+use pdmesh_testkit::bench::{args, median, numbers, take_flag};
+use pdmesh_testkit::service::{Service, credentials};
 
 fn ttft(e: &mut Engine, id: &str, prompt: &[u32]) -> f64 {
     let t = Instant::now();
@@ -37,37 +39,20 @@ fn ttft(e: &mut Engine, id: &str, prompt: &[u32]) -> f64 {
     first.expect("a first token")
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
-    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args = args();
     // `--tp N`: tensor-parallel ranks (1, unsharded, by default).
-    let tp = match args.iter().position(|a| a == "--tp") {
-        Some(i) => {
-            let n = args
-                .get(i + 1)
-                .and_then(|a| a.parse().ok())
-                .expect("--tp N");
-            args.drain(i..i + 2);
-            n
-        }
-        None => 1,
-    };
-    let args: Vec<usize> = args.iter().map(|a| a.parse().expect("number")).collect();
+    let tp = take_flag(&mut args, "--tp").unwrap_or(1);
+    let args = numbers(&args);
     let n = *args.first().unwrap_or(&2048);
     let rounds = *args.get(1).unwrap_or(&3);
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let mut cache = Config::new(MirrorSize::Bytes(1 << 30));
-    cache.tls = pdmesh_tls::test_ca::args();
-    rt.spawn(pdmesh_cache::run(cache, listener, shutdown.clone()));
+    let mut cfg = Config::new(MirrorSize::Bytes(1 << 30));
+    cfg.tls = credentials();
+    let cache = rt.block_on(Service::start(|listener, shutdown| {
+        pdmesh_cache::run(cfg, listener, shutdown)
+    }));
+    let url = cache.url();
 
     let engine = |tier: bool| {
         let mut cfg = EngineConfig::new(pdmesh_gguf::models::require_default_model());
@@ -126,5 +111,5 @@ fn main() {
         h * 1e3,
         h / c
     );
-    shutdown.cancel();
+    cache.shutdown.cancel();
 }

@@ -11,15 +11,13 @@ use crate::engine_common::{assert_same_turns, available, greedy, run_all, sessio
 use pdmesh_cache::client::DataPlane;
 use pdmesh_cache::{Config, MirrorSize, RemoteTier, TierConfig};
 use pdmesh_engine::{Engine, WritePolicy};
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
+use pdmesh_testkit::service::{Service, credentials};
 
 /// A cache service on its own runtime, its mirror file in a temporary directory.
 struct Cache {
     rt: tokio::runtime::Runtime,
-    url: String,
+    svc: Service<pdmesh_cache::Error>,
     dir: tempfile::TempDir,
-    shutdown: CancellationToken,
 }
 
 impl Cache {
@@ -31,18 +29,12 @@ impl Cache {
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = Config::new(size.parse::<MirrorSize>().unwrap());
-        cfg.tls = pdmesh_tls::test_ca::args();
+        cfg.tls = credentials();
         cfg.shm_dir = Some(dir.path().to_owned());
-        let listener = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let shutdown = CancellationToken::new();
-        rt.spawn(pdmesh_cache::run(cfg, listener, shutdown.clone()));
-        Self {
-            rt,
-            url,
-            dir,
-            shutdown,
-        }
+        let svc = rt.block_on(Service::start(|listener, shutdown| {
+            pdmesh_cache::run(cfg, listener, shutdown)
+        }));
+        Self { rt, svc, dir }
     }
 
     /// Attach the host tier to `e` and wait until it registered.
@@ -60,7 +52,7 @@ impl Cache {
     fn tier(&self, e: &Engine, plane: DataPlane) -> RemoteTier {
         let layout = e.pool().layout().as_ref().clone();
         let mut cfg = TierConfig::new(
-            self.url.clone(),
+            self.svc.url(),
             format!("test-{plane:?}"),
             plane,
             pdmesh_tls::test_ca::auth(),
@@ -84,7 +76,7 @@ impl Cache {
 
 impl Drop for Cache {
     fn drop(&mut self) {
-        self.shutdown.cancel();
+        self.svc.shutdown.cancel();
     }
 }
 

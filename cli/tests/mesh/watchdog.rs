@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use pdmesh_cache::client::{DataPlane, HostClient};
 use pdmesh_kv::{DType, KvLayout};
 use pdmesh_proto::cache::v1 as pb;
+use pdmesh_testkit::service::{answer, connect};
 
 /// A `pdmesh cache` child, killed when dropped, and its stderr as it comes.
 struct Cache {
@@ -95,22 +96,15 @@ impl Cache {
     }
 
     async fn stats(&self) -> pb::StatsResponse {
-        let mut c = pdmesh_tls::test_ca::client(self.url(), pb::cache_client::CacheClient::new)
-            .await
-            .unwrap();
-        c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
+        let mut c = connect(self.url(), pb::cache_client::CacheClient::new).await;
+        answer(c.stats(pb::StatsRequest {})).await
     }
 
     async fn client(&self, name: &str) -> HostClient {
-        HostClient::connect(
-            &self.url(),
-            name,
-            &layout(),
-            DataPlane::Grpc,
-            &pdmesh_tls::test_ca::auth(),
-        )
-        .await
-        .unwrap()
+        let auth = pdmesh_tls::test_ca::auth();
+        HostClient::connect(&self.url(), name, &layout(), DataPlane::Grpc, &auth)
+            .await
+            .unwrap()
     }
 
     /// Every row of every stuck-room table logged so far, with the table's heading (what
@@ -255,22 +249,35 @@ async fn rooms(p: &HostClient, d: &HostClient) -> (Vec<u32>, Vec<u32>) {
     let writing = p.room_start(TRANSFERRING, 3).await.unwrap();
     assert_eq!(writing.len(), 3);
     // Prefill hands its pages over; decode never takes them.
-    open(d, SUCCEEDED, Receiver).await;
-    open(p, SUCCEEDED, Sender).await;
-    let handed = p.room_start(SUCCEEDED, 2).await.unwrap();
-    p.room_commit(SUCCEEDED, pages(&handed), aux(SUCCEEDED))
-        .await
-        .unwrap();
+    let handed = hand_over(p, d, SUCCEEDED, 2).await;
     // A healthy hand-over from start to end.
-    open(d, FINISHED, Receiver).await;
-    open(p, FINISHED, Sender).await;
-    let slots = p.room_start(FINISHED, 1).await.unwrap();
-    p.room_commit(FINISHED, pages(&slots), aux(FINISHED))
-        .await
-        .unwrap();
+    let slots = hand_over(p, d, FINISHED, 1).await;
     assert_eq!(d.room_result(FINISHED).await.unwrap().pages, pages(&slots));
     d.room_finish(FINISHED).await.unwrap();
     (writing, handed)
+}
+
+/// Room `room` opened on both sides and `n` pages written and committed by `p`: the
+/// slots they went to.
+async fn hand_over(p: &HostClient, d: &HostClient, room: u64, n: u32) -> Vec<u32> {
+    use pb::RoomSide::{Receiver, Sender};
+    open(d, room, Receiver).await;
+    open(p, room, Sender).await;
+    let slots = p.room_start(room, n).await.unwrap();
+    p.room_commit(room, pages(&slots), aux(room)).await.unwrap();
+    slots
+}
+
+/// Every stuck-room row logged once each of `stuck` is in the table (`what`).
+async fn tabled(cache: &Cache, what: &str, stuck: &[u64]) -> Vec<(String, Row)> {
+    until(what, 30, cache, async || {
+        let rows = cache.stuck_rows();
+        stuck
+            .iter()
+            .all(|r| rows.iter().any(|(_, row)| row.room == *r))
+            .then_some(rows)
+    })
+    .await
 }
 
 /// The room's state and reason now, as its receiver sees it.
@@ -308,14 +315,7 @@ async fn soft_watchdog_tables_exactly_the_stuck_rooms_with_their_traces_and_fail
     let (writing, handed) = rooms(&p, &d).await;
 
     let stuck = [BOOTSTRAPPING, WAITING, TRANSFERRING];
-    let rows = until("the three stuck rooms in the log", 30, &cache, async || {
-        let rows = cache.stuck_rows();
-        stuck
-            .iter()
-            .all(|r| rows.iter().any(|(_, row)| row.room == *r))
-            .then_some(rows)
-    })
-    .await;
+    let rows = tabled(&cache, "the three stuck rooms in the log", &stuck).await;
     // Reported, not failed: every room is where it was.
     for (room, want) in [
         (BOOTSTRAPPING, pb::RoomState::Bootstrapping),
@@ -450,14 +450,7 @@ async fn hard_watchdog_fails_the_stuck_rooms_and_their_mirror_slots_come_back() 
     let (writing, handed) = rooms(&p, &d).await;
 
     let stuck = [BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCEEDED];
-    let rows = until("the four stuck rooms in the log", 30, &cache, async || {
-        let rows = cache.stuck_rows();
-        stuck
-            .iter()
-            .all(|r| rows.iter().any(|(_, row)| row.room == *r))
-            .then_some(rows)
-    })
-    .await;
+    let rows = tabled(&cache, "the four stuck rooms in the log", &stuck).await;
     let rows = by_room(&rows);
     assert_eq!(rows.keys().copied().collect::<Vec<_>>(), stuck, "{rows:#?}");
     check_row(&rows, BOOTSTRAPPING, "bootstrapping", "failed");

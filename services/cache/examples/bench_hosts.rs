@@ -15,14 +15,13 @@
 
 use std::time::{Duration, Instant};
 
-use pdmesh_cache::client::{DataPlane, HostClient, RoomOpen};
-use pdmesh_kv::{DType, IndexKDtype, KvLayout, MlaCacheDtype, MlaDims};
+use pdmesh_cache::client::RoomOpen;
+use pdmesh_kv::{IndexKDtype, KvLayout, MlaCacheDtype, MlaDims};
 use pdmesh_proto::cache::v1 as pb;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+mod common;
+
+use common::{median, shm_client, smol};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -33,7 +32,7 @@ async fn main() {
         _ => panic!("usage: bench_hosts LAYOUT PAGES ROUNDS A_URL B_URL [ROOMS]"),
     };
     let layout = match layout.as_str() {
-        "smol" => KvLayout::llama(30, 3, 64, DType::F16, 16),
+        "smol" => smol(),
         "deepseek-tiny" => {
             let dims = MlaDims {
                 kv_lora_rank: 128,
@@ -46,24 +45,12 @@ async fn main() {
         other => panic!("unknown layout {other:?} (smol, deepseek-tiny)"),
     };
     let (pages, rounds): (usize, usize) = (pages.parse().unwrap(), rounds.parse().unwrap());
-    let a = HostClient::connect(
-        a_url,
-        "bench-sender",
-        &layout,
-        DataPlane::Shm,
-        &pdmesh_tls::test_ca::auth(),
-    )
-    .await
-    .expect("host A's cache service");
-    let b = HostClient::connect(
-        b_url,
-        "bench-receiver",
-        &layout,
-        DataPlane::Shm,
-        &pdmesh_tls::test_ca::auth(),
-    )
-    .await
-    .expect("host B's cache service");
+    let a = shm_client(a_url, "bench-sender", &layout)
+        .await
+        .expect("host A's cache service");
+    let b = shm_client(b_url, "bench-receiver", &layout)
+        .await
+        .expect("host B's cache service");
     let page_bytes = layout.bytes_per_page();
     let data: Vec<Vec<u8>> = (0..pages)
         .map(|i| (0..page_bytes).map(|x| (x ^ (i * 7)) as u8).collect())

@@ -8,44 +8,22 @@
 //! /dev/shm; one worker-side client stores the pages, then each round matches and loads all
 //! of them into a destination buffer (copy + xxh3-64 check per page, pins released).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use pdmesh_cache::client::{DataPlane, HostClient};
-use pdmesh_cache::{Config, MirrorSize};
-use pdmesh_kv::{DType, KvLayout, page_hashes};
+use pdmesh_kv::page_hashes;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+mod common;
+
+use common::{median, pages_and_rounds, serve, shm_client, smol};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("number"))
-        .collect();
-    let pages = *args.first().unwrap_or(&64);
-    let rounds = *args.get(1).unwrap_or(&15);
-    let layout = KvLayout::llama(30, 3, 64, DType::F16, 16);
+    let (pages, rounds, _) = pages_and_rounds();
+    let layout = smol();
     let pb = layout.bytes_per_page();
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let mut cfg = Config::new(MirrorSize::Bytes((pages * pb * 2) as u64));
-    cfg.tls = pdmesh_tls::test_ca::args();
-    let server = tokio::spawn(pdmesh_cache::run(cfg, listener, shutdown.clone()));
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let mut c = HostClient::connect(
-        &url,
-        "bench",
-        &layout,
-        DataPlane::Shm,
-        &pdmesh_tls::test_ca::auth(),
-    )
-    .await
-    .unwrap();
+    let server = serve((pages * pb * 2) as u64).await;
+    let mut c = shm_client(&server.url(), "bench", &layout).await.unwrap();
 
     let tokens: Vec<u32> = (0..(pages * 16) as u32).collect();
     let hashes = page_hashes(layout.fingerprint(), &tokens, 16);
@@ -127,6 +105,5 @@ async fn main() {
         100.0 * (f1 - p1).max(0.0) / f1
     );
     drop(c);
-    shutdown.cancel();
-    let _ = server.await;
+    server.stop().await.unwrap();
 }

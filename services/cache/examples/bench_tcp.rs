@@ -14,26 +14,23 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use pdmesh_cache::transfer::{InPage, OutPage, TcpOptions, TcpSender, Transport, serve_connection};
-use pdmesh_kv::{DType, KvLayout, page_checksum};
+use pdmesh_kv::page_checksum;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+mod common;
+
+use common::{median, pages_and_rounds, smol};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let pages: usize = args.get(1).map_or(64, |s| s.parse().expect("PAGES"));
-    let rounds: usize = args.get(2).map_or(15, |s| s.parse().expect("ROUNDS"));
-    let addr: SocketAddr = args
-        .get(3)
+    let (pages, rounds, rest) = pages_and_rounds();
+    let addr: SocketAddr = rest
+        .first()
         .map_or("127.0.0.1:0", String::as_str)
         .parse()
         .expect("ADDR");
-    let layout = KvLayout::llama(30, 3, 64, DType::F16, 16);
+    let layout = smol();
     let page_bytes = layout.bytes_per_page();
     let data: Vec<Vec<u8>> = (0..pages)
         .map(|i| (0..page_bytes).map(|b| (b ^ i) as u8).collect())

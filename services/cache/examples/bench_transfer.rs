@@ -17,52 +17,22 @@
 
 use std::time::{Duration, Instant};
 
-use pdmesh_cache::client::{DataPlane, HostClient};
-use pdmesh_cache::{Config, MirrorSize};
-use pdmesh_kv::{DType, KvLayout};
 use pdmesh_proto::cache::v1 as pb;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+mod common;
+
+use common::{median, pages_and_rounds, serve, shm_client, smol};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("number"))
-        .collect();
-    let pages = *args.first().unwrap_or(&64);
-    let rounds = *args.get(1).unwrap_or(&15);
-    let layout = KvLayout::llama(30, 3, 64, DType::F16, 16);
+    let (pages, rounds, _) = pages_and_rounds();
+    let layout = smol();
     let pb_ = layout.bytes_per_page();
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let mut cfg = Config::new(MirrorSize::Bytes((pages * pb_ * 2) as u64));
-    cfg.tls = pdmesh_tls::test_ca::args();
-    let server = tokio::spawn(pdmesh_cache::run(cfg, listener, shutdown.clone()));
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let sender = HostClient::connect(
-        &url,
-        "prefill",
-        &layout,
-        DataPlane::Shm,
-        &pdmesh_tls::test_ca::auth(),
-    )
-    .await
-    .unwrap();
-    let receiver = HostClient::connect(
-        &url,
-        "decode",
-        &layout,
-        DataPlane::Shm,
-        &pdmesh_tls::test_ca::auth(),
-    )
-    .await
-    .unwrap();
+    let server = serve((pages * pb_ * 2) as u64).await;
+    let url = server.url();
+    let sender = shm_client(&url, "prefill", &layout).await.unwrap();
+    let receiver = shm_client(&url, "decode", &layout).await.unwrap();
     let (smirror, rmirror) = (
         sender.shared_mirror().expect("shm plane"),
         receiver.shared_mirror().expect("shm plane"),
@@ -161,6 +131,5 @@ async fn main() {
         m / t
     );
     drop((sender, receiver));
-    shutdown.cancel();
-    let _ = server.await;
+    server.stop().await.unwrap();
 }

@@ -9,38 +9,16 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use pb::cache_client::CacheClient;
 use pdmesh_cache::client::{DataPlane, HostClient, RoomOpen};
-use pdmesh_cache::{Config, MirrorSize};
 use pdmesh_kv::{DType, KvLayout};
 use pdmesh_proto::cache::v1 as pb;
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
-struct Host {
-    addr: SocketAddr,
-    shutdown: CancellationToken,
-    task: tokio::task::JoinHandle<Result<(), pdmesh_cache::Error>>,
-    _dir: tempfile::TempDir,
-}
+mod common;
 
-impl Host {
-    fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    async fn stats(&self) -> pb::StatsResponse {
-        let mut c = pdmesh_tls::test_ca::client(self.url(), CacheClient::new)
-            .await
-            .unwrap();
-        c.stats(pb::StatsRequest {}).await.unwrap().into_inner()
-    }
-
-    async fn stop(self) {
-        self.shutdown.cancel();
-        self.task.await.unwrap().unwrap();
-    }
-}
+/// One host's cache service, with its own mirror.
+use common::Server as Host;
+use common::{bytes_from, dsv32, host_client, serve};
 
 const PAGES: usize = 64;
 
@@ -77,27 +55,18 @@ fn host(
     lease_ttl_ms: u64,
     transfer_ms: u64,
 ) -> Host {
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = Config::new(MirrorSize::Bytes(
+    serve(
+        listener,
         (2 * PAGES * layout.bytes_per_page()) as u64,
-    ));
-    cfg.tls = pdmesh_tls::test_ca::args();
-    cfg.shm_dir = Some(dir.path().to_owned());
-    cfg.lease_ttl_ms = lease_ttl_ms;
-    cfg.room_transfer_ms = transfer_ms;
-    cfg.peer_io_timeout_ms = 1_000;
-    cfg.peers = peers;
-    // A stopped host vanishes at once, rooms under way or not (no drain).
-    cfg.drain_timeout_ms = 0;
-    let addr = listener.local_addr().unwrap();
-    let shutdown = CancellationToken::new();
-    let task = tokio::spawn(pdmesh_cache::run(cfg, listener, shutdown.clone()));
-    Host {
-        addr,
-        shutdown,
-        task,
-        _dir: dir,
-    }
+        |cfg| {
+            cfg.lease_ttl_ms = lease_ttl_ms;
+            cfg.room_transfer_ms = transfer_ms;
+            cfg.peer_io_timeout_ms = 1_000;
+            cfg.peers = peers;
+            // A stopped host vanishes at once, rooms under way or not (no drain).
+            cfg.drain_timeout_ms = 0;
+        },
+    )
 }
 
 /// SmolLM2's KV layout with 16-token pages.
@@ -106,27 +75,41 @@ fn smol() -> KvLayout {
 }
 
 async fn worker(h: &Host, name: &str, layout: &KvLayout) -> HostClient {
-    HostClient::connect(
-        &h.url(),
-        name,
-        layout,
-        DataPlane::Shm,
-        &pdmesh_tls::test_ca::auth(),
+    host_client(&h.url(), name, layout, DataPlane::Shm)
+        .await
+        .unwrap()
+}
+
+/// A prefill worker of layout `la` on host `a` and a decode worker of `lb` on `b`.
+async fn workers(a: &Host, la: &KvLayout, b: &Host, lb: &KvLayout) -> (HostClient, HostClient) {
+    (
+        worker(a, "prefill", la).await,
+        worker(b, "decode", lb).await,
     )
-    .await
-    .unwrap()
+}
+
+/// Room `room` as `c` sees it within `within`: failed, the reason naming `why`.
+async fn failed(c: &HostClient, room: u64, within: Duration, why: &str) {
+    let st = c
+        .room_wait(room, pb::RoomState::Success, within)
+        .await
+        .unwrap();
+    assert_eq!(st.state, pb::RoomState::Failed as i32);
+    assert!(st.reason.contains(why), "{st:?}");
+}
+
+/// Waits until both hosts hold nothing for any room, then stops them.
+async fn stop_at_baseline(a: Host, b: Host) {
+    eventually(Duration::from_secs(5), "both hosts at baseline", || async {
+        at_baseline(&a).await && at_baseline(&b).await
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
 }
 
 fn page(i: usize, bytes: usize) -> Vec<u8> {
-    let mut x = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    (0..bytes)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    bytes_from((i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15), bytes)
 }
 
 fn aux(room: u64) -> pb::RoomAux {
@@ -198,10 +181,7 @@ async fn at_baseline(h: &Host) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pages_cross_to_the_receivers_host_bit_for_bit_and_every_slot_comes_back() {
     let (a, b) = hosts(&smol(), &smol(), 10_000, 30_000).await;
-    let (pa, db) = (
-        worker(&a, "prefill", &smol()).await,
-        worker(&b, "decode", &smol()).await,
-    );
+    let (pa, db) = workers(&a, &smol(), &b, &smol()).await;
     for room in [11, 12] {
         let slots = open_pair(&pa, &db, &b.url(), room).await;
         let pages = write(&pa, &slots);
@@ -241,20 +221,11 @@ async fn pages_cross_to_the_receivers_host_bit_for_bit_and_every_slot_comes_back
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_home_with_another_layout_is_refused_naming_both_and_nothing_moves() {
-    use pdmesh_kv::{IndexKDtype, MlaCacheDtype, MlaDims};
-    let dims = MlaDims {
-        kv_lora_rank: 128,
-        rope_dim: 32,
-        index_head_dim: 128,
-    };
+    use pdmesh_kv::IndexKDtype;
     // The seed's mismatch: fp8 index-K on the receiver's host, bf16 on the sender's.
-    let form = |ik| KvLayout::deepseek_v32(4, dims, MlaCacheDtype::Bf16, ik, 16).unwrap();
-    let (fp8, bf16) = (form(IndexKDtype::Fp8), form(IndexKDtype::Bf16));
+    let (fp8, bf16) = (dsv32(IndexKDtype::Fp8), dsv32(IndexKDtype::Bf16));
     let (a, b) = hosts(&bf16, &fp8, 10_000, 30_000).await;
-    let (pa, db) = (
-        worker(&a, "prefill", &bf16).await,
-        worker(&b, "decode", &fp8).await,
-    );
+    let (pa, db) = workers(&a, &bf16, &b, &fp8).await;
     db.room_open(5, pb::RoomSide::Receiver, "req", "trace")
         .await
         .unwrap();
@@ -308,18 +279,10 @@ async fn a_room_home_off_the_peer_list_is_refused_and_never_dialled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receivers_abort_reaches_the_sender_and_its_late_commit_is_refused() {
     let (a, b) = hosts(&smol(), &smol(), 10_000, 30_000).await;
-    let (pa, db) = (
-        worker(&a, "prefill", &smol()).await,
-        worker(&b, "decode", &smol()).await,
-    );
+    let (pa, db) = workers(&a, &smol(), &b, &smol()).await;
     let slots = open_pair(&pa, &db, &b.url(), 21).await;
     db.room_abort(21, "client disconnected").await.unwrap();
-    let st = pa
-        .room_wait(21, pb::RoomState::Success, Duration::from_secs(5))
-        .await
-        .unwrap();
-    assert_eq!(st.state, pb::RoomState::Failed as i32);
-    assert!(st.reason.contains("client disconnected"), "{st:?}");
+    failed(&pa, 21, Duration::from_secs(5), "client disconnected").await;
     let pages = write(&pa, &slots);
     let err = pa.room_commit(21, pages, aux(21)).await.unwrap_err();
     assert!(
@@ -328,21 +291,13 @@ async fn a_receivers_abort_reaches_the_sender_and_its_late_commit_is_refused() {
     );
     let sb = b.stats().await;
     assert_eq!(sb.peer_pages_received, 0, "no page lands in a failed room");
-    eventually(Duration::from_secs(5), "both hosts at baseline", || async {
-        at_baseline(&a).await && at_baseline(&b).await
-    })
-    .await;
-    a.stop().await;
-    b.stop().await;
+    stop_at_baseline(a, b).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_home_that_vanishes_mid_transfer_fails_the_commit_in_bounded_time_and_frees_its_slots() {
     let (a, b) = hosts(&smol(), &smol(), 10_000, 30_000).await;
-    let (pa, db) = (
-        worker(&a, "prefill", &smol()).await,
-        worker(&b, "decode", &smol()).await,
-    );
+    let (pa, db) = workers(&a, &smol(), &b, &smol()).await;
     let slots = open_pair(&pa, &db, &b.url(), 31).await;
     let pages = write(&pa, &slots);
     drop(db);
@@ -366,20 +321,12 @@ async fn a_home_that_vanishes_mid_transfer_fails_the_commit_in_bounded_time_and_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_host_that_vanishes_fails_its_rooms_at_the_home_by_the_peer_lease() {
     let (a, b) = hosts(&smol(), &smol(), 500, 30_000).await;
-    let (pa, db) = (
-        worker(&a, "prefill", &smol()).await,
-        worker(&b, "decode", &smol()).await,
-    );
+    let (pa, db) = workers(&a, &smol(), &b, &smol()).await;
     let _slots = open_pair(&pa, &db, &b.url(), 41).await;
     assert_eq!(b.stats().await.room_slots, PAGES as u32);
     drop(pa);
     a.stop().await;
-    let st = db
-        .room_wait(41, pb::RoomState::Success, Duration::from_secs(10))
-        .await
-        .unwrap();
-    assert_eq!(st.state, pb::RoomState::Failed as i32);
-    assert!(st.reason.contains("lost"), "{st:?}");
+    failed(&db, 41, Duration::from_secs(10), "lost").await;
     eventually(Duration::from_secs(5), "the home at baseline", || async {
         at_baseline(&b).await
     })
@@ -390,24 +337,11 @@ async fn a_sender_host_that_vanishes_fails_its_rooms_at_the_home_by_the_peer_lea
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_that_gives_up_fails_the_room_at_its_home() {
     let (a, b) = hosts(&smol(), &smol(), 10_000, 30_000).await;
-    let (pa, db) = (
-        worker(&a, "prefill", &smol()).await,
-        worker(&b, "decode", &smol()).await,
-    );
+    let (pa, db) = workers(&a, &smol(), &b, &smol()).await;
     let _slots = open_pair(&pa, &db, &b.url(), 51).await;
     pa.room_abort(51, "prefill failed").await.unwrap();
-    let st = db
-        .room_wait(51, pb::RoomState::Success, Duration::from_secs(5))
-        .await
-        .unwrap();
-    assert_eq!(st.state, pb::RoomState::Failed as i32);
-    assert!(st.reason.contains("prefill failed"), "{st:?}");
-    eventually(Duration::from_secs(5), "both hosts at baseline", || async {
-        at_baseline(&a).await && at_baseline(&b).await
-    })
-    .await;
-    a.stop().await;
-    b.stop().await;
+    failed(&db, 51, Duration::from_secs(5), "prefill failed").await;
+    stop_at_baseline(a, b).await;
 }
 
 /// A network link between the hosts that can go down and come back: while down, its
@@ -498,11 +432,8 @@ async fn after_a_partition_past_the_relays_lease_the_next_room_registers_again_a
     let wire = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let via = format!("http://{}", wire.local_addr().unwrap());
     let (a, b) = hosts_and(&smol(), &smol(), (600, 30_000), Some(via)).await;
-    let (pa, db) = (
-        worker(&a, "prefill", &smol()).await,
-        worker(&b, "decode", &smol()).await,
-    );
-    let wire = Wire::serve(wire, b.addr);
+    let (pa, db) = workers(&a, &smol(), &b, &smol()).await;
+    let wire = Wire::serve(wire, b.svc.addr);
     let home = wire.url();
     cross(&pa, &db, &home, 61).await;
     let expired = b.stats().await.expired_leases;
@@ -517,10 +448,5 @@ async fn after_a_partition_past_the_relays_lease_the_next_room_registers_again_a
     // At once: the relay's lease is gone at the home, and the room after the partition is
     // served all the same (the relay registers again), not refused naming that lease.
     cross(&pa, &db, &home, 62).await;
-    eventually(Duration::from_secs(5), "both hosts at baseline", || async {
-        at_baseline(&a).await && at_baseline(&b).await
-    })
-    .await;
-    a.stop().await;
-    b.stop().await;
+    stop_at_baseline(a, b).await;
 }

@@ -5,28 +5,26 @@
 use std::time::Duration;
 
 use pb::cache_client::CacheClient;
-use pdmesh_cache::client::{DataPlane, HostClient};
+use pdmesh_cache::client::DataPlane;
 use pdmesh_kv::{DType, KvLayout};
 use pdmesh_proto::cache::v1 as pb;
 
 mod common;
 
-use common::{chain, client, layout, start, start_at, start_with, store};
+use pdmesh_testkit::service::answer;
+
+use common::{
+    chain, client, dsv32, host_client, layout, past_reconnect, start, start_at, start_with, store,
+};
 
 #[tokio::test]
 async fn a_worker_with_another_layout_is_refused_and_the_message_names_both() {
     let s = start(8, 10_000).await;
     let _first = client(&s, "fp16", DataPlane::Shm).await;
     let other = KvLayout::llama(30, 3, 64, DType::Bf16, 4);
-    let err = HostClient::connect(
-        &s.url(),
-        "bf16",
-        &other,
-        DataPlane::Grpc,
-        &pdmesh_tls::test_ca::auth(),
-    )
-    .await
-    .unwrap_err();
+    let err = host_client(&s.url(), "bf16", &other, DataPlane::Grpc)
+        .await
+        .unwrap_err();
     let pdmesh_cache::client::ClientError::Rpc(status) = err else {
         panic!("{err}")
     };
@@ -46,27 +44,15 @@ async fn a_worker_with_another_layout_is_refused_and_the_message_names_both() {
 
 #[tokio::test]
 async fn the_seeds_bug_a_bf16_index_k_worker_is_refused_by_a_mirror_sized_for_fp8_index_k() {
-    use pdmesh_kv::{IndexKDtype, MlaCacheDtype, MlaDims};
-    let dims = MlaDims {
-        kv_lora_rank: 128,
-        rope_dim: 32,
-        index_head_dim: 128,
-    };
-    let form = |ik| KvLayout::deepseek_v32(4, dims, MlaCacheDtype::Bf16, ik, 16).unwrap();
-    let (fp8, bf16) = (form(IndexKDtype::Fp8), form(IndexKDtype::Bf16));
+    use pdmesh_kv::IndexKDtype;
+    let (fp8, bf16) = (dsv32(IndexKDtype::Fp8), dsv32(IndexKDtype::Bf16));
     let s = start(8, 10_000).await;
     // The first worker fixes the mirror's layout: fp8 index-K, 132 B per token per layer.
-    let _fp8_worker = HostClient::connect(
-        &s.url(),
-        "fp8",
-        &fp8,
-        DataPlane::Shm,
-        &pdmesh_tls::test_ca::auth(),
-    )
-    .await
-    .unwrap();
+    let _fp8_worker = host_client(&s.url(), "fp8", &fp8, DataPlane::Shm)
+        .await
+        .unwrap();
     for plane in [DataPlane::Shm, DataPlane::Grpc] {
-        let err = HostClient::connect(&s.url(), "bf16", &bf16, plane, &pdmesh_tls::test_ca::auth())
+        let err = host_client(&s.url(), "bf16", &bf16, plane)
             .await
             .unwrap_err();
         let pdmesh_cache::client::ClientError::Rpc(status) = err else {
@@ -176,7 +162,7 @@ async fn over_mutual_tls_a_certificate_of_the_wrong_role_is_refused_and_creates_
         })
         .await,
     );
-    let stats = gw.stats(pb::StatsRequest {}).await.unwrap().into_inner();
+    let stats = answer(gw.stats(pb::StatsRequest {})).await;
     assert_eq!((stats.leases, stats.total_pages), (0, 0));
     assert!(stats.auth_refused >= 3, "{}", stats.auth_refused);
     gw.subscribe_events(pb::SubscribeEventsRequest {})
@@ -191,14 +177,7 @@ async fn over_mutual_tls_a_certificate_of_the_wrong_role_is_refused_and_creates_
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
     assert!(err.message().contains("cache"), "{err}");
     denied(worker.subscribe_events(pb::SubscribeEventsRequest {}).await);
-    assert_eq!(
-        gw.stats(pb::StatsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .leases,
-        0
-    );
+    assert_eq!(answer(gw.stats(pb::StatsRequest {})).await.leases, 0);
     worker
         .register(register(pb::DataPlane::Grpc))
         .await
@@ -208,23 +187,14 @@ async fn over_mutual_tls_a_certificate_of_the_wrong_role_is_refused_and_creates_
         .register(register(pb::DataPlane::Peer))
         .await
         .expect("a cache service registers as a peer");
-    assert_eq!(
-        gw.stats(pb::StatsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .leases,
-        2
-    );
+    assert_eq!(answer(gw.stats(pb::StatsRequest {})).await.leases, 2);
     s.stop().await;
 }
 
 #[tokio::test]
 async fn malformed_registrations_are_refused_and_create_nothing() {
     let s = start(8, 10_000).await;
-    let mut rpc = pdmesh_tls::test_ca::client(s.url(), CacheClient::new)
-        .await
-        .unwrap();
+    let mut rpc = s.rpc().await;
     let good = pdmesh_cache::wire::layout_to_pb(&layout());
     let mut huge = good.clone();
     huge.layers = u32::MAX; // a page far beyond any size the mirror could hold
@@ -318,7 +288,7 @@ async fn a_silent_workers_lease_expires_and_its_pinned_pages_become_evictable() 
 async fn a_room_opened_on_a_lease_the_service_forgot_makes_the_client_register_again() {
     // A long lease: no heartbeat comes between the restart and the room call.
     let s = start(16, 60_000).await;
-    let addr = s.addr;
+    let addr = s.svc.addr;
     let w = client(&s, "w", DataPlane::Grpc).await;
     w.room_open(1, pb::RoomSide::Sender, "r1", "")
         .await
@@ -328,18 +298,9 @@ async fn a_room_opened_on_a_lease_the_service_forgot_makes_the_client_register_a
     // The service restarted (as one paused past the lease comes back): it knows no lease.
     let s = start_at(addr, 16, 60_000).await;
     assert!(w.is_alive(), "no heartbeat has told the client yet");
-    let mut err = None;
-    // The channel's first call after the old connection closed may find it closing.
-    for _ in 0..3 {
-        match w.room_open(2, pb::RoomSide::Sender, "r2", "").await {
-            Err(e) if e.code() == tonic::Code::Unavailable => continue,
-            r => {
-                err = Some(r.expect_err("a room opened on a lease the service never gave"));
-                break;
-            }
-        }
-    }
-    let err = err.expect("the restarted service answered");
+    let err = past_reconnect(async || w.room_open(2, pb::RoomSide::Sender, "r2", "").await)
+        .await
+        .expect_err("a room opened on a lease the service never gave");
     assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
     assert!(err.to_string().contains("register again"), "{err}");
     assert!(

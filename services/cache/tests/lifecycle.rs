@@ -4,14 +4,13 @@
 use std::time::Duration;
 
 use pdmesh_cache::client::DataPlane;
-use pdmesh_cache::{Config, MirrorSize};
 use pdmesh_proto::cache::v1 as pb;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 mod common;
 
-use common::{Server, client, layout, start, start_with};
+use common::{Server, client, config, layout, start, start_with};
 
 /// At shutdown (SIGTERM) the service drains: a new room is refused as UNAVAILABLE (the
 /// gateway then tries another host), while a room already open still gets its other side
@@ -28,7 +27,7 @@ async fn at_shutdown_no_new_room_opens_and_the_service_stops_once_the_rooms_unde
         .room_open(1, pb::RoomSide::Receiver, "r1", "")
         .await
         .unwrap();
-    s.shutdown.cancel();
+    s.svc.shutdown.cancel();
     let mut refused = None;
     for _ in 0..200 {
         match sender.room_open(2, pb::RoomSide::Sender, "r2", "").await {
@@ -56,13 +55,10 @@ async fn at_shutdown_no_new_room_opens_and_the_service_stops_once_the_rooms_unde
         .unwrap();
     let census: u32 = s.stats().await.rooms.values().sum();
     assert!(census >= 1, "the open room is counted");
-    assert!(!s.task.is_finished(), "the drain waits for the room");
+    assert!(!s.svc.task.is_finished(), "the drain waits for the room");
     sender.room_abort(1, "done").await.unwrap();
-    tokio::time::timeout(Duration::from_secs(10), s.task)
-        .await
-        .expect("the service stops once no room is under way")
-        .unwrap()
-        .unwrap();
+    // The service stops once no room is under way.
+    s.svc.join().await.unwrap();
 }
 
 #[tokio::test]
@@ -77,12 +73,8 @@ async fn a_room_that_never_ends_holds_the_drain_only_to_its_bound() {
         .await
         .unwrap();
     let t0 = std::time::Instant::now();
-    s.shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(10), s.task)
-        .await
-        .expect("the drain ends at its bound")
-        .unwrap()
-        .unwrap();
+    // The drain ends at its bound.
+    s.svc.stop().await.unwrap();
     assert!(
         t0.elapsed() >= Duration::from_millis(300),
         "{:?}",
@@ -98,7 +90,7 @@ async fn a_room_that_never_ends_holds_the_drain_only_to_its_bound() {
 async fn the_mirror_is_private_to_the_service_user_and_another_user_cannot_open_it() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let s = start(4, 10_000).await;
-    std::fs::set_permissions(s._dir.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    std::fs::set_permissions(s.dir.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
     // Serving (a Stats answer) means the start-up checks are behind it.
     s.stats().await;
     let dir = s.mirror_dir();
@@ -120,7 +112,7 @@ async fn the_mirror_is_private_to_the_service_user_and_another_user_cannot_open_
     if effective_uid() == 0 {
         // A control: a file others may read, beside the private directory, is read by
         // nobody; the mirror and its directory are not.
-        let open_to_all = s._dir.path().join("open-to-all");
+        let open_to_all = s.dir.path().join("open-to-all");
         std::fs::write(&open_to_all, b"x").unwrap();
         std::fs::set_permissions(&open_to_all, std::fs::Permissions::from_mode(0o644)).unwrap();
         assert_eq!(open_as_nobody(&open_to_all).map_err(|e| e.kind()), Ok(()));
@@ -161,14 +153,8 @@ async fn a_stopped_service_leaves_no_mirror_file_or_empty_directory_behind() {
         }
         drop(w);
         // Stopped by hand: `Server::stop` would remove the --shm-dir with it.
-        let Server {
-            shutdown,
-            task,
-            _dir: base,
-            ..
-        } = s;
-        shutdown.cancel();
-        task.await.unwrap().unwrap();
+        let Server { svc, dir: base } = s;
+        svc.stop().await.unwrap();
         if other {
             let left: Vec<_> = std::fs::read_dir(&dir)
                 .unwrap()
@@ -231,9 +217,7 @@ async fn a_loose_or_foreign_mirror_directory_makes_the_service_refuse_to_start()
     std::fs::create_dir(&dir).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
     let refused = |base: &std::path::Path| {
-        let mut cfg = Config::new(MirrorSize::Bytes(4 * layout().bytes_per_page() as u64));
-        cfg.tls = pdmesh_tls::test_ca::args();
-        cfg.shm_dir = Some(base.to_owned());
+        let cfg = config(base, 4 * layout().bytes_per_page() as u64);
         async move {
             let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
             // Refused before serving: it returns without being shut down.

@@ -7,6 +7,7 @@ use futures::StreamExt;
 use pb::cache_client::CacheClient;
 use pdmesh_cache::client::{Corrupt, DataPlane, Loaded};
 use pdmesh_proto::cache::v1 as pb;
+use pdmesh_testkit::service::answer;
 
 mod common;
 
@@ -67,20 +68,9 @@ async fn pages_stored_on_one_plane_load_bit_for_bit_on_both_and_are_announced() 
 async fn a_byte_flipped_in_the_mirror_is_caught_on_load_on_both_planes_and_discarded() {
     let s = start(16, 10_000).await;
     let mut w = client(&s, "writer", DataPlane::Shm).await;
-    let path = {
-        let mut rpc = pdmesh_tls::test_ca::client(s.url(), CacheClient::new)
-            .await
-            .unwrap();
-        rpc.register(pb::RegisterRequest {
-            worker_id: "inspector".into(),
-            layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
-            data_plane: pb::DataPlane::Shm.into(),
-        })
+    let path = register(&mut s.rpc().await, "inspector", pb::DataPlane::Shm)
         .await
-        .unwrap()
-        .into_inner()
-        .shm_path
-    };
+        .shm_path;
     // Nine pages: a load copies them on several threads; the corrupt one is in the second
     // half.
     let c = chain(7, 9);
@@ -161,17 +151,23 @@ async fn a_full_mirror_evicts_the_least_recently_used_pages_and_says_so() {
     s.stop().await;
 }
 
-/// Registers `name` on the grpc data plane through a raw client; returns its lease.
-async fn register_grpc(rpc: &mut CacheClient<pdmesh_tls::AuthChannel>, name: &str) -> Vec<u8> {
-    rpc.register(pb::RegisterRequest {
+/// Registers `name` of [`layout`] on `plane` through a raw client.
+async fn register(
+    rpc: &mut CacheClient<pdmesh_tls::AuthChannel>,
+    name: &str,
+    plane: pb::DataPlane,
+) -> pb::RegisterResponse {
+    answer(rpc.register(pb::RegisterRequest {
         worker_id: name.into(),
         layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
-        data_plane: pb::DataPlane::Grpc.into(),
-    })
+        data_plane: plane.into(),
+    }))
     .await
-    .unwrap()
-    .into_inner()
-    .lease
+}
+
+/// Registers `name` on the grpc data plane through a raw client; returns its lease.
+async fn register_grpc(rpc: &mut CacheClient<pdmesh_tls::AuthChannel>, name: &str) -> Vec<u8> {
+    register(rpc, name, pb::DataPlane::Grpc).await.lease
 }
 
 /// The host-tier poisoning attack: a popular prefix's page hashes are public (token ids
@@ -188,9 +184,7 @@ async fn a_forged_commit_for_a_popular_prefix_is_refused_and_the_victims_pages_a
     assert_eq!(store(&mut victim, &popular).await.written, 3);
 
     // The attacker holds the mesh token and registers as a worker of the same layout.
-    let mut rpc = pdmesh_tls::test_ca::client(s.url(), CacheClient::new)
-        .await
-        .unwrap();
+    let mut rpc = s.rpc().await;
     let lease = register_grpc(&mut rpc, "attacker").await;
     let forged = vec![0x5au8; layout().bytes_per_page()];
     let commit = |lease: Vec<u8>, hash: u64, slot: u32| pb::CommitRequest {
@@ -204,29 +198,23 @@ async fn a_forged_commit_for_a_popular_prefix_is_refused_and_the_victims_pages_a
         }],
     };
     // 1. The resident pages are not granted to anyone again.
-    let grants = rpc
-        .reserve(pb::ReserveRequest {
-            lease: lease.clone(),
-            hashes: hashes.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .grants;
+    let grants = answer(rpc.reserve(pb::ReserveRequest {
+        lease: lease.clone(),
+        hashes: hashes.clone(),
+    }))
+    .await
+    .grants;
     assert!(
         grants.is_empty(),
         "resident pages granted again: {grants:?}"
     );
     // 2. A slot reserved for another hash takes no commit of the popular one.
-    let other = rpc
-        .reserve(pb::ReserveRequest {
-            lease: lease.clone(),
-            hashes: vec![0xa77ac4],
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .grants[0]
+    let other = answer(rpc.reserve(pb::ReserveRequest {
+        lease: lease.clone(),
+        hashes: vec![0xa77ac4],
+    }))
+    .await
+    .grants[0]
         .slot;
     let err = rpc
         .commit(commit(lease.clone(), hashes[0], other))
@@ -235,20 +223,15 @@ async fn a_forged_commit_for_a_popular_prefix_is_refused_and_the_victims_pages_a
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
     // 3. A reservation of the victim's (a page it is writing) takes no commit of another
     // lease, even for the hash it was reserved for.
-    let mut writer = pdmesh_tls::test_ca::client(s.url(), CacheClient::new)
-        .await
-        .unwrap();
+    let mut writer = s.rpc().await;
     let writer_lease = register_grpc(&mut writer, "victim-writer").await;
     let (next, parent) = chain(500, 4)[3];
-    let slot = writer
-        .reserve(pb::ReserveRequest {
-            lease: writer_lease.clone(),
-            hashes: vec![next],
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .grants[0]
+    let slot = answer(writer.reserve(pb::ReserveRequest {
+        lease: writer_lease.clone(),
+        hashes: vec![next],
+    }))
+    .await
+    .grants[0]
         .slot;
     let err = rpc
         .commit(commit(lease.clone(), next, slot))
@@ -262,20 +245,17 @@ async fn a_forged_commit_for_a_popular_prefix_is_refused_and_the_victims_pages_a
 
     // The victim finishes its own page, and every page loads as the victim wrote it.
     let data = page_for(next);
-    let done = writer
-        .commit(pb::CommitRequest {
-            lease: writer_lease,
-            pages: vec![pb::CommitPage {
-                hash: next,
-                slot,
-                checksum: pdmesh_kv::page_checksum(&data),
-                data,
-                parent_hash: parent,
-            }],
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let done = answer(writer.commit(pb::CommitRequest {
+        lease: writer_lease,
+        pages: vec![pb::CommitPage {
+            hash: next,
+            slot,
+            checksum: pdmesh_kv::page_checksum(&data),
+            data,
+            parent_hash: parent,
+        }],
+    }))
+    .await;
     assert!(done.rejected_slots.is_empty());
     let all: Vec<u64> = chain(500, 4).iter().map(|p| p.0).collect();
     let (loaded, bufs) = load(&mut victim, &all).await;

@@ -9,6 +9,11 @@ use pdmesh_cache::client::{DataPlane, HostClient, RoomOpen};
 use pdmesh_cache_client::rooms::{RELINK_GRACE, RoomLink, by};
 use pdmesh_kv::KvLayout;
 use pdmesh_proto::cache::v1 as cpb;
+use pdmesh_testkit::service::Service;
+
+mod common;
+
+use common::{host_client, past_reconnect, serve_in};
 
 /// The codes a gateway answers with a 4xx, blaming the client's request.
 const CLIENT_ERRORS: [tonic::Code; 4] = [
@@ -18,60 +23,42 @@ const CLIENT_ERRORS: [tonic::Code; 4] = [
     tonic::Code::NotFound,
 ];
 
-/// A cache service on loopback (at `addr`; port 0 picks one) that stops when `stop` is
-/// cancelled.
+/// A cache service on loopback (at `addr`; port 0 picks one) with its mirror under `shm`.
 async fn cache_service(
     addr: std::net::SocketAddr,
     shm: &std::path::Path,
     layout: &KvLayout,
-    stop: tokio_util::sync::CancellationToken,
-) -> (
-    std::net::SocketAddr,
-    tokio::task::JoinHandle<Result<(), pdmesh_cache::Error>>,
-) {
-    let mut cfg = pdmesh_cache::Config::new(pdmesh_cache::MirrorSize::Bytes(
-        16 * layout.bytes_per_page() as u64,
-    ));
-    cfg.tls = pdmesh_tls::test_ca::args();
-    cfg.shm_dir = Some(shm.to_owned());
-    // Long: no heartbeat comes between the restart and the request.
-    cfg.lease_ttl_ms = 60_000;
-    // A restart here is a crash: no drain holds the room the test leaves open.
-    cfg.drain_timeout_ms = 0;
+) -> Service<pdmesh_cache::Error> {
     let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    (addr, tokio::spawn(pdmesh_cache::run(cfg, listener, stop)))
+    serve_in(listener, shm, 16 * layout.bytes_per_page() as u64, |cfg| {
+        // Long: no heartbeat comes between the restart and the request.
+        cfg.lease_ttl_ms = 60_000;
+        // A restart here is a crash: no drain holds the room the test leaves open.
+        cfg.drain_timeout_ms = 0;
+    })
 }
 
 /// A running service with a link registered at it, its client, and the service then
 /// restarted on the same address: it no longer knows the link's lease, and no heartbeat
-/// came to say so. Returns the link, the client it had, and the new service's stop and
-/// task.
+/// came to say so. Returns the link, the client it had, and the new service.
 async fn linked_then_restarted(
     layout: &KvLayout,
     shm: &std::path::Path,
     worker: &str,
-) -> (
-    RoomLink,
-    Arc<HostClient>,
-    tokio_util::sync::CancellationToken,
-    tokio::task::JoinHandle<Result<(), pdmesh_cache::Error>>,
-) {
-    let stop = tokio_util::sync::CancellationToken::new();
+) -> (RoomLink, Arc<HostClient>, Service<pdmesh_cache::Error>) {
     let any = "127.0.0.1:0".parse().unwrap();
-    let (addr, task) = cache_service(any, shm, layout, stop.clone()).await;
+    let first_service = cache_service(any, shm, layout).await;
     let link = RoomLink::start(
-        format!("http://{addr}"),
+        first_service.url(),
         worker.into(),
         layout.clone(),
         pdmesh_tls::test_ca::auth(),
     );
     let first = link.wait(Duration::from_secs(10)).await.unwrap();
-    stop.cancel();
-    task.await.unwrap().unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let (_, task) = cache_service(addr, shm, layout, stop.clone()).await;
-    (link, first, stop, task)
+    let addr = first_service.addr;
+    first_service.stop().await.unwrap();
+    let restarted = cache_service(addr, shm, layout).await;
+    (link, first, restarted)
 }
 
 #[tokio::test]
@@ -79,18 +66,11 @@ async fn a_request_in_the_moment_the_room_link_registers_again_waits_for_it() {
     let layout = KvLayout::llama(2, 1, 8, pdmesh_kv::DType::F16, 4);
     let dir = tempfile::tempdir().unwrap();
     // The service restarts: the link's lease is gone, and the first room call says so.
-    let (link, first, stop, task) = linked_then_restarted(&layout, dir.path(), "w").await;
-    let mut refused = None;
-    for _ in 0..3 {
-        match first.room_open(1, cpb::RoomSide::Sender, "r", "").await {
-            Err(e) if e.code() == tonic::Code::Unavailable => continue,
-            r => {
-                refused = Some(r.expect_err("the new service knows no such lease"));
-                break;
-            }
-        }
-    }
-    assert_eq!(refused.unwrap().code(), tonic::Code::NotFound);
+    let (link, first, svc) = linked_then_restarted(&layout, dir.path(), "w").await;
+    let refused = past_reconnect(async || first.room_open(1, cpb::RoomSide::Sender, "r", "").await)
+        .await
+        .expect_err("the new service knows no such lease");
+    assert_eq!(refused.code(), tonic::Code::NotFound);
     assert!(
         link.get().is_none(),
         "the link is down until it registers again"
@@ -103,8 +83,7 @@ async fn a_request_in_the_moment_the_room_link_registers_again_waits_for_it() {
         .await
         .unwrap();
     drop(link);
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    svc.stop().await.unwrap();
 }
 
 #[tokio::test]
@@ -112,15 +91,10 @@ async fn a_room_open_refused_for_a_lease_the_service_forgot_opens_again_with_the
     let layout = KvLayout::llama(2, 1, 8, pdmesh_kv::DType::F16, 4);
     let dir = tempfile::tempdir().unwrap();
     // The service restarts, forgetting the lease, and no heartbeat comes to say so.
-    let (link, first, stop, task) = linked_then_restarted(&layout, dir.path(), "prefill-1").await;
+    let (link, first, svc) = linked_then_restarted(&layout, dir.path(), "prefill-1").await;
     // The broken connection fails a call before it connects again: a call that
     // changes nothing takes that.
-    for _ in 0..3 {
-        match first.room_abort(9, "reconnecting").await {
-            Err(e) if e.code() == tonic::Code::Unavailable => continue,
-            _ => break,
-        }
-    }
+    let _ = past_reconnect(async || first.room_abort(9, "reconnecting").await).await;
     // A request holding the old client opens its room.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let (again, st) = link
@@ -137,8 +111,7 @@ async fn a_room_open_refused_for_a_lease_the_service_forgot_opens_again_with_the
     assert!(!first.is_alive());
     assert!(!Arc::ptr_eq(&again, &first), "registered again");
     drop((link, first, again));
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    svc.stop().await.unwrap();
 }
 
 #[tokio::test]
@@ -146,18 +119,10 @@ async fn a_cache_services_refusals_of_room_calls_never_reach_the_caller_as_clien
     use tonic::Code::*;
     let layout = KvLayout::llama(2, 1, 8, pdmesh_kv::DType::F16, 4);
     let dir = tempfile::tempdir().unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let any = "127.0.0.1:0".parse().unwrap();
-    let (addr, task) = cache_service(any, dir.path(), &layout, stop.clone()).await;
-    let c = HostClient::connect(
-        &format!("http://{addr}"),
-        "w",
-        &layout,
-        DataPlane::Shm,
-        &pdmesh_tls::test_ca::auth(),
-    )
-    .await
-    .unwrap();
+    let svc = cache_service("127.0.0.1:0".parse().unwrap(), dir.path(), &layout).await;
+    let c = host_client(&svc.url(), "w", &layout, DataPlane::Shm)
+        .await
+        .unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     // A room this worker sends in, with no receiver yet.
     c.room_open(7, cpb::RoomSide::Sender, "r", "")
@@ -216,6 +181,5 @@ async fn a_cache_services_refusals_of_room_calls_never_reach_the_caller_as_clien
         }
     }
     drop(c);
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    svc.stop().await.unwrap();
 }

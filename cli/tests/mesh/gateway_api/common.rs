@@ -7,8 +7,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use pdmesh_testkit::service::{Service, credentials};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 /// A running set of services; everything stops when it is dropped.
@@ -16,21 +17,18 @@ pub struct Mesh {
     pub gateway: SocketAddr,
     pub worker: SocketAddr,
     pub tokenizer: SocketAddr,
-    shutdown: CancellationToken,
+    /// Each service's shutdown.
+    stops: Vec<CancellationToken>,
     /// Holds the worker's port when no worker runs: it refuses every connection.
     _refusing: Option<pdmesh_testkit::Refusing>,
 }
 
 impl Drop for Mesh {
     fn drop(&mut self) {
-        self.shutdown.cancel();
+        for stop in &self.stops {
+            stop.cancel();
+        }
     }
-}
-
-async fn bind() -> (TcpListener, SocketAddr) {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let a = l.local_addr().unwrap();
-    (l, a)
 }
 
 pub struct Options {
@@ -65,37 +63,36 @@ impl Default for Options {
 
 pub async fn start(opts: Options) -> Mesh {
     let model = pdmesh_gguf::models::require_default_model();
-    let shutdown = CancellationToken::new();
+    let mut stops = Vec::new();
 
-    let (tl, tokenizer) = bind().await;
     let mut tok_cfg = pdmesh_tokenizer::Config::new(&model);
-    tok_cfg.tls = pdmesh_tls::test_ca::args();
-    tokio::spawn(pdmesh_tokenizer::run(tok_cfg, tl, shutdown.child_token()));
+    tok_cfg.tls = credentials();
+    let tok = Service::start(|l, s| pdmesh_tokenizer::run(tok_cfg, l, s)).await;
+    let tokenizer = tok.addr;
+    stops.push(tok.shutdown);
 
     let refusing = (!opts.worker).then(pdmesh_testkit::Refusing::new);
     let worker = if opts.worker {
-        let (wl, worker) = bind().await;
         let mut wcfg = pdmesh_worker::Config::new(&model);
-        wcfg.tls = pdmesh_tls::test_ca::args();
+        wcfg.tls = credentials();
         if let Some(p) = opts.kv_pages {
             wcfg.kv_pages = p;
         }
-        let token = shutdown.child_token();
-        tokio::spawn(async move {
-            if let Err(e) = pdmesh_worker::run(wcfg, wl, token).await {
-                panic!("worker failed: {e}");
-            }
-        });
-        worker
+        let w = Service::start(|l, s| async move {
+            let run = pdmesh_worker::run(wcfg, l, s).await;
+            run.inspect_err(|e| panic!("worker failed: {e}"))
+        })
+        .await;
+        stops.push(w.shutdown);
+        w.addr
     } else {
         refusing.as_ref().expect("made when no worker runs").addr()
     };
 
-    let (gl, gateway) = bind().await;
     let mut cfg =
         pdmesh_gateway::Config::new(format!("http://{tokenizer}"), format!("http://{worker}"));
     // The mesh credential for its calls to the tokenizer and worker (both take it).
-    cfg.tls = pdmesh_tls::test_ca::args();
+    cfg.tls = credentials();
     cfg.model_name = opts.model_name;
     cfg.api_key = opts.api_key;
     cfg.admin_key = opts.admin_key;
@@ -104,12 +101,14 @@ pub async fn start(opts: Options) -> Mesh {
     if let Some(b) = opts.max_body_bytes {
         cfg.max_body_bytes = b;
     }
-    tokio::spawn(pdmesh_gateway::run(cfg, gl, shutdown.child_token()));
+    let gw = Service::start(|l, s| pdmesh_gateway::run(cfg, l, s)).await;
+    let gateway = gw.addr;
+    stops.push(gw.shutdown);
     let mesh = Mesh {
         gateway,
         worker,
         tokenizer,
-        shutdown,
+        stops,
         _refusing: refusing,
     };
     // Wait until the gateway answers and the backends we started are healthy.

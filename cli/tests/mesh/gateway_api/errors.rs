@@ -207,23 +207,10 @@ async fn api_key_is_required_on_v1_when_configured() {
     let g = mesh.gateway;
     let r = get(g, "/v1/models").await;
     assert_eq!(r.expect_error(401)["type"], "authentication_error");
-    let r = request(
-        g,
-        "GET",
-        "/v1/models",
-        &[("Authorization", "Bearer wrong")],
-        b"",
-    )
-    .await;
-    r.expect_error(401);
-    let r = request(
-        g,
-        "GET",
-        "/v1/models",
-        &[("Authorization", "Bearer s3cret")],
-        b"",
-    )
-    .await;
+    let models =
+        async |auth: &str| request(g, "GET", "/v1/models", &[("Authorization", auth)], b"").await;
+    models("Bearer wrong").await.expect_error(401);
+    let r = models("Bearer s3cret").await;
     assert_eq!(r.status, 200, "{}", r.text());
     // Auth comes before anything else on /v1, even a malformed body.
     let r = post_raw(g, "/v1/chat/completions", b"{").await;

@@ -9,15 +9,12 @@ pub use std::time::Duration;
 pub use pdmesh_proto::worker::v1 as pb;
 pub use pdmesh_proto::worker::v1::generate_response::Kind;
 pub use pdmesh_proto::worker::v1::worker_client::WorkerClient;
+pub use pdmesh_testkit::service::{HANG, Service, answer, credentials};
 pub use pdmesh_tls::AuthChannel as Channel;
 pub use pdmesh_worker::{Config, Error, run};
 pub use tokio::net::TcpListener;
-pub use tokio::task::JoinHandle;
 pub use tokio_util::sync::CancellationToken;
 pub use tonic::{Code, Streaming};
-
-/// How long a test waits for something that should happen promptly before calling it hung.
-pub const HANG: Duration = Duration::from_secs(120);
 pub const KV_PAGES: u32 = 256;
 pub const MAX_CONTEXT: usize = 512;
 
@@ -28,11 +25,70 @@ pub const PROMPT: &[u32] = &[
 ];
 
 pub struct Server {
-    pub shutdown: CancellationToken,
-    pub task: JoinHandle<Result<(), Error>>,
+    pub svc: Service<Error>,
     pub client: WorkerClient<Channel>,
-    /// `http://127.0.0.1:PORT`, for other clients on the same port.
-    pub url: String,
+}
+
+impl Server {
+    /// Starts generating `req`: its stream.
+    pub async fn generate(&mut self, req: pb::GenerateRequest) -> Streaming<pb::GenerateResponse> {
+        answer(self.client.generate(req)).await
+    }
+
+    /// Generates `req` to its end: its tokens and Finished (see [`collect`]).
+    pub async fn complete(&mut self, req: pb::GenerateRequest) -> (Vec<u32>, pb::Finished) {
+        collect(self.generate(req).await).await
+    }
+
+    pub async fn healthy(&mut self) -> bool {
+        answer(self.client.health(pb::HealthRequest {})).await.ok
+    }
+
+    pub async fn info(&mut self) -> pb::ModelInfoResponse {
+        answer(self.client.model_info(pb::ModelInfoRequest {})).await
+    }
+
+    /// Whether `request_id` was running when asked to abort.
+    pub async fn abort(&mut self, request_id: &str) -> bool {
+        let req = pb::AbortRequest {
+            request_id: request_id.into(),
+        };
+        answer(self.client.abort(req)).await.found
+    }
+
+    pub async fn kv_events(&mut self) -> Streaming<pdmesh_proto::cache::v1::KvEvent> {
+        let req = pb::SubscribeKvEventsRequest {};
+        answer(self.client.subscribe_kv_events(req)).await
+    }
+
+    /// How many cached pages a flush freed.
+    pub async fn flush(&mut self) -> u64 {
+        let req = pb::FlushCacheRequest {};
+        answer(self.client.flush_cache(req)).await.pages_flushed
+    }
+
+    /// Pages a new request could get: free plus those only the prefix cache holds. With no
+    /// request running, anything short of the baseline is a leak.
+    pub async fn free_pages(&mut self) -> u32 {
+        let info = self.info().await;
+        info.free_pages + info.cached_pages
+    }
+
+    /// Polls ModelInfo until free plus cached pages are `want`, failing after [`HANG`].
+    pub async fn wait_free_pages(&mut self, want: u32) {
+        let deadline = tokio::time::Instant::now() + HANG;
+        loop {
+            let free = self.free_pages().await;
+            if free == want {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "free_pages stuck at {free}, want {want}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 pub async fn start() -> Server {
@@ -46,34 +102,23 @@ pub async fn start_with(f: impl FnOnce(&mut Config)) -> Server {
 
 /// A worker with `health` as its plaintext health port.
 pub async fn start_with_health(f: impl FnOnce(&mut Config), health: Option<TcpListener>) -> Server {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let shutdown = CancellationToken::new();
     let mut cfg = Config {
         kv_pages: KV_PAGES as usize,
         max_context: Some(MAX_CONTEXT),
         max_batch: 8,
         threads: 2,
-        tls: pdmesh_tls::test_ca::args(),
+        tls: credentials(),
         ..Config::new(pdmesh_gguf::models::require_default_model())
     };
     f(&mut cfg);
-    let listeners = pdmesh_worker::Listeners {
-        grpc: listener,
-        health,
-    };
-    let task = tokio::spawn(run(cfg, listeners, shutdown.clone()));
+    let svc = Service::start(|grpc, shutdown| {
+        run(cfg, pdmesh_worker::Listeners { grpc, health }, shutdown)
+    })
+    .await;
     // The listener is already bound: the connection waits in its backlog while the model
     // loads.
-    let client = pdmesh_tls::test_ca::client(format!("http://{addr}"), WorkerClient::new)
-        .await
-        .unwrap();
-    Server {
-        shutdown,
-        task,
-        client,
-        url: format!("http://{addr}"),
-    }
+    let client = svc.client(WorkerClient::new).await;
+    Server { svc, client }
 }
 
 pub fn greedy(max_tokens: u32) -> pb::SamplingParams {
@@ -129,32 +174,5 @@ pub async fn next_token(stream: &mut Streaming<pb::GenerateResponse>) -> u32 {
     match msg.kind {
         Some(Kind::Chunk(c)) => c.token_ids[0],
         other => panic!("expected a token, got {other:?}"),
-    }
-}
-
-/// Pages a new request could get: free plus those only the prefix cache holds. With no
-/// request running, anything short of the baseline is a leak.
-pub async fn free_pages(client: &mut WorkerClient<Channel>) -> u32 {
-    let info = client
-        .model_info(pb::ModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    info.free_pages + info.cached_pages
-}
-
-/// Polls ModelInfo until free plus cached pages are `want`, failing after [`HANG`].
-pub async fn wait_free_pages(client: &mut WorkerClient<Channel>, want: u32) {
-    let deadline = tokio::time::Instant::now() + HANG;
-    loop {
-        let free = free_pages(client).await;
-        if free == want {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "free_pages stuck at {free}, want {want}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

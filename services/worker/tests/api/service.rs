@@ -9,20 +9,8 @@ use crate::common::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_info_describes_the_configured_pool() {
     let mut s = start().await;
-    assert!(
-        s.client
-            .health(pb::HealthRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .ok
-    );
-    let info = s
-        .client
-        .model_info(pb::ModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    assert!(s.healthy().await);
+    let info = s.info().await;
     assert_eq!(info.vocab_size, 49_152);
     assert_eq!(info.context_length, MAX_CONTEXT as u32);
     assert_eq!(
@@ -90,12 +78,7 @@ async fn a_salted_prompt_shares_cached_pages_only_with_its_own_salt() {
 async fn a_repeated_prompt_reuses_its_cached_page_and_answers_the_same() {
     let mut s = start().await;
     let mut run = async |id: &str| {
-        let stream = s
-            .client
-            .generate(request(id, PROMPT, greedy(6)))
-            .await
-            .unwrap()
-            .into_inner();
+        let stream = s.generate(request(id, PROMPT, greedy(6))).await;
         collect(stream).await
     };
     let (first, f1) = run("first").await;
@@ -103,12 +86,7 @@ async fn a_repeated_prompt_reuses_its_cached_page_and_answers_the_same() {
     assert_eq!(first, second);
     // 17 prompt tokens: one whole 16-token page can be reused, the last token is computed.
     assert_eq!((f1.cached_tokens, f2.cached_tokens), (0, 16));
-    let info = s
-        .client
-        .model_info(pb::ModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = s.info().await;
     assert_eq!(info.prefix_hit_tokens, 16);
     assert!(info.cached_pages >= 1, "{info:?}");
     assert_eq!(info.free_pages + info.cached_pages, KV_PAGES);
@@ -117,13 +95,7 @@ async fn a_repeated_prompt_reuses_its_cached_page_and_answers_the_same() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_generate_streams_each_token_then_finished_length() {
     let mut s = start().await;
-    let stream = s
-        .client
-        .generate(request("g8", PROMPT, greedy(8)))
-        .await
-        .unwrap()
-        .into_inner();
-    let (tokens, finished) = collect(stream).await;
+    let (tokens, finished) = s.complete(request("g8", PROMPT, greedy(8))).await;
     assert_eq!(tokens.len(), 8, "{tokens:?}");
     assert!(tokens.iter().all(|&t| t < 49_152));
     assert_eq!(finished.reason(), pb::FinishReason::Length);
@@ -136,7 +108,7 @@ async fn greedy_generate_streams_each_token_then_finished_length() {
         "{finished:?}"
     );
     assert_eq!(
-        free_pages(&mut s.client).await,
+        s.free_pages().await,
         KV_PAGES,
         "pages returned after the request finished"
     );
@@ -145,26 +117,12 @@ async fn greedy_generate_streams_each_token_then_finished_length() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_identical_greedy_requests_get_identical_tokens() {
     let s = start().await;
-    let (mut c1, mut c2) = (s.client.clone(), s.client.clone());
+    async fn twin(mut client: WorkerClient<Channel>, id: &str) -> (Vec<u32>, pb::Finished) {
+        collect(answer(client.generate(request(id, PROMPT, greedy(16)))).await).await
+    }
     let (a, b) = tokio::join!(
-        async move {
-            collect(
-                c1.generate(request("twin-a", PROMPT, greedy(16)))
-                    .await
-                    .unwrap()
-                    .into_inner(),
-            )
-            .await
-        },
-        async move {
-            collect(
-                c2.generate(request("twin-b", PROMPT, greedy(16)))
-                    .await
-                    .unwrap()
-                    .into_inner(),
-            )
-            .await
-        },
+        twin(s.client.clone(), "twin-a"),
+        twin(s.client.clone(), "twin-b")
     );
     assert_eq!(a.0.len(), 16);
     assert_eq!(
@@ -178,28 +136,15 @@ async fn concurrent_identical_greedy_requests_get_identical_tokens() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_mid_stream_finishes_with_abort_and_frees_pages() {
     let mut s = start().await;
-    let baseline = free_pages(&mut s.client).await;
-    let mut stream = s
-        .client
-        .generate(request("long", PROMPT, greedy(0)))
-        .await
-        .unwrap()
-        .into_inner();
+    let baseline = s.free_pages().await;
+    let mut stream = s.generate(request("long", PROMPT, greedy(0))).await;
     next_token(&mut stream).await;
     assert!(
-        free_pages(&mut s.client).await < baseline,
+        s.free_pages().await < baseline,
         "a running request holds pages"
     );
 
-    let found = s
-        .client
-        .abort(pb::AbortRequest {
-            request_id: "long".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .found;
+    let found = s.abort("long").await;
     assert!(found);
     let (tokens, finished) = collect(stream).await;
     assert_eq!(finished.reason(), pb::FinishReason::Abort);
@@ -210,16 +155,8 @@ async fn abort_mid_stream_finishes_with_abort_and_frees_pages() {
         "counts the token read before the abort"
     );
     // The abort is answered after the engine released the pages.
-    assert_eq!(free_pages(&mut s.client).await, baseline);
-    let again = s
-        .client
-        .abort(pb::AbortRequest {
-            request_id: "long".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(!again.found, "an aborted request is gone");
+    assert_eq!(s.free_pages().await, baseline);
+    assert!(!s.abort("long").await, "an aborted request is gone");
 }
 
 /// A client that drops its Generate stream mid-generation must not keep the request
@@ -229,20 +166,10 @@ async fn abort_mid_stream_finishes_with_abort_and_frees_pages() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_client_stream_aborts_the_request() {
     let mut s = start().await;
-    let baseline = free_pages(&mut s.client).await;
-    let mut leaver = s
-        .client
-        .generate(request("leaver", PROMPT, greedy(0)))
-        .await
-        .unwrap()
-        .into_inner();
+    let baseline = s.free_pages().await;
+    let mut leaver = s.generate(request("leaver", PROMPT, greedy(0))).await;
     next_token(&mut leaver).await;
-    let mut witness = s
-        .client
-        .generate(request("witness", PROMPT, greedy(0)))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut witness = s.generate(request("witness", PROMPT, greedy(0))).await;
     next_token(&mut witness).await;
     drop(leaver);
 
@@ -269,13 +196,13 @@ async fn dropping_the_client_stream_aborts_the_request() {
         );
     }
     drop(witness);
-    wait_free_pages(&mut s.client, baseline).await;
+    s.wait_free_pages(baseline).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_are_invalid_argument_and_hold_nothing() {
     let mut s = start().await;
-    let baseline = free_pages(&mut s.client).await;
+    let baseline = s.free_pages().await;
     let long_prompt: Vec<u32> = PROMPT
         .iter()
         .copied()
@@ -343,25 +270,14 @@ async fn bad_requests_are_invalid_argument_and_hold_nothing() {
             "{needle:?} not in {:?}",
             err.message()
         );
-        let found = s
-            .client
-            .abort(pb::AbortRequest { request_id: id })
-            .await
-            .unwrap()
-            .into_inner()
-            .found;
-        assert!(!found, "{needle}: a rejected request must not be running");
+        assert!(
+            !s.abort(&id).await,
+            "{needle}: a rejected request must not be running"
+        );
     }
-    assert_eq!(free_pages(&mut s.client).await, baseline);
+    assert_eq!(s.free_pages().await, baseline);
     // The worker still serves after rejecting all of that.
-    let (tokens, _) = collect(
-        s.client
-            .generate(request("ok", PROMPT, greedy(2)))
-            .await
-            .unwrap()
-            .into_inner(),
-    )
-    .await;
+    let (tokens, _) = s.complete(request("ok", PROMPT, greedy(2))).await;
     assert_eq!(tokens.len(), 2);
 }
 
@@ -369,21 +285,13 @@ async fn bad_requests_are_invalid_argument_and_hold_nothing() {
 async fn shutdown_drains_then_aborts_what_is_left_and_stops_the_server() {
     // A request without a length limit outlasts the drain's bound.
     let mut s = start_with(|c| c.drain_timeout_ms = 300).await;
-    let mut stream = s
-        .client
-        .generate(request("bye", PROMPT, greedy(0)))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = s.generate(request("bye", PROMPT, greedy(0))).await;
     next_token(&mut stream).await;
-    s.shutdown.cancel();
+    s.svc.shutdown.cancel();
     let (_, finished) = collect(stream).await;
     assert_eq!(finished.reason(), pb::FinishReason::Abort);
     drop(s.client);
-    let result = tokio::time::timeout(HANG, s.task)
-        .await
-        .expect("worker did not stop")
-        .unwrap();
+    let result = s.svc.join().await;
     assert!(result.is_ok(), "{result:?}");
 }
 
@@ -400,19 +308,9 @@ async fn next_kv(stream: &mut Streaming<pdmesh_proto::cache::v1::KvEvent>) -> (u
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_events_name_the_cached_prompt_pages_and_a_late_subscriber_gets_them_as_a_snapshot() {
     let mut s = start().await;
-    let info = s
-        .client
-        .model_info(pb::ModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = s.info().await;
     let seed = u64::from_str_radix(&info.kv_layout_fingerprint, 16).unwrap();
-    let mut early = s
-        .client
-        .subscribe_kv_events(pb::SubscribeKvEventsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut early = s.kv_events().await;
     assert!(matches!(next_kv(&mut early).await.1, KvKind::Cleared(_)));
     // A 40-token prompt: two whole pages.
     let prompt: Vec<u32> = PROMPT
@@ -423,13 +321,7 @@ async fn kv_events_name_the_cached_prompt_pages_and_a_late_subscriber_gets_them_
         .collect();
     let want = pdmesh_kv::page_hashes(seed, &prompt, info.page_size as usize);
     assert_eq!(want.len(), 2);
-    let stream = s
-        .client
-        .generate(request("kv", &prompt, greedy(4)))
-        .await
-        .unwrap()
-        .into_inner();
-    collect(stream).await;
+    s.complete(request("kv", &prompt, greedy(4))).await;
     let (seq, kind) = next_kv(&mut early).await;
     let KvKind::Stored(st) = kind else {
         panic!("{kind:?}")
@@ -445,12 +337,7 @@ async fn kv_events_name_the_cached_prompt_pages_and_a_late_subscriber_gets_them_
         "the prompt's pages, by the shared naming"
     );
     // Someone subscribing now learns the same pages from the snapshot.
-    let mut late = s
-        .client
-        .subscribe_kv_events(pb::SubscribeKvEventsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut late = s.kv_events().await;
     assert!(matches!(next_kv(&mut late).await.1, KvKind::Cleared(_)));
     let mut seen = Vec::new();
     while seen.len() < st.hashes.len() {
@@ -462,50 +349,23 @@ async fn kv_events_name_the_cached_prompt_pages_and_a_late_subscriber_gets_them_
         seen.extend(p.hashes);
     }
     assert_eq!(seen, st.hashes);
-    s.shutdown.cancel();
     // The event streams end with the server instead of holding it open.
-    tokio::time::timeout(HANG, s.task)
-        .await
-        .expect("shutdown in time")
-        .unwrap()
-        .unwrap();
+    s.svc.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flush_cache_frees_the_cached_pages_and_subscribers_see_them_removed() {
     let mut s = start().await;
-    let mut events = s
-        .client
-        .subscribe_kv_events(pb::SubscribeKvEventsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut events = s.kv_events().await;
     assert!(matches!(next_kv(&mut events).await.1, KvKind::Cleared(_)));
-    let stream = s
-        .client
-        .generate(request("cached", PROMPT, greedy(6)))
-        .await
-        .unwrap()
-        .into_inner();
-    let (first, _) = collect(stream).await;
+    let (first, _) = s.complete(request("cached", PROMPT, greedy(6))).await;
     let KvKind::Stored(stored) = next_kv(&mut events).await.1 else {
         panic!("the request's pages are cached first")
     };
-    let info = s
-        .client
-        .model_info(pb::ModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = s.info().await;
     assert!(info.cached_pages >= 1, "{info:?}");
 
-    let flushed = s
-        .client
-        .flush_cache(pb::FlushCacheRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .pages_flushed;
+    let flushed = s.flush().await;
     assert_eq!(flushed, u64::from(info.cached_pages));
     let KvKind::Removed(removed) = next_kv(&mut events).await.1 else {
         panic!("a flush removes pages")
@@ -514,37 +374,17 @@ async fn flush_cache_frees_the_cached_pages_and_subscribers_see_them_removed() {
     a.sort_unstable();
     b.sort_unstable();
     assert_eq!(a, b, "exactly the stored pages are removed");
-    let info = s
-        .client
-        .model_info(pb::ModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = s.info().await;
     assert_eq!((info.cached_pages, info.free_pages), (0, KV_PAGES));
 
     // Nothing is reused any more, and the answer is the same.
-    let stream = s
-        .client
-        .generate(request("again", PROMPT, greedy(6)))
-        .await
-        .unwrap()
-        .into_inner();
-    let (again, f) = collect(stream).await;
+    let (again, f) = s.complete(request("again", PROMPT, greedy(6))).await;
     assert_eq!((again, f.cached_tokens), (first, 0));
     // The second answer's pages go too; then an empty cache frees nothing and fails
     // nothing.
-    s.client
-        .flush_cache(pb::FlushCacheRequest {})
-        .await
-        .unwrap();
-    let empty = s
-        .client
-        .flush_cache(pb::FlushCacheRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(empty.pages_flushed, 0);
-    wait_free_pages(&mut s.client, KV_PAGES).await;
+    s.flush().await;
+    assert_eq!(s.flush().await, 0);
+    s.wait_free_pages(KV_PAGES).await;
 }
 
 /// The standard gRPC health service Kubernetes' probes ask: ready and live once the
@@ -555,7 +395,7 @@ async fn grpc_health_says_ready_and_live_then_not_ready_while_draining() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let mut s = start().await;
-    let channel = tonic::transport::Endpoint::from_shared(s.url.clone())
+    let channel = tonic::transport::Endpoint::from_shared(s.svc.url())
         .unwrap()
         .connect()
         .await
@@ -570,19 +410,14 @@ async fn grpc_health_says_ready_and_live_then_not_ready_while_draining() {
             .map(|r| r.into_inner().status())
     };
     // The model is loaded once the worker answers its own calls.
-    s.client.model_info(pb::ModelInfoRequest {}).await.unwrap();
+    s.info().await;
     for name in ["", "readiness", "liveness"] {
         assert_eq!(ask(name).await.unwrap(), ServingStatus::Serving, "{name:?}");
     }
     assert_eq!(ask("nope").await.unwrap_err().code(), tonic::Code::NotFound);
-    let mut running = s
-        .client
-        .generate(request("drained", PROMPT, greedy(48)))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut running = s.generate(request("drained", PROMPT, greedy(48))).await;
     next_token(&mut running).await;
-    s.shutdown.cancel();
+    s.svc.shutdown.cancel();
     // Not ready within the probes' refresh; still live.
     let mut ready = ServingStatus::Serving;
     for _ in 0..40 {
@@ -596,7 +431,7 @@ async fn grpc_health_says_ready_and_live_then_not_ready_while_draining() {
     assert_eq!(ask("liveness").await.unwrap(), ServingStatus::Serving);
     let (ids, fin) = collect(running).await;
     assert_eq!(ids.len() + 1, 48, "{fin:?}");
-    s.task.await.unwrap().unwrap();
+    s.svc.join().await.unwrap();
 }
 
 /// `--health-listen`: a plaintext port for probes that cannot speak the mesh's TLS
@@ -609,7 +444,7 @@ async fn the_health_port_answers_health_and_nothing_else() {
     let health = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = health.local_addr().unwrap();
     let mut s = start_with_health(|_| {}, Some(health)).await;
-    s.client.model_info(pb::ModelInfoRequest {}).await.unwrap();
+    s.info().await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect()
@@ -620,14 +455,11 @@ async fn the_health_port_answers_health_and_nothing_else() {
         let mut status = ServingStatus::Unknown;
         // The probes' first refresh may follow the model's load by one tick.
         for _ in 0..40 {
-            status = health
-                .check(HealthCheckRequest {
-                    service: name.into(),
-                })
-                .await
-                .unwrap()
-                .into_inner()
-                .status();
+            status = answer(health.check(HealthCheckRequest {
+                service: name.into(),
+            }))
+            .await
+            .status();
             if status == ServingStatus::Serving {
                 break;
             }
@@ -640,8 +472,7 @@ async fn the_health_port_answers_health_and_nothing_else() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unimplemented, "{err}");
-    s.shutdown.cancel();
-    s.task.await.unwrap().unwrap();
+    s.svc.stop().await.unwrap();
     // Gone with the worker.
     assert!(tokio::net::TcpStream::connect(addr).await.is_err());
 }
@@ -651,7 +482,7 @@ async fn a_taken_health_port_fails_the_start() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap();
     let mut cfg = Config::new(pdmesh_gguf::models::require_default_model());
-    cfg.tls = pdmesh_tls::test_ca::args();
+    cfg.tls = credentials();
     cfg.health_listen = Some(addr);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let err = run(cfg, listener, CancellationToken::new())
@@ -667,21 +498,11 @@ async fn past_the_queue_limit_a_request_is_resource_exhausted_and_the_queue_move
         c.max_queued_requests = 1;
     })
     .await;
-    let baseline = free_pages(&mut s.client).await;
+    let baseline = s.free_pages().await;
     // One runs (the batch is full), one waits: the queue is at its limit.
-    let mut running = s
-        .client
-        .generate(request("running", PROMPT, greedy(0)))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut running = s.generate(request("running", PROMPT, greedy(0))).await;
     next_token(&mut running).await;
-    let waiting = s
-        .client
-        .generate(request("waiting", PROMPT, greedy(2)))
-        .await
-        .unwrap()
-        .into_inner();
+    let waiting = s.generate(request("waiting", PROMPT, greedy(2))).await;
     let refused = s
         .client
         .generate(request("refused", PROMPT, greedy(2)))
@@ -693,14 +514,7 @@ async fn past_the_queue_limit_a_request_is_resource_exhausted_and_the_queue_move
     drop(running);
     let (tokens, _) = collect(waiting).await;
     assert_eq!(tokens.len(), 2);
-    let (tokens, _) = collect(
-        s.client
-            .generate(request("later", PROMPT, greedy(1)))
-            .await
-            .unwrap()
-            .into_inner(),
-    )
-    .await;
+    let (tokens, _) = s.complete(request("later", PROMPT, greedy(1))).await;
     assert_eq!(tokens.len(), 1);
-    wait_free_pages(&mut s.client, baseline).await;
+    s.wait_free_pages(baseline).await;
 }

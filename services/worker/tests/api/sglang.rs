@@ -9,9 +9,7 @@ use s::sglang_scheduler_client::SglangSchedulerClient;
 use sha2::Digest;
 
 async fn sglang(srv: &Server) -> SglangSchedulerClient<Channel> {
-    pdmesh_tls::test_ca::client(srv.url.clone(), SglangSchedulerClient::new)
-        .await
-        .unwrap()
+    srv.svc.client(SglangSchedulerClient::new).await
 }
 
 fn sreq(id: &str, stream: bool, max_new_tokens: u32) -> s::GenerateRequest {
@@ -55,18 +53,11 @@ async fn all(mut st: Streaming<s::GenerateResponse>) -> Vec<s::generate_response
 async fn generate_streams_chunks_then_complete_with_the_native_tokens() {
     let mut srv = start().await;
     let mut sg = sglang(&srv).await;
-    let (native, _) = collect(
-        srv.client
-            .generate(request("n", PROMPT, greedy(6)))
-            .await
-            .unwrap()
-            .into_inner(),
-    )
-    .await;
+    let (native, _) = srv.complete(request("n", PROMPT, greedy(6))).await;
 
     // Streaming: a chunk per token with cumulative counts, then `complete` repeating the
     // last chunk's tokens (as SGLang's own server does).
-    let msgs = all(sg.generate(sreq("st", true, 6)).await.unwrap().into_inner()).await;
+    let msgs = all(answer(sg.generate(sreq("st", true, 6))).await).await;
     assert_eq!(msgs.len(), 7, "{msgs:?}");
     let mut streamed: Vec<u32> = Vec::new();
     for (i, m) in msgs[..6].iter().enumerate() {
@@ -92,12 +83,7 @@ async fn generate_streams_chunks_then_complete_with_the_native_tokens() {
     );
 
     // Not streaming: one `complete` with every token.
-    let msgs = all(sg
-        .generate(sreq("one", false, 6))
-        .await
-        .unwrap()
-        .into_inner())
-    .await;
+    let msgs = all(answer(sg.generate(sreq("one", false, 6))).await).await;
     let [s::generate_response::Response::Complete(done)] = &msgs[..] else {
         panic!("one complete expected: {msgs:?}")
     };
@@ -110,7 +96,7 @@ async fn generate_streams_chunks_then_complete_with_the_native_tokens() {
     // Top logprobs: per position, the most likely first; greedy took the first.
     let mut top = sreq("top", false, 6);
     top.top_logprobs_num = 3;
-    let msgs = all(sg.generate(top.clone()).await.unwrap().into_inner()).await;
+    let msgs = all(answer(sg.generate(top.clone())).await).await;
     let [s::generate_response::Response::Complete(done)] = &msgs[..] else {
         panic!("one complete expected: {msgs:?}")
     };
@@ -127,7 +113,7 @@ async fn generate_streams_chunks_then_complete_with_the_native_tokens() {
     // none), with their alternatives.
     top.request_id = "input".into();
     top.logprob_start_len = 3;
-    let msgs = all(sg.generate(top).await.unwrap().into_inner()).await;
+    let msgs = all(answer(sg.generate(top)).await).await;
     let [s::generate_response::Response::Complete(scored)] = &msgs[..] else {
         panic!("one complete expected: {msgs:?}")
     };
@@ -145,7 +131,7 @@ async fn generate_streams_chunks_then_complete_with_the_native_tokens() {
     let sp = stop.sampling_params.as_mut().unwrap();
     sp.stop_token_ids = vec![native[2]];
     sp.ignore_eos = false;
-    let msgs = all(sg.generate(stop).await.unwrap().into_inner()).await;
+    let msgs = all(answer(sg.generate(stop)).await).await;
     let [s::generate_response::Response::Complete(done)] = &msgs[..] else {
         panic!("{msgs:?}")
     };
@@ -155,26 +141,18 @@ async fn generate_streams_chunks_then_complete_with_the_native_tokens() {
         done.matched_stop,
         Some(s::generate_complete::MatchedStop::MatchedTokenId(native[2]))
     );
-    wait_free_pages(&mut srv.client, KV_PAGES).await;
-    srv.shutdown.cancel();
+    srv.wait_free_pages(KV_PAGES).await;
+    srv.svc.shutdown.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_server_and_load_info_describe_the_worker() {
     let srv = start().await;
     let mut sg = sglang(&srv).await;
-    let h = sg
-        .health_check(s::HealthCheckRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let h = answer(sg.health_check(s::HealthCheckRequest {})).await;
     assert!(h.healthy, "{h:?}");
 
-    let m = sg
-        .get_model_info(s::GetModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let m = answer(sg.get_model_info(s::GetModelInfoRequest {})).await;
     assert_eq!(m.max_context_length, MAX_CONTEXT as i32);
     assert_eq!(m.vocab_size, 49152);
     assert!(m.is_generation);
@@ -185,11 +163,7 @@ async fn model_server_and_load_info_describe_the_worker() {
         pdmesh_chat::ChatTokenizer::from_hf_dir(std::path::Path::new(&m.tokenizer_path)).unwrap();
     assert!(tok.chat_template().is_some());
 
-    let info = sg
-        .get_server_info(s::GetServerInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = answer(sg.get_server_info(s::GetServerInfoRequest {})).await;
     let args = info.server_args.unwrap().fields;
     let num = |k: &str| match args[k].kind {
         Some(prost_types::value::Kind::NumberValue(n)) => n,
@@ -209,14 +183,11 @@ async fn model_server_and_load_info_describe_the_worker() {
     );
     assert_eq!(info.server_type, "grpc");
 
-    let loads = sg
-        .get_loads(s::GetLoadsRequest {
-            dp_rank: None,
-            include: vec!["all".into()],
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let loads = answer(sg.get_loads(s::GetLoadsRequest {
+        dp_rank: None,
+        include: vec!["all".into()],
+    }))
+    .await;
     assert_eq!(loads.dp_rank_count, 1);
     let l = &loads.loads[0];
     assert_eq!(
@@ -234,34 +205,23 @@ async fn model_server_and_load_info_describe_the_worker() {
     assert_eq!(e.code(), Code::InvalidArgument);
 
     // While a request runs, the loads say so.
-    let mut running = sg
-        .generate(sreq("busy", true, 200))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut running = answer(sg.generate(sreq("busy", true, 200))).await;
     running.message().await.unwrap().unwrap();
-    let l = sg
-        .get_loads(s::GetLoadsRequest::default())
+    let l = answer(sg.get_loads(s::GetLoadsRequest::default()))
         .await
-        .unwrap()
-        .into_inner()
         .loads
         .remove(0);
     assert_eq!(l.num_running_reqs, 1);
     assert!(l.num_used_tokens > 0);
     drop(running);
-    srv.shutdown.cancel();
+    srv.svc.shutdown.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tokenizer_zip_matches_its_hash_and_holds_the_three_files() {
     let srv = start().await;
     let mut sg = sglang(&srv).await;
-    let mut st = sg
-        .get_tokenizer(c::GetTokenizerRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut st = answer(sg.get_tokenizer(c::GetTokenizerRequest {})).await;
     let (mut zip, mut sha) = (Vec::new(), String::new());
     while let Some(ch) = st.message().await.unwrap() {
         assert!(sha.is_empty(), "the hash comes on the last chunk only");
@@ -284,37 +244,27 @@ async fn the_tokenizer_zip_matches_its_hash_and_holds_the_three_files() {
     std::io::Read::read_to_string(&mut z.by_name("tokenizer_config.json").unwrap(), &mut cfg)
         .unwrap();
     assert!(cfg.contains("chat_template"), "{cfg}");
-    srv.shutdown.cancel();
+    srv.svc.shutdown.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_stops_a_request_and_an_unknown_id_is_harmless() {
     let mut srv = start().await;
     let mut sg = sglang(&srv).await;
-    let r = sg
-        .abort(s::AbortRequest {
-            request_id: "nobody".into(),
-            reason: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let r = answer(sg.abort(s::AbortRequest {
+        request_id: "nobody".into(),
+        reason: String::new(),
+    }))
+    .await;
     assert!(!r.success, "{r:?}");
 
-    let mut st = sg
-        .generate(sreq("victim", true, 400))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut st = answer(sg.generate(sreq("victim", true, 400))).await;
     st.message().await.unwrap().unwrap();
-    let r = sg
-        .abort(s::AbortRequest {
-            request_id: "victim".into(),
-            reason: "test".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let r = answer(sg.abort(s::AbortRequest {
+        request_id: "victim".into(),
+        reason: "test".into(),
+    }))
+    .await;
     assert!(r.success, "{r:?}");
     let rest = all(st).await;
     match rest.last() {
@@ -323,8 +273,8 @@ async fn abort_stops_a_request_and_an_unknown_id_is_harmless() {
         }
         other => panic!("{other:?}"),
     }
-    wait_free_pages(&mut srv.client, KV_PAGES).await;
-    srv.shutdown.cancel();
+    srv.wait_free_pages(KV_PAGES).await;
+    srv.svc.shutdown.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -360,7 +310,7 @@ async fn invalid_requests_get_codes_and_hold_nothing() {
     });
     r.sampling_params.as_mut().unwrap().max_new_tokens = Some(4);
     // A unified worker ignores the room (as SGLang's would without disaggregation).
-    let ok = all(sg.generate(r).await.unwrap().into_inner()).await;
+    let ok = all(answer(sg.generate(r)).await).await;
     assert!(matches!(
         ok.last(),
         Some(s::generate_response::Response::Complete(_))
@@ -375,19 +325,15 @@ async fn invalid_requests_get_codes_and_hold_nothing() {
     }
     let e = sg.embed(s::EmbedRequest::default()).await.unwrap_err();
     assert_eq!(e.code(), Code::Unimplemented);
-    wait_free_pages(&mut srv.client, KV_PAGES).await;
-    srv.shutdown.cancel();
+    srv.wait_free_pages(KV_PAGES).await;
+    srv.svc.shutdown.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_events_list_the_cached_prompt_pages_with_their_tokens() {
     let mut srv = start().await;
     let mut sg = sglang(&srv).await;
-    let mut ev = sg
-        .subscribe_kv_events(c::SubscribeKvEventsRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let mut ev = answer(sg.subscribe_kv_events(c::SubscribeKvEventsRequest::default())).await;
     let mut next = async || {
         let b = tokio::time::timeout(HANG, ev.message())
             .await
@@ -408,13 +354,8 @@ async fn kv_events_list_the_cached_prompt_pages_with_their_tokens() {
     );
     // A finished request hands its whole prompt pages to the cache: they come as blocks
     // whose tokens are the prompt's, a page each, chained from one parent.
-    all(sg
-        .generate(sreq("cache-me", false, 2))
-        .await
-        .unwrap()
-        .into_inner())
-    .await;
-    wait_free_pages(&mut srv.client, KV_PAGES).await;
+    all(answer(sg.generate(sreq("cache-me", false, 2))).await).await;
+    srv.wait_free_pages(KV_PAGES).await;
     let mut blocks = Vec::new();
     let mut last = seq;
     while blocks.len() < PROMPT.len() / 16 {
@@ -432,39 +373,24 @@ async fn kv_events_list_the_cached_prompt_pages_with_their_tokens() {
             .iter()
             .all(|b| b.block_size == 16 && b.token_ids.len() == 16)
     );
-    srv.shutdown.cancel();
+    srv.svc.shutdown.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flush_cache_empties_the_device_prefix_cache() {
     let mut srv = start().await;
     let mut sg = sglang(&srv).await;
-    all(sg.generate(sreq("c", false, 4)).await.unwrap().into_inner()).await;
-    wait_free_pages(&mut srv.client, KV_PAGES).await;
-    let cached = srv
-        .client
-        .model_info(pb::ModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .cached_pages;
+    all(answer(sg.generate(sreq("c", false, 4))).await).await;
+    srv.wait_free_pages(KV_PAGES).await;
+    let cached = srv.info().await.cached_pages;
     assert!(cached >= 1);
-    let r = sg
-        .flush_cache(c::FlushCacheRequest { timeout_s: 0.0 })
-        .await
-        .unwrap()
-        .into_inner();
+    let r = answer(sg.flush_cache(c::FlushCacheRequest { timeout_s: 0.0 })).await;
     assert!(r.success, "{r:?}");
     assert!(
         r.message.contains(&format!("flushed {cached} pages")),
         "{r:?}"
     );
-    let info = srv
-        .client
-        .model_info(pb::ModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = srv.info().await;
     assert_eq!((info.cached_pages, info.free_pages), (0, KV_PAGES));
-    srv.shutdown.cancel();
+    srv.svc.shutdown.cancel();
 }
