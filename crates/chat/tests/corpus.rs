@@ -8,50 +8,9 @@ use pdmesh_chat::{Delta, OutputParser, ReasoningParser, ToolFormat, ToolParser, 
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
 
-const D: &str = "｜DSML｜";
+mod common;
 
-/// What a parse produced, summed up.
-#[derive(Debug, Default, PartialEq)]
-struct Outcome {
-    content: String,
-    reasoning: String,
-    /// (name, arguments JSON) per call.
-    calls: Vec<(String, Value)>,
-    errors: Vec<&'static str>,
-}
-
-fn outcome(deltas: Vec<Delta>) -> Outcome {
-    let mut o = Outcome::default();
-    let mut args: Vec<String> = Vec::new();
-    for d in coalesce(deltas) {
-        match d {
-            Delta::Content(t) => o.content.push_str(&t),
-            Delta::Reasoning(t) => o.reasoning.push_str(&t),
-            Delta::ToolCall {
-                index,
-                name,
-                arguments,
-                ..
-            } => {
-                if let Some(n) = name {
-                    assert_eq!(index, o.calls.len(), "calls arrive in order, name first");
-                    o.calls.push((n, Value::Null));
-                    args.push(String::new());
-                }
-                args[index].push_str(&arguments);
-            }
-            Delta::Error(e) => {
-                assert!(pdmesh_chat::PARSERS.contains(&e.parser), "{e:?}");
-                assert!(pdmesh_chat::FAILURE_REASONS.contains(&e.reason), "{e:?}");
-                o.errors.push(e.reason)
-            }
-        }
-    }
-    for (c, a) in o.calls.iter_mut().zip(args) {
-        c.1 = serde_json::from_str(&a).unwrap_or_else(|e| panic!("arguments {a:?}: {e}"));
-    }
-    o
-}
+use common::{D, Outcome, outcome};
 
 fn run(format: ToolFormat, chunks: &[&[u8]], allowed: Option<Vec<String>>) -> Outcome {
     let mut p = ToolParser::new(format, allowed, "call_");

@@ -5,39 +5,16 @@
 use std::sync::OnceLock;
 
 use pdmesh_chat::{ChatError, ChatMessage, ChatTemplate, ChatTokenizer, dsv32};
-use serde::Deserialize;
+use pdmesh_testkit::reference::{Reference, assert_no_failures, default_model, reference};
 
 fn tok() -> &'static ChatTokenizer {
     static TOK: OnceLock<ChatTokenizer> = OnceLock::new();
-    TOK.get_or_init(|| {
-        let path = pdmesh_gguf::models::require_default_model();
-        ChatTokenizer::from_path(&path)
-            .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
-    })
-}
-
-use pdmesh_testkit::fixture;
-
-#[derive(Deserialize)]
-struct ReferenceFixture {
-    model_sha256: String,
-    prompts: Vec<Prompt>,
-}
-
-#[derive(Deserialize)]
-struct Prompt {
-    name: String,
-    kind: String,
-    #[serde(default)]
-    messages: Vec<ChatMessage>,
-    text: String,
-    prompt_ids: Vec<u32>,
+    TOK.get_or_init(|| default_model(ChatTokenizer::from_path))
 }
 
 #[test]
 fn reference_chat_prompts_render_like_llama_cpp() {
-    let f: ReferenceFixture = fixture("reference.json");
-    assert_eq!(f.model_sha256, pdmesh_gguf::models::DEFAULT_MODEL.sha256);
+    let f: Reference<ChatMessage> = reference();
     let template = tok()
         .chat_template()
         .expect("the model has a chat template");
@@ -59,12 +36,7 @@ fn reference_chat_prompts_render_like_llama_cpp() {
         }
     }
     assert!(f.prompts.iter().filter(|p| p.kind == "chat").count() >= 3);
-    assert!(
-        bad.is_empty(),
-        "{} failures:\n{}",
-        bad.len(),
-        bad.join("\n")
-    );
+    assert_no_failures(&bad);
 }
 
 const SMOL_SYSTEM: &str = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n";

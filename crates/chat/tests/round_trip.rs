@@ -3,8 +3,13 @@
 //! accepts, and the streaming parser, fed it in small chunks, reads back the same calls.
 //! A mismatch would fail every constrained request, or show markup as content.
 
-use pdmesh_chat::{Call, Delta, Tool, ToolFormat, ToolParser};
+use pdmesh_chat::{Call, Tool, ToolFormat, ToolParser};
+use pdmesh_testkit::grammar::lark_follows;
 use serde_json::{Value, json};
+
+mod common;
+
+use common::outcome;
 
 /// The tools on offer: one with an optional parameter, one with a nested object.
 fn tools() -> Vec<Tool> {
@@ -54,41 +59,6 @@ fn cases() -> Vec<(Vec<Call>, bool)> {
     ]
 }
 
-/// A matcher for `grammar` over a byte vocabulary: 256 one-byte tokens and an end
-/// token (256).
-fn byte_matcher(grammar: &str) -> llguidance::Matcher {
-    use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
-    let words: Vec<Vec<u8>> = (0..=255u8)
-        .map(|b| vec![b])
-        .chain([vec![0xff, b'E']])
-        .collect();
-    let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, 256), &words);
-    let env: TokEnv = std::sync::Arc::new(ApproximateTokEnv::new(trie));
-    let factory = llguidance::ParserFactory::new_simple(&env).unwrap();
-    let parser = factory
-        .create_parser(llguidance::api::TopLevelGrammar::from_lark(grammar.into()))
-        .unwrap_or_else(|e| panic!("{e}\n{grammar}"));
-    llguidance::Matcher::new(Ok(parser))
-}
-
-/// How far the Lark `grammar` follows `text`: `Ok` when it accepts exactly `text`,
-/// else the byte offset where it refused (or `text.len()`: it wanted more).
-fn lark_accepts(grammar: &str, text: &str) -> Result<(), usize> {
-    let mut m = byte_matcher(grammar);
-    for (i, b) in text.bytes().enumerate() {
-        // Stopped: the grammar is complete and allows nothing more.
-        if m.is_stopped() || !m.compute_mask().unwrap().is_allowed(u32::from(b)) {
-            return Err(i);
-        }
-        m.consume_token(u32::from(b)).unwrap();
-    }
-    if m.is_stopped() || m.is_accepting().unwrap() {
-        Ok(())
-    } else {
-        Err(text.len())
-    }
-}
-
 /// The calls the streaming parser reads from `text` fed `chunk` bytes at a time; any
 /// content or parse failure is a panic.
 fn parse_back(format: ToolFormat, text: &str, chunk: usize) -> Vec<Call> {
@@ -99,27 +69,15 @@ fn parse_back(format: ToolFormat, text: &str, chunk: usize) -> Vec<Call> {
         deltas.extend(p.push(c));
     }
     deltas.extend(p.finish());
-    let mut calls: Vec<(String, String)> = Vec::new();
-    for d in deltas {
-        match d {
-            Delta::ToolCall {
-                index,
-                name,
-                arguments,
-                ..
-            } => {
-                if let Some(name) = name {
-                    assert_eq!(index, calls.len(), "{format:?}: calls in order");
-                    calls.push((name, String::new()));
-                }
-                calls[index].1.push_str(&arguments);
-            }
-            other => panic!("{format:?}: {other:?} from {text:?}"),
-        }
-    }
-    calls
+    let o = outcome(deltas);
+    assert_eq!(
+        (o.content.as_str(), o.reasoning.as_str(), &o.errors[..]),
+        ("", "", &[][..]),
+        "{format:?}: only calls from {text:?}"
+    );
+    o.calls
         .into_iter()
-        .map(|(name, args)| call(&name, serde_json::from_str(&args).unwrap()))
+        .map(|(name, args)| call(&name, args))
         .collect()
 }
 
@@ -132,7 +90,7 @@ fn every_format_writes_what_its_grammar_allows_and_its_parser_reads_back() {
         for (calls, many) in cases() {
             let text = syntax.write_calls(&calls);
             let grammar = syntax.grammar(&offered, many).unwrap();
-            if let Err(at) = lark_accepts(&grammar, &text) {
+            if let Err(at) = lark_follows(&grammar, &text) {
                 panic!(
                     "{format:?}: the grammar refuses {text:?} at byte {at} ({:?})\n{grammar}",
                     &text[at..]
@@ -162,10 +120,10 @@ fn a_grammar_for_one_call_refuses_two() {
         let syntax = format.syntax();
         let text = syntax.write_calls(&two);
         assert!(
-            lark_accepts(&syntax.grammar(&offered, false).unwrap(), &text).is_err(),
+            lark_follows(&syntax.grammar(&offered, false).unwrap(), &text).is_err(),
             "{format:?}: {text:?}"
         );
-        assert!(lark_accepts(&syntax.grammar(&offered, true).unwrap(), &text).is_ok());
+        assert!(lark_follows(&syntax.grammar(&offered, true).unwrap(), &text).is_ok());
     }
 }
 

@@ -4,47 +4,12 @@
 //! not at all, nothing of its markup reaches content and nothing is an error. Ended there
 //! by the model itself, the same text is an error wherever it stops inside markup.
 
-use pdmesh_chat::{Delta, OutputParser, ReasoningParser, ToolFormat, ToolParser, coalesce};
+use pdmesh_chat::{Delta, OutputParser, ReasoningParser, ToolFormat, ToolParser};
 use serde_json::{Value, json};
 
-const D: &str = "｜DSML｜";
+mod common;
 
-#[derive(Debug, Default, PartialEq)]
-struct Outcome {
-    content: String,
-    calls: Vec<(String, Value)>,
-    errors: Vec<&'static str>,
-}
-
-fn outcome(deltas: Vec<Delta>) -> Outcome {
-    let mut o = Outcome::default();
-    let mut args: Vec<String> = Vec::new();
-    for d in coalesce(deltas) {
-        match d {
-            Delta::Content(t) => o.content.push_str(&t),
-            Delta::Reasoning(t) => panic!("reasoning {t:?} from a text without any"),
-            Delta::ToolCall {
-                index,
-                name,
-                arguments,
-                ..
-            } => {
-                if let Some(n) = name {
-                    assert_eq!(index, o.calls.len(), "calls arrive in order, name first");
-                    o.calls.push((n, Value::Null));
-                    args.push(String::new());
-                }
-                args[index].push_str(&arguments);
-            }
-            Delta::Error(e) => o.errors.push(e.reason),
-        }
-    }
-    for (c, a) in o.calls.iter_mut().zip(args) {
-        // Every call a client sees has arguments that parse: none is cut short.
-        c.1 = serde_json::from_str(&a).unwrap_or_else(|e| panic!("arguments {a:?}: {e}"));
-    }
-    o
-}
+use common::{D, Outcome, outcome};
 
 fn calls() -> Vec<(String, Value)> {
     vec![
@@ -164,6 +129,11 @@ fn parse_all_ways(format: ToolFormat, text: &str, cut: bool) -> Vec<(&'static st
     let allowed = Some(vec!["get_weather".to_owned(), "get_time".to_owned()]);
     let b = text.as_bytes();
     let mut out = Vec::new();
+    let outcome = |d| {
+        let o = outcome(d);
+        assert_eq!(o.reasoning, "", "reasoning from a text without any");
+        o
+    };
 
     let mut p = ToolParser::new(format, allowed.clone(), "call_");
     let mut d = p.push(b);
@@ -207,65 +177,70 @@ fn assert_clean(content: &str, what: &str) {
     }
 }
 
-#[test]
-fn cut_at_every_character_the_complete_calls_come_back_and_the_rest_is_dropped() {
-    let want = calls();
+/// Calls `check(case, c, block_start)` for every case cut at every character `c`;
+/// `block_start` is where its markup begins.
+fn every_cut(mut check: impl FnMut(&Case, usize, usize)) {
     for case in cases() {
-        let t = &case.text;
         let block_start = case.prefix.len() + 2;
+        let t = &case.text;
         for c in (0..=t.len()).filter(|&c| t.is_char_boundary(c)) {
-            let cut_text = &t[..c];
-            let done = case.call_ends.iter().filter(|&&e| e <= c).count();
-            let content = if c > block_start {
-                case.prefix
-            } else {
-                // A tail that may begin a marker (`<`) goes, with the blank line before it.
-                cut_text.strip_suffix('<').map_or(cut_text, str::trim_end)
-            };
-            for (how, o) in parse_all_ways(case.format, cut_text, true) {
-                let what = format!("{:?} cut at {c} ({how}): {cut_text:?}", case.format);
-                assert_eq!(o.errors, Vec::<&str>::new(), "{what}");
-                assert_eq!(o.calls, want[..done], "{what}");
-                assert_clean(&o.content, &what);
-                assert_eq!(o.content, content, "{what}");
-            }
+            check(&case, c, block_start);
         }
     }
 }
 
 #[test]
+fn cut_at_every_character_the_complete_calls_come_back_and_the_rest_is_dropped() {
+    let want = calls();
+    every_cut(|case, c, block_start| {
+        let cut_text = &case.text[..c];
+        let done = case.call_ends.iter().filter(|&&e| e <= c).count();
+        let content = if c > block_start {
+            case.prefix
+        } else {
+            // A tail that may begin a marker (`<`) goes, with the blank line before it.
+            cut_text.strip_suffix('<').map_or(cut_text, str::trim_end)
+        };
+        for (how, o) in parse_all_ways(case.format, cut_text, true) {
+            let what = format!("{:?} cut at {c} ({how}): {cut_text:?}", case.format);
+            assert_eq!(o.errors, Vec::<&str>::new(), "{what}");
+            assert_eq!(o.calls, want[..done], "{what}");
+            assert_clean(&o.content, &what);
+            assert_eq!(o.content, content, "{what}");
+        }
+    });
+}
+
+#[test]
 fn ended_by_the_model_inside_markup_the_same_text_is_an_error() {
     let want = calls();
-    for case in cases() {
+    every_cut(|case, c, block_start| {
         let t = &case.text;
-        let block_start = case.prefix.len() + 2;
-        for c in (0..=t.len()).filter(|&c| t.is_char_boundary(c)) {
-            let cut_text = &t[..c];
-            // Before a marker's second character, or after whole blocks and whitespace.
-            let valid = c <= block_start + 1
-                || case
-                    .block_ends
-                    .iter()
-                    .any(|&e| e <= c && t[e..c].trim().is_empty());
-            let done = case.block_ends.iter().filter(|&&e| e <= c).count();
-            let done = if case.format == ToolFormat::Hermes {
-                done
+        let cut_text = &t[..c];
+        // Before a marker's second character, or after whole blocks and whitespace.
+        let valid = c <= block_start + 1
+            || case
+                .block_ends
+                .iter()
+                .any(|&e| e <= c && t[e..c].trim().is_empty());
+        let done = case.block_ends.iter().filter(|&&e| e <= c).count();
+        let done = if case.format == ToolFormat::Hermes {
+            done
+        } else {
+            // One block holds both calls.
+            2 * done
+        };
+        for (how, o) in parse_all_ways(case.format, cut_text, false) {
+            let what = format!("{:?} ended at {c} ({how}): {cut_text:?}", case.format);
+            assert_clean(&o.content, &what);
+            if valid {
+                assert_eq!(o.errors, Vec::<&str>::new(), "{what}");
+                assert_eq!(o.calls, want[..done], "{what}");
             } else {
-                // One block holds both calls.
-                2 * done
-            };
-            for (how, o) in parse_all_ways(case.format, cut_text, false) {
-                let what = format!("{:?} ended at {c} ({how}): {cut_text:?}", case.format);
-                assert_clean(&o.content, &what);
-                if valid {
-                    assert_eq!(o.errors, Vec::<&str>::new(), "{what}");
-                    assert_eq!(o.calls, want[..done], "{what}");
-                } else {
-                    assert_eq!(o.errors.len(), 1, "{what}: {o:?}");
-                }
+                assert_eq!(o.errors.len(), 1, "{what}: {o:?}");
             }
         }
-    }
+    });
 }
 
 #[test]

@@ -4,23 +4,20 @@
 
 use std::sync::OnceLock;
 
+use pdmesh_testkit::reference::{
+    Reference, assert_no_failures, default_model, model_fixture, reference,
+};
 use pdmesh_tokenize::{TextTokenizer, TokenizerError};
 use serde::Deserialize;
 
 fn tok() -> &'static TextTokenizer {
     static TOK: OnceLock<TextTokenizer> = OnceLock::new();
-    TOK.get_or_init(|| {
-        let path = pdmesh_gguf::models::require_default_model();
-        TextTokenizer::from_path(&path)
-            .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
-    })
+    TOK.get_or_init(|| default_model(TextTokenizer::from_path))
 }
 
-use pdmesh_testkit::fixture;
-
+/// `tokenizer_ids.json`: llama.cpp's ids for strings that test the tokenizer.
 #[derive(Deserialize)]
 struct TokenizerFixture {
-    model_sha256: String,
     cases: Vec<Case>,
 }
 
@@ -31,27 +28,8 @@ struct Case {
     ids: Vec<u32>,
 }
 
-#[derive(Deserialize)]
-struct ReferenceFixture {
-    model_sha256: String,
-    prompts: Vec<Prompt>,
-}
-
-#[derive(Deserialize)]
-struct Prompt {
-    name: String,
-    kind: String,
-    text: String,
-    prompt_ids: Vec<u32>,
-}
-
 fn tokenizer_cases() -> Vec<Case> {
-    let f: TokenizerFixture = fixture("tokenizer_ids.json");
-    assert_eq!(
-        f.model_sha256,
-        pdmesh_gguf::models::DEFAULT_MODEL.sha256,
-        "fixture made from another model"
-    );
+    let f: TokenizerFixture = model_fixture("tokenizer_ids.json");
     assert!(
         f.cases.len() >= 24,
         "only {} fixture strings",
@@ -118,31 +96,20 @@ fn fixture_strings_match_llama_cpp() {
         .iter()
         .flat_map(|c| check(tok, &c.name, &c.text, &c.ids))
         .collect();
-    assert!(
-        bad.is_empty(),
-        "{} failures:\n{}",
-        bad.len(),
-        bad.join("\n")
-    );
+    assert_no_failures(&bad);
 }
 
 #[test]
 fn reference_prompts_tokenize_like_llama_cpp() {
     let tok = tok();
-    let f: ReferenceFixture = fixture("reference.json");
-    assert_eq!(f.model_sha256, pdmesh_gguf::models::DEFAULT_MODEL.sha256);
+    let f: Reference = reference();
     let bad: Vec<String> = f
         .prompts
         .iter()
         .flat_map(|p| check(tok, &p.name, &p.text, &p.prompt_ids))
         .collect();
     assert!(f.prompts.iter().filter(|p| p.kind == "chat").count() >= 3);
-    assert!(
-        bad.is_empty(),
-        "{} failures:\n{}",
-        bad.len(),
-        bad.join("\n")
-    );
+    assert_no_failures(&bad);
 }
 
 #[test]
@@ -214,7 +181,7 @@ fn an_hf_directory_written_from_the_gguf_tokenizes_identically() {
     let dir = tempfile::tempdir().unwrap();
     tok().write_hf_dir(dir.path()).unwrap();
     let hf = TextTokenizer::from_path(dir.path()).unwrap();
-    let cases: TokenizerFixture = fixture("tokenizer_ids.json");
+    let cases: TokenizerFixture = model_fixture("tokenizer_ids.json");
     for c in &cases.cases {
         assert_eq!(hf.encode(&c.text, false).unwrap(), c.ids, "{}", c.name);
         assert_eq!(

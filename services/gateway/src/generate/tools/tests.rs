@@ -3,6 +3,7 @@
 
 use super::*;
 use pdmesh_chat::ToolFormat;
+use pdmesh_testkit::grammar::{END, byte_matcher, lark_accepts};
 
 fn weather() -> Vec<Tool> {
     parse_tools(Some(&json!([{
@@ -88,34 +89,30 @@ fn tool_choice_forms() {
     );
 }
 
+/// A model writing `tools`' markup, and reasoning or not.
+fn writing(tools: ToolFormat, reasoning: bool) -> OutputFormat {
+    OutputFormat {
+        tools: Some(tools),
+        reasoning,
+    }
+}
+
+/// The grammar `choice` forces on a model writing `out`, with no response format and no
+/// thinking.
+fn forced(tools: &[Tool], choice: &ToolChoice, parallel: bool, out: OutputFormat) -> String {
+    plan(tools, None, choice, parallel, None, out, false)
+        .unwrap()
+        .grammar
+        .unwrap()
+}
+
 #[test]
 fn none_renders_no_tools_and_parses_none() {
     let tools = weather();
-    let out = OutputFormat {
-        tools: Some(ToolFormat::Hermes),
-        reasoning: false,
-    };
-    let p = plan(
-        &tools,
-        Some("[..]".into()),
-        &ToolChoice::None,
-        true,
-        None,
-        out,
-        false,
-    )
-    .unwrap();
-    assert_eq!(p, Plan::default());
-    let p = plan(
-        &tools,
-        Some("[..]".into()),
-        &ToolChoice::Auto,
-        true,
-        None,
-        out,
-        false,
-    )
-    .unwrap();
+    let out = writing(ToolFormat::Hermes, false);
+    let rendered = |choice| plan(&tools, Some("[..]".into()), &choice, true, None, out, false);
+    assert_eq!(rendered(ToolChoice::None).unwrap(), Plan::default());
+    let p = rendered(ToolChoice::Auto).unwrap();
     assert_eq!(p.render.as_deref(), Some("[..]"));
     assert_eq!(p.parse_tools, Some(vec!["get_weather".to_owned()]));
     assert_eq!(p.grammar, None, "auto leaves the model free");
@@ -124,61 +121,22 @@ fn none_renders_no_tools_and_parses_none() {
 #[test]
 fn required_forces_the_models_own_markup() {
     let tools = weather();
-    let hermes = OutputFormat {
-        tools: Some(ToolFormat::Hermes),
-        reasoning: false,
-    };
-    let g = plan(
-        &tools,
-        None,
-        &ToolChoice::Required,
-        false,
-        None,
-        hermes,
-        false,
-    )
-    .unwrap()
-    .grammar
-    .unwrap();
+    let hermes = writing(ToolFormat::Hermes, false);
+    let g = forced(&tools, &ToolChoice::Required, false, hermes);
     assert!(
         g.starts_with("start: call\ncall: \"<tool_call>\\n\" (call0) \"\\n</tool_call>\"\n"),
         "{g}"
     );
     assert!(g.contains(r#""const":"get_weather""#), "{g}");
     assert!(g.contains(r#""whitespace_flexible":false"#), "{g}");
-    let g = plan(
-        &tools,
-        None,
-        &ToolChoice::Required,
-        true,
-        None,
-        hermes,
-        false,
-    )
-    .unwrap()
-    .grammar
-    .unwrap();
+    let g = forced(&tools, &ToolChoice::Required, true, hermes);
     assert!(
         g.starts_with("start: call (\"\\n\" call)*\n"),
         "parallel calls: {g}"
     );
 
-    let ds = OutputFormat {
-        tools: Some(ToolFormat::Dsml),
-        reasoning: true,
-    };
-    let g = plan(
-        &tools,
-        None,
-        &ToolChoice::Named("get_weather".into()),
-        true,
-        None,
-        ds,
-        false,
-    )
-    .unwrap()
-    .grammar
-    .unwrap();
+    let ds = writing(ToolFormat::Dsml, true);
+    let g = forced(&tools, &ToolChoice::Named("get_weather".into()), true, ds);
     assert!(
         g.contains(r#""<｜DSML｜parameter name=\"location\" string=\"true\">" (/[^<]*/)"#),
         "{g}"
@@ -207,41 +165,10 @@ fn required_forces_the_models_own_markup() {
     );
 }
 
-/// A matcher for `grammar` over a byte vocabulary: 256 one-byte tokens and an end
-/// token (256).
-fn byte_matcher(grammar: &str) -> llguidance::Matcher {
-    use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
-    let words: Vec<Vec<u8>> = (0..=255u8)
-        .map(|b| vec![b])
-        .chain([vec![0xff, b'E']])
-        .collect();
-    let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, 256), &words);
-    let env: TokEnv = std::sync::Arc::new(ApproximateTokEnv::new(trie));
-    let factory = llguidance::ParserFactory::new_simple(&env).unwrap();
-    let parser = factory
-        .create_parser(llguidance::api::TopLevelGrammar::from_lark(grammar.into()))
-        .unwrap_or_else(|e| panic!("{e}\n{grammar}"));
-    llguidance::Matcher::new(Ok(parser))
-}
-
-/// Whether the Lark `grammar` accepts exactly `text`.
-fn lark_accepts(grammar: &str, text: &str) -> bool {
-    let mut m = byte_matcher(grammar);
-    for b in text.bytes() {
-        // Stopped: the grammar is complete and allows nothing more.
-        if m.is_stopped() || !m.compute_mask().unwrap().is_allowed(u32::from(b)) {
-            return false;
-        }
-        m.consume_token(u32::from(b)).unwrap();
-    }
-    m.is_stopped() || m.is_accepting().unwrap()
-}
-
 /// Decodes `grammar` over a byte vocabulary, taking at each step the first allowed
 /// byte of `prefer` (an order that closes strings and blocks soon in that format),
 /// else the lowest: a short text of the grammar's shape.
 fn shortest_text(grammar: &str, prefer: &[u8]) -> String {
-    let eos = 256;
     let mut m = byte_matcher(grammar);
     let mut out = Vec::new();
     for _ in 0..4000 {
@@ -249,7 +176,7 @@ fn shortest_text(grammar: &str, prefer: &[u8]) -> String {
             break;
         }
         let mask = m.compute_mask().unwrap();
-        if mask.is_allowed(eos) {
+        if mask.is_allowed(END) {
             break;
         }
         let tok = prefer
@@ -271,14 +198,8 @@ fn shortest_text(grammar: &str, prefer: &[u8]) -> String {
 fn every_formats_grammar_parses_back_into_the_call() {
     let tools = weather();
     for tf in ToolFormat::ALL {
-        let out = OutputFormat {
-            tools: Some(tf),
-            reasoning: false,
-        };
-        let g = plan(&tools, None, &ToolChoice::Required, false, None, out, false)
-            .unwrap()
-            .grammar
-            .unwrap();
+        let out = writing(tf, false);
+        let g = forced(&tools, &ToolChoice::Required, false, out);
         // A DSML string value ends at `<`; a JSON string at `"`.
         let prefer: &[u8] = if tf == ToolFormat::Dsml {
             b"<\"}]0f\n"
@@ -339,10 +260,7 @@ fn response_format_forms() {
             "{bad}"
         );
     }
-    let out = OutputFormat {
-        tools: Some(ToolFormat::Hermes),
-        reasoning: false,
-    };
+    let out = writing(ToolFormat::Hermes, false);
     let g = plan(&[], None, &ToolChoice::None, true, Some(s), out, false)
         .unwrap()
         .grammar
@@ -368,25 +286,14 @@ fn response_format_forms() {
 /// allows others keeps them (the free-form `json_object` too).
 #[test]
 fn response_schemas_are_strict_and_compact() {
-    let out = OutputFormat {
-        tools: Some(ToolFormat::Hermes),
-        reasoning: false,
-    };
+    let out = writing(ToolFormat::Hermes, false);
     let grammar = |schema: Value| {
         plan(&[], None, &ToolChoice::None, true, Some(schema), out, false)
             .unwrap()
             .grammar
             .unwrap()
     };
-    let city = json!({
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "country": {"type": "string"},
-            "population_millions": {"type": "number"},
-        },
-        "required": ["name", "country", "population_millions"],
-    });
+    let city: Value = pdmesh_testkit::fixture("city_schema.json");
     let answer = r#"{"name":"Cairo","country":"Egypt","population_millions":22"#;
     let g = grammar(city.clone());
     assert!(lark_accepts(&g, &format!("{answer}}}")), "{g}");
@@ -433,14 +340,8 @@ fn forced_calls_take_only_declared_parameters() {
         }])))
         .unwrap();
     let grammar = |tools_format| {
-        let out = OutputFormat {
-            tools: Some(tools_format),
-            reasoning: false,
-        };
-        plan(&tools, None, &ToolChoice::Required, false, None, out, false)
-            .unwrap()
-            .grammar
-            .unwrap()
+        let out = writing(tools_format, false);
+        forced(&tools, &ToolChoice::Required, false, out)
     };
     let g = grammar(ToolFormat::Hermes);
     let call = |args: &str| {
