@@ -20,7 +20,11 @@
 
 use std::time::Instant;
 
-use pdmesh_engine::{Engine, EngineConfig, GenRequest, GpuConfig, SamplingParams, StepEvent};
+use pdmesh_engine::{Engine, EngineConfig, GenRequest, GpuConfig, SamplingParams};
+
+mod common;
+
+use common::tokens_of;
 
 struct Args {
     model: Option<String>,
@@ -80,13 +84,6 @@ fn parse() -> Args {
         }
     }
     a
-}
-
-fn tokens_of(events: &[StepEvent]) -> usize {
-    events
-        .iter()
-        .filter(|ev| matches!(ev, StepEvent::Token { .. }))
-        .count()
 }
 
 /// (prompt tokens/s, generated tokens/s) for `batch` streams.

@@ -10,6 +10,7 @@
 use std::time::Instant;
 
 use pdmesh_engine::{Engine, EngineConfig, GenRequest, Part, SamplingParams};
+use pdmesh_testkit::bench::{args, median, numbers};
 
 fn engine() -> Engine {
     let mut cfg = EngineConfig::new(pdmesh_gguf::models::require_default_model());
@@ -35,16 +36,8 @@ fn drain(e: &mut Engine, t: Instant) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("a number"))
-        .collect();
+    let args = numbers(&args());
     let prompt_len = *args.first().unwrap_or(&512);
     let new = *args.get(1).unwrap_or(&64) as u32;
     let rounds = *args.get(2).unwrap_or(&3);

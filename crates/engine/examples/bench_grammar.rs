@@ -8,7 +8,10 @@
 
 use std::time::Instant;
 
-use pdmesh_engine::{Engine, EngineConfig, GenRequest, SamplingParams, StepEvent};
+use pdmesh_engine::{Engine, EngineConfig};
+use pdmesh_testkit::bench::{args, median, numbers};
+
+mod common;
 
 const GRAMMAR: &str = r#"start: %json{"type":"object","properties":{"story":{"type":"string","minLength":2000}},"required":["story"],"additionalProperties":false,"x-guidance":{"whitespace_flexible":false}}"#;
 
@@ -17,51 +20,12 @@ const GRAMMAR: &str = r#"start: %json{"type":"object","properties":{"story":{"ty
 fn run(e: &mut Engine, n: usize, tokens: u32, grammar: bool) -> (f64, usize) {
     // Compiled once, as a worker compiles a request's grammar before submitting it.
     let compiled = grammar.then(|| e.grammar_compiler().compile(GRAMMAR).expect("compiles"));
-    for i in 0..n {
-        let prompt: Vec<u32> = [1, 9690, 198, 2683, 359, 253, 5356, 1, 4093, 198]
-            .iter()
-            .map(|&t| t + i as u32)
-            .collect();
-        let params = SamplingParams {
-            ignore_eos: true,
-            grammar: compiled.clone(),
-            ..SamplingParams::greedy(tokens)
-        };
-        e.submit(GenRequest {
-            id: format!("s{i}"),
-            prompt,
-            params,
-        })
-        .unwrap();
-    }
-    let mut first = 0;
-    while first < n {
-        first += e
-            .step()
-            .iter()
-            .filter(|ev| matches!(ev, StepEvent::Token { .. }))
-            .count();
-    }
-    let t0 = Instant::now();
-    let mut count = 0;
-    while e.has_work() {
-        count += e
-            .step()
-            .iter()
-            .filter(|ev| matches!(ev, StepEvent::Token { .. }))
-            .count();
-    }
-    (
-        t0.elapsed().as_secs_f64() / count.max(1) as f64 * n as f64,
-        count,
-    )
+    let (seconds, count) = common::decode_streams(e, n, tokens, compiled);
+    (seconds / count.max(1) as f64 * n as f64, count)
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("number"))
-        .collect();
+    let args = numbers(&args());
     let tokens = *args.first().unwrap_or(&64) as u32;
     let conc = *args.get(1).unwrap_or(&1);
     let rounds = *args.get(2).unwrap_or(&5);
@@ -76,10 +40,6 @@ fn main() {
         t0.elapsed().as_secs_f64() * 1e3
     );
     run(&mut e, 1, 4, false);
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let (mut free, mut constrained, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds {
         let (f, _) = run(&mut e, conc, tokens, false);

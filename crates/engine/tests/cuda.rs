@@ -19,8 +19,8 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{Outcome, bits, engine, fixture_prompts, greedy, run_all};
-use pdmesh_engine::{Engine, GpuConfig, Logprob, Part, StepEvent};
+use common::{Outcome, bits, engine, fixture_prompts, greedy, prefill_all, run_all, step_all};
+use pdmesh_engine::{Engine, GpuConfig, Part, StepEvent};
 use pdmesh_kv::{IndexKDtype, MlaCacheDtype};
 
 fn gpu() -> GpuConfig {
@@ -99,17 +99,6 @@ fn gpu_logits_do_not_depend_on_batch_or_chunking() {
     }
 }
 
-fn step_all(e: &mut Engine) -> Vec<StepEvent> {
-    let mut out = Vec::new();
-    let mut n = 0;
-    while e.has_work() {
-        n += 1;
-        assert!(n < 100_000, "no progress");
-        out.extend(e.step());
-    }
-    out
-}
-
 /// A prefill engine's exported pages imported into a decode engine (both on the GPU, as
 /// in a PD hand-over) give the decode the unified GPU engine's tokens and logits, bit for
 /// bit: a page of the wrong size or layout anywhere on the way shows here.
@@ -128,15 +117,7 @@ fn handover_gives_the_gpus_own_bits(make: impl Fn() -> Engine, prompts: &[Vec<u3
         p.submit_part(r.clone(), Part::Prefill).unwrap();
         d.submit_part(r, Part::Decode).unwrap();
     }
-    let firsts: HashMap<String, (u32, Option<Logprob>)> = step_all(&mut p)
-        .into_iter()
-        .filter_map(|ev| match ev {
-            StepEvent::Exported {
-                id, token, logprob, ..
-            } => Some((id.to_string(), (token, logprob))),
-            _ => None,
-        })
-        .collect();
+    let firsts = prefill_all(&mut p);
     assert_eq!(
         firsts.len(),
         prompts.len(),

@@ -310,14 +310,16 @@ fn index_scores_through_fp8_match_a_reference_quantizer() {
         // Ties may round either way between two codes; nothing else may differ.
         assert!((a - b).abs() <= (a.abs() + b.abs()) / 15.0, "{a} vs {b}");
     }
-    let want: f64 = (0..heads)
-        .map(|h| {
-            let d: f64 = (0..128)
-                .map(|i| qr[h * 128 + i] as f64 * kr[i] as f64)
-                .sum();
-            w[h] as f64 * d.max(0.0)
-        })
-        .sum();
+    // The index score by its definition, in f64: each head's weight times its ReLU'd dot.
+    let score = |q: &[f32], k: &[f32]| -> f64 {
+        (0..heads)
+            .map(|h| {
+                let d: f64 = (0..128).map(|i| q[h * 128 + i] as f64 * k[i] as f64).sum();
+                w[h] as f64 * d.max(0.0)
+            })
+            .sum()
+    };
+    let want = score(&qr, &kr);
     let got = index_score(&qf, &w, &kf) as f64;
     assert!(
         (got - want).abs() <= 1e-3 * want.abs().max(1.0),
@@ -325,14 +327,7 @@ fn index_scores_through_fp8_match_a_reference_quantizer() {
     );
     // ReLU: a head whose dot is negative adds nothing.
     let neg: Vec<f32> = kf.iter().map(|v| -v).collect();
-    let only_pos: f64 = (0..heads)
-        .map(|h| {
-            let d: f64 = (0..128)
-                .map(|i| qf[h * 128 + i] as f64 * neg[i] as f64)
-                .sum();
-            w[h] as f64 * d.max(0.0)
-        })
-        .sum();
+    let only_pos = score(&qf, &neg);
     assert!((index_score(&qf, &w, &neg) as f64 - only_pos).abs() < 1e-3 * only_pos.abs().max(1.0));
 }
 

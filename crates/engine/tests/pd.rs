@@ -251,19 +251,6 @@ fn aborts_and_failed_imports_release_reservations_and_exports() {
     );
 }
 
-/// Runs a prefill engine to the end: each request's first token and logprob.
-fn prefill_all(p: &mut Engine) -> HashMap<String, (u32, Option<Logprob>)> {
-    step_all(p)
-        .into_iter()
-        .filter_map(|ev| match ev {
-            StepEvent::Exported {
-                id, token, logprob, ..
-            } => Some((id.to_string(), (token, logprob))),
-            _ => None,
-        })
-        .collect()
-}
-
 /// Moves request `id`'s KV from prefill engine `p` into decode engine `d`'s reserved
 /// pages with its first token, recording the events the import produces.
 fn hand_over(
@@ -287,17 +274,6 @@ fn hand_over(
     {
         record(got, ev);
     }
-}
-
-fn step_all(e: &mut Engine) -> Vec<StepEvent> {
-    let mut out = Vec::new();
-    let mut n = 0;
-    while e.has_work() {
-        n += 1;
-        assert!(n < 100_000);
-        out.extend(e.step());
-    }
-    out
 }
 
 #[test]

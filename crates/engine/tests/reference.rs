@@ -26,18 +26,7 @@ fn logits_and_greedy_continuations_match_llama_cpp() {
     assert!(prompts.len() >= 5);
     for p in prompts {
         let name = p["name"].as_str().unwrap();
-        let prompt: Vec<u32> = p["prompt_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        let want: Vec<u32> = p["greedy_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
+        let (prompt, want) = (common::ids(&p["prompt_ids"]), common::ids(&p["greedy_ids"]));
         let out = common::run_all(&mut e, vec![common::greedy(name, &prompt, n_gen)])
             .remove(name)
             .unwrap();

@@ -16,6 +16,31 @@ pub fn engine(f: impl FnOnce(&mut EngineConfig)) -> Engine {
     Engine::load(cfg).expect("engine loads the default model")
 }
 
+/// Steps `e` until it has no work: every event, in order.
+pub fn step_all(e: &mut Engine) -> Vec<StepEvent> {
+    let mut out = Vec::new();
+    let mut n = 0;
+    while e.has_work() {
+        n += 1;
+        assert!(n < 100_000, "no progress");
+        out.extend(e.step());
+    }
+    out
+}
+
+/// Runs a prefill engine to the end: each request's first token and logprob.
+pub fn prefill_all(p: &mut Engine) -> HashMap<String, (u32, Option<Logprob>)> {
+    step_all(p)
+        .into_iter()
+        .filter_map(|ev| match ev {
+            StepEvent::Exported {
+                id, token, logprob, ..
+            } => Some((id.to_string(), (token, logprob))),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Pages a new request could get: free plus those only the prefix cache holds. When no
 /// request runs, anything short of the whole pool is a leak.
 pub fn available(e: &Engine) -> usize {
@@ -139,20 +164,22 @@ pub fn bits(v: &[f32]) -> Vec<u32> {
 pub const TURNS: usize = 3;
 pub const ANSWER: u32 = 6;
 
+/// A fixture's JSON array of token ids.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
+
 /// Fixture prompts as token lists.
 pub fn fixture_prompts() -> Vec<Vec<u32>> {
     fixtures()["prompts"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|p| {
-            p["prompt_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect()
-        })
+        .map(|p| ids(&p["prompt_ids"]))
         .collect()
 }
 

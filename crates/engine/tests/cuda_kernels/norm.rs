@@ -4,6 +4,7 @@ use cudarc::driver::PushKernelArg;
 use pdmesh_engine::cuda::device::grid;
 use rand::Rng;
 
+use crate::refs::{check_rope_rows, rope_rows_cpu};
 use crate::support::{assert_bits_eq, down, gpu, rng, uniform, up};
 
 // ---- embed_gather -----------------------------------------------------------------------
@@ -96,19 +97,6 @@ fn rms_norm_matches_the_cpu() {
 
 // ---- rope_pairs -------------------------------------------------------------------------
 
-/// `rope_table` + `apply_rope` of crates/engine/src/model.rs (private there), line for line.
-fn rope_cpu(x: &mut [f32], pos: usize, hd: usize, base: f32) {
-    let theta_scale = base.powf(-2.0 / hd as f32);
-    let mut theta = pos as f32;
-    for i in 0..hd / 2 {
-        let (c, s) = (theta.cos(), theta.sin());
-        let (x0, x1) = (x[2 * i], x[2 * i + 1]);
-        x[2 * i] = x0 * c - x1 * s;
-        x[2 * i + 1] = x0 * s + x1 * c;
-        theta *= theta_scale;
-    }
-}
-
 /// Positions up to 8000, two head sizes and bases, a row stride wider than the rotated
 /// heads (the extra columns must stay untouched). The host computes theta_scale with the
 /// CPU's powf, as the forward pass does; differences from the CPU: cosf/sinf against
@@ -127,17 +115,12 @@ fn rope_pairs_matches_the_cpu() {
         pos[2] = 8000;
         pos[3] = 7999;
         let x = uniform(&mut r, t * stride, -1.0, 1.0);
-        let mut want = x.clone();
-        for (ti, &p) in pos.iter().enumerate() {
-            for h in 0..heads {
-                let at = ti * stride + h * hd;
-                rope_cpu(&mut want[at..at + hd], p as usize, hd, base);
-            }
-        }
+        let theta_scale = base.powf(-2.0 / hd as f32);
+        let dims = (heads, hd, stride);
+        let want = rope_rows_cpu(&x, &pos, dims, theta_scale);
         let mut dx = up(s, &x);
         let dpos = up(s, &pos);
         let (hi, hdi, si) = (heads as i32, hd as i32, stride as i32);
-        let theta_scale = base.powf(-2.0 / hd as f32);
         let mut b = s.launch_builder(g.kernel("rope_pairs"));
         b.arg(&mut dx)
             .arg(&dpos)
@@ -149,26 +132,8 @@ fn rope_pairs_matches_the_cpu() {
         // stride ≥ heads × hd, pos has t entries.
         unsafe { b.launch(grid((t as u32, heads as u32, 1), 32)) }.unwrap();
         let got = down(s, &dx);
-        for (ti, &p) in pos.iter().enumerate() {
-            for c in 0..stride {
-                let i = ti * stride + c;
-                if c >= heads * hd {
-                    // Exact: columns past the heads are not touched.
-                    assert_eq!(
-                        got[i].to_bits(),
-                        x[i].to_bits(),
-                        "rope wrote past the heads at token {ti} column {c}"
-                    );
-                    continue;
-                }
-                // Tolerance: 1e-5 absolute.
-                assert!(
-                    (got[i] - want[i]).abs() <= 1e-5,
-                    "rope hd {hd} base {base} token {ti} (pos {p}) column {c}: GPU {}, CPU {} (tolerance 1e-5 absolute)",
-                    got[i],
-                    want[i]
-                );
-            }
-        }
+        // Tolerance: 1e-5 absolute.
+        let what = format!("GPU, base {base}");
+        check_rope_rows((&got, &want, &x), &pos, dims, 1e-5, &what);
     }
 }

@@ -8,27 +8,10 @@ use pdmesh_kv::{DType, KvLayout, PagePool};
 use crate::emu::{c, emu, m, randv, rng};
 
 #[allow(clippy::type_complexity)]
+#[rustfmt::skip]
 type AttnFn = unsafe extern "C" fn(
-    *const f32,
-    i32,
-    *mut f32,
-    i32,
-    *mut f32,
-    i32,
-    *const u8,
-    *const i32,
-    *const i32,
-    *const i32,
-    *const i32,
-    i64,
-    i64,
-    i64,
-    i32,
-    i32,
-    i32,
-    i32,
-    i32,
-    f32,
+    *const f32, i32, *mut f32, i32, *mut f32, i32, *const u8, *const i32, *const i32,
+    *const i32, *const i32, i64, i64, i64, i32, i32, i32, i32, i32, f32,
 );
 
 #[test]

@@ -9,82 +9,23 @@ use crate::emu::{assert_bits_eq, c, emu, m, randv, rng, ulps};
 use crate::norm::rms_scales;
 
 #[allow(clippy::type_complexity)]
+#[rustfmt::skip]
 type DsWriteFn = unsafe extern "C" fn(
-    *const f32,
-    i32,
-    *const f32,
-    i32,
-    *mut u8,
-    *const i64,
-    *const i32,
-    i32,
-    i32,
-    i32,
-    i32,
-    i32,
-    i64,
-    i64,
-    i64,
-    i64,
-    i64,
-    i64,
-    i32,
-    i64,
-    i64,
-    i64,
-    i64,
+    *const f32, i32, *const f32, i32, *mut u8, *const i64, *const i32, i32, i32, i32, i32, i32,
+    i64, i64, i64, i64, i64, i64, i32, i64, i64, i64, i64,
 );
 #[allow(clippy::type_complexity)]
+#[rustfmt::skip]
 type DsScoresFn = unsafe extern "C" fn(
-    *const f32,
-    i32,
-    *const f32,
-    i32,
-    i32,
-    *const u8,
-    *const i32,
-    *const i32,
-    *const i32,
-    *const i32,
-    *const i32,
-    i64,
-    i32,
-    i32,
-    i64,
-    i64,
-    i64,
-    i64,
-    *mut f32,
-    i32,
+    *const f32, i32, *const f32, i32, i32, *const u8, *const i32, *const i32, *const i32,
+    *const i32, *const i32, i64, i32, i32, i64, i64, i64, i64, *mut f32, i32,
 );
 #[allow(clippy::type_complexity)]
+#[rustfmt::skip]
 type DsMlaFn = unsafe extern "C" fn(
-    *const f32,
-    *const f32,
-    *mut f32,
-    *mut f32,
-    *const i32,
-    *const i32,
-    i32,
-    *const u8,
-    *const i32,
-    *const i32,
-    *const i32,
-    i64,
-    i32,
-    i32,
-    i32,
-    i32,
-    i32,
-    i32,
-    f32,
-    i32,
-    i64,
-    i64,
-    i64,
-    i64,
-    i64,
-    i64,
+    *const f32, *const f32, *mut f32, *mut f32, *const i32, *const i32, i32, *const u8,
+    *const i32, *const i32, *const i32, i64, i32, i32, i32, i32, i32, i32, f32, i32, i64, i64,
+    i64, i64, i64, i64,
 );
 
 /// deepseek/ops.rs's `dot` (and common.cuh's pd_dot8): eight lanes, summed pairwise, then
@@ -399,18 +340,9 @@ type DsRmsInplaceFn = unsafe extern "C" fn(*mut f32, i32, *const f32, i32, f32);
 type DsRopeInterleavedFn =
     unsafe extern "C" fn(*mut f32, i32, i32, i32, *const f32, *const f32, i32);
 #[allow(clippy::type_complexity)]
+#[rustfmt::skip]
 type DsIndexPrepFn = unsafe extern "C" fn(
-    *mut f32,
-    i32,
-    i32,
-    i32,
-    *const f32,
-    *const f32,
-    i32,
-    *const f32,
-    *const f32,
-    f32,
-    i32,
+    *mut f32, i32, i32, i32, *const f32, *const f32, i32, *const f32, *const f32, f32, i32,
 );
 type DsScaleFn = unsafe extern "C" fn(*mut f32, i32, f32);
 type DsMoeCombineFn = unsafe extern "C" fn(*mut f32, *const f32, *const i32, *const f32, i32, i32);

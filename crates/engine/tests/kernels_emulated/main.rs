@@ -27,4 +27,6 @@ mod fp8;
 mod kv;
 mod matmul;
 mod norm;
+#[path = "../kernel_refs/mod.rs"]
+mod refs;
 mod sampling;

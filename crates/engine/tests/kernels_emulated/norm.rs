@@ -1,6 +1,7 @@
 //! norm.cu: RMSNorm, the embedding gather and rope on pairs, against the CPU's.
 
 use crate::emu::{assert_bits_eq, c, emu, m, randv, rng, ulps};
+use crate::refs::{check_rope_rows, rope_rows_cpu};
 
 type RmsFn = unsafe extern "C" fn(*const f32, *const f32, *mut f32, i32, f32);
 type EmbedFn = unsafe extern "C" fn(*const f32, *const u32, *mut f32, i32, i32);
@@ -74,19 +75,6 @@ fn rms_norm_matches_cpu() {
     }
 }
 
-/// model.rs's rope_table + apply_rope (private there), line for line: theta from `pos`,
-/// times theta_scale per pair, iteratively in f32.
-fn rope_pairs_cpu(x: &mut [f32], pos: usize, theta_scale: f32) {
-    let mut theta = pos as f32;
-    for i in 0..x.len() / 2 {
-        let (c, s) = (theta.cos(), theta.sin());
-        let (x0, x1) = (x[2 * i], x[2 * i + 1]);
-        x[2 * i] = x0 * c - x1 * s;
-        x[2 * i + 1] = x0 * s + x1 * c;
-        theta *= theta_scale;
-    }
-}
-
 #[test]
 fn rope_pairs_matches_cpu() {
     let e = emu();
@@ -101,13 +89,8 @@ fn rope_pairs_matches_cpu() {
         let x = randv(&mut r, t * stride, 1.0);
         // The host's theta_scale (crates/engine/src/cuda/llama.rs): the CPU's powf.
         let theta_scale = base.powf(-2.0 / hd as f32);
-        let mut want = x.clone();
-        for (ti, &p) in pos.iter().enumerate() {
-            for h in 0..heads {
-                let at = ti * stride + h * hd;
-                rope_pairs_cpu(&mut want[at..at + hd], p as usize, theta_scale);
-            }
-        }
+        let dims = (heads, hd, stride);
+        let want = rope_rows_cpu(&x, &pos, dims, theta_scale);
         let mut got = x.clone();
         let (pg, pp) = (m(&mut got), c(&pos));
         // SAFETY: the emulated kernel reads and writes only the buffers bound above, each sized as it expects.
@@ -121,26 +104,9 @@ fn rope_pairs_matches_cpu() {
                 theta_scale,
             )
         });
-        for (ti, p) in pos.iter().enumerate() {
-            for cc in 0..stride {
-                let i = ti * stride + cc;
-                if cc >= heads * hd {
-                    assert_eq!(
-                        got[i].to_bits(),
-                        x[i].to_bits(),
-                        "rope wrote past the heads"
-                    );
-                    continue;
-                }
-                // cosf / sinf: the host libm here (CUDA's on a GPU); 1e-6 absolute on
-                // values of magnitude <= sqrt(2).
-                assert!(
-                    (got[i] - want[i]).abs() <= 1e-6,
-                    "rope hd {hd} token {ti} (pos {p}) [{cc}]: kernel {} vs CPU {}",
-                    got[i],
-                    want[i]
-                );
-            }
-        }
+        // cosf / sinf: the host libm here (CUDA's on a GPU); 1e-6 absolute on values of
+        // magnitude <= sqrt(2).
+        let what = format!("base {base}");
+        check_rope_rows((&got, &want, &x), &pos, dims, 1e-6, &what);
     }
 }
