@@ -54,20 +54,80 @@ fn check<M: Message + Default + PartialEq + std::fmt::Debug>(name: &str, expecte
     );
 }
 
+fn value(kind: Kind) -> prost_types::Value {
+    prost_types::Value { kind: Some(kind) }
+}
 fn num(v: f64) -> prost_types::Value {
-    prost_types::Value {
-        kind: Some(Kind::NumberValue(v)),
-    }
+    value(Kind::NumberValue(v))
 }
 fn text(v: &str) -> prost_types::Value {
-    prost_types::Value {
-        kind: Some(Kind::StringValue(v.into())),
-    }
+    value(Kind::StringValue(v.into()))
 }
 fn boolean(v: bool) -> prost_types::Value {
-    prost_types::Value {
-        kind: Some(Kind::BoolValue(v)),
+    value(Kind::BoolValue(v))
+}
+
+/// A Generate answer to request `id`.
+fn answer(id: &str, response: s::generate_response::Response) -> s::GenerateResponse {
+    s::GenerateResponse {
+        request_id: id.into(),
+        response: Some(response),
     }
+}
+
+// The sections a load report carries, with the values the reference script gives them in
+// SGLang's own messages (`GetLoads`) and in smg's (the KV event stream's engine load):
+// the two spell each section with a type of their own.
+macro_rules! memory {
+    ($($t:ident)::+) => {
+        $($t)::+ {
+            weight_gb: 1.5,
+            kv_cache_gb: 2.5,
+            graph_gb: 0.5,
+            token_capacity: 4096,
+        }
+    };
+}
+macro_rules! speculative {
+    ($($t:ident)::+) => {
+        $($t)::+ {
+            accept_length: 2.5,
+            accept_rate: 0.75,
+        }
+    };
+}
+macro_rules! lora {
+    ($($t:ident)::+) => {
+        $($t)::+ {
+            slots_used: 1,
+            slots_total: 4,
+            utilization: 0.25,
+        }
+    };
+}
+macro_rules! queues {
+    ($($t:ident)::+) => {
+        $($t)::+ {
+            waiting: 2,
+            grammar: 1,
+            paused: 0,
+            retracted: 3,
+        }
+    };
+}
+macro_rules! disaggregation {
+    ($($t:ident)::+, $mode:expr) => {
+        $($t)::+ {
+            mode: $mode.into(),
+            prefill_prealloc_queue_reqs: 1,
+            prefill_inflight_queue_reqs: 2,
+            decode_prealloc_queue_reqs: 3,
+            decode_transfer_queue_reqs: 4,
+            decode_retracted_queue_reqs: 5,
+            kv_transfer_speed_gb_s: 10.5,
+            kv_transfer_latency_ms: 0.125,
+        }
+    };
 }
 fn object(fields: Vec<(&str, prost_types::Value)>) -> prost_types::Struct {
     prost_types::Struct {
@@ -238,10 +298,7 @@ fn generate_response_chunk() {
         }),
         index: 1,
     };
-    let expected = s::GenerateResponse {
-        request_id: "req-42".into(),
-        response: Some(s::generate_response::Response::Chunk(chunk)),
-    };
+    let expected = answer("req-42", s::generate_response::Response::Chunk(chunk));
     check("generate_response_chunk", expected);
 }
 
@@ -275,10 +332,7 @@ fn generate_response_complete() {
         spec_accepted_tokens: 5,
         spec_draft_tokens: 8,
     };
-    let expected = s::GenerateResponse {
-        request_id: "req-42".into(),
-        response: Some(s::generate_response::Response::Complete(done)),
-    };
+    let expected = answer("req-42", s::generate_response::Response::Complete(done));
     check("generate_response_complete", expected);
 
     // A matched stop token 0 is present on the wire (oneof member), not "no stop".
@@ -287,10 +341,7 @@ fn generate_response_complete() {
         matched_stop: Some(s::generate_complete::MatchedStop::MatchedTokenId(0)),
         ..Default::default()
     };
-    let expected = s::GenerateResponse {
-        request_id: "req-44".into(),
-        response: Some(s::generate_response::Response::Complete(done)),
-    };
+    let expected = answer("req-44", s::generate_response::Response::Complete(done));
     check("generate_response_complete_token", expected);
 }
 
@@ -445,37 +496,11 @@ fn get_loads() {
         utilization: 0.75,
         max_running_requests: 32,
         num_waiting_uncached_tokens: 77,
-        memory: Some(s::MemoryMetrics {
-            weight_gb: 1.5,
-            kv_cache_gb: 2.5,
-            graph_gb: 0.5,
-            token_capacity: 4096,
-        }),
-        speculative: Some(s::SpeculativeMetrics {
-            accept_length: 2.5,
-            accept_rate: 0.75,
-        }),
-        lora: Some(s::LoRaMetrics {
-            slots_used: 1,
-            slots_total: 4,
-            utilization: 0.25,
-        }),
-        disaggregation: Some(s::DisaggregationMetrics {
-            mode: "prefill".into(),
-            prefill_prealloc_queue_reqs: 1,
-            prefill_inflight_queue_reqs: 2,
-            decode_prealloc_queue_reqs: 3,
-            decode_transfer_queue_reqs: 4,
-            decode_retracted_queue_reqs: 5,
-            kv_transfer_speed_gb_s: 10.5,
-            kv_transfer_latency_ms: 0.125,
-        }),
-        queues: Some(s::QueueMetrics {
-            waiting: 2,
-            grammar: 1,
-            paused: 0,
-            retracted: 3,
-        }),
+        memory: Some(memory!(s::MemoryMetrics)),
+        speculative: Some(speculative!(s::SpeculativeMetrics)),
+        lora: Some(lora!(s::LoRaMetrics)),
+        disaggregation: Some(disaggregation!(s::DisaggregationMetrics, "prefill")),
+        queues: Some(queues!(s::QueueMetrics)),
     };
     // An empty section is still present.
     let sparse = s::SchedulerLoad {
@@ -565,37 +590,11 @@ fn kv_event_batch() {
         cache_hit_rate: Some(0.75),
         num_used_tokens: Some(512),
         max_total_num_tokens: Some(4096),
-        memory: Some(c::EngineMemory {
-            weight_gb: 1.5,
-            kv_cache_gb: 2.5,
-            graph_gb: 0.5,
-            token_capacity: 4096,
-        }),
-        queues: Some(c::EngineQueues {
-            waiting: 2,
-            grammar: 1,
-            paused: 0,
-            retracted: 3,
-        }),
-        speculative: Some(c::EngineSpeculative {
-            accept_length: 2.5,
-            accept_rate: 0.75,
-        }),
-        lora: Some(c::EngineLora {
-            slots_used: 1,
-            slots_total: 4,
-            utilization: 0.25,
-        }),
-        disaggregation: Some(c::EngineDisaggregation {
-            mode: "decode".into(),
-            prefill_prealloc_queue_reqs: 1,
-            prefill_inflight_queue_reqs: 2,
-            decode_prealloc_queue_reqs: 3,
-            decode_transfer_queue_reqs: 4,
-            decode_retracted_queue_reqs: 5,
-            kv_transfer_speed_gb_s: 10.5,
-            kv_transfer_latency_ms: 0.125,
-        }),
+        memory: Some(memory!(c::EngineMemory)),
+        queues: Some(queues!(c::EngineQueues)),
+        speculative: Some(speculative!(c::EngineSpeculative)),
+        lora: Some(lora!(c::EngineLora)),
+        disaggregation: Some(disaggregation!(c::EngineDisaggregation, "decode")),
         engine_silence_ms: Some(1500),
         engine_reports_steps: Some(false),
         prefill_pending_tokens: Some(300),

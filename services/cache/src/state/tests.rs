@@ -25,6 +25,11 @@ fn page(seed: u8) -> Vec<u8> {
     (0..128u32).map(|i| (i as u8).wrapping_mul(seed)).collect()
 }
 
+/// Leases for the workers `names`, registered at `now` with [`layout`].
+fn leases<const N: usize>(s: &mut State, names: [&str; N], now: Instant) -> [Lease; N] {
+    names.map(|name| s.register(name, layout(), now).unwrap().lease)
+}
+
 fn put(s: &mut State, lease: Lease, hashes: &[u64]) -> Vec<u32> {
     let grants = s.reserve(lease, hashes).unwrap();
     let pages = grants
@@ -154,27 +159,23 @@ fn the_first_layout_sizes_the_mirror_and_another_is_refused_naming_both() {
         t.register("w", layout(), now),
         Err(CacheError::TooSmall { .. })
     ));
+    // A mirror of `size` in a directory of its own.
+    let mirror = |size, dir: &tempfile::TempDir| {
+        State::new(
+            size,
+            Some(crate::mirror::private_dir(dir.path()).unwrap()),
+            TTL,
+        )
+    };
     let dir = tempfile::tempdir().unwrap();
-    let mut u = State::new(
-        MirrorSize::Tokens(40),
-        Some(crate::mirror::private_dir(dir.path()).unwrap()),
-        TTL,
-    );
+    let mut u = mirror(MirrorSize::Tokens(40), &dir);
     assert_eq!(u.register("w", layout(), now).unwrap().total_pages, 10);
     // A mirror bigger than its filesystem's free space is refused when it is made.
-    let mut huge = State::new(
-        MirrorSize::Bytes(1 << 60),
-        Some(crate::mirror::private_dir(dir.path()).unwrap()),
-        TTL,
-    );
+    let mut huge = mirror(MirrorSize::Bytes(1 << 60), &dir);
     let err = huge.register("w", layout(), now).unwrap_err().to_string();
     assert!(err.contains("--host-mirror-size"), "{err}");
     let dir = tempfile::tempdir().unwrap();
-    let mut u = State::new(
-        MirrorSize::Tokens(40),
-        Some(crate::mirror::private_dir(dir.path()).unwrap()),
-        TTL,
-    );
+    let mut u = mirror(MirrorSize::Tokens(40), &dir);
     assert_eq!(u.register("w", layout(), now).unwrap().total_pages, 10);
 }
 
@@ -182,8 +183,7 @@ fn the_first_layout_sizes_the_mirror_and_another_is_refused_naming_both() {
 fn pages_are_stored_matched_as_a_leading_run_and_pinned_against_eviction() {
     let (mut s, _d) = state(3);
     let now = Instant::now();
-    let a = s.register("a", layout(), now).unwrap().lease;
-    let b = s.register("b", layout(), now).unwrap().lease;
+    let [a, b] = leases(&mut s, ["a", "b"], now);
     put(&mut s, a, &[1, 2]);
     // A page already held is not reserved again.
     assert_eq!(s.reserve(b, &[1, 2]).unwrap(), vec![]);
@@ -287,8 +287,7 @@ fn a_page_that_does_not_match_its_checksum_is_refused_and_counted() {
 fn an_expired_lease_gives_up_its_pins_and_reservations() {
     let (mut s, _d) = state(2);
     let t0 = Instant::now();
-    let a = s.register("a", layout(), t0).unwrap().lease;
-    let b = s.register("b", layout(), t0).unwrap().lease;
+    let [a, b] = leases(&mut s, ["a", "b"], t0);
     put(&mut s, a, &[1]);
     s.match_pages(b, &[1]).unwrap();
     s.reserve(b, &[2]).unwrap();
@@ -332,8 +331,7 @@ fn transferring(s: &mut State, room: u64, p: Lease, d: Lease, pages: usize) -> V
 fn a_failed_rooms_slots_stay_out_of_reach_until_its_late_writer_is_refused() {
     let (mut s, _dir) = state(4);
     let t = Instant::now();
-    let p = s.register("prefill", layout(), t).unwrap().lease;
-    let d = s.register("decode", layout(), t).unwrap().lease;
+    let [p, d] = leases(&mut s, ["prefill", "decode"], t);
     let first = transferring(&mut s, 1, p, d, 2);
     // Decode gives up while prefill is writing: those slots are quarantined.
     s.room_abort(d, 1, "client left", t).unwrap();
@@ -387,8 +385,7 @@ fn a_failed_rooms_slots_stay_out_of_reach_until_its_late_writer_is_refused() {
 fn hostile_room_calls_are_refused_and_change_nothing() {
     let (mut s, _dir) = state(4);
     let t = Instant::now();
-    let p = s.register("prefill", layout(), t).unwrap().lease;
-    let d = s.register("decode", layout(), t).unwrap().lease;
+    let [p, d] = leases(&mut s, ["prefill", "decode"], t);
     assert!(matches!(
         s.room_open(p, 0, Side::Sender, ("", ""), 0, t),
         Err(CacheError::BadRoomCall(_))
@@ -437,8 +434,7 @@ fn a_peers_page_lands_only_in_a_room_transferring_from_that_peer_and_never_late(
         s.register_peer("peer", &layout(), t),
         Err(CacheError::NoLayoutYet)
     ));
-    let d = s.register("decode", layout(), t).unwrap().lease;
-    let local = s.register("prefill", layout(), t).unwrap().lease;
+    let [d, local] = leases(&mut s, ["decode", "prefill"], t);
     let other = KvLayout::llama(2, 1, 4, DType::F16, 8);
     assert!(matches!(
         s.register_peer("peer", &other, t),

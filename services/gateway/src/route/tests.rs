@@ -269,6 +269,19 @@ async fn answered(w: &Workers) {
     assert_eq!(ids_of(w).await.unwrap(), [5, 7]);
 }
 
+/// Three requests: `first` is asked once and then passed over, `other` takes all three.
+async fn passed_over(w: &Workers, first: &Told, other: &Told) {
+    for _ in 0..3 {
+        answered(w).await;
+    }
+    assert_eq!(
+        first.lock().unwrap().len(),
+        1,
+        "asked once, then passed over"
+    );
+    assert_eq!(other.lock().unwrap().len(), 3);
+}
+
 #[tokio::test]
 async fn a_worker_that_does_not_start_requests_is_passed_over_until_it_answers() {
     // The first decode worker accepts connections but answers nothing (a stopped
@@ -281,15 +294,7 @@ async fn a_worker_that_does_not_start_requests_is_passed_over_until_it_answers()
     })
     .await;
     w.set_start_timeout(std::time::Duration::from_millis(300));
-    for _ in 0..3 {
-        answered(&w).await;
-    }
-    assert_eq!(
-        hung.lock().unwrap().len(),
-        1,
-        "asked once, then passed over"
-    );
-    assert_eq!(other.lock().unwrap().len(), 3);
+    passed_over(&w, &hung, &other).await;
     assert!(w.pool().decode[0].avoided());
     // It answers again (SIGCONT): a health probe finds it, and picks take it again.
     stopped.store(false, Ordering::Relaxed);
@@ -336,15 +341,7 @@ async fn a_decode_worker_that_refuses_starts_is_passed_over_for_the_other() {
         ..Scripted::default()
     })
     .await;
-    for _ in 0..3 {
-        answered(&w).await;
-    }
-    assert_eq!(
-        draining.lock().unwrap().len(),
-        1,
-        "asked once, then passed over"
-    );
-    assert_eq!(other.lock().unwrap().len(), 3);
+    passed_over(&w, &draining, &other).await;
 }
 
 #[tokio::test]
@@ -607,6 +604,21 @@ fn workers(n: usize) -> Workers {
 const SEED: u64 = 0x1234;
 
 /// Tells worker `i`'s view that it holds `ids`' whole pages, as its events would.
+/// `n` workers, each with a view of its (empty) cache.
+fn holding_nothing(n: usize) -> Workers {
+    let w = workers(n);
+    for i in 0..n {
+        holds(&w, i, &[]);
+    }
+    w
+}
+
+/// How many whole pages of `ids` prefill worker `i`'s view matches (no salt).
+fn matched(w: &Workers, i: usize, ids: &[u32]) -> usize {
+    let view = w.pool().prefill[i].view.clone();
+    view.lock().unwrap().matched((ids, None), &mut Vec::new())
+}
+
 fn holds(w: &Workers, i: usize, ids: &[u32]) {
     let hashes = pdmesh_kv::page_hashes(SEED, ids, 16);
     let view = w.pool().prefill[i].view.clone();
@@ -624,10 +636,7 @@ fn holds(w: &Workers, i: usize, ids: &[u32]) {
 
 #[tokio::test]
 async fn prefill_goes_to_the_longest_cached_prefix_unless_that_worker_is_overloaded() {
-    let w = workers(3);
-    for i in 0..3 {
-        holds(&w, i, &[]);
-    }
+    let w = holding_nothing(3);
     let system: Vec<u32> = (0..64).collect();
     let long: Vec<u32> = system.iter().copied().chain(100..140).collect();
     holds(&w, 1, &system[..32]);
@@ -683,10 +692,7 @@ async fn prefill_goes_to_the_longest_cached_prefix_unless_that_worker_is_overloa
 /// its salt is.
 #[tokio::test]
 async fn a_salted_prompt_goes_only_where_its_own_salts_pages_are() {
-    let w = workers(3);
-    for i in 0..3 {
-        holds(&w, i, &[]);
-    }
+    let w = holding_nothing(3);
     let ask: Vec<u32> = (0..64).collect();
     holds(&w, 1, &ask);
     // Worker 2 holds the prompt under salt "a".
@@ -810,29 +816,8 @@ async fn workers_found_through_dns_come_and_go_and_those_given_by_url_stay() {
 async fn a_view_without_naming_matches_nothing_and_partial_pages_do_not_count() {
     let w = workers(1);
     let ids: Vec<u32> = (0..40).collect();
-    assert_eq!(
-        w.pool().prefill[0]
-            .view
-            .lock()
-            .unwrap()
-            .matched((&ids, None), &mut Vec::new()),
-        0
-    );
+    assert_eq!(matched(&w, 0, &ids), 0);
     holds(&w, 0, &ids);
-    assert_eq!(
-        w.pool().prefill[0]
-            .view
-            .lock()
-            .unwrap()
-            .matched((&ids, None), &mut Vec::new()),
-        2
-    );
-    assert_eq!(
-        w.pool().prefill[0]
-            .view
-            .lock()
-            .unwrap()
-            .matched((&ids[..31], None), &mut Vec::new()),
-        1
-    );
+    assert_eq!(matched(&w, 0, &ids), 2);
+    assert_eq!(matched(&w, 0, &ids[..31]), 1);
 }

@@ -46,6 +46,19 @@ struct Fake {
 
 const PAGES: usize = 10;
 
+/// A one-token prompt's request `id` finished at its length limit.
+fn length_reached(id: Arc<str>, completion_tokens: u32, cached_tokens: u32) -> StepEvent {
+    StepEvent::Finished {
+        id,
+        reason: FinishReason::Length,
+        matched_stop: None,
+        matched_token: None,
+        prompt_tokens: 1,
+        completion_tokens,
+        cached_tokens,
+    }
+}
+
 impl Backend for Fake {
     fn info(&self) -> ModelInfo {
         ModelInfo {
@@ -102,15 +115,7 @@ impl Backend for Fake {
                 pages: 1,
                 cached: 0,
             });
-            out.push(StepEvent::Finished {
-                id,
-                reason: FinishReason::Length,
-                matched_stop: None,
-                matched_token: None,
-                prompt_tokens: 1,
-                completion_tokens: 1,
-                cached_tokens: 0,
-            });
+            out.push(length_reached(id, 1, 0));
         }
         for r in &mut self.running {
             let id: Arc<str> = r.0.as_str().into();
@@ -133,15 +138,7 @@ impl Backend for Fake {
                 }),
             });
             if r.1 == r.2 {
-                out.push(StepEvent::Finished {
-                    id,
-                    reason: FinishReason::Length,
-                    matched_stop: None,
-                    matched_token: None,
-                    prompt_tokens: 1,
-                    completion_tokens: r.1,
-                    cached_tokens: 32,
-                });
+                out.push(length_reached(id, r.1, 32));
             }
         }
         self.running.retain(|r| r.1 < r.2);
@@ -171,6 +168,15 @@ fn req(id: &str, max_tokens: u32) -> GenRequest {
     }
 }
 
+/// A core on a [`Fake`] engine with `r` submitted whole (ticket 1), and its client's
+/// channel.
+fn submitted(r: GenRequest) -> (EngineCore<Fake>, UnboundedReceiver<Event>) {
+    let mut core = EngineCore::new(Fake::default());
+    let (tx, rx) = unbounded_channel();
+    core.submit(r, Part::Whole, None, 1, tx).unwrap();
+    (core, rx)
+}
+
 fn drain(rx: &mut UnboundedReceiver<Event>) -> Vec<Event> {
     std::iter::from_fn(|| rx.try_recv().ok()).collect()
 }
@@ -183,9 +189,7 @@ fn run_to_end(core: &mut EngineCore<Fake>) {
 
 #[test]
 fn tokens_then_one_finished_go_to_the_submitting_channel() {
-    let mut core = EngineCore::new(Fake::default());
-    let (tx, mut rx) = unbounded_channel();
-    core.submit(req("a", 2), Part::Whole, None, 1, tx).unwrap();
+    let (mut core, mut rx) = submitted(req("a", 2));
     run_to_end(&mut core);
     let events = drain(&mut rx);
     assert_eq!(events.len(), 3, "{events:?}");
@@ -304,10 +308,7 @@ fn rejected_submit_returns_the_engine_error_and_registers_nothing() {
 
 #[test]
 fn abort_frees_the_request_and_tells_its_client() {
-    let mut core = EngineCore::new(Fake::default());
-    let (tx, mut rx) = unbounded_channel();
-    core.submit(req("a", 100), Part::Whole, None, 1, tx)
-        .unwrap();
+    let (mut core, mut rx) = submitted(req("a", 100));
     core.step();
     assert_eq!(core.info().unwrap().1.free_pages, PAGES - 1);
     assert!(
@@ -325,10 +326,7 @@ fn abort_frees_the_request_and_tells_its_client() {
 
 #[test]
 fn a_departed_client_is_aborted_at_the_next_step() {
-    let mut core = EngineCore::new(Fake::default());
-    let (tx, rx) = unbounded_channel();
-    core.submit(req("a", 100), Part::Whole, None, 1, tx)
-        .unwrap();
+    let (mut core, rx) = submitted(req("a", 100));
     core.step();
     drop(rx);
     core.step();
@@ -339,10 +337,7 @@ fn a_departed_client_is_aborted_at_the_next_step() {
 
 #[test]
 fn a_panicking_step_takes_the_engine_offline_and_ends_every_stream() {
-    let mut core = EngineCore::new(Fake::default());
-    let (tx, mut rx) = unbounded_channel();
-    core.submit(req("a", 100), Part::Whole, None, 1, tx)
-        .unwrap();
+    let (mut core, mut rx) = submitted(req("a", 100));
     core.engine.as_mut().unwrap().panic_on_step = true;
     core.step();
     assert!(
