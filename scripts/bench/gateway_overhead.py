@@ -13,7 +13,6 @@ the direct call.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import importlib
 import signal
 import subprocess
@@ -24,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pd_vs_unified import PROMPT, ROOT, fixed_ports, run, up  # noqa: E402
+from pd_vs_unified import PROMPT, ROOT, fixed_ports, measure, run, up  # noqa: E402
 
 
 def stubs():
@@ -70,16 +69,7 @@ def direct(ports: dict, conc: int, n: int, max_tokens: int, offset: int):
                 stamps.append(time.perf_counter())
         return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps), stamps[-1] - t0
 
-    one(-1, 4)
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(conc) as pool:
-        res = list(pool.map(lambda i: one(offset + i, max_tokens), range(n)))
-    wall = time.perf_counter() - t0
-    ttft = sorted(r[0] for r in res)
-    itl = sorted(x for r in res for x in r[1])
-    q = lambda v, p: v[min(len(v) - 1, int(p * len(v)))]
-    return {"ttft_p50": q(ttft, 0.5), "ttft_p99": q(ttft, 0.99), "itl_p50": q(itl, 0.5) if itl else 0.0,
-            "tok_s": sum(r[2] for r in res) / wall}
+    return measure(one, conc, n, max_tokens, offset)
 
 
 def smg(ports: dict):

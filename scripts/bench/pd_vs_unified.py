@@ -60,20 +60,27 @@ def one(client, i: int, max_tokens: int):
     return ttft, itl, len(stamps), stamps[-1] - t0
 
 
-def run(url: str, conc: int, n: int, max_tokens: int, offset: int = 0):
-    """`n` requests at `conc`; prompts are numbered from `offset`, so runs that must not
-    find each other's prompts in the prefix cache use different offsets."""
-    client = openai.OpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
-    one(client, -1, 4)  # warm
+def measure(one, conc: int, n: int, max_tokens: int, offset: int = 0) -> dict:
+    """`n` requests of `one(i, max_tokens)` (prompt `i`: its TTFT, its ITLs, its tokens
+    and its total time) at `conc`, after one to warm up; prompts are numbered from
+    `offset`, so runs that must not find each other's prompts in the prefix cache use
+    different offsets."""
+    one(-1, 4)  # warm
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(conc) as pool:
-        res = list(pool.map(lambda i: one(client, offset + i, max_tokens), range(n)))
+        res = list(pool.map(lambda i: one(offset + i, max_tokens), range(n)))
     wall = time.perf_counter() - t0
     ttft = sorted(r[0] for r in res)
     itl = sorted(x for r in res for x in r[1])
     q = lambda v, p: v[min(len(v) - 1, int(p * len(v)))]
     return {"ttft_p50": q(ttft, 0.5), "ttft_p99": q(ttft, 0.99), "itl_p50": q(itl, 0.5) if itl else 0.0,
             "tok_s": sum(r[2] for r in res) / wall}
+
+
+def run(url: str, conc: int, n: int, max_tokens: int, offset: int = 0):
+    """[`measure`] through the OpenAI API at `url`."""
+    client = openai.OpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+    return measure(lambda i, max_t: one(client, i, max_t), conc, n, max_tokens, offset)
 
 
 def main():

@@ -188,6 +188,18 @@ def compare(ours, ref) -> list[str]:
     return errors
 
 
+# The sections a load report carries, with the same values in SGLang's messages
+# (GetLoads) and in smg's (the KV event stream's engine load).
+LOAD_MEMORY = dict(weight_gb=1.5, kv_cache_gb=2.5, graph_gb=0.5, token_capacity=4096)
+LOAD_SPECULATIVE = dict(accept_length=2.5, accept_rate=0.75)
+LOAD_LORA = dict(slots_used=1, slots_total=4, utilization=0.25)
+LOAD_QUEUES = dict(waiting=2, grammar=1, paused=0, retracted=3)
+LOAD_DISAGGREGATION = dict(
+    prefill_prealloc_queue_reqs=1, prefill_inflight_queue_reqs=2, decode_prealloc_queue_reqs=3,
+    decode_transfer_queue_reqs=4, decode_retracted_queue_reqs=5, kv_transfer_speed_gb_s=10.5,
+    kv_transfer_latency_ms=0.125)
+
+
 def build_messages(sched, common):
     """The fixture messages, built with the reference's classes. Mirrored in sglang_wire.rs."""
     out = []
@@ -342,16 +354,11 @@ def build_messages(sched, common):
                      num_used_tokens=1000, max_total_num_tokens=4096, token_usage=0.25,
                      gen_throughput=100.5, cache_hit_rate=0.5, utilization=0.75,
                      max_running_requests=32, num_waiting_uncached_tokens=77)
-    l0.memory.CopyFrom(sched.MemoryMetrics(weight_gb=1.5, kv_cache_gb=2.5, graph_gb=0.5,
-                                           token_capacity=4096))
-    l0.speculative.CopyFrom(sched.SpeculativeMetrics(accept_length=2.5, accept_rate=0.75))
-    l0.lora.CopyFrom(sched.LoRAMetrics(slots_used=1, slots_total=4, utilization=0.25))
-    l0.disaggregation.CopyFrom(sched.DisaggregationMetrics(
-        mode="prefill", prefill_prealloc_queue_reqs=1, prefill_inflight_queue_reqs=2,
-        decode_prealloc_queue_reqs=3, decode_transfer_queue_reqs=4,
-        decode_retracted_queue_reqs=5, kv_transfer_speed_gb_s=10.5,
-        kv_transfer_latency_ms=0.125))
-    l0.queues.CopyFrom(sched.QueueMetrics(waiting=2, grammar=1, paused=0, retracted=3))
+    l0.memory.CopyFrom(sched.MemoryMetrics(**LOAD_MEMORY))
+    l0.speculative.CopyFrom(sched.SpeculativeMetrics(**LOAD_SPECULATIVE))
+    l0.lora.CopyFrom(sched.LoRAMetrics(**LOAD_LORA))
+    l0.disaggregation.CopyFrom(sched.DisaggregationMetrics(mode="prefill", **LOAD_DISAGGREGATION))
+    l0.queues.CopyFrom(sched.QueueMetrics(**LOAD_QUEUES))
     l1 = m.loads.add(dp_rank=1, num_running_reqs=1)
     l1.memory.SetInParent()
     m.aggregate.CopyFrom(sched.AggregateMetrics(
@@ -409,16 +416,11 @@ def build_messages(sched, common):
     ld.cache_hit_rate = 0.75
     ld.num_used_tokens = 512
     ld.max_total_num_tokens = 4096
-    ld.memory.CopyFrom(common.EngineMemory(weight_gb=1.5, kv_cache_gb=2.5, graph_gb=0.5,
-                                           token_capacity=4096))
-    ld.queues.CopyFrom(common.EngineQueues(waiting=2, grammar=1, paused=0, retracted=3))
-    ld.speculative.CopyFrom(common.EngineSpeculative(accept_length=2.5, accept_rate=0.75))
-    ld.lora.CopyFrom(common.EngineLora(slots_used=1, slots_total=4, utilization=0.25))
-    ld.disaggregation.CopyFrom(common.EngineDisaggregation(
-        mode="decode", prefill_prealloc_queue_reqs=1, prefill_inflight_queue_reqs=2,
-        decode_prealloc_queue_reqs=3, decode_transfer_queue_reqs=4,
-        decode_retracted_queue_reqs=5, kv_transfer_speed_gb_s=10.5,
-        kv_transfer_latency_ms=0.125))
+    ld.memory.CopyFrom(common.EngineMemory(**LOAD_MEMORY))
+    ld.queues.CopyFrom(common.EngineQueues(**LOAD_QUEUES))
+    ld.speculative.CopyFrom(common.EngineSpeculative(**LOAD_SPECULATIVE))
+    ld.lora.CopyFrom(common.EngineLora(**LOAD_LORA))
+    ld.disaggregation.CopyFrom(common.EngineDisaggregation(mode="decode", **LOAD_DISAGGREGATION))
     ld.engine_silence_ms = 1500
     ld.engine_reports_steps = False
     ld.prefill_pending_tokens = 300
