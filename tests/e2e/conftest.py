@@ -40,6 +40,17 @@ ROOM_ARGS = [
 ]
 WORKER_ARGS = ["--transfer-timeout-ms=15000", "--threads=1"]
 
+# The function the tool tests offer, as the chat API's tool holds it under "function".
+WEATHER_FUNCTION = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"location": {"type": "string", "description": "the city"}},
+        "required": ["location"],
+    },
+}
+
 
 def pdmesh_bin() -> Path:
     p = Path(os.environ.get("PDMESH_BIN", REPO / "target" / "release" / "pdmesh"))
@@ -90,16 +101,65 @@ def raw_exchange(host: str, port: int, data: bytes) -> bytes:
     return got
 
 
-def metrics(base: str) -> dict[str, float]:
-    """A gateway's /metrics as {series: value}."""
-    status, body = http("GET", base + "/metrics")
-    assert status == 200
+def parse_metrics(text: str) -> dict[str, float]:
+    """A Prometheus text exposition as {series: value}."""
     out = {}
-    for line in body.decode().splitlines():
+    for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+def metrics(base: str) -> dict[str, float]:
+    """A gateway's /metrics as {series: value}."""
+    status, body = http("GET", base + "/metrics")
+    assert status == 200, body
+    return parse_metrics(body.decode())
+
+
+def fixture(name: str):
+    """The committed fixture `tests/fixtures/<name>`, parsed (JSON)."""
+    return json.loads((REPO / "tests" / "fixtures" / name).read_text())
+
+
+def wait_healthy(procs: dict, health, logs, timeout: float = 120, poll: float = 0.2) -> None:
+    """Waits until `health()` (a gateway's /health status; OSError while nothing listens)
+    is 200, failing as soon as one of `procs` ({name: Popen}) exits, with `logs()`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name, p in procs.items():
+            assert p.poll() is None, f"{name} exited with {p.returncode}:\n{logs()}"
+        try:
+            if health() == 200:
+                return
+        except OSError:
+            pass  # not listening yet
+        time.sleep(poll)
+    pytest.fail(f"the mesh did not become healthy:\n{logs()}", pytrace=False)
+
+
+def stop_procs(procs, sig=signal.SIGTERM, timeout: float = 30) -> None:
+    """Sends `sig` to each of `procs` still running (SIGCONT first, for one a test
+    paused) and waits for each, killing one that outlives `timeout`."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.send_signal(sig)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def orphans(pids: list[int], timeout: float = 10) -> list[int]:
+    """Those of `pids` still alive once they had `timeout` seconds to go."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
 
 
 @dataclass

@@ -11,13 +11,12 @@ import re
 import secrets
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import openai
-import pytest
 
-from conftest import API_KEY, ROOM_ARGS, WORKER_ARGS, http, pdmesh_bin, wait_baseline
+from conftest import (API_KEY, ROOM_ARGS, WORKER_ARGS, http, parse_metrics, pdmesh_bin, stop_procs, wait_baseline,
+                      wait_healthy)
 from netns import Net
 
 REQUEST_DEADLINE_S = 40
@@ -158,18 +157,7 @@ class Hosts:
                                   {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}, timeout).result()
 
     def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for name, p in self.procs.items():
-                assert p.poll() is None, f"{name} exited with {p.returncode}:\n{self.logs()}"
-            try:
-                status, _ = self.http("GET", "/health", timeout=5)
-                if status == 200:
-                    return
-            except OSError:
-                pass  # not listening yet
-            time.sleep(0.3)
-        pytest.fail(f"the mesh did not become healthy:\n{self.logs()}", pytrace=False)
+        wait_healthy(self.procs, lambda: self.http("GET", "/health", timeout=5)[0], self.logs, timeout, poll=0.3)
 
     def openai(self) -> openai.OpenAI:
         """An openai client for the gateway; call it only from `self.client`'s threads."""
@@ -183,12 +171,7 @@ class Hosts:
     def metrics(self) -> dict[str, float]:
         status, body = self.http("GET", "/metrics")
         assert status == 200, body
-        out = {}
-        for line in body.decode().splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return parse_metrics(body.decode())
 
     def chat(self, messages: list[dict], wait_s: float = REQUEST_DEADLINE_S, **kw) -> tuple[str, object]:
         """('ok', response JSON) or ('error', HTTP status), from inside the gateway host;
@@ -210,16 +193,7 @@ class Hosts:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_procs(self.procs.values())
         self.client.shutdown()
         self.net.remove()
         # A cache service killed with SIGKILL leaves its mirror file behind.

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import API_KEY, http, pdmesh_bin
+from conftest import API_KEY, http, pdmesh_bin, stop_procs
 from netns import Net
 from test_k8s import K8S, WORKLOADS, render, templates
 
@@ -271,15 +270,7 @@ class Cluster:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(self.tmp.glob("*.log")))
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+        stop_procs(self.procs.values(), timeout=40)
         self.net.remove()
         shutil.rmtree(self.shm, ignore_errors=True)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import ROOM_ARGS, WORKER_ARGS, API_KEY, http, metrics, pdmesh_bin, start_up, stop_up, wait_baseline
+from conftest import (ROOM_ARGS, WORKER_ARGS, API_KEY, http, metrics, pdmesh_bin, start_up, stop_procs, stop_up,
+                      wait_baseline, wait_healthy)
 
 # Every request must end (answer or error) within this.
 REQUEST_DEADLINE_S = 40
@@ -86,18 +87,7 @@ class Services:
         self.ports[name] = json.loads(ports_file.read_text())["listen"]
 
     def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for name, p in self.procs.items():
-                assert p.poll() is None, f"{name} exited with {p.returncode}:\n{self.logs()}"
-            try:
-                status, _ = http("GET", self.base + "/health", timeout=5)
-                if status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"the mesh did not become healthy:\n{self.logs()}", pytrace=False)
+        wait_healthy(self.procs, lambda: http("GET", self.base + "/health", timeout=5)[0], self.logs, timeout)
 
     def kill(self, name: str, sig=signal.SIGKILL) -> None:
         self.procs[name].send_signal(sig)
@@ -112,16 +102,7 @@ class Services:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(self.tmp.glob("*.log")))
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_procs(self.procs.values())
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=API_KEY, max_retries=0, timeout=REQUEST_DEADLINE_S)

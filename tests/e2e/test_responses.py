@@ -12,19 +12,12 @@ import jsonschema
 import openai
 import pytest
 
+from conftest import WEATHER_FUNCTION
+
 INSTRUCTIONS = "Be brief."
 QUESTION = "Name three primary colors."
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"location": {"type": "string", "description": "the city"}},
-        "required": ["location"],
-    },
-    "strict": True,
-}
+# The Responses API's function tool is flat: the function's fields beside "type".
+WEATHER = {"type": "function", **WEATHER_FUNCTION, "strict": True}
 ASK = "What's the weather in Paris?"
 FORCED = {"type": "function", "name": "get_weather"}
 
@@ -107,7 +100,7 @@ def test_a_forced_call_then_its_output_through_previous_response_id(client, mesh
     assert r2.previous_response_id == r.id and r2.usage.input_tokens > r.usage.input_tokens
     # The same conversation through the chat endpoint gives the same answer.
     chat = client.chat.completions.create(model=mesh.model, max_tokens=24, temperature=0, tools=[{
-        "type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}], messages=[
+        "type": "function", "function": WEATHER_FUNCTION}], messages=[
         {"role": "user", "content": ASK},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 import ports
-from conftest import http, start_up, stop_up
+from conftest import fixture, http, start_up, stop_up
 
 PROMPTS = [
     "What is the capital of France?",
@@ -122,15 +122,7 @@ def scored(client: openai.OpenAI, model: str) -> list:
             for t in r.choices[0].logprobs.content]
 
 
-CITY = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "country": {"type": "string"},
-        "population_millions": {"type": "number"},
-    },
-    "required": ["name", "country", "population_millions"],
-}
+CITY = fixture("city_schema.json")
 
 
 def city(client: openai.OpenAI, model: str) -> tuple:
@@ -181,6 +173,15 @@ def choices_through(smg, mesh) -> None:
     assert len({c.message.content for c in hot.choices}) > 1
 
 
+def choices_and_a_client_leaving(smg, mesh) -> None:
+    """[`choices_through`] smg; then a client leaving smg's stream mid-way frees every page
+    its request held in the mesh."""
+    choices_through(smg, mesh)
+    baseline = pages_in_use(mesh)
+    leave_mid_stream(smg.client(), mesh.model)
+    wait_pages(mesh, baseline)
+
+
 def test_smg_drives_a_unified_worker_like_pdmeshs_gateway(tmp_path):
     # smg presents no mesh credential to workers: theirs run open (--insecure-plaintext).
     mesh = start_up(tmp_path, ["--unified", "--worker-arg=--insecure-plaintext"])
@@ -205,10 +206,7 @@ def test_smg_drives_a_unified_worker_like_pdmeshs_gateway(tmp_path):
         # routes by them: its cache-aware policy found the prompts' pages there.
         assert "does not implement SubscribeKvEvents" not in smg.log_path.read_text()
         assert smg.metric('smg_cache_aware_policy_branch_total{branch="event_hit"}') > 0
-        choices_through(smg, mesh)
-        baseline = pages_in_use(mesh)
-        leave_mid_stream(smg.client(), mesh.model)
-        wait_pages(mesh, baseline)
+        choices_and_a_client_leaving(smg, mesh)
     finally:
         if smg:
             smg.stop()
@@ -233,10 +231,7 @@ def test_smg_drives_prefill_and_decode_workers_through_rooms(tmp_path):
         assert moved > 0, "the KV went through rooms"
         ours = answers(mesh.client(), mesh.model)
         assert theirs == ours
-        choices_through(smg, mesh)
-        baseline = pages_in_use(mesh)
-        leave_mid_stream(smg.client(), mesh.model)
-        wait_pages(mesh, baseline)
+        choices_and_a_client_leaving(smg, mesh)
     finally:
         if smg:
             smg.stop()

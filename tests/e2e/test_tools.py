@@ -17,20 +17,9 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import ADMIN_KEY, API_KEY, http, pdmesh_bin
+from conftest import ADMIN_KEY, API_KEY, WEATHER_FUNCTION, fixture, http, pdmesh_bin
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"location": {"type": "string", "description": "the city"}},
-            "required": ["location"],
-        },
-    },
-}
+WEATHER = {"type": "function", "function": WEATHER_FUNCTION}
 TIME = {
     "type": "function",
     "function": {
@@ -180,15 +169,7 @@ def test_a_json_schema_without_additional_properties_gets_only_its_properties(cl
     # The schema does not say `additionalProperties`: as with OpenAI's, vLLM's and
     # SGLang's strict default, the answer holds the named properties and nothing else, so
     # the model cannot wander off into keys it invents until the length limit.
-    schema = {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "country": {"type": "string"},
-            "population_millions": {"type": "number"},
-        },
-        "required": ["name", "country", "population_millions"],
-    }
+    schema = fixture("city_schema.json")
     rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
     msgs = [{"role": "user", "content": "JSON for the city of Cairo with its population."}]
     r = chat(client, mesh, messages=msgs, response_format=rf, max_tokens=120)

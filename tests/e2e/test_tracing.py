@@ -153,39 +153,39 @@ def check_trace(spans: list[dict], usage, response_id: str) -> None:
     assert "ApplyChatTemplate" in methods and "Detokenize" not in methods, methods
 
 
+def ask(mesh, content: str, max_tokens: int, temperature: float = 0, **kw):
+    """One user turn through the mesh's gateway, greedy unless told."""
+    return mesh.client().chat.completions.create(model=mesh.model, messages=[{"role": "user", "content": content}],
+                                                 max_tokens=max_tokens, temperature=temperature, **kw)
+
+
+def root_of(receiver: Receiver, response_id: str, timeout: float = 30) -> dict | None:
+    """The span the gateway exported for the response `response_id`, once it came."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with receiver.lock:
+            root = next((s for s in receiver.spans if s["attrs"].get("gen_ai.response.id") == response_id), None)
+        if root is not None:
+            return root
+        time.sleep(0.2)
+    return None
+
+
 def test_a_pd_request_is_one_trace_across_five_services(traced):
     mesh, receiver = traced
-    r = mesh.client().chat.completions.create(
-        model=mesh.model,
-        messages=[{"role": "user", "content": "Name a colour."}],
-        max_tokens=8,
-        temperature=0,
-    )
+    r = ask(mesh, "Name a colour.", 8)
     # The trace starts at the gateway: find it by the response id.
-    deadline = time.monotonic() + 30
-    trace_id = None
-    while trace_id is None and time.monotonic() < deadline:
-        with receiver.lock:
-            trace_id = next((s["trace"] for s in receiver.spans if s["attrs"].get("gen_ai.response.id") == r.id), None)
-        time.sleep(0.2)
-    assert trace_id, "the gateway exported no span for the request"
-    spans = wait_for(receiver, trace_id, complete)
+    root = root_of(receiver, r.id)
+    assert root, "the gateway exported no span for the request"
+    spans = wait_for(receiver, root["trace"], complete)
     check_trace(spans, r.usage, r.id)
-    root = next(s for s in spans if s["attrs"].get("gen_ai.response.id") == r.id)
     assert root["parent"] == "", "without a traceparent the gateway starts the trace"
 
 
 def test_a_clients_traceparent_is_joined_and_streams_trace_too(traced):
     mesh, receiver = traced
-    stream = mesh.client().chat.completions.create(
-        model=mesh.model,
-        messages=[{"role": "user", "content": "Count to three."}],
-        max_tokens=8,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
-    )
+    stream = ask(mesh, "Count to three.", 8, stream=True, stream_options={"include_usage": True},
+                 extra_headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
     chunks = list(stream)
     usage = chunks[-1].usage
     spans = wait_for(receiver, CLIENT_TRACE, complete)
@@ -200,13 +200,8 @@ def test_failed_requests_mark_their_span(traced):
     import openai
 
     with pytest.raises(openai.BadRequestError):
-        mesh.client().chat.completions.create(
-            model=mesh.model,
-            messages=[{"role": "user", "content": "x"}],
-            max_tokens=8,
-            temperature=-1,
-            extra_headers={"traceparent": "00-1af7651916cd43dd8448eb211c80319c-c7ad6b7169203331-01"},
-        )
+        ask(mesh, "x", 8, temperature=-1,
+            extra_headers={"traceparent": "00-1af7651916cd43dd8448eb211c80319c-c7ad6b7169203331-01"})
     spans = wait_for(receiver, "1af7651916cd43dd8448eb211c80319c", lambda s: len(s) > 0)
     assert len(spans) == 1, summary(spans)
     s = spans[0]
@@ -215,17 +210,6 @@ def test_failed_requests_mark_their_span(traced):
 
 def test_a_malformed_traceparent_is_ignored_and_the_gateway_starts_the_trace(traced):
     mesh, receiver = traced
-    r = mesh.client().chat.completions.create(
-        model=mesh.model,
-        messages=[{"role": "user", "content": "Name a fruit."}],
-        max_tokens=4,
-        temperature=0,
-        extra_headers={"traceparent": "00-not-a-trace-context-" + "f" * 300},
-    )
-    deadline = time.monotonic() + 30
-    root = None
-    while root is None and time.monotonic() < deadline:
-        with receiver.lock:
-            root = next((s for s in receiver.spans if s["attrs"].get("gen_ai.response.id") == r.id), None)
-        time.sleep(0.2)
+    r = ask(mesh, "Name a fruit.", 4, extra_headers={"traceparent": "00-not-a-trace-context-" + "f" * 300})
+    root = root_of(receiver, r.id)
     assert root is not None and root["parent"] == "", root

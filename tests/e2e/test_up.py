@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
-from conftest import alive, start_up
+from conftest import orphans, start_up
 
 
 def test_up_stops_everything_and_fails_when_the_worker_dies(tmp_path):
@@ -24,10 +23,7 @@ def test_up_stops_everything_and_fails_when_the_worker_dies(tmp_path):
     # In the default (disaggregated) mesh the first worker is the decode worker.
     name = "decode" if mesh.ports["mode"] == "pd" else "worker"
     assert f"the {name} (pid {worker}) exited with signal: 9" in log, log
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in mesh.child_pids()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in mesh.child_pids() if alive(p)]
+    left = orphans(mesh.child_pids())
     assert not left, f"orphans: {left}\n{log}"
 
 
@@ -39,10 +35,7 @@ def test_up_stops_its_children_when_it_is_killed_outright(tmp_path):
     mesh = start_up(tmp_path, [f"--cache-arg=--shm-dir={shm}", "--cache-arg=--host-mirror-size=64MiB"])
     mesh.proc.kill()  # SIGKILL: no chance to clean up; the parent-death signal must act
     mesh.proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in mesh.child_pids()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in mesh.child_pids() if alive(p)]
+    left = orphans(mesh.child_pids())
     assert not left, f"orphans after SIGKILL of up: {left}\n{mesh.log()}"
 
 
