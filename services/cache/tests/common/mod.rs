@@ -111,8 +111,8 @@ pub fn layout() -> KvLayout {
 /// connection closed may find it closing (UNAVAILABLE), and are made again, three tries
 /// in all.
 pub async fn past_reconnect<T>(
-    mut call: impl AsyncFnMut() -> Result<T, tonic::Status>,
-) -> Result<T, tonic::Status> {
+    mut call: impl AsyncFnMut() -> Result<T, ClientError>,
+) -> Result<T, ClientError> {
     let mut answer = call().await;
     for _ in 1..3 {
         match &answer {
