@@ -20,7 +20,7 @@ use crate::watchdog::EngineWatch;
 
 /// The tonic service: a handle to the engine actor and the disaggregation state.
 pub(crate) struct WorkerService {
-    engine: EngineHandle,
+    pub(crate) engine: EngineHandle,
     /// Compiles requests' grammars here, before the engine thread sees them.
     grammars: pdmesh_engine::GrammarCompiler,
     pd: Arc<Pd>,

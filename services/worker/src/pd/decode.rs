@@ -184,13 +184,7 @@ impl Pd {
             tracing::debug!(room, error = %s, "room finish failed; its deadline frees the slots");
         }
         guard.armed = false;
-        self.count(pages, pages * client.page_bytes(), secs);
-        transfer_event(
-            "kv_cache_transfer_end",
-            (pages, held),
-            client.page_bytes(),
-            Some(secs),
-        );
+        self.transferred((pages, held), client.page_bytes(), secs);
         drop(handover);
         // The whole request's stages, as the prefill side measured its own: the report a
         // unified worker would give, plus the hand-over.

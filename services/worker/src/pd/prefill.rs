@@ -232,13 +232,7 @@ impl Pd {
             None => write_and_commit.await?,
         };
         guard.armed = false;
-        self.count(pages, pages * client.page_bytes(), secs);
-        transfer_event(
-            "kv_cache_transfer_end",
-            (pages, held),
-            client.page_bytes(),
-            Some(secs),
-        );
+        self.transferred((pages, held), client.page_bytes(), secs);
         let _ = tx
             .send(Ok(Event::Finished(Finish {
                 reason: pdmesh_engine::FinishReason::Length,

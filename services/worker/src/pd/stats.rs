@@ -101,12 +101,22 @@ impl Pd {
         st
     }
 
-    pub(super) fn count(&self, pages: usize, bytes: usize, secs: f64) {
-        let mut st = self.stats.lock().expect("pd stats");
-        st.pages += pages as u64;
-        st.bytes += bytes as u64;
-        st.seconds += secs;
-        st.transfers += 1;
+    /// A hand-over moved `pages` (decode held `held` more) of `page_bytes` each in `secs`:
+    /// counted, and its end marked on the request's span.
+    pub(super) fn transferred(&self, (pages, held): (usize, usize), page_bytes: usize, secs: f64) {
+        {
+            let mut st = self.stats.lock().expect("pd stats");
+            st.pages += pages as u64;
+            st.bytes += (pages * page_bytes) as u64;
+            st.seconds += secs;
+            st.transfers += 1;
+        }
+        transfer_event(
+            "kv_cache_transfer_end",
+            (pages, held),
+            page_bytes,
+            Some(secs),
+        );
     }
 
     pub(super) fn fail(&self, e: &PdError) {

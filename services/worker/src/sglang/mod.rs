@@ -28,6 +28,7 @@ use pdmesh_proto::worker::v1::worker_server::Worker;
 use tonic::{Request, Status};
 
 use crate::bundle::{self, TokenizerBundle};
+use crate::error::Error;
 use crate::grpc::WorkerService;
 use crate::pd::Role;
 
@@ -87,23 +88,13 @@ impl SglangService {
     async fn bundle(&self) -> Result<&TokenizerBundle, Status> {
         self.bundle
             .get_or_try_init(|| async {
-                let info = self.info().await?;
+                // The engine's own facts, as the worker's ModelInfo is made from them.
+                let (facts, _) = self.worker.engine.info().await.map_err(Error::from)?;
                 let (model, dir) = (self.model.clone(), self.bundle_dir.clone());
-                let facts = pdmesh_engine::ModelInfo {
-                    model_id: info.model_id,
-                    context_length: info.context_length,
-                    vocab_size: info.vocab_size,
-                    eos_token_ids: info.eos_token_ids,
-                    kv_layout: info.kv_layout,
-                    kv_layout_fingerprint: info.kv_layout_fingerprint,
-                    page_size: info.page_size,
-                    total_pages: info.total_pages,
-                    max_batch: info.max_batch,
-                };
                 let built =
                     tokio::task::spawn_blocking(move || bundle::build(&model, &dir, &facts))
                         .await
-                        .map_err(|error| crate::error::Error::Task {
+                        .map_err(|error| Error::Task {
                             what: "writing the tokenizer bundle",
                             error,
                         })?;
