@@ -34,11 +34,13 @@ impl ToolSyntax for Dsml {
     }
 
     fn markers(&self) -> &'static [&'static str] {
+        // The sentinel and its other spellings (the last variant, the sentinel and a
+        // space, is found by the sentinel itself).
         &[
             D,
-            "｜｜DSML｜｜",
-            "‖DSML‖",
-            "|DSML|",
+            VARIANTS[0],
+            VARIANTS[1],
+            VARIANTS[2],
             RESULTS_OPEN,
             RESULTS_CLOSE,
         ]
