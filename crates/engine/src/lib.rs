@@ -27,7 +27,7 @@ pub use api::{
 };
 pub use engine::{DEFAULT_MAX_QUEUED, Engine, EngineConfig, HostStats, WritePolicy};
 pub use gpu::{CUDA_BUILT, CudaError, CudaErrorKind, GpuConfig};
-pub use model::BatchToken;
+pub use model::{BatchToken, rms_norm};
 
 /// Everything that can go wrong between a request and the engine.
 #[derive(Debug, thiserror::Error)]

@@ -454,7 +454,8 @@ pub(crate) fn add_in_place(x: &mut [f32], y: &[f32]) {
 }
 
 /// RMSNorm per row of `w.len()` values, sum of squares accumulated in f64 (as ggml does).
-pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+/// Public as the CPU reference the GPU's `rms_norm` kernel is checked against.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
     for (xr, orow) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
         let sum: f64 = xr.iter().map(|&v| (v * v) as f64).sum();

@@ -43,19 +43,6 @@ fn embed_gather_copies_the_token_rows_exactly() {
 
 // ---- rms_norm ---------------------------------------------------------------------------
 
-/// `rms_norm` of crates/engine/src/model.rs (private there), line for line.
-fn rms_norm_cpu(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let n = w.len();
-    for (xr, orow) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let sum: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
-        let mean = (sum / n as f64) as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
-        for ((o, &v), &wi) in orow.iter_mut().zip(xr).zip(w) {
-            *o = v * scale * wi;
-        }
-    }
-}
-
 /// Dims below, at and above the block of 256 and model sizes. The only difference from the
 /// CPU is the order of the f64 sum of squares (a tree), which almost never changes the f32
 /// mean: tolerance 1e-6 relative.
@@ -75,7 +62,7 @@ fn rms_norm_matches_the_cpu() {
         }
         let w = uniform(&mut r, dim, -2.0, 2.0);
         let mut want = vec![0f32; rows * dim];
-        rms_norm_cpu(&x, &w, eps, &mut want);
+        pdmesh_engine::rms_norm(&x, &w, eps, &mut want);
         let (dx, dw) = (up(s, &x), up(s, &w));
         let mut out = s.alloc_zeros::<f32>(rows * dim).unwrap();
         let di = dim as i32;
