@@ -14,7 +14,6 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use pdmesh_cache::transfer::{InPage, OutPage, TcpOptions, TcpSender, Transport, serve_connection};
-use pdmesh_kv::page_checksum;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -35,15 +34,7 @@ async fn main() {
     let data: Vec<Vec<u8>> = (0..pages)
         .map(|i| (0..page_bytes).map(|b| (b ^ i) as u8).collect())
         .collect();
-    let out: Vec<OutPage<'_>> = data
-        .iter()
-        .enumerate()
-        .map(|(i, b)| OutPage {
-            index: i as u32,
-            checksum: page_checksum(b),
-            bytes: b,
-        })
-        .collect();
+    let out = OutPage::numbered(&data);
     let total = (pages * page_bytes) as f64;
 
     // The transport.

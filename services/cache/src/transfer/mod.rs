@@ -62,6 +62,21 @@ pub struct OutPage<'a> {
     pub bytes: &'a [u8],
 }
 
+impl<'a> OutPage<'a> {
+    /// `pages` as one room's pages `0..`, each with the checksum of its bytes.
+    pub fn numbered(pages: &'a [Vec<u8>]) -> Vec<Self> {
+        pages
+            .iter()
+            .enumerate()
+            .map(|(i, b)| OutPage {
+                index: i as u32,
+                checksum: pdmesh_kv::page_checksum(b),
+                bytes: b,
+            })
+            .collect()
+    }
+}
+
 /// The pages of one send, wherever their bytes are: the transport asks for each page's
 /// index and checksum, and has its bytes copied straight into the frame it sends.
 pub trait Pages: Sync {

@@ -40,15 +40,7 @@ fn pages(layout: &KvLayout, n: usize) -> Vec<Vec<u8>> {
 }
 
 fn out(pages: &[Vec<u8>]) -> Vec<OutPage<'_>> {
-    pages
-        .iter()
-        .enumerate()
-        .map(|(i, b)| OutPage {
-            index: i as u32,
-            checksum: page_checksum(b),
-            bytes: b,
-        })
-        .collect()
+    OutPage::numbered(pages)
 }
 
 fn quick() -> TcpOptions {
