@@ -327,6 +327,14 @@ impl From<tonic::Status> for ApiError {
                 code: Some(DATA_LOSS),
                 ..Self::backend(format!("backend error (DataLoss): {msg}"))
             },
+            // A status the transport made up (it carries its cause; one a backend sent has
+            // none): the connection to the backend broke mid-call, a worker that died or
+            // a link that went down. The mesh's fault, and another try may find a worker.
+            Code::Unknown | Code::Internal if std::error::Error::source(&status).is_some() => {
+                Self::unavailable(format!(
+                    "backend unavailable: the connection to it was lost ({msg})"
+                ))
+            }
             code => Self::backend(format!("backend error ({code:?}): {msg}")),
         }
     }
@@ -335,6 +343,27 @@ impl From<tonic::Status> for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_lost_mid_call_is_unavailable_and_a_backends_own_error_is_not() {
+        let lost = tonic::Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "connection reset by peer",
+        )));
+        assert!(std::error::Error::source(&lost).is_some());
+        let e = ApiError::from(lost);
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE, "{}", e.message);
+        assert!(
+            e.message.contains("connection to it was lost"),
+            "{}",
+            e.message
+        );
+        // The same code as a backend's answer (no cause attached) stays a 500.
+        let sent = ApiError::from(tonic::Status::unknown("engine said no"));
+        assert_eq!(sent.status, StatusCode::INTERNAL_SERVER_ERROR);
+        let sent = ApiError::from(tonic::Status::internal("engine said no"));
+        assert_eq!(sent.status, StatusCode::INTERNAL_SERVER_ERROR);
+    }
 
     #[test]
     fn grpc_invalid_argument_keeps_the_backend_message_as_a_400() {

@@ -49,3 +49,16 @@ fn every_code_a_cache_service_refuses_a_room_call_with_is_passed_on_as_the_meshs
         );
     }
 }
+
+#[test]
+fn a_connection_that_broke_under_a_room_call_is_unreachable_not_a_refusal() {
+    let broken = Status::from_error(Box::new(std::io::Error::other("transport error")));
+    assert_eq!(broken.code(), tonic::Code::Unknown);
+    let err = HandoverError::from_cache(ClientError::Rpc(broken));
+    assert!(matches!(err, HandoverError::Unreachable(_)), "{err:?}");
+    assert_eq!(err.failure(), TransferFailure::CacheUnavailable);
+    assert_eq!(Status::from(err).code(), tonic::Code::Unavailable);
+    // The same code sent by the service is still its refusal.
+    let sent = HandoverError::from_cache(ClientError::Rpc(Status::unknown("no")));
+    assert!(matches!(sent, HandoverError::Refused { .. }), "{sent:?}");
+}

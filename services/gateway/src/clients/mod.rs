@@ -263,7 +263,14 @@ fn endpoint(url: &str, auth: &MeshAuth) -> Result<Endpoint, Error> {
         url: url.to_owned(),
         source,
     })?;
-    Ok(ep.connect_timeout(Duration::from_secs(5)).tcp_nodelay(true))
+    // A stream from a worker has no deadline (it lasts as long as the answer): a worker
+    // gone silent is found by the keepalive, and its requests fail UNAVAILABLE.
+    Ok(ep
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(pdmesh_tls::KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(pdmesh_tls::KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true))
 }
 
 /// A channel to `url` that connects on first use, the credential on every call.

@@ -112,7 +112,7 @@ where
                                 let s = match (s.code(), fail_rx.take()) {
                                     (tonic::Code::Aborted, Some(rx)) => {
                                         match tokio::time::timeout(PREFILL_CAUSE_GRACE, rx).await {
-                                            Ok(Ok(p)) => Status::new(p.code(), format!("prefill: {}", p.message())),
+                                            Ok(Ok(p)) => prefill_failure(&p),
                                             _ => s,
                                         }
                                     }
@@ -132,7 +132,7 @@ where
                     f = async { fail_rx.as_mut().expect("polled while present").await },
                         if fail_rx.is_some() => match f {
                         Ok(s) => {
-                            yield Err(Status::new(s.code(), format!("prefill: {}", s.message())));
+                            yield Err(prefill_failure(&s));
                             break;
                         }
                         // Prefill finished normally: only decode matters now.
@@ -150,7 +150,7 @@ where
                             }
                             Err(_) => {
                                 if let Some(Ok(s)) = fail_rx.as_mut().map(|r| r.try_recv()) {
-                                    yield Err(Status::new(s.code(), format!("prefill: {}", s.message())));
+                                    yield Err(prefill_failure(&s));
                                     break;
                                 }
                                 first = Some(None);
@@ -182,4 +182,32 @@ where
         }
     };
     Box::pin(stream)
+}
+
+/// Prefill's failure as the request's: its message names the side. A status the transport
+/// made (the connection to prefill broke; it carries its cause, which the new status
+/// cannot) is UNAVAILABLE, so the client hears the mesh's fault, not a backend's error.
+fn prefill_failure(s: &Status) -> Status {
+    let code = if std::error::Error::source(s).is_some() {
+        tonic::Code::Unavailable
+    } else {
+        s.code()
+    };
+    Status::new(code, format!("prefill: {}", s.message()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broken_prefill_connection_is_unavailable_and_prefills_own_error_keeps_its_code() {
+        let broken = Status::from_error(Box::new(std::io::Error::other("connection reset")));
+        let s = prefill_failure(&broken);
+        assert_eq!(s.code(), tonic::Code::Unavailable);
+        assert!(s.message().starts_with("prefill: "), "{}", s.message());
+        let sent = prefill_failure(&Status::invalid_argument("prompt too long"));
+        assert_eq!(sent.code(), tonic::Code::InvalidArgument);
+        assert_eq!(sent.message(), "prefill: prompt too long");
+    }
 }
