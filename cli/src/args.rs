@@ -47,6 +47,35 @@ pub enum Command {
     /// The incident reports the mesh wrote (a wedge, a checksum failure, an unparsable
     /// output, …): from their directory, or from a gateway's `/debug/incidents`.
     Incident(IncidentArgs),
+    /// Ask one service whether it is ready to serve, as a container healthcheck does:
+    /// exits 0 when it is, 1 (with the reason) when it is not.
+    Probe(ProbeArgs),
+}
+
+/// `pdmesh probe SERVICE ADDR`: each service's readiness, asked with the mesh credential.
+#[derive(Debug, clap::Args)]
+pub struct ProbeArgs {
+    /// What answers at ADDR.
+    #[arg(value_enum)]
+    pub service: ProbeService,
+    /// Its address, HOST:PORT.
+    pub addr: String,
+    #[command(flatten)]
+    pub tls: pdmesh_tls::TlsArgs,
+}
+
+/// What `pdmesh probe` asks each kind of service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProbeService {
+    /// The tokenizer's Health says ok.
+    Tokenizer,
+    /// The cache service answers Stats.
+    Cache,
+    /// A worker's (any role's) Health says ok: model loaded, cache link registered,
+    /// not draining, watchdog not refusing.
+    Worker,
+    /// The gateway's `GET /ready` is 200: the tokenizer and a worker of each side answer.
+    Gateway,
 }
 
 #[derive(Debug, clap::Args)]

@@ -161,6 +161,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Incident(args) => {
             multi_thread()?.block_on(pdmesh_cli::incident::run(args))?;
         }
+        Command::Probe(args) => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting tokio")?;
+            rt.block_on(pdmesh_cli::probe::run(args))?;
+        }
         Command::Up(args) => {
             // Current-thread: children are spawned from the main thread, which lives as
             // long as `up`, so their parent-death signal fires exactly when `up` dies.

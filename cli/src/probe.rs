@@ -1,5 +1,6 @@
-//! Readiness probes `pdmesh up` uses: the gRPC Health call of the tokenizer and worker,
-//! and `GET /health` on the gateway (a minimal HTTP/1.1 exchange over loopback).
+//! Readiness probes `pdmesh up` and `pdmesh probe` (a container's healthcheck) use: the
+//! gRPC Health call of the tokenizer and worker, Stats of the cache service, and
+//! `GET /health` or `/ready` on the gateway (a minimal HTTP/1.1 exchange).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -94,6 +95,28 @@ pub async fn http_post_json(
     Some((status, raw[split + 4..].to_vec()))
 }
 
+/// `pdmesh probe`: whether the service at `args.addr` is ready; an error says why not.
+pub async fn run(args: crate::args::ProbeArgs) -> anyhow::Result<()> {
+    use crate::args::ProbeService;
+    let auth = args.tls.auth()?;
+    let addr = tokio::net::lookup_host(&args.addr)
+        .await
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| anyhow::anyhow!("{}: not a HOST:PORT that resolves", args.addr))?;
+    let ready = match args.service {
+        ProbeService::Tokenizer => tokenizer_healthy(addr, &auth).await,
+        ProbeService::Cache => cache_healthy(addr, &auth).await,
+        ProbeService::Worker => worker_healthy(addr, &auth).await,
+        ProbeService::Gateway => http_status(addr, "/ready").await == Some(200),
+    };
+    let name = clap::ValueEnum::to_possible_value(&args.service)
+        .map(|v| v.get_name().to_owned())
+        .unwrap_or_default();
+    anyhow::ensure!(ready, "the {name} at {addr} is not ready");
+    Ok(())
+}
+
 /// Writes `request`, reads until the server closes the connection.
 async fn exchange(addr: SocketAddr, request: Vec<u8>) -> Option<Vec<u8>> {
     let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
@@ -138,5 +161,33 @@ mod tests {
         assert_eq!(http_status(addr, "/health").await, None);
         assert!(!worker_healthy(addr, &pdmesh_tls::test_ca::auth()).await);
         assert!(!tokenizer_healthy(addr, &pdmesh_tls::test_ca::auth()).await);
+    }
+
+    #[tokio::test]
+    async fn the_probe_command_fails_naming_what_is_not_ready() {
+        let refusing = pdmesh_testkit::Refusing::new();
+        let tls = pdmesh_tls::TlsArgs {
+            insecure_plaintext: true,
+            ..Default::default()
+        };
+        for service in [
+            crate::args::ProbeService::Cache,
+            crate::args::ProbeService::Gateway,
+        ] {
+            let args = crate::args::ProbeArgs {
+                service,
+                addr: refusing.addr().to_string(),
+                tls: tls.clone(),
+            };
+            let err = run(args).await.unwrap_err().to_string();
+            assert!(err.ends_with("is not ready"), "{err}");
+        }
+        let args = crate::args::ProbeArgs {
+            service: crate::args::ProbeService::Worker,
+            addr: "no such host:1".into(),
+            tls,
+        };
+        let err = run(args).await.unwrap_err().to_string();
+        assert!(err.contains("not a HOST:PORT"), "{err}");
     }
 }
