@@ -92,17 +92,27 @@ def subcommand(args: list[str]) -> list[str]:
 
 
 def mounts(name: str) -> list[tuple[str, str, str]]:
-    """(kind, source, target) of a service's volumes; kind is "bind" or "volume"."""
+    """(kind, source, target) of a service's volumes; kind is "bind" (a repository path),
+    "volume", or "host" (a host path chosen by a variable, with a default)."""
     out = []
     for v in services()[name].get("volumes") or []:
         if isinstance(v, dict):
             kind = v.get("type", "volume")
             out.append((kind, str(v.get("source", "")), str(v["target"])))
             continue
-        parts = str(v).split(":")
+        v = str(v)
+        # A host path the user picks: ${VAR:-default}:TARGET[:MODE].
+        chosen = re.match(r"(\$\{[A-Z0-9_]+:-[^}]*\}):(.*)$", v)
+        if chosen:
+            parts = [chosen.group(1), *chosen.group(2).split(":")]
+        else:
+            parts = v.split(":")
         assert len(parts) in (2, 3), f"{name}: volume {v!r} is not SOURCE:TARGET[:MODE]"
         source, target = parts[0], parts[1]
-        kind = "bind" if source.startswith((".", "/", "~")) else "volume"
+        if chosen:
+            kind = "host"
+        else:
+            kind = "bind" if source.startswith((".", "/", "~")) else "volume"
         out.append((kind, source, target))
     return out
 
@@ -244,7 +254,9 @@ def test_published_ports_bind_loopback_only():
                 assert p.get("published"), f"{name}: {p} publishes a random port"
                 container = int(p["target"])
             else:
-                parts = str(p).split("/", 1)[0].split(":")
+                # A host port a variable may move: its default.
+                spec = re.sub(r"\$\{[A-Z0-9_]+:?-([0-9]+)\}", r"\1", str(p))
+                parts = spec.split("/", 1)[0].split(":")
                 assert len(parts) == 3 and parts[0] == "127.0.0.1", (
                     f"{name}: port {p!r} must be 127.0.0.1:HOST:CONTAINER"
                 )
@@ -265,6 +277,11 @@ def test_host_mounts_exist_in_the_repository_and_named_volumes_are_declared():
                 path = (DEPLOY / source).resolve()
                 assert path.is_relative_to(REPO), f"{name}: {source} leaves the repository"
                 assert path.exists(), f"{name} mounts {source}, which does not exist"
+            elif kind == "host":
+                # A file of the host's own (its CA bundle), with a default that exists on
+                # Debian-like hosts.
+                default = source.split(":-", 1)[1].rstrip("}")
+                assert default.startswith("/etc/"), f"{name}: {source} defaults to {default}"
             else:
                 assert source in declared, f"{name}: volume {source!r} is not declared"
     # The files the stack is made of are all mounted.
@@ -400,13 +417,20 @@ def test_the_model_the_services_load_is_the_one_the_model_service_fetches():
         assert dep["condition"] == "service_completed_successfully"
 
 
-def test_mesh_services_export_traces_to_the_collector():
+def test_mesh_services_export_traces_to_the_collector_when_asked():
+    """Off in the core profile (no collector runs); the endpoint the compose file tells
+    users to set for the observability profile is the collector's OTLP/gRPC port."""
     grpc_ports = endpoint_ports(collector_config()["receivers"]["otlp"]["protocols"]["grpc"])
+    told = re.findall(r"PDMESH_OTLP_ENDPOINT=(\S+)", COMPOSE_FILE.read_text())
+    assert told, "the compose file does not say how to turn trace export on"
+    for url in told:
+        host, port = hostport(url)
+        assert host == "otel-collector" and port in grpc_ports, f"PDMESH_OTLP_ENDPOINT={url}"
+    assert "otel-collector" in services() and "observability" in services()["otel-collector"]["profiles"]
     names = set()
     for name in MESH:
         env = environment(name)
-        host, port = hostport(env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
-        assert host == "otel-collector" and port in grpc_ports, f"{name} exports to {host}:{port}"
+        assert env.get("OTEL_EXPORTER_OTLP_ENDPOINT") == "${PDMESH_OTLP_ENDPOINT:-}", name
         names.add(env.get("OTEL_SERVICE_NAME"))
     assert None not in names and len(names) == len(MESH), f"OTEL_SERVICE_NAME must differ per service: {names}"
 
@@ -534,7 +558,19 @@ def test_dockerfile_images_are_pinned_and_the_toolchain_matches():
     assert rust[0].split(":", 1)[1].startswith(channel + "-") or rust[0].split(":", 1)[1] == channel, (
         f"{rust[0]} does not match rust-toolchain.toml's {channel}"
     )
-    assert images[-1].startswith("debian:"), "the runtime stage is Debian"
+    assert images[0].startswith("debian:"), "the runtime stages are Debian"
+    # Both runtime targets sit on the same base; the prebuilt one comes before the Rust
+    # stage, so a classic builder that stops at it never needs the rust image.
+    bases = {}
+    order = []
+    for word, rest in dockerfile_instructions():
+        if word == "FROM":
+            parts = [p for p in rest.split() if not p.startswith("--")]
+            bases[parts[2]] = parts[0]
+            order.append(parts[2])
+    assert bases["runtime"] == bases["prebuilt"] == "runtime-base", bases
+    assert order.index("prebuilt") < order.index("builder") < order.index("runtime"), order
+    assert order[-1] == "runtime", "the default target (the last stage) compiles pdmesh"
 
 
 def test_dockerfile_builds_pdmesh_cli_locked_and_runs_as_a_user():
