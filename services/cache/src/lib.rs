@@ -15,6 +15,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod disk;
 mod grpc;
 mod peers;
 pub mod rooms;
