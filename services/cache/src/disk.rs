@@ -88,6 +88,10 @@ pub enum Load {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DiskError {
+    #[error(
+        "{dir} may be read by other users or is not this user's (mode {mode:o}): make it this user's, mode 0700"
+    )]
+    Exposed { dir: PathBuf, mode: u32 },
     #[error("{0} is used by another cache service (it holds {0}/lock)")]
     Locked(PathBuf),
     #[error("disk tier {what} {path}: {source}")]
@@ -204,6 +208,19 @@ impl DiskStore {
             Err(std::fs::TryLockError::WouldBlock) => return Err(DiskError::Locked(dir.into())),
             Err(std::fs::TryLockError::Error(e)) => return Err(io("locking", &lock_path)(e)),
         }
+        // Pages hold tenants' KV: a folder other users may enter, or that is not this
+        // service's own (the lock file it just created is), is refused.
+        {
+            use std::os::unix::fs::MetadataExt;
+            let dir_meta = std::fs::metadata(dir).map_err(io("reading", dir))?;
+            let own = lock.metadata().map_err(io("reading", &lock_path))?.uid();
+            if dir_meta.uid() != own || dir_meta.mode() & 0o077 != 0 {
+                return Err(DiskError::Exposed {
+                    dir: dir.into(),
+                    mode: dir_meta.mode() & 0o7777,
+                });
+            }
+        }
         let mut store = DiskStore {
             dir: dir.to_owned(),
             fingerprint,
@@ -265,7 +282,8 @@ impl DiskStore {
         path: &Path,
         hash: u64,
     ) -> Result<(Header, u64, std::time::SystemTime), Discard> {
-        let (header, data, modified) = read_page(path).map_err(|_| Discard::Partial)?;
+        let (header, data, modified) =
+            read_page(path, self.capacity).map_err(|_| Discard::Partial)?;
         let header = header.ok_or(Discard::BadHeader)?;
         verify(&header, &data, self.fingerprint, hash)?;
         Ok((header, (HEADER_BYTES + data.len()) as u64, modified))
@@ -384,7 +402,7 @@ impl DiskStore {
             return Ok(Load::Miss);
         };
         let path = self.path(hash);
-        let found = match read_page(&path) {
+        let found = match read_page(&path, self.capacity) {
             Ok((Some(header), data, _)) => match verify(&header, &data, self.fingerprint, hash) {
                 Ok(()) if header.checksum == expected => Ok(data),
                 // Another sound page under this name than the one stored.
@@ -413,8 +431,12 @@ impl DiskStore {
 }
 
 /// A page file's header (`None`: not a header this version wrote), the bytes after it and
-/// when it was written. An error when it cannot be read or is shorter than a header.
-fn read_page(path: &Path) -> std::io::Result<(Option<Header>, Vec<u8>, std::time::SystemTime)> {
+/// when it was written. An error when it cannot be read, is shorter than a header or
+/// longer than `limit`.
+fn read_page(
+    path: &Path,
+    limit: u64,
+) -> std::io::Result<(Option<Header>, Vec<u8>, std::time::SystemTime)> {
     let mut f = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
@@ -422,6 +444,10 @@ fn read_page(path: &Path) -> std::io::Result<(Option<Header>, Vec<u8>, std::time
     let meta = f.metadata()?;
     if !meta.is_file() {
         return Err(std::io::Error::other("not a regular file"));
+    }
+    // Larger than the whole tier: no page of it, and never read into memory.
+    if meta.len() > limit {
+        return Err(std::io::Error::other("larger than the disk tier"));
     }
     let mut head = [0u8; HEADER_BYTES];
     f.read_exact(&mut head)?;

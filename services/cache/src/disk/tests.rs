@@ -15,13 +15,20 @@ fn page(seed: u8, len: usize) -> (Vec<u8>, u64) {
     (data, sum)
 }
 
+/// A temporary folder only this user may enter, as the store requires.
+fn private_tempdir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    dir
+}
+
 fn file(dir: &Path, hash: u64) -> PathBuf {
     dir.join(format!("{hash:016x}.page"))
 }
 
 #[test]
 fn a_page_stored_is_loaded_whole_after_a_restart_and_the_files_are_owner_only() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = private_tempdir();
     let d = dir.path().join("disk");
     let (a, sa) = page(1, 4096);
     {
@@ -43,7 +50,7 @@ fn a_page_stored_is_loaded_whole_after_a_restart_and_the_files_are_owner_only() 
 
 #[test]
 fn a_second_service_on_the_same_folder_is_refused_until_the_first_is_gone() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = private_tempdir();
     let (first, _) = DiskStore::open(dir.path(), FP, 1 << 20).unwrap();
     let err = DiskStore::open(dir.path(), FP, 1 << 20).unwrap_err();
     assert!(matches!(err, DiskError::Locked(_)), "{err}");
@@ -53,7 +60,7 @@ fn a_second_service_on_the_same_folder_is_refused_until_the_first_is_gone() {
 
 #[test]
 fn at_start_every_unsound_file_is_removed_and_counted_and_the_sound_ones_stay() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = private_tempdir();
     let d = dir.path();
     {
         // Another layout's page, in the same folder.
@@ -114,7 +121,7 @@ fn at_start_every_unsound_file_is_removed_and_counted_and_the_sound_ones_stay() 
 
 #[test]
 fn a_page_spoiled_after_it_was_indexed_is_discarded_at_load_never_served() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = private_tempdir();
     let (mut s, _) = DiskStore::open(dir.path(), FP, 1 << 20).unwrap();
     let (p, sum) = page(3, 1024);
     s.put(5, sum, &p).unwrap();
@@ -148,7 +155,7 @@ fn empty(dir: &Path) -> DiskStore {
 
 #[test]
 fn the_least_recently_used_pages_leave_first_within_the_capacity() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = private_tempdir();
     let one = (HEADER_BYTES + 256) as u64;
     let (mut s, _) = DiskStore::open(dir.path(), FP, 2 * one).unwrap();
     for h in 1..=2 {
@@ -169,7 +176,7 @@ fn the_least_recently_used_pages_leave_first_within_the_capacity() {
 
 #[test]
 fn bytes_that_do_not_match_their_checksum_or_do_not_fit_are_never_written() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = private_tempdir();
     let (mut s, _) = DiskStore::open(dir.path(), FP, 1024).unwrap();
     let (p, sum) = page(1, 256);
     let err = s.put(1, sum ^ 1, &p).unwrap_err();
@@ -183,4 +190,26 @@ fn bytes_that_do_not_match_their_checksum_or_do_not_fit_are_never_written() {
         .collect();
     assert_eq!(left, vec![std::ffi::OsString::from(LOCK)]);
     assert_eq!((s.pages(), s.used()), (0, 0));
+}
+
+#[test]
+fn a_folder_other_users_may_enter_is_refused_and_a_huge_file_is_never_read() {
+    let dir = private_tempdir();
+    let d = dir.path().join("disk");
+    std::fs::create_dir(&d).unwrap();
+    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let err = DiskStore::open(&d, FP, 1 << 20).unwrap_err();
+    assert!(
+        matches!(err, DiskError::Exposed { mode: 0o755, .. }),
+        "{err}"
+    );
+    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+    // A sparse file far larger than the tier: discarded without being read.
+    let huge = File::create(file(&d, 9)).unwrap();
+    huge.set_len(1 << 40).unwrap();
+    drop(huge);
+    let (s, discarded) = DiskStore::open(&d, FP, 1 << 20).unwrap();
+    assert_eq!(discarded, BTreeMap::from([(Discard::Partial, 1)]));
+    assert_eq!(s.pages(), 0);
+    assert!(!file(&d, 9).exists());
 }
