@@ -32,7 +32,13 @@ fi
 command -v debootstrap >/dev/null 2>&1 || { echo "debootstrap is missing: apt-get install debootstrap" >&2; exit 1; }
 
 root=$(mktemp -d)
-trap 'rm -rf "$root"' EXIT
+# debootstrap mounts /proc and /sys inside the new root while it installs: a run that
+# failed half way may leave them mounted, and removing the tree must not reach into them.
+cleanup() {
+    awk -v r="$root/" 'index($2, r) == 1 {print $2}' /proc/mounts | sort -r | xargs -r -n1 umount -l
+    rm -rf --one-file-system "$root"
+}
+trap cleanup EXIT
 debootstrap --variant=minbase "$suite" "$root" "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" >&2
 # As the registry's slim images: no downloaded packages or package lists.
 rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
