@@ -28,9 +28,31 @@ pub fn of(status: &tonic::Status) -> Option<String> {
         .map(|i| i.reason)
 }
 
+/// Whether `status` is one the transport made up because the connection broke (a peer
+/// that died or a link that went down mid-call), not one a peer answered: it carries its
+/// cause, which a status read off the wire never does. UNKNOWN and INTERNAL only; the
+/// transport's UNAVAILABLE and timeouts already say what they are.
+pub fn connection_lost(status: &tonic::Status) -> bool {
+    matches!(status.code(), tonic::Code::Unknown | tonic::Code::Internal)
+        && std::error::Error::source(status).is_some()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_made_from_a_broken_connection_is_told_from_one_a_peer_sent() {
+        let broken = tonic::Status::from_error(Box::new(std::io::Error::other("reset")));
+        assert!(connection_lost(&broken));
+        assert!(!connection_lost(&tonic::Status::unknown(
+            "the peer said so"
+        )));
+        assert!(!connection_lost(&tonic::Status::internal(
+            "the peer said so"
+        )));
+        assert!(!connection_lost(&tonic::Status::unavailable("down")));
+    }
 
     #[test]
     fn a_kind_travels_with_its_status_and_only_in_its_domain() {

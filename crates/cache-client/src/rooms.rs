@@ -169,12 +169,8 @@ impl HandoverError {
     /// What the cache service's refusal of a room call means for the hand-over.
     pub fn from_cache(e: ClientError) -> Self {
         let s = match e {
-            // A status the transport made up (it carries its cause; one the service sent
-            // has none): the connection broke, the service was not reached.
-            ClientError::Rpc(s)
-                if matches!(s.code(), Code::Unknown | Code::Internal)
-                    && std::error::Error::source(&s).is_some() =>
-            {
+            // The connection broke: the service was not reached.
+            ClientError::Rpc(s) if pdmesh_proto::error_kind::connection_lost(&s) => {
                 return Self::Unreachable(s.message().to_owned());
             }
             ClientError::Rpc(s) => s,

@@ -312,15 +312,6 @@ pub fn dial_url(url: &str, tls: Option<&MeshTls>) -> String {
     }
 }
 
-/// How often a gRPC server pings its callers, and the gateway the backends it streams
-/// from (HTTP/2 PING), and how long the answer may take. A peer that vanished without
-/// closing its connection (a crashed host, a cut link: no RST ever comes) is noticed
-/// within the two, and the calls on that connection fail at once instead of waiting for
-/// TCP to give up (minutes). Calls between services carry deadlines of their own.
-pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
-/// See [`KEEPALIVE_INTERVAL`].
-pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
-
 /// A gRPC endpoint for `url`, mutual TLS when `tls` is given.
 pub fn endpoint(url: &str, tls: Option<&MeshTls>) -> Result<Endpoint, tonic::transport::Error> {
     let ep = Endpoint::from_shared(dial_url(url, tls))?;
@@ -332,11 +323,7 @@ pub fn endpoint(url: &str, tls: Option<&MeshTls>) -> Result<Endpoint, tonic::tra
 
 /// A gRPC server builder, mutual TLS when `tls` is given.
 pub fn server(tls: Option<&MeshTls>) -> Result<tonic::transport::Server, tonic::transport::Error> {
-    // A caller that vanished (a gateway whose host died) has its calls cancelled, so a
-    // worker stops generating for nobody.
-    let s = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
-        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
+    let s = tonic::transport::Server::builder();
     match tls {
         Some(t) => s.tls_config(t.grpc_server()),
         None => Ok(s),

@@ -330,11 +330,9 @@ impl From<tonic::Status> for ApiError {
             // A status the transport made up (it carries its cause; one a backend sent has
             // none): the connection to the backend broke mid-call, a worker that died or
             // a link that went down. The mesh's fault, and another try may find a worker.
-            Code::Unknown | Code::Internal if std::error::Error::source(&status).is_some() => {
-                Self::unavailable(format!(
-                    "backend unavailable: the connection to it was lost ({msg})"
-                ))
-            }
+            _ if pdmesh_proto::error_kind::connection_lost(&status) => Self::unavailable(format!(
+                "backend unavailable: the connection to it was lost ({msg})"
+            )),
             code => Self::backend(format!("backend error ({code:?}): {msg}")),
         }
     }
@@ -350,7 +348,6 @@ mod tests {
             std::io::ErrorKind::ConnectionReset,
             "connection reset by peer",
         )));
-        assert!(std::error::Error::source(&lost).is_some());
         let e = ApiError::from(lost);
         assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE, "{}", e.message);
         assert!(

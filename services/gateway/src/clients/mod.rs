@@ -258,6 +258,15 @@ pub(crate) enum WorkerEvent {
 
 pub(crate) type WorkerStream = Pin<Box<dyn Stream<Item = Result<WorkerEvent, ApiError>> + Send>>;
 
+/// How often the gateway pings the backends it streams from (HTTP/2 PING), and how long
+/// the answer may take. A backend that vanished without closing its connection (a crashed
+/// host, a cut link: no RST ever comes) is noticed within the two, and the calls on that
+/// connection fail at once instead of waiting for TCP to give up (minutes). Calls between
+/// services carry deadlines of their own.
+pub(crate) const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// See [`KEEPALIVE_INTERVAL`].
+pub(crate) const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
 fn endpoint(url: &str, auth: &MeshAuth) -> Result<Endpoint, Error> {
     let ep = auth.endpoint(url).map_err(|source| Error::BackendUrl {
         url: url.to_owned(),
@@ -268,8 +277,8 @@ fn endpoint(url: &str, auth: &MeshAuth) -> Result<Endpoint, Error> {
     Ok(ep
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
-        .http2_keep_alive_interval(pdmesh_tls::KEEPALIVE_INTERVAL)
-        .keep_alive_timeout(pdmesh_tls::KEEPALIVE_TIMEOUT)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
         .keep_alive_while_idle(true))
 }
 

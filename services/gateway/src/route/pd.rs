@@ -188,7 +188,7 @@ where
 /// made (the connection to prefill broke; it carries its cause, which the new status
 /// cannot) is UNAVAILABLE, so the client hears the mesh's fault, not a backend's error.
 fn prefill_failure(s: &Status) -> Status {
-    let code = if std::error::Error::source(s).is_some() {
+    let code = if pdmesh_proto::error_kind::connection_lost(s) {
         tonic::Code::Unavailable
     } else {
         s.code()
