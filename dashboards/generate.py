@@ -499,13 +499,16 @@ WRITE_BACK_SECONDS = 'mesh_kv_cache_write_back_seconds_total{tier="host"}'
 def cache_tiers() -> dict:
     hit = "mesh_kv_cache_hit_tokens_total"
     return dashboard("pdmesh-cache-tiers", "pdmesh / Cache tiers",
-                     "The device prefix cache, the host tier and the cache service's host "
-                     "mirror.", [
+                     "The device prefix cache, the host tier, the cache service's host "
+                     "mirror and the disk tier below it.", [
         timeseries("Prompt tokens served from cache, by tier",
                    "mesh_kv_cache_hit_tokens_total: device = the worker's prefix cache, "
-                   "host = loaded back from the host tier. Tokens per second.",
+                   "host = loaded back from the host tier, disk = the part of host that the "
+                   "cache service promoted from its disk tier for that request. Tokens per "
+                   "second.",
                    [target(rate(f'{hit}{{tier="device"}}'), "device"),
-                    target(rate(f'{hit}{{tier="host"}}'), "host")], "short", w=8),
+                    target(rate(f'{hit}{{tier="host"}}'), "host"),
+                    target(rate(f'{hit}{{tier="disk"}}'), "disk")], "short", w=8),
         timeseries("Share of prompt tokens served from cache, by tier",
                    "Hit tokens per tier, as the workers count them, / prompt tokens processed.",
                    [target(f"{rate(hit, 'tier')} / scalar({rate('mesh_prompt_tokens_total')})",
@@ -564,6 +567,37 @@ def cache_tiers() -> dict:
                    [target("sum(mesh_host_mirror_leases)", "live leases"),
                     target(increase("mesh_host_mirror_expired_leases_total"),
                            f"expired per {WINDOW}")], "short"),
+        timeseries("Disk tier: pages spilled, promoted, dropped and late",
+                   "mesh_kv_disk_pages_total, pages per second: spilled = written from the "
+                   "host mirror as it evicted them, promoted = read back into the mirror on "
+                   "a hit, spill_dropped = not written (queue full, degraded), late = matches "
+                   "whose promotions missed their deadline (a miss, never a wait).",
+                   [target(rate("mesh_kv_disk_pages_total", "event"), "{{event}}")], "short",
+                   w=8),
+        timeseries("Disk tier: bytes and promote latency",
+                   "Bytes per second written to and read from the disk tiers "
+                   "(mesh_kv_disk_io_bytes_total), and the mean time from a match asking to "
+                   "a promoted page being in the host mirror (right axis).",
+                   [target(rate("mesh_kv_disk_io_bytes_total", "direction"), "{{direction}}"),
+                    target(rate("mesh_kv_disk_promote_seconds_total") + " / "
+                           + rate('mesh_kv_disk_pages_total{event="promoted"}'),
+                           "promote latency")], "Bps",
+                   overrides=right_axis("B", unit="s"), w=8),
+        timeseries(f"Disk tier: files discarded (per {WINDOW}) and state",
+                   "mesh_kv_disk_discards_total by reason: page files found unsound or of "
+                   "another layout or model, at start or at load, removed and never served. "
+                   "foreign_layout after a model or layout change is expected; any other is "
+                   "a damaged disk or a crash mid-write. The degraded line (1) is a full or "
+                   "unwritable disk: nothing is spilled until a retry succeeds.",
+                   [target(increase("mesh_kv_disk_discards_total", "reason"), "{{reason}}"),
+                    target('max(mesh_kv_disk_tier{state="degraded"})', "degraded")],
+                   "short", steps=((1, "red"),), w=8),
+        timeseries("Disk tier: pages and bytes",
+                   "Pages on the hosts' disk tiers (mesh_kv_disk_pages), and their bytes "
+                   "against --disk-size (mesh_kv_disk_bytes, right axis).",
+                   [target("sum(mesh_kv_disk_pages)", "pages"),
+                    target("sum by (state) (mesh_kv_disk_bytes)", "bytes {{state}}")],
+                   "short", overrides=right_axis("B", unit="bytes"), w=24),
         bargauge("Router's view: cached pages per prefill worker",
                  "mesh_router_cached_pages: pages each prefill worker's device cache holds, "
                  "as the gateway knows from its KV events.",
@@ -709,7 +743,8 @@ def wedges() -> dict:
         table("Incident reports in this time range",
               "mesh_incidents_total: failures the mesh filed an incident report for in the "
               "dashboard's time range, by kind (wedge, room_deadline, checksum, "
-              "layout_refused, engine_stall, tool_parse, first_token_mismatch), the gateway's "
+              "layout_refused, engine_stall, tool_parse, first_token_mismatch, disk_degraded), "
+              "the gateway's "
               "own and the workers' and cache services' as the gateway last read them. "
               "Repeats of one cause in one component within five minutes share a report. "
               "The reports: " + reports + ".",

@@ -1,14 +1,21 @@
 //! Time to first token for a long prompt: cold (computed), device hit (prefix cache of
 //! the same engine), host hit (a fresh engine whose prefix comes back from the cache
-//! service's shared-memory mirror).
+//! service's shared-memory mirror) and disk hit (a fresh engine whose prefix the cache
+//! service promotes from its disk tier, the mirror holding another prompt by then). Then
+//! the disk tier's promote throughput: one match promoting a whole prompt's pages, against
+//! `dd` reading the same page files one after the other, the page cache dropped before
+//! each when this runs as root.
 //!
 //! `cargo run --release -p pdmesh-cli --example bench_ttft -- [PROMPT_TOKENS] [ROUNDS] [--tp N]`
 
 use std::time::{Duration, Instant};
 
+use std::os::unix::fs::PermissionsExt;
+
 use pdmesh_cache::client::DataPlane;
 use pdmesh_cache::{Config, MirrorSize, RemoteTier, TierConfig};
 use pdmesh_engine::{Engine, EngineConfig, GenRequest, SamplingParams, StepEvent, WritePolicy};
+use pdmesh_proto::cache::v1::{self as pb, cache_client::CacheClient};
 use pdmesh_testkit::bench::{args, median, numbers, take_flag};
 use pdmesh_testkit::service::{Service, credentials};
 
@@ -47,8 +54,13 @@ fn main() {
     let n = *args.first().unwrap_or(&2048);
     let rounds = *args.get(1).unwrap_or(&3);
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let mut cfg = Config::new(MirrorSize::Bytes(1 << 30));
+    // The mirror holds one prompt: the next one evicts it to the disk tier.
+    let disk = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(disk.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let mut cfg = Config::new(MirrorSize::Tokens(n as u64));
     cfg.tls = credentials();
+    cfg.disk.disk_dir = Some(disk.path().join("pages"));
+    cfg.disk.disk_promote_timeout_ms = 8_000;
     let cache = rt.block_on(Service::start(|listener, shutdown| {
         pdmesh_cache::run(cfg, listener, shutdown)
     }));
@@ -78,12 +90,30 @@ fn main() {
         }
         e
     };
-    let (mut cold, mut device, mut host) = (Vec::new(), Vec::new(), Vec::new());
-    for r in 0..rounds {
+    let stats = || {
+        rt.block_on(async {
+            let mut c = pdmesh_testkit::service::connect(&url, CacheClient::new).await;
+            let s = c.stats(pb::StatsRequest {}).await.unwrap().into_inner();
+            s.disk.unwrap_or_default()
+        })
+    };
+    // Waits until the disk tier has spilled `pages` pages in all.
+    let spilled = |pages: u64| {
+        while stats().spilled_pages < pages {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let prompt_of = |r: u32| -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| 100 + (i * 7 + r * 13) % 40_000)
+            .collect()
+    };
+    let pages = (n / 16) as u64;
+    let (mut cold, mut device, mut host, mut from_disk) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for r in 0..rounds as u32 {
         // A distinct prompt per round, so every cold run is really cold.
-        let prompt: Vec<u32> = (0..n as u32)
-            .map(|i| 100 + (i * 7 + r as u32 * 13) % 40_000)
-            .collect();
+        let prompt = prompt_of(2 * r);
         let mut writer = engine(true);
         cold.push(ttft(&mut writer, "cold", &prompt));
         device.push(ttft(&mut writer, "device", &prompt));
@@ -97,8 +127,28 @@ fn main() {
             "{:?}",
             reader.host_stats()
         );
+        // Another prompt takes the mirror: this one's pages go to disk.
+        let before = stats().spilled_pages;
+        ttft(&mut writer, "other", &prompt_of(2 * r + 1));
+        while writer.host_stats().queued_pages > 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        spilled(before + pages);
+        let mut reader = engine(true);
+        from_disk.push(ttft(&mut reader, "disk", &prompt));
+        assert!(
+            reader.host_stats().hit_tokens as usize >= n - 16,
+            "{:?} {:?}",
+            reader.host_stats(),
+            stats()
+        );
     }
-    let (c, d, h) = (median(cold), median(device), median(host));
+    let (c, d, h, k) = (
+        median(cold),
+        median(device),
+        median(host),
+        median(from_disk),
+    );
     println!("time to first token, {n}-token prompt, median of {rounds}:");
     println!("  cold (computed):        {:8.1} ms", c * 1e3);
     println!(
@@ -111,5 +161,96 @@ fn main() {
         h * 1e3,
         h / c
     );
+    println!(
+        "  disk tier hit:          {:8.1} ms  ({:.3}x cold)",
+        k * 1e3,
+        k / c
+    );
+    promote_vs_dd(&rt, &url, disk.path(), n, &engine, (&stats, &spilled));
     cache.shutdown.cancel();
+}
+
+/// Drops the page cache (root only): true if it did.
+fn drop_caches() -> bool {
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+/// One match promoting a fresh prompt's pages from disk, timed, against `dd` reading the
+/// same page files in a row.
+fn promote_vs_dd(
+    rt: &tokio::runtime::Runtime,
+    url: &str,
+    disk: &std::path::Path,
+    n: usize,
+    engine: &dyn Fn(bool) -> Engine,
+    (stats, spilled): (&dyn Fn() -> pb::DiskStats, &dyn Fn(u64)),
+) {
+    let prompt: Vec<u32> = (0..n as u32).map(|i| 200 + (i * 11) % 30_000).collect();
+    let other: Vec<u32> = (0..n as u32).map(|i| 300 + (i * 5) % 30_000).collect();
+    let mut writer = engine(true);
+    ttft(&mut writer, "p", &prompt);
+    let layout = writer.pool().layout().as_ref().clone();
+    while writer.host_stats().queued_pages > 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let before = stats().spilled_pages;
+    ttft(&mut writer, "o", &other);
+    while writer.host_stats().queued_pages > 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let hashes = pdmesh_kv::page_hashes(layout.fingerprint(), &prompt, layout.page_size());
+    spilled(before + hashes.len() as u64);
+    let files: Vec<std::path::PathBuf> = hashes
+        .iter()
+        .map(|h| disk.join("pages").join(format!("{h:016x}.page")))
+        .collect();
+    let bytes: u64 = files
+        .iter()
+        .map(|f| std::fs::metadata(f).map_or(0, |m| m.len()))
+        .sum();
+    let dropped = drop_caches();
+    let t = Instant::now();
+    let found = rt.block_on(async {
+        let mut c = pdmesh_cache::client::HostClient::connect(
+            url,
+            ("bench", ""),
+            &layout,
+            DataPlane::Shm,
+            &pdmesh_tls::test_ca::auth(),
+        )
+        .await
+        .unwrap();
+        c.match_pages(&hashes).await.unwrap().len()
+    });
+    let promote = t.elapsed().as_secs_f64();
+    assert_eq!(found, hashes.len(), "every page promoted");
+    drop_caches();
+    let t = Instant::now();
+    for f in &files {
+        let ok = std::process::Command::new("dd")
+            .arg(format!("if={}", f.display()))
+            .args(["of=/dev/null", "bs=1M", "status=none"])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "dd {}", f.display());
+    }
+    let dd = t.elapsed().as_secs_f64();
+    let gbps = |s: f64| bytes as f64 / s / 1e9;
+    println!(
+        "disk promote, {} pages ({:.1} MB, page cache {}):",
+        hashes.len(),
+        bytes as f64 / 1e6,
+        if dropped {
+            "dropped before each"
+        } else {
+            "warm"
+        }
+    );
+    println!("  one match promoting:    {:8.3} GB/s", gbps(promote));
+    println!(
+        "  dd of the same files:   {:8.3} GB/s  (promote {:.2}x dd)",
+        gbps(dd),
+        dd / promote
+    );
 }

@@ -274,6 +274,11 @@ pub struct UpArgs {
     /// (repeatable).
     #[arg(long = "cache-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub cache_args: Vec<String>,
+    /// A disk tier below the host mirror, in this folder (made mode 0700): evicted pages
+    /// are kept there and prompts' prefixes outlive the mesh (the cache service's
+    /// `--disk-dir`; size it with `--cache-arg=--disk-size=64GiB`).
+    #[arg(long, value_name = "DIR")]
+    pub disk_dir: Option<PathBuf>,
     /// Do not start the cache service: workers keep only their device prefix cache
     /// (needs --unified: disaggregated workers meet at the cache service).
     #[arg(long)]

@@ -52,6 +52,10 @@ pub enum UpError {
         "disaggregated prefill/decode workers meet at the cache service: drop --no-host-cache, or add --unified"
     )]
     PdNeedsCache,
+    #[error(
+        "the disk tier sits below the cache service's host mirror: drop --no-host-cache, or --disk-dir"
+    )]
+    DiskNeedsCache,
     #[error("--prefill and --decode must each be at least 1")]
     NoWorkers,
     #[error("{0}")]

@@ -98,6 +98,9 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     if pd && args.no_host_cache {
         return Err(UpError::PdNeedsCache);
     }
+    if args.disk_dir.is_some() && args.no_host_cache {
+        return Err(UpError::DiskNeedsCache);
+    }
     if pd && (args.prefill == 0 || args.decode == 0) {
         return Err(UpError::NoWorkers);
     }
@@ -236,6 +239,9 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
                 incident_dir.clone(),
             ];
             cache_args.extend(tls_args.iter().cloned());
+            if let Some(dir) = &args.disk_dir {
+                cache_args.extend(["--disk-dir".into(), dir.display().to_string()]);
+            }
             cache_args.extend(args.cache_args.iter().cloned());
             services.push(spawn("cache", &exe, &cache_args, (sock, addr), &mesh_env)?);
         }

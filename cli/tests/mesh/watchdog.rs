@@ -102,7 +102,7 @@ impl Cache {
 
     async fn client(&self, name: &str) -> HostClient {
         let auth = pdmesh_tls::test_ca::auth();
-        HostClient::connect(&self.url(), name, &layout(), DataPlane::Grpc, &auth)
+        HostClient::connect(&self.url(), (name, ""), &layout(), DataPlane::Grpc, &auth)
             .await
             .unwrap()
     }

@@ -130,12 +130,13 @@ impl Drop for HostClient {
 }
 
 impl HostClient {
-    /// Registers `worker_id` with `layout` at `endpoint` (e.g. `http://127.0.0.1:50063`)
-    /// with the mesh credential `auth`, and starts heartbeating. A service holding
-    /// another layout answers FAILED_PRECONDITION with both layouts in the message.
+    /// Registers `worker_id`, serving `model` (its name and weights digest, or empty),
+    /// with `layout` at `endpoint` (e.g. `http://127.0.0.1:50063`) with the mesh
+    /// credential `auth`, and starts heartbeating. A service holding another layout or
+    /// model answers FAILED_PRECONDITION with both in the message.
     pub async fn connect(
         endpoint: &str,
-        worker_id: &str,
+        (worker_id, model): (&str, &str),
         layout: &KvLayout,
         plane: DataPlane,
         auth: &pdmesh_tls::MeshAuth,
@@ -145,6 +146,7 @@ impl HostClient {
         let reg = rpc
             .register(pb::RegisterRequest {
                 worker_id: worker_id.to_owned(),
+                model: model.to_owned(),
                 layout: Some(layout_to_pb(layout)),
                 data_plane: match plane {
                     DataPlane::Shm => pb::DataPlane::Shm,

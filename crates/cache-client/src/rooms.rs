@@ -37,9 +37,10 @@ impl Drop for RoomLink {
 pub const RELINK_GRACE: Duration = Duration::from_secs(3);
 
 impl RoomLink {
+    /// Registers as `worker_id` serving `model` (see [`HostClient::connect`]).
     pub fn start(
         url: String,
-        worker_id: String,
+        (worker_id, model): (String, String),
         layout: KvLayout,
         auth: pdmesh_tls::MeshAuth,
     ) -> Self {
@@ -53,7 +54,13 @@ impl RoomLink {
                     if !alive {
                         let attempt = tokio::time::timeout(
                             Duration::from_secs(2),
-                            HostClient::connect(&url, &worker_id, &layout, DataPlane::Shm, &auth),
+                            HostClient::connect(
+                                &url,
+                                (&worker_id, &model),
+                                &layout,
+                                DataPlane::Shm,
+                                &auth,
+                            ),
                         )
                         .await;
                         match attempt {

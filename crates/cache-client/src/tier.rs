@@ -28,6 +28,9 @@ pub struct TierConfig {
     /// e.g. `http://127.0.0.1:50063`
     pub url: String,
     pub worker_id: String,
+    /// What the worker serves: its model's name and weights digest (the cache service
+    /// names disk pages by it, and refuses a worker of another model).
+    pub model: String,
     pub plane: DataPlane,
     /// Deadline of each call: a fetch still waiting for an answer (or for the connection)
     /// after it is a miss.
@@ -53,6 +56,7 @@ impl TierConfig {
         Self {
             url: url.into(),
             worker_id: worker_id.into(),
+            model: String::new(),
             plane,
             call_timeout: Duration::from_secs(2),
             retry_every: Duration::from_secs(1),
@@ -285,7 +289,13 @@ async fn reconnect(shared: Arc<Shared>, cfg: TierConfig, layout: KvLayout) {
         if !connected {
             let attempt = tokio::time::timeout(
                 cfg.call_timeout.max(Duration::from_secs(1)),
-                HostClient::connect(&cfg.url, &cfg.worker_id, &layout, cfg.plane, &cfg.auth),
+                HostClient::connect(
+                    &cfg.url,
+                    (&cfg.worker_id, &cfg.model),
+                    &layout,
+                    cfg.plane,
+                    &cfg.auth,
+                ),
             )
             .await;
             match attempt {

@@ -51,10 +51,13 @@ pub enum Kind {
     ToolParse,
     /// Prefill's first token and decode's differ: decode got other KV.
     FirstTokenMismatch,
+    /// The disk tier stopped taking pages (a full or unwritable disk, an unreadable
+    /// folder): requests go on without it.
+    DiskDegraded,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 7] = [
+    pub const ALL: [Kind; 8] = [
         Kind::Wedge,
         Kind::RoomDeadline,
         Kind::Checksum,
@@ -62,6 +65,7 @@ impl Kind {
         Kind::EngineStall,
         Kind::ToolParse,
         Kind::FirstTokenMismatch,
+        Kind::DiskDegraded,
     ];
 
     /// The stable name: metric label, file names, JSON.
@@ -74,6 +78,7 @@ impl Kind {
             Kind::EngineStall => "engine_stall",
             Kind::ToolParse => "tool_parse",
             Kind::FirstTokenMismatch => "first_token_mismatch",
+            Kind::DiskDegraded => "disk_degraded",
         }
     }
 
@@ -87,6 +92,7 @@ impl Kind {
             Kind::EngineStall => "Engine loop stalled",
             Kind::ToolParse => "Output failed to parse",
             Kind::FirstTokenMismatch => "First token differs between prefill and decode",
+            Kind::DiskDegraded => "Disk tier degraded",
         }
     }
 }

@@ -78,6 +78,26 @@ label_set! {
 }
 
 label_set! {
+    /// Why a disk tier page file was discarded instead of served
+    /// (`mesh_kv_disk_discards_total{reason}`).
+    pub enum DiskDiscard {
+        /// Written for another KV layout or model (another model, dtype, page size or
+        /// shard).
+        ForeignLayout => "foreign_layout",
+        /// Shorter or longer than its header says, or than a header.
+        Partial => "partial",
+        /// The header is not one this version writes, or its own checksum fails.
+        BadHeader => "bad_header",
+        /// The page's bytes do not match their checksum.
+        BadChecksum => "bad_checksum",
+        /// The header names another page than the file's name.
+        WrongName => "wrong_name",
+        /// A temporary file a write left behind (the write never finished).
+        Unfinished => "unfinished",
+    }
+}
+
+label_set! {
     /// Who or what aborted a room at the cache service (`mesh_room_aborts_total{reason}`).
     pub enum RoomAbort {
         /// The prefill side.

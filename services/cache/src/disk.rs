@@ -34,46 +34,9 @@ const SUFFIX: &str = ".page";
 const TEMP_SUFFIX: &str = ".tmp";
 const LOCK: &str = "lock";
 
-/// Why a page file was discarded instead of served.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Discard {
-    /// Written for another KV layout (another model, dtype, page size or shard).
-    ForeignLayout,
-    /// Shorter or longer than its header says, or than a header.
-    Partial,
-    /// The header is not one this version writes, or its own checksum fails.
-    BadHeader,
-    /// The page's bytes do not match their checksum.
-    BadChecksum,
-    /// The header names another page than the file's name.
-    WrongName,
-    /// A temporary file a write left behind (the write never finished).
-    Unfinished,
-}
-
-impl Discard {
-    /// Every reason, in a fixed order (for counters).
-    pub const ALL: [Discard; 6] = [
-        Discard::ForeignLayout,
-        Discard::Partial,
-        Discard::BadHeader,
-        Discard::BadChecksum,
-        Discard::WrongName,
-        Discard::Unfinished,
-    ];
-
-    /// The reason's label.
-    pub fn name(self) -> &'static str {
-        match self {
-            Discard::ForeignLayout => "foreign_layout",
-            Discard::Partial => "partial",
-            Discard::BadHeader => "bad_header",
-            Discard::BadChecksum => "bad_checksum",
-            Discard::WrongName => "wrong_name",
-            Discard::Unfinished => "unfinished",
-        }
-    }
-}
+/// Why a page file was discarded instead of served (a closed label set: the gateway
+/// exports `mesh_kv_disk_discards_total{reason}` by it).
+pub use pdmesh_telemetry::labels::DiskDiscard as Discard;
 
 /// What a load found.
 #[derive(Debug, PartialEq, Eq)]
@@ -155,39 +118,17 @@ struct Entry {
     checksum: u64,
 }
 
-/// The pages of one KV layout in one folder.
-pub struct DiskStore {
+/// A page folder held by this service: made owner-only if missing, refused when other
+/// users may enter it or another cache service holds it. Taken at start, before the
+/// layout is known; the store opens on it once the first worker registers.
+#[derive(Debug)]
+pub struct DiskLock {
     dir: PathBuf,
-    fingerprint: u64,
-    capacity: u64,
-    used: u64,
-    tick: u64,
-    index: HashMap<u64, Entry>,
-    lru: BTreeMap<u64, u64>,
-    // Held for the store's life: the folder is this service's.
-    _lock: File,
+    _file: File,
 }
 
-impl std::fmt::Debug for DiskStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DiskStore")
-            .field("dir", &self.dir)
-            .field("pages", &self.index.len())
-            .field("used", &self.used)
-            .field("capacity", &self.capacity)
-            .finish()
-    }
-}
-
-impl DiskStore {
-    /// Opens `dir` (made, owner-only, if missing) for pages of the layout `fingerprint`,
-    /// within `capacity` bytes of files, and rebuilds the index from what is there.
-    /// Returns what was discarded, by reason.
-    pub fn open(
-        dir: &Path,
-        fingerprint: u64,
-        capacity: u64,
-    ) -> Result<(DiskStore, BTreeMap<Discard, u64>), DiskError> {
+impl DiskLock {
+    pub fn take(dir: &Path) -> Result<DiskLock, DiskError> {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -221,14 +162,136 @@ impl DiskStore {
                 });
             }
         }
-        let mut store = DiskStore {
+        Ok(DiskLock {
             dir: dir.to_owned(),
+            _file: lock,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// A page file to read outside the store's lock ([`DiskStore::to_load`]).
+#[derive(Debug)]
+pub struct ToLoad {
+    path: PathBuf,
+    hash: u64,
+    fingerprint: u64,
+    limit: u64,
+    expected: u64,
+}
+
+impl ToLoad {
+    /// Reads and checks the file (blocking I/O): the page's bytes, or why it is unsound.
+    pub fn read(&self) -> Result<Vec<u8>, Option<Discard>> {
+        match read_page(&self.path, self.limit) {
+            Ok((Some(header), data, _)) => {
+                match verify(&header, &data, self.fingerprint, self.hash) {
+                    Ok(()) if header.checksum == self.expected => Ok(data),
+                    // Another sound page under this name than the one stored.
+                    Ok(()) => Err(Some(Discard::BadChecksum)),
+                    Err(reason) => Err(Some(reason)),
+                }
+            }
+            Ok((None, _, _)) => Err(Some(Discard::BadHeader)),
+            // Gone behind the store's back: a miss.
+            Err(e) if e.kind() == ErrorKind::NotFound => Err(None),
+            Err(_) => Err(Some(Discard::Partial)),
+        }
+    }
+
+    pub fn hash(&self) -> u64 {
+        self.hash
+    }
+}
+
+/// A page file to write outside the store's lock ([`DiskStore::to_write`]).
+#[derive(Debug)]
+pub struct ToWrite {
+    temp: PathBuf,
+    path: PathBuf,
+    dir: PathBuf,
+    header: [u8; HEADER_BYTES],
+    hash: u64,
+    checksum: u64,
+    bytes: u64,
+}
+
+impl ToWrite {
+    /// Writes the file under its temporary name, syncs it, renames it and syncs the
+    /// folder (blocking I/O). A failed write leaves nothing behind.
+    pub fn write(&self, data: &[u8]) -> Result<(), DiskError> {
+        let written = write_synced(&self.temp, &self.header, data)
+            .and_then(|()| std::fs::rename(&self.temp, &self.path))
+            .and_then(|()| File::open(&self.dir)?.sync_all());
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&self.temp);
+            return Err(io("writing", &self.temp)(e));
+        }
+        Ok(())
+    }
+
+    pub fn hash(&self) -> u64 {
+        self.hash
+    }
+}
+
+/// The pages of one KV layout in one folder.
+pub struct DiskStore {
+    dir: PathBuf,
+    fingerprint: u64,
+    capacity: u64,
+    used: u64,
+    tick: u64,
+    index: HashMap<u64, Entry>,
+    lru: BTreeMap<u64, u64>,
+    /// Pages being written outside the lock, with the bytes set aside for them.
+    writing: HashMap<u64, u64>,
+    // Held for the store's life: the folder is this service's.
+    _lock: DiskLock,
+}
+
+impl std::fmt::Debug for DiskStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskStore")
+            .field("dir", &self.dir)
+            .field("pages", &self.index.len())
+            .field("used", &self.used)
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+impl DiskStore {
+    /// Opens `dir` (made, owner-only, if missing) for pages of the layout `fingerprint`,
+    /// within `capacity` bytes of files, and rebuilds the index from what is there.
+    /// Returns what was discarded, by reason.
+    pub fn open(
+        dir: &Path,
+        fingerprint: u64,
+        capacity: u64,
+    ) -> Result<(DiskStore, BTreeMap<Discard, u64>), DiskError> {
+        DiskStore::open_locked(DiskLock::take(dir)?, fingerprint, capacity)
+    }
+
+    /// Opens the folder `lock` holds for pages of the layout `fingerprint`, as
+    /// [`DiskStore::open`] does.
+    pub fn open_locked(
+        lock: DiskLock,
+        fingerprint: u64,
+        capacity: u64,
+    ) -> Result<(DiskStore, BTreeMap<Discard, u64>), DiskError> {
+        let mut store = DiskStore {
+            dir: lock.dir.clone(),
             fingerprint,
             capacity,
             used: 0,
             tick: 0,
             index: HashMap::new(),
             lru: BTreeMap::new(),
+            writing: HashMap::new(),
             _lock: lock,
         };
         let discarded = store.rebuild()?;
@@ -321,14 +384,16 @@ impl DiskStore {
     }
 
     /// Removes the least recently used pages until `need` more bytes fit.
-    fn make_room(&mut self, need: u64) -> Result<(), DiskError> {
-        while self.used + need > self.capacity {
+    fn make_room(&mut self, need: u64) -> Result<Vec<u64>, DiskError> {
+        let mut gone = Vec::new();
+        while self.used + self.writing.values().sum::<u64>() + need > self.capacity {
             let Some((_, &hash)) = self.lru.iter().next() else {
                 break;
             };
             self.forget(hash)?;
+            gone.push(hash);
         }
-        Ok(())
+        Ok(gone)
     }
 
     fn path(&self, hash: u64) -> PathBuf {
@@ -359,9 +424,26 @@ impl DiskStore {
     /// this returns, the page survives a crash and a restart. A page already on disk is
     /// only marked used. Bytes that do not match `checksum` are refused, never written.
     pub fn put(&mut self, hash: u64, checksum: u64, data: &[u8]) -> Result<(), DiskError> {
-        if self.index.contains_key(&hash) {
-            self.touch(hash);
+        let (Some(w), _) = self.to_write(hash, checksum, data)? else {
             return Ok(());
+        };
+        let r = w.write(data);
+        self.finish_write(w, r.is_ok());
+        r
+    }
+
+    /// Sets room aside for page `hash`, evicting the least recently used pages (returned,
+    /// as the second value) for it: the write to do outside the lock, then hand to
+    /// [`DiskStore::finish_write`]. `None`: already on disk or being written (marked used).
+    pub fn to_write(
+        &mut self,
+        hash: u64,
+        checksum: u64,
+        data: &[u8],
+    ) -> Result<(Option<ToWrite>, Vec<u64>), DiskError> {
+        if self.index.contains_key(&hash) || self.writing.contains_key(&hash) {
+            self.touch(hash);
+            return Ok((None, Vec::new()));
         }
         if page_checksum(data) != checksum {
             return Err(DiskError::Corrupt { hash });
@@ -373,7 +455,8 @@ impl DiskStore {
                 capacity: self.capacity,
             });
         }
-        self.make_room(bytes)?;
+        let gone = self.make_room(bytes)?;
+        self.writing.insert(hash, bytes);
         let header = Header {
             fingerprint: self.fingerprint,
             hash,
@@ -384,49 +467,77 @@ impl DiskStore {
             "{hash:016x}.{}{TEMP_SUFFIX}",
             uuid::Uuid::new_v4().simple()
         ));
-        let written = write_synced(&temp, &header.encode(), data)
-            .and_then(|()| std::fs::rename(&temp, self.path(hash)))
-            .and_then(|()| File::open(&self.dir)?.sync_all());
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&temp);
-            return Err(io("writing", &temp)(e));
+        Ok((
+            Some(ToWrite {
+                temp,
+                path: self.path(hash),
+                dir: self.dir.clone(),
+                header: header.encode(),
+                hash,
+                checksum,
+                bytes,
+            }),
+            gone,
+        ))
+    }
+
+    /// Ends a write [`DiskStore::to_write`] began: the page is in the index only if
+    /// `written`.
+    pub fn finish_write(&mut self, w: ToWrite, written: bool) {
+        self.writing.remove(&w.hash);
+        if written {
+            self.insert(w.hash, w.bytes, w.checksum);
         }
-        self.insert(hash, bytes, checksum);
-        Ok(())
     }
 
     /// Loads page `hash`, checked whole; a page that fails a check is removed and
     /// reported as [`Load::Discarded`].
     pub fn load(&mut self, hash: u64) -> Result<Load, DiskError> {
-        let Some(expected) = self.checksum(hash) else {
+        let Some(f) = self.to_load(hash) else {
             return Ok(Load::Miss);
         };
-        let path = self.path(hash);
-        let found = match read_page(&path, self.capacity) {
-            Ok((Some(header), data, _)) => match verify(&header, &data, self.fingerprint, hash) {
-                Ok(()) if header.checksum == expected => Ok(data),
-                // Another sound page under this name than the one stored.
-                Ok(()) => Err(Discard::BadChecksum),
-                Err(reason) => Err(reason),
-            },
-            Ok((None, _, _)) => Err(Discard::BadHeader),
-            Err(e) if e.kind() == ErrorKind::NotFound => {
-                // Gone behind the store's back: a miss.
-                self.forget(hash)?;
-                return Ok(Load::Miss);
-            }
-            Err(_) => Err(Discard::Partial),
-        };
-        match found {
+        let r = f.read();
+        self.finish_load(hash, r)
+    }
+
+    /// The file of page `hash` to read outside the lock (`None`: not on disk).
+    pub fn to_load(&self, hash: u64) -> Option<ToLoad> {
+        let expected = self.checksum(hash)?;
+        Some(ToLoad {
+            path: self.path(hash),
+            hash,
+            fingerprint: self.fingerprint,
+            limit: self.capacity,
+            expected,
+        })
+    }
+
+    /// What a read of [`DiskStore::to_load`] found: a hit marks the page used; a miss or
+    /// an unsound file forgets the page (and removes the file).
+    pub fn finish_load(
+        &mut self,
+        hash: u64,
+        read: Result<Vec<u8>, Option<Discard>>,
+    ) -> Result<Load, DiskError> {
+        match read {
             Ok(data) => {
                 self.touch(hash);
                 Ok(Load::Hit(data))
             }
-            Err(reason) => {
+            Err(None) => {
+                self.forget(hash)?;
+                Ok(Load::Miss)
+            }
+            Err(Some(reason)) => {
                 self.forget(hash)?;
                 Ok(Load::Discarded(reason))
             }
         }
+    }
+
+    /// Every page on disk, least recently used first.
+    pub fn hashes(&self) -> Vec<u64> {
+        self.lru.values().copied().collect()
     }
 }
 
@@ -496,3 +607,4 @@ fn remove(path: &Path) -> Result<(), DiskError> {
 
 #[cfg(test)]
 mod tests;
+pub mod tier;

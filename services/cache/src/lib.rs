@@ -37,7 +37,7 @@ use state::stats::RoomStats;
 
 pub use pdmesh_cache_client::{Lease, RemoteTier, TierConfig};
 pub use state::CacheError;
-pub use state::slots::MirrorSize;
+pub use state::slots::{BadMirrorSize, MirrorSize};
 
 /// Configuration of the cache service.
 #[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
@@ -105,6 +105,62 @@ pub struct Config {
     /// the mesh token.
     #[command(flatten)]
     pub tls: pdmesh_tls::TlsArgs,
+    /// The disk tier below the host mirror.
+    #[command(flatten)]
+    pub disk: DiskArgs,
+}
+
+/// The disk tier's flags.
+#[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
+pub struct DiskArgs {
+    /// A folder for the disk tier (made mode 0700; refused when other users may enter
+    /// it or another cache service holds it): pages evicted from the host mirror are
+    /// written there, promoted back on a hit, and outlive restarts. Without it, no disk
+    /// tier.
+    #[arg(long, env = "PDMESH_DISK_DIR")]
+    pub disk_dir: Option<PathBuf>,
+    /// Bytes of page files the disk tier keeps at most (`64GiB`, `500MB`); the least
+    /// recently used go first.
+    #[arg(long, env = "PDMESH_DISK_SIZE", default_value = "16GiB")]
+    pub disk_size: DiskSize,
+    /// How long a match waits for its pages to be promoted from disk; pages not in by
+    /// then are a miss (recomputed), never a longer wait.
+    #[arg(long, env = "PDMESH_DISK_PROMOTE_TIMEOUT_MS", default_value_t = 500)]
+    pub disk_promote_timeout_ms: u64,
+    /// Bytes of evicted pages waiting to be written at most; more are not spilled
+    /// (counted).
+    #[arg(long, env = "PDMESH_DISK_SPILL_QUEUE", default_value = "256MiB")]
+    pub disk_spill_queue: DiskSize,
+}
+
+impl Default for DiskArgs {
+    /// No disk tier; the flags' defaults.
+    fn default() -> Self {
+        Self {
+            disk_dir: None,
+            disk_size: DiskSize(16 << 30),
+            disk_promote_timeout_ms: 500,
+            disk_spill_queue: DiskSize(256 << 20),
+        }
+    }
+}
+
+/// A size in bytes (`16GiB`, `500MB`, `1000000`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DiskSize(pub u64);
+
+impl std::str::FromStr for DiskSize {
+    type Err = state::slots::BadMirrorSize;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.parse::<MirrorSize>()? {
+            MirrorSize::Bytes(b) => Ok(DiskSize(b)),
+            MirrorSize::Tokens(_) => Err(state::slots::BadMirrorSize::UnknownUnit(
+                s.to_owned(),
+                "tokens".into(),
+            )),
+        }
+    }
 }
 
 impl Config {
@@ -124,6 +180,7 @@ impl Config {
             incidents: pdmesh_incident::IncidentArgs::default(),
             drain_timeout_ms: 20_000,
             tls: pdmesh_tls::TlsArgs::default(),
+            disk: DiskArgs::default(),
         }
     }
 
@@ -203,6 +260,7 @@ pub async fn run(
         ("room-transfer-ms", cfg.room_transfer_ms),
         ("room-success-ms", cfg.room_success_ms),
         ("peer-io-timeout-ms", cfg.peer_io_timeout_ms),
+        ("disk-promote-timeout-ms", cfg.disk.disk_promote_timeout_ms),
     ] {
         if v == 0 {
             return Err(Error::Config(format!("--{flag} must be at least 1")));
@@ -235,16 +293,26 @@ pub async fn run(
         auth.check_listen("the cache service's page transport", a)?;
     }
     mirror::sweep_dirs(cfg.shm_dir.as_deref());
+    let disk = match &cfg.disk.disk_dir {
+        Some(dir) => Some(
+            disk::tier::DiskTier::new(disk::tier::DiskConfig {
+                dir: dir.clone(),
+                capacity: cfg.disk.disk_size.0,
+                spill_queue_bytes: cfg.disk.disk_spill_queue.0 as usize,
+                readers: 4,
+            })
+            .map_err(|e| Error::Config(format!("--disk-dir: {e}")))?,
+        ),
+        None => None,
+    };
     let shm_dir = cfg.shm_dir.clone();
     let ttl = Duration::from_millis(cfg.lease_ttl_ms);
     // `shutdown` starts the drain; `serving` stops everything once it is over.
     let serving = CancellationToken::new();
-    let shared = grpc::Shared::new(state::State::with_rooms(
-        cfg.host_mirror_size,
-        mirror_dir,
-        ttl,
-        cfg.room_deadlines(),
-    ));
+    let shared = grpc::Shared::new(
+        state::State::with_rooms(cfg.host_mirror_size, mirror_dir, ttl, cfg.room_deadlines())
+            .with_disk(disk.clone()),
+    );
     let opts = transfer::TcpOptions {
         io_timeout: Duration::from_millis(cfg.peer_io_timeout_ms),
         ..transfer::TcpOptions::default()
@@ -361,7 +429,8 @@ pub async fn run(
             &grpc::POLICY,
             pdmesh_proto::cache::v1::cache_server::CacheServer::new(
                 grpc::CacheService::new(shared.clone(), serving.clone(), peers, peer_port)
-                    .with_incidents(reporter),
+                    .with_incidents(reporter)
+                    .with_promote_timeout(Duration::from_millis(cfg.disk.disk_promote_timeout_ms)),
             ),
         ),
     );
@@ -372,12 +441,50 @@ pub async fn run(
     let _ = reaper.await;
     receiver.abort();
     let _ = receiver.await;
+    if let Some(d) = disk {
+        flush_to_disk(&shared, d, Duration::from_millis(cfg.drain_timeout_ms)).await;
+    }
     // The mirror file goes with the state's last holder, then this user's directory for
     // mirrors unless another cache service's mirror is in it: nothing is left in /dev/shm.
     drop(shared);
     mirror::remove_empty_dirs(shm_dir.as_deref());
     tracing::info!(?addr, "cache service stopped");
     served.map_err(Error::from)
+}
+
+/// At a graceful stop, writes the host mirror's pages not yet on disk (the most recently
+/// used first) within `timeout`, so a restarted service finds them.
+async fn flush_to_disk(shared: &grpc::Shared, disk: Arc<disk::tier::DiskTier>, timeout: Duration) {
+    if !disk.serving() {
+        return;
+    }
+    let shared = shared.clone();
+    let t0 = Instant::now();
+    let deadline = t0 + timeout;
+    let done = tokio::task::spawn_blocking(move || {
+        let pages = shared.with(|s| s.resident_pages());
+        let mirror = shared.with(|s| s.mirror());
+        let Some(mirror) = mirror else { return 0 };
+        let n = pages.len();
+        disk.flush(
+            pages.into_iter().filter_map(|(hash, slot, checksum)| {
+                let mut data = vec![0u8; mirror.page_bytes()];
+                // Still that page (nothing is served now, but a page is read only as it is).
+                shared
+                    .with(|s| s.read_resident(hash, slot, &mut data))
+                    .then_some((hash, checksum, data))
+            }),
+            deadline,
+        );
+        n
+    })
+    .await
+    .unwrap_or(0);
+    tracing::info!(
+        pages = done,
+        seconds = t0.elapsed().as_secs_f64(),
+        "host mirror written to the disk tier"
+    );
 }
 
 /// Once `shutdown` is cancelled: opens no new room or relay, waits until none is under

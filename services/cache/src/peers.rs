@@ -282,6 +282,9 @@ impl Link {
                         worker_id: name.to_owned(),
                         layout: Some(layout_to_pb(&layout)),
                         data_plane: pb::DataPlane::Peer.into(),
+                        // A peer fixes neither the layout nor the model; rooms check
+                        // what they carry.
+                        model: String::new(),
                     },
                     t,
                 ))

@@ -93,6 +93,7 @@ async fn a_caller_without_the_mesh_token_is_refused_everywhere_and_creates_nothi
                 worker_id: "intruder".into(),
                 layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
                 data_plane: pb::DataPlane::Shm.into(),
+                ..Default::default()
             })
             .await
             .unwrap_err();
@@ -142,6 +143,7 @@ async fn over_mutual_tls_a_certificate_of_the_wrong_role_is_refused_and_creates_
         worker_id: format!("{plane:?}"),
         layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
         data_plane: plane.into(),
+        ..Default::default()
     };
     fn denied<T>(r: Result<T, tonic::Status>) {
         match r {
@@ -214,6 +216,7 @@ async fn malformed_registrations_are_refused_and_create_nothing() {
                 worker_id: worker.into(),
                 layout: l,
                 data_plane: pb::DataPlane::Shm.into(),
+                ..Default::default()
             })
             .await
             .unwrap_err();

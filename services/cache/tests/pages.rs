@@ -161,6 +161,7 @@ async fn register(
         worker_id: name.into(),
         layout: Some(pdmesh_cache::wire::layout_to_pb(&layout())),
         data_plane: plane.into(),
+        ..Default::default()
     }))
     .await
 }

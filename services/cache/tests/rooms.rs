@@ -50,7 +50,7 @@ async fn linked_then_restarted(
     let first_service = cache_service(any, shm, layout).await;
     let link = RoomLink::start(
         first_service.url(),
-        worker.into(),
+        (worker.into(), String::new()),
         layout.clone(),
         pdmesh_tls::test_ca::auth(),
     );

@@ -82,9 +82,11 @@ fn kv_event(seq: u64, e: &CacheEvent) -> cpb::KvEvent {
             parent_hash: *parent_hash,
             hashes: hashes.clone(),
             token_ids: tokens.clone(),
+            tier: cpb::KvTier::Memory.into(),
         }),
         CacheEvent::Removed { hashes } => cpb::kv_event::Kind::Removed(cpb::PagesRemoved {
             hashes: hashes.clone(),
+            tier: cpb::KvTier::Memory.into(),
         }),
         CacheEvent::Cleared => cpb::kv_event::Kind::Cleared(cpb::PagesCleared {}),
     };

@@ -13,6 +13,7 @@ mod engine_core;
 mod error;
 mod faults;
 mod grpc;
+mod identity;
 mod incidents;
 mod pd;
 mod probes;
@@ -94,15 +95,30 @@ pub async fn run(
         cfg.report_config(engine.pool().layout().as_ref()),
     )
     .map_err(|e| Error::Config(e.to_string()))?;
+    // What this worker serves, as its cache service names disk pages by it.
+    let model = {
+        let (id, path) = (engine.info().model_id, cfg.model.clone());
+        tokio::task::spawn_blocking(move || identity::model_identity(&id, &path))
+            .await
+            .map_err(|e| Error::Thread(std::io::Error::other(e.to_string())))?
+            .map_err(|e| {
+                Error::Config(format!(
+                    "reading {} for its digest: {e}",
+                    cfg.model.display()
+                ))
+            })?
+    };
     if let Some(url) = cfg.cache_url.as_ref().filter(|_| !cfg.no_host_tier) {
+        let mut tier_cfg = pdmesh_cache_client::TierConfig::new(
+            url.clone(),
+            format!("worker-{}", std::process::id()),
+            cfg.cache_data_plane,
+            auth.clone(),
+        );
+        tier_cfg.model = model.clone();
         let tier = pdmesh_cache_client::RemoteTier::start(
             tokio::runtime::Handle::current(),
-            pdmesh_cache_client::TierConfig::new(
-                url.clone(),
-                format!("worker-{}", std::process::id()),
-                cfg.cache_data_plane,
-                auth.clone(),
-            ),
+            tier_cfg,
             engine.pool().layout().as_ref().clone(),
         );
         let tier = match &incidents {
@@ -126,7 +142,7 @@ pub async fn run(
             cfg.cache_advertise_url
                 .as_deref()
                 .or(cfg.cache_url.as_deref()),
-            engine.pool().layout(),
+            (engine.pool().layout(), &model),
             pd::PdTimes {
                 admission: std::time::Duration::from_millis(cfg.admission_timeout_ms),
                 transfer: std::time::Duration::from_millis(cfg.transfer_timeout_ms),

@@ -38,5 +38,5 @@ pub async fn shm_client(
     layout: &KvLayout,
 ) -> Result<HostClient, ClientError> {
     let auth = pdmesh_tls::test_ca::auth();
-    HostClient::connect(url, name, layout, DataPlane::Shm, &auth).await
+    HostClient::connect(url, (name, ""), layout, DataPlane::Shm, &auth).await
 }

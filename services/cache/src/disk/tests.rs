@@ -149,7 +149,11 @@ fn empty(dir: &Path) -> DiskStore {
         tick: 0,
         index: HashMap::new(),
         lru: BTreeMap::new(),
-        _lock: File::open(dir).unwrap(),
+        writing: HashMap::new(),
+        _lock: DiskLock {
+            dir: dir.to_owned(),
+            _file: File::open(dir).unwrap(),
+        },
     }
 }
 

@@ -17,7 +17,7 @@ use tonic::{Request, Response, Status};
 
 use crate::peers::Peers;
 use crate::rooms::RoomError;
-use crate::state::{CacheError, Event, State};
+use crate::state::{CacheError, Event, State, Tier};
 use pdmesh_cache_client::Lease;
 
 /// The lease a request names: 16 bytes, or INVALID_ARGUMENT (never echoing it).
@@ -30,6 +30,7 @@ impl From<CacheError> for Status {
         let msg = e.to_string();
         match e {
             CacheError::LayoutMismatch { .. }
+            | CacheError::ModelMismatch { .. }
             | CacheError::PeerLayoutMismatch { .. }
             | CacheError::TooSmall { .. } => Status::failed_precondition(msg),
             CacheError::NoLayoutYet | CacheError::Draining => Status::unavailable(msg),
@@ -52,6 +53,13 @@ impl From<CacheError> for Status {
     }
 }
 
+fn tier_pb(t: Tier) -> pb::KvTier {
+    match t {
+        Tier::Host => pb::KvTier::Memory,
+        Tier::Disk => pb::KvTier::Disk,
+    }
+}
+
 /// Shared between the gRPC handlers and the lease reaper.
 #[derive(Clone)]
 pub(crate) struct Shared {
@@ -60,6 +68,8 @@ pub(crate) struct Shared {
     seq: Arc<std::sync::atomic::AtomicU64>,
     /// The rooms' version: room waiters look again whenever it changes.
     pub rooms: tokio::sync::watch::Sender<u64>,
+    /// Bumped whenever a promotion from the disk tier ends: its waiters look again.
+    pub promotions: tokio::sync::watch::Sender<u64>,
 }
 
 impl Shared {
@@ -69,6 +79,7 @@ impl Shared {
             events: broadcast::channel(1024).0,
             seq: Default::default(),
             rooms: tokio::sync::watch::channel(0).0,
+            promotions: tokio::sync::watch::channel(0).0,
         }
     }
 
@@ -85,15 +96,21 @@ impl Shared {
         for e in st.take_events() {
             let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             let kind = match e {
-                Event::Stored { parent, hashes } => pb::kv_event::Kind::Stored(pb::PagesStored {
+                Event::Stored {
+                    parent,
+                    hashes,
+                    tier,
+                } => pb::kv_event::Kind::Stored(pb::PagesStored {
                     parent_hash: parent,
                     hashes,
                     // The mirror keeps pages by hash, not their tokens.
                     token_ids: Vec::new(),
+                    tier: tier_pb(tier).into(),
                 }),
-                Event::Removed { hashes } => {
-                    pb::kv_event::Kind::Removed(pb::PagesRemoved { hashes })
-                }
+                Event::Removed { hashes, tier } => pb::kv_event::Kind::Removed(pb::PagesRemoved {
+                    hashes,
+                    tier: tier_pb(tier).into(),
+                }),
             };
             // No subscriber is fine: events are for whoever listens now.
             let _ = self.events.send(pb::KvEvent {
@@ -115,6 +132,8 @@ pub(crate) struct CacheService {
     peer_port: u16,
     /// Where this service's incident reports go, for their counts in Stats.
     incidents: Option<Arc<pdmesh_incident::Reporter>>,
+    /// How long a match waits for its pages' promotions from the disk tier.
+    promote_timeout: std::time::Duration,
 }
 
 impl CacheService {
@@ -130,7 +149,15 @@ impl CacheService {
             peers,
             peer_port,
             incidents: None,
+            promote_timeout: std::time::Duration::from_millis(500),
         }
+    }
+
+    /// A match waits this long for pages promoted from the disk tier; those not in by
+    /// then are a miss.
+    pub fn with_promote_timeout(mut self, t: std::time::Duration) -> Self {
+        self.promote_timeout = t;
+        self
     }
 
     /// Counts the reports `r` files in Stats.

@@ -34,8 +34,16 @@ impl CacheService {
             self.shared
                 .with(|s| s.register_peer(&r.worker_id, &layout, Instant::now()))?
         } else {
-            self.shared
-                .with(|s| s.register(&r.worker_id, layout, Instant::now()))?
+            self.shared.with(|s| {
+                if s.layout()
+                    .is_none_or(|l| l.fingerprint() == layout.fingerprint())
+                {
+                    s.check_model(&r.model)?;
+                }
+                let reg = s.register(&r.worker_id, layout, Instant::now())?;
+                s.start_disk();
+                Ok::<_, CacheError>(reg)
+            })?
         };
         Ok(Response::new(pb::RegisterResponse {
             lease: reg.lease.to_wire(),
@@ -63,7 +71,15 @@ impl CacheService {
     ) -> Result<Response<pb::MatchResponse>, Status> {
         let r = request.into_inner();
         let lease = lease_of(&r.lease)?;
-        let pages = self.shared.with(|s| s.match_pages(lease, &r.hashes))?;
+        let (mut pages, plan) = self.shared.with(|s| {
+            let pages = s.match_pages(lease, &r.hashes)?;
+            let plan = s.plan_promotion(&r.hashes[pages.len()..], Instant::now());
+            Ok::<_, CacheError>((pages, plan))
+        })?;
+        if !plan.is_empty() {
+            let more = self.promote(lease, &r.hashes[pages.len()..], plan).await?;
+            pages.extend(more);
+        }
         Ok(Response::new(pb::MatchResponse {
             pages: pages
                 .into_iter()
@@ -74,6 +90,50 @@ impl CacheService {
                 })
                 .collect(),
         }))
+    }
+
+    /// Promotes `plan`'s pages from the disk tier (each read on its own, so later pages
+    /// load while earlier ones do), waits for them and those other matches are promoting
+    /// until they are all in or the promotion deadline passes, then pins the leading run
+    /// of `rest` now resident. A page not in by the deadline is a miss; its promotion
+    /// goes on and serves a later match.
+    async fn promote(
+        &self,
+        lease: pdmesh_cache_client::Lease,
+        rest: &[u64],
+        plan: crate::state::disk::Promotion,
+    ) -> Result<Vec<crate::state::index::PageRef>, Status> {
+        let Some(disk) = self.shared.with(|s| s.disk().cloned()) else {
+            return Ok(Vec::new());
+        };
+        let deadline = tokio::time::Instant::now() + self.promote_timeout;
+        let mut waiting: Vec<u64> = plan.wait;
+        let mut changed = self.shared.promotions.subscribe();
+        for (hash, slot) in plan.start {
+            waiting.push(hash);
+            let (shared, disk) = (self.shared.clone(), disk.clone());
+            tokio::spawn(async move {
+                let page = disk.load(hash).await;
+                shared.with(|s| s.promoted(hash, slot, page, Instant::now()));
+                shared.promotions.send_modify(|v| *v += 1);
+            });
+        }
+        loop {
+            changed.borrow_and_update();
+            if self.shared.with(|s| s.promotions_settled(&waiting)) {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, changed.changed())
+                .await
+                .is_err()
+            {
+                disk.late();
+                break;
+            }
+        }
+        let more = self.shared.with(|s| s.match_pages(lease, rest))?;
+        disk.hits(more.len());
+        Ok(more)
     }
 
     pub(super) async fn on_reserve(

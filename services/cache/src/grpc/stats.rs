@@ -13,11 +13,13 @@ impl CacheService {
         &self,
         _request: Request<pb::StatsRequest>,
     ) -> Result<Response<pb::StatsResponse>, Status> {
-        let (st, layout, rooms) = self.shared.with(|s| {
+        let (st, layout, rooms, disk, page_tokens) = self.shared.with(|s| {
             (
                 s.stats(),
                 s.layout().map(|l| l.to_string()),
                 s.room_stats(Instant::now()),
+                s.disk().map(|d| d.figures()),
+                s.layout().map_or(0, |l| l.page_size() as u64),
             )
         });
         Ok(Response::new(pb::StatsResponse {
@@ -75,6 +77,27 @@ impl CacheService {
                 .unwrap_or_default(),
             auth_refused: pdmesh_tls::auth::refused_total(),
             insecure_plaintext: pdmesh_tls::auth::insecure(),
+            disk: disk.map(|d| pb::DiskStats {
+                serving: d.serving,
+                degraded: d.degraded,
+                pages: d.pages,
+                bytes: d.bytes,
+                capacity_bytes: d.capacity,
+                spilled_pages: d.spilled,
+                spill_dropped_pages: d.spill_dropped,
+                promoted_pages: d.promoted,
+                hit_pages: d.hits,
+                late_promotions: d.late,
+                evicted_pages: d.evicted,
+                written_bytes: d.written_bytes,
+                read_bytes: d.read_bytes,
+                promote_seconds: d.promote_seconds,
+                discards: crate::disk::Discard::ALL
+                    .iter()
+                    .map(|r| (r.name().to_owned(), d.discards.get(r).copied().unwrap_or(0)))
+                    .collect(),
+                hit_tokens: d.hits * page_tokens,
+            }),
         }))
     }
 }

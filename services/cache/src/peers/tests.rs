@@ -33,7 +33,7 @@ async fn home(
     let served = tokio::spawn(crate::run(cfg, listener, stop));
     let worker = HostClient::connect(
         &url,
-        "w",
+        ("w", ""),
         layout,
         DataPlane::Shm,
         &pdmesh_tls::test_ca::auth(),
@@ -126,7 +126,7 @@ async fn a_home_that_never_answers_does_not_hold_up_links_to_other_homes() {
     let served = tokio::spawn(crate::run(cfg, listener, stop.clone()));
     let _worker = HostClient::connect(
         &live,
-        "w",
+        ("w", ""),
         &layout,
         DataPlane::Shm,
         &pdmesh_tls::test_ca::auth(),

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use pdmesh_cache_client::Lease;
 
 use super::slots::Slot;
-use super::{CacheError, Event, State};
+use super::{CacheError, Event, State, Tier};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageRef {
@@ -80,29 +80,15 @@ impl State {
             if self.index.contains_key(&h) {
                 continue;
             }
-            let slot = match self.free.pop() {
-                Some(s) => s,
-                None => match self.lru.pop_first() {
-                    Some((_, s)) => {
-                        let Slot::Resident { hash, .. } = self.slots[s as usize] else {
-                            unreachable!("the LRU set holds resident slots only");
-                        };
-                        self.index.remove(&hash);
-                        removed.push(hash);
-                        self.stats.evicted_pages += 1;
-                        s
-                    }
-                    None => break,
-                },
+            let Some(slot) = self.free.pop().or_else(|| self.evict_lru(&mut removed)) else {
+                break;
             };
             self.slots[slot as usize] = Slot::Reserved { lease, hash: h };
             self.index.insert(h, slot);
             self.lease_mut(lease)?.reserved.insert(slot);
             grants.push((h, slot));
         }
-        if !removed.is_empty() {
-            self.events.push(Event::Removed { hashes: removed });
-        }
+        self.removed(removed);
         Ok(grants)
     }
 
@@ -190,6 +176,7 @@ impl State {
                 _ => stored.push(Event::Stored {
                     parent: p.parent,
                     hashes: vec![p.hash],
+                    tier: Tier::Host,
                 }),
             }
         }
@@ -265,7 +252,10 @@ impl State {
         let n = gone.len();
         if n > 0 {
             tracing::warn!(pages = n, "corrupt pages discarded from the host mirror");
-            self.events.push(Event::Removed { hashes: gone });
+            self.events.push(Event::Removed {
+                hashes: gone,
+                tier: Tier::Host,
+            });
         }
         Ok(n)
     }

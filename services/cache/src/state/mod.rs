@@ -2,6 +2,7 @@
 //! the glue between its parts, each in its own file. Every method takes `now` so tests
 //! drive time.
 
+pub(crate) mod disk;
 mod expiry;
 pub(crate) mod index;
 pub(crate) mod leases;
@@ -64,13 +65,33 @@ pub enum CacheError {
         "no worker has registered on this host yet, so it has no KV layout to receive pages in"
     )]
     NoLayoutYet,
+    #[error(
+        "model mismatch: this host's cache holds pages of {ours:?}; this worker serves {theirs:?}"
+    )]
+    ModelMismatch { ours: String, theirs: String },
 }
 
-/// Pages stored in or removed from the mirror.
+/// Which tier an event is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    /// The host mirror.
+    Host,
+    /// The disk tier below it.
+    Disk,
+}
+
+/// Pages stored in or removed from the mirror or the disk tier.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
-    Stored { parent: u64, hashes: Vec<u64> },
-    Removed { hashes: Vec<u64> },
+    Stored {
+        parent: u64,
+        hashes: Vec<u64>,
+        tier: Tier,
+    },
+    Removed {
+        hashes: Vec<u64>,
+        tier: Tier,
+    },
 }
 
 /// The cache service's bookkeeping: the mirror's slots, the index of resident pages by
@@ -108,6 +129,10 @@ pub struct State {
     /// Failures seen under the lock, for the service to file as incident reports
     /// (outside it: files are written there).
     incidents: Vec<pdmesh_incident::Incident>,
+    /// What the first worker serves (with the layout, it names disk pages).
+    model: Option<String>,
+    /// The disk tier below the mirror, when the service has one.
+    disk: Option<Arc<crate::disk::tier::DiskTier>>,
 }
 
 impl State {
@@ -144,7 +169,15 @@ impl State {
             draining: false,
             peer_pages: HashMap::new(),
             incidents: Vec::new(),
+            model: None,
+            disk: None,
         }
+    }
+
+    /// With a disk tier below the mirror.
+    pub fn with_disk(mut self, disk: Option<Arc<crate::disk::tier::DiskTier>>) -> Self {
+        self.disk = disk;
+        self
     }
 
     /// Changes whenever any room changed.
@@ -157,9 +190,24 @@ impl State {
         self.mirror.clone()
     }
 
-    /// Events since the last call, in order.
+    /// Events since the last call, in order (the disk tier's after the mirror's).
     pub fn take_events(&mut self) -> Vec<Event> {
-        std::mem::take(&mut self.events)
+        let mut out = std::mem::take(&mut self.events);
+        if let Some(d) = &self.disk {
+            use crate::disk::tier::DiskEvent;
+            out.extend(d.take_events().into_iter().map(|e| match e {
+                DiskEvent::Stored(hashes) => Event::Stored {
+                    parent: 0,
+                    hashes,
+                    tier: Tier::Disk,
+                },
+                DiskEvent::Removed(hashes) => Event::Removed {
+                    hashes,
+                    tier: Tier::Disk,
+                },
+            }));
+        }
+        out
     }
 
     pub fn layout(&self) -> Option<&Arc<KvLayout>> {
@@ -168,7 +216,11 @@ impl State {
 
     /// The failures seen since the last call, to file as incident reports.
     pub fn take_incidents(&mut self) -> Vec<pdmesh_incident::Incident> {
-        std::mem::take(&mut self.incidents)
+        let mut out = std::mem::take(&mut self.incidents);
+        if let Some(d) = &self.disk {
+            out.extend(d.take_incidents());
+        }
+        out
     }
 
     /// From now on no new room or relay opens (the other side of a room already open

@@ -4,7 +4,7 @@
 
 use pdmesh_cache_client::Lease;
 
-use super::{CacheError, Event, State};
+use super::{CacheError, State};
 use crate::rooms::Released;
 
 /// How big the host mirror is: bytes, or tokens of the registered layout.
@@ -66,6 +66,11 @@ pub(super) enum Slot {
         pins: u32,
         last_use: u64,
     },
+    /// Being promoted from the disk tier: resident once its bytes are in and checked.
+    Promoting {
+        hash: u64,
+        since: std::time::Instant,
+    },
     /// Held by a room for its transfer.
     Room {
         room: u64,
@@ -80,7 +85,9 @@ pub(super) enum Slot {
 
 impl State {
     pub(super) fn free_slot(&mut self, slot: u32) {
-        if let Slot::Reserved { hash, .. } | Slot::Resident { hash, .. } = self.slots[slot as usize]
+        if let Slot::Reserved { hash, .. }
+        | Slot::Resident { hash, .. }
+        | Slot::Promoting { hash, .. } = self.slots[slot as usize]
         {
             self.index.remove(&hash);
         }
@@ -101,25 +108,15 @@ impl State {
         let mut slots = Vec::with_capacity(pages);
         let mut removed = Vec::new();
         for _ in 0..pages {
-            let slot = match self.free.pop() {
-                Some(s) => s,
-                None => {
-                    let (_, s) = self.lru.pop_first().expect("counted above");
-                    let Slot::Resident { hash, .. } = self.slots[s as usize] else {
-                        unreachable!("the LRU set holds resident slots only");
-                    };
-                    self.index.remove(&hash);
-                    removed.push(hash);
-                    self.stats.evicted_pages += 1;
-                    s
-                }
-            };
+            let slot = self
+                .free
+                .pop()
+                .or_else(|| self.evict_lru(&mut removed))
+                .expect("counted above");
             self.slots[slot as usize] = Slot::Room { room };
             slots.push(slot);
         }
-        if !removed.is_empty() {
-            self.events.push(Event::Removed { hashes: removed });
-        }
+        self.removed(removed);
         Ok(slots)
     }
 

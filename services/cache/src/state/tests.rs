@@ -213,10 +213,17 @@ fn pages_are_stored_matched_as_a_leading_run_and_pinned_against_eviction() {
         ev[0],
         Event::Stored {
             parent: 0,
-            hashes: vec![1]
+            hashes: vec![1],
+            tier: Tier::Host
         }
     );
-    assert!(ev.contains(&Event::Removed { hashes: vec![1] }), "{ev:?}");
+    assert!(
+        ev.contains(&Event::Removed {
+            hashes: vec![1],
+            tier: Tier::Host
+        }),
+        "{ev:?}"
+    );
 }
 
 #[test]

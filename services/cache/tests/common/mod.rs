@@ -130,7 +130,7 @@ pub async fn host_client(
     layout: &KvLayout,
     plane: DataPlane,
 ) -> Result<HostClient, ClientError> {
-    HostClient::connect(url, name, layout, plane, &pdmesh_tls::test_ca::auth()).await
+    HostClient::connect(url, (name, ""), layout, plane, &pdmesh_tls::test_ca::auth()).await
 }
 
 /// A worker `name` of [`layout`] registered at `s`.

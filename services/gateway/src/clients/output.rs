@@ -370,4 +370,7 @@ pub(super) fn add_stats(
     sum.auth_refused += s.auth_refused;
     sum.insecure_plaintext |= s.insecure_plaintext;
     sum.held_pages_skipped += s.held_pages_skipped;
+    if let Some(d) = &s.disk {
+        crate::metrics::disk::add_disk(sum.disk.get_or_insert_default(), d);
+    }
 }

@@ -248,6 +248,11 @@ pub(crate) async fn metrics(State(st): State<AppState>) -> Response {
             m.remote_incidents(&format!("cache {url}"), counts);
         }
         m.kv_evictions.observe("host", c.evicted_pages as f64);
+        if let Some(d) = &c.disk {
+            m.kv_evictions.observe("disk", d.evicted_pages as f64);
+            m.kv_hit_tokens.observe("disk", d.hit_tokens as f64);
+            m.disk.observe(d);
+        }
         m.host_mirror_expired_leases
             .observe("host", c.expired_leases as f64);
         m.host_mirror_commit_rejections

@@ -10,6 +10,7 @@ use prometheus::{
     Registry,
 };
 
+pub(crate) mod disk;
 pub(crate) mod pd;
 
 use self::pd::{PdMetrics, WorkerTotals};
@@ -75,7 +76,9 @@ label_set! {
 }
 
 /// Cache tiers (`tier` labels).
-const DEVICE_AND_HOST: &[&str] = &["device", "host"];
+/// Hits and evictions: the disk tier's too (a disk hit is also a host hit: its pages
+/// were promoted into the host mirror for the match that found them).
+const EVERY_TIER: &[&str] = &["device", "host", "disk"];
 const HOST: &[&str] = &["host"];
 /// Counters summed over every worker (`side` labels).
 const ALL_SIDES: &[&str] = &["all"];
@@ -154,6 +157,7 @@ pub(crate) struct Metrics {
     pub engine_idle_seconds: prometheus::Gauge,
     /// Prefill/decode disaggregation: rooms at the cache service, transfers at the workers.
     pub pd: PdMetrics,
+    pub disk: disk::DiskMetrics,
 }
 
 /// Routes, as metric labels.
@@ -298,14 +302,14 @@ impl Metrics {
         let kv_evictions = WorkerTotals::new(
             &registry,
             "mesh_kv_cache_evictions_total",
-            "Cached KV pages evicted to make room, by cache tier.",
-            DEVICE_AND_HOST,
+            "Cached KV pages evicted to make room, by cache tier (host: spilled to the disk tier when there is one).",
+            EVERY_TIER,
         )?;
         let kv_hit_tokens = WorkerTotals::new(
             &registry,
             "mesh_kv_cache_hit_tokens_total",
-            "Prompt tokens served from a KV cache tier instead of computed, by tier.",
-            DEVICE_AND_HOST,
+            "Prompt tokens served from a KV cache tier instead of computed, by tier (disk: promoted into the host mirror for that request, so also counted as host).",
+            EVERY_TIER,
         )?;
         let kv_load_back_bytes = WorkerTotals::new(
             &registry,
@@ -443,6 +447,7 @@ impl Metrics {
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
         let pd = PdMetrics::new(&registry)?;
+        let disk = disk::DiskMetrics::new(&registry)?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(duration.clone()))?;
         registry.register(Box::new(stream_duration.clone()))?;
@@ -543,6 +548,7 @@ impl Metrics {
             engine_steps,
             engine_idle_seconds,
             pd,
+            disk,
         })
     }
 

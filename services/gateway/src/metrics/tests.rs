@@ -121,9 +121,18 @@ fn every_value_of_every_closed_label_set_is_at_zero_before_any_event() {
     for src in PromptSource::names() {
         check("mesh_prompt_token_sources_total", &[("source", src)]);
     }
-    for t in DEVICE_AND_HOST {
+    for t in EVERY_TIER {
         check("mesh_kv_cache_evictions_total", &[("tier", t)]);
         check("mesh_kv_cache_hit_tokens_total", &[("tier", t)]);
+    }
+    for e in ["spilled", "spill_dropped", "promoted", "late"] {
+        check("mesh_kv_disk_pages_total", &[("event", e)]);
+    }
+    for r in pdmesh_telemetry::labels::DiskDiscard::names() {
+        check("mesh_kv_disk_discards_total", &[("reason", r)]);
+    }
+    for s in ["serving", "degraded"] {
+        check("mesh_kv_disk_tier", &[("state", s)]);
     }
     check("mesh_kv_transfers_total", &[("outcome", "failed")]);
     check("mesh_route_prefill_total", &[("reason", "prefix")]);

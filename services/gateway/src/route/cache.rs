@@ -72,24 +72,39 @@ pub(super) struct CacheView {
     /// How it names pages: the hash chain's seed (its KV layout's fingerprint) and the
     /// page size. `None` while not subscribed.
     pub(super) naming: Option<(u64, usize)>,
+    /// Pages in memory: a worker's device pool, a cache service's host mirror.
     pub(super) pages: HashSet<u64>,
+    /// Pages on a cache service's disk tier: promoted to its mirror on a hit, so a prompt
+    /// that finds them is served from cache, more slowly than from memory.
+    pub(super) disk: HashSet<u64>,
 }
 
 impl CacheView {
     pub(super) fn apply(&mut self, e: &cpb::KvEvent) {
+        let on_disk = |tier: i32| tier == cpb::KvTier::Disk as i32;
         match &e.kind {
+            Some(cpb::kv_event::Kind::Stored(s)) if on_disk(s.tier) => self.disk.extend(&s.hashes),
             Some(cpb::kv_event::Kind::Stored(s)) => self.pages.extend(&s.hashes),
             Some(cpb::kv_event::Kind::Removed(r)) => {
+                let set = if on_disk(r.tier) {
+                    &mut self.disk
+                } else {
+                    &mut self.pages
+                };
                 for h in &r.hashes {
-                    self.pages.remove(h);
+                    set.remove(h);
                 }
             }
-            Some(cpb::kv_event::Kind::Cleared(_)) => self.pages.clear(),
+            Some(cpb::kv_event::Kind::Cleared(_)) => {
+                self.pages.clear();
+                self.disk.clear();
+            }
             None => {}
         }
     }
 
-    /// Leading pages of prompt `ids` with `cache_salt` `salt` this worker holds (a salted
+    /// Leading pages of prompt `ids` with `cache_salt` `salt` this worker or host holds,
+    /// in memory or on disk (a salted
     /// prompt's pages have names of their own). `named` caches the prompt's page hashes
     /// per naming, so workers that share one (the usual case) hash the prompt once.
     pub(super) fn matched(
@@ -111,7 +126,7 @@ impl CacheView {
         named[at]
             .1
             .iter()
-            .take_while(|h| self.pages.contains(h))
+            .take_while(|h| self.pages.contains(h) || self.disk.contains(h))
             .count()
     }
 }

@@ -345,7 +345,11 @@ impl Workers {
                         _ = stop.cancelled() => return,
                     };
                     tracing::debug!(cache = %url, error = %err.message(), "host KV event stream ended; subscribing again");
-                    view.lock().expect("view lock").pages.clear();
+                    {
+                        let mut v = view.lock().expect("view lock");
+                        v.pages.clear();
+                        v.disk.clear();
+                    }
                     tokio::select! {
                         _ = tokio::time::sleep(RESUBSCRIBE) => {}
                         _ = stop.cancelled() => return,

@@ -630,6 +630,7 @@ fn holds(w: &Workers, i: usize, ids: &[u32]) {
             parent_hash: SEED,
             hashes,
             token_ids: Vec::new(),
+            ..Default::default()
         })),
     });
 }
@@ -678,6 +679,7 @@ async fn prefill_goes_to_the_longest_cached_prefix_unless_that_worker_is_overloa
         seq: 3,
         kind: Some(cpb::kv_event::Kind::Removed(cpb::PagesRemoved {
             hashes: vec![h[2]],
+            ..Default::default()
         })),
     });
     assert_eq!(
@@ -703,6 +705,7 @@ async fn a_salted_prompt_goes_only_where_its_own_salts_pages_are() {
             parent_hash: pdmesh_kv::salted_seed(SEED, Some("a")),
             hashes: pdmesh_kv::page_hashes(pdmesh_kv::salted_seed(SEED, Some("a")), &ask, 16),
             token_ids: Vec::new(),
+            ..Default::default()
         })),
     });
     assert_eq!(w.pick(&ask, None), 1, "salt-less: the salt-less copy");
@@ -732,19 +735,52 @@ async fn prefill_prefers_a_host_whose_tier_holds_the_prefix_then_the_decode_host
     // Nothing cached anywhere: of two idle workers, the one on decode's host.
     assert_eq!(w.pick(&ask, Some("http://a")), 0);
     assert_eq!(w.pick(&ask, Some("http://b")), 1);
-    // Host b's tier holds the prompt (its device caches are empty): b, wherever decode is.
+    // Host b's tiers hold the prompt (its device caches are empty), the first pages in its
+    // mirror and the rest on its disk: b, wherever decode is.
+    let hashes = pdmesh_kv::page_hashes(SEED, &ask, 16);
     let hv: Arc<Mutex<CacheView>> = Arc::default();
-    hv.lock().unwrap().apply(&cpb::KvEvent {
-        seq: 1,
+    let stored = |seq, hashes: &[u64], tier: cpb::KvTier| cpb::KvEvent {
+        seq,
         kind: Some(cpb::kv_event::Kind::Stored(cpb::PagesStored {
-            parent_hash: 0,
-            hashes: pdmesh_kv::page_hashes(SEED, &ask, 16),
-            token_ids: Vec::new(),
+            hashes: hashes.to_vec(),
+            tier: tier.into(),
+            ..Default::default()
         })),
-    });
-    w.hosts.lock().unwrap().insert("http://b".into(), hv);
+    };
+    hv.lock()
+        .unwrap()
+        .apply(&stored(1, &hashes[..2], cpb::KvTier::Memory));
+    hv.lock()
+        .unwrap()
+        .apply(&stored(2, &hashes[2..], cpb::KvTier::Disk));
+    w.hosts
+        .lock()
+        .unwrap()
+        .insert("http://b".into(), hv.clone());
     assert_eq!(w.pick(&ask, Some("http://a")), 1);
     assert_eq!(w.counts.prefix.load(Ordering::Relaxed), 1);
+    {
+        let mut v = hv.lock().unwrap();
+        v.naming = Some((SEED, 16));
+        assert_eq!(v.matched((&ask, None), &mut Vec::new()), hashes.len());
+        // A page leaving the mirror for the disk stays cached; one leaving the disk does not.
+        let removed = |seq, h: u64, tier: cpb::KvTier| cpb::KvEvent {
+            seq,
+            kind: Some(cpb::kv_event::Kind::Removed(cpb::PagesRemoved {
+                hashes: vec![h],
+                tier: tier.into(),
+            })),
+        };
+        v.apply(&removed(3, hashes[1], cpb::KvTier::Memory));
+        v.apply(&stored(4, &hashes[1..2], cpb::KvTier::Disk));
+        assert_eq!(v.matched((&ask, None), &mut Vec::new()), hashes.len());
+        v.apply(&removed(5, hashes[3], cpb::KvTier::Disk));
+        assert_eq!(
+            v.matched((&ask, None), &mut Vec::new()),
+            3,
+            "a hole on disk ends the prefix"
+        );
+    }
     // Much busier than the worker on decode's host: load wins again.
     let _busy: Vec<_> = (0..BALANCE_ABS + 1)
         .map(|_| Inflight::new(&w.pool().prefill[1].inflight))

@@ -100,7 +100,7 @@ impl Pd {
         role: Role,
         cache_url: Option<&str>,
         advertised: Option<&str>,
-        layout: &KvLayout,
+        (layout, model): (&KvLayout, &str),
         times: PdTimes,
         eos: Vec<u32>,
         auth: pdmesh_tls::MeshAuth,
@@ -109,7 +109,10 @@ impl Pd {
             (Role::Unified, _) | (_, None) => None,
             (_, Some(url)) => Some(RoomLink::start(
                 url.to_owned(),
-                format!("{}-{}", role.name(), std::process::id()),
+                (
+                    format!("{}-{}", role.name(), std::process::id()),
+                    model.to_owned(),
+                ),
                 layout.clone(),
                 auth,
             )),
