@@ -1,10 +1,12 @@
 """The DeepSeek V3.2 tiny model (MLA + DSA indexer + MoE, synthesized weights in real
 safetensors files) through the whole mesh. In each of the four cache forms (MLA latent
-bf16/fp8 x index-K fp8/bf16), prefill/decode disaggregation with the host mirror under 80
-concurrent sessions sharing a long prefix answers bit-identically to a unified worker with
-no cache at all answering one request at a time (bf16-fp8 with prefill and decode on two
-hosts, network namespaces, the KV crossing between their cache services; the others on
-one host; bf16-bf16 both ways). And the seed's bug, forced on purpose (bf16 index-K sent
+bf16/fp8 x index-K fp8/bf16), prefill/decode disaggregation with a host mirror too small
+for 80 concurrent sessions sharing a long prefix, over a disk tier that pages are spilled
+to and promoted from (a page's latents and index-K in one file), answers bit-identically
+to a unified worker with no cache at all answering one request at a time (bf16-fp8 and
+bf16-bf16 also with prefill and decode on two hosts, network namespaces, the KV crossing
+between their cache services). A disk tier written with fp8 index-K is refused, file by
+file, by a bf16 mesh. And the seed's bug, forced on purpose (bf16 index-K sent
 through a buffer sized for fp8): with the seed's own after-the-loss checksums it is caught
 by the same comparison, on one host and across hosts; with the mesh's checksums (of the
 engine's bytes) the hand-over refuses it and a report names both layouts, 256 vs 132
@@ -16,6 +18,7 @@ import concurrent.futures as cf
 import json
 import os
 import subprocess
+import time
 
 import openai
 import pytest
@@ -73,12 +76,22 @@ def fault_injection(mesh) -> tuple[bool, list[str], float]:
     return health["fault_injection"], health["faults"], mesh.metrics()["mesh_fault_injection_enabled"]
 
 
+# A host mirror and a prefill device pool too small for 80 sessions, over a disk tier:
+# second turns find their first turns' pages on disk, the MLA latents and the index-K of a
+# page in one file.
+SMALL_TIERS = ["--cache-arg=--host-mirror-size=2048tokens", "--prefill-arg=--kv-pages=64"]
+
+
 def disaggregated(tmp, tiny, mla: str, index_k: str, env=None, extra=(), faults=()):
-    """Every session's transcript from a PD mesh with the host mirror, all at once.
-    `faults`: the test-only faults the workers must report (none by default)."""
+    """Every session's transcript from a PD mesh with the host mirror over a disk tier,
+    all at once. `faults`: the test-only faults the workers must report (none by
+    default)."""
     forms = [f"--worker-arg=--kv-cache-dtype={mla}", f"--worker-arg=--index-k-dtype={index_k}"]
     tmp.mkdir()
-    mesh = start_up(tmp, ["--model", str(tiny), "--no-smoke-test", *forms, *extra], env=env)
+    disk = tmp / "disk"
+    disk.mkdir(mode=0o700)
+    mesh = start_up(tmp, ["--model", str(tiny), "--no-smoke-test", *forms, "--disk-dir", str(disk), *SMALL_TIERS,
+                          *extra], env=env)
     try:
         assert mesh.ports["mode"] == "pd"
         assert fault_injection(mesh) == (bool(faults), list(faults), float(bool(faults)))
@@ -87,6 +100,8 @@ def disaggregated(tmp, tiny, mla: str, index_k: str, env=None, extra=(), faults=
             transcripts = list(pool.map(lambda s: converse(client, mesh.model, s), range(SESSIONS)))
         m = mesh.metrics()
         assert m['mesh_kv_transfer_bytes_total{side="all"}'] > 0, "the KV went through rooms"
+        assert m['mesh_kv_disk_pages_total{event="spilled"}'] > 0, {k: v for k, v in m.items() if "disk" in k}
+        assert m['mesh_kv_disk_pages_total{event="promoted"}'] > 0, {k: v for k, v in m.items() if "disk" in k}
     finally:
         stop_up(mesh)
     return transcripts
@@ -122,16 +137,16 @@ def differences(transcripts, ref) -> int:
 @pytest.mark.parametrize(
     "mla,index_k,env",
     [
-        # bf16-fp8 runs across hosts below (test_across_hosts_...) and in the matrix on
-        # this path. fp8-bf16, the fourth form, is checked alone, batched and chunked by the
-        # engine's tests; the mesh moves its pages by the same paths as these three.
         # The form the seed's bug corrupts, with every old fault variable exported: the
         # default binary ignores them and answers as a clean mesh does.
         ("bf16", "bf16", EVERY_FAULT_VARIABLE),
         # DeepSeek's own serving form: fp8 latent cache and fp8 index-K.
         ("fp8", "fp8", None),
+        # The other two (bf16-fp8 also runs across hosts below).
+        ("bf16", "fp8", None),
+        ("fp8", "bf16", None),
     ],
-    ids=["bf16-bf16-fault-variables-set", "fp8-fp8"],
+    ids=["bf16-bf16-fault-variables-set", "fp8-fp8", "bf16-fp8", "fp8-bf16"],
 )
 def test_pd_with_host_mirror_is_bit_identical_to_unified_no_cache(tmp_path, tmp_path_factory, tiny, mla, index_k, env):
     pd = disaggregated(tmp_path / "pd", tiny, mla, index_k, env=env)
@@ -140,6 +155,40 @@ def test_pd_with_host_mirror_is_bit_identical_to_unified_no_cache(tmp_path, tmp_
         log = (tmp_path / "pd" / "up.log").read_text(errors="replace")
         assert "PDMESH_FAULT_* variables are ignored" in log, log[-4000:]
         assert "FAULT INJECTION IS ON" not in log
+
+
+def test_a_disk_tier_written_with_fp8_index_k_is_refused_by_a_bf16_mesh(tmp_path, tmp_path_factory, tiny):
+    """The seed's bug class at the disk tier: pages a mesh with fp8 index-K (132 B/token)
+    left on disk, offered to a mesh with bf16 index-K (256 B/token) on the same folder,
+    are refused by the layout's fingerprint at start (every file counted as
+    foreign_layout), never loaded; the bf16 mesh answers as its no-cache reference."""
+    disk = tmp_path / "disk"
+    disk.mkdir(mode=0o700)
+    common = ["--model", str(tiny), "--no-smoke-test", "--unified", "--disk-dir", str(disk),
+              "--worker-arg=--kv-cache-dtype=bf16"]
+    fp8 = start_up(tmp_path / "fp8", [*common, "--worker-arg=--index-k-dtype=fp8"])
+    try:
+        converse(fp8.client(), fp8.model, 0)
+    finally:
+        stop_up(fp8)
+    written = list(disk.glob("*.page"))
+    assert written, "a graceful stop writes the mirror's pages to disk"
+    bf16 = start_up(tmp_path / "bf16", [*common, "--worker-arg=--index-k-dtype=bf16"])
+    try:
+        def opened():
+            m = bf16.metrics()
+            return m if m['mesh_kv_disk_tier{state="serving"}'] == 1 else None
+        deadline = time.monotonic() + 60
+        while not (m := opened()):
+            assert time.monotonic() < deadline, bf16.log()[-4000:]
+            time.sleep(0.2)
+        assert m['mesh_kv_disk_discards_total{reason="foreign_layout"}'] == len(written), m
+        assert m["mesh_kv_disk_pages"] == 0 and not list(disk.glob("*.page")), m
+        want = reference(tmp_path_factory, tiny, "bf16", "bf16")
+        assert [converse(bf16.client(), bf16.model, s) for s in range(2)] == want[:2]
+        assert bf16.metrics()['mesh_kv_disk_pages_total{event="promoted"}'] == 0
+    finally:
+        stop_up(bf16)
 
 
 def test_the_seeds_bug_forced_on_purpose_is_caught_by_the_differential(tmp_path, tmp_path_factory, tiny):

@@ -23,7 +23,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import ROOM_ARGS, start_up, stop_up
+from conftest import ROOM_ARGS, pdmesh_bin, start_up, stop_up
 
 SESSIONS = 80
 MAX_TOKENS = 6
@@ -120,6 +120,11 @@ def test_80_sessions_through_small_tiers_kill_restart_and_spoiled_files(tmp_path
         assert m['mesh_kv_cache_hit_tokens_total{tier="disk"}'] > 0
         assert m['mesh_kv_disk_io_bytes_total{direction="read"}'] > 0
         assert sum(v for k, v in m.items() if k.startswith("mesh_kv_disk_discards_total")) == 0
+        # A second cache service on the folder is refused while this one holds it.
+        second = subprocess.run([str(pdmesh_bin()), "cache", "--listen", "127.0.0.1:0", "--insecure-plaintext",
+                                 "--disk-dir", str(disk)],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0 and "used by another cache service" in second.stderr, second
 
         # 2. The cache service killed outright while spilling and promoting: requests cut
         # short may fail, those that answer answer right, and the restarted service serves

@@ -13,7 +13,8 @@ from `kubectl kustomize deploy/k8s/overlays/gpu-pd`.
   env say. `$(VAR)` expands from the container's env (`status.hostIP` is the node's
   address, a Secret's key the test's API key); every path under a volume mount is
   rewritten to that volume's directory here: an emptyDir per pod, a hostPath per node
-  (`/dev/shm` stays on tmpfs), the `pdmesh-mesh-tls` Secret as made by
+  (`/dev/shm` stays on tmpfs; another is a folder made mode 0700, as the node's
+  provisioning makes the disk tier's), the `pdmesh-mesh-tls` Secret as made by
   `deploy/k8s/make-mesh-tls.sh`, the models claim as a folder holding the cached model.
 - **DNS**: each host's `/etc/hosts` gives every Service and every headless pod name the
   address of the node its pod landed on (as cluster DNS would, pod for node).
@@ -166,8 +167,15 @@ class Cluster:
     def volume(self, pod: dict, v: dict) -> Path:
         if "emptyDir" in v:
             d = self.tmp / "pods" / pod["name"] / v["name"]
+        elif "hostPath" in v and v["hostPath"]["path"] != "/dev/shm":
+            # A node folder its provisioning made for the pods' user, mode 0700 (the disk
+            # tier's, cache-disk.yaml), kept on disk.
+            d = self.tmp / "nodes" / pod["node"] / v["hostPath"]["path"].strip("/").replace("/", "_")
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, 0o700)
+            return d
         elif "hostPath" in v:
-            # The node's own directory, shared by its pods; /dev/shm stays on tmpfs.
+            # The node's own /dev/shm, shared by its pods, on tmpfs.
             d = self.shm / pod["node"] / v["hostPath"]["path"].strip("/").replace("/", "_")
         elif "secret" in v:
             role = v["secret"]["secretName"].removeprefix("pdmesh-mesh-tls-")

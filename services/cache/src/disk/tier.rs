@@ -1,9 +1,9 @@
 //! The disk tier at run time, around the [`DiskStore`]: the folder is locked at start, the
 //! store opens (its index rebuilt) on a blocking thread once the first worker fixed the
 //! layout and model, evicted host pages are spilled through a bounded queue by one
-//! blocking writer, and promotions read pages on blocking threads, a few at once. No
-//! file I/O happens under the store's lock or the cache state's: the store's lock only
-//! guards the index.
+//! blocking writer, and promotions read pages on blocking threads, a few at once. No page
+//! is read or written under the store's lock or the cache state's: the store's lock
+//! guards the index (and removing the files it evicts or discards).
 //!
 //! A write that fails (a full or unwritable disk) degrades the tier: spills stop, with a
 //! WARN, the `degraded` figure and an incident report, and one is tried again after

@@ -47,16 +47,19 @@ async fn until(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-/// A mirror of `pages` pages over a disk tier in `dir`, registered by a worker of `model`.
-async fn setup(dir: &std::path::Path, pages: u64, model: &str) -> Setup {
-    let mirror = tempfile::tempdir().unwrap();
-    let disk = DiskTier::new(DiskConfig {
+fn config(dir: &std::path::Path) -> DiskConfig {
+    DiskConfig {
         dir: dir.to_owned(),
         capacity: 1 << 20,
         spill_queue_bytes: 1 << 20,
         readers: 2,
-    })
-    .unwrap();
+    }
+}
+
+/// A mirror of `pages` pages over a disk tier in `dir`, registered by a worker of `model`.
+async fn setup(dir: &std::path::Path, pages: u64, model: &str) -> Setup {
+    let mirror = tempfile::tempdir().unwrap();
+    let disk = DiskTier::new(config(dir)).unwrap();
     let mut state = State::new(
         MirrorSize::Bytes(PAGE as u64 * pages),
         Some(crate::mirror::private_dir(mirror.path()).unwrap()),
@@ -165,20 +168,12 @@ async fn a_restart_finds_the_pages_and_another_model_discards_every_one() {
     }
     {
         // A second service on the folder while the first holds it is refused.
-        let _held = DiskTier::new(DiskConfig {
-            dir: d.clone(),
-            capacity: 1 << 20,
-            spill_queue_bytes: 1 << 20,
-            readers: 1,
-        })
-        .unwrap();
-        let again = DiskTier::new(DiskConfig {
-            dir: d.clone(),
-            capacity: 1 << 20,
-            spill_queue_bytes: 1 << 20,
-            readers: 1,
-        });
-        assert!(again.is_err(), "a second cache service on one folder");
+        let _held = DiskTier::new(config(&d)).unwrap();
+        let again = DiskTier::new(config(&d));
+        assert!(
+            matches!(again, Err(crate::disk::DiskError::Locked(_))),
+            "a second cache service on one folder"
+        );
     }
     let mut s = setup(&d, 2, "m#1").await;
     assert_eq!(s.disk.figures().pages, 3);
@@ -259,4 +254,35 @@ async fn a_failed_write_degrades_the_tier_and_every_call_still_succeeds() {
     // The page spilled before is gone with its file: a miss, never an error.
     assert_eq!(s.matched(&[1, 6]).await, Vec::<u64>::new());
     assert_eq!(s.matched(&[6]).await, vec![6]);
+}
+
+#[test]
+fn a_worker_of_another_model_is_refused_naming_both_and_the_first_stays() {
+    let mirror = tempfile::tempdir().unwrap();
+    let mut s = State::new(
+        MirrorSize::Bytes(PAGE as u64 * 4),
+        Some(crate::mirror::private_dir(mirror.path()).unwrap()),
+        Duration::from_secs(10),
+    );
+    s.check_model("smol#00ff").unwrap();
+    s.check_model("smol#00ff").unwrap();
+    let err = s.check_model("smol-tuned#1234").unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, super::super::CacheError::ModelMismatch { .. })
+            && msg.contains("smol#00ff")
+            && msg.contains("smol-tuned#1234"),
+        "{msg}"
+    );
+    assert_eq!(
+        tonic::Status::from(err).code(),
+        tonic::Code::FailedPrecondition
+    );
+    s.check_model("smol#00ff").unwrap();
+    // The disk pages' names differ by model, for the same layout.
+    let fp = layout().fingerprint();
+    assert_ne!(
+        super::disk_identity(fp, "smol#00ff"),
+        super::disk_identity(fp, "smol-tuned#1234")
+    );
 }
