@@ -195,10 +195,11 @@ def test_80_sessions_through_small_tiers_kill_restart_and_spoiled_files(tmp_path
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 256 KiB tmpfs (a disk that fills after a few pages), unmounted at the end."""
+    """A 2 MiB tmpfs (a disk that fills after five of SmolLM2's 360 KiB pages), unmounted
+    at the end."""
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)], check=True)
     try:
         yield mnt
     finally:
@@ -207,7 +208,7 @@ def small_tmpfs(tmp_path):
 
 @pytest.mark.parametrize("fault", ["full", "read-only"])
 def test_a_full_or_unwritable_disk_degrades_the_tier_and_no_request_fails(tmp_path, reference, small_tmpfs, fault):
-    """A full disk (a 256 KiB tmpfs below a 64 MiB --disk-size) degrades the tier at the
+    """A full disk (a 2 MiB tmpfs below a 64 MiB --disk-size) degrades the tier at the
     first write that fails; a read-only one at start. Either way: the degraded gauge, one
     `disk_degraded` report, and every answer right."""
     if fault == "read-only":
@@ -219,6 +220,8 @@ def test_a_full_or_unwritable_disk_degrades_the_tier_and_no_request_fails(tmp_pa
         m = wait_for(lambda: (m := mesh.metrics())['mesh_kv_disk_tier{state="degraded"}'] == 1 and m,
                      "the tier never said it was degraded", mesh.log)
         assert m['mesh_incidents_total{kind="disk_degraded"}'] == 1, m
+        # Full: the pages that fitted were written first; read-only: none ever was.
+        assert (m['mesh_kv_disk_pages_total{event="spilled"}'] > 0) == (fault == "full"), m
         reports = [json.loads(p.read_text()) for p in mesh.incident_dir.glob("*.json")]
         assert [r["kind"] for r in reports] == ["disk_degraded"], reports
         assert "disk tier degraded" in mesh.log()
