@@ -134,6 +134,22 @@ impl DiskLock {
             .mode(0o700)
             .create(dir)
             .map_err(io("making", dir))?;
+        // Pages hold tenants' KV: a folder other users may enter is refused before
+        // anything is written into it.
+        let exposed = |meta: &std::fs::Metadata| {
+            use std::os::unix::fs::MetadataExt;
+            DiskError::Exposed {
+                dir: dir.into(),
+                mode: meta.mode() & 0o7777,
+            }
+        };
+        {
+            use std::os::unix::fs::MetadataExt;
+            let meta = std::fs::metadata(dir).map_err(io("reading", dir))?;
+            if meta.mode() & 0o077 != 0 {
+                return Err(exposed(&meta));
+            }
+        }
         let lock_path = dir.join(LOCK);
         let lock = OpenOptions::new()
             .read(true)
@@ -149,17 +165,14 @@ impl DiskLock {
             Err(std::fs::TryLockError::WouldBlock) => return Err(DiskError::Locked(dir.into())),
             Err(std::fs::TryLockError::Error(e)) => return Err(io("locking", &lock_path)(e)),
         }
-        // Pages hold tenants' KV: a folder other users may enter, or that is not this
-        // service's own (the lock file it just created is), is refused.
+        // ... and so is a folder that is not this service's own (the lock file it just
+        // created is).
         {
             use std::os::unix::fs::MetadataExt;
             let dir_meta = std::fs::metadata(dir).map_err(io("reading", dir))?;
             let own = lock.metadata().map_err(io("reading", &lock_path))?.uid();
             if dir_meta.uid() != own || dir_meta.mode() & 0o077 != 0 {
-                return Err(DiskError::Exposed {
-                    dir: dir.into(),
-                    mode: dir_meta.mode() & 0o7777,
-                });
+                return Err(exposed(&dir_meta));
             }
         }
         Ok(DiskLock {

@@ -261,6 +261,8 @@ pub async fn run(
         ("room-success-ms", cfg.room_success_ms),
         ("peer-io-timeout-ms", cfg.peer_io_timeout_ms),
         ("disk-promote-timeout-ms", cfg.disk.disk_promote_timeout_ms),
+        ("disk-size", cfg.disk.disk_size.0),
+        ("disk-spill-queue", cfg.disk.disk_spill_queue.0),
     ] {
         if v == 0 {
             return Err(Error::Config(format!("--{flag} must be at least 1")));

@@ -245,3 +245,40 @@ async fn a_loose_or_foreign_mirror_directory_makes_the_service_refuse_to_start()
     // Not root, no directory of another user can be made here: the owner check is then
     // covered by pdmesh-cache-client's mirror tests, which check against another uid.
 }
+
+/// A disk tier folder other users may enter, or a disk tier of no bytes, stops the
+/// service at start with an error naming the flag and why.
+#[tokio::test]
+async fn a_loose_disk_folder_or_an_empty_disk_size_makes_the_service_refuse_to_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let base = tempfile::tempdir().unwrap();
+    let disk = base.path().join("disk");
+    std::fs::create_dir(&disk).unwrap();
+    std::fs::set_permissions(&disk, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let refused = |cfg: pdmesh_cache::Config| async move {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            pdmesh_cache::run(cfg, listener, CancellationToken::new()),
+        )
+        .await
+        .expect("the service started instead of refusing")
+        .unwrap_err()
+        .to_string()
+    };
+    let mut cfg = config(base.path(), 4 * layout().bytes_per_page() as u64);
+    cfg.disk.disk_dir = Some(disk.clone());
+    let e = refused(cfg.clone()).await;
+    assert!(
+        e.contains("--disk-dir") && e.contains("may be read by other users") && e.contains("755"),
+        "{e}"
+    );
+    std::fs::set_permissions(&disk, std::fs::Permissions::from_mode(0o700)).unwrap();
+    cfg.disk.disk_size = pdmesh_cache::DiskSize(0);
+    let e = refused(cfg).await;
+    assert!(e.contains("--disk-size must be at least 1"), "{e}");
+    assert!(
+        std::fs::read_dir(&disk).unwrap().next().is_none(),
+        "nothing written into the folder"
+    );
+}
