@@ -570,8 +570,8 @@ def cache_tiers() -> dict:
         timeseries("Disk tier: pages spilled, promoted, dropped and late",
                    "mesh_kv_disk_pages_total, pages per second: spilled = written from the "
                    "host mirror as it evicted them, promoted = read back into the mirror on "
-                   "a hit, spill_dropped = not written (queue full, degraded), late = matches "
-                   "whose promotions missed their deadline (a miss, never a wait).",
+                   "a hit, spill_dropped = not written (queue full, degraded), late = pages not "
+                   "promoted by their match's deadline (a miss for it, never a wait).",
                    [target(rate("mesh_kv_disk_pages_total", "event"), "{{event}}")], "short",
                    w=8),
         timeseries("Disk tier: bytes and promote latency",

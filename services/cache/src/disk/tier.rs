@@ -24,6 +24,9 @@ pub enum DiskEvent {
     Removed(Vec<u64>),
 }
 
+/// Pages named in one event at most (9 bytes each on the wire).
+const EVENT_BATCH: usize = 4096;
+
 /// A degraded tier tries one spill again after this long.
 pub const RETRY_AFTER: Duration = Duration::from_secs(30);
 
@@ -170,8 +173,10 @@ impl DiskTier {
                     tracing::info!(dir = %me.cfg.dir.display(), pages = hashes.len(), bytes = store.used(),
                         ?discarded, seconds = t0.elapsed().as_secs_f64(), "disk tier open");
                     me.discarded_at_open(&discarded);
-                    if !hashes.is_empty() {
-                        me.event(DiskEvent::Stored(hashes));
+                    // In batches: one event per page of a large tier would be too many,
+                    // one for all of them too large a message for a router.
+                    for batch in hashes.chunks(EVENT_BATCH) {
+                        me.event(DiskEvent::Stored(batch.to_vec()));
                     }
                     *lock(&me.store) = Some(store);
                 }
@@ -495,9 +500,12 @@ impl DiskTier {
             .fetch_add(pages as u64, Ordering::Relaxed);
     }
 
-    /// A match stopped waiting for its promotions at their deadline.
-    pub fn late(&self) {
-        self.counters.late.fetch_add(1, Ordering::Relaxed);
+    /// A match stopped waiting for its promotions at their deadline: `pages` were not in
+    /// (each a miss for it).
+    pub fn late(&self, pages: usize) {
+        self.counters
+            .late
+            .fetch_add(pages as u64, Ordering::Relaxed);
     }
 
     pub fn take_events(&self) -> Vec<DiskEvent> {

@@ -120,14 +120,14 @@ impl CacheService {
         }
         loop {
             changed.borrow_and_update();
-            if self.shared.with(|s| s.promotions_settled(&waiting)) {
+            if self.shared.with(|s| s.still_promoting(&waiting)) == 0 {
                 break;
             }
             if tokio::time::timeout_at(deadline, changed.changed())
                 .await
                 .is_err()
             {
-                disk.late();
+                disk.late(self.shared.with(|s| s.still_promoting(&waiting)));
                 break;
             }
         }

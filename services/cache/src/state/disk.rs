@@ -86,14 +86,13 @@ impl State {
     /// disk nor already being promoted, or when no slot can be had.
     pub fn plan_promotion(&mut self, hashes: &[u64], now: Instant) -> Promotion {
         let mut plan = Promotion::default();
-        let Some(disk) = self.disk.clone().filter(|d| d.serving()) else {
+        let Some(disk) = self
+            .disk
+            .clone()
+            .filter(|d| !hashes.is_empty() && d.serving())
+        else {
             return plan;
         };
-        let mut promoting = self
-            .slots
-            .iter()
-            .filter(|s| matches!(s, Slot::Promoting { .. }))
-            .count();
         let mut removed = Vec::new();
         for &h in hashes {
             if let Some(&slot) = self.index.get(&h) {
@@ -105,7 +104,7 @@ impl State {
                     _ => break,
                 }
             }
-            if promoting >= MAX_PROMOTING || !disk.contains(h) {
+            if self.promoting >= MAX_PROMOTING || !disk.contains(h) {
                 break;
             }
             let Some(slot) = self.free.pop().or_else(|| self.evict_lru(&mut removed)) else {
@@ -117,7 +116,7 @@ impl State {
             };
             self.index.insert(h, slot);
             plan.start.push((h, slot));
-            promoting += 1;
+            self.promoting += 1;
         }
         self.removed(removed);
         plan
@@ -133,6 +132,7 @@ impl State {
             return;
         }
         let since = *since;
+        self.promoting -= 1;
         let (Some((data, checksum)), Some(mirror)) = (page, self.mirror.clone()) else {
             self.free_slot(slot);
             return;
@@ -160,13 +160,16 @@ impl State {
         }
     }
 
-    /// Whether none of `hashes` is still being promoted.
-    pub fn promotions_settled(&self, hashes: &[u64]) -> bool {
-        hashes.iter().all(|h| {
-            self.index
-                .get(h)
-                .is_none_or(|&s| !matches!(self.slots[s as usize], Slot::Promoting { .. }))
-        })
+    /// How many of `hashes` are still being promoted.
+    pub fn still_promoting(&self, hashes: &[u64]) -> usize {
+        hashes
+            .iter()
+            .filter(|h| {
+                self.index
+                    .get(h)
+                    .is_some_and(|&s| matches!(self.slots[s as usize], Slot::Promoting { .. }))
+            })
+            .count()
     }
 
     /// The disk tier, when the service has one.

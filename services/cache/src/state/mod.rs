@@ -133,6 +133,8 @@ pub struct State {
     model: Option<String>,
     /// The disk tier below the mirror, when the service has one.
     disk: Option<Arc<crate::disk::tier::DiskTier>>,
+    /// Slots being promoted from the disk tier now (`Slot::Promoting`).
+    promoting: usize,
 }
 
 impl State {
@@ -171,6 +173,7 @@ impl State {
             incidents: Vec::new(),
             model: None,
             disk: None,
+            promoting: 0,
         }
     }
 

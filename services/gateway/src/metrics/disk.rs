@@ -57,7 +57,7 @@ impl DiskMetrics {
             pages_events: WorkerTotals::labeled(
                 r,
                 "mesh_kv_disk_pages_total",
-                "Disk tier pages by event: spilled (written from the host mirror), spill_dropped (not written: queue full, degraded or unsound), promoted (read back into the host mirror), late (a match's promotions missed its deadline: a miss, never a wait).",
+                "Disk tier pages by event: spilled (written from the host mirror), spill_dropped (not written: queue full, degraded or unsound), promoted (read back into the host mirror), late (not promoted by its match's deadline: a miss for that match, never a wait).",
                 "event",
                 ["spilled", "spill_dropped", "promoted", "late"],
             )?,

@@ -104,10 +104,19 @@ impl Setup {
         let plan = self
             .state
             .plan_promotion(&hashes[found.len()..], Instant::now());
+        assert_eq!(self.state.promoting, plan.start.len());
+        assert_eq!(
+            self.state.still_promoting(&hashes[found.len()..]),
+            plan.start.len()
+        );
         for (h, slot) in plan.start {
             let got = self.disk.load(h).await;
             self.state.promoted(h, slot, got, Instant::now());
         }
+        assert_eq!(
+            self.state.promoting, 0,
+            "every promotion ended, hit or miss"
+        );
         let more = self
             .state
             .match_pages(self.lease, &hashes[found.len()..])
