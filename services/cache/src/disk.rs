@@ -57,6 +57,8 @@ pub enum DiskError {
     Exposed { dir: PathBuf, mode: u32 },
     #[error("{0} is used by another cache service (it holds {0}/lock)")]
     Locked(PathBuf),
+    #[error("{0} is not a folder")]
+    NotAFolder(PathBuf),
     #[error("disk tier {what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -129,6 +131,10 @@ pub struct DiskLock {
 
 impl DiskLock {
     pub fn take(dir: &Path) -> Result<DiskLock, DiskError> {
+        // A file (a typo, most likely) is a setup to fix, not a disk fault.
+        if dir.exists() && !dir.is_dir() {
+            return Err(DiskError::NotAFolder(dir.into()));
+        }
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)

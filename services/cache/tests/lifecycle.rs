@@ -207,6 +207,20 @@ fn effective_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// The error a service started with `cfg` refuses to start with (before serving: it
+/// returns without being shut down).
+async fn refused(cfg: pdmesh_cache::Config) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        pdmesh_cache::run(cfg, listener, CancellationToken::new()),
+    )
+    .await
+    .expect("the service started instead of refusing")
+    .unwrap_err()
+    .to_string()
+}
+
 /// A private directory someone made loose (0777), or one owned by another user, stops
 /// the service at start with an error naming the directory and why.
 #[tokio::test]
@@ -216,22 +230,8 @@ async fn a_loose_or_foreign_mirror_directory_makes_the_service_refuse_to_start()
     let dir = pdmesh_cache::mirror::dirs(Some(base.path())).remove(0);
     std::fs::create_dir(&dir).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let refused = |base: &std::path::Path| {
-        let cfg = config(base, 4 * layout().bytes_per_page() as u64);
-        async move {
-            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            // Refused before serving: it returns without being shut down.
-            tokio::time::timeout(
-                Duration::from_secs(30),
-                pdmesh_cache::run(cfg, listener, CancellationToken::new()),
-            )
-            .await
-            .expect("the service started instead of refusing")
-            .unwrap_err()
-            .to_string()
-        }
-    };
-    let e = refused(base.path()).await;
+    let cfg = config(base.path(), 4 * layout().bytes_per_page() as u64);
+    let e = refused(cfg.clone()).await;
     assert!(
         e.contains(&dir.display().to_string()) && e.contains("mode is 0777"),
         "{e}"
@@ -239,33 +239,22 @@ async fn a_loose_or_foreign_mirror_directory_makes_the_service_refuse_to_start()
     if effective_uid() == 0 {
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
         std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
-        let e = refused(base.path()).await;
+        let e = refused(cfg).await;
         assert!(e.contains("owned by uid 65534"), "{e}");
     }
     // Not root, no directory of another user can be made here: the owner check is then
     // covered by pdmesh-cache-client's mirror tests, which check against another uid.
 }
 
-/// A disk tier folder other users may enter, or a disk tier of no bytes, stops the
-/// service at start with an error naming the flag and why.
+/// A disk tier folder other users may enter, a disk tier of no bytes, or a file named as
+/// the folder stops the service at start with an error naming the flag and why.
 #[tokio::test]
-async fn a_loose_disk_folder_or_an_empty_disk_size_makes_the_service_refuse_to_start() {
+async fn a_loose_disk_folder_an_empty_disk_size_or_a_file_makes_the_service_refuse_to_start() {
     use std::os::unix::fs::PermissionsExt;
     let base = tempfile::tempdir().unwrap();
     let disk = base.path().join("disk");
     std::fs::create_dir(&disk).unwrap();
     std::fs::set_permissions(&disk, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let refused = |cfg: pdmesh_cache::Config| async move {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        tokio::time::timeout(
-            Duration::from_secs(30),
-            pdmesh_cache::run(cfg, listener, CancellationToken::new()),
-        )
-        .await
-        .expect("the service started instead of refusing")
-        .unwrap_err()
-        .to_string()
-    };
     let mut cfg = config(base.path(), 4 * layout().bytes_per_page() as u64);
     cfg.disk.disk_dir = Some(disk.clone());
     let e = refused(cfg.clone()).await;
@@ -275,8 +264,19 @@ async fn a_loose_disk_folder_or_an_empty_disk_size_makes_the_service_refuse_to_s
     );
     std::fs::set_permissions(&disk, std::fs::Permissions::from_mode(0o700)).unwrap();
     cfg.disk.disk_size = pdmesh_cache::DiskSize(0);
-    let e = refused(cfg).await;
+    let e = refused(cfg.clone()).await;
     assert!(e.contains("--disk-size must be at least 1"), "{e}");
+    // A file where the folder should be (a typo): refused, not a degraded tier.
+    let file = base.path().join("pages.txt");
+    std::fs::write(&file, b"notes").unwrap();
+    cfg.disk.disk_size = pdmesh_cache::DiskSize(1 << 20);
+    cfg.disk.disk_dir = Some(file.clone());
+    let e = refused(cfg).await;
+    assert!(
+        e.contains("--disk-dir") && e.contains("is not a folder"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), b"notes");
     assert!(
         std::fs::read_dir(&disk).unwrap().next().is_none(),
         "nothing written into the folder"
