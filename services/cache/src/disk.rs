@@ -443,7 +443,10 @@ impl DiskStore {
     /// this returns, the page survives a crash and a restart. A page already on disk is
     /// only marked used. Bytes that do not match `checksum` are refused, never written.
     pub fn put(&mut self, hash: u64, checksum: u64, data: &[u8]) -> Result<(), DiskError> {
-        let (Some(w), _) = self.to_write(hash, checksum, data)? else {
+        if page_checksum(data) != checksum {
+            return Err(DiskError::Corrupt { hash });
+        }
+        let (Some(w), _) = self.to_write(hash, checksum, data.len())? else {
             return Ok(());
         };
         let r = w.write(data);
@@ -451,23 +454,21 @@ impl DiskStore {
         r
     }
 
-    /// Sets room aside for page `hash`, evicting the least recently used pages (returned,
-    /// as the second value) for it: the write to do outside the lock, then hand to
-    /// [`DiskStore::finish_write`]. `None`: already on disk or being written (marked used).
+    /// Sets room aside for page `hash` of `len` bytes (whose checksum the caller checked),
+    /// evicting the least recently used pages (returned, as the second value) for it: the
+    /// write to do outside the lock, then hand to [`DiskStore::finish_write`]. `None`:
+    /// already on disk or being written (marked used).
     pub fn to_write(
         &mut self,
         hash: u64,
         checksum: u64,
-        data: &[u8],
+        len: usize,
     ) -> Result<(Option<ToWrite>, Vec<u64>), DiskError> {
         if self.index.contains_key(&hash) || self.writing.contains_key(&hash) {
             self.touch(hash);
             return Ok((None, Vec::new()));
         }
-        if page_checksum(data) != checksum {
-            return Err(DiskError::Corrupt { hash });
-        }
-        let bytes = (HEADER_BYTES + data.len()) as u64;
+        let bytes = (HEADER_BYTES + len) as u64;
         if bytes > self.capacity {
             return Err(DiskError::TooLarge {
                 bytes,
@@ -479,7 +480,7 @@ impl DiskStore {
         let header = Header {
             fingerprint: self.fingerprint,
             hash,
-            len: data.len() as u64,
+            len: len as u64,
             checksum,
         };
         let temp = self.dir.join(format!(

@@ -295,12 +295,15 @@ impl DiskTier {
 
     /// Writes one page now (blocking); false when the tier refused it or the write failed.
     fn write(&self, s: Spill) -> bool {
-        let begun = {
+        // Checked before the store's lock: the mirror's copy must still match its checksum.
+        let begun = if pdmesh_kv::page_checksum(&s.data) != s.checksum {
+            Err(DiskError::Corrupt { hash: s.hash })
+        } else {
             let mut g = lock(&self.store);
             let Some(store) = g.as_mut() else {
                 return false;
             };
-            store.to_write(s.hash, s.checksum, &s.data)
+            store.to_write(s.hash, s.checksum, s.data.len())
         };
         let w = match begun {
             Ok((Some(w), gone)) => {

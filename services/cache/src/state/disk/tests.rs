@@ -295,3 +295,25 @@ fn a_worker_of_another_model_is_refused_naming_both_and_the_first_stays() {
         super::disk_identity(fp, "smol-tuned#1234")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_page_that_no_longer_matches_its_checksum_is_never_written_to_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = private(&dir);
+    let mut s = setup(&d, 2, "m").await;
+    s.put(1..=2);
+    // Page 1's bytes change in the mirror behind the service's back.
+    let slot = s.state.index[&1];
+    s.state.mirror().unwrap().write(slot, &page(99));
+    s.put([3, 4]);
+    until("two spills settled", || {
+        let f = s.disk.figures();
+        f.spilled + f.spill_dropped == 2
+    })
+    .await;
+    let f = s.disk.figures();
+    assert_eq!((f.spilled, f.spill_dropped, f.pages), (1, 1, 1), "{f:?}");
+    assert!(!d.join(format!("{:016x}.page", 1u64)).exists());
+    assert_eq!(s.matched(&[1]).await, Vec::<u64>::new());
+    assert_eq!(s.matched(&[2]).await, vec![2]);
+}
