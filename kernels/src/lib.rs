@@ -21,7 +21,9 @@ mod matmul;
 mod quant;
 
 pub use attention::{attend, attend_causal, exp_f32};
-pub use matmul::{QMatrix, matmul, matmul_many, matmul_swiglu, silu_times};
+pub use matmul::{
+    Glu, QMatrix, gelu_tanh_times, matmul, matmul_glu, matmul_many, matmul_swiglu, silu_times,
+};
 pub use quant::{QActs, quantize_q8_0, quantize_q8_1};
 
 /// Which kernel family runs on this machine, decided once per process from the CPU's

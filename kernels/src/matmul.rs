@@ -184,12 +184,44 @@ pub fn matmul_many(
     });
 }
 
+/// The gated activation a fused gate/up product applies: `act(g) · u`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Glu {
+    /// SwiGLU (llama): `silu(g) · u`.
+    Silu,
+    /// GeGLU with GELU's tanh approximation (Gemma).
+    GeluTanh,
+}
+
+impl Glu {
+    #[inline]
+    pub fn apply(self, g: f32, u: f32) -> f32 {
+        match self {
+            Glu::Silu => silu_times(g, u),
+            Glu::GeluTanh => gelu_tanh_times(g, u),
+        }
+    }
+}
+
 /// SwiGLU's first half in one parallel region: `out[t][r] = silu(g) · u` with
 /// `g = gate[r] · x[t]` and `u = up[r] · x[t]`, each a [`matmul`] row product, so the
 /// result is the same bits as the two products followed by the elementwise step, without
 /// a serial pass over the whole batch.
 pub fn matmul_swiglu(
     pool: &rayon::ThreadPool,
+    gate: &QMatrix<'_>,
+    up: &QMatrix<'_>,
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+) {
+    matmul_glu(pool, Glu::Silu, gate, up, x, t, out)
+}
+
+/// [`matmul_swiglu`] with any [`Glu`]: `out[t][r] = glu(gate[r] · x[t], up[r] · x[t])`.
+pub fn matmul_glu(
+    pool: &rayon::ThreadPool,
+    glu: Glu,
     gate: &QMatrix<'_>,
     up: &QMatrix<'_>,
     x: &[f32],
@@ -216,7 +248,7 @@ pub fn matmul_swiglu(
             rows_times_tokens(up, task.r0, task.n, x, acts, &mut us);
             for (g, u) in task.outs.iter_mut().zip(us) {
                 for (gi, ui) in g.iter_mut().zip(u.iter()) {
-                    *gi = silu_times(*gi, *ui);
+                    *gi = glu.apply(*gi, *ui);
                 }
             }
         });
@@ -227,6 +259,15 @@ pub fn matmul_swiglu(
 #[inline]
 pub fn silu_times(g: f32, u: f32) -> f32 {
     g / (1.0 + (-g).exp()) * u
+}
+
+/// `gelu(g) · u` with GELU's tanh approximation,
+/// `0.5 · g · (1 + tanh(√(2/π) · (g + 0.044715 · g³)))`, the one expression every GeGLU
+/// uses.
+#[inline]
+pub fn gelu_tanh_times(g: f32, u: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * g * (1.0 + (SQRT_2_OVER_PI * g * (1.0 + 0.044_715 * g * g)).tanh()) * u
 }
 
 /// Rows `r0..r0 + n` of `w` times every token into `out[token][row - r0]`.

@@ -12,6 +12,7 @@ pub mod cuda;
 pub mod deepseek;
 pub mod deepseek_synth;
 mod engine;
+pub mod gemma;
 mod gpu;
 mod grammar;
 pub use grammar::{Grammar, GrammarCompiler, GrammarError};

@@ -468,7 +468,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 /// cos/sin of each rotated pair at `pos` (llama.cpp's "normal" mode: adjacent pairs).
-fn rope_table(pos: usize, hd: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
+pub(crate) fn rope_table(pos: usize, hd: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
     let theta_scale = base.powf(-2.0 / hd as f32);
     let mut theta = pos as f32;
     let (mut cos, mut sin) = (Vec::with_capacity(hd / 2), Vec::with_capacity(hd / 2));

@@ -204,6 +204,30 @@ pub fn dequantize(t: GgmlType, src: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// Q5_0 blocks rewritten as Q8_0 blocks of the same values: the scale is kept, and each
+/// 5-bit value (−16..15) becomes an i8, so every value dequantizes to the same f32 and a
+/// Q8_0 product computes on the same weights (at 34 bytes per block instead of 22).
+pub fn q5_0_as_q8_0(src: &[u8]) -> Vec<u8> {
+    let (from, to) = (GgmlType::Q5_0.block_bytes(), GgmlType::Q8_0.block_bytes());
+    assert_eq!(src.len() % from, 0, "not whole Q5_0 blocks");
+    let mut out = Vec::with_capacity(src.len() / from * to);
+    for blk in src.chunks_exact(from) {
+        out.extend_from_slice(&blk[0..2]);
+        let qh = u32::from_le_bytes(blk[2..6].try_into().unwrap());
+        let value = |j: usize| {
+            let nib = if j < 16 {
+                blk[6 + j] & 0xF
+            } else {
+                blk[6 + j - 16] >> 4
+            };
+            let high = ((qh >> j) & 1) as u8;
+            ((nib | (high << 4)) as i8 - 16) as u8
+        };
+        out.extend((0..32).map(value));
+    }
+    out
+}
+
 /// The 6-bit scale and min of sub-block `j` of a Q4_K block.
 fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
@@ -222,6 +246,32 @@ mod tests {
 
     fn h(x: f32) -> [u8; 2] {
         f16::from_f32(x).to_le_bytes()
+    }
+
+    #[test]
+    fn q5_0_rewritten_as_q8_0_dequantizes_to_the_same_values() {
+        let mut src = Vec::new();
+        let mut s = 7u32;
+        for b in 0..6 {
+            src.extend(h(0.01
+                * (b as f32 + 1.0)
+                * if b % 2 == 0 { 1.0 } else { -1.0 }));
+            for _ in 0..20 {
+                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+                src.push((s >> 24) as u8);
+            }
+        }
+        // Block 0: every value at an extreme (all bits set: 15; none: -16).
+        src[2..22].fill(0xFF);
+        src[24..44].fill(0);
+        let q8 = q5_0_as_q8_0(&src);
+        assert_eq!(q8.len(), 6 * 34);
+        let (mut a, mut b) = (vec![0f32; 192], vec![0f32; 192]);
+        dequantize(GgmlType::Q5_0, &src, &mut a);
+        dequantize(GgmlType::Q8_0, &q8, &mut b);
+        assert_eq!(a, b);
+        assert_eq!(q8[2..34], [15u8; 32]);
+        assert_eq!(q8[36..68], [(-16i8) as u8; 32]);
     }
 
     #[test]

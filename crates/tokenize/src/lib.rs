@@ -1,8 +1,9 @@
 //! pdmesh-tokenize: the model's vocabulary as code. A real `tokenizers::Tokenizer` made
-//! from the GGUF vocabulary (so ids match llama.cpp's) or from an HF checkpoint's
-//! `tokenizer.json`, the bytes each id stands for, the ids that end generation, and an
-//! incremental detokenizer for streaming. Chat templates, prompts and the parsing of what
-//! a model writes are pdmesh-chat's: this crate knows nothing of conversations.
+//! from the GGUF vocabulary (byte-level or SentencePiece BPE, so ids match llama.cpp's)
+//! or from an HF checkpoint's `tokenizer.json`, the bytes each id stands for, the ids that
+//! end generation, and an incremental detokenizer for streaming. Chat templates, prompts
+//! and the parsing of what a model writes are pdmesh-chat's: this crate knows nothing of
+//! conversations.
 
 #![forbid(unsafe_code)]
 
@@ -21,7 +22,7 @@ pub enum TokenizerError {
     #[error(transparent)]
     Gguf(#[from] pdmesh_gguf::GgufError),
     #[error(
-        "tokenizer model {0:?} is not supported (pdmesh-tokenize supports \"gpt2\" byte-level BPE)"
+        "tokenizer model {0:?} is not supported (pdmesh-tokenize supports \"gpt2\" byte-level BPE and \"llama\" SentencePiece BPE without add_space_prefix)"
     )]
     UnsupportedModel(String),
     #[error("pre-tokenizer {0:?} (tokenizer.ggml.pre) is not supported (supported: {supported})", supported = tokenizer::SUPPORTED_PRE.join(", "))]

@@ -1,13 +1,19 @@
 //! `TextTokenizer`: a `tokenizers::Tokenizer` assembled from a GGUF file's
 //! `tokenizer.ggml.*` metadata the way llama.cpp reads it, so pdmesh never needs a
-//! separate tokenizer.json and produces the same token ids as llama.cpp.
+//! separate tokenizer.json and produces the same token ids as llama.cpp: byte-level BPE
+//! (`tokenizer.ggml.model == "gpt2"`, SmolLM2) and SentencePiece BPE (`"llama"`, Gemma 3).
 
 use std::path::Path;
 use std::sync::Arc;
 
 use pdmesh_gguf::{GgufFile, MetaValue};
 use tokenizers::decoders::DecoderWrapper;
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::models::ModelWrapper;
 use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::normalizers::replace::Replace;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
@@ -32,9 +38,30 @@ const PRE_TOKENIZER_GPT2: [&str; 1] =
 /// `tokenizer.ggml.pre` values this crate reproduces.
 pub(crate) const SUPPORTED_PRE: &[&str] = &["smollm", "gpt-2"];
 
+/// `tokenizer.ggml.model` values this crate reproduces.
+pub(crate) const SUPPORTED_MODELS: &[&str] = &["gpt2", "llama"];
+
 /// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
+const TYPE_UNKNOWN: u64 = 2;
 const TYPE_CONTROL: u64 = 3;
 const TYPE_USER_DEFINED: u64 = 4;
+
+/// SentencePiece's visible space: llama.cpp writes every ' ' of the text as U+2581 before
+/// looking up pieces, and turns it back into ' ' when printing a normal token.
+const SPM_SPACE: &str = "\u{2581}";
+
+/// Whether llama.cpp treats tokens of type `ty` as control tokens: split out of the text
+/// only when parsing special tokens, and printed only when asked to. llama.cpp puts
+/// `<unk>`-typed tokens (SentencePiece vocabularies have them) in the same class.
+fn is_control(ty: u64) -> bool {
+    ty == TYPE_CONTROL || ty == TYPE_UNKNOWN
+}
+
+/// Whether tokens of type `ty` are taken out of the text before the model sees it, and
+/// printed as they are written: control and user-defined tokens.
+fn is_added(ty: u64) -> bool {
+    is_control(ty) || ty == TYPE_USER_DEFINED
+}
 
 /// A GGUF model's tokenizer. Cheap to clone; `Send + Sync`.
 #[derive(Clone)]
@@ -97,9 +124,13 @@ impl TextTokenizer {
             .filter(|(_, t)| t.special)
             .map(|(id, t)| (id, t.content))
             .collect();
+        // Byte fallback is what a SentencePiece vocabulary (▁ for spaces, `<0xNN>` byte
+        // tokens) needs and a byte-level one never has: it tells the two alphabets apart.
+        let sentencepiece = matches!(tok.get_model(), ModelWrapper::BPE(b) if b.byte_fallback);
         let token_bytes = (0..n as u32)
             .map(|id| match (specials.get(&id), tok.id_to_token(id)) {
                 (Some(text), _) => text.as_bytes().to_vec(),
+                (None, Some(t)) if sentencepiece => sentencepiece_bytes(&t),
                 (None, Some(t)) => byte_level_decode(&t),
                 (None, None) => Vec::new(),
             })
@@ -163,21 +194,9 @@ impl TextTokenizer {
     /// Builds the tokenizer described by `gguf`'s `tokenizer.*` metadata.
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self, TokenizerError> {
         let model = gguf.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
+        if !SUPPORTED_MODELS.contains(&model) {
             return Err(TokenizerError::UnsupportedModel(model.to_string()));
         }
-        let pre = match gguf.get("tokenizer.ggml.pre") {
-            Some(v) => v.as_str().ok_or_else(|| {
-                TokenizerError::Metadata("tokenizer.ggml.pre is not a string".into())
-            })?,
-            None => return Err(TokenizerError::UnsupportedPreTokenizer("(missing)".into())),
-        };
-        let regexes: &[&str] = match pre {
-            "smollm" => &PRE_TOKENIZER_SMOLLM,
-            "gpt-2" => &PRE_TOKENIZER_GPT2,
-            other => return Err(TokenizerError::UnsupportedPreTokenizer(other.to_string())),
-        };
-
         let tokens = gguf.get_str_array("tokenizer.ggml.tokens")?;
         let n = tokens.len();
         if n == 0 || n > u32::MAX as usize {
@@ -186,60 +205,23 @@ impl TextTokenizer {
             )));
         }
         let types = token_types(gguf, n)?;
-        let merges = gguf
-            .get_str_array("tokenizer.ggml.merges")?
-            .into_iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| {
-                        TokenizerError::Metadata(format!(
-                            "merge {m:?} is not two space-separated tokens"
-                        ))
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-
-        let mut vocab = Vocab::with_capacity(n);
-        for (id, t) in tokens.iter().enumerate() {
-            if vocab.insert((*t).to_string(), id as u32).is_some() {
-                return Err(TokenizerError::Metadata(format!(
-                    "token {t:?} appears twice in tokenizer.ggml.tokens"
-                )));
-            }
-        }
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(TokenizerError::tokenizer)?;
-
-        let mut pre_tokenizers = Vec::with_capacity(regexes.len() + 1);
-        for r in regexes {
-            let split = Split::new(
-                SplitPattern::Regex((*r).to_string()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )
-            .map_err(TokenizerError::tokenizer)?;
-            pre_tokenizers.push(PreTokenizerWrapper::Split(split));
-        }
-        // Regex splitting is done above; ByteLevel only maps bytes to its printable alphabet.
-        // No prefix space: llama.cpp never adds one for BPE vocabularies.
-        pre_tokenizers.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
-            false, true, false,
-        )));
-
-        let mut tok = Tokenizer::new(bpe);
-        tok.with_pre_tokenizer(Some(Sequence::new(pre_tokenizers)));
-        tok.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(
-            false, true, false,
-        ))));
+        let (mut tok, token_bytes) = if model == "llama" {
+            sentencepiece_bpe(gguf, &tokens, &types)?
+        } else {
+            byte_level_bpe(gguf, &tokens, &types)?
+        };
 
         // Control tokens are special (split out of the text, skippable on decode);
-        // user-defined ones are split out of the text too but always decoded.
+        // user-defined ones are split out of the text too but always decoded. Both are
+        // matched in the raw text, before any normalization (for SentencePiece: before
+        // spaces become ▁), as llama.cpp does. llama.cpp takes the longest such token
+        // first throughout the text, `tokenizers` the leftmost-longest match: the two
+        // differ only where one token's end overlaps another's start ("ab" and "bcd" in
+        // "abcd"), which no supported vocabulary has (Gemma 3's runs of one whitespace
+        // character and HTML tags do not).
         let added: Vec<AddedToken> = (0..n)
-            .filter(|&i| types[i] == TYPE_CONTROL || types[i] == TYPE_USER_DEFINED)
-            .map(|i| AddedToken::from(tokens[i], types[i] == TYPE_CONTROL).normalized(false))
+            .filter(|&i| is_added(types[i]))
+            .map(|i| AddedToken::from(tokens[i], is_control(types[i])).normalized(false))
             .collect();
         tok.add_tokens(added).map_err(TokenizerError::tokenizer)?;
 
@@ -298,19 +280,10 @@ impl TextTokenizer {
             }
         }
         for (i, t) in tokens.iter().enumerate() {
-            if types[i] == TYPE_CONTROL && pdmesh_gguf::END_OF_TURN_TEXTS.contains(t) {
+            if is_control(types[i]) && pdmesh_gguf::END_OF_TURN_TEXTS.contains(t) {
                 push_unique(&mut eos, i as u32);
             }
         }
-
-        let token_bytes = tokens
-            .iter()
-            .zip(&types)
-            .map(|(t, &ty)| match ty {
-                TYPE_CONTROL | TYPE_USER_DEFINED => t.as_bytes().to_vec(),
-                _ => byte_level_decode(t),
-            })
-            .collect();
 
         let text = |id: Option<u32>| id.map(|i| tokens[i as usize].to_owned());
         Ok(Self {
@@ -439,6 +412,237 @@ fn push_unique(v: &mut Vec<u32>, id: u32) {
     }
 }
 
+/// What each model kind contributes to a [`TextTokenizer`]: the `tokenizers` pipeline
+/// (model, normalizer, pre-tokenizer, decoder) and the bytes of every id. Added tokens,
+/// BOS/EOS and the end ids are the same for every kind and are set by the caller.
+type ModelParts = (Tokenizer, Vec<Vec<u8>>);
+
+/// `tokenizer.ggml.model == "gpt2"`: byte-level BPE with the GGUF's merge list, after
+/// the regex split `tokenizer.ggml.pre` names.
+fn byte_level_bpe(
+    gguf: &GgufFile,
+    tokens: &[&str],
+    types: &[u64],
+) -> Result<ModelParts, TokenizerError> {
+    let pre = match gguf.get("tokenizer.ggml.pre") {
+        Some(v) => v
+            .as_str()
+            .ok_or_else(|| TokenizerError::Metadata("tokenizer.ggml.pre is not a string".into()))?,
+        None => return Err(TokenizerError::UnsupportedPreTokenizer("(missing)".into())),
+    };
+    let regexes: &[&str] = match pre {
+        "smollm" => &PRE_TOKENIZER_SMOLLM,
+        "gpt-2" => &PRE_TOKENIZER_GPT2,
+        other => return Err(TokenizerError::UnsupportedPreTokenizer(other.to_string())),
+    };
+    let merges = gguf
+        .get_str_array("tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| {
+                    TokenizerError::Metadata(format!(
+                        "merge {m:?} is not two space-separated tokens"
+                    ))
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab(tokens)?, merges)
+        .build()
+        .map_err(TokenizerError::tokenizer)?;
+
+    let mut pre_tokenizers = Vec::with_capacity(regexes.len() + 1);
+    for r in regexes {
+        let split = Split::new(
+            SplitPattern::Regex((*r).to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(TokenizerError::tokenizer)?;
+        pre_tokenizers.push(PreTokenizerWrapper::Split(split));
+    }
+    // Regex splitting is done above; ByteLevel only maps bytes to its printable alphabet.
+    // No prefix space: llama.cpp never adds one for BPE vocabularies.
+    pre_tokenizers.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
+        false, true, false,
+    )));
+
+    let mut tok = Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(Sequence::new(pre_tokenizers)));
+    tok.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(
+        false, true, false,
+    ))));
+
+    let token_bytes = tokens
+        .iter()
+        .zip(types)
+        .map(|(t, &ty)| {
+            if is_added(ty) {
+                t.as_bytes().to_vec()
+            } else {
+                byte_level_decode(t)
+            }
+        })
+        .collect();
+    Ok((tok, token_bytes))
+}
+
+/// `tokenizer.ggml.model == "llama"`: a SentencePiece vocabulary (pieces with scores,
+/// `▁` for spaces, `<0xNN>` byte tokens), tokenized as llama.cpp's `llm_tokenizer_spm`
+/// does. llama.cpp's algorithm is BPE whose merges are implicit: starting from the
+/// characters of the text (spaces written as `▁`, no pre-tokenizer split), it joins the
+/// adjacent pair whose concatenation is a token with the best score, leftmost first, until
+/// no pair is a token; characters no token covers become their UTF-8 bytes' `<0xNN>`
+/// tokens. The `tokenizers` BPE model does exactly that given those merges ranked by
+/// score ([`merges_from_scores`]) and `byte_fallback`.
+///
+/// `tokenizer.ggml.pre` plays no part for SentencePiece vocabularies (llama.cpp ignores
+/// it). `tokenizer.ggml.add_space_prefix` (llama.cpp's default: true) would prefix every
+/// run of text with a space and strip one on decoding; no supported model asks for it
+/// (Gemma 3 does not), so it is refused rather than half supported.
+fn sentencepiece_bpe(
+    gguf: &GgufFile,
+    tokens: &[&str],
+    types: &[u64],
+) -> Result<ModelParts, TokenizerError> {
+    let space_prefix = match gguf.get("tokenizer.ggml.add_space_prefix") {
+        None => true,
+        Some(v) => v.as_bool().ok_or_else(|| {
+            TokenizerError::Metadata("tokenizer.ggml.add_space_prefix is not a bool".into())
+        })?,
+    };
+    if space_prefix {
+        return Err(TokenizerError::UnsupportedModel(
+            "llama with tokenizer.ggml.add_space_prefix".into(),
+        ));
+    }
+    let scores = token_scores(gguf, tokens.len())?;
+    let vocab = vocab(tokens)?;
+    // Without every byte token, byte fallback would silently drop the characters it
+    // cannot spell (llama.cpp throws on them).
+    if let Some(b) = (0..=255u8).find(|b| !vocab.contains_key(&format!("<0x{b:02X}>"))) {
+        return Err(TokenizerError::Metadata(format!(
+            "the SentencePiece vocabulary has no byte token <0x{b:02X}>"
+        )));
+    }
+    let merges = merges_from_scores(tokens, &scores, &vocab);
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .build()
+        .map_err(TokenizerError::tokenizer)?;
+
+    let mut tok = Tokenizer::new(bpe);
+    // Only ' ' is escaped (not tabs or newlines), as llama_escape_whitespace does.
+    let escape = Replace::new(" ", SPM_SPACE).map_err(TokenizerError::tokenizer)?;
+    tok.with_normalizer(Some(escape))
+        .map_err(TokenizerError::tokenizer)?;
+    // ▁ back to ' ', runs of byte tokens back to UTF-8 text, then one string. Nothing is
+    // stripped: without add_space_prefix no space was added.
+    let unescape = Replace::new(SPM_SPACE, " ").map_err(TokenizerError::tokenizer)?;
+    tok.with_decoder(Some(DecoderSequence::new(vec![
+        DecoderWrapper::Replace(unescape),
+        DecoderWrapper::ByteFallback(ByteFallback::new()),
+        DecoderWrapper::Fuse(Fuse::new()),
+    ])));
+
+    let token_bytes = tokens
+        .iter()
+        .zip(types)
+        .map(|(t, &ty)| {
+            // llama.cpp prints control and user-defined tokens as they are written, with
+            // no ▁ unescaping.
+            if is_added(ty) {
+                t.as_bytes().to_vec()
+            } else {
+                sentencepiece_bytes(t)
+            }
+        })
+        .collect();
+    Ok((tok, token_bytes))
+}
+
+/// The merges that make the `tokenizers` BPE model behave as llama.cpp's SPM tokenizer:
+/// every split of every token into two tokens (llama.cpp joins any adjacent pair whose
+/// concatenation is in the vocabulary, whatever its type), ranked by the joined token's
+/// score, best first.
+///
+/// llama.cpp breaks ties between equal scores by position (leftmost first); a BPE rank
+/// cannot tie, so equal scores are ordered by token id, then by split point. Two
+/// different tokens with equal scores never compete in Gemma 3: its normal tokens all
+/// have distinct scores, and the tokens that share one (control and user-defined at
+/// -1000, bytes at 0) are split out of the text before merging or have no split.
+fn merges_from_scores(tokens: &[&str], scores: &[f32], vocab: &Vocab) -> Vec<(String, String)> {
+    let mut found: Vec<(f32, usize, usize)> = Vec::new();
+    for (id, t) in tokens.iter().enumerate() {
+        for (at, _) in t.char_indices().skip(1) {
+            if vocab.contains_key(&t[..at]) && vocab.contains_key(&t[at..]) {
+                // -0.0 and 0.0 are equal scores for llama.cpp, not for total_cmp.
+                let score = if scores[id] == 0.0 { 0.0 } else { scores[id] };
+                found.push((score, id, at));
+            }
+        }
+    }
+    found.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+    found
+        .into_iter()
+        .map(|(_, id, at)| (tokens[id][..at].to_string(), tokens[id][at..].to_string()))
+        .collect()
+}
+
+/// Token text to id, refusing a token that appears twice (llama.cpp would keep only one
+/// of them reachable).
+fn vocab(tokens: &[&str]) -> Result<Vocab, TokenizerError> {
+    let mut vocab = Vocab::with_capacity(tokens.len());
+    for (id, t) in tokens.iter().enumerate() {
+        if vocab.insert((*t).to_string(), id as u32).is_some() {
+            return Err(TokenizerError::Metadata(format!(
+                "token {t:?} appears twice in tokenizer.ggml.tokens"
+            )));
+        }
+    }
+    Ok(vocab)
+}
+
+/// `tokenizer.ggml.scores`, required: the merge order of a SentencePiece vocabulary.
+fn token_scores(gguf: &GgufFile, n: usize) -> Result<Vec<f32>, TokenizerError> {
+    let arr = gguf
+        .get("tokenizer.ggml.scores")
+        .and_then(MetaValue::as_array)
+        .ok_or_else(|| {
+            TokenizerError::Metadata("tokenizer.ggml.scores is missing or not an array".into())
+        })?;
+    if arr.len() != n {
+        return Err(TokenizerError::Metadata(format!(
+            "tokenizer.ggml.scores has {} entries for {n} tokens",
+            arr.len()
+        )));
+    }
+    arr.iter()
+        .map(|s| match *s {
+            MetaValue::F32(v) => Ok(v),
+            _ => Err(TokenizerError::Metadata(format!(
+                "token score {s:?} is not an f32"
+            ))),
+        })
+        .collect()
+}
+
+/// The bytes a SentencePiece piece stands for: `<0xNN>` is the byte NN, any other piece
+/// its text with `▁` as a space. The same rule as the `ByteFallback` and `Replace`
+/// decoders, so these bytes are what `decode` gives.
+fn sentencepiece_bytes(piece: &str) -> Vec<u8> {
+    if piece.len() == 6
+        && let Some(hex) = piece.strip_prefix("<0x").and_then(|r| r.strip_suffix('>'))
+        && let Ok(b) = u8::from_str_radix(hex, 16)
+    {
+        return vec![b];
+    }
+    piece.replace(SPM_SPACE, " ").into_bytes()
+}
+
 /// `tokenizer.ggml.token_type`, or all-normal when absent.
 fn token_types(gguf: &GgufFile, n: usize) -> Result<Vec<u64>, TokenizerError> {
     let Some(v) = gguf.get("tokenizer.ggml.token_type") else {
@@ -493,7 +697,7 @@ pub(crate) fn char_to_byte(c: char) -> Option<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_support::{tiny, tiny_gguf};
+    use crate::test_support::{tiny, tiny_gguf, tiny_spm, tiny_spm_gguf};
 
     /// Equal tokenizers share a fingerprint; one more special id, or one id's bytes
     /// changed, gives another.
@@ -574,13 +778,12 @@ mod tests {
     #[test]
     fn unsupported_tokenizers_give_clear_errors() {
         let (_dir, path) = tiny_gguf(|w| {
-            w.meta("tokenizer.ggml.model", MetaValue::String("llama".into()));
+            w.meta("tokenizer.ggml.model", MetaValue::String("t5".into()));
         });
         let err = TextTokenizer::from_path(&path).unwrap_err();
-        // The GGUF reader keeps the last value of a repeated key.
         assert_eq!(
             err.to_string(),
-            "tokenizer model \"llama\" is not supported (pdmesh-tokenize supports \"gpt2\" byte-level BPE)"
+            "tokenizer model \"t5\" is not supported (pdmesh-tokenize supports \"gpt2\" byte-level BPE and \"llama\" SentencePiece BPE without add_space_prefix)"
         );
 
         let (_dir, path) = tiny_gguf(|w| {
@@ -612,5 +815,213 @@ mod tests {
         assert_eq!(seen, (0..=255u8).collect::<Vec<_>>());
         // Out of the alphabet: taken as its own UTF-8 text.
         assert_eq!(byte_level_decode("a\u{3000}"), "a\u{3000}".as_bytes());
+    }
+
+    // The ids the sentencepiece tests below expect are llama.cpp's (llama-cpp-python
+    // 0.3.36, `tokenize(text, add_bos=False, special=True)`) for the same vocabulary.
+
+    /// [`tiny_spm_gguf`]'s ids: `<0xNN>` is 9 + NN, then its pieces from 265.
+    fn spm_byte(b: u8) -> u32 {
+        9 + u32::from(b)
+    }
+    const SPACE: u32 = 265;
+    const A: u32 = 266;
+    const B: u32 = 267;
+    const H: u32 = 269;
+    const AB: u32 = 271;
+    const BC: u32 = 272;
+    const AA: u32 = 273;
+    const HI: u32 = 274;
+    const SPACE_HI: u32 = 275;
+
+    /// llama.cpp's SPM rule: join the adjacent pair whose concatenation is the
+    /// best-scored token, leftmost first; spaces are ▁ and there is no dummy prefix.
+    #[test]
+    fn sentencepiece_merges_by_score_leftmost_first() {
+        let tok = tiny_spm();
+        assert_eq!(tok.vocab_size(), 277);
+        // "ab" has the lower id, "bc" the better score.
+        assert_eq!(tok.encode("abc", false).unwrap(), [A, BC]);
+        assert_eq!(tok.encode("ab", false).unwrap(), [AB]);
+        // Equal scores (one merge, "a a"): leftmost first.
+        assert_eq!(tok.encode("aaaaa", false).unwrap(), [AA, AA, A]);
+        // "▁hi" comes from ▁ + hi once "hi" exists; "hi" alone gets no ▁ prefix.
+        assert_eq!(tok.encode(" hi", false).unwrap(), [SPACE_HI]);
+        assert_eq!(tok.encode("hi", false).unwrap(), [HI]);
+        assert_eq!(tok.encode("a b", false).unwrap(), [A, SPACE, B]);
+        assert_eq!(tok.encode("", false).unwrap(), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn sentencepiece_falls_back_to_bytes() {
+        let tok = tiny_spm();
+        // 'é' and '中' are no piece: their UTF-8 bytes, and no merge across them.
+        assert_eq!(
+            tok.encode("hé", false).unwrap(),
+            [H, spm_byte(0xc3), spm_byte(0xa9)]
+        );
+        assert_eq!(
+            tok.encode("a中b", false).unwrap(),
+            [A, spm_byte(0xe4), spm_byte(0xb8), spm_byte(0xad), B]
+        );
+        // A tab is neither a piece nor escaped.
+        assert_eq!(tok.encode("\t", false).unwrap(), [spm_byte(b'\t')]);
+        // Text that spells a byte token is text.
+        assert_eq!(
+            tok.encode("<0x41>", false).unwrap(),
+            "<0x41>".bytes().map(spm_byte).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            tok.decode(&[SPACE_HI, spm_byte(0xc3), spm_byte(0xa9)], false)
+                .unwrap(),
+            " hié"
+        );
+        // A character cut short decodes as U+FFFD per byte.
+        assert_eq!(
+            tok.decode(&[HI, spm_byte(0xe4)], false).unwrap(),
+            "hi\u{fffd}"
+        );
+    }
+
+    /// User-defined tokens are taken out of the raw text before spaces become ▁ (so two
+    /// spaces are "  ", never the better-scored "▁▁"), longest first; control tokens too,
+    /// and `<unk>`-typed ones count as control.
+    #[test]
+    fn sentencepiece_splits_user_defined_and_control_tokens_first() {
+        let tok = tiny_spm();
+        assert_eq!(tok.encode("a  b", false).unwrap(), [A, 7, B]);
+        assert_eq!(tok.encode("a   b", false).unwrap(), [A, 7, SPACE, B]);
+        assert_eq!(tok.encode("  hi", false).unwrap(), [7, HI]);
+        assert_eq!(tok.encode("\n\n\nhi\n", false).unwrap(), [6, 5, HI, 5]);
+        assert_eq!(tok.encode("<b>ab", false).unwrap(), [8, AB]);
+        // A literal ▁▁ is not raw spaces: it merges like any text.
+        assert_eq!(tok.encode("\u{2581}\u{2581}", false).unwrap(), [276]);
+        assert_eq!(
+            tok.encode("<bos>hi<end_of_turn><unk>", false).unwrap(),
+            [2, HI, 4, 3]
+        );
+        assert_eq!(
+            tok.decode(&[2, HI, 7, 6, 8, 4, 3], false).unwrap(),
+            "<bos>hi  \n\n<b><end_of_turn><unk>"
+        );
+        assert_eq!(
+            tok.decode(&[2, HI, 7, 6, 8, 4, 3], true).unwrap(),
+            "hi  \n\n<b>"
+        );
+    }
+
+    #[test]
+    fn sentencepiece_special_ids_and_token_bytes() {
+        let tok = tiny_spm();
+        assert_eq!(tok.encode("hi", true).unwrap(), [2, HI]);
+        assert_eq!(tok.bos_token_id(), Some(2));
+        assert_eq!(tok.bos_text(), Some("<bos>"));
+        assert_eq!(tok.eos_text(), Some("<eos>"));
+        assert_eq!(tok.eos_token_ids(), [1, 4]);
+        let table = tok.token_bytes_table();
+        assert_eq!(table[spm_byte(0xc3) as usize], [0xc3]);
+        assert_eq!(table[spm_byte(b' ') as usize], b" ");
+        assert_eq!(table[SPACE as usize], b" ");
+        assert_eq!(table[SPACE_HI as usize], b" hi");
+        assert_eq!(table[276], b"  ");
+        assert_eq!(table[2], b"<bos>");
+        assert_eq!(table[3], b"<unk>");
+        assert_eq!(table[7], b"  ");
+        assert_eq!(table[6], b"\n\n");
+        // The table spells what decode gives, id by id.
+        for id in 0..tok.vocab_size() as u32 {
+            let bytes = &table[id as usize];
+            if let Ok(text) = std::str::from_utf8(bytes) {
+                assert_eq!(tok.decode(&[id], false).unwrap(), text, "id {id}");
+            }
+        }
+        assert!(matches!(
+            tok.decode(&[277], false),
+            Err(TokenizerError::UnknownTokenId {
+                id: 277,
+                vocab_size: 277
+            })
+        ));
+    }
+
+    #[test]
+    fn sentencepiece_streams_split_characters_whole() {
+        let tok = tiny_spm();
+        let ids = tok.encode("<bos>hi 中", false).unwrap();
+        let mut d = tok.detokenizer(true);
+        let chunks: Vec<String> = ids.iter().map(|&id| d.push(&[id]).unwrap()).collect();
+        assert_eq!(chunks, ["", "hi", " ", "", "", "中"]);
+        assert_eq!(d.finish(), "");
+    }
+
+    #[test]
+    fn sentencepiece_hf_directory_round_trips() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tiny_spm();
+        tok.write_hf_dir(dir.path()).unwrap();
+        let hf = TextTokenizer::from_path(dir.path()).unwrap();
+        for text in ["abc aaaaa", " hié\n\n  x", "<bos>hi<end_of_turn>"] {
+            assert_eq!(
+                hf.encode(text, true).unwrap(),
+                tok.encode(text, true).unwrap()
+            );
+        }
+        assert_eq!(hf.token_bytes_table(), tok.token_bytes_table());
+        assert_eq!(hf.eos_token_ids(), tok.eos_token_ids());
+        assert_eq!(hf.fingerprint(), tok.fingerprint());
+    }
+
+    #[test]
+    fn sentencepiece_fingerprint_differs_from_byte_level() {
+        let fp = tiny_spm().fingerprint();
+        assert_eq!(tiny_spm().fingerprint(), fp);
+        assert_ne!(tiny().fingerprint(), fp);
+        // One piece spelled differently: other bytes, another fingerprint.
+        let (_dir, path) = tiny_spm_gguf(|w| match w.meta_mut("tokenizer.ggml.tokens") {
+            Some(MetaValue::Array(t)) => t[276] = MetaValue::String("\u{2581}x".into()),
+            other => panic!("tokens are {other:?}"),
+        });
+        assert_ne!(TextTokenizer::from_path(&path).unwrap().fingerprint(), fp);
+    }
+
+    #[test]
+    fn sentencepiece_metadata_llama_cpp_reads_otherwise_is_refused() {
+        let refused = |edit: fn(&mut pdmesh_gguf::GgufWriter)| {
+            let (_dir, path) = tiny_spm_gguf(edit);
+            TextTokenizer::from_path(&path).unwrap_err()
+        };
+        // llama.cpp's default is a space prefix, which this crate does not do.
+        for err in [
+            refused(|w| {
+                w.meta("tokenizer.ggml.add_space_prefix", MetaValue::Bool(true));
+            }),
+            // The key left out altogether.
+            refused(|w| {
+                let mut fresh = pdmesh_gguf::GgufWriter::new();
+                for key in [
+                    "tokenizer.ggml.model",
+                    "tokenizer.ggml.tokens",
+                    "tokenizer.ggml.scores",
+                    "tokenizer.ggml.token_type",
+                ] {
+                    fresh.meta(key, w.meta_mut(key).unwrap().clone());
+                }
+                *w = fresh;
+            }),
+        ] {
+            assert!(
+                matches!(err, TokenizerError::UnsupportedModel(ref m) if m.contains("add_space_prefix")),
+                "{err:?}"
+            );
+        }
+        let err = refused(|w| {
+            w.meta("tokenizer.ggml.scores", MetaValue::Array(Vec::new()));
+        });
+        assert!(err.to_string().contains("tokenizer.ggml.scores"), "{err}");
+        let err = refused(|w| match w.meta_mut("tokenizer.ggml.tokens") {
+            Some(MetaValue::Array(t)) => t[9 + 0x80] = MetaValue::String("x".into()),
+            other => panic!("tokens are {other:?}"),
+        });
+        assert!(err.to_string().contains("<0x80>"), "{err}");
     }
 }

@@ -9,6 +9,7 @@ use pdmesh_kv::{KvLayout, PageId, PagePool};
 
 use super::EngineConfig;
 use crate::deepseek::DeepSeekModel;
+use crate::gemma::GemmaModel;
 use crate::model::{BatchToken, LlamaModel, TpLlama};
 use crate::tp::RankWork;
 use crate::vocab::{eog_tokens, hf_vocab, token_bytes_table};
@@ -91,6 +92,21 @@ impl Model for DeepSeekModel {
     }
 }
 
+impl Model for GemmaModel {
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+    fn forward(
+        &self,
+        tp: &rayon::ThreadPool,
+        pool: &mut PagePool,
+        seq_pages: &[&[PageId]],
+        tokens: &[BatchToken],
+    ) -> Result<Vec<Vec<f32>>, CudaError> {
+        Ok(tp.install(|| GemmaModel::forward(self, tp, pool, seq_pages, tokens)))
+    }
+}
+
 /// A llama-family model on GPUs, or DeepSeek on one.
 #[cfg(feature = "cuda")]
 impl Model for crate::cuda::CudaModel {
@@ -118,11 +134,14 @@ pub(crate) struct Loaded {
 }
 
 impl Loaded {
-    /// A GGUF file is a llama-family model; a directory is an HF checkpoint (DeepSeek
-    /// V3.2: `config.json`, safetensors, `tokenizer.json`).
+    /// A GGUF file is a llama-family model or Gemma 3; a directory is an HF checkpoint
+    /// (DeepSeek V3.2: `config.json`, safetensors, `tokenizer.json`).
     pub(crate) fn load(cfg: &EngineConfig) -> Result<Loaded, EngineError> {
         if !cfg.model_path.is_dir() {
             let gguf = Arc::new(GgufFile::open(&cfg.model_path)?);
+            if gguf.get_str("general.architecture")? == "gemma3" {
+                return Self::gemma3(cfg, gguf);
+            }
             let model = LlamaModel::load(gguf.clone())?;
             let (layout, context_length) =
                 (model.cfg.kv_layout(cfg.page_size), model.cfg.context_length);
@@ -180,6 +199,26 @@ impl Loaded {
             token_bytes,
             eog,
             model,
+        })
+    }
+}
+
+impl Loaded {
+    /// Gemma 3 runs on the CPU, unsharded.
+    fn gemma3(cfg: &EngineConfig, gguf: Arc<GgufFile>) -> Result<Loaded, EngineError> {
+        if cfg.tp != 1 || cfg.gpu.is_some() {
+            return Err(EngineError::Unsupported(format!(
+                "{} is Gemma 3, which runs on the CPU unsharded (tp 1, no GPU)",
+                cfg.model_path.display()
+            )));
+        }
+        let model = GemmaModel::load(gguf.clone())?;
+        Ok(Loaded {
+            layout: model.cfg.kv_layout(cfg.page_size),
+            context_length: model.cfg.context_length,
+            token_bytes: token_bytes_table(&gguf)?,
+            eog: eog_tokens(&gguf)?,
+            model: Box::new(model),
         })
     }
 }
