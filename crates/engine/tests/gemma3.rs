@@ -130,61 +130,45 @@ fn last_logits(model: &GemmaModel, prompt: &[u32]) -> Vec<f32> {
 }
 
 /// For the prompts longer than the window, a model that ignores the window (every layer
-/// global) answers otherwise: its logits leave llama.cpp's tolerance, or its pick changes.
-/// With the window, the same code path lands within it.
+/// global) answers otherwise: its logits at the prompt's end leave llama.cpp's tolerance
+/// (with the window they are within it: checked above, at step 0 of each continuation).
 #[test]
 fn the_window_decides_the_long_prompts() {
     let fx = fixtures();
     let path = pdmesh_gguf::models::require_gemma3_model();
-    let gguf = Arc::new(GgufFile::open(&path).unwrap());
-    let windowed = GemmaModel::load(gguf.clone()).unwrap();
-    let global = GemmaModel::load(gguf).unwrap().without_window();
+    let global = GemmaModel::load(Arc::new(GgufFile::open(&path).unwrap()))
+        .unwrap()
+        .without_window();
     let mut long = 0;
     for p in fx["prompts"].as_array().unwrap() {
         let prompt = common::ids(&p["prompt_ids"]);
-        if prompt.len() <= windowed.cfg.window {
+        if prompt.len() <= global.cfg.window {
             continue;
         }
         long += 1;
         let name = p["name"].as_str().unwrap();
-        let top5 = p["top5"][0].as_array().unwrap();
-        let off = |logits: &[f32]| {
-            top5.iter()
-                .map(|pair| {
-                    let id = pair[0].as_u64().unwrap() as usize;
-                    (logits[id] - pair[1].as_f64().unwrap() as f32).abs()
-                })
-                .fold(0f32, f32::max)
-        };
-        let argmax = |l: &[f32]| {
-            l.iter()
-                .enumerate()
-                .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
-                .0
-        };
-        let (w, g) = (
-            last_logits(&windowed, &prompt),
-            last_logits(&global, &prompt),
-        );
-        let want = top5[0][0].as_u64().unwrap() as usize;
-        assert!(off(&w) <= LOGIT_TOL, "{name}: windowed off by {}", off(&w));
-        assert_eq!(argmax(&w), want, "{name}: windowed pick");
+        let logits = last_logits(&global, &prompt);
+        let off = p["top5"][0]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|pair| {
+                let id = pair[0].as_u64().unwrap() as usize;
+                (logits[id] - pair[1].as_f64().unwrap() as f32).abs()
+            })
+            .fold(0f32, f32::max);
         assert!(
-            off(&g) > LOGIT_TOL || argmax(&g) != want,
-            "{name}: without the window the logits stay within {} of llama.cpp's",
-            off(&g)
+            off > 2.0 * LOGIT_TOL,
+            "{name}: without the window the logits stay within {off} of llama.cpp's"
         );
-        eprintln!(
-            "{name}: windowed off by {}, global off by {}",
-            off(&w),
-            off(&g)
-        );
+        eprintln!("{name}: without the window, top-5 logits off by {off}");
     }
     assert!(long >= 3);
 }
 
 /// Batched with others, and prefilled in chunks whose edges fall on either side of the
-/// window's (512), each sequence's logits are the bits it gets alone.
+/// window's (512), each sequence's logits are the bits it gets alone. The long prompts are
+/// cut to 700 tokens: past the window, and cheap enough to run three ways.
 #[test]
 fn batch_and_chunks_across_the_window_change_nothing() {
     let fx = fixtures();
@@ -196,14 +180,13 @@ fn batch_and_chunks_across_the_window_change_nothing() {
             ["long_counting", "long_recall", "fox", "code"].contains(&p["name"].as_str().unwrap())
         })
         .map(|p| {
-            (
-                p["name"].as_str().unwrap().to_owned(),
-                common::ids(&p["prompt_ids"]),
-            )
+            let mut ids = common::ids(&p["prompt_ids"]);
+            ids.truncate(700);
+            (p["name"].as_str().unwrap().to_owned(), ids)
         })
         .collect();
     assert_eq!(prompts.len(), 4);
-    let n = 6;
+    let n = 4;
     let mut alone: HashMap<String, common::Outcome> = HashMap::new();
     for (name, prompt) in &prompts {
         let mut e = engine(|c| c.prefill_chunk = 4096);
@@ -218,6 +201,7 @@ fn batch_and_chunks_across_the_window_change_nothing() {
                 out[name].tokens, alone[name].tokens,
                 "{name}, chunk {chunk}"
             );
+            assert_eq!(out[name].logits.len(), n as usize);
             for (a, b) in out[name].logits.iter().zip(&alone[name].logits) {
                 assert_eq!(common::bits(a), common::bits(b), "{name}, chunk {chunk}");
             }
