@@ -2,7 +2,9 @@
 //! layout through `KvLayout::new` (so every size is derived again, never trusted from the
 //! wire) and refuses it if the fingerprint the sender computed differs.
 
-use pdmesh_kv::{Component, DType, KvLayout, LayoutError, ScalePlacement, ScaleSpec};
+use pdmesh_kv::{
+    Attention, Component, DType, KvLayout, LayerGroup, LayoutError, ScalePlacement, ScaleSpec,
+};
 use pdmesh_proto::cache::v1 as pb;
 
 /// Why a layout from the wire was refused.
@@ -72,6 +74,20 @@ pub fn layout_to_pb(l: &KvLayout) -> pb::KvLayout {
             })
             .collect(),
         fingerprint: l.fingerprint_hex(),
+        groups: if l.is_hybrid() {
+            l.groups()
+                .iter()
+                .map(|g| pb::LayerGroup {
+                    window: match g.attention {
+                        Attention::Full => 0,
+                        Attention::SlidingWindow { window } => window as u32,
+                    },
+                    layers: g.layers.iter().map(|&l| l as u32).collect(),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        },
     }
 }
 
@@ -103,7 +119,21 @@ pub fn layout_from_pb(p: &pb::KvLayout) -> Result<KvLayout, WireLayoutError> {
             scale,
         });
     }
-    let layout = KvLayout::new(&p.name, p.layers as usize, p.page_size as usize, comps)?;
+    let mut layout = KvLayout::new(&p.name, p.layers as usize, p.page_size as usize, comps)?;
+    if !p.groups.is_empty() {
+        let groups = p
+            .groups
+            .iter()
+            .map(|g| LayerGroup {
+                attention: match g.window {
+                    0 => Attention::Full,
+                    w => Attention::SlidingWindow { window: w as usize },
+                },
+                layers: g.layers.iter().map(|&l| l as usize).collect(),
+            })
+            .collect();
+        layout = layout.with_groups(groups)?;
+    }
     if layout.fingerprint_hex() != p.fingerprint {
         return Err(WireLayoutError::Fingerprint {
             sent: p.fingerprint.clone(),
@@ -145,5 +175,41 @@ mod tests {
                 value: 99
             }
         );
+    }
+
+    /// A hybrid layout's groups travel, and a sender that dropped them (every layer
+    /// global) has another fingerprint: its layout arrives whole, and differs.
+    #[test]
+    fn groups_round_trip_and_are_covered_by_the_fingerprint() {
+        let dense = KvLayout::llama(6, 1, 256, DType::F16, 16);
+        let hybrid = dense
+            .clone()
+            .with_groups(vec![
+                LayerGroup {
+                    attention: Attention::Full,
+                    layers: vec![5],
+                },
+                LayerGroup {
+                    attention: Attention::SlidingWindow { window: 512 },
+                    layers: vec![0, 1, 2, 3, 4],
+                },
+            ])
+            .unwrap();
+        let p = layout_to_pb(&hybrid);
+        assert_eq!(p.groups.len(), 2);
+        assert_eq!(layout_from_pb(&p).unwrap(), hybrid);
+        assert!(layout_to_pb(&dense).groups.is_empty());
+        // Groups stripped in flight: the fields no longer give the sender's fingerprint.
+        let mut stripped = p.clone();
+        stripped.groups.clear();
+        let err = layout_from_pb(&stripped).unwrap_err();
+        assert!(matches!(err, WireLayoutError::Fingerprint { .. }), "{err}");
+        // A group that leaves a layer out is refused by the layout itself.
+        let mut holed = p;
+        holed.groups[1].layers.pop();
+        assert!(matches!(
+            layout_from_pb(&holed).unwrap_err(),
+            WireLayoutError::Layout(LayoutError::BadGroups { layers: 6 })
+        ));
     }
 }

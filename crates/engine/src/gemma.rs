@@ -15,7 +15,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pdmesh_gguf::{GgmlType, GgufFile};
 use pdmesh_kernels::{Glu, QMatrix, attend_causal, matmul, matmul_glu, matmul_many};
-use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
+use pdmesh_kv::{Attention, DType, KvLayout, LayerGroup, PageId, PagePool};
 use rayon::prelude::*;
 
 use crate::EngineError;
@@ -115,15 +115,33 @@ impl Gemma3Config {
         }
     }
 
-    /// The KV layout: f16 K and V per layer.
+    /// The KV layout: f16 K and V per layer, the global layers one group and the
+    /// sliding-window layers another.
     pub fn kv_layout(&self, page_size: usize) -> KvLayout {
-        KvLayout::llama(
+        let dense = KvLayout::llama(
             self.layers,
             self.kv_heads,
             self.head_dim,
             DType::F16,
             page_size,
-        )
+        );
+        let (local, global): (Vec<usize>, Vec<usize>) =
+            (0..self.layers).partition(|&l| self.is_local(l));
+        let mut groups = vec![LayerGroup {
+            attention: Attention::Full,
+            layers: global,
+        }];
+        if !local.is_empty() {
+            groups.push(LayerGroup {
+                attention: Attention::SlidingWindow {
+                    window: self.window,
+                },
+                layers: local,
+            });
+        }
+        dense
+            .with_groups(groups)
+            .expect("every layer is local or global")
     }
 }
 

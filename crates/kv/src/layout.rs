@@ -180,6 +180,63 @@ impl MlaDims {
     };
 }
 
+/// How a group of layers attends, which decides which of a sequence's KV pages the
+/// group's layers still read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Attention {
+    /// Every earlier position.
+    Full,
+    /// The last `window` positions, the token's own included (Gemma 3's local layers:
+    /// 512).
+    SlidingWindow { window: usize },
+}
+
+impl Attention {
+    /// The first position a token at `pos` reads.
+    pub fn first_visible(self, pos: usize) -> usize {
+        match self {
+            Attention::Full => 0,
+            Attention::SlidingWindow { window } => (pos + 1).saturating_sub(window),
+        }
+    }
+
+    fn describe(self) -> String {
+        match self {
+            Attention::Full => "full".into(),
+            Attention::SlidingWindow { window } => format!("window {window}"),
+        }
+    }
+}
+
+/// Layers that attend alike. A layout's groups cover every layer once.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct LayerGroup {
+    pub attention: Attention,
+    /// Ascending layer indices.
+    pub layers: Vec<usize>,
+}
+
+impl LayerGroup {
+    /// `1-4,6,8-9`: the layers as runs.
+    fn describe_layers(&self) -> String {
+        let mut runs: Vec<String> = Vec::new();
+        let mut i = 0;
+        while i < self.layers.len() {
+            let mut j = i;
+            while j + 1 < self.layers.len() && self.layers[j + 1] == self.layers[j] + 1 {
+                j += 1;
+            }
+            runs.push(if i == j {
+                self.layers[i].to_string()
+            } else {
+                format!("{}-{}", self.layers[i], self.layers[j])
+            });
+            i = j + 1;
+        }
+        runs.join(",")
+    }
+}
+
 /// Values per fp8 scale in DeepSeek's caches.
 pub const FP8_SCALE_BLOCK: usize = 128;
 
@@ -194,6 +251,8 @@ pub enum LayoutError {
     DuplicateName(String),
     #[error("a page of this layout would exceed {max} bytes")]
     TooLarge { max: usize },
+    #[error("layer groups must cover each of the {layers} layers exactly once, with windows > 0")]
+    BadGroups { layers: usize },
 }
 
 /// The largest page any layout may have. Every size derives from the layout, so bounding
@@ -205,12 +264,18 @@ pub const MAX_PAGE_BYTES: usize = 1 << 30;
 ///
 /// A page holds `page_size` tokens of every component of every layer: layer-major, then
 /// component, then (values, scales) as the component's placement says.
+///
+/// Layers fall into [`LayerGroup`]s by how they attend (one full-attention group unless
+/// [`KvLayout::with_groups`] says otherwise). The grouping decides which pages each
+/// layer still reads, so it is part of the fingerprint: a worker that believes every
+/// layer is global does not share a layout with one that knows some slide.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct KvLayout {
     name: String,
     layers: usize,
     page_size: usize,
     components: Vec<Component>,
+    groups: Vec<LayerGroup>,
 }
 
 impl KvLayout {
@@ -263,7 +328,81 @@ impl KvLayout {
             layers,
             page_size,
             components,
+            groups: vec![LayerGroup {
+                attention: Attention::Full,
+                layers: (0..layers).collect(),
+            }],
         })
+    }
+
+    /// This layout with its layers grouped by how they attend; every layer in exactly one
+    /// group, groups in the order given, each group's layers ascending, windows above 0.
+    /// Groups of one attention kind may not repeat (they would be one group).
+    pub fn with_groups(mut self, groups: Vec<LayerGroup>) -> Result<Self, LayoutError> {
+        let bad = LayoutError::BadGroups {
+            layers: self.layers,
+        };
+        let mut seen = vec![false; self.layers];
+        for (i, g) in groups.iter().enumerate() {
+            if g.layers.is_empty()
+                || g.attention == (Attention::SlidingWindow { window: 0 })
+                || groups[..i].iter().any(|o| o.attention == g.attention)
+                || g.layers.windows(2).any(|w| w[0] >= w[1])
+            {
+                return Err(bad);
+            }
+            for &l in &g.layers {
+                if l >= self.layers || std::mem::replace(&mut seen[l], true) {
+                    return Err(bad);
+                }
+            }
+        }
+        if seen.contains(&false) {
+            return Err(bad);
+        }
+        self.groups = groups;
+        Ok(self)
+    }
+
+    /// The layer groups, in order (one full-attention group for a dense model).
+    pub fn groups(&self) -> &[LayerGroup] {
+        &self.groups
+    }
+
+    /// Whether some layers attend otherwise than over the whole context.
+    pub fn is_hybrid(&self) -> bool {
+        self.groups.iter().any(|g| g.attention != Attention::Full)
+    }
+
+    /// How layer `layer` attends.
+    pub fn attention(&self, layer: usize) -> Attention {
+        self.groups
+            .iter()
+            .find(|g| g.layers.contains(&layer))
+            .map_or(Attention::Full, |g| g.attention)
+    }
+
+    /// Bytes of a page holding group `group`'s layers.
+    pub fn group_bytes_per_page(&self, group: usize) -> usize {
+        self.groups[group].layers.len() * self.layer_bytes_per_page()
+    }
+
+    /// The pages (by index in the sequence) of group `group` that the token at position
+    /// `tokens` reads from earlier positions: all of them for full attention; for a
+    /// window, those holding its last `window - 1` positions.
+    pub fn pages_read(&self, group: usize, tokens: usize) -> Range<usize> {
+        let first = self.groups[group].attention.first_visible(tokens);
+        let end = tokens.div_ceil(self.page_size);
+        (first / self.page_size).min(end)..end
+    }
+
+    /// Bytes of KV a sequence of `tokens` positions must hand over so the next token can
+    /// be computed: per group, [`Self::pages_read`] pages of its layers. A dense layout's
+    /// is every page whole.
+    pub fn handover_bytes(&self, tokens: usize) -> usize {
+        (0..self.groups.len())
+            .map(|g| self.pages_read(g, tokens).len() * self.group_bytes_per_page(g))
+            .sum()
     }
 
     /// Llama-family K and V caches: `kv_heads × head_dim` values each, per layer.
@@ -468,24 +607,42 @@ impl KvLayout {
             .then(|| self.page_offset(page) + slot * stride)
     }
 
-    /// Human-readable description, used in error messages naming both sides.
+    /// Human-readable description, used in error messages naming both sides; a hybrid
+    /// layout's ends with its groups (`layers 5,11,17 full; 0-4,6-10,12-16 window 512`).
     pub fn describe(&self) -> String {
         let comps: Vec<String> = self.components.iter().map(Component::describe).collect();
-        format!(
+        let mut s = format!(
             "{} [{}] x{} layers, page {} tokens, {} B/token/layer",
             self.name,
             comps.join(", "),
             self.layers,
             self.page_size,
             self.bytes_per_token_per_layer()
-        )
+        );
+        if self.is_hybrid() {
+            s.push_str(&format!("; layers {}", self.describe_groups()));
+        }
+        s
     }
 
-    /// Stable 64-bit fingerprint of everything that decides where a byte goes.
-    /// The name is excluded: two layouts that place bytes identically are compatible.
+    fn describe_groups(&self) -> String {
+        let groups: Vec<String> = self
+            .groups
+            .iter()
+            .map(|g| format!("{} {}", g.describe_layers(), g.attention.describe()))
+            .collect();
+        groups.join("; ")
+    }
+
+    /// Stable 64-bit fingerprint of everything that decides where a byte goes and which
+    /// bytes a layer reads. The name is excluded: two layouts that place bytes identically
+    /// are compatible. A dense layout's is what it was before groups existed.
     pub fn fingerprint(&self) -> u64 {
         let comps: Vec<String> = self.components.iter().map(Component::describe).collect();
-        let canon = format!("v1|{}|{}|{}", self.layers, self.page_size, comps.join(","));
+        let mut canon = format!("v1|{}|{}|{}", self.layers, self.page_size, comps.join(","));
+        if self.is_hybrid() {
+            canon.push_str(&format!("|groups:{}", self.describe_groups()));
+        }
         xxhash_rust::xxh3::xxh3_64(canon.as_bytes())
     }
 
@@ -515,6 +672,120 @@ impl fmt::Display for KvLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Gemma 3 270M's cache: 18 layers of one f16 KV head of 256, layers 5, 11 and 17
+    /// global, the rest a window of 512.
+    fn gemma3(page: usize) -> KvLayout {
+        let global = vec![5, 11, 17];
+        let local = (0..18).filter(|l| !global.contains(l)).collect();
+        KvLayout::llama(18, 1, 256, DType::F16, page)
+            .with_groups(vec![
+                LayerGroup {
+                    attention: Attention::Full,
+                    layers: global,
+                },
+                LayerGroup {
+                    attention: Attention::SlidingWindow { window: 512 },
+                    layers: local,
+                },
+            ])
+            .unwrap()
+    }
+
+    #[test]
+    fn a_hybrid_layout_names_its_groups_and_fingerprints_them() {
+        let (hybrid, dense) = (gemma3(16), KvLayout::llama(18, 1, 256, DType::F16, 16));
+        assert!(hybrid.is_hybrid() && !dense.is_hybrid());
+        assert_ne!(hybrid.fingerprint(), dense.fingerprint());
+        // A dense layout's fingerprint is the one it had before groups existed.
+        let canon = "v1|18|16|k:f16x256,v:f16x256";
+        assert_eq!(
+            dense.fingerprint(),
+            xxhash_rust::xxh3::xxh3_64(canon.as_bytes())
+        );
+        assert!(
+            hybrid
+                .describe()
+                .ends_with("; layers 5,11,17 full; 0-4,6-10,12-16 window 512"),
+            "{}",
+            hybrid.describe()
+        );
+        // Another window is another layout.
+        let mut other = hybrid.groups().to_vec();
+        other[1].attention = Attention::SlidingWindow { window: 1024 };
+        let wider = dense.clone().with_groups(other).unwrap();
+        assert_ne!(wider.fingerprint(), hybrid.fingerprint());
+        // Bytes do not move: the grouping decides what is read, not where it sits.
+        assert_eq!(hybrid.bytes_per_page(), dense.bytes_per_page());
+        assert_eq!(hybrid.region_offset(7, 1), dense.region_offset(7, 1));
+        assert_eq!(hybrid.attention(5), Attention::Full);
+        assert_eq!(
+            hybrid.attention(6),
+            Attention::SlidingWindow { window: 512 }
+        );
+    }
+
+    #[test]
+    fn groups_must_cover_every_layer_once() {
+        let dense = || KvLayout::llama(4, 1, 64, DType::F16, 16);
+        let g = |attention, layers: &[usize]| LayerGroup {
+            attention,
+            layers: layers.to_vec(),
+        };
+        let w = |window| Attention::SlidingWindow { window };
+        let bad = Err(LayoutError::BadGroups { layers: 4 });
+        let full = Attention::Full;
+        assert_eq!(dense().with_groups(vec![g(full, &[0, 1, 2])]), bad);
+        assert_eq!(dense().with_groups(vec![g(full, &[0, 1, 2, 3, 4])]), bad);
+        assert_eq!(
+            dense().with_groups(vec![g(full, &[0, 1]), g(w(8), &[1, 2, 3])]),
+            bad
+        );
+        assert_eq!(
+            dense().with_groups(vec![g(full, &[0, 1]), g(w(0), &[2, 3])]),
+            bad
+        );
+        assert_eq!(
+            dense().with_groups(vec![g(full, &[1, 0]), g(w(8), &[2, 3])]),
+            bad
+        );
+        assert_eq!(
+            dense().with_groups(vec![g(full, &[0, 1]), g(full, &[2, 3])]),
+            bad
+        );
+        assert_eq!(
+            dense().with_groups(vec![g(full, &[0]), g(w(8), &[]), g(w(9), &[1, 2, 3])]),
+            bad
+        );
+        assert!(
+            dense()
+                .with_groups(vec![g(w(8), &[1, 3]), g(full, &[0, 2])])
+                .is_ok()
+        );
+    }
+
+    /// What decode reads after a prompt: the global layers' pages of the whole prompt, the
+    /// window's last 511 positions for the local layers. At 8k tokens that is about a sixth
+    /// of a dense layout's bytes (3 of 18 layers whole, 15 over 32 of 512 pages).
+    #[test]
+    fn the_pages_a_hybrid_hands_over_are_those_the_next_token_reads() {
+        let (hybrid, dense) = (gemma3(16), KvLayout::llama(18, 1, 256, DType::F16, 16));
+        // Below the window every page is read by every group.
+        assert_eq!(hybrid.pages_read(1, 500), 0..32);
+        assert_eq!(hybrid.handover_bytes(500), dense.handover_bytes(500));
+        // 1500 tokens: the next token (1500) sees 989..=1500 in the local layers: pages
+        // 61..94 of 94.
+        assert_eq!(hybrid.pages_read(0, 1500), 0..94);
+        assert_eq!(hybrid.pages_read(1, 1500), 61..94);
+        let layer_page = hybrid.layer_bytes_per_page();
+        assert_eq!(layer_page, 16 * 1024);
+        assert_eq!(hybrid.handover_bytes(1500), (3 * 94 + 15 * 33) * layer_page);
+        assert_eq!(dense.handover_bytes(1500), 18 * 94 * layer_page);
+        let (h, d) = (hybrid.handover_bytes(8192), dense.handover_bytes(8192));
+        assert_eq!(h, (3 * 512 + 15 * 32) * layer_page);
+        assert!(h * 4 < d, "{h} vs {d}");
+        assert_eq!(hybrid.handover_bytes(0), 0);
+    }
 
     fn dsa_index_k_fp8(page: usize) -> KvLayout {
         KvLayout::new(

@@ -17,8 +17,8 @@ mod radix;
 pub use checksum::{checksum_secret, copy_and_checksum, copy_to_and_checksum, page_checksum};
 pub use host::{Fetch, Fetched, HostTier, StorePage, StoreStats};
 pub use layout::{
-    Component, DType, FP8_SCALE_BLOCK, IndexKDtype, KvLayout, LayoutError, MAX_PAGE_BYTES,
-    MlaCacheDtype, MlaDims, ScalePlacement, ScaleSpec,
+    Attention, Component, DType, FP8_SCALE_BLOCK, IndexKDtype, KvLayout, LayerGroup, LayoutError,
+    MAX_PAGE_BYTES, MlaCacheDtype, MlaDims, ScalePlacement, ScaleSpec,
 };
 pub use pool::{KvError, PageId, PagePool};
 pub use radix::{

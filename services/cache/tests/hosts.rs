@@ -251,6 +251,37 @@ async fn a_home_with_another_layout_is_refused_naming_both_and_nothing_moves() {
     b.stop().await;
 }
 
+/// The hybrid seed across hosts: the decode host's worker believes every Gemma 3 layer
+/// global. The hand-over is refused naming both layouts, and nothing moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_home_whose_layout_dropped_the_window_is_refused_naming_both() {
+    let (hybrid, global) = (common::gemma3(false), common::gemma3(true));
+    let (a, b) = hosts(&hybrid, &global, 10_000, 30_000).await;
+    let (pa, db) = workers(&a, &hybrid, &b, &global).await;
+    db.room_open(5, pb::RoomSide::Receiver, "req", "trace")
+        .await
+        .unwrap();
+    let how = RoomOpen {
+        home: &b.url(),
+        held_pages: 0,
+    };
+    let err = pa
+        .room_open_with(5, pb::RoomSide::Sender, "req", "trace", how)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    let msg = err.to_string();
+    for want in [hybrid.to_string(), global.to_string()] {
+        assert!(msg.contains(&want), "{msg} should name {want}");
+    }
+    let (sa, sb) = (a.stats().await, b.stats().await);
+    assert_eq!(sb.peer_layout_refusals, 1);
+    assert_eq!((sa.peer_pages_sent, sb.peer_pages_received), (0, 0));
+    assert!(at_baseline(&a).await);
+    a.stop().await;
+    b.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_room_home_off_the_peer_list_is_refused_and_never_dialled() {
     let (a, b) = hosts(&smol(), &smol(), 10_000, 30_000).await;

@@ -42,6 +42,36 @@ async fn a_worker_with_another_layout_is_refused_and_the_message_names_both() {
     s.stop().await;
 }
 
+/// The hybrid seed: a decode worker that dropped Gemma 3's window group (every layer
+/// global) registers where the mirror holds the hybrid layout. Same bytes per page, same
+/// components: only the grouping differs, and it is refused naming both groupings.
+#[tokio::test]
+async fn a_worker_that_believes_every_layer_global_is_refused_by_a_hybrid_mirror() {
+    use common::gemma3;
+    let (hybrid, global) = (gemma3(false), gemma3(true));
+    assert_eq!(hybrid.bytes_per_page(), global.bytes_per_page());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let s = common::serve(listener, 8 * hybrid.bytes_per_page() as u64, |_| {});
+    let _prefill = host_client(&s.url(), "prefill", &hybrid, DataPlane::Shm)
+        .await
+        .unwrap();
+    for plane in [DataPlane::Shm, DataPlane::Grpc] {
+        let err = host_client(&s.url(), "decode", &global, plane)
+            .await
+            .unwrap_err();
+        let pdmesh_cache::client::ClientError::Rpc(status) = err else {
+            panic!("{err}")
+        };
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+        let msg = status.message();
+        for want in [hybrid.to_string(), global.to_string()] {
+            assert!(msg.contains(&want), "{msg} should name {want}");
+        }
+        assert!(msg.contains("0-4,6-10,12-16 window 512"), "{msg}");
+    }
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn the_seeds_bug_a_bf16_index_k_worker_is_refused_by_a_mirror_sized_for_fp8_index_k() {
     use pdmesh_kv::IndexKDtype;

@@ -168,6 +168,31 @@ pub fn dsv32(index_k: pdmesh_kv::IndexKDtype) -> KvLayout {
     KvLayout::deepseek_v32(4, dims, pdmesh_kv::MlaCacheDtype::Bf16, index_k, 16).unwrap()
 }
 
+/// Gemma 3 270M's layout (16-token pages): layers 5, 11 and 17 global, the others a
+/// window of 512; with `all_global`, the layout of a worker that dropped the window and
+/// believes every layer global.
+pub fn gemma3(all_global: bool) -> KvLayout {
+    use pdmesh_kv::{Attention, LayerGroup};
+    let dense = KvLayout::llama(18, 1, 256, DType::F16, 16);
+    if all_global {
+        return dense;
+    }
+    let global = vec![5, 11, 17];
+    let local = (0..18).filter(|l| !global.contains(l)).collect();
+    dense
+        .with_groups(vec![
+            LayerGroup {
+                attention: Attention::Full,
+                layers: global,
+            },
+            LayerGroup {
+                attention: Attention::SlidingWindow { window: 512 },
+                layers: local,
+            },
+        ])
+        .unwrap()
+}
+
 /// A prompt's page hashes and their parents.
 pub fn chain(first_token: u32, pages: usize) -> Vec<(u64, u64)> {
     let tokens: Vec<u32> = (first_token..first_token + 4 * pages as u32).collect();
