@@ -208,3 +208,93 @@ fn batch_and_chunks_across_the_window_change_nothing() {
         }
     }
 }
+
+/// Prefill on one engine, decode on another, for prompts past the window: the tokens and
+/// their log-probabilities are the bits one unified engine gives, greedy and seeded.
+#[test]
+fn prefill_then_decode_past_the_window_is_bit_identical_to_unified() {
+    use pdmesh_engine::{GenRequest, Part, SamplingParams, StepEvent};
+    let fx = fixtures();
+    let mut reqs = Vec::new();
+    for (i, p) in fx["prompts"].as_array().unwrap().iter().enumerate() {
+        let name = p["name"].as_str().unwrap();
+        if !["long_recall", "long_notes", "story"].contains(&name) {
+            continue;
+        }
+        let mut prompt = common::ids(&p["prompt_ids"]);
+        prompt.truncate(600 + 37 * i);
+        let params = if i % 2 == 0 {
+            SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(5)
+            }
+        } else {
+            SamplingParams {
+                temperature: 0.9,
+                seed: Some(i as u64),
+                max_tokens: Some(5),
+                ignore_eos: true,
+                logprobs: true,
+                top_logprobs: 2,
+                ..SamplingParams::default()
+            }
+        };
+        reqs.push(GenRequest {
+            id: name.into(),
+            prompt,
+            params,
+        });
+    }
+    assert_eq!(reqs.len(), 3);
+    let tokens = |evs: Vec<StepEvent>, out: &mut HashMap<String, Vec<(u32, Option<u32>)>>| {
+        for ev in evs {
+            if let StepEvent::Token { id, token, logprob } = ev {
+                let lp = logprob.map(|l| l.logprob.to_bits());
+                out.entry(id.to_string()).or_default().push((token, lp));
+            }
+        }
+    };
+    let mut want = HashMap::new();
+    let mut u = engine(|_| {});
+    for r in &reqs {
+        u.submit(r.clone()).unwrap();
+    }
+    while u.has_work() {
+        tokens(u.step(), &mut want);
+    }
+
+    let (mut p, mut d) = (engine(|_| {}), engine(|c| c.kv_pages = 160));
+    for r in &reqs {
+        d.submit_part(r.clone(), Part::Decode).unwrap();
+        p.submit_part(r.clone(), Part::Prefill).unwrap();
+    }
+    let exported = common::prefill_all(&mut p);
+    let mut got = HashMap::new();
+    let mut steps = 0;
+    while d.has_work() {
+        steps += 1;
+        assert!(steps < 10_000, "decode made no progress");
+        for ev in d.step() {
+            match ev {
+                StepEvent::Reserved { id, held, .. } => {
+                    let (token, logprob) = exported[&*id].clone();
+                    let kv: Vec<Vec<u8>> = p
+                        .export(&id, |src| src.iter().map(|b| b.to_vec()).collect())
+                        .unwrap();
+                    let evs = d
+                        .import(&id, token, logprob, 0, |dst| {
+                            for (d, s) in dst.iter_mut().zip(&kv[held..]) {
+                                d.copy_from_slice(s);
+                            }
+                            Ok(())
+                        })
+                        .unwrap();
+                    tokens(evs, &mut got);
+                }
+                ev => tokens(vec![ev], &mut got),
+            }
+        }
+    }
+    assert_eq!(got.len(), 3);
+    assert_eq!(got, want);
+}
