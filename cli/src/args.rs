@@ -230,10 +230,16 @@ pub enum SynthModel {
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct UpArgs {
-    /// Model to serve: a GGUF file or a checkpoint directory (default: the cached default
-    /// model, fetched if missing).
+    /// Model to serve: a GGUF file, a checkpoint directory, or the name of a model
+    /// `pdmesh model fetch` knows (`gemma3`, `gemma3-270m`, `smollm2`), fetched into the
+    /// cache if missing (default: the default model, fetched if missing).
     #[arg(long, env = "PDMESH_MODEL")]
     pub model: Option<PathBuf>,
+    /// A Jinja chat template file for chat requests, in place of the model's own or where
+    /// it has none (a base model such as `gemma3`, which otherwise serves
+    /// `/v1/completions` only): passed to the tokenizer service.
+    #[arg(long, env = "PDMESH_CHAT_TEMPLATE", value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
     /// Gateway port (0: any free port).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,

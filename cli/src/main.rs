@@ -118,13 +118,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let model = match name.as_deref() {
                 None => &pdmesh_gguf::models::DEFAULT_MODEL,
                 Some(n) => pdmesh_gguf::models::known_model(n).ok_or_else(|| {
-                    let known: Vec<String> = pdmesh_gguf::models::KNOWN_MODELS
-                        .iter()
-                        .map(|(m, alias)| format!("{} ({alias})", m.id))
-                        .collect();
                     anyhow::anyhow!(
                         "unknown model {n:?}; pdmesh can fetch: {}",
-                        known.join(", ")
+                        fetch::known_names()
                     )
                 })?,
             };

@@ -33,6 +33,19 @@ pub async fn tokenizer_healthy(addr: SocketAddr, tls: &pdmesh_tls::MeshAuth) -> 
     matches!(tokio::time::timeout(PROBE_TIMEOUT, c.health(tk::HealthRequest {})).await, Ok(Ok(r)) if r.get_ref().ok)
 }
 
+/// Whether the tokenizer at `addr` has a chat format (its Info), if it answers.
+pub async fn tokenizer_has_chat_template(
+    addr: SocketAddr,
+    tls: &pdmesh_tls::MeshAuth,
+) -> Option<bool> {
+    let mut c = tk::tokenizer_client::TokenizerClient::new(channel(addr, tls).await?);
+    let r = tokio::time::timeout(PROBE_TIMEOUT, c.info(tk::InfoRequest {}))
+        .await
+        .ok()?
+        .ok()?;
+    Some(r.into_inner().has_chat_template)
+}
+
 /// Whether the cache service at `addr` answers Stats.
 pub async fn cache_healthy(addr: SocketAddr, tls: &pdmesh_tls::MeshAuth) -> bool {
     let Some(ch) = channel(addr, tls).await else {

@@ -10,12 +10,17 @@ use crate::fetch::FetchError;
 #[derive(Debug, thiserror::Error)]
 pub enum UpError {
     #[error(
-        "the model file {0} does not exist: run `pdmesh model fetch` for the default model, \
-         or pass --model PATH.gguf (or a checkpoint directory)"
+        "the model file {} does not exist, and is not the name of a model pdmesh knows: \
+         run `pdmesh model fetch` for the default model, pass --model PATH.gguf (or a \
+         checkpoint directory), or name a known model, fetched if missing: {}",
+        .0.display(),
+        crate::fetch::known_names()
     )]
     ModelMissing(PathBuf),
-    #[error("fetching the default model failed")]
+    #[error("fetching the model failed")]
     Fetch(#[from] FetchError),
+    #[error(transparent)]
+    ChatTemplate(pdmesh_tokenizer::Error),
     #[error("cannot find this executable to start the services")]
     CurrentExe(#[source] std::io::Error),
     #[error("cannot listen on {addr}")]

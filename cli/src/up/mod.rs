@@ -25,7 +25,9 @@ use pdmesh_gguf::models::DEFAULT_MODEL;
 
 use self::ports::MeshLayout;
 use self::service::{Backoff, Secrets, listen_on, signal_group, spawn, stop_all, wait_healthy};
-use self::setup::{check_role, reachable, resolve_model, url_addr, worker_name};
+use self::setup::{
+    check_chat_template, check_role, reachable, resolve_model, url_addr, worker_name,
+};
 use crate::args::{UpArgs, UpRole};
 use crate::probe;
 use crate::serve::Signals;
@@ -40,29 +42,41 @@ pub enum Stopped {
 }
 
 /// Asks the served model one question through the gateway and prints the answer, so a
-/// first `pdmesh up` shows the whole path works. A failure is reported, not fatal.
-async fn smoke_test(gateway: SocketAddr, model: &str, api_key: Option<&str>) {
+/// first `pdmesh up` shows the whole path works: a chat question, or, for a model without
+/// a chat template (`chat` false), the start of a sentence to complete. A failure is
+/// reported, not fatal.
+async fn smoke_test(gateway: SocketAddr, model: &str, api_key: Option<&str>, chat: bool) {
     const QUESTION: &str = "What is the capital of France? Answer in one sentence.";
-    let body = serde_json::json!({
-        "model": model,
-        "messages": [{ "role": "user", "content": QUESTION }],
-        "max_tokens": 48,
-        "temperature": 0,
-    });
-    let answer = probe::http_post_json(
-        gateway,
-        "/v1/chat/completions",
-        &body,
-        api_key,
-        SMOKE_TIMEOUT,
-    )
-    .await;
+    const PROMPT: &str = "The capital of France is";
+    let (path, asked, body, answer_at) = if chat {
+        let body = serde_json::json!({
+            "model": model,
+            "messages": [{ "role": "user", "content": QUESTION }],
+            "max_tokens": 48,
+            "temperature": 0,
+        });
+        (
+            "/v1/chat/completions",
+            QUESTION,
+            body,
+            "/choices/0/message/content",
+        )
+    } else {
+        let body = serde_json::json!({
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": 16,
+            "temperature": 0,
+        });
+        ("/v1/completions", PROMPT, body, "/choices/0/text")
+    };
+    let answer = probe::http_post_json(gateway, path, &body, api_key, SMOKE_TIMEOUT).await;
     match answer {
         Some((200, bytes)) => {
             let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
-            match v["choices"][0]["message"]["content"].as_str() {
+            match v.pointer(answer_at).and_then(|t| t.as_str()) {
                 Some(text) => {
-                    println!("asked: {QUESTION}");
+                    println!("asked: {asked}");
                     println!("model: {}", text.trim());
                 }
                 None => eprintln!(
@@ -92,6 +106,10 @@ const SMOKE_TIMEOUT: Duration = Duration::from_secs(120);
 /// (restarted children are spawned from it too).
 pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     let mut signals = Signals::new().map_err(UpError::Signals)?;
+    // Flags are checked before a model is fetched, and a template file that cannot serve
+    // refuses the start before any service runs.
+    check_role(&args)?;
+    check_chat_template(&args)?;
     let model = resolve_model(args.model.as_deref())?;
     let exe = std::env::current_exe().map_err(UpError::CurrentExe)?;
     let pd = !args.unified;
@@ -104,7 +122,6 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     if pd && (args.prefill == 0 || args.decode == 0) {
         return Err(UpError::NoWorkers);
     }
-    check_role(&args)?;
     let role = args.role;
     // The mesh credential: the one given (TLS, a token file or PDMESH_MESH_TOKEN), else a
     // token made for this mesh; every child gets the token in its environment.
@@ -223,6 +240,9 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     let started = (|| -> Result<(), UpError> {
         if let (Some(sock), Some(addr)) = (&tok_sock, tok_addr) {
             let mut tok_args = vec!["tokenizer".into(), "--model".into(), model_arg.clone()];
+            if let Some(t) = &args.chat_template {
+                tok_args.extend(["--chat-template".into(), t.display().to_string()]);
+            }
             tok_args.extend(tls_args.iter().cloned());
             services.push(spawn(
                 "tokenizer",
@@ -363,12 +383,19 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     let model_id = probe::worker_model_id(worker_addr, &tls)
         .await
         .unwrap_or_else(|| DEFAULT_MODEL.id.to_owned());
+    // A base model (no chat template, none given) serves completions only.
+    let chat = match tok_addr {
+        Some(a) => probe::tokenizer_has_chat_template(a, &tls)
+            .await
+            .unwrap_or(true),
+        None => true,
+    };
     let shown = reachable(args.host, port);
     let url = format!("http://{shown}/v1");
     // Before the ports file: whoever waits for that file finds an idle mesh.
     if has_gateway && !args.no_smoke_test {
         tokio::select! {
-            () = smoke_test(shown, &model_id, args.api_key.as_deref()) => {}
+            () = smoke_test(shown, &model_id, args.api_key.as_deref(), chat) => {}
             sig = signals.recv() => {
                 eprintln!("pdmesh up: {sig} received; stopping the services");
                 stop_all(&mut services, grace).await;
@@ -400,10 +427,21 @@ pub async fn run(args: UpArgs) -> Result<Stopped, UpError> {
     };
     if has_gateway {
         println!("pdmesh is up: {url} (model {model_id})");
+        if !chat {
+            println!(
+                "this model has no chat template: it serves /v1/completions only (give --chat-template FILE for chat)"
+            );
+        }
         println!("try:");
-        println!(
-            "  curl {url}/chat/completions -H 'Content-Type: application/json'{auth} \\\n    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
-        );
+        if chat {
+            println!(
+                "  curl {url}/chat/completions -H 'Content-Type: application/json'{auth} \\\n    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+            );
+        } else {
+            println!(
+                "  curl {url}/completions -H 'Content-Type: application/json'{auth} \\\n    -d '{{\"model\": \"{model_id}\", \"prompt\": \"Monday, Tuesday,\", \"max_tokens\": 16}}'"
+            );
+        }
     } else {
         let kind = role.name();
         let list: Vec<String> = workers.iter().map(|w| format!("http://{}", w.2)).collect();

@@ -4,27 +4,59 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
-use pdmesh_gguf::models::{DEFAULT_MODEL, cached_model_path};
+use pdmesh_gguf::models::{
+    DEFAULT_MODEL, KNOWN_MODELS, KnownModel, cached_model_path, known_model,
+};
 
 use super::error::UpError;
 use crate::args::{UpArgs, UpRole};
 use crate::fetch::{self, Outcome};
 
-/// The model to serve: `--model`, else the cached default, fetched when missing.
+/// The model to serve: `--model` (a path, or a known model's id or alias), else the
+/// default; a known model is fetched into the cache when missing.
 pub(super) fn resolve_model(arg: Option<&Path>) -> Result<PathBuf, UpError> {
-    let default = cached_model_path(&DEFAULT_MODEL);
-    let path = arg.map_or_else(|| default.clone(), Path::to_path_buf);
-    // A GGUF file, or a checkpoint directory (DeepSeek V3.2: config.json, safetensors).
-    if path.is_file() || path.join("config.json").is_file() {
+    resolve_model_with(arg, cached_model_path, |m| {
+        eprintln!(
+            "the model {} is not installed yet; fetching it (same as `pdmesh model fetch {}`)",
+            m.id, m.id
+        );
+        match fetch::fetch_known(m, None)? {
+            Outcome::Installed(p) | Outcome::AlreadyInstalled(p) => Ok(p),
+        }
+    })
+}
+
+/// [`resolve_model`] with where a known model is cached (`cached`) and how one missing
+/// there is fetched (`fetch`), so tests need neither the user's cache nor the network.
+/// A path that exists wins over a known model's name.
+pub(super) fn resolve_model_with(
+    arg: Option<&Path>,
+    cached: impl Fn(&KnownModel) -> PathBuf,
+    fetch: impl FnOnce(&'static KnownModel) -> Result<PathBuf, UpError>,
+) -> Result<PathBuf, UpError> {
+    let known = match arg {
+        None => &DEFAULT_MODEL,
+        // A GGUF file, or a checkpoint directory (DeepSeek V3.2: config.json, safetensors).
+        Some(p) if p.is_file() || p.join("config.json").is_file() => return Ok(p.to_owned()),
+        Some(p) => {
+            let named = p.to_str().and_then(known_model);
+            // A known model's cache path, given before it was fetched.
+            let cached_at = || {
+                KNOWN_MODELS
+                    .into_iter()
+                    .map(|(m, _)| m)
+                    .find(|m| cached(m) == p)
+            };
+            named
+                .or_else(cached_at)
+                .ok_or_else(|| UpError::ModelMissing(p.to_owned()))?
+        }
+    };
+    let path = cached(known);
+    if path.is_file() {
         return Ok(path);
     }
-    if path != default {
-        return Err(UpError::ModelMissing(path));
-    }
-    eprintln!("the default model is not installed yet; fetching it (same as `pdmesh model fetch`)");
-    match fetch::fetch_default(None)? {
-        Outcome::Installed(p) | Outcome::AlreadyInstalled(p) => Ok(p),
-    }
+    fetch(known)
 }
 
 /// Flags that belong to another role, or that a role cannot do without.
@@ -65,6 +97,12 @@ pub(super) fn check_role(args: &UpArgs) -> Result<(), UpError> {
             }
         }
         UpRole::Prefill | UpRole::Decode => {
+            if args.chat_template.is_some() {
+                return bad(format!(
+                    "--chat-template is for the tokenizer, which --role gateway runs, not --role {}",
+                    role.name()
+                ));
+            }
             if let Some((flag, _)) = remote.iter().find(|r| r.1) {
                 return bad(format!(
                     "{flag} is for --role gateway, not --role {}",
@@ -101,6 +139,18 @@ pub(super) fn check_role(args: &UpArgs) -> Result<(), UpError> {
         }
     }
     Ok(())
+}
+
+/// The `--chat-template` file, read and compiled before any service starts: one that
+/// cannot serve refuses the start, naming the flag and the file, rather than the
+/// tokenizer service exiting once the mesh is half up.
+pub(super) fn check_chat_template(args: &UpArgs) -> Result<(), UpError> {
+    match &args.chat_template {
+        Some(path) => pdmesh_tokenizer::read_chat_template(path)
+            .map(drop)
+            .map_err(UpError::ChatTemplate),
+        None => Ok(()),
+    }
 }
 
 /// The address of `url`'s host and port.

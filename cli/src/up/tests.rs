@@ -30,6 +30,104 @@ fn an_explicit_missing_model_says_how_to_get_one() {
     assert!(msg.contains("/nonexistent/model.gguf"), "{msg}");
 }
 
+/// Resolves `arg` against a model cache in `cache` (a known model is there only if its
+/// file is), recording the models a fetch was asked for instead of downloading them.
+fn resolve_in(
+    cache: &Path,
+    arg: &str,
+    fetched: &mut Vec<&'static str>,
+) -> Result<std::path::PathBuf, UpError> {
+    use super::setup::resolve_model_with;
+    resolve_model_with(
+        Some(Path::new(arg)),
+        |m| cache.join(m.file_name),
+        |m| {
+            fetched.push(m.id);
+            Ok(cache.join(m.file_name))
+        },
+    )
+}
+
+#[test]
+fn a_known_models_name_serves_its_cached_file_and_fetches_it_when_missing() {
+    use pdmesh_gguf::models::{DEFAULT_MODEL, GEMMA3_270M};
+    let cache = tempfile::tempdir().unwrap();
+    let gemma = cache.path().join(GEMMA3_270M.file_name);
+    let mut fetched = Vec::new();
+    // Not cached yet: each name fetches its model, and serves where the fetch put it.
+    for name in ["gemma3", "gemma3-270m", "GEMMA3"] {
+        assert_eq!(resolve_in(cache.path(), name, &mut fetched).unwrap(), gemma);
+    }
+    assert_eq!(fetched, [GEMMA3_270M.id; 3]);
+    let smol = resolve_in(cache.path(), "smollm2", &mut fetched).unwrap();
+    assert_eq!(smol, cache.path().join(DEFAULT_MODEL.file_name));
+    assert_eq!(fetched.last(), Some(&DEFAULT_MODEL.id));
+    // Cached: served as it is, with no fetch.
+    std::fs::write(&gemma, b"GGUF").unwrap();
+    fetched.clear();
+    assert_eq!(
+        resolve_in(cache.path(), "gemma3", &mut fetched).unwrap(),
+        gemma
+    );
+    assert!(fetched.is_empty(), "{fetched:?}");
+    // A path that exists is served as given, even where a name would match too.
+    let here = cache.path().join("gemma3");
+    std::fs::write(&here, b"GGUF").unwrap();
+    let given = here.to_str().unwrap();
+    assert_eq!(resolve_in(cache.path(), given, &mut fetched).unwrap(), here);
+    assert!(fetched.is_empty(), "{fetched:?}");
+}
+
+#[test]
+fn a_name_that_is_no_file_and_no_known_model_lists_the_known_ones() {
+    let cache = tempfile::tempdir().unwrap();
+    let mut fetched = Vec::new();
+    let err = resolve_in(cache.path(), "gemma4", &mut fetched)
+        .unwrap_err()
+        .to_string();
+    assert!(fetched.is_empty(), "{fetched:?}");
+    assert!(err.contains("gemma4 does not exist"), "{err}");
+    for known in [
+        "gemma3-270m (gemma3)",
+        "SmolLM2-135M-Instruct (smollm2)",
+        "pdmesh model fetch",
+    ] {
+        assert!(err.contains(known), "{known}: {err}");
+    }
+}
+
+#[test]
+fn a_chat_template_that_cannot_serve_refuses_the_start_naming_flag_and_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.jinja");
+    std::fs::write(&good, "{{ bos_token }}{{ messages[0].content }}").unwrap();
+    let broken = dir.path().join("broken.jinja");
+    std::fs::write(&broken, "{% if messages %}{{ messages[0].content }}").unwrap();
+    let missing = dir.path().join("missing.jinja");
+    let args = |f: &Path| up(&["--chat-template", f.to_str().unwrap()]);
+    assert!(check_chat_template(&args(&good)).is_ok());
+    assert!(check_chat_template(&up(&[])).is_ok());
+    for (file, why) in [(&broken, "does not compile"), (&missing, "cannot read it")] {
+        let err = check_chat_template(&args(file)).unwrap_err().to_string();
+        let flag = format!("--chat-template {}: ", file.display());
+        assert!(err.starts_with(&flag) && err.contains(why), "{err}");
+    }
+    // Only the tokenizer renders chat: a host without one refuses the flag.
+    let decode = [
+        "--role",
+        "decode",
+        "--host",
+        "10.0.0.3",
+        "--chat-template",
+        good.to_str().unwrap(),
+    ];
+    let err = check_role(&up(&decode)).unwrap_err().to_string();
+    assert!(
+        err.contains("--chat-template is for the tokenizer"),
+        "{err}"
+    );
+}
+
 fn up(argv: &[&str]) -> UpArgs {
     use clap::Parser;
     let cli = crate::args::Cli::try_parse_from(["pdmesh", "up"].iter().chain(argv)).unwrap();

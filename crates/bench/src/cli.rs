@@ -36,8 +36,9 @@ pub enum BenchCommand {
         out: PathBuf,
     },
     /// The corruption matrix: the DeepSeek tiny model over {index-K fp8, bf16} x {host
-    /// mirror on, off} x {PD, unified} and SmolLM2 over {mirror on, off} x {PD, unified},
-    /// each mesh started here with `pdmesh up`, its answers to concurrent agentic sessions
+    /// mirror on, off} x {PD, unified} and SmolLM2 over {mirror on, off} x {PD, unified}
+    /// (and Gemma 3 270M likewise, given `--models gemma --chat-template FILE`), each mesh
+    /// started here with `pdmesh up`, its answers to concurrent agentic sessions
     /// compared with a unified worker's without any cache. Prints the table (corruption %,
     /// tool-call validity, TTFT, throughput); any corrupted answer fails the command.
     Matrix(Box<MatrixArgs>),

@@ -35,6 +35,11 @@ pub enum BenchError {
 pub enum MatrixError {
     #[error("nothing to run: the filters leave no configuration")]
     Empty,
+    #[error(
+        "--models {0} needs --chat-template FILE (a Jinja template): the model has no chat \
+         template of its own, and the matrix's sessions are chat requests"
+    )]
+    NeedsChatTemplate(&'static str),
     #[error("meshes did not return every page after the load: {0}")]
     Leaked(String),
     #[error("{what}: {source}")]

@@ -1,8 +1,9 @@
 //! A model's chat format, read from the files beside its vocabulary: the Jinja template
 //! (a GGUF's `tokenizer.chat_template`, or `chat_template` in an HF directory's
 //! `tokenizer_config.json`), else DeepSeek V3.2's encoding rules for a `deepseek_v32`
-//! checkpoint that ships none. [`ChatTokenizer`] pairs it with the tokenizer: together
-//! they turn a conversation into prompt ids.
+//! checkpoint that ships none; or a template the operator gives in their place
+//! ([`ChatTokenizer::with_chat_template`]). [`ChatTokenizer`] pairs it with the tokenizer:
+//! together they turn a conversation into prompt ids.
 
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -120,11 +121,7 @@ impl ChatTokenizer {
     ) -> Result<Self, ChatError> {
         let template = match template {
             None => None,
-            Some(src) => Some(Arc::new(ChatTemplate::new(
-                src,
-                tok.bos_text().unwrap_or(""),
-                tok.eos_text().unwrap_or(""),
-            )?)),
+            Some(src) => Some(Arc::new(compile(&tok, src)?)),
         };
         Ok(Self {
             tok,
@@ -132,6 +129,19 @@ impl ChatTokenizer {
             template,
             literal: Arc::default(),
         })
+    }
+
+    /// This tokenizer with `source` (Jinja) as its chat template, in place of the one its
+    /// files carry, or where they carry none (a base model's GGUF): what an operator's
+    /// `--chat-template` gives. The template sees the model's BOS and EOS texts as
+    /// `bos_token` and `eos_token` and its prompt is tokenized as a GGUF's own template's
+    /// is, so a template that starts with `{{ bos_token }}` opens the prompt with BOS. It
+    /// replaces DeepSeek V3.2's rules too. A syntax error is reported here, not at render
+    /// time.
+    pub fn with_chat_template(mut self, source: &str) -> Result<Self, ChatError> {
+        self.template = Some(Arc::new(compile(&self.tok, source)?));
+        self.deepseek_v32 = false;
+        Ok(self)
     }
 
     /// The tokenizer alone.
@@ -149,7 +159,8 @@ impl ChatTokenizer {
         }
     }
 
-    /// The model's chat template, if its files have one.
+    /// The chat template: the one given in place of the model's, else the model's own if
+    /// its files have one.
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.template.as_deref()
     }
@@ -189,6 +200,15 @@ impl ChatTokenizer {
         }
         Ok(self.tok.write_hf_dir_with(dir, extra)?)
     }
+}
+
+/// `source` compiled as `tok`'s chat template, seeing its BOS and EOS texts.
+fn compile(tok: &TextTokenizer, source: &str) -> Result<ChatTemplate, ChatError> {
+    ChatTemplate::new(
+        source,
+        tok.bos_text().unwrap_or(""),
+        tok.eos_text().unwrap_or(""),
+    )
 }
 
 /// Whether `dir` holds a `deepseek_v32` checkpoint (its `config.json` says so).
@@ -234,5 +254,67 @@ mod tests {
             Some(ToolFormat::DeepSeekV3)
         );
         assert!(ChatFormat::Template(&v3).reasoning());
+    }
+
+    /// A Gemma-like base model: a SentencePiece vocabulary with `<bos>` (2) and
+    /// `<end_of_turn>` (4), and no chat template.
+    fn base_model() -> ChatTokenizer {
+        ChatTokenizer::new(pdmesh_tokenize::test_support::tiny_spm(), None, false).unwrap()
+    }
+
+    fn ask(tok: &ChatTokenizer, content: &str) -> Result<ChatPrompt, ChatError> {
+        tok.chat_prompt(&[ChatMessage::new("user", content)], None, true, false)
+    }
+
+    #[test]
+    fn a_given_template_serves_chat_for_a_model_without_one_with_its_bos() {
+        let base = base_model();
+        assert!(matches!(ask(&base, "hi"), Err(ChatError::NoChatFormat)));
+        let tok = base
+            .with_chat_template(
+                "{{ bos_token }}{% for m in messages %}{{ m.content }}<end_of_turn>{% endfor %}",
+            )
+            .unwrap();
+        assert!(matches!(tok.chat_format(), ChatFormat::Template(_)));
+        let prompt = ask(&tok, "hi").unwrap();
+        assert_eq!(prompt.text, "<bos>hi<end_of_turn>");
+        // BOS and the turn's end are the markup's control tokens; `hi` is one piece (274).
+        assert_eq!(prompt.ids, [2, 274, 4]);
+        // Text in a message that spells a control token stays text.
+        let forged = ask(&tok, "<bos>").unwrap();
+        assert_eq!(forged.ids.iter().filter(|&&id| id == 2).count(), 1);
+    }
+
+    #[test]
+    fn a_given_template_replaces_the_models_own_and_deepseek_rules() {
+        let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}";
+        let tok =
+            ChatTokenizer::new(pdmesh_tokenize::test_support::tiny(), Some(chatml), false).unwrap();
+        assert_eq!(
+            ask(&tok, "hi").unwrap().text,
+            "<|im_start|>user\nhi<|im_end|>"
+        );
+        let tok = tok
+            .with_chat_template("Q: {{ messages[0].content }}\nA:")
+            .unwrap();
+        assert_eq!(ask(&tok, "hi").unwrap().text, "Q: hi\nA:");
+        assert_eq!(
+            tok.chat_template().map(ChatTemplate::source),
+            Some("Q: {{ messages[0].content }}\nA:")
+        );
+        let dsv32 = ChatTokenizer::new(pdmesh_tokenize::test_support::tiny(), None, true)
+            .unwrap()
+            .with_chat_template("{{ messages[0].content }}")
+            .unwrap();
+        assert!(matches!(dsv32.chat_format(), ChatFormat::Template(_)));
+    }
+
+    #[test]
+    fn a_given_template_that_does_not_compile_is_refused_at_once() {
+        let err = base_model()
+            .with_chat_template("{% for m in messages %}{{ m.content }}")
+            .unwrap_err();
+        assert!(matches!(err, ChatError::Template(_)), "{err:?}");
+        assert!(err.to_string().contains("chat template"), "{err}");
     }
 }

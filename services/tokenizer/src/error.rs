@@ -12,6 +12,9 @@ pub enum Error {
     Load { path: PathBuf, source: ChatError },
     #[error("starting the tokenizer service: {0}")]
     Startup(String),
+    /// The `--chat-template` file cannot serve; `problem` says why and what to do.
+    #[error("--chat-template {}: {problem}", path.display())]
+    ChatTemplate { path: PathBuf, problem: String },
     #[error(transparent)]
     Tls(#[from] pdmesh_tls::TlsError),
     #[error("serving gRPC: {0}")]
@@ -31,8 +34,12 @@ pub enum Error {
     /// `problem` finishes the sentence: "is not a JSON object").
     #[error("{field} {problem}")]
     InvalidField { field: String, problem: String },
-    #[error("this model has no chat template")]
-    NoChatTemplate,
+    /// A chat request to a model with no chat format; `model` is the name it is served
+    /// under. The message says both ways out, as vLLM's does.
+    #[error(
+        "this model ({model}) has no chat template: serve it with --chat-template FILE (a Jinja template), or use /v1/completions"
+    )]
+    NoChatTemplate { model: String },
     /// The template refused the conversation (e.g. a role order it does not support).
     #[error("chat template: {0}")]
     Template(ChatError),
@@ -44,12 +51,16 @@ impl Error {
     /// Closed set of labels for metrics.
     pub fn error_type(&self) -> &'static str {
         match self {
-            Self::Load { .. } | Self::Startup(_) | Self::Transport(_) | Self::Tls(_) => "startup",
+            Self::Load { .. }
+            | Self::Startup(_)
+            | Self::ChatTemplate { .. }
+            | Self::Transport(_)
+            | Self::Tls(_) => "startup",
             Self::InvalidUtf8 { .. } => "invalid_utf8",
             Self::TokenOutOfRange { .. } => "token_out_of_range",
             Self::ToolsJson(_) => "tools_json",
             Self::InvalidField { .. } => "invalid_field",
-            Self::NoChatTemplate => "no_chat_template",
+            Self::NoChatTemplate { .. } => "no_chat_template",
             Self::Template(_) => "template",
             Self::Text(_) => "tokenizer",
         }
@@ -65,9 +76,10 @@ impl From<Error> for tonic::Status {
             | Error::ToolsJson(_)
             | Error::InvalidField { .. }
             | Error::Template(_) => tonic::Status::invalid_argument(msg),
-            Error::NoChatTemplate => tonic::Status::failed_precondition(msg),
+            Error::NoChatTemplate { .. } => tonic::Status::failed_precondition(msg),
             Error::Load { .. }
             | Error::Startup(_)
+            | Error::ChatTemplate { .. }
             | Error::Transport(_)
             | Error::Tls(_)
             | Error::Text(_) => tonic::Status::internal(msg),

@@ -21,6 +21,8 @@ const DETOKENIZE_BUFFER: usize = 16;
 /// The tonic service: a shared, immutable tokenizer.
 pub(crate) struct TokenizerService {
     tok: Arc<ChatTokenizer>,
+    /// The name the model is served under, for the errors that name it.
+    model: String,
     /// [`pdmesh_tokenize::TextTokenizer::fingerprint`], computed once.
     fingerprint: String,
 }
@@ -96,10 +98,11 @@ pub static POLICY: pdmesh_tls::Policy = {
 };
 
 impl TokenizerService {
-    pub(crate) fn new(tok: ChatTokenizer) -> Self {
+    pub(crate) fn new(tok: ChatTokenizer, model: String) -> Self {
         Self {
             fingerprint: tok.tokenizer().fingerprint(),
             tok: Arc::new(tok),
+            model,
         }
     }
 }
@@ -226,7 +229,9 @@ impl TokenizerService {
                 req.thinking,
             )
             .map_err(|e| match e {
-                ChatError::NoChatFormat => Error::NoChatTemplate,
+                ChatError::NoChatFormat => Error::NoChatTemplate {
+                    model: self.model.clone(),
+                },
                 e @ ChatError::Template(_) => Error::Template(e),
                 ChatError::Tokenizer(e) => Error::Text(e),
             })?;

@@ -22,7 +22,10 @@ async fn start() -> Server {
 }
 
 async fn start_with(model: std::path::PathBuf) -> Server {
-    let mut cfg = Config::new(model);
+    start_cfg(Config::new(model)).await
+}
+
+async fn start_cfg(mut cfg: Config) -> Server {
     cfg.tls = credentials();
     let svc = Service::start(|listener, shutdown| run(cfg, listener, shutdown)).await;
     // The listener is already bound, so the connection waits in its backlog while the
@@ -623,4 +626,101 @@ async fn an_unknown_tool_format_is_invalid_argument() {
         "{}",
         err.message()
     );
+}
+
+/// The default model's tokenizer as a checkpoint directory `base-model` under `dir`,
+/// without its chat template: a base model, as Gemma 3 270M's GGUF is.
+fn base_model(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("base-model");
+    pdmesh_chat::ChatTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+        .unwrap()
+        .write_hf_dir(&path, false)
+        .unwrap();
+    path
+}
+
+#[tokio::test]
+async fn a_model_without_a_chat_template_refuses_chat_naming_itself_and_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = start_with(base_model(dir.path())).await;
+    assert!(!s.info().await.has_chat_template);
+    let err = s
+        .chat(ask(vec![msg("user", b"hi")], "", false))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert_eq!(
+        err.message(),
+        "this model (base-model) has no chat template: serve it with --chat-template FILE \
+         (a Jinja template), or use /v1/completions"
+    );
+    // Plain text still tokenizes: completions are served.
+    assert_eq!(s.ids(b"Hello, world!").await, HELLO_WORLD);
+}
+
+#[tokio::test]
+async fn a_chat_template_file_serves_chat_for_a_model_without_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("template.jinja");
+    std::fs::write(
+        &file,
+        "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}\
+         {% if add_generation_prompt %}assistant:{% endif %}",
+    )
+    .unwrap();
+    let mut cfg = Config::new(base_model(dir.path()));
+    cfg.chat_template = Some(file);
+    let mut s = start_cfg(cfg).await;
+    let info = s.info().await;
+    assert!(info.has_chat_template);
+    let chat = s
+        .chat(ask(vec![msg("user", b"Hello, world!")], "", false))
+        .await
+        .unwrap();
+    // The template's `bos_token` is the model's BOS text, and becomes its id.
+    let bos = info.bos_token_id.expect("the default model has a BOS");
+    assert_eq!(chat.ids[0], bos, "{:?}", chat.ids);
+    assert!(
+        chat.prompt.ends_with("user: Hello, world!\nassistant:"),
+        "{}",
+        chat.prompt
+    );
+    assert_eq!(chat.ids, s.ids(chat.prompt.as_bytes()).await);
+}
+
+#[tokio::test]
+async fn a_chat_template_file_replaces_the_models_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("plain.jinja");
+    std::fs::write(&file, "Q: {{ messages[-1].content }}\nA:").unwrap();
+    let mut cfg = Config::new(pdmesh_gguf::models::require_default_model());
+    cfg.chat_template = Some(file);
+    let mut s = start_cfg(cfg).await;
+    let chat = s
+        .chat(ask(vec![msg("user", b"Hello, world!")], "", false))
+        .await
+        .unwrap();
+    assert_eq!(chat.prompt, "Q: Hello, world!\nA:");
+    assert_eq!(chat.ids, s.ids(b"Q: Hello, world!\nA:").await);
+}
+
+#[tokio::test]
+async fn a_chat_template_file_that_cannot_serve_refuses_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let broken = dir.path().join("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}{{ m.content }}").unwrap();
+    let missing = dir.path().join("missing.jinja");
+    for (file, why) in [(&broken, "does not compile"), (&missing, "cannot read it")] {
+        let mut cfg = Config::new(pdmesh_gguf::models::require_default_model());
+        cfg.chat_template = Some(file.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let err = run(cfg, listener, tokio_util::sync::CancellationToken::new())
+            .await
+            .unwrap_err()
+            .to_string();
+        let flag = format!("--chat-template {}: ", file.display());
+        assert!(err.starts_with(&flag), "{err}");
+        assert!(err.contains(why), "{err}");
+        assert!(err.contains("drop the flag"), "{err}");
+    }
 }

@@ -44,6 +44,8 @@ pub struct Options {
     pub kv_pages: Option<usize>,
     /// The gateway's `--model` (it then detokenizes in process).
     pub gateway_model: Option<std::path::PathBuf>,
+    /// The tokenizer's `--model`, when not the worker's (the default model).
+    pub tokenizer_model: Option<std::path::PathBuf>,
 }
 
 impl Default for Options {
@@ -57,6 +59,7 @@ impl Default for Options {
             max_body_bytes: None,
             kv_pages: None,
             gateway_model: None,
+            tokenizer_model: None,
         }
     }
 }
@@ -65,7 +68,8 @@ pub async fn start(opts: Options) -> Mesh {
     let model = pdmesh_gguf::models::require_default_model();
     let mut stops = Vec::new();
 
-    let mut tok_cfg = pdmesh_tokenizer::Config::new(&model);
+    let mut tok_cfg =
+        pdmesh_tokenizer::Config::new(opts.tokenizer_model.as_ref().unwrap_or(&model));
     tok_cfg.tls = credentials();
     let tok = Service::start(|l, s| pdmesh_tokenizer::run(tok_cfg, l, s)).await;
     let tokenizer = tok.addr;

@@ -1,6 +1,7 @@
 //! The gateway's answers that need no engine: OpenAI error bodies for bad input, auth,
 //! routing, body limits, a worker that is down, `/health` and `/metrics`. The real
-//! tokenizer runs; the worker URL points at a closed port.
+//! tokenizer runs; the worker URL points at a closed port, except where a refusal comes
+//! only after the model's facts (a chat request to a model without a chat template).
 
 use super::common::{Options, get, post_json, post_raw, request, start};
 use serde_json::json;
@@ -360,4 +361,61 @@ async fn metrics_count_requests_by_endpoint_status_and_error_class() {
     ] {
         assert!(text.contains(needle), "missing {needle} in:\n{text}");
     }
+}
+
+/// A model without a chat template (a base model, as Gemma 3 270M is): every chat-shaped
+/// endpoint answers 400 in its own API's shape, naming the model and both ways out,
+/// streamed or not; never a 500.
+#[tokio::test]
+async fn chat_to_a_model_without_a_chat_template_is_400_naming_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base-model");
+    pdmesh_tokenize::TextTokenizer::from_path(pdmesh_gguf::models::require_default_model())
+        .unwrap()
+        .write_hf_dir(&base)
+        .unwrap();
+    let mesh = start(Options {
+        worker: true,
+        tokenizer_model: Some(base),
+        ..Options::default()
+    })
+    .await;
+    let g = mesh.gateway;
+    let want = "this model (base-model) has no chat template: serve it with --chat-template FILE \
+                (a Jinja template), or use /v1/completions";
+    let hi = json!([{ "role": "user", "content": "hi" }]);
+    for stream in [false, true] {
+        let r = post_json(
+            g,
+            "/v1/chat/completions",
+            &chat(json!({ "stream": stream })),
+        )
+        .await;
+        let err = r.expect_error(400);
+        assert_eq!(err["message"], want, "stream {stream}");
+        assert_eq!(err["type"], "invalid_request_error");
+
+        let body =
+            json!({ "model": "test-model", "max_tokens": 8, "messages": hi, "stream": stream });
+        let r = post_json(g, "/v1/messages", &body).await;
+        assert_eq!(r.status, 400, "stream {stream}: {}", r.text());
+        let v = r.json();
+        assert_eq!(
+            (&v["type"], &v["error"]["type"], &v["error"]["message"]),
+            (
+                &json!("error"),
+                &json!("invalid_request_error"),
+                &json!(want)
+            ),
+            "stream {stream}"
+        );
+
+        let body = json!({ "model": "test-model", "max_output_tokens": 8, "input": "hi", "stream": stream });
+        let err = post_json(g, "/v1/responses", &body).await.expect_error(400);
+        assert_eq!(err["message"], want, "stream {stream}");
+    }
+    // Completions need no template.
+    let body = json!({ "model": "test-model", "prompt": "hi", "max_tokens": 1 });
+    let r = post_json(g, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
 }

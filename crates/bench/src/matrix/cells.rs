@@ -8,8 +8,9 @@ use serde::{Deserialize, Serialize};
 /// `pdmesh bench matrix`.
 #[derive(Debug, clap::Args)]
 pub struct MatrixArgs {
-    /// Models to run: `dsa` (the DeepSeek V3.2 tiny model, with its index-K cache forms)
-    /// and `smol` (the default SmolLM2 GGUF).
+    /// Models to run: `dsa` (the DeepSeek V3.2 tiny model, with its index-K cache forms),
+    /// `smol` (the default SmolLM2 GGUF) and `gemma` (Gemma 3 270M, a base model: it
+    /// needs --chat-template).
     #[arg(long, value_delimiter = ',', default_value = "dsa,smol")]
     pub models: Vec<Family>,
     /// The DeepSeek tiny checkpoint (default: written under --out with `pdmesh model synth
@@ -19,6 +20,14 @@ pub struct MatrixArgs {
     /// The SmolLM2 GGUF (default: `pdmesh up`'s default model).
     #[arg(long, value_name = "FILE")]
     pub smol_model: Option<PathBuf>,
+    /// The Gemma 3 270M GGUF, or a model name `pdmesh up --model` takes (default:
+    /// `gemma3`, which `up` fetches if missing).
+    #[arg(long, value_name = "FILE")]
+    pub gemma_model: Option<PathBuf>,
+    /// A Jinja chat template file for the Gemma meshes (`pdmesh up --chat-template`):
+    /// Gemma 3 270M's GGUF has none, and the sessions are chat requests.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
     /// Index-K cache forms to run (DeepSeek only).
     #[arg(long, value_delimiter = ',', default_value = "fp8,bf16")]
     pub index_k: Vec<IndexK>,
@@ -83,6 +92,7 @@ pub struct MatrixArgs {
 pub enum Family {
     Dsa,
     Smol,
+    Gemma,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -139,6 +149,7 @@ impl Cell {
         let mut parts = vec![match self.model {
             Family::Dsa => "dsa",
             Family::Smol => "smol",
+            Family::Gemma => "gemma",
         }];
         if let Some(ik) = self.index_k {
             parts.push(match ik {
@@ -208,7 +219,7 @@ pub fn cells(args: &MatrixArgs) -> Vec<Cell> {
     for &model in &args.models {
         let forms: Vec<Option<IndexK>> = match model {
             Family::Dsa => args.index_k.iter().copied().map(Some).collect(),
-            Family::Smol => vec![None],
+            Family::Smol | Family::Gemma => vec![None],
         };
         for index_k in forms {
             for &mirror in &args.mirror {

@@ -38,6 +38,7 @@ pub async fn run(a: MatrixArgs) -> Result<(), BenchError> {
     if cells.is_empty() {
         return Err(MatrixError::Empty.into());
     }
+    check_templates(&a, &cells)?;
     let exe = match &a.pdmesh {
         Some(p) => p.clone(),
         None => std::env::current_exe().map_err(MatrixError::io("finding the pdmesh binary"))?,
@@ -186,7 +187,17 @@ fn worker_args(args: &[String]) -> Vec<String> {
     args.iter().map(|a| format!("--worker-arg={a}")).collect()
 }
 
-/// `--model` for a family, writing the DeepSeek tiny checkpoint first if it is missing.
+/// Refuses, before any mesh starts, a model that cannot serve the sessions' chat
+/// requests: Gemma 3 270M without --chat-template.
+fn check_templates(a: &MatrixArgs, cells: &[Cell]) -> Result<(), MatrixError> {
+    if a.chat_template.is_none() && cells.iter().any(|c| c.model == Family::Gemma) {
+        return Err(MatrixError::NeedsChatTemplate("gemma"));
+    }
+    Ok(())
+}
+
+/// `--model` for a family (and its `--chat-template`), writing the DeepSeek tiny
+/// checkpoint first if it is missing.
 async fn model_args(
     a: &MatrixArgs,
     exe: &Path,
@@ -197,6 +208,19 @@ async fn model_args(
             Some(p) => p.clone(),
             None => return Ok(Vec::new()),
         },
+        Family::Gemma => {
+            let model = a.gemma_model.clone().unwrap_or_else(|| "gemma3".into());
+            let template = a
+                .chat_template
+                .as_ref()
+                .ok_or(MatrixError::NeedsChatTemplate("gemma"))?;
+            return Ok(vec![
+                "--model".into(),
+                model.display().to_string(),
+                "--chat-template".into(),
+                template.display().to_string(),
+            ]);
+        }
         Family::Dsa => {
             let dir = a
                 .dsa_model

@@ -102,6 +102,7 @@ fn table_rows(m: &Matrix) -> Vec<Vec<String>> {
                     match c.model {
                         Family::Dsa => "DeepSeek V3.2 tiny",
                         Family::Smol => "SmolLM2-135M",
+                        Family::Gemma => "Gemma 3 270M",
                     },
                     if r.fault.is_some() {
                         " (fault injected)"
@@ -156,6 +157,7 @@ fn bar_label(c: &Cell) -> String {
     let mut parts = vec![match c.model {
         Family::Dsa => "DeepSeek",
         Family::Smol => "SmolLM2",
+        Family::Gemma => "Gemma 3",
     }];
     parts.push(match c.index_k {
         Some(IndexK::Fp8) => "index-K fp8",

@@ -53,6 +53,33 @@ fn the_default_matrix_is_the_issues_twelve_configurations() {
 }
 
 #[test]
+fn gemma_runs_only_with_a_chat_template_and_passes_it_to_up() {
+    let a = parse(&["--models=gemma", "--mirror=on"]);
+    let gemma = cells(&a);
+    assert_eq!(
+        gemma.iter().map(Cell::name).collect::<Vec<_>>(),
+        ["gemma-mirror-pd", "gemma-mirror-unified"]
+    );
+    // Refused before any mesh starts, saying what to add.
+    let err = check_templates(&a, &gemma).unwrap_err().to_string();
+    assert!(err.contains("--chat-template FILE"), "{err}");
+    let a = parse(&["--models=gemma", "--chat-template=t.jinja"]);
+    check_templates(&a, &cells(&a)).unwrap();
+    let args = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap()
+        .block_on(model_args(&a, Path::new("pdmesh"), Family::Gemma))
+        .unwrap();
+    assert_eq!(
+        args,
+        ["--model", "gemma3", "--chat-template", "t.jinja"],
+        "`pdmesh up` resolves the name, fetching the model if missing"
+    );
+    // The other models have their own templates.
+    check_templates(&parse(&[]), &cells(&parse(&[]))).unwrap();
+}
+
+#[test]
 fn each_configuration_maps_to_up_flags() {
     let cell = |index_k, mirror, mode| Cell {
         model: Family::Dsa,
