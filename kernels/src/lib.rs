@@ -16,11 +16,15 @@ pub mod nvrtc;
 
 mod attention;
 mod dot;
+mod format;
 mod gemm;
 mod matmul;
 mod quant;
+#[cfg(test)]
+mod testdata;
 
 pub use attention::{attend, attend_causal, exp_f32};
+pub use format::WeightFormat;
 pub use matmul::{
     Glu, QMatrix, gelu_tanh_times, matmul, matmul_glu, matmul_many, matmul_swiglu, silu_times,
 };

@@ -2,31 +2,34 @@
 //! computed by one thread, in one fixed order, for every token: results are identical
 //! whatever the batch size or thread count.
 
-use pdmesh_ggml::{GgmlType, dequantize};
+use pdmesh_ggml::GgmlType;
 use rayon::prelude::*;
 
 use crate::dot;
+use crate::format::WeightFormat;
 use crate::gemm::{IntKind, Packed};
 use crate::quant::{QActs, quantize_q8_0, quantize_q8_1};
 
-/// A weight matrix borrowed in its GGUF block format: `rows` rows of `cols` values.
+/// A weight matrix borrowed in its block format (GGML's as in the GGUF, or one the
+/// kernels rewrote it into: [`WeightFormat::rewrite`]): `rows` rows of `cols` values.
 #[derive(Clone, Copy, Debug)]
 pub struct QMatrix<'a> {
-    pub ty: GgmlType,
+    pub format: WeightFormat,
     pub data: &'a [u8],
     pub rows: usize,
     pub cols: usize,
 }
 
 impl<'a> QMatrix<'a> {
-    pub fn new(ty: GgmlType, data: &'a [u8], rows: usize, cols: usize) -> Self {
+    pub fn new(format: impl Into<WeightFormat>, data: &'a [u8], rows: usize, cols: usize) -> Self {
+        let format = format.into();
         assert_eq!(
             data.len(),
-            ty.row_bytes(cols) * rows,
-            "matrix data size for {rows}x{cols} {ty:?}"
+            format.row_bytes(cols) * rows,
+            "matrix data size for {rows}x{cols} {format:?}"
         );
         Self {
-            ty,
+            format,
             data,
             rows,
             cols,
@@ -34,23 +37,26 @@ impl<'a> QMatrix<'a> {
     }
 
     pub fn row(&self, r: usize) -> &'a [u8] {
-        let rb = self.ty.row_bytes(self.cols);
+        let rb = self.format.row_bytes(self.cols);
         &self.data[r * rb..(r + 1) * rb]
     }
 
-    /// Dequantize one row (e.g. an embedding lookup).
+    /// Dequantize one row (e.g. an embedding lookup); a rewritten matrix gives the
+    /// original's values.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        dequantize(self.ty, self.row(r), out);
+        self.format.dequantize(self.row(r), out);
     }
 }
 
-/// The weight formats with an integer kernel, and the activations each takes.
-fn int_kind(ty: GgmlType) -> Option<IntKind> {
-    match ty {
-        GgmlType::Q4_1 => Some(IntKind::Q4_1),
-        GgmlType::Q8_0 => Some(IntKind::Q8_0),
-        GgmlType::Q4_0 => Some(IntKind::Q4_0),
-        _ => None,
+/// The weight formats with an integer kernel.
+fn int_kind(format: WeightFormat) -> Option<IntKind> {
+    match format {
+        WeightFormat::Ggml(GgmlType::Q4_1) => Some(IntKind::Q4_1),
+        WeightFormat::Ggml(GgmlType::Q8_0) => Some(IntKind::Q8_0),
+        WeightFormat::Ggml(GgmlType::Q4_0) => Some(IntKind::Q4_0),
+        WeightFormat::Q4K32 => Some(IntKind::Q4K32),
+        WeightFormat::Q6K32 => Some(IntKind::Q6K32),
+        WeightFormat::Ggml(_) => None,
     }
 }
 
@@ -90,13 +96,13 @@ struct Acts {
 
 impl Acts {
     fn new(ws: &[&QMatrix<'_>], x: &[f32], cols: usize) -> Self {
-        let kinds: Vec<IntKind> = ws.iter().filter_map(|w| int_kind(w.ty)).collect();
+        let kinds: Vec<IntKind> = ws.iter().filter_map(|w| int_kind(w.format)).collect();
         let nb = cols / 32;
         let pack = |q8_1: bool| {
             let wanted: Vec<IntKind> = kinds
                 .iter()
                 .copied()
-                .filter(|&k| (k == IntKind::Q4_1) == q8_1)
+                .filter(|&k| k.takes_q8_1() == q8_1)
                 .collect();
             (!wanted.is_empty()).then(|| {
                 let f = if q8_1 { quantize_q8_1 } else { quantize_q8_0 };
@@ -109,9 +115,9 @@ impl Acts {
         }
     }
 
-    fn for_ty(&self, ty: GgmlType) -> Option<&Packed> {
-        match int_kind(ty) {
-            Some(IntKind::Q4_1) => self.q8_1.as_ref(),
+    fn for_format(&self, format: WeightFormat) -> Option<&Packed> {
+        match int_kind(format) {
+            Some(k) if k.takes_q8_1() => self.q8_1.as_ref(),
             Some(_) => self.q8_0.as_ref(),
             None => None,
         }
@@ -179,7 +185,14 @@ pub fn matmul_many(
         let acts = Acts::new(ws, x, ws[0].cols);
         tasks.into_par_iter().for_each(|mut task| {
             let w = ws[task.m];
-            rows_times_tokens(w, task.r0, task.n, x, acts.for_ty(w.ty), &mut task.outs);
+            rows_times_tokens(
+                w,
+                task.r0,
+                task.n,
+                x,
+                acts.for_format(w.format),
+                &mut task.outs,
+            );
         });
     });
 }
@@ -229,8 +242,8 @@ pub fn matmul_glu(
     out: &mut [f32],
 ) {
     assert_eq!(
-        (gate.rows, gate.cols, gate.ty),
-        (up.rows, up.cols, up.ty),
+        (gate.rows, gate.cols, gate.format),
+        (up.rows, up.cols, up.format),
         "gate and up of one shape and format"
     );
     let mut outs = [out];
@@ -241,7 +254,7 @@ pub fn matmul_glu(
     pool.install(|| {
         let acts = Acts::new(&[gate], x, gate.cols);
         tasks.into_par_iter().for_each(|mut task| {
-            let acts = acts.for_ty(gate.ty);
+            let acts = acts.for_format(gate.format);
             rows_times_tokens(gate, task.r0, task.n, x, acts, &mut task.outs);
             let mut u = vec![0f32; task.n * t];
             let mut us: Vec<&mut [f32]> = u.chunks_exact_mut(task.n).collect();
@@ -279,9 +292,9 @@ fn rows_times_tokens(
     acts: Option<&Packed>,
     out: &mut [&mut [f32]],
 ) {
-    let rb = w.ty.row_bytes(w.cols);
+    let rb = w.format.row_bytes(w.cols);
     let data = &w.data[r0 * rb..(r0 + n) * rb];
-    match (int_kind(w.ty), acts) {
+    match (int_kind(w.format), acts) {
         (Some(kind), Some(p)) => {
             debug_assert_eq!(p.tokens(), out.len());
             crate::gemm::rows(kind, data, rb, p, out)
@@ -289,7 +302,7 @@ fn rows_times_tokens(
         _ => {
             let mut scratch = vec![0f32; w.cols];
             for (ri, row) in data.chunks_exact(rb).enumerate() {
-                dequantize(w.ty, row, &mut scratch);
+                w.format.dequantize(row, &mut scratch);
                 for (tt, o) in out.iter_mut().enumerate() {
                     o[ri] = dot::f32_dot(&scratch, &x[tt * w.cols..(tt + 1) * w.cols]);
                 }
@@ -302,6 +315,10 @@ fn rows_times_tokens(
 mod tests {
     use super::*;
     use half::f16;
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
 
     fn q4_1_matrix(rows: usize, cols: usize) -> Vec<u8> {
         let mut d = Vec::new();
@@ -402,6 +419,72 @@ mod tests {
                 // Activation rounding moves each product by at most half a step.
                 let bound: f32 = wr.iter().zip(xt).map(|(a, b)| (a * b).abs()).sum::<f32>() * 0.01;
                 assert!((one[r] - exact).abs() <= bound, "{} vs {exact}", one[r]);
+            }
+        }
+    }
+
+    /// Q4_K and Q6_K matrices rewritten as at load: in batches of 15 (tiles of 8, 4, 2
+    /// and 1), 32 and 33 tokens each token gets exactly what it gets alone, on one
+    /// thread or two, alone or in one call with another format; and near the f32 product
+    /// of the original rows.
+    #[test]
+    fn rewritten_k_quants_give_each_token_what_it_gets_alone() {
+        let (rows, cols) = (37, 512);
+        let p1 = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let p2 = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let q8: Vec<u8> = (0..rows * cols / 32)
+            .flat_map(|b| {
+                let mut blk = f16::from_f32(0.001 * (b % 7) as f32).to_le_bytes().to_vec();
+                blk.extend((0..32).map(|j| (b * 31 + j * 7) as u8));
+                blk
+            })
+            .collect();
+        let wq8 = QMatrix::new(GgmlType::Q8_0, &q8, rows, cols);
+        for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+            let src = crate::testdata::k_blocks(ty, rows * cols / 256, 5);
+            let orig = QMatrix::new(ty, &src, rows, cols);
+            let (format, data) = WeightFormat::rewrite(ty, &src).unwrap();
+            let w = QMatrix::new(format, &data, rows, cols);
+            for t in [15, 32, 33] {
+                let x: Vec<f32> = (0..t * cols)
+                    .map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.07)
+                    .collect();
+                let mut all = vec![0f32; t * rows];
+                matmul(&p2, &w, &x, t, &mut all);
+                let (mut fused, mut other) = (vec![0f32; t * rows], vec![0f32; t * rows]);
+                matmul_many(&p2, &[&wq8, &w], &x, t, &mut [&mut other, &mut fused]);
+                assert_eq!(bits(&fused), bits(&all), "{ty:?} {t} tokens beside Q8_0");
+                let (mut wr, mut wo) = (vec![0f32; cols], vec![0f32; cols]);
+                for tt in 0..t {
+                    let xt = &x[tt * cols..(tt + 1) * cols];
+                    let mut one = vec![0f32; rows];
+                    matmul(&p1, &w, xt, 1, &mut one);
+                    assert_eq!(
+                        bits(&one),
+                        bits(&all[tt * rows..(tt + 1) * rows]),
+                        "{ty:?} {t} tokens: token {tt}"
+                    );
+                    for (r, got) in one.iter().enumerate() {
+                        w.dequantize_row(r, &mut wr);
+                        orig.dequantize_row(r, &mut wo);
+                        assert_eq!(bits(&wr), bits(&wo), "{ty:?} row {r}");
+                        let exact: f32 = wo.iter().zip(xt).map(|(a, b)| a * b).sum();
+                        // Activation rounding moves each value by at most 0.57 of its
+                        // block's step (half a step, and the scale's f16 rounding); the
+                        // step is at most 0.98 / 127 here.
+                        let bound: f32 = wo.iter().map(|a| a.abs()).sum::<f32>() * 0.0045;
+                        assert!(
+                            (got - exact).abs() <= bound + 1e-4 * exact.abs(),
+                            "{ty:?} row {r}: {got} vs {exact}"
+                        );
+                    }
+                }
             }
         }
     }

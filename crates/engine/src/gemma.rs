@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use pdmesh_gguf::{GgmlType, GgufFile};
-use pdmesh_kernels::{Glu, QMatrix, attend_causal, matmul, matmul_glu, matmul_many};
+use pdmesh_gguf::GgufFile;
+use pdmesh_kernels::{Glu, QMatrix, WeightFormat, attend_causal, matmul, matmul_glu, matmul_many};
 use pdmesh_kv::{Attention, DType, KvLayout, LayerGroup, PageId, PagePool};
 use rayon::prelude::*;
 
@@ -146,10 +146,10 @@ impl Gemma3Config {
 }
 
 /// Where a weight matrix lives: in the GGUF map, or (rewritten at load) in the model's
-/// own buffer.
+/// own buffer, and its layout there.
 #[derive(Clone, Debug)]
 struct WRef {
-    ty: GgmlType,
+    format: WeightFormat,
     range: Range<usize>,
     rows: usize,
     cols: usize,
@@ -179,14 +179,16 @@ pub struct GemmaModel {
     embed: WRef,
     out_norm: Vec<f32>,
     gguf: Arc<GgufFile>,
-    /// Q5_0 matrices rewritten as Q8_0 (the same values), so they take the integer
-    /// kernels' fast paths.
+    /// The Q5_0, Q4_K and Q6_K matrices rewritten at load into formats the integer
+    /// kernels compute on (the same values; `WeightFormat::rewrite`).
     owned: Vec<u8>,
     /// Tests only: every layer global (what a model that ignored the window would do).
     no_window: bool,
 }
 
-/// Tensor `name` of shape `rows x cols`, a Q5_0 one rewritten as Q8_0 into `owned`.
+/// Tensor `name` of shape `rows x cols`; one the integer kernels take in another layout
+/// (Q5_0 as Q8_0, Q4_K and Q6_K in 32-value blocks: [`WeightFormat::rewrite`], the
+/// same values) rewritten into `owned`.
 fn wref(
     g: &GgufFile,
     owned: &mut Vec<u8>,
@@ -202,11 +204,11 @@ fn wref(
         )));
     }
     let range = g.tensor_range(name)?;
-    if t.ty == GgmlType::Q5_0 {
+    if let Some((format, bytes)) = WeightFormat::rewrite(t.ty, &g.bytes()[range.clone()]) {
         let start = owned.len();
-        owned.extend(pdmesh_ggml::q5_0_as_q8_0(&g.bytes()[range]));
+        owned.extend_from_slice(&bytes);
         return Ok(WRef {
-            ty: GgmlType::Q8_0,
+            format,
             range: start..owned.len(),
             rows,
             cols,
@@ -214,7 +216,7 @@ fn wref(
         });
     }
     Ok(WRef {
-        ty: t.ty,
+        format: WeightFormat::Ggml(t.ty),
         range,
         rows,
         cols,
@@ -289,7 +291,7 @@ impl GemmaModel {
         } else {
             self.gguf.bytes()
         };
-        QMatrix::new(w.ty, &bytes[w.range.clone()], w.rows, w.cols)
+        QMatrix::new(w.format, &bytes[w.range.clone()], w.rows, w.cols)
     }
 
     fn first_visible(&self, l: usize, pos: usize) -> usize {

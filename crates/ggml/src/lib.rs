@@ -228,6 +228,54 @@ pub fn q5_0_as_q8_0(src: &[u8]) -> Vec<u8> {
     out
 }
 
+/// One Q4_K block (256 values) as its eight sub-blocks of 32: per sub-block the scale
+/// `d · sc` and the min `dmin · m`, both formed in f32 exactly as [`dequantize`] forms
+/// them (value `i` is `scale · q[i] − min`), and the 32 values `q` (0..15) in order.
+/// pdmesh-kernels lays these out for its integer products.
+pub fn q4k_sub_blocks(blk: &[u8]) -> [(f32, f32, [u8; 32]); 8] {
+    assert!(
+        blk.len() >= GgmlType::Q4K.block_bytes(),
+        "a whole Q4_K block"
+    );
+    let d = f16_at(blk, 0);
+    let dmin = f16_at(blk, 2);
+    let scales = &blk[4..16];
+    let qs = &blk[16..144];
+    std::array::from_fn(|j| {
+        let (sc, m) = scale_min_k4(j, scales);
+        // Sub-blocks 2i and 2i + 1 are the low and high nibbles of the same 32 bytes.
+        let bytes = &qs[32 * (j / 2)..32 * (j / 2) + 32];
+        let shift = 4 * (j % 2);
+        (
+            d * sc as f32,
+            dmin * m as f32,
+            std::array::from_fn(|l| (bytes[l] >> shift) & 0xF),
+        )
+    })
+}
+
+/// One Q6_K block (256 values) as its sixteen groups of 16: per group the scale
+/// `d · sc`, formed in f32 exactly as [`dequantize`] forms it (value `i` is
+/// `scale[i / 16] · q[i]`), and the 256 values `q` (−32..31) in order.
+pub fn q6k_groups(blk: &[u8]) -> ([f32; 16], [i8; 256]) {
+    assert!(
+        blk.len() >= GgmlType::Q6K.block_bytes(),
+        "a whole Q6_K block"
+    );
+    let (ql, qh, sc) = (&blk[0..128], &blk[128..192], &blk[192..208]);
+    let d = f16_at(blk, 208);
+    let scales = std::array::from_fn(|g| d * (sc[g] as i8) as f32);
+    // Value 128h + 32k + l (l < 32): the low nibble (k < 2) or the high one (k ≥ 2) of
+    // ql[64h + 32(k mod 2) + l], below bits 2k and 2k + 1 of qh[32h + l].
+    let values = std::array::from_fn(|i| {
+        let (h, k, l) = (i / 128, i % 128 / 32, i % 32);
+        let low = (ql[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0xF;
+        let high = (qh[32 * h + l] >> (2 * k)) & 3;
+        (low | (high << 4)) as i8 - 32
+    });
+    (scales, values)
+}
+
 /// The 6-bit scale and min of sub-block `j` of a Q4_K block.
 fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
@@ -309,6 +357,72 @@ mod tests {
         assert_eq!(out[0], 0.0); // 16 - 16
         assert_eq!(out[1], -16.0);
         assert_eq!(out[16], 0.0);
+    }
+
+    /// Random bytes with the extremes (0x00, 0xFF) mixed in, and the f16 scales at
+    /// `at` set to `scales`.
+    fn k_blocks(ty: GgmlType, n: usize, at: &[usize], scales: &[f32]) -> Vec<u8> {
+        let mut s = 11u32;
+        let mut src = Vec::new();
+        for b in 0..n {
+            let mut blk: Vec<u8> = (0..ty.block_bytes())
+                .map(|_| {
+                    s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+                    match (s >> 8) % 5 {
+                        0 => 0x00,
+                        1 => 0xFF,
+                        _ => (s >> 24) as u8,
+                    }
+                })
+                .collect();
+            for (i, &off) in at.iter().enumerate() {
+                let v = scales[(b + i) % scales.len()];
+                blk[off..off + 2].copy_from_slice(&h(v));
+            }
+            src.extend(blk);
+        }
+        src
+    }
+
+    const SCALES: [f32; 6] = [0.0123, -0.5, 1.0e-7, 6.0e4, 0.0, 3.0];
+
+    #[test]
+    fn q4k_sub_blocks_give_the_dequantized_values() {
+        let n = 24;
+        let src = k_blocks(GgmlType::Q4K, n, &[0, 2], &SCALES);
+        let mut want = vec![0f32; 256 * n];
+        dequantize(GgmlType::Q4K, &src, &mut want);
+        for (b, blk) in src.chunks_exact(144).enumerate() {
+            for (j, (scale, min, q)) in q4k_sub_blocks(blk).into_iter().enumerate() {
+                for (l, &q) in q.iter().enumerate() {
+                    let v = scale * q as f32 - min;
+                    assert_eq!(v.to_bits(), want[256 * b + 32 * j + l].to_bits());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q6k_groups_give_the_dequantized_values() {
+        let n = 24;
+        let src = k_blocks(GgmlType::Q6K, n, &[208], &SCALES);
+        let mut want = vec![0f32; 256 * n];
+        dequantize(GgmlType::Q6K, &src, &mut want);
+        let mut extremes = (false, false);
+        for (b, blk) in src.chunks_exact(210).enumerate() {
+            let (scales, q) = q6k_groups(blk);
+            for (i, &q) in q.iter().enumerate() {
+                let v = scales[i / 16] * q as f32;
+                assert_eq!(
+                    v.to_bits(),
+                    want[256 * b + i].to_bits(),
+                    "block {b} value {i}"
+                );
+                extremes.0 |= q == -32;
+                extremes.1 |= q == 31;
+            }
+        }
+        assert_eq!(extremes, (true, true), "both ends of the range were met");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::packed::{Packed, Q4_0, Q4_1, Q8_0};
+use super::packed::{Packed, Q4_0, Q4_1, Q4K32, Q6K32, Q8_0, has_min, signed_bytes};
 use super::simd::{PREFETCH_BYTES, TWO_ROWS_FROM, hsum, scales, simd_rows, unpack_block};
 
 #[inline(always)]
@@ -18,22 +18,24 @@ unsafe fn dot<const K: u8>(qx: __m256i, wstart: __m256i, p: &Packed, at: usize) 
     // SAFETY: the caller guarantees block `at` exists in the packed arrays and enables
     // avx512vnni and avx512vl.
     unsafe {
-        match K {
-            Q4_1 => _mm256_dpbusd_epi32(
-                _mm256_setzero_si256(),
-                qx,
-                _mm256_loadu_si256(p.qs.as_ptr().add(32 * at) as *const __m256i),
-            ),
-            Q8_0 => _mm256_dpbusd_epi32(
+        if signed_bytes(K) {
+            _mm256_dpbusd_epi32(
                 wstart,
                 _mm256_loadu_si256(p.shifted.as_ptr().add(32 * at) as *const __m256i),
                 qx,
-            ),
-            _ => _mm256_dpbusd_epi32(
+            )
+        } else if K == Q4_0 {
+            _mm256_dpbusd_epi32(
                 _mm256_loadu_si256(p.starts.as_ptr().add(8 * at) as *const __m256i),
                 qx,
                 _mm256_loadu_si256(p.qs.as_ptr().add(32 * at) as *const __m256i),
-            ),
+            )
+        } else {
+            _mm256_dpbusd_epi32(
+                _mm256_setzero_si256(),
+                qx,
+                _mm256_loadu_si256(p.qs.as_ptr().add(32 * at) as *const __m256i),
+            )
         }
     }
 }
@@ -57,7 +59,7 @@ unsafe fn pairs<const K: u8, const R: usize, const P: usize>(
     let sum_vectors = n.div_ceil(16);
     assert!(j0 + n <= p.t && sum_vectors <= 2);
     assert!(o.iter().all(|o| o.len() >= j0 + n) && rows.iter().all(|r| r.len() == bs * p.nb));
-    assert!(K != Q4_1 || j0 + 16 * sum_vectors <= p.tpad);
+    assert!(!has_min(K) || j0 + 16 * sum_vectors <= p.tpad);
     let mut acc = [[_mm512_setzero_ps(); P]; R];
     let mut ms = [[_mm512_setzero_ps(); 2]; R];
     for b in 0..p.nb {
@@ -70,7 +72,12 @@ unsafe fn pairs<const K: u8, const R: usize, const P: usize>(
                 let (dw, mw) = scales::<K>(blk);
                 let (qx, wstart) = unpack::<K>(blk);
                 (
-                    _mm512_broadcastss_ps(_mm256_castps256_ps128(dw)),
+                    if K == Q6K32 {
+                        // Two scales: the 256-bit register in both halves.
+                        _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(dw)))
+                    } else {
+                        _mm512_broadcastss_ps(_mm256_castps256_ps128(dw))
+                    },
                     _mm512_broadcastss_ps(_mm256_castps256_ps128(mw)),
                     _mm512_broadcast_i64x4(qx),
                     _mm512_broadcast_i64x4(wstart),
@@ -80,9 +87,10 @@ unsafe fn pairs<const K: u8, const R: usize, const P: usize>(
             for i in 0..P {
                 let at = first + 2 * i;
                 let load = |v: *const i8| _mm512_loadu_si512(v.add(32 * at) as *const _);
-                let a = match K {
-                    Q8_0 => load(p.shifted.as_ptr() as *const i8),
-                    _ => load(p.qs.as_ptr()),
+                let a = if signed_bytes(K) {
+                    load(p.shifted.as_ptr() as *const i8)
+                } else {
+                    load(p.qs.as_ptr())
                 };
                 let start = if K == Q4_0 {
                     _mm512_loadu_si512(p.starts.as_ptr().add(8 * at) as *const _)
@@ -91,16 +99,18 @@ unsafe fn pairs<const K: u8, const R: usize, const P: usize>(
                 };
                 let ds = _mm512_loadu_ps(p.ds.as_ptr().add(8 * at));
                 for (acc, &(dw, _, qx, wstart)) in acc.iter_mut().zip(&w) {
-                    let dot = match K {
-                        Q4_1 => _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, a),
-                        Q8_0 => _mm512_dpbusd_epi32(wstart, a, qx),
-                        _ => _mm512_dpbusd_epi32(start, qx, a),
+                    let dot = if signed_bytes(K) {
+                        _mm512_dpbusd_epi32(wstart, a, qx)
+                    } else if K == Q4_0 {
+                        _mm512_dpbusd_epi32(start, qx, a)
+                    } else {
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, a)
                     };
                     let d = _mm512_mul_ps(dw, ds);
                     acc[i] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot), acc[i]);
                 }
             }
-            if K == Q4_1 {
+            if has_min(K) {
                 for h in 0..sum_vectors {
                     let s = _mm512_loadu_ps(p.sums.as_ptr().add(b * p.tpad + j0 + 16 * h));
                     for (ms, &(_, mw, _, _)) in ms.iter_mut().zip(&w) {
@@ -112,7 +122,7 @@ unsafe fn pairs<const K: u8, const R: usize, const P: usize>(
     }
     for ((acc, ms), o) in acc.iter().zip(&ms).zip(o.iter_mut()) {
         let mut mins = [0f32; 32];
-        if K == Q4_1 {
+        if has_min(K) {
             // SAFETY: `mins` holds 32 floats.
             unsafe {
                 _mm512_storeu_ps(mins.as_mut_ptr(), ms[0]);
@@ -128,7 +138,7 @@ unsafe fn pairs<const K: u8, const R: usize, const P: usize>(
                 let j = 2 * i + h;
                 // SAFETY: this function enables avx2.
                 let r = unsafe { hsum(half) };
-                o[j0 + j] = if K == Q4_1 { r + mins[j] } else { r };
+                o[j0 + j] = if has_min(K) { r + mins[j] } else { r };
             }
         }
     }
@@ -180,14 +190,14 @@ unsafe fn few<const K: u8>(_: &[u8], _: usize, _: &Packed, _: &mut [&mut [f32]])
     false
 }
 
-/// One row times tokens `j0 .. j0 + RN` into `o[..RN]`; Q4_1's min sums ride
-/// along, the tile's tokens side by side in two vectors.
+/// One row times tokens `j0 .. j0 + RN` into `o[..RN]`; the min sums (Q4_1, Q4K32)
+/// ride along, the tile's tokens side by side in two vectors.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 unsafe fn tile<const K: u8, const RN: usize>(row: &[u8], p: &Packed, j0: usize, o: &mut [f32]) {
     let bs = row.len() / p.nb;
     assert!(j0 + RN <= p.t && o.len() >= RN);
-    assert!(K != Q4_1 || j0 + 16 <= p.tpad);
+    assert!(!has_min(K) || j0 + 16 <= p.tpad);
     let mut acc = [_mm256_setzero_ps(); RN];
     let mut ms = [_mm256_setzero_ps(); 2];
     for b in 0..p.nb {
@@ -204,7 +214,7 @@ unsafe fn tile<const K: u8, const RN: usize>(row: &[u8], p: &Packed, j0: usize, 
                 let d = _mm256_mul_ps(dw, _mm256_loadu_ps(p.ds.as_ptr().add(8 * at)));
                 *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), *acc);
             }
-            if K == Q4_1 {
+            if has_min(K) {
                 for (h, ms) in ms.iter_mut().enumerate().take(RN.div_ceil(8)) {
                     let s = _mm256_loadu_ps(p.sums.as_ptr().add(b * p.tpad + j0 + 8 * h));
                     *ms = _mm256_add_ps(*ms, _mm256_mul_ps(mw, s));
@@ -213,7 +223,7 @@ unsafe fn tile<const K: u8, const RN: usize>(row: &[u8], p: &Packed, j0: usize, 
         }
     }
     let mut mins = [0f32; 16];
-    if K == Q4_1 {
+    if has_min(K) {
         // SAFETY: `mins` holds 16 floats.
         unsafe {
             _mm256_storeu_ps(mins.as_mut_ptr(), ms[0]);
@@ -223,7 +233,7 @@ unsafe fn tile<const K: u8, const RN: usize>(row: &[u8], p: &Packed, j0: usize, 
     for (j, acc) in acc.iter().enumerate() {
         // SAFETY: this function enables avx2.
         let r = unsafe { hsum(*acc) };
-        o[j] = if K == Q4_1 { r + mins[j] } else { r };
+        o[j] = if has_min(K) { r + mins[j] } else { r };
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::packed::{Q4_1, Q8_0};
+use super::packed::{Q4_1, Q6K32, f32_scales, signed_bytes, values_at};
 
 /// The tree of the module docs over one vector's eight lanes.
 #[inline(always)]
@@ -19,12 +19,26 @@ pub(super) unsafe fn hsum(x: __m256) -> f32 {
     }
 }
 
-/// A block's scale, and for Q4_1 its min, each in all eight lanes (f16 → f32 is exact).
+/// A block's scale (for Q6K32 the first half's in lanes 0..4, the second's in 4..8), and
+/// its min where it has one (Q4_1, Q4K32), each in all eight lanes (f16 → f32 is exact).
 #[inline(always)]
 pub(super) unsafe fn scales<const K: u8>(blk: *const u8) -> (__m256, __m256) {
-    // SAFETY: the caller guarantees a whole block at blk (at least 18 bytes) and
-    // enables avx2 and f16c.
+    // SAFETY: the caller guarantees a whole block at blk (its scales are its first 8
+    // bytes with f32 scales, 4 with f16 ones) and enables avx2 and f16c.
     unsafe {
+        if f32_scales(K) {
+            let f = blk as *const f32;
+            let (first, second) = (f.read_unaligned(), f.add(1).read_unaligned());
+            return if K == Q6K32 {
+                let lo = _mm256_castps128_ps256(_mm_set1_ps(first));
+                (
+                    _mm256_insertf128_ps(lo, _mm_set1_ps(second), 1),
+                    _mm256_setzero_ps(),
+                )
+            } else {
+                (_mm256_set1_ps(first), _mm256_set1_ps(second))
+            };
+        }
         let raw = (blk as *const u32).read_unaligned();
         let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(raw as i32));
         let d = _mm256_broadcastss_ps(dm);
@@ -37,21 +51,20 @@ pub(super) unsafe fn scales<const K: u8>(blk: *const u8) -> (__m256, __m256) {
     }
 }
 
-/// One weight block at `blk` in a register: unsigned nibbles in value order for Q4_0
-/// and Q4_1, signed bytes for Q8_0; and for Q8_0 the lane sums' start `−128 · Σ w`
-/// (its activations come shifted by 128; zero elsewhere).
+/// One weight block at `blk` in a register: unsigned nibbles in value order for Q4_0,
+/// Q4_1 and Q4K32, signed bytes for Q8_0 and Q6K32; and for the signed bytes the lane
+/// sums' start `−128 · Σ w` (their activations come shifted by 128; zero elsewhere).
 #[inline(always)]
 pub(super) unsafe fn unpack_block<const K: u8>(blk: *const u8) -> (__m256i, __m256i) {
     // SAFETY: the caller guarantees one whole block at blk and enables avx2,
     // avx512vnni and avx512vl.
     unsafe {
-        if K == Q8_0 {
-            let qx = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+        if signed_bytes(K) {
+            let qx = _mm256_loadu_si256(blk.add(values_at(K)) as *const __m256i);
             let w128 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(-128), qx);
             (qx, _mm256_sub_epi32(_mm256_setzero_si256(), w128))
         } else {
-            let off = if K == Q4_1 { 4 } else { 2 };
-            let nib = _mm_loadu_si128(blk.add(off) as *const __m128i);
+            let nib = _mm_loadu_si128(blk.add(values_at(K)) as *const __m128i);
             let both =
                 _mm256_insertf128_si256(_mm256_castsi128_si256(nib), _mm_srli_epi16(nib, 4), 1);
             (
@@ -181,6 +194,8 @@ macro_rules! simd_rows {
                 match k {
                     Q4_1 => rows_k::<Q4_1>(data, rb, p, out),
                     Q8_0 => rows_k::<Q8_0>(data, rb, p, out),
+                    Q4K32 => rows_k::<Q4K32>(data, rb, p, out),
+                    Q6K32 => rows_k::<Q6K32>(data, rb, p, out),
                     _ => rows_k::<Q4_0>(data, rb, p, out),
                 }
             }

@@ -2,27 +2,34 @@
 //! tile remainder, and the definition is the dot product of the dequantized values.
 
 use half::f16;
-use pdmesh_ggml::{GgmlType, dequantize};
+use pdmesh_ggml::{GgmlType, q4k_sub_blocks, q6k_groups};
 
 use super::scalar::scalar_one;
 use super::*;
+use crate::WeightFormat;
+use crate::testdata::{Lcg, k_blocks};
 use crate::{QActs, quantize_q8_0, quantize_q8_1};
 
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) as u32
-    }
-}
-
 /// `rows` rows of `nb` blocks of `kind`, with extreme values (nibbles 0 and 15, bytes
-/// −128 and 127) mixed in, and scales of both signs.
+/// −128 and 127) mixed in, and scales of both signs. The rewritten K-quants are real
+/// rewrites of random GGML blocks (extreme scales, mins and values among them), each
+/// row cut to `nb` blocks.
 fn weights(kind: IntKind, rows: usize, nb: usize, seed: u64) -> Vec<u8> {
+    let k_quant = match kind {
+        IntKind::Q4K32 => Some(GgmlType::Q4K),
+        IntKind::Q6K32 => Some(GgmlType::Q6K),
+        _ => None,
+    };
+    if let Some(ty) = k_quant {
+        let supers = nb.div_ceil(8);
+        let (_, all) = WeightFormat::rewrite(ty, &k_blocks(ty, rows * supers, seed)).unwrap();
+        let full = supers * 8 * kind.block_bytes();
+        return all
+            .chunks_exact(full)
+            .flat_map(|row| &row[..nb * kind.block_bytes()])
+            .copied()
+            .collect();
+    }
     let mut r = Lcg(seed);
     let mut d = Vec::new();
     for _ in 0..rows * nb {
@@ -45,36 +52,51 @@ fn weights(kind: IntKind, rows: usize, nb: usize, seed: u64) -> Vec<u8> {
     d
 }
 
-fn acts(kind: IntKind, t: usize, nb: usize, seed: u64) -> Vec<QActs> {
+/// `t` tokens' activations of `nb` blocks: values in −1..1 with zeros mixed in.
+fn floats(t: usize, nb: usize, seed: u64) -> Vec<Vec<f32>> {
     let mut r = Lcg(seed);
     (0..t)
         .map(|_| {
-            let x: Vec<f32> = (0..nb * 32)
+            (0..nb * 32)
                 .map(|_| match r.next() % 9 {
                     0 => 0.0,
                     _ => (r.next() % 2001) as f32 * 1e-3 - 1.0,
                 })
-                .collect();
+                .collect()
+        })
+        .collect()
+}
+
+fn acts(kind: IntKind, t: usize, nb: usize, seed: u64) -> Vec<QActs> {
+    floats(t, nb, seed)
+        .iter()
+        .map(|x| {
             let mut q = QActs::default();
-            if kind == IntKind::Q4_1 {
-                quantize_q8_1(&x, &mut q);
+            if kind.takes_q8_1() {
+                quantize_q8_1(x, &mut q);
             } else {
-                quantize_q8_0(&x, &mut q);
+                quantize_q8_0(x, &mut q);
             }
             q
         })
         .collect()
 }
 
-const KINDS: [IntKind; 3] = [IntKind::Q4_1, IntKind::Q8_0, IntKind::Q4_0];
+const KINDS: [IntKind; 5] = [
+    IntKind::Q4_1,
+    IntKind::Q8_0,
+    IntKind::Q4_0,
+    IntKind::Q4K32,
+    IntKind::Q6K32,
+];
 
 /// Packed as a matrix product packs: Q8_1 activations for Q4_1, and Q8_0 ones for
-/// both other formats at once.
+/// every other format at once.
 fn pack(kind: IntKind, a: &[QActs], nb: usize) -> Packed {
-    let kinds: &[IntKind] = if kind == IntKind::Q4_1 {
+    let kinds: &[IntKind] = if kind.takes_q8_1() {
         &[IntKind::Q4_1]
     } else {
-        &[IntKind::Q8_0, IntKind::Q4_0]
+        &[IntKind::Q8_0, IntKind::Q4_0, IntKind::Q4K32, IntKind::Q6K32]
     };
     Packed::new(a, nb, kinds)
 }
@@ -156,14 +178,16 @@ fn the_definition_is_the_dot_product_of_the_dequantized_values() {
         let rb = nb * kind.block_bytes();
         let a = acts(kind, 4, nb, 5);
         let p = pack(kind, &a, nb);
-        let ty = match kind {
-            IntKind::Q4_1 => GgmlType::Q4_1,
-            IntKind::Q8_0 => GgmlType::Q8_0,
-            IntKind::Q4_0 => GgmlType::Q4_0,
+        let format = match kind {
+            IntKind::Q4_1 => WeightFormat::Ggml(GgmlType::Q4_1),
+            IntKind::Q8_0 => WeightFormat::Ggml(GgmlType::Q8_0),
+            IntKind::Q4_0 => WeightFormat::Ggml(GgmlType::Q4_0),
+            IntKind::Q4K32 => WeightFormat::Q4K32,
+            IntKind::Q6K32 => WeightFormat::Q6K32,
         };
         let mut wf = vec![0f32; nb * 32];
         for r in 0..3 {
-            dequantize(ty, &w[r * rb..(r + 1) * rb], &mut wf);
+            format.dequantize(&w[r * rb..(r + 1) * rb], &mut wf);
             for (tt, q) in a.iter().enumerate() {
                 let xf: Vec<f32> = (0..nb * 32).map(|i| q.qs[i] as f32 * q.d[i / 32]).collect();
                 let exact: f64 = wf
@@ -181,6 +205,89 @@ fn the_definition_is_the_dot_product_of_the_dequantized_values() {
                 assert!(
                     (got - exact).abs() <= mag * 2e-3 + 1e-4,
                     "{kind:?} row {r} token {tt}: {got} vs {exact}"
+                );
+            }
+        }
+    }
+}
+
+/// A K-quant row's product through its rewrite against the reference: the f32 dot of
+/// the ORIGINAL blocks' dequantized values with the token's activations. Against the
+/// activations as quantized, only f32 rounding separates them (a few units of 2^-24 per
+/// block, relative to the products' and the mins' magnitudes: a Q4_K value is the
+/// difference of two); against the float activations, also their rounding (at most
+/// 0.57 of the block's step per value: half a step, and the scale's f16 rounding).
+#[test]
+fn k_quant_products_are_the_original_blocks_times_the_activations() {
+    for (ty, kind) in [
+        (GgmlType::Q4K, IntKind::Q4K32),
+        (GgmlType::Q6K, IntKind::Q6K32),
+    ] {
+        let (supers, nrows, t) = (3, 16, 6);
+        let nb = 8 * supers;
+        let src = k_blocks(ty, nrows * supers, 21);
+        let (format, w) = WeightFormat::rewrite(ty, &src).unwrap();
+        let rb = format.row_bytes(nb * 32);
+        let x = floats(t, nb, 9);
+        let a: Vec<QActs> = x
+            .iter()
+            .map(|x| {
+                let mut q = QActs::default();
+                quantize_q8_0(x, &mut q);
+                q
+            })
+            .collect();
+        let p = pack(kind, &a, nb);
+        let mut wf = vec![0f32; nb * 32];
+        for r in 0..nrows {
+            let orig = &src[r * supers * ty.block_bytes()..(r + 1) * supers * ty.block_bytes()];
+            pdmesh_ggml::dequantize(ty, orig, &mut wf);
+            // Per value the magnitudes the sum is formed from: |scale · q| and |min|.
+            let parts: Vec<(f32, f32)> = orig
+                .chunks_exact(ty.block_bytes())
+                .flat_map(|blk| -> Vec<(f32, f32)> {
+                    if ty == GgmlType::Q4K {
+                        q4k_sub_blocks(blk)
+                            .iter()
+                            .flat_map(|(s, m, q)| q.map(|q| ((s * q as f32).abs(), m.abs())))
+                            .collect()
+                    } else {
+                        let (scales, q) = q6k_groups(blk);
+                        (0..256)
+                            .map(|i| ((scales[i / 16] * q[i] as f32).abs(), 0.0))
+                            .collect()
+                    }
+                })
+                .collect();
+            for (tt, q) in a.iter().enumerate() {
+                let got = scalar_one(kind, &w[r * rb..(r + 1) * rb], &p, tt) as f64;
+                let xq: Vec<f64> = (0..nb * 32)
+                    .map(|i| q.qs[i] as f64 * q.d[i / 32] as f64)
+                    .collect();
+                let exact: f64 = wf.iter().zip(&xq).map(|(w, x)| *w as f64 * x).sum();
+                let mag: f64 = parts
+                    .iter()
+                    .zip(&xq)
+                    .map(|((sq, m), x)| (*sq as f64 + *m as f64) * x.abs())
+                    .sum();
+                let bound = mag * (nb + 8) as f64 * 2f64.powi(-23);
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "{ty:?} row {r} token {tt}: {got} vs {exact} (bound {bound})"
+                );
+                let float: f64 = wf
+                    .iter()
+                    .zip(&x[tt])
+                    .map(|(w, x)| *w as f64 * *x as f64)
+                    .sum();
+                let step: f64 = wf
+                    .iter()
+                    .enumerate()
+                    .map(|(i, w)| (*w as f64).abs() * q.d[i / 32] as f64 * 0.57)
+                    .sum();
+                assert!(
+                    (got - float).abs() <= bound + step,
+                    "{ty:?} row {r} token {tt}: {got} vs the float product {float}"
                 );
             }
         }
