@@ -3,6 +3,7 @@
 
     python3 scripts/bench/vs_llama_server.py [--build-dir DIR | --llama-server PATH]
         [--rounds 2] [--pd] [--quick] [--out DIR] [--worker-arg ARG ...]
+        [--model GGUF] [--chat-template FILE]
 
 It builds llama-server when asked (`--build-dir`: the llama.cpp sources that the PyPI
 sdist of llama-cpp-python 0.3.36 vendors, downloaded with pip; cmake from PyPI; built
@@ -181,7 +182,7 @@ def run_workloads(label: str, url: str, out: Path, names: list[str]) -> dict[str
 
 
 def pdmesh_round(label: str, extra: list[str], model: Path, out: Path, names) -> dict[str, float]:
-    proc, ports = up([*extra, "--model", str(model)])
+    proc, ports = up([*extra, "--model", str(model), *template_args("--chat-template")])
     try:
         wait_ready(ports["url"].removesuffix("/v1"), proc)
         return run_workloads(label, ports["url"], out, names)
@@ -190,13 +191,22 @@ def pdmesh_round(label: str, extra: list[str], model: Path, out: Path, names) ->
         proc.wait(timeout=60)
 
 
+# `--chat-template FILE`: the Jinja template both servers render chat requests with (for
+# a base model such as Gemma 3 270M, whose GGUF has none).
+CHAT_TEMPLATE: Path | None = None
+
+
+def template_args(flag: str) -> list[str]:
+    return [flag, str(CHAT_TEMPLATE)] if CHAT_TEMPLATE else []
+
+
 def llama_round(binary: Path, model: Path, threads: int, out: Path, names) -> dict[str, float]:
     # llama.cpp's server does not say which port 0 gave it.
     port = fixed_ports.outside_ephemeral()
     # 64 slots sharing one 32k-token KV buffer: room for 64 streams or one 4k prompt.
     server = subprocess.Popen(
         [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-         "-np", "64", "-kvu", "-c", "32768", "--jinja"],
+         "-np", "64", "-kvu", "-c", "32768", "--jinja", *template_args("--chat-template-file")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(f"http://127.0.0.1:{port}", server)
@@ -221,7 +231,11 @@ def main():
     ap.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                     help="passed to pdmesh's workers (`pdmesh up --worker-arg`), e.g. "
                          "--worker-arg=--step-target-ms=0; repeatable")
+    ap.add_argument("--chat-template", type=Path,
+                    help="a Jinja chat template both servers use (a base model such as Gemma 3 has none)")
     a = ap.parse_args()
+    global CHAT_TEMPLATE
+    CHAT_TEMPLATE = a.chat_template
     binary = a.llama_server or build_llama_server(a.build_dir)
     names = [n for n in WORKLOADS if (not a.quick or n in QUICK) and (not a.only or n in a.only.split(","))]
     bw = read_bandwidth()
