@@ -19,7 +19,9 @@ use pdmesh_kv::{Attention, DType, KvLayout, LayerGroup, PageId, PagePool};
 use rayon::prelude::*;
 
 use crate::EngineError;
-use crate::model::{BatchToken, add_in_place, output_logits, rms_norm, rope_table};
+use crate::model::{
+    BatchToken, add_in_place, attention_tasks, output_logits, rms_norm, rope_table,
+};
 
 /// Gemma 3's shape, read from GGUF metadata (`gemma3.*`).
 #[derive(Clone, Debug, PartialEq)]
@@ -409,31 +411,9 @@ impl GemmaModel {
         let scale = 1.0 / (hd as f32).sqrt();
         let groups = c.kv_heads;
         let ps = pool.layout().page_size();
-        let mut tiles: Vec<Range<usize>> = Vec::new();
-        for (i, tk) in tokens.iter().enumerate() {
-            match tiles.last_mut() {
-                Some(r)
-                    if r.len() < ATTENTION_TILE
-                        && tokens[r.end - 1].seq == tk.seq
-                        && tokens[r.end - 1].pos + 1 == tk.pos
-                        && self.first_visible(layer, tokens[r.start].pos)
-                            == self.first_visible(layer, tk.pos) =>
-                {
-                    r.end = i + 1
-                }
-                _ => tiles.push(i..i + 1),
-            }
-        }
-        let mut slots: Vec<Vec<&mut [f32]>> =
-            (0..tiles.len() * groups).map(|_| Vec::new()).collect();
-        let mut tile_of = vec![0; tokens.len()];
-        for (ti, r) in tiles.iter().enumerate() {
-            tile_of[r.clone()].fill(ti);
-        }
-        for (idx, o) in out.chunks_mut(rep * hd).enumerate() {
-            let (i, g) = (idx / groups, idx % groups);
-            slots[tile_of[i] * groups + g].push(o);
-        }
+        let (tiles, slots) = attention_tasks(tokens, out, rep * hd, groups, |first, tk| {
+            self.first_visible(layer, first.pos) == self.first_visible(layer, tk.pos)
+        });
         tp.install(|| {
             slots
                 .into_par_iter()
@@ -467,9 +447,6 @@ impl GemmaModel {
         });
     }
 }
-
-/// The most tokens of one sequence attended together.
-const ATTENTION_TILE: usize = 8;
 
 /// Rope in NEOX order: element `i` rotates with element `i + hd/2`.
 fn apply_rope_neox(x: &mut [f32], cos: &[f32], sin: &[f32]) {

@@ -324,30 +324,7 @@ impl LlamaModel {
         // Tiles of up to ATTENTION_TILE tokens at consecutive positions of one sequence
         // (a prefill chunk's tokens), each attended as a whole per KV group; the kernel
         // gives every token the bits it has alone.
-        let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
-        for (i, tk) in tokens.iter().enumerate() {
-            match tiles.last_mut() {
-                Some(r)
-                    if r.len() < ATTENTION_TILE
-                        && tokens[r.end - 1].seq == tk.seq
-                        && tokens[r.end - 1].pos + 1 == tk.pos =>
-                {
-                    r.end = i + 1
-                }
-                _ => tiles.push(i..i + 1),
-            }
-        }
-        // One task per (tile, group), holding those tokens' output slices of that group.
-        let mut slots: Vec<Vec<&mut [f32]>> =
-            (0..tiles.len() * groups).map(|_| Vec::new()).collect();
-        let mut tile_of = vec![0; tokens.len()];
-        for (ti, r) in tiles.iter().enumerate() {
-            tile_of[r.clone()].fill(ti);
-        }
-        for (idx, o) in out.chunks_mut(rep * hd).enumerate() {
-            let (i, local) = (idx / groups, idx % groups);
-            slots[tile_of[i] * groups + local].push(o);
-        }
+        let (tiles, slots) = attention_tasks(tokens, out, rep * hd, groups, |_, _| true);
         tp.install(|| {
             slots
                 .into_par_iter()
@@ -387,6 +364,44 @@ impl LlamaModel {
 /// The most tokens of one sequence attended together (their scores of one KV group side
 /// by side: 8 tokens of 3 heads over 4k keys is 384 KiB).
 const ATTENTION_TILE: usize = 8;
+
+/// Attention's parallel tasks: `tokens` cut into tiles of up to [`ATTENTION_TILE`]
+/// consecutive positions of one sequence (`together(first, next)` may keep a token out of
+/// its predecessor's tile), and `out` (`groups` slices of `width` per token) handed out
+/// as one task per (tile, KV group) holding those tokens' slices of that group.
+#[allow(clippy::type_complexity)]
+pub(crate) fn attention_tasks<'o>(
+    tokens: &[BatchToken],
+    out: &'o mut [f32],
+    width: usize,
+    groups: usize,
+    together: impl Fn(&BatchToken, &BatchToken) -> bool,
+) -> (Vec<std::ops::Range<usize>>, Vec<Vec<&'o mut [f32]>>) {
+    let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, tk) in tokens.iter().enumerate() {
+        match tiles.last_mut() {
+            Some(r)
+                if r.len() < ATTENTION_TILE
+                    && tokens[r.end - 1].seq == tk.seq
+                    && tokens[r.end - 1].pos + 1 == tk.pos
+                    && together(&tokens[r.start], tk) =>
+            {
+                r.end = i + 1
+            }
+            _ => tiles.push(i..i + 1),
+        }
+    }
+    let mut slots: Vec<Vec<&mut [f32]>> = (0..tiles.len() * groups).map(|_| Vec::new()).collect();
+    let mut tile_of = vec![0; tokens.len()];
+    for (ti, r) in tiles.iter().enumerate() {
+        tile_of[r.clone()].fill(ti);
+    }
+    for (idx, o) in out.chunks_mut(width).enumerate() {
+        let (i, g) = (idx / groups, idx % groups);
+        slots[tile_of[i] * groups + g].push(o);
+    }
+    (tiles, slots)
+}
 
 /// `local` itself unsharded; sharded, every rank's `[rows][cols[r]]` block gathered into
 /// `full`.

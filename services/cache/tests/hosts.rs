@@ -219,13 +219,11 @@ async fn pages_cross_to_the_receivers_host_bit_for_bit_and_every_slot_comes_back
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_home_with_another_layout_is_refused_naming_both_and_nothing_moves() {
-    use pdmesh_kv::IndexKDtype;
-    // The seed's mismatch: fp8 index-K on the receiver's host, bf16 on the sender's.
-    let (fp8, bf16) = (dsv32(IndexKDtype::Fp8), dsv32(IndexKDtype::Bf16));
-    let (a, b) = hosts(&bf16, &fp8, 10_000, 30_000).await;
-    let (pa, db) = workers(&a, &bf16, &b, &fp8).await;
+/// A prefill host of layout `sender` opens a room whose home, a decode host, has layout
+/// `home`: refused (FAILED_PRECONDITION) naming both layouts, and nothing moves.
+async fn home_refuses_naming_both(sender: &KvLayout, home: &KvLayout) {
+    let (a, b) = hosts(sender, home, 10_000, 30_000).await;
+    let (pa, db) = workers(&a, sender, &b, home).await;
     db.room_open(5, pb::RoomSide::Receiver, "req", "trace")
         .await
         .unwrap();
@@ -239,7 +237,7 @@ async fn a_home_with_another_layout_is_refused_naming_both_and_nothing_moves() {
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
     let msg = err.to_string();
-    for want in [fp8.to_string(), bf16.to_string()] {
+    for want in [sender.to_string(), home.to_string()] {
         assert!(msg.contains(&want), "{msg} should name {want}");
     }
     assert!(msg.contains("B/token"), "{msg}");
@@ -251,35 +249,18 @@ async fn a_home_with_another_layout_is_refused_naming_both_and_nothing_moves() {
     b.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_home_with_another_layout_is_refused_naming_both_and_nothing_moves() {
+    use pdmesh_kv::IndexKDtype;
+    // The seed's mismatch: fp8 index-K on the receiver's host, bf16 on the sender's.
+    home_refuses_naming_both(&dsv32(IndexKDtype::Bf16), &dsv32(IndexKDtype::Fp8)).await;
+}
+
 /// The hybrid seed across hosts: the decode host's worker believes every Gemma 3 layer
-/// global. The hand-over is refused naming both layouts, and nothing moves.
+/// global (the window group dropped; the same bytes per page).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_home_whose_layout_dropped_the_window_is_refused_naming_both() {
-    let (hybrid, global) = (common::gemma3(false), common::gemma3(true));
-    let (a, b) = hosts(&hybrid, &global, 10_000, 30_000).await;
-    let (pa, db) = workers(&a, &hybrid, &b, &global).await;
-    db.room_open(5, pb::RoomSide::Receiver, "req", "trace")
-        .await
-        .unwrap();
-    let how = RoomOpen {
-        home: &b.url(),
-        held_pages: 0,
-    };
-    let err = pa
-        .room_open_with(5, pb::RoomSide::Sender, "req", "trace", how)
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
-    let msg = err.to_string();
-    for want in [hybrid.to_string(), global.to_string()] {
-        assert!(msg.contains(&want), "{msg} should name {want}");
-    }
-    let (sa, sb) = (a.stats().await, b.stats().await);
-    assert_eq!(sb.peer_layout_refusals, 1);
-    assert_eq!((sa.peer_pages_sent, sb.peer_pages_received), (0, 0));
-    assert!(at_baseline(&a).await);
-    a.stop().await;
-    b.stop().await;
+    home_refuses_naming_both(&common::gemma3(false), &common::gemma3(true)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
