@@ -15,7 +15,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pdmesh_gguf::GgufFile;
 use pdmesh_kernels::{Glu, QMatrix, WeightFormat, attend_causal, matmul, matmul_glu, matmul_many};
-use pdmesh_kv::{Attention, DType, KvLayout, LayerGroup, PageId, PagePool};
+use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
 use rayon::prelude::*;
 
 use crate::EngineError;
@@ -127,22 +127,9 @@ impl Gemma3Config {
             DType::F16,
             page_size,
         );
-        let (local, global): (Vec<usize>, Vec<usize>) =
-            (0..self.layers).partition(|&l| self.is_local(l));
-        let mut groups = vec![LayerGroup {
-            attention: Attention::Full,
-            layers: global,
-        }];
-        if !local.is_empty() {
-            groups.push(LayerGroup {
-                attention: Attention::SlidingWindow {
-                    window: self.window,
-                },
-                layers: local,
-            });
-        }
+        let global: Vec<usize> = (0..self.layers).filter(|&l| !self.is_local(l)).collect();
         dense
-            .with_groups(groups)
+            .with_window(self.window, &global)
             .expect("every layer is local or global")
     }
 }

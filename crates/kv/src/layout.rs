@@ -364,6 +364,24 @@ impl KvLayout {
         Ok(self)
     }
 
+    /// This layout with the layers `global` attending over the whole context and every
+    /// other one over a sliding window of `window` positions (Gemma 3: every sixth layer
+    /// global, 512).
+    pub fn with_window(self, window: usize, global: &[usize]) -> Result<Self, LayoutError> {
+        let local: Vec<usize> = (0..self.layers).filter(|l| !global.contains(l)).collect();
+        let groups = [
+            (Attention::Full, global.to_vec()),
+            (Attention::SlidingWindow { window }, local),
+        ];
+        self.with_groups(
+            groups
+                .into_iter()
+                .filter(|(_, layers)| !layers.is_empty())
+                .map(|(attention, layers)| LayerGroup { attention, layers })
+                .collect(),
+        )
+    }
+
     /// The layer groups, in order (one full-attention group for a dense model).
     pub fn groups(&self) -> &[LayerGroup] {
         &self.groups
@@ -676,19 +694,8 @@ mod tests {
     /// Gemma 3 270M's cache: 18 layers of one f16 KV head of 256, layers 5, 11 and 17
     /// global, the rest a window of 512.
     fn gemma3(page: usize) -> KvLayout {
-        let global = vec![5, 11, 17];
-        let local = (0..18).filter(|l| !global.contains(l)).collect();
         KvLayout::llama(18, 1, 256, DType::F16, page)
-            .with_groups(vec![
-                LayerGroup {
-                    attention: Attention::Full,
-                    layers: global,
-                },
-                LayerGroup {
-                    attention: Attention::SlidingWindow { window: 512 },
-                    layers: local,
-                },
-            ])
+            .with_window(512, &[5, 11, 17])
             .unwrap()
     }
 

@@ -475,18 +475,23 @@ fn byte_level_bpe(
         false, true, false,
     ))));
 
-    let token_bytes = tokens
+    Ok((tok, bytes_table(tokens, types, byte_level_decode)))
+}
+
+/// Each token's bytes: control and user-defined tokens as they are written (llama.cpp
+/// prints them so, with no unescaping), the others through `normal`.
+fn bytes_table(tokens: &[&str], types: &[u64], normal: fn(&str) -> Vec<u8>) -> Vec<Vec<u8>> {
+    tokens
         .iter()
         .zip(types)
         .map(|(t, &ty)| {
             if is_added(ty) {
                 t.as_bytes().to_vec()
             } else {
-                byte_level_decode(t)
+                normal(t)
             }
         })
-        .collect();
-    Ok((tok, token_bytes))
+        .collect()
 }
 
 /// `tokenizer.ggml.model == "llama"`: a SentencePiece vocabulary (pieces with scores,
@@ -548,20 +553,7 @@ fn sentencepiece_bpe(
         DecoderWrapper::Fuse(Fuse::new()),
     ])));
 
-    let token_bytes = tokens
-        .iter()
-        .zip(types)
-        .map(|(t, &ty)| {
-            // llama.cpp prints control and user-defined tokens as they are written, with
-            // no ▁ unescaping.
-            if is_added(ty) {
-                t.as_bytes().to_vec()
-            } else {
-                sentencepiece_bytes(t)
-            }
-        })
-        .collect();
-    Ok((tok, token_bytes))
+    Ok((tok, bytes_table(tokens, types, sentencepiece_bytes)))
 }
 
 /// The merges that make the `tokenizers` BPE model behave as llama.cpp's SPM tokenizer:

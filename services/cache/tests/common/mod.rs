@@ -172,25 +172,11 @@ pub fn dsv32(index_k: pdmesh_kv::IndexKDtype) -> KvLayout {
 /// window of 512; with `all_global`, the layout of a worker that dropped the window and
 /// believes every layer global.
 pub fn gemma3(all_global: bool) -> KvLayout {
-    use pdmesh_kv::{Attention, LayerGroup};
     let dense = KvLayout::llama(18, 1, 256, DType::F16, 16);
     if all_global {
         return dense;
     }
-    let global = vec![5, 11, 17];
-    let local = (0..18).filter(|l| !global.contains(l)).collect();
-    dense
-        .with_groups(vec![
-            LayerGroup {
-                attention: Attention::Full,
-                layers: global,
-            },
-            LayerGroup {
-                attention: Attention::SlidingWindow { window: 512 },
-                layers: local,
-            },
-        ])
-        .unwrap()
+    dense.with_window(512, &[5, 11, 17]).unwrap()
 }
 
 /// A prompt's page hashes and their parents.
