@@ -275,6 +275,8 @@ pub struct KvLayout {
     layers: usize,
     page_size: usize,
     components: Vec<Component>,
+    /// Empty for a dense layout (every layer full attention), so that making a layout,
+    /// whoever describes it, costs nothing per layer.
     groups: Vec<LayerGroup>,
 }
 
@@ -328,20 +330,23 @@ impl KvLayout {
             layers,
             page_size,
             components,
-            groups: vec![LayerGroup {
-                attention: Attention::Full,
-                layers: (0..layers).collect(),
-            }],
+            groups: Vec::new(),
         })
     }
 
     /// This layout with its layers grouped by how they attend; every layer in exactly one
     /// group, groups in the order given, each group's layers ascending, windows above 0.
-    /// Groups of one attention kind may not repeat (they would be one group).
+    /// Groups of one attention kind may not repeat (they would be one group). One
+    /// full-attention group is the dense layout.
     pub fn with_groups(mut self, groups: Vec<LayerGroup>) -> Result<Self, LayoutError> {
         let bad = LayoutError::BadGroups {
             layers: self.layers,
         };
+        // Only as many layers as listed are checked one by one (a description from the
+        // wire cannot make this allocate for layers it does not list).
+        if groups.iter().map(|g| g.layers.len()).sum::<usize>() != self.layers {
+            return Err(bad);
+        }
         let mut seen = vec![false; self.layers];
         for (i, g) in groups.iter().enumerate() {
             if g.layers.is_empty()
@@ -360,7 +365,11 @@ impl KvLayout {
         if seen.contains(&false) {
             return Err(bad);
         }
-        self.groups = groups;
+        self.groups = if groups.iter().all(|g| g.attention == Attention::Full) {
+            Vec::new()
+        } else {
+            groups
+        };
         Ok(self)
     }
 
@@ -382,14 +391,14 @@ impl KvLayout {
         )
     }
 
-    /// The layer groups, in order (one full-attention group for a dense model).
+    /// The layer groups, in order; none for a dense layout (every layer full attention).
     pub fn groups(&self) -> &[LayerGroup] {
         &self.groups
     }
 
     /// Whether some layers attend otherwise than over the whole context.
     pub fn is_hybrid(&self) -> bool {
-        self.groups.iter().any(|g| g.attention != Attention::Full)
+        !self.groups.is_empty()
     }
 
     /// How layer `layer` attends.
@@ -418,6 +427,9 @@ impl KvLayout {
     /// be computed: per group, [`Self::pages_read`] pages of its layers. A dense layout's
     /// is every page whole.
     pub fn handover_bytes(&self, tokens: usize) -> usize {
+        if !self.is_hybrid() {
+            return tokens.div_ceil(self.page_size) * self.bytes_per_page();
+        }
         (0..self.groups.len())
             .map(|g| self.pages_read(g, tokens).len() * self.group_bytes_per_page(g))
             .sum()
