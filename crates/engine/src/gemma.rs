@@ -90,14 +90,18 @@ impl Gemma3Config {
             || kv_heads == 0
             || !heads.is_multiple_of(kv_heads)
             || value_dim != head_dim
+            || head_dim == 0
             || !head_dim.is_multiple_of(16)
+            || dim == 0
+            || cfg.layers == 0
+            || cfg.ffn == 0
             || cfg.window == 0
             || cfg.pattern == 0
         {
             return Err(EngineError::Unsupported(format!(
-                "gemma3 shape: {heads}/{kv_heads} heads of {head_dim} (values {value_dim}), \
-                 window {}, pattern {}",
-                cfg.window, cfg.pattern
+                "gemma3 shape: {} layers of {dim} (FFN {}), {heads}/{kv_heads} heads of \
+                 {head_dim} (values {value_dim}), window {}, pattern {}",
+                cfg.layers, cfg.ffn, cfg.window, cfg.pattern
             )));
         }
         Ok(cfg)
@@ -465,6 +469,68 @@ mod tests {
             context_length: 32768,
             vocab: 262_144,
         }
+    }
+
+    /// A GGUF with Gemma 3's metadata, one key changed by `edit`.
+    fn header(
+        edit: impl FnOnce(&mut pdmesh_gguf::GgufWriter),
+    ) -> Result<Gemma3Config, EngineError> {
+        use pdmesh_gguf::{GgufWriter, MetaValue as M};
+        let mut w = GgufWriter::new();
+        w.meta("general.architecture", M::String("gemma3".into()))
+            .meta(
+                "tokenizer.ggml.tokens",
+                M::Array(vec![M::String("a".into()); 4]),
+            );
+        for (k, v) in [
+            ("embedding_length", 640),
+            ("block_count", 18),
+            ("feed_forward_length", 2048),
+            ("attention.head_count", 4),
+            ("attention.head_count_kv", 1),
+            ("attention.key_length", 256),
+            ("attention.value_length", 256),
+            ("attention.sliding_window", 512),
+            ("context_length", 32768),
+        ] {
+            w.meta(&format!("gemma3.{k}"), M::U32(v));
+        }
+        w.meta("gemma3.attention.layer_norm_rms_epsilon", M::F32(1e-6));
+        edit(&mut w);
+        Gemma3Config::from_gguf(&GgufFile::from_bytes(&w.to_bytes()).unwrap())
+    }
+
+    #[test]
+    fn a_malformed_shape_is_refused_naming_it() {
+        use pdmesh_gguf::MetaValue as M;
+        let ok = header(|_| {}).unwrap();
+        assert_eq!(
+            (ok.layers, ok.window, ok.pattern, ok.vocab),
+            (18, 512, 6, 4)
+        );
+        for (key, v) in [
+            ("attention.key_length", 0),
+            ("attention.value_length", 128),
+            ("attention.head_count_kv", 3),
+            ("attention.sliding_window", 0),
+            ("embedding_length", 0),
+            ("block_count", 0),
+            ("attention.key_length", 40),
+        ] {
+            let err = header(|w| {
+                w.meta(&format!("gemma3.{key}"), M::U32(v));
+            })
+            .unwrap_err();
+            assert!(
+                matches!(&err, EngineError::Unsupported(m) if m.starts_with("gemma3 shape")),
+                "{key} = {v}: {err}"
+            );
+        }
+        let err = header(|w| {
+            w.meta("general.architecture", M::String("llama".into()));
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("is not gemma3"), "{err}");
     }
 
     #[test]
