@@ -189,6 +189,39 @@ struct Room {
     history: Vec<(SystemTime, Step)>,
 }
 
+/// Most rooms remembered as aborted before they opened (see [`Rooms::abort`]).
+pub const MAX_EARLY_ABORTS: usize = 4096;
+
+impl Room {
+    fn new(now: Instant) -> Self {
+        Self {
+            state: RoomState::Bootstrapping,
+            entered: now,
+            sender: None,
+            receiver: None,
+            slots: Vec::new(),
+            pages: Vec::new(),
+            aux: None,
+            reason: None,
+            request_id: String::new(),
+            trace_id: String::new(),
+            stalled: false,
+            held: 0,
+            history: {
+                // Room for a whole hand-over's steps without growing.
+                let mut h = Vec::with_capacity(8);
+                h.push((SystemTime::now(), Step::Opened));
+                h
+            },
+        }
+    }
+
+    /// A failed room nobody joined: an abort that came before either open.
+    fn is_early_abort(&self) -> bool {
+        self.state == RoomState::Failed && self.sender.is_none() && self.receiver.is_none()
+    }
+}
+
 /// One step of a room's life, kept as data and worded only when a report is written (a
 /// room takes several on every hand-over's path).
 #[derive(Clone, Debug, PartialEq)]
@@ -310,26 +343,7 @@ impl Rooms {
     ) -> Result<RoomState, RoomError> {
         let r = match self.rooms.get_mut(&room) {
             Some(_) => self.get(room)?,
-            None => self.rooms.entry(room).or_insert(Room {
-                state: RoomState::Bootstrapping,
-                entered: now,
-                sender: None,
-                receiver: None,
-                slots: Vec::new(),
-                pages: Vec::new(),
-                aux: None,
-                reason: None,
-                request_id: String::new(),
-                trace_id: String::new(),
-                stalled: false,
-                held: 0,
-                history: {
-                    // Room for a whole hand-over's steps without growing.
-                    let mut h = Vec::with_capacity(8);
-                    h.push((SystemTime::now(), Step::Opened));
-                    h
-                },
-            }),
+            None => self.rooms.entry(room).or_insert(Room::new(now)),
         };
         let slot = match side {
             Side::Sender => &mut r.sender,
@@ -584,8 +598,12 @@ impl Rooms {
         }
     }
 
-    /// Either side gives up (client gone, error, its own deadline). False if the room is
-    /// unknown, already final, or not this lease's.
+    /// Either side gives up (client gone, error, its own deadline). None if the room is
+    /// already final or not this lease's. An abort can overtake its side's open (the
+    /// client left while the open was on its way): a room not known yet is remembered as
+    /// failed, so the late open is refused instead of waiting for its deadline; it is
+    /// forgotten with the other failed rooms ([`Self::forget_failed`]), and at most
+    /// [`MAX_EARLY_ABORTS`] wait at once.
     pub fn abort(
         &mut self,
         room: u64,
@@ -593,7 +611,18 @@ impl Rooms {
         reason: &str,
         now: Instant,
     ) -> Option<Released> {
-        let r = self.rooms.get_mut(&room)?;
+        let Some(r) = self.rooms.get_mut(&room) else {
+            let early = self.rooms.values().filter(|r| r.is_early_abort()).count();
+            if early < MAX_EARLY_ABORTS {
+                let mut r = Room::new(now);
+                r.state = RoomState::Failed;
+                let why = format!("aborted before it opened: {reason}");
+                note(&mut r, Step::Failed(why.clone()));
+                r.reason = Some(why);
+                self.rooms.insert(room, r);
+            }
+            return None;
+        };
         if r.state.is_final() || (r.sender != Some(lease) && r.receiver != Some(lease)) {
             return None;
         }

@@ -181,6 +181,36 @@ fn an_abort_reaches_the_other_side_and_a_late_commit_is_rejected() {
     );
 }
 
+/// The client left while decode's open was still on its way: its abort arrives first. The
+/// late open is refused at once (it would otherwise wait for its deadline), and so is the
+/// other side's; the record goes with the other failed rooms, and there is a bound on how
+/// many wait.
+#[test]
+fn an_abort_that_overtakes_its_open_fails_the_late_opens() {
+    let (mut rooms, t) = (Rooms::new(D), Instant::now());
+    assert_eq!(
+        rooms.abort(5, DEC, "client disconnected", t),
+        None,
+        "nothing to release"
+    );
+    for (side, lease) in [(Side::Receiver, DEC), (Side::Sender, P)] {
+        let err = rooms.open(5, side, lease, t).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("aborted before it opened: client disconnected"),
+            "{err}"
+        );
+    }
+    assert_eq!(rooms.state(5).map(|s| s.0), Some(Failed));
+    assert!(rooms.under_way(t).is_empty());
+    rooms.forget_failed(t + Duration::from_secs(10), Duration::from_secs(5));
+    assert!(rooms.is_empty());
+    for room in 0..MAX_EARLY_ABORTS as u64 + 10 {
+        rooms.abort(1000 + room, DEC, "gone", t);
+    }
+    assert_eq!(rooms.len(), MAX_EARLY_ABORTS);
+}
+
 #[test]
 fn the_watchdog_sees_each_stuck_room_once_per_state_and_may_fail_even_a_succeeded_one() {
     let (mut rooms, t) = (Rooms::new(D), Instant::now());
