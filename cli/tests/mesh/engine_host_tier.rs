@@ -290,3 +290,64 @@ fn without_a_cache_service_requests_are_served_from_the_device_tier() {
     assert_eq!(out["a"].tokens.len(), 6);
     assert_eq!(e.host_stats().hit_tokens, 0);
 }
+
+/// Gemma 3 through the host mirror: a page goes to the host tier whole, before the
+/// sliding window passes it and its local layers are given back, so a fresh worker finds
+/// both a prefix inside the part the window slid past and one past it on the host, and
+/// answers with the bits of a worker without a cache.
+#[test]
+fn gemma3_prefixes_past_the_window_come_back_whole_from_the_host_mirror() {
+    use pdmesh_engine::EngineConfig;
+    let fx: serde_json::Value = pdmesh_testkit::fixture("gemma3_reference.json");
+    let prompt = |name: &str| {
+        let p = fx["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap();
+        crate::engine_common::ids(&p["prompt_ids"])
+    };
+    let gemma = |f: &dyn Fn(&mut EngineConfig)| {
+        let mut c = EngineConfig::new(pdmesh_gguf::models::require_gemma3_model());
+        c.kv_pages = 128;
+        c.capture_logits = true;
+        f(&mut c);
+        Engine::load(c).unwrap()
+    };
+    let mut long = prompt("long_recall");
+    long.truncate(700);
+    let cache = Cache::start("256MiB");
+    let mut writer = gemma(&|_| {});
+    cache.attach(&mut writer, DataPlane::Shm, WritePolicy::WriteThrough);
+    let first = run_all(&mut writer, vec![greedy("w", &long, 4)])
+        .remove("w")
+        .unwrap();
+    crate::engine_common::wait_stored(&writer);
+    // The 43 whole pages of the prompt and the 3 tokens computed after it: the first 12
+    // written as the window passed them, the rest when the request finished.
+    assert_eq!(writer.host_stats().written_pages, 43);
+    let inside = [&long[..160], &prompt("story")[..]].concat();
+    let past = [&long[..], &first.tokens[..], &prompt("weekdays")[..]].concat();
+    let mut cold = gemma(&|c| c.prefix_cache = false);
+    for (id, p, pages) in [("inside", &inside, 10), ("past", &past, 43)] {
+        // A fresh worker: its device tier holds nothing.
+        let mut e = gemma(&|_| {});
+        cache.attach(&mut e, DataPlane::Shm, WritePolicy::WriteThrough);
+        let got = run_all(&mut e, vec![greedy(id, p, 6)]).remove(id).unwrap();
+        let want = run_all(&mut cold, vec![greedy(id, p, 6)])
+            .remove(id)
+            .unwrap();
+        assert_eq!(got.tokens, want.tokens, "{id}");
+        for (a, b) in got.logits.iter().zip(&want.logits) {
+            assert_eq!(
+                crate::engine_common::bits(a),
+                crate::engine_common::bits(b),
+                "{id}"
+            );
+        }
+        let st = e.host_stats();
+        assert_eq!(st.hit_tokens, pages * 16, "{id}: {st:?}");
+        assert_eq!(st.checksum_failures, 0, "{id}");
+    }
+}

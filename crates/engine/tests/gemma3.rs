@@ -263,7 +263,15 @@ fn prefill_then_decode_past_the_window_is_bit_identical_to_unified() {
         tokens(u.step(), &mut want);
     }
 
-    let (mut p, mut d) = (engine(|_| {}), engine(|c| c.kv_pages = 160));
+    // Decode keeps window pages for one sequence's window and chunk only: each arriving
+    // prompt's pages past its window keep their global layers alone.
+    let (mut p, mut d) = (
+        engine(|_| {}),
+        engine(|c| {
+            c.kv_pages = 160;
+            c.kv_window_pages = Some(c.window_pages_per_sequence(512));
+        }),
+    );
     for r in &reqs {
         d.submit_part(r.clone(), Part::Decode).unwrap();
         p.submit_part(r.clone(), Part::Prefill).unwrap();
@@ -297,4 +305,130 @@ fn prefill_then_decode_past_the_window_is_bit_identical_to_unified() {
     }
     assert_eq!(got.len(), 3);
     assert_eq!(got, want);
+}
+
+fn prompt(name: &str) -> Vec<u32> {
+    let fx = fixtures();
+    let p = fx["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == name)
+        .unwrap_or_else(|| panic!("no prompt {name}"));
+    common::ids(&p["prompt_ids"])
+}
+
+fn assert_same(got: &common::Outcome, want: &common::Outcome, what: &str) {
+    assert_eq!(got.tokens, want.tokens, "{what}");
+    assert_eq!(got.logits.len(), want.logits.len(), "{what}");
+    for (a, b) in got.logits.iter().zip(&want.logits) {
+        assert_eq!(common::bits(a), common::bits(b), "{what}");
+    }
+}
+
+/// Pages the window has passed give their local layers' KV back as decoding goes on. With
+/// only the window pages one sequence needs (49 for a window of 512 and chunks of 256),
+/// a 1,600-token prompt and a short one run beside each other bit for bit as with a window
+/// page for every page; the long context then holds well under half a dense model's KV.
+#[test]
+fn window_pages_are_freed_as_the_window_slides_and_change_nothing() {
+    let mut long = prompt("long_notes");
+    long.truncate(1600);
+    let reqs = vec![greedy("long", &long, 24), greedy("fox", &prompt("fox"), 24)];
+    let roomy = |c: &mut EngineConfig| {
+        c.prefix_cache = false;
+        c.max_batch = 2;
+        c.prefill_chunk = 256;
+    };
+    let want = common::run_all(&mut engine(roomy), reqs.clone());
+    let mut tight = engine(|c| {
+        roomy(c);
+        c.kv_window_pages = Some(c.window_pages_per_sequence(512));
+    });
+    assert_eq!(tight.pool().total_window_pages(), 49);
+    assert!(tight.pool().pages_for_tokens(long.len()) > 2 * 49);
+    let got = common::run_all(&mut tight, reqs);
+    for id in ["long", "fox"] {
+        assert_same(&got[id], &want[id], id);
+    }
+
+    // Alone, once its prompt is computed: every page's global layers, the window's pages
+    // of the local ones.
+    let mut e = engine(|c| {
+        roomy(c);
+        c.kv_window_pages = Some(49);
+    });
+    e.submit(greedy("long", &long, 4)).unwrap();
+    while !e
+        .step()
+        .iter()
+        .any(|ev| matches!(ev, pdmesh_engine::StepEvent::Token { .. }))
+    {}
+    e.step();
+    let pool = e.pool();
+    let layout = pool.layout().clone();
+    let dense = pool.used_pages() * layout.bytes_per_page();
+    let held = pool.held_bytes();
+    let segments = pool.total_window_pages() - pool.free_window_pages();
+    assert!(segments <= 512 / 16 + 2, "{segments} window pages held");
+    // Group 0 is the 3 global layers, group 1 the 15 local ones.
+    assert_eq!(
+        held,
+        pool.used_pages() * layout.group_bytes_per_page(0)
+            + segments * layout.group_bytes_per_page(1)
+    );
+    eprintln!(
+        "{} tokens: {held} bytes held, {dense} dense ({:.2}x); the layout's hand-over figure {:.2}x",
+        long.len() + 2,
+        held as f64 / dense as f64,
+        layout.handover_bytes(long.len() + 2) as f64 / dense as f64
+    );
+    assert!(held * 2 < dense, "{held} of {dense}");
+}
+
+/// A cached prefix serves a hit only where the window before its end is still held: a
+/// prompt sharing the first pages of a finished long one (whose windows slid past them)
+/// finds no hit, a follow-up sharing all of it finds every page, and both answer with the
+/// bits of an engine without a cache. The KV events say which pages cannot end a hit.
+#[test]
+fn a_hybrid_prefix_hit_needs_the_window_at_its_end() {
+    let mut long = prompt("long_recall");
+    long.truncate(1200);
+    let mut e = engine(|_| {});
+    e.record_cache_events();
+    let first = common::run_all(&mut e, vec![greedy("first", &long, 8)]);
+    // Its prompt and the 7 answer tokens whose KV was computed are cached, page by page.
+    let computed = [&long[..], &first["first"].tokens[..7]].concat();
+    let pages = computed.len() / 16;
+    let hashes = pdmesh_kv::page_hashes(e.pool().layout().fingerprint(), &computed, 16);
+    let stored: Vec<(Vec<u64>, Vec<u64>)> = e
+        .take_cache_events()
+        .into_iter()
+        .filter_map(|ev| match ev {
+            pdmesh_kv::CacheEvent::Stored {
+                hashes, unservable, ..
+            } => Some((hashes, unservable)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].0, hashes[..pages]);
+    // The last step's window began at position 695 (page 43): the pages before it gave
+    // their local layers back, and only a hit of all 75 pages has its window whole.
+    assert_eq!(
+        stored[0].1,
+        hashes[..pages - 1],
+        "only the last page ends a servable prefix"
+    );
+
+    let mut cold = engine(|c| c.prefix_cache = false);
+    let mut shared = long[..160].to_vec();
+    shared.extend(&prompt("story"));
+    let follow = [&long[..], &first["first"].tokens[..], &prompt("weekdays")].concat();
+    for (id, p, cached) in [("shared", &shared, 0), ("follow", &follow, pages * 16)] {
+        let got = common::run_all(&mut e, vec![greedy(id, p, 6)]);
+        let want = common::run_all(&mut cold, vec![greedy(id, p, 6)]);
+        assert_same(&got[id], &want[id], id);
+        assert_eq!(common::cached_tokens(&got[id]) as usize, cached, "{id}");
+    }
 }

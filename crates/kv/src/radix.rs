@@ -37,6 +37,10 @@ struct Node {
     hits: u32,
     /// Whether the host tier has been given this page.
     on_host: bool,
+    /// Whether a hit may end at this page: every window group holds the pages its
+    /// window reads for the next token (always, for a dense layout). Fixed while cached:
+    /// only a page's sole holder drops its window segments, and the cache holds it.
+    servable: bool,
 }
 
 /// One whole page on a sequence's path through the tree, as [`PrefixCache::insert`]
@@ -50,6 +54,10 @@ pub struct PathPage {
     pub hits: u32,
     pub on_host: bool,
 }
+
+/// The pages an insert adds: their parent's hash, their hashes, tokens and unservable
+/// hashes (a [`CacheEvent::Stored`] in the making).
+type NewChain = (u64, Vec<u64>, Vec<u32>, Vec<u64>);
 
 /// A node of the tree, valid until the next eviction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,6 +84,9 @@ pub enum CacheEvent {
         parent_hash: u64,
         hashes: Vec<u64>,
         tokens: Vec<u32>,
+        /// Pages of `hashes` held but not servable as a prefix's end: a sliding-window
+        /// group dropped pages its window reads there, so a hit stops before them.
+        unservable: Vec<u64>,
     },
     /// These pages left the cache.
     Removed { hashes: Vec<u64> },
@@ -128,6 +139,7 @@ impl PrefixCache {
             hash: seed,
             hits: 0,
             on_host: false,
+            servable: true,
         };
         Self {
             page_size,
@@ -168,6 +180,7 @@ impl PrefixCache {
                 parent_hash: self.parent_hash(i),
                 hashes: vec![n.hash],
                 tokens: n.key.to_vec(),
+                unservable: if n.servable { Vec::new() } else { vec![n.hash] },
             });
             queue.extend(n.children.values().copied());
         }
@@ -246,20 +259,29 @@ impl PrefixCache {
     ) -> Vec<PageId> {
         self.tick += 1;
         let ps = self.page_size;
-        let mut pages = Vec::new();
+        let mut path = Vec::new();
         let mut at = ROOT;
         for chunk in tokens[..max_tokens.min(tokens.len())].chunks_exact(ps) {
             let Some(child) = self.child(ns, at, chunk) else {
                 break;
             };
+            path.push(child);
+            at = child;
+        }
+        // A hit ends where the next token's windows are all held.
+        let servable = path
+            .iter()
+            .rposition(|&i| self.node(i).servable)
+            .map_or(0, |k| k + 1);
+        let mut pages = Vec::with_capacity(servable);
+        for &i in &path[..servable] {
             let tick = self.tick;
-            let n = self.node_mut(child);
+            let n = self.node_mut(i);
             n.last_use = tick;
             n.hits = n.hits.saturating_add(1);
             pool.retain(n.page)
                 .expect("a cached page is allocated: the cache holds a reference");
             pages.push(n.page);
-            at = child;
         }
         self.stats.hit_tokens += (pages.len() * ps) as u64;
         pages
@@ -298,11 +320,15 @@ impl PrefixCache {
         let mut at = ROOT;
         let mut path = Vec::with_capacity(full);
         // The new pages: once one is new, every page after it is (it has no children).
-        let mut stored: Option<(u64, Vec<u64>, Vec<u32>)> = None;
+        let mut stored: Option<NewChain> = None;
+        // Whether each page could end a hit, from the pages the tree will hold: its own
+        // where it has a page already, the caller's where the page is new.
+        let mut held: Vec<PageId> = Vec::with_capacity(full);
         for (chunk, &page) in tokens.chunks_exact(ps).zip(pages) {
             let tick = self.tick;
             let parent_hash = if at == ROOT { ns } else { self.node(at).hash };
             if let Some(child) = self.child(ns, at, chunk) {
+                held.push(self.node(child).page);
                 let n = self.node_mut(child);
                 n.last_use = tick;
                 path.push(PathPage {
@@ -317,6 +343,8 @@ impl PrefixCache {
                 continue;
             }
             pool.retain(page).expect("inserted pages are allocated");
+            held.push(page);
+            let servable = pool.servable_end(&held);
             let key: Box<[u32]> = chunk.into();
             let hash = chain_hash(parent_hash, chunk);
             let node = Node {
@@ -329,6 +357,7 @@ impl PrefixCache {
                 hash,
                 hits: 0,
                 on_host: false,
+                servable,
             };
             let slot = match self.free_slots.pop() {
                 Some(s) => {
@@ -346,9 +375,12 @@ impl PrefixCache {
                 self.node_mut(at).children.insert(key, slot);
             }
             self.stats.inserted_pages += 1;
-            let s = stored.get_or_insert_with(|| (parent_hash, Vec::new(), Vec::new()));
+            let s = stored.get_or_insert_with(|| (parent_hash, Vec::new(), Vec::new(), Vec::new()));
             s.1.push(hash);
             s.2.extend_from_slice(chunk);
+            if !servable {
+                s.3.push(hash);
+            }
             path.push(PathPage {
                 node: NodeRef(slot),
                 hash,
@@ -359,11 +391,12 @@ impl PrefixCache {
             });
             at = slot;
         }
-        if let Some((parent_hash, hashes, tokens)) = stored {
+        if let Some((parent_hash, hashes, tokens, unservable)) = stored {
             self.emit(CacheEvent::Stored {
                 parent_hash,
                 hashes,
                 tokens,
+                unservable,
             });
         }
         path
@@ -671,6 +704,7 @@ mod tests {
                 parent_hash: a,
                 hashes: ha.clone(),
                 tokens: t[..8].to_vec(),
+                unservable: vec![],
             }]
         );
 
@@ -745,11 +779,13 @@ mod tests {
                     parent_hash: ha[1],
                     hashes: vec![ha[2]],
                     tokens: a[8..12].to_vec(),
+                    unservable: vec![],
                 },
                 CacheEvent::Stored {
                     parent_hash: ha[0],
                     hashes: vec![hb[1]],
                     tokens: b[4..8].to_vec(),
+                    unservable: vec![],
                 },
             ]
         );
@@ -770,6 +806,7 @@ mod tests {
                 parent_hash,
                 hashes,
                 tokens,
+                ..
             } = e
             else {
                 panic!("{e:?}")
@@ -831,5 +868,60 @@ mod tests {
         p.release_all(&held).unwrap();
         c.clear(&mut p);
         assert_eq!(p.free_pages(), 16);
+    }
+
+    #[test]
+    fn a_hybrid_hit_ends_where_the_windows_are_held_and_events_say_which_pages_are_not() {
+        // 4-token pages, a window of 8 over layers 0 and 1, layer 2 global.
+        let layout = Arc::new(
+            KvLayout::llama(3, 1, 2, DType::F16, 4)
+                .with_window(8, &[2])
+                .unwrap(),
+        );
+        let mut p = PagePool::new(layout.clone(), 16);
+        let mut c = PrefixCache::new(4, layout.fingerprint());
+        c.record_events();
+        let t: Vec<u32> = (0..24).collect();
+        let pages = p.alloc(6).unwrap();
+        // The sequence's window passed its first two pages.
+        assert!(p.drop_window(pages[0], 1) && p.drop_window(pages[1], 1));
+        c.insert(&mut p, &t, &pages);
+        p.release_all(&pages).unwrap();
+        let hashes = page_hashes(c.seed(), &t, 4);
+        let [CacheEvent::Stored { unservable, .. }] = &c.take_events()[..] else {
+            panic!("one chain stored");
+        };
+        assert_eq!(
+            unservable,
+            &hashes[..3],
+            "a hit of 1-3 pages could not go on: the next token's window reads page 0 or 1"
+        );
+        // The whole prompt: every page matches, and the hit ends at a servable page.
+        let hit = c.match_prefix(&mut p, &t, t.len());
+        assert_eq!(hit.len(), 6);
+        p.release_all(&hit).unwrap();
+        // A prompt sharing only the first 3 pages: no hit at all, though they are held.
+        let mut other = t[..12].to_vec();
+        other.extend([99, 98, 97, 96, 95]);
+        let hit = c.match_prefix(&mut p, &other, other.len());
+        assert!(hit.is_empty(), "{hit:?}");
+        // Sharing 5 pages: the hit is 5 pages (page 4's window reads pages 2 and 3).
+        let mut five = t[..20].to_vec();
+        five.push(7);
+        let hit = c.match_prefix(&mut p, &five, five.len());
+        assert_eq!(hit, pages[..5]);
+        p.release_all(&hit).unwrap();
+        // The snapshot says the same.
+        let snap = c.snapshot();
+        let claimed: Vec<u64> = snap
+            .iter()
+            .filter_map(|e| match e {
+                CacheEvent::Stored {
+                    hashes, unservable, ..
+                } if unservable.is_empty() => Some(hashes[0]),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(claimed, hashes[3..]);
     }
 }

@@ -28,6 +28,11 @@ pub struct Config {
     /// KV pages in the engine's pool.
     #[arg(long, env = "PDMESH_KV_PAGES", default_value_t = 2048)]
     pub kv_pages: usize,
+    /// Hybrid models (Gemma 3): pages' worth of KV for the sliding-window layers, held
+    /// only by pages some window still reads. Default: every batch slot's window and one
+    /// prefill chunk (at most --kv-pages).
+    #[arg(long, env = "PDMESH_KV_WINDOW_PAGES")]
+    pub kv_window_pages: Option<usize>,
     /// Tokens per KV page.
     #[arg(long, env = "PDMESH_PAGE_SIZE", default_value_t = 16)]
     pub page_size: usize,
@@ -202,6 +207,7 @@ impl Config {
             model: model.into(),
             max_batch: 32,
             kv_pages: 2048,
+            kv_window_pages: None,
             page_size: 16,
             prefill_chunk: 512,
             step_target_ms: 200,
@@ -390,6 +396,7 @@ impl Config {
             max_batch: self.max_batch,
             page_size: self.page_size,
             kv_pages: self.kv_pages,
+            kv_window_pages: self.kv_window_pages,
             prefill_chunk: self.prefill_chunk,
             step_target: (self.step_target_ms > 0)
                 .then(|| std::time::Duration::from_millis(self.step_target_ms)),

@@ -78,11 +78,13 @@ fn kv_event(seq: u64, e: &CacheEvent) -> cpb::KvEvent {
             parent_hash,
             hashes,
             tokens,
+            unservable,
         } => cpb::kv_event::Kind::Stored(cpb::PagesStored {
             parent_hash: *parent_hash,
             hashes: hashes.clone(),
             token_ids: tokens.clone(),
             tier: cpb::KvTier::Memory.into(),
+            unservable: unservable.clone(),
         }),
         CacheEvent::Removed { hashes } => cpb::kv_event::Kind::Removed(cpb::PagesRemoved {
             hashes: hashes.clone(),

@@ -152,6 +152,7 @@ pub(super) fn read_latent(
 ) {
     let layout = pool.layout();
     let bytes = pool.page(page).expect("the sequence holds its pages");
+    let bytes: &[u8] = &bytes;
     match comps.mla {
         MlaCacheDtype::Bf16 => get_bf16(bytes, layout.value_offset(layer, comps.latent, slot), out),
         MlaCacheDtype::Fp8 => {
@@ -172,6 +173,7 @@ pub(super) fn read_index_k(
 ) {
     let layout = pool.layout();
     let bytes = pool.page(page).expect("the sequence holds its pages");
+    let bytes: &[u8] = &bytes;
     match comps.index_dtype {
         IndexKDtype::Bf16 => get_bf16(bytes, layout.value_offset(layer, comps.index_k, slot), out),
         IndexKDtype::Fp8 => get_fp8(bytes, layout, layer, comps.index_k, slot, out),

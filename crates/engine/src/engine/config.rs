@@ -16,6 +16,11 @@ pub struct EngineConfig {
     pub page_size: usize,
     /// KV pages in the pool.
     pub kv_pages: usize,
+    /// Hybrid models (Gemma 3): pages' worth of KV for each sliding-window group, handed
+    /// to pages while a window reads them (at most `kv_pages`). `None`: enough for every
+    /// batch slot's window and one prefill chunk ([`Self::window_pages`]). Ignored by
+    /// dense models.
+    pub kv_window_pages: Option<usize>,
     /// Prompt tokens processed per step, summed over all prefilling sequences.
     pub prefill_chunk: usize,
     /// Keep steps that decode near this long by computing fewer prompt tokens in them
@@ -50,6 +55,26 @@ pub struct EngineConfig {
     pub max_queued: Option<usize>,
 }
 
+impl EngineConfig {
+    /// Window pages one sequence can need at once: its window's pages before the token
+    /// it computes, and a prefill chunk's pages after it.
+    pub fn window_pages_per_sequence(&self, window: usize) -> usize {
+        window.saturating_sub(1).div_ceil(self.page_size)
+            + self.prefill_chunk.div_ceil(self.page_size)
+            + 1
+    }
+
+    /// Segments per sliding-window group for a hybrid model whose widest window is
+    /// `window`: [`Self::kv_window_pages`], or by default each batch slot's window pages
+    /// plus one prefill chunk's, never more than `kv_pages`.
+    pub fn window_pages(&self, window: usize) -> usize {
+        let each = window.saturating_sub(1).div_ceil(self.page_size) + 1;
+        self.kv_window_pages
+            .unwrap_or(self.max_batch * each + self.prefill_chunk.div_ceil(self.page_size))
+            .min(self.kv_pages)
+    }
+}
+
 /// The default of [`EngineConfig::max_queued`] (and the worker's `--max-queued-requests`).
 pub const DEFAULT_MAX_QUEUED: usize = 1024;
 
@@ -60,6 +85,7 @@ impl EngineConfig {
             max_batch: 32,
             page_size: 16,
             kv_pages: 1024,
+            kv_window_pages: None,
             prefill_chunk: 512,
             step_target: None,
             threads: 0,

@@ -57,7 +57,34 @@ impl Engine {
         }
         let loaded = Loaded::load(&cfg)?;
         let (model, layout) = (loaded.model, Arc::new(loaded.layout));
-        let pool = PagePool::new(layout.clone(), cfg.kv_pages);
+        let window = layout
+            .groups()
+            .iter()
+            .filter_map(|g| match g.attention {
+                pdmesh_kv::Attention::SlidingWindow { window } => Some(window),
+                pdmesh_kv::Attention::Full => None,
+            })
+            .max();
+        let pool = match window {
+            None => PagePool::new(layout.clone(), cfg.kv_pages),
+            Some(window) => {
+                let (have, need) = (
+                    cfg.window_pages(window),
+                    cfg.window_pages_per_sequence(window).min(cfg.kv_pages),
+                );
+                if have < need {
+                    return Err(EngineError::InvalidParam {
+                        field: "kv_window_pages",
+                        msg: format!(
+                            "{have} window pages cannot hold one sequence's window of {window} \
+                             tokens and a prefill chunk of {}: at least {need} (--kv-window-pages)",
+                            cfg.prefill_chunk
+                        ),
+                    });
+                }
+                PagePool::with_window_pages(layout.clone(), cfg.kv_pages, have)
+            }
+        };
         let threads = if cfg.threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {

@@ -106,6 +106,8 @@ impl Shared {
                     // The mirror keeps pages by hash, not their tokens.
                     token_ids: Vec::new(),
                     tier: tier_pb(tier).into(),
+                    // The tiers keep whole pages only.
+                    unservable: Vec::new(),
                 }),
                 Event::Removed { hashes, tier } => pb::kv_event::Kind::Removed(pb::PagesRemoved {
                     hashes,

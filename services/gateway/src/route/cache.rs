@@ -77,6 +77,9 @@ pub(super) struct CacheView {
     /// Pages on a cache service's disk tier: promoted to its mirror on a hit, so a prompt
     /// that finds them is served from cache, more slowly than from memory.
     pub(super) disk: HashSet<u64>,
+    /// Pages held that no hit could end at (a hybrid model's window layers dropped pages
+    /// their window reads there): a prefix counts only up to its last servable page.
+    pub(super) unservable: HashSet<u64>,
 }
 
 impl CacheView {
@@ -84,7 +87,10 @@ impl CacheView {
         let on_disk = |tier: i32| tier == cpb::KvTier::Disk as i32;
         match &e.kind {
             Some(cpb::kv_event::Kind::Stored(s)) if on_disk(s.tier) => self.disk.extend(&s.hashes),
-            Some(cpb::kv_event::Kind::Stored(s)) => self.pages.extend(&s.hashes),
+            Some(cpb::kv_event::Kind::Stored(s)) => {
+                self.pages.extend(&s.hashes);
+                self.unservable.extend(&s.unservable);
+            }
             Some(cpb::kv_event::Kind::Removed(r)) => {
                 let set = if on_disk(r.tier) {
                     &mut self.disk
@@ -93,11 +99,13 @@ impl CacheView {
                 };
                 for h in &r.hashes {
                     set.remove(h);
+                    self.unservable.remove(h);
                 }
             }
             Some(cpb::kv_event::Kind::Cleared(_)) => {
                 self.pages.clear();
                 self.disk.clear();
+                self.unservable.clear();
             }
             None => {}
         }
@@ -123,10 +131,14 @@ impl CacheView {
                 named.len() - 1
             }
         };
-        named[at]
-            .1
+        let hashes = &named[at].1;
+        let held = hashes
             .iter()
             .take_while(|h| self.pages.contains(h) || self.disk.contains(h))
-            .count()
+            .count();
+        hashes[..held]
+            .iter()
+            .rposition(|h| !self.unservable.contains(h))
+            .map_or(0, |i| i + 1)
     }
 }

@@ -689,6 +689,48 @@ async fn prefill_goes_to_the_longest_cached_prefix_unless_that_worker_is_overloa
     );
 }
 
+/// A hybrid model's worker holds a long prompt's pages, but its sliding window passed the
+/// first ones, so only a hit of the whole prompt would be served: a prompt sharing just
+/// the first pages is not routed there, one sharing all of them is. Removing the pages
+/// forgets which were unservable.
+#[tokio::test]
+async fn pages_a_window_slid_past_are_not_a_prefix_to_route_by() {
+    let w = holding_nothing(2);
+    let long: Vec<u32> = (0..160).collect();
+    let h = pdmesh_kv::page_hashes(SEED, &long, 16);
+    let view = w.pool().prefill[1].view.clone();
+    view.lock().unwrap().apply(&cpb::KvEvent {
+        seq: 1,
+        kind: Some(cpb::kv_event::Kind::Stored(cpb::PagesStored {
+            parent_hash: SEED,
+            hashes: h.clone(),
+            unservable: h[..8].to_vec(),
+            ..Default::default()
+        })),
+    });
+    let head: Vec<u32> = long[..128].iter().copied().chain(900..964).collect();
+    assert_eq!(
+        matched(&w, 1, &head),
+        0,
+        "8 pages held, none ends a servable prefix"
+    );
+    let _busy = Inflight::new(&w.pool().prefill[1].inflight);
+    assert_eq!(w.pick(&head, None), 0, "routed by load");
+    let whole: Vec<u32> = long.iter().copied().chain(900..932).collect();
+    assert_eq!(matched(&w, 1, &whole), 10);
+    assert_eq!(w.pick(&whole, None), 1, "the whole prompt is a hit");
+    let nine: Vec<u32> = long[..144].iter().copied().chain(900..964).collect();
+    assert_eq!(matched(&w, 1, &nine), 9, "page 8 ends a servable prefix");
+    view.lock().unwrap().apply(&cpb::KvEvent {
+        seq: 2,
+        kind: Some(cpb::kv_event::Kind::Removed(cpb::PagesRemoved {
+            hashes: h.clone(),
+            ..Default::default()
+        })),
+    });
+    assert!(view.lock().unwrap().unservable.is_empty());
+}
+
 /// A salted prompt's pages have names of their own: a worker holding the same tokens
 /// salt-less, or under another salt, is no cache hit for it, and one holding them under
 /// its salt is.

@@ -401,13 +401,23 @@ impl s::sglang_scheduler_server::SglangScheduler for SglangService {
                         return;
                     }
                 };
-                n += 1;
                 let data = match ev.kind {
                     Some(cpb::kv_event::Kind::Stored(st)) => {
-                        let blocks = st
+                        // A page no hit could end at is not claimed (SGLang's blocks have
+                        // no way to say "held, but not servable"): the chain is sent from
+                        // the page after the last such one.
+                        let from = st
                             .hashes
                             .iter()
-                            .zip(st.token_ids.chunks(page as usize))
+                            .rposition(|h| st.unservable.contains(h))
+                            .map_or(0, |i| i + 1);
+                        let parent = match from {
+                            0 => st.parent_hash,
+                            i => st.hashes[i - 1],
+                        };
+                        let blocks: Vec<_> = st.hashes[from..]
+                            .iter()
+                            .zip(st.token_ids.chunks(page as usize).skip(from))
                             .map(|(&h, toks)| c::KvBlock {
                                 block_hash: h as i64,
                                 token_ids: toks.to_vec(),
@@ -415,9 +425,12 @@ impl s::sglang_scheduler_server::SglangScheduler for SglangService {
                                 ..Default::default()
                             })
                             .collect();
+                        if blocks.is_empty() {
+                            continue;
+                        }
                         c::kv_cache_event::Data::Stored(c::KvBlocksStored {
                             blocks,
-                            parent_block_hash: Some(st.parent_hash as i64),
+                            parent_block_hash: Some(parent as i64),
                             tier: Some(c::KvCacheTier::Device.into()),
                             ..Default::default()
                         })
@@ -433,6 +446,7 @@ impl s::sglang_scheduler_server::SglangScheduler for SglangService {
                     }
                     None => continue,
                 };
+                n += 1;
                 yield Ok(c::KvEventBatch {
                     sequence_number: n,
                     timestamp: SystemTime::now()

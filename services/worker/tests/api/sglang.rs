@@ -394,3 +394,56 @@ async fn flush_cache_empties_the_device_prefix_cache() {
     assert_eq!((info.cached_pages, info.free_pages), (0, KV_PAGES));
     srv.svc.shutdown.cancel();
 }
+
+/// A Gemma 3 worker's KV events after a prompt longer than its 512-token sliding window:
+/// the cached pages the window slid past (their local layers given back) are named
+/// unservable on pdmesh's stream, and SGLang's stream, which cannot say that, does not
+/// claim them: its chain starts at the one page a hit could end at.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hybrid_models_events_do_not_claim_prefixes_its_window_slid_past() {
+    let mut srv = start_with(|c| {
+        c.model = pdmesh_gguf::models::require_gemma3_model();
+        c.max_context = Some(1024);
+    })
+    .await;
+    let mut sg = sglang(&srv).await;
+    let mut native = srv.kv_events().await;
+    let mut blocks = answer(sg.subscribe_kv_events(c::SubscribeKvEventsRequest::default())).await;
+    let prompt: Vec<u32> = (0..700).map(|i| 1000 + i * 7).collect();
+    let (out, _) = srv.complete(request("long", &prompt, greedy(4))).await;
+    srv.wait_free_pages(KV_PAGES).await;
+    // Its prompt and the 3 tokens computed after it: 43 whole pages. The last step's
+    // window began at position 191 (page 11): a hit of fewer than 43 pages would need
+    // pages before it.
+    let computed = [&prompt[..], &out[..3]].concat();
+    let seed = u64::from_str_radix(&srv.info().await.kv_layout_fingerprint, 16).unwrap();
+    let hashes = pdmesh_kv::page_hashes(seed, &computed, 16);
+    assert_eq!(hashes.len(), 43);
+    let stored = loop {
+        let e = tokio::time::timeout(HANG, native.message())
+            .await
+            .expect("event stream hung")
+            .unwrap()
+            .expect("stream ended");
+        if let Some(pdmesh_proto::cache::v1::kv_event::Kind::Stored(st)) = e.kind {
+            break st;
+        }
+    };
+    assert_eq!(stored.hashes, hashes);
+    assert_eq!(stored.unservable, hashes[..42]);
+    let stored = loop {
+        let b = tokio::time::timeout(HANG, blocks.message())
+            .await
+            .expect("event stream hung")
+            .unwrap()
+            .expect("stream ended");
+        if let Some(c::kv_cache_event::Data::Stored(st)) = b.events[0].data.clone() {
+            break st;
+        }
+    };
+    let claimed: Vec<i64> = stored.blocks.iter().map(|b| b.block_hash).collect();
+    assert_eq!(claimed, [hashes[42] as i64]);
+    assert_eq!(stored.parent_block_hash, Some(hashes[41] as i64));
+    assert_eq!(stored.blocks[0].token_ids, computed[42 * 16..43 * 16]);
+    srv.svc.shutdown.cancel();
+}

@@ -112,7 +112,15 @@ impl Scheduler {
             // Copy on write: the prompt's last page is partly filled and this choice
             // writes its own tokens after the prompt's.
             let shared = *f.pages.last().expect("a prompt has pages");
-            let Ok(fresh) = self.alloc(1) else {
+            let fresh = match self.alloc(1) {
+                Ok(p) if self.attach(&p) => Some(p),
+                Ok(p) => {
+                    self.release(p);
+                    None
+                }
+                Err(_) => None,
+            };
+            let Some(fresh) = fresh else {
                 // No page to copy into: it waits and recomputes, as a preempted sequence.
                 self.retire_pages(&mut f);
                 f.computed = 0;
@@ -120,15 +128,9 @@ impl Scheduler {
                 self.waiting.push_front(f);
                 return;
             };
-            let bytes = self
-                .pool
-                .page(shared)
-                .expect("shared pages are allocated")
-                .to_vec();
             self.pool
-                .page_mut(fresh[0])
-                .expect("freshly allocated")
-                .copy_from_slice(&bytes);
+                .copy_page(fresh[0], shared)
+                .expect("a prompt's last page is whole: every window reads it");
             self.release(vec![shared]);
             *f.pages.last_mut().expect("a prompt has pages") = fresh[0];
         }

@@ -23,16 +23,18 @@ impl Scheduler {
             .remove(id)
             .ok_or_else(|| EngineError::Transfer(format!("no prefilled pages held for {id:?}")))?;
         let out = {
-            let bytes: Vec<&[u8]> = pages
-                .iter()
-                .map(|&p| self.pool.page(p).expect("held pages are allocated"))
-                .collect();
-            f(&bytes)
+            let whole: Result<Vec<_>, _> = pages.iter().map(|&p| self.pool.page(p)).collect();
+            match whole {
+                Ok(whole) => Ok(f(&whole.iter().map(|b| &b[..]).collect::<Vec<_>>())),
+                Err(e) => Err(EngineError::Transfer(format!(
+                    "prefilled pages of {id:?}: {e}"
+                ))),
+            }
         };
         self.release(pages);
         self.stalled = false;
         self.blocked = false;
-        Ok(out)
+        out
     }
 
     pub(crate) fn drop_export(&mut self, id: &str) -> bool {
@@ -72,15 +74,27 @@ impl Scheduler {
                 ))
             })?;
         }
-        let filled = {
-            let held = self.parked[i].held;
+        let held = self.parked[i].held;
+        if self.pool.layout().is_hybrid() {
+            // A hybrid's pages are not one piece in the pool: the pages arrive whole
+            // and each keeps the layers it holds (see the reservation).
+            let bpp = self.pool.layout().bytes_per_page();
+            let n = self.parked[i].pages.len() - held;
+            let mut whole = vec![vec![0u8; bpp]; n];
+            let mut bufs: Vec<&mut [u8]> = whole.iter_mut().map(|b| &mut b[..]).collect();
+            fill(&mut bufs).map_err(EngineError::Fill)?;
+            for (&p, bytes) in self.parked[i].pages[held..].iter().zip(&whole) {
+                self.pool
+                    .write_page(p, bytes)
+                    .expect("reserved pages are allocated, arrived pages whole");
+            }
+        } else {
             let mut bufs = self
                 .pool
                 .pages_mut(&self.parked[i].pages[held..])
                 .expect("reserved pages are allocated");
-            fill(&mut bufs)
-        };
-        filled.map_err(EngineError::Fill)?;
+            fill(&mut bufs).map_err(EngineError::Fill)?;
+        }
         let mut s = self.parked.remove(i);
         s.computed = s.prompt_len;
         // What the prefill side found cached is what this request was spared.

@@ -47,20 +47,23 @@ impl Scheduler {
             let Loading { seq, device, .. } = self.loading.remove(i);
             // Only whole pages of this layout, and never more than were asked for.
             let room = seq.pages.len() - device;
-            let n = f
+            let mut n = f
                 .pages
                 .iter()
                 .take(room)
                 .take_while(|p| p.len() == bpp)
                 .count();
-            let mut bufs = self
-                .pool
-                .pages_mut(&seq.pages[device..device + n])
-                .expect("reserved pages are allocated");
-            for (dst, src) in bufs.iter_mut().zip(&f.pages) {
-                dst.copy_from_slice(src);
+            // A hybrid's pages the next token's windows read keep their window layers;
+            // without segments for them the pages are recomputed instead.
+            let from = self.window_start((device + n) * self.cfg.page_size, device + n);
+            if !self.attach(&seq.pages[from.max(device)..device + n]) {
+                n = 0;
             }
-            drop(bufs);
+            for (&dst, src) in seq.pages[device..device + n].iter().zip(&f.pages) {
+                self.pool
+                    .write_page(dst, src)
+                    .expect("reserved pages are allocated, fetched pages whole");
+            }
             let st = &mut self.host_stats;
             st.load_seconds += f.seconds;
             st.load_bytes += (n * bpp) as u64;

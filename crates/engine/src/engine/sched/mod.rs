@@ -321,6 +321,14 @@ impl Scheduler {
                 total: self.pool.total_pages(),
             });
         }
+        // A prefill hands its prompt over whole: every page keeps its window layers.
+        let windows = self.pool.total_window_pages();
+        if part == Part::Prefill && windows > 0 && need_now > windows {
+            return Err(EngineError::TooLargeForPool {
+                need: need_now,
+                total: windows,
+            });
+        }
         let id: Arc<str> = Arc::from(req.id.as_str());
         self.ids.insert(id.clone());
         Ok(Seq {
@@ -330,6 +338,7 @@ impl Scheduler {
             computed: 0,
             cached: None,
             pages: Vec::new(),
+            behind: Vec::new(),
             sampler: Sampler::new(req.params.seed),
             params: req.params,
             max_new,

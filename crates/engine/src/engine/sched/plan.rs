@@ -24,6 +24,7 @@ impl Scheduler {
     /// `None`: nothing to compute this step.
     pub(crate) fn plan(&mut self, events: &mut Vec<StepEvent>) -> Option<StepPlan> {
         self.admit();
+        self.drop_behind_windows();
         events.append(&mut self.pending);
         // (running index, tokens to compute this step)
         let mut plan: Vec<(usize, usize)> = Vec::new();
@@ -34,13 +35,14 @@ impl Scheduler {
             let pending = self.running[i].tokens.len() - self.running[i].computed;
             if pending == 1 {
                 let upto = self.running[i].tokens.len();
-                if !self.ensure_pages(i, upto) && self.running.len() > 1 {
+                let fits = self.ensure_pages(i, upto);
+                if !fits && self.running.len() > 1 {
                     // This is the newest sequence and nothing newer can give way: it
                     // waits (and is recomputed) until older ones finish.
                     self.preempt(i);
                     continue;
                 }
-                if self.running[i].pages.len() < self.pool.pages_for_tokens(upto) {
+                if !fits {
                     if let Some(mut r) = self.ready.pop_back() {
                         // KV waiting for a batch slot gives way; it is recomputed when
                         // its turn comes, as any preempted sequence.
@@ -149,6 +151,15 @@ impl Scheduler {
                     self.release(hit);
                     break;
                 };
+                // The arriving pages a window reads from the first decode step keep
+                // their window layers; the others arrive with their global layers only.
+                let mut all = hit.clone();
+                all.extend(&pages);
+                let from = self.window_start(len, all.len()).max(hit.len());
+                if !self.attach(&all[from..]) {
+                    self.release(all);
+                    break;
+                }
                 let mut s = self.waiting.pop_front().expect("front exists");
                 s.held = hit.len();
                 s.pages = hit;
@@ -215,18 +226,25 @@ impl Scheduler {
 
     /// Make sure `running[i]` has pages for `upto` tokens; preempts the newest other
     /// sequence (recompute later) when the pool is full. False if even that fails.
+    /// A hybrid model's pages written in this step get their window segments too.
     pub(super) fn ensure_pages(&mut self, i: usize, upto: usize) -> bool {
         loop {
             let need = self
                 .pool
                 .pages_for_tokens(upto)
                 .saturating_sub(self.running[i].pages.len());
-            if need == 0 {
-                return true;
-            }
-            if let Ok(p) = self.alloc(need) {
+            if need > 0
+                && let Ok(p) = self.alloc(need)
+            {
                 self.running[i].pages.extend(p);
-                return true;
+            }
+            let s = &self.running[i];
+            if s.pages.len() >= self.pool.pages_for_tokens(upto) {
+                let ps = self.cfg.page_size;
+                let written = s.pages[s.computed / ps..upto.div_ceil(ps)].to_vec();
+                if self.attach(&written) {
+                    return true;
+                }
             }
             let victim = self.running.len() - 1;
             if victim == i {

@@ -20,6 +20,9 @@ pub(super) struct Seq {
     /// Prompt tokens found in the prefix cache at first admission.
     pub(super) cached: Option<usize>,
     pub(super) pages: Vec<PageId>,
+    /// Hybrid models, per layer group: leading pages whose window segments this sequence
+    /// has given up (no later token of it reads them through that group's window).
+    pub(super) behind: Vec<usize>,
     pub(super) params: SamplingParams,
     pub(super) sampler: Sampler,
     pub(super) max_new: usize,
