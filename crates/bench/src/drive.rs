@@ -13,8 +13,25 @@ use crate::run::{self, Level, RequestCfg};
 use crate::summary::LevelSummary;
 use crate::workload::{Kind, Spec};
 
-/// Fails a run whose answers differ from the reference, or were not all checked.
+/// Fails a run that measured nothing (a level whose every request failed: a wrong model
+/// name, an endpoint refusing everything), and one whose answers differ from the
+/// reference, or were not all checked.
 pub(crate) fn judge(levels: &[LevelSummary], out: &Path) -> Result<(), BenchError> {
+    if let Some(l) = levels
+        .iter()
+        .find(|l| l.requests > 0 && l.errors == l.requests)
+    {
+        let kinds: Vec<String> = l
+            .errors_by_kind
+            .iter()
+            .map(|(k, n)| format!("{n} {k}"))
+            .collect();
+        return Err(BenchError::AllFailed {
+            requests: l.requests,
+            kinds: kinds.join(", "),
+            out: out.display().to_string(),
+        });
+    }
     let ds = || levels.iter().filter_map(|l| l.differential.as_ref());
     let (corrupted, compared) = ds().fold((0, 0), |(c, n), d| (c + d.corrupted, n + d.compared));
     let failed: u32 = ds().map(|d| d.reference_errors).sum();
@@ -108,4 +125,27 @@ pub(crate) fn progress(total: u64, what: &str) -> ProgressBar {
 /// The current UTC time as RFC 3339, to the second.
 pub(crate) fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_level_whose_every_request_failed_fails_the_run_naming_why() {
+        let level = |requests, errors| LevelSummary {
+            requests,
+            errors,
+            errors_by_kind: [("http_404".to_owned(), errors)].into(),
+            ..LevelSummary::default()
+        };
+        let out = Path::new("out");
+        assert!(judge(&[level(4, 3)], out).is_ok(), "some answers: measured");
+        let err = judge(&[level(4, 0), level(8, 8)], out).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "all 8 requests of a level failed (8 http_404): nothing was measured (report in out)"
+        );
+        assert!(judge(&[], out).is_ok());
+    }
 }

@@ -22,6 +22,14 @@ pub enum BenchError {
         "the reference failed {failed} replays, so their answers were not checked (report in {out})"
     )]
     ReferenceFailed { failed: u32, out: String },
+    #[error(
+        "all {requests} requests of a level failed ({kinds}): nothing was measured (report in {out})"
+    )]
+    AllFailed {
+        requests: u32,
+        kinds: String,
+        out: String,
+    },
     #[error("{corrupted} of {compared} answers differ from their reference (report in {out})")]
     Corruption {
         corrupted: u32,
