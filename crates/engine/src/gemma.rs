@@ -14,7 +14,7 @@ use std::sync::Arc;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pdmesh_gguf::GgufFile;
-use pdmesh_kernels::{Glu, QMatrix, WeightFormat, attend_causal, matmul, matmul_glu, matmul_many};
+use pdmesh_kernels::{Glu, QMatrix, WeightFormat, attend_window, matmul, matmul_glu, matmul_many};
 use pdmesh_kv::{DType, KvLayout, PageId, PagePool};
 use rayon::prelude::*;
 
@@ -379,10 +379,10 @@ impl GemmaModel {
         output_logits(tp, &x, tokens, (&self.out_norm[..], c.rms_eps, &head))
     }
 
-    /// Attention of every (token, KV head) pair in parallel. A tile of consecutive
-    /// tokens of one sequence is attended together only while they share their first
-    /// visible position (always in a global layer; below the window in a local one);
-    /// past it, each token of a local layer attends alone over its own window.
+    /// Attention of every (token, KV head) pair in parallel, a tile of consecutive tokens
+    /// of one sequence at a time: the tile's keys start at its first token's first
+    /// visible position, and each token of a local layer attends from its own
+    /// (`attend_window`, the bits it has alone).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -402,9 +402,7 @@ impl GemmaModel {
         let scale = 1.0 / (hd as f32).sqrt();
         let groups = c.kv_heads;
         let ps = pool.layout().page_size();
-        let (tiles, slots) = attention_tasks(tokens, out, rep * hd, groups, |first, tk| {
-            self.first_visible(layer, first.pos) == self.first_visible(layer, tk.pos)
-        });
+        let (tiles, slots) = attention_tasks(tokens, out, rep * hd, groups);
         tp.install(|| {
             slots
                 .into_par_iter()
@@ -415,6 +413,10 @@ impl GemmaModel {
                     let first = self.first_visible(layer, tks[0].pos);
                     let n = tks.iter().map(|tk| tk.pos + 1).max().unwrap_or(0);
                     let counts: Vec<usize> = tks.iter().map(|tk| tk.pos + 1 - first).collect();
+                    let starts: Vec<usize> = tks
+                        .iter()
+                        .map(|tk| self.first_visible(layer, tk.pos) - first)
+                        .collect();
                     let pages = seq_pages[tks[0].seq];
                     let qs: Vec<&[f32]> = range
                         .map(|i| &q[i * qd + g * rep * hd..i * qd + (g + 1) * rep * hd])
@@ -433,7 +435,8 @@ impl GemmaModel {
                             values.push(&vp[off..off + hd]);
                         }
                     }
-                    attend_causal(&qs, hd, &counts, &keys, &values, scale, &mut outs);
+                    let span = (&starts[..], &counts[..]);
+                    attend_window(&qs, hd, span, &keys, &values, scale, &mut outs);
                 });
         });
     }

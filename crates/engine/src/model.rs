@@ -324,7 +324,7 @@ impl LlamaModel {
         // Tiles of up to ATTENTION_TILE tokens at consecutive positions of one sequence
         // (a prefill chunk's tokens), each attended as a whole per KV group; the kernel
         // gives every token the bits it has alone.
-        let (tiles, slots) = attention_tasks(tokens, out, rep * hd, groups, |_, _| true);
+        let (tiles, slots) = attention_tasks(tokens, out, rep * hd, groups);
         tp.install(|| {
             slots
                 .into_par_iter()
@@ -366,8 +366,7 @@ impl LlamaModel {
 const ATTENTION_TILE: usize = 8;
 
 /// Attention's parallel tasks: `tokens` cut into tiles of up to [`ATTENTION_TILE`]
-/// consecutive positions of one sequence (`together(first, next)` may keep a token out of
-/// its predecessor's tile), and `out` (`groups` slices of `width` per token) handed out
+/// consecutive positions of one sequence, and `out` (`groups` slices of `width` per token) handed out
 /// as one task per (tile, KV group) holding those tokens' slices of that group.
 #[allow(clippy::type_complexity)]
 pub(crate) fn attention_tasks<'o>(
@@ -375,7 +374,6 @@ pub(crate) fn attention_tasks<'o>(
     out: &'o mut [f32],
     width: usize,
     groups: usize,
-    together: impl Fn(&BatchToken, &BatchToken) -> bool,
 ) -> (Vec<std::ops::Range<usize>>, Vec<Vec<&'o mut [f32]>>) {
     let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
     for (i, tk) in tokens.iter().enumerate() {
@@ -383,8 +381,7 @@ pub(crate) fn attention_tasks<'o>(
             Some(r)
                 if r.len() < ATTENTION_TILE
                     && tokens[r.end - 1].seq == tk.seq
-                    && tokens[r.end - 1].pos + 1 == tk.pos
-                    && together(&tokens[r.start], tk) =>
+                    && tokens[r.end - 1].pos + 1 == tk.pos =>
             {
                 r.end = i + 1
             }

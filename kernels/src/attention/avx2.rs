@@ -180,7 +180,7 @@ unsafe fn sums_group<const G: usize>(
 pub(super) unsafe fn attend_causal(
     qs: &[&[f32]],
     hd: usize,
-    counts: &[usize],
+    (starts, counts): (&[usize], &[usize]),
     keys: &[&[f16]],
     values: &[&[f16]],
     scale: f32,
@@ -191,6 +191,7 @@ pub(super) unsafe fn attend_causal(
     let n = counts.iter().copied().max().unwrap_or(0);
     let stride = n.next_multiple_of(BLOCK);
     let cnt: Vec<usize> = (0..nq).map(|qi| counts[qi / rep]).collect();
+    let first: Vec<usize> = (0..nq).map(|qi| starts[qi / rep]).collect();
     // Query head qi (token qi / rep, head qi % rep) rounded through f16 at qd[qi · hd].
     let qd: Vec<f32> = qs
         .iter()
@@ -215,7 +216,8 @@ pub(super) unsafe fn attend_causal(
                 unsafe { _mm256_storeu_ps(row.as_mut_ptr().add(c), _mm256_cvtph_ps(h)) };
             }
         }
-        for qi in (0..nq).filter(|&qi| cnt[qi] > b0) {
+        // A block wholly before a head's first key is not scored (it is masked below).
+        for qi in (0..nq).filter(|&qi| cnt[qi] > b0 && first[qi] < b0 + BLOCK) {
             let mut acc = [_mm256_setzero_ps(); BLOCK];
             // SAFETY: qd holds hd floats per query head, kb BLOCK rows of hd, scores
             // stride per head (b0 + 8 <= stride).
@@ -238,11 +240,14 @@ pub(super) unsafe fn attend_causal(
     // f64 sums in key order of a token's heads side by side (each its own chain, so
     // their adds overlap), then the probabilities via f16.
     for (i, &c) in counts.iter().enumerate() {
+        let s0 = starts[i];
         let rows = &mut scores[i * rep * stride..][..rep * stride];
         for row in rows.chunks_exact_mut(stride) {
             let row = &mut row[..c];
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            // Keys before the token's first: no part in the max, probability zero.
+            let max = row[s0..].iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
             exps(row, max);
+            row[..s0].fill(0.0);
         }
         for rows in rows.chunks_mut(4 * stride) {
             let sums = match rows.len() / stride {

@@ -106,7 +106,7 @@ unsafe fn weigh<const G: usize>(
 pub(super) unsafe fn attend_causal(
     qs: &[&[f32]],
     hd: usize,
-    counts: &[usize],
+    (starts, counts): (&[usize], &[usize]),
     keys: &[&[f16]],
     values: &[&[f16]],
     scale: f32,
@@ -118,6 +118,7 @@ pub(super) unsafe fn attend_causal(
     let n = counts.iter().copied().max().unwrap_or(0);
     let stride = n.next_multiple_of(BLOCK);
     let count = |qi: usize| counts[qi / rep];
+    let start = |qi: usize| starts[qi / rep];
     // Every query head rounded through f16, each chunk of eight in both halves of a
     // register: `qd[(qi · chunks + c) · 16 ..][..16]`.
     let mut qd = vec![0f32; nq * chunks * 16];
@@ -158,7 +159,8 @@ pub(super) unsafe fn attend_causal(
                 };
             }
         }
-        for qi in (0..nq).filter(|&qi| count(qi) > b0) {
+        // A block wholly before a head's first key is not scored (it is masked below).
+        for qi in (0..nq).filter(|&qi| count(qi) > b0 && start(qi) < b0 + BLOCK) {
             let mut acc = [_mm512_setzero_ps(); BLOCK / 2];
             // SAFETY: qd holds chunks · 16 floats per query head, kb BLOCK / 2 pairs of
             // chunks · 16, scores stride per head (b0 + 16 <= stride).
@@ -180,11 +182,13 @@ pub(super) unsafe fn attend_causal(
     // Softmax per query head over its own keys: the max, exp, the f64 sum in key order
     // (a token's heads side by side, each its own chain), the probabilities via f16.
     for i in 0..qs.len() {
-        let c = counts[i];
+        let (s0, c) = (starts[i], counts[i]);
         let full = c / 16 * 16;
         let mut sums = vec![0f64; rep];
         for r in 0..rep {
             let row = &mut scores[(i * rep + r) * stride..][..c];
+            // Keys before the token's first: no part in the max, probability zero.
+            row[..s0].fill(f32::NEG_INFINITY);
             let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
             for j in (0..full).step_by(16) {
                 // SAFETY: j + 16 <= c = row.len(). max_ps keeps its second operand
@@ -209,6 +213,7 @@ pub(super) unsafe fn attend_causal(
             for s in &mut row[full..] {
                 *s = exp_f32(*s - max);
             }
+            row[..s0].fill(0.0);
         }
         let heads = &scores[i * rep * stride..];
         for (r0, sums) in (0..rep).step_by(4).zip(sums.chunks_mut(4)) {

@@ -63,7 +63,43 @@ pub fn attend_causal(
     scale: f32,
     outs: &mut [&mut [f32]],
 ) {
-    attend_causal_on(Path::detect(hd), qs, hd, counts, keys, values, scale, outs);
+    let starts = vec![0; qs.len()];
+    attend_causal_on(
+        Path::detect(hd),
+        qs,
+        hd,
+        (&starts, counts),
+        keys,
+        values,
+        scale,
+        outs,
+    );
+}
+
+/// [`attend_causal`] for tokens of a sliding window: token `i` attends over keys
+/// `starts[i]..counts[i]`, the same bits as its [`attend`] over those keys alone. A
+/// tile's tokens need not share a first key: the keys before a token's own are given
+/// probability zero after the exp, and adding an exact zero (to the f64 sum, and as
+/// `0 · v` to an output lane that starts at +0) changes no bit.
+pub fn attend_window(
+    qs: &[&[f32]],
+    hd: usize,
+    (starts, counts): (&[usize], &[usize]),
+    keys: &[&[f16]],
+    values: &[&[f16]],
+    scale: f32,
+    outs: &mut [&mut [f32]],
+) {
+    attend_causal_on(
+        Path::detect(hd),
+        qs,
+        hd,
+        (starts, counts),
+        keys,
+        values,
+        scale,
+        outs,
+    );
 }
 
 /// The implementations, which give the same bits.
@@ -91,7 +127,7 @@ fn attend_causal_on(
     path: Path,
     qs: &[&[f32]],
     hd: usize,
-    counts: &[usize],
+    (starts, counts): (&[usize], &[usize]),
     keys: &[&[f16]],
     values: &[&[f16]],
     scale: f32,
@@ -99,6 +135,7 @@ fn attend_causal_on(
 ) {
     let t = qs.len();
     assert!(t > 0 && counts.len() == t && outs.len() == t && hd.is_multiple_of(8));
+    assert!(starts.len() == t && starts.iter().zip(counts).all(|(s, c)| s < c));
     let rep = qs[0].len() / hd;
     assert!(rep > 0 && qs.iter().all(|q| q.len() == rep * hd));
     assert!(outs.iter().all(|o| o.len() == rep * hd));
@@ -110,17 +147,17 @@ fn attend_causal_on(
         assert!(hd.is_multiple_of(16));
         // SAFETY: Path::Avx512 is only chosen (or forced by tests) on a CPU with avx512f,
         // avx2, fma and f16c; every shape the function indexes by was asserted above.
-        unsafe { avx512::attend_causal(qs, hd, counts, keys, values, scale, outs) };
+        unsafe { avx512::attend_causal(qs, hd, (starts, counts), keys, values, scale, outs) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if path == Path::Avx2 {
         // SAFETY: Path::Avx2 is only chosen (or forced by tests) on a CPU with avx2, fma
         // and f16c; every shape the function indexes by was asserted above.
-        unsafe { avx2::attend_causal(qs, hd, counts, keys, values, scale, outs) };
+        unsafe { avx2::attend_causal(qs, hd, (starts, counts), keys, values, scale, outs) };
         return;
     }
-    for ((q, &c), o) in qs.iter().zip(counts).zip(outs.iter_mut()) {
-        attend_one(q, hd, &keys[..c], &values[..c], scale, o);
+    for (((q, &s), &c), o) in qs.iter().zip(starts).zip(counts).zip(outs.iter_mut()) {
+        attend_one(q, hd, &keys[s..c], &values[s..c], scale, o);
     }
 }

@@ -156,13 +156,81 @@ fn a_tile_of_tokens_gives_each_token_the_bits_it_has_alone() {
                     let mut got = vec![vec![7f32; rep * hd]; t];
                     let qr: Vec<&[f32]> = qs.iter().map(Vec::as_slice).collect();
                     let mut outs: Vec<&mut [f32]> = got.iter_mut().map(Vec::as_mut_slice).collect();
-                    attend_causal_on(path, &qr, hd, &counts, &kr, &vr, 0.125, &mut outs);
+                    let starts = vec![0; t];
+                    let span = (&starts[..], &counts[..]);
+                    attend_causal_on(path, &qr, hd, span, &kr, &vr, 0.125, &mut outs);
                     for i in 0..t {
                         assert_eq!(
                             bits(&got[i]),
                             bits(&want[i]),
                             "{path:?} hd {hd} rep {rep} first {first} token {i}"
                         );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A tile of tokens of a sliding window, each over its own last `window` keys (its first
+/// key differs from the tile's): every path gives each token the bits of the scalar
+/// definition over its own keys alone, with windows shorter than, equal to and longer
+/// than the blocks, and tiles that start inside, at and past the window.
+#[test]
+fn a_tile_of_window_tokens_gives_each_token_the_bits_of_its_own_window_alone() {
+    let row = |j: usize, hd: usize, f: f32, big: f32| -> Vec<f16> {
+        (0..hd)
+            .map(|d| f16::from_f32(((j * hd + d) as f32 * f).cos() * big))
+            .collect()
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for hd in [16, 64, 256] {
+        for rep in [1, 4, 9] {
+            for window in [1, 5, 8, 16, 17, 40] {
+                for (pos0, t) in [(0, 8), (3, 5), (window, 8), (50, 8), (61, 3)] {
+                    let n = pos0 + t;
+                    let k: Vec<Vec<f16>> = (0..n)
+                        .map(|j| row(j, hd, 0.07, if j % 7 == 3 { 60.0 } else { 1.0 }))
+                        .collect();
+                    let v: Vec<Vec<f16>> = (0..n).map(|j| row(j, hd, 0.13, 1.0)).collect();
+                    // The tile's keys start at its first token's first visible position.
+                    let first = (pos0 + 1).saturating_sub(window);
+                    let kr: Vec<&[f16]> = k[first..].iter().map(Vec::as_slice).collect();
+                    let vr: Vec<&[f16]> = v[first..].iter().map(Vec::as_slice).collect();
+                    let qs: Vec<Vec<f32>> = (0..t)
+                        .map(|i| {
+                            (0..rep * hd)
+                                .map(|x| ((x + 31 * i) as f32 * 0.29).sin() * 3.0)
+                                .collect()
+                        })
+                        .collect();
+                    let counts: Vec<usize> = (0..t).map(|i| pos0 + i + 1 - first).collect();
+                    let starts: Vec<usize> = (0..t)
+                        .map(|i| (pos0 + i + 1).saturating_sub(window) - first)
+                        .collect();
+                    let want: Vec<Vec<f32>> = (0..t)
+                        .map(|i| {
+                            let mut o = vec![0f32; rep * hd];
+                            let (s, c) = (starts[i], counts[i]);
+                            attend_one(&qs[i], hd, &kr[s..c], &vr[s..c], 0.125, &mut o);
+                            o
+                        })
+                        .collect();
+                    for path in paths(hd) {
+                        let mut got = vec![vec![7f32; rep * hd]; t];
+                        let qr: Vec<&[f32]> = qs.iter().map(Vec::as_slice).collect();
+                        let mut outs: Vec<&mut [f32]> =
+                            got.iter_mut().map(Vec::as_mut_slice).collect();
+                        let span = (&starts[..], &counts[..]);
+                        attend_causal_on(path, &qr, hd, span, &kr, &vr, 0.125, &mut outs);
+                        for i in 0..t {
+                            assert_eq!(
+                                bits(&got[i]),
+                                bits(&want[i]),
+                                "{path:?} hd {hd} rep {rep} window {window} pos {} ",
+                                pos0 + i
+                            );
+                        }
                     }
                 }
             }
