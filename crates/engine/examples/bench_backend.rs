@@ -86,8 +86,15 @@ fn parse() -> Args {
     a
 }
 
-/// (prompt tokens/s, generated tokens/s) for `batch` streams.
-fn run(e: &mut Engine, batch: usize, prompt_len: usize, tokens: u32, round: usize) -> (f64, f64) {
+/// (prompt tokens/s, generated tokens/s, KV bytes held and a dense layout's bytes for the
+/// same pages during the last decode step) for `batch` streams.
+fn run(
+    e: &mut Engine,
+    batch: usize,
+    prompt_len: usize,
+    tokens: u32,
+    round: usize,
+) -> (f64, f64, (usize, usize)) {
     let vocab = e.info().vocab_size;
     for i in 0..batch {
         // Distinct prompts, so the prefix cache shares nothing between streams or rounds.
@@ -113,13 +120,22 @@ fn run(e: &mut Engine, batch: usize, prompt_len: usize, tokens: u32, round: usiz
     let prefill = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut generated = 0;
+    let mut kv = (0, 0);
     while e.has_work() {
+        let pool = e.pool();
+        if pool.used_pages() > 0 {
+            kv = (
+                pool.held_bytes(),
+                pool.used_pages() * pool.layout().bytes_per_page(),
+            );
+        }
         generated += tokens_of(&e.step());
     }
     let decode = t1.elapsed().as_secs_f64();
     (
         (batch * prompt_len) as f64 / prefill,
         generated as f64 / decode,
+        kv,
     )
 }
 
@@ -180,7 +196,7 @@ fn main() {
     let mut e = Engine::load(cfg).expect("engine loads");
     run(&mut e, 1, 16, 4, 0); // warm-up: kernels loaded, buffers touched
     for (round, &b) in a.batches.iter().enumerate() {
-        let (prefill, decode) = run(&mut e, b, a.prompt_len, a.tokens, round + 1);
+        let (prefill, decode, (held, dense)) = run(&mut e, b, a.prompt_len, a.tokens, round + 1);
         println!(
             "{}",
             serde_json::json!({
@@ -194,6 +210,8 @@ fn main() {
                 "tokens": a.tokens,
                 "prefill_tok_s": (prefill * 10.0).round() / 10.0,
                 "decode_tok_s": (decode * 10.0).round() / 10.0,
+                "kv_held_bytes": held,
+                "kv_dense_bytes": dense,
             })
         );
     }
