@@ -69,6 +69,9 @@ where
                                 ..Default::default()
                             });
                         }
+                        // Closed before the first token's sender drops (at the return):
+                        // the merge that sees no first token finds no failure pending.
+                        drop(fail_tx);
                         return;
                     }
                     // Sent before `first_tx` drops: a first token that never comes because
@@ -149,9 +152,20 @@ where
                                 });
                             }
                             Err(_) => {
-                                if let Some(Ok(s)) = fail_rx.as_mut().map(|r| r.try_recv()) {
-                                    yield Err(prefill_failure(&s));
-                                    break;
+                                // A receiver that answered try_recv (a value or closed) is
+                                // spent: polling it again panics, so it goes. One still
+                                // empty (prefill's task is ending) is kept and awaited.
+                                if let Some(rx) = fail_rx.as_mut() {
+                                    match rx.try_recv() {
+                                        Ok(s) => {
+                                            yield Err(prefill_failure(&s));
+                                            break;
+                                        }
+                                        Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
+                                            fail_rx = None;
+                                        }
+                                        Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
+                                    }
                                 }
                                 first = Some(None);
                             }
