@@ -23,7 +23,7 @@ mod quant;
 #[cfg(test)]
 mod testdata;
 
-pub use attention::{attend, attend_causal, attend_window, exp_f32};
+pub use attention::{Tile, attend, attend_causal, attend_window, exp_f32};
 pub use format::WeightFormat;
 pub use matmul::{
     Glu, QMatrix, gelu_tanh_times, matmul, matmul_glu, matmul_many, matmul_swiglu, silu_times,

@@ -435,8 +435,16 @@ impl GemmaModel {
                             values.push(&vp[off..off + hd]);
                         }
                     }
-                    let span = (&starts[..], &counts[..]);
-                    attend_window(&qs, hd, span, &keys, &values, scale, &mut outs);
+                    let tile = pdmesh_kernels::Tile {
+                        qs: &qs,
+                        hd,
+                        starts: &starts,
+                        counts: &counts,
+                        keys: &keys,
+                        values: &values,
+                        scale,
+                    };
+                    attend_window(&tile, &mut outs);
                 });
         });
     }

@@ -5,6 +5,8 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
+use super::Tile;
+
 use super::exp::{EXP_HI, EXP_LO, EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E, exp_f32};
 
 /// [`exp_f32`] in four lanes, in f64 lanes as it computes: the same operations, fused
@@ -177,15 +179,9 @@ unsafe fn sums_group<const G: usize>(
 /// reduced by [`tree8`]; the weighted sums share each value chunk among up to
 /// [`GROUP`] heads (see [`sums_group`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn attend_causal(
-    qs: &[&[f32]],
-    hd: usize,
-    (starts, counts): (&[usize], &[usize]),
-    keys: &[&[f16]],
-    values: &[&[f16]],
-    scale: f32,
-    outs: &mut [&mut [f32]],
-) {
+pub(super) unsafe fn attend_causal(tile: &Tile<'_>, outs: &mut [&mut [f32]]) {
+    let (qs, hd, scale) = (tile.qs, tile.hd, tile.scale);
+    let (starts, counts, keys, values) = (tile.starts, tile.counts, tile.keys, tile.values);
     let rep = qs[0].len() / hd;
     let nq = qs.len() * rep;
     let n = counts.iter().copied().max().unwrap_or(0);

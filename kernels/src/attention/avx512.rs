@@ -5,6 +5,8 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
+use super::Tile;
+
 use super::exp::{EXP_HI, EXP_LO, EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E, exp_f32};
 
 /// Keys and values converted from f16 at a time.
@@ -103,15 +105,9 @@ unsafe fn weigh<const G: usize>(
 /// The tiled form of [`super::attend_causal`], whose checks it relies on (and `hd` a
 /// multiple of 16).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(super) unsafe fn attend_causal(
-    qs: &[&[f32]],
-    hd: usize,
-    (starts, counts): (&[usize], &[usize]),
-    keys: &[&[f16]],
-    values: &[&[f16]],
-    scale: f32,
-    outs: &mut [&mut [f32]],
-) {
+pub(super) unsafe fn attend_causal(tile: &Tile<'_>, outs: &mut [&mut [f32]]) {
+    let (qs, hd, scale) = (tile.qs, tile.hd, tile.scale);
+    let (starts, counts, keys, values) = (tile.starts, tile.counts, tile.keys, tile.values);
     let rep = qs[0].len() / hd;
     let nq = qs.len() * rep;
     let chunks = hd / 8;

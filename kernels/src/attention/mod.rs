@@ -64,42 +64,39 @@ pub fn attend_causal(
     outs: &mut [&mut [f32]],
 ) {
     let starts = vec![0; qs.len()];
-    attend_causal_on(
-        Path::detect(hd),
+    let tile = Tile {
         qs,
         hd,
-        (&starts, counts),
+        starts: &starts,
+        counts,
         keys,
         values,
         scale,
-        outs,
-    );
+    };
+    attend_window(&tile, outs);
 }
 
-/// [`attend_causal`] for tokens of a sliding window: token `i` attends over keys
-/// `starts[i]..counts[i]`, the same bits as its [`attend`] over those keys alone. A
-/// tile's tokens need not share a first key: the keys before a token's own are given
+/// A tile of query tokens of one sequence over one KV group's cached rows: token `i`
+/// (its heads of the group, `qs[i]`, each `hd` wide) attends over keys and values
+/// `starts[i]..counts[i]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Tile<'a> {
+    pub qs: &'a [&'a [f32]],
+    pub hd: usize,
+    pub starts: &'a [usize],
+    pub counts: &'a [usize],
+    pub keys: &'a [&'a [f16]],
+    pub values: &'a [&'a [f16]],
+    pub scale: f32,
+}
+
+/// [`attend_causal`] for tokens of a sliding window: each token of `tile` attends over
+/// its own keys, into `outs[i]`, the same bits as its [`attend`] over those keys alone.
+/// A tile's tokens need not share a first key: the keys before a token's own are given
 /// probability zero after the exp, and adding an exact zero (to the f64 sum, and as
 /// `0 · v` to an output lane that starts at +0) changes no bit.
-pub fn attend_window(
-    qs: &[&[f32]],
-    hd: usize,
-    (starts, counts): (&[usize], &[usize]),
-    keys: &[&[f16]],
-    values: &[&[f16]],
-    scale: f32,
-    outs: &mut [&mut [f32]],
-) {
-    attend_causal_on(
-        Path::detect(hd),
-        qs,
-        hd,
-        (starts, counts),
-        keys,
-        values,
-        scale,
-        outs,
-    );
+pub fn attend_window(tile: &Tile<'_>, outs: &mut [&mut [f32]]) {
+    attend_causal_on(Path::detect(tile.hd), tile, outs);
 }
 
 /// The implementations, which give the same bits.
@@ -122,17 +119,9 @@ impl Path {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn attend_causal_on(
-    path: Path,
-    qs: &[&[f32]],
-    hd: usize,
-    (starts, counts): (&[usize], &[usize]),
-    keys: &[&[f16]],
-    values: &[&[f16]],
-    scale: f32,
-    outs: &mut [&mut [f32]],
-) {
+fn attend_causal_on(path: Path, tile: &Tile<'_>, outs: &mut [&mut [f32]]) {
+    let (qs, hd, scale) = (tile.qs, tile.hd, tile.scale);
+    let (starts, counts, keys, values) = (tile.starts, tile.counts, tile.keys, tile.values);
     let t = qs.len();
     assert!(t > 0 && counts.len() == t && outs.len() == t && hd.is_multiple_of(8));
     assert!(starts.len() == t && starts.iter().zip(counts).all(|(s, c)| s < c));
@@ -147,14 +136,14 @@ fn attend_causal_on(
         assert!(hd.is_multiple_of(16));
         // SAFETY: Path::Avx512 is only chosen (or forced by tests) on a CPU with avx512f,
         // avx2, fma and f16c; every shape the function indexes by was asserted above.
-        unsafe { avx512::attend_causal(qs, hd, (starts, counts), keys, values, scale, outs) };
+        unsafe { avx512::attend_causal(tile, outs) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if path == Path::Avx2 {
         // SAFETY: Path::Avx2 is only chosen (or forced by tests) on a CPU with avx2, fma
         // and f16c; every shape the function indexes by was asserted above.
-        unsafe { avx2::attend_causal(qs, hd, (starts, counts), keys, values, scale, outs) };
+        unsafe { avx2::attend_causal(tile, outs) };
         return;
     }
     for (((q, &s), &c), o) in qs.iter().zip(starts).zip(counts).zip(outs.iter_mut()) {

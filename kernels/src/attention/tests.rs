@@ -102,18 +102,81 @@ fn paths(hd: usize) -> Vec<Path> {
     p
 }
 
-/// Tiles of query tokens at consecutive positions (each head of the group, its own
-/// key count) against each token alone on the scalar path: head widths of one to
-/// sixteen 16-lane chunks, key counts around the 8- and 16-key blocks, head counts
-/// around the 8-head groups of the weighted sum, extreme scores among them.
-#[test]
-fn a_tile_of_tokens_gives_each_token_the_bits_it_has_alone() {
-    let row = |j: usize, hd: usize, f: f32, big: f32| -> Vec<f16> {
+/// A tile of `t` query tokens at consecutive positions from `pos0`, each over the keys
+/// from its own first visible position (`window` keys at most) to itself, on every path,
+/// against each token alone on the scalar path, bit for bit. The tile's keys start at
+/// its first token's first visible position; some keys are large, so that their scores'
+/// exp underflows.
+fn tile_gives_each_token_its_bits_alone(
+    hd: usize,
+    rep: usize,
+    (pos0, t): (usize, usize),
+    window: usize,
+) {
+    let row = |j: usize, f: f32, big: f32| -> Vec<f16> {
         (0..hd)
             .map(|d| f16::from_f32(((j * hd + d) as f32 * f).cos() * big))
             .collect()
     };
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let n = pos0 + t;
+    let k: Vec<Vec<f16>> = (0..n)
+        .map(|j| row(j, 0.07, if j % 7 == 3 { 60.0 } else { 1.0 }))
+        .collect();
+    let v: Vec<Vec<f16>> = (0..n).map(|j| row(j, 0.13, 1.0)).collect();
+    let first = (pos0 + 1).saturating_sub(window);
+    let kr: Vec<&[f16]> = k[first..].iter().map(Vec::as_slice).collect();
+    let vr: Vec<&[f16]> = v[first..].iter().map(Vec::as_slice).collect();
+    let qs: Vec<Vec<f32>> = (0..t)
+        .map(|i| {
+            (0..rep * hd)
+                .map(|x| ((x + 31 * i) as f32 * 0.29).sin() * 3.0)
+                .collect()
+        })
+        .collect();
+    let counts: Vec<usize> = (0..t).map(|i| pos0 + i + 1 - first).collect();
+    let starts: Vec<usize> = (0..t)
+        .map(|i| (pos0 + i + 1).saturating_sub(window) - first)
+        .collect();
+    let want: Vec<Vec<f32>> = (0..t)
+        .map(|i| {
+            let mut o = vec![0f32; rep * hd];
+            let (s, c) = (starts[i], counts[i]);
+            attend_one(&qs[i], hd, &kr[s..c], &vr[s..c], 0.125, &mut o);
+            o
+        })
+        .collect();
+    let qr: Vec<&[f32]> = qs.iter().map(Vec::as_slice).collect();
+    let tile = Tile {
+        qs: &qr,
+        hd,
+        starts: &starts,
+        counts: &counts,
+        keys: &kr,
+        values: &vr,
+        scale: 0.125,
+    };
+    for path in paths(hd) {
+        let mut got = vec![vec![7f32; rep * hd]; t];
+        let mut outs: Vec<&mut [f32]> = got.iter_mut().map(Vec::as_mut_slice).collect();
+        attend_causal_on(path, &tile, &mut outs);
+        for i in 0..t {
+            assert_eq!(
+                bits(&got[i]),
+                bits(&want[i]),
+                "{path:?} hd {hd} rep {rep} window {window} position {}",
+                pos0 + i
+            );
+        }
+    }
+}
+
+/// Tiles of query tokens at consecutive positions (each head of the group, its own
+/// key count) against each token alone: head widths of one to sixteen 16-lane chunks,
+/// key counts around the 8- and 16-key blocks, head counts around the 8-head groups of
+/// the weighted sum.
+#[test]
+fn a_tile_of_tokens_gives_each_token_the_bits_it_has_alone() {
     for hd in [8, 16, 24, 64, 128, 256] {
         for rep in [1, 3, 8, 9] {
             for (first, t) in [
@@ -128,110 +191,22 @@ fn a_tile_of_tokens_gives_each_token_the_bits_it_has_alone() {
                 (31, 20),
                 (60, 7),
             ] {
-                let n = first + t - 1;
-                // Large values in some keys give scores whose exp underflows.
-                let k: Vec<Vec<f16>> = (0..n)
-                    .map(|j| row(j, hd, 0.07, if j % 7 == 3 { 60.0 } else { 1.0 }))
-                    .collect();
-                let v: Vec<Vec<f16>> = (0..n).map(|j| row(j, hd, 0.13, 1.0)).collect();
-                let kr: Vec<&[f16]> = k.iter().map(Vec::as_slice).collect();
-                let vr: Vec<&[f16]> = v.iter().map(Vec::as_slice).collect();
-                let qs: Vec<Vec<f32>> = (0..t)
-                    .map(|i| {
-                        (0..rep * hd)
-                            .map(|x| ((x + 31 * i) as f32 * 0.29).sin() * 3.0)
-                            .collect()
-                    })
-                    .collect();
-                let counts: Vec<usize> = (0..t).map(|i| first + i).collect();
-                let want: Vec<Vec<f32>> = (0..t)
-                    .map(|i| {
-                        let mut o = vec![0f32; rep * hd];
-                        let c = counts[i];
-                        attend_one(&qs[i], hd, &kr[..c], &vr[..c], 0.125, &mut o);
-                        o
-                    })
-                    .collect();
-                for path in paths(hd) {
-                    let mut got = vec![vec![7f32; rep * hd]; t];
-                    let qr: Vec<&[f32]> = qs.iter().map(Vec::as_slice).collect();
-                    let mut outs: Vec<&mut [f32]> = got.iter_mut().map(Vec::as_mut_slice).collect();
-                    let starts = vec![0; t];
-                    let span = (&starts[..], &counts[..]);
-                    attend_causal_on(path, &qr, hd, span, &kr, &vr, 0.125, &mut outs);
-                    for i in 0..t {
-                        assert_eq!(
-                            bits(&got[i]),
-                            bits(&want[i]),
-                            "{path:?} hd {hd} rep {rep} first {first} token {i}"
-                        );
-                    }
-                }
+                tile_gives_each_token_its_bits_alone(hd, rep, (first - 1, t), usize::MAX);
             }
         }
     }
 }
 
 /// A tile of tokens of a sliding window, each over its own last `window` keys (its first
-/// key differs from the tile's): every path gives each token the bits of the scalar
-/// definition over its own keys alone, with windows shorter than, equal to and longer
-/// than the blocks, and tiles that start inside, at and past the window.
+/// key differs from the tile's), with windows shorter than, equal to and longer than the
+/// blocks, and tiles that start inside, at and past the window.
 #[test]
 fn a_tile_of_window_tokens_gives_each_token_the_bits_of_its_own_window_alone() {
-    let row = |j: usize, hd: usize, f: f32, big: f32| -> Vec<f16> {
-        (0..hd)
-            .map(|d| f16::from_f32(((j * hd + d) as f32 * f).cos() * big))
-            .collect()
-    };
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for hd in [16, 64, 256] {
         for rep in [1, 4, 9] {
             for window in [1, 5, 8, 16, 17, 40] {
-                for (pos0, t) in [(0, 8), (3, 5), (window, 8), (50, 8), (61, 3)] {
-                    let n = pos0 + t;
-                    let k: Vec<Vec<f16>> = (0..n)
-                        .map(|j| row(j, hd, 0.07, if j % 7 == 3 { 60.0 } else { 1.0 }))
-                        .collect();
-                    let v: Vec<Vec<f16>> = (0..n).map(|j| row(j, hd, 0.13, 1.0)).collect();
-                    // The tile's keys start at its first token's first visible position.
-                    let first = (pos0 + 1).saturating_sub(window);
-                    let kr: Vec<&[f16]> = k[first..].iter().map(Vec::as_slice).collect();
-                    let vr: Vec<&[f16]> = v[first..].iter().map(Vec::as_slice).collect();
-                    let qs: Vec<Vec<f32>> = (0..t)
-                        .map(|i| {
-                            (0..rep * hd)
-                                .map(|x| ((x + 31 * i) as f32 * 0.29).sin() * 3.0)
-                                .collect()
-                        })
-                        .collect();
-                    let counts: Vec<usize> = (0..t).map(|i| pos0 + i + 1 - first).collect();
-                    let starts: Vec<usize> = (0..t)
-                        .map(|i| (pos0 + i + 1).saturating_sub(window) - first)
-                        .collect();
-                    let want: Vec<Vec<f32>> = (0..t)
-                        .map(|i| {
-                            let mut o = vec![0f32; rep * hd];
-                            let (s, c) = (starts[i], counts[i]);
-                            attend_one(&qs[i], hd, &kr[s..c], &vr[s..c], 0.125, &mut o);
-                            o
-                        })
-                        .collect();
-                    for path in paths(hd) {
-                        let mut got = vec![vec![7f32; rep * hd]; t];
-                        let qr: Vec<&[f32]> = qs.iter().map(Vec::as_slice).collect();
-                        let mut outs: Vec<&mut [f32]> =
-                            got.iter_mut().map(Vec::as_mut_slice).collect();
-                        let span = (&starts[..], &counts[..]);
-                        attend_causal_on(path, &qr, hd, span, &kr, &vr, 0.125, &mut outs);
-                        for i in 0..t {
-                            assert_eq!(
-                                bits(&got[i]),
-                                bits(&want[i]),
-                                "{path:?} hd {hd} rep {rep} window {window} pos {} ",
-                                pos0 + i
-                            );
-                        }
-                    }
+                for tokens in [(0, 8), (3, 5), (window, 8), (50, 8), (61, 3)] {
+                    tile_gives_each_token_its_bits_alone(hd, rep, tokens, window);
                 }
             }
         }

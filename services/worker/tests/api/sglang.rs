@@ -420,24 +420,18 @@ async fn a_hybrid_models_events_do_not_claim_prefixes_its_window_slid_past() {
     let hashes = pdmesh_kv::page_hashes(seed, &computed, 16);
     assert_eq!(hashes.len(), 43);
     let stored = loop {
-        let e = tokio::time::timeout(HANG, native.message())
-            .await
-            .expect("event stream hung")
-            .unwrap()
-            .expect("stream ended");
-        if let Some(pdmesh_proto::cache::v1::kv_event::Kind::Stored(st)) = e.kind {
+        if let Some(pdmesh_proto::cache::v1::kv_event::Kind::Stored(st)) =
+            next_of(&mut native).await.kind
+        {
             break st;
         }
     };
     assert_eq!(stored.hashes, hashes);
     assert_eq!(stored.unservable, hashes[..42]);
     let stored = loop {
-        let b = tokio::time::timeout(HANG, blocks.message())
-            .await
-            .expect("event stream hung")
-            .unwrap()
-            .expect("stream ended");
-        if let Some(c::kv_cache_event::Data::Stored(st)) = b.events[0].data.clone() {
+        if let Some(c::kv_cache_event::Data::Stored(st)) =
+            next_of(&mut blocks).await.events[0].data.clone()
+        {
             break st;
         }
     };
@@ -446,4 +440,13 @@ async fn a_hybrid_models_events_do_not_claim_prefixes_its_window_slid_past() {
     assert_eq!(stored.parent_block_hash, Some(hashes[41] as i64));
     assert_eq!(stored.blocks[0].token_ids, computed[42 * 16..43 * 16]);
     srv.svc.shutdown.cancel();
+}
+
+/// The next message of an event stream, within [`HANG`].
+async fn next_of<T>(s: &mut Streaming<T>) -> T {
+    tokio::time::timeout(HANG, s.message())
+        .await
+        .expect("event stream hung")
+        .unwrap()
+        .expect("stream ended")
 }
