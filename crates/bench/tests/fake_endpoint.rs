@@ -183,14 +183,18 @@ async fn forced_calls_with_mistyped_arguments_are_invalid() {
 
 #[tokio::test]
 async fn an_endpoint_that_refuses_is_counted_as_errors() {
-    // Nothing listens here: every request fails to connect.
+    // Nothing listens here: every request fails to connect. The report counts them, and
+    // the run fails: a level with no answer measured nothing.
     let dir = tempfile::tempdir().unwrap();
     let mut a = args("127.0.0.1:9".parse().unwrap(), None, dir.path());
     a.run.model = Some("m".into());
     a.run.workload = pdmesh_bench::workload::Kind::Random;
-    pdmesh_bench::run(a)
-        .await
-        .expect("errors are measured, not fatal");
+    let err = pdmesh_bench::run(a).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("all 4 requests of a level failed (4 connect)"),
+        "{err}"
+    );
     let level = &report(dir.path())[0]["levels"][0];
     assert_eq!(level["requests"], 4);
     assert_eq!(level["errors"], 4);
