@@ -336,6 +336,13 @@ mod tests {
         d
     }
 
+    fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+    }
+
     #[test]
     fn results_do_not_depend_on_batch_or_threads() {
         let (rows, cols) = (100, 128);
@@ -343,14 +350,7 @@ mod tests {
         let w = QMatrix::new(GgmlType::Q4_1, &data, rows, cols);
         let t = 15; // a tile of eight, one of four, one of two and one alone
         let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.13).cos()).collect();
-        let p1 = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
-        let p2 = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+        let (p1, p2) = (pool(1), pool(2));
         let mut all = vec![0f32; t * rows];
         matmul(&p2, &w, &x, t, &mut all);
         for tt in 0..t {
@@ -430,14 +430,7 @@ mod tests {
     #[test]
     fn rewritten_k_quants_give_each_token_what_it_gets_alone() {
         let (rows, cols) = (37, 512);
-        let p1 = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
-        let p2 = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+        let (p1, p2) = (pool(1), pool(2));
         let q8: Vec<u8> = (0..rows * cols / 32)
             .flat_map(|b| {
                 let mut blk = f16::from_f32(0.001 * (b % 7) as f32).to_le_bytes().to_vec();
