@@ -240,6 +240,9 @@ impl Scheduler {
             }
             let s = &self.running[i];
             if s.pages.len() >= self.pool.pages_for_tokens(upto) {
+                if !self.pool.layout().is_hybrid() {
+                    return true;
+                }
                 let ps = self.cfg.page_size;
                 let written = s.pages[s.computed / ps..upto.div_ceil(ps)].to_vec();
                 if self.attach(&written) {
