@@ -51,8 +51,14 @@ pub enum EngineError {
     TokenOutOfRange { token: u32, vocab: usize },
     #[error("request id {0:?} is already running")]
     DuplicateId(String),
-    #[error("the request needs {need} KV pages but the pool only has {total}")]
-    TooLargeForPool { need: usize, total: usize },
+    /// `pages`: what ran short, "KV pages", or a hybrid model's window pages (whose
+    /// number `--kv-window-pages` sets).
+    #[error("the request needs {need} {pages} but the pool only has {total}")]
+    TooLargeForPool {
+        need: usize,
+        total: usize,
+        pages: &'static str,
+    },
     #[error("model: {0}")]
     Model(#[from] pdmesh_gguf::GgufError),
     #[error("unsupported model: {0}")]

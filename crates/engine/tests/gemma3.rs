@@ -347,6 +347,17 @@ fn window_pages_are_freed_as_the_window_slides_and_change_nothing() {
     });
     assert_eq!(tight.pool().total_window_pages(), 49);
     assert!(tight.pool().pages_for_tokens(long.len()) > 2 * 49);
+    // A prefill hands its prompt over whole, window layers included: this one cannot fit
+    // in 49 window pages, and is refused naming them (nothing admitted, nothing held).
+    let err = tight
+        .submit_part(greedy("too-long", &long, 1), pdmesh_engine::Part::Prefill)
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "the request needs 101 window KV pages (a prefill keeps its prompt's; see \
+         --kv-window-pages) but the pool only has 49"
+    );
+    assert!(!tight.has_work());
     let got = common::run_all(&mut tight, reqs);
     for id in ["long", "fox"] {
         assert_same(&got[id], &want[id], id);

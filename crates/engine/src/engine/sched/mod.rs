@@ -319,6 +319,7 @@ impl Scheduler {
             return Err(EngineError::TooLargeForPool {
                 need: need.max(need_now),
                 total: self.pool.total_pages(),
+                pages: "KV pages",
             });
         }
         // A prefill hands its prompt over whole: every page keeps its window layers.
@@ -327,6 +328,7 @@ impl Scheduler {
             return Err(EngineError::TooLargeForPool {
                 need: need_now,
                 total: windows,
+                pages: "window KV pages (a prefill keeps its prompt's; see --kv-window-pages)",
             });
         }
         let id: Arc<str> = Arc::from(req.id.as_str());
