@@ -89,7 +89,10 @@ impl CacheView {
             Some(cpb::kv_event::Kind::Stored(s)) if on_disk(s.tier) => self.disk.extend(&s.hashes),
             Some(cpb::kv_event::Kind::Stored(s)) => {
                 self.pages.extend(&s.hashes);
-                self.unservable.extend(&s.unservable);
+                // Only pages this event stores: a name it does not hold is never kept.
+                let stored: std::collections::HashSet<&u64> = s.hashes.iter().collect();
+                self.unservable
+                    .extend(s.unservable.iter().filter(|h| stored.contains(h)));
             }
             Some(cpb::kv_event::Kind::Removed(r)) => {
                 let set = if on_disk(r.tier) {

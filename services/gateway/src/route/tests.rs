@@ -704,7 +704,8 @@ async fn pages_a_window_slid_past_are_not_a_prefix_to_route_by() {
         kind: Some(cpb::kv_event::Kind::Stored(cpb::PagesStored {
             parent_hash: SEED,
             hashes: h.clone(),
-            unservable: h[..8].to_vec(),
+            // One name the event does not store is not kept.
+            unservable: [&h[..8], &[42]].concat(),
             ..Default::default()
         })),
     });
@@ -713,6 +714,11 @@ async fn pages_a_window_slid_past_are_not_a_prefix_to_route_by() {
         matched(&w, 1, &head),
         0,
         "8 pages held, none ends a servable prefix"
+    );
+    assert_eq!(
+        view.lock().unwrap().unservable.len(),
+        8,
+        "the name it does not hold is dropped"
     );
     let _busy = Inflight::new(&w.pool().prefill[1].inflight);
     assert_eq!(w.pick(&head, None), 0, "routed by load");
