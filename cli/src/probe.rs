@@ -39,11 +39,15 @@ pub async fn tokenizer_has_chat_template(
     tls: &pdmesh_tls::MeshAuth,
 ) -> Option<bool> {
     let mut c = tk::tokenizer_client::TokenizerClient::new(channel(addr, tls).await?);
-    let r = tokio::time::timeout(PROBE_TIMEOUT, c.info(tk::InfoRequest {}))
-        .await
-        .ok()?
-        .ok()?;
-    Some(r.into_inner().has_chat_template)
+    Some(answer(c.info(tk::InfoRequest {})).await?.has_chat_template)
+}
+
+/// A call's answer within [`PROBE_TIMEOUT`], if it came and was not an error.
+async fn answer<T>(
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Option<T> {
+    let r = tokio::time::timeout(PROBE_TIMEOUT, call).await.ok()?.ok()?;
+    Some(r.into_inner())
 }
 
 /// Whether the cache service at `addr` answers Stats.
@@ -68,11 +72,11 @@ pub async fn worker_healthy(addr: SocketAddr, tls: &pdmesh_tls::MeshAuth) -> boo
 /// The model id the worker at `addr` serves.
 pub async fn worker_model_id(addr: SocketAddr, tls: &pdmesh_tls::MeshAuth) -> Option<String> {
     let mut c = wk::worker_client::WorkerClient::new(channel(addr, tls).await?);
-    let r = tokio::time::timeout(PROBE_TIMEOUT, c.model_info(wk::ModelInfoRequest {}))
-        .await
-        .ok()?
-        .ok()?;
-    Some(r.into_inner().model_id)
+    Some(
+        answer(c.model_info(wk::ModelInfoRequest {}))
+            .await?
+            .model_id,
+    )
 }
 
 /// The status code of `GET {path}` at `addr`, or `None` if there was no HTTP answer.
